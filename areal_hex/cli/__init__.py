@@ -1,0 +1,69 @@
+"""`areal-hex` command line: one small module per command, each with `register()`.
+
+Command modules import heavy libraries (torch, deepspeed, transformers) inside their
+handlers, so `areal-hex --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from areal_hex.config import ConfigError
+
+# Each module defines `register(subparsers)`; its parser sets `func(args) -> int`.
+COMMAND_MODULES = (
+    "areal_hex.cli.config_cmd",
+    "areal_hex.cli.bench",
+)
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed without a traceback, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="areal-hex",
+        description="Asynchronous RL for LLMs on heterogeneous GPUs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UsageError) as exc:
+        print(f"areal-hex {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"areal-hex {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """The common `CONFIG [key.sub=value ...]` positional arguments."""
+    parser.add_argument(
+        "config", nargs=None if required else "?", help="experiment YAML (see examples/)"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="overrides, e.g. trainer.lr=1e-5"
+    )
+
+
+def config_from_args(args: argparse.Namespace):  # -> ExperimentConfig
+    """Load `args.config` with `args.overrides`; an optional CONFIG that looks like an
+    override (`a.b=c`) is treated as one."""
+    from areal_hex.config import load_config
+
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
+        path, overrides = None, [path, *overrides]
+    return load_config(path, overrides)

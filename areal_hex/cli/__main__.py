@@ -1,0 +1,5 @@
+import sys
+
+from areal_hex.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""The root `ExperimentConfig`, composed of one small model per component.
+
+Each component receives only its own section; the root exists to load, override,
+validate and save the whole tree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_hex.config.algo import AlgoConfig
+from areal_hex.config.base import (
+    ConfigError,
+    Section,
+    apply_overrides,
+    build,
+    dump_yaml,
+    read_yaml,
+)
+from areal_hex.config.data import DataConfig
+from areal_hex.config.inference import InferenceConfig, SGLangConfig
+from areal_hex.config.model import ModelConfig, TinyModelConfig
+from areal_hex.config.redis import BufferConfig, RedisConfig
+from areal_hex.config.rollout import RolloutConfig
+from areal_hex.config.run import RunConfig
+from areal_hex.config.trainer import TrainerConfig
+
+__all__ = [
+    "AlgoConfig",
+    "BufferConfig",
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "InferenceConfig",
+    "ModelConfig",
+    "RedisConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SGLangConfig",
+    "Section",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "load_config",
+    "save_config",
+]
+
+
+class ExperimentConfig(Section):
+    run: RunConfig = RunConfig()
+    redis: RedisConfig = RedisConfig()
+    buffer: BufferConfig = BufferConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inference: InferenceConfig = InferenceConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> ExperimentConfig:
+    """Load YAML (or defaults when `path` is None), apply overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    return build(ExperimentConfig, data, str(path) if path else "defaults")
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:
+    """Write the resolved config (every default filled in) atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(dump_yaml(cfg))
+    tmp.replace(p)
+    return p

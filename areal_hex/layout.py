@@ -1,0 +1,90 @@
+"""The process layout of a job: which services run, how many, on which devices, with which
+command. `areal-hex run` starts it as local processes; `areal-hex deploy` renders the same
+layout as docker-compose services or Kubernetes objects.
+
+Commands are the project's real CLI entry points; `{config}` stands for the resolved
+config file wherever the layout is realised (a run directory, a ConfigMap mount).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.plan import Plan
+
+Role = Literal["redis", "inference", "controller", "trainer"]
+CONFIG_PLACEHOLDER = "{config}"
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    role: Role
+    command: list[str]
+    gpu_kind: str | None = None  # None: CPU (or any GPU, for a local run)
+    gpus: int = 0  # GPUs this service needs (inference: TP degree; trainer: per node)
+    nodes: int = 1  # trainer only: nodes it spans
+    port: int | None = None
+    devices: list[int] = field(default_factory=list)  # local GPU ids, when planned
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Layout:
+    services: list[ServiceSpec]
+
+    def by_role(self, role: Role) -> list[ServiceSpec]:
+        return [s for s in self.services if s.role == role]
+
+
+def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
+    """Services for `cfg`; with a plan, one inference service per planned instance and the
+    trainer sized as planned, otherwise `cfg.inference.num_servers` local servers."""
+    c = CONFIG_PLACEHOLDER
+    services: list[ServiceSpec] = []
+    if cfg.redis.url is None:
+        services.append(ServiceSpec("redis", "redis", ["areal-hex", "buffer", "serve", c]))
+    if plan is None:
+        for i in range(cfg.inference.num_servers):
+            services.append(
+                ServiceSpec(
+                    name=f"inference-{i}",
+                    role="inference",
+                    command=["areal-hex", "serve", c, "--index", str(i)],
+                    gpus=0 if cfg.inference.device == "cpu" else cfg.inference.sglang.tp_size,
+                    port=cfg.inference.base_port + i,
+                )
+            )
+        trainer_gpus = 0 if cfg.trainer.device == "cpu" else cfg.trainer.num_ranks
+        trainer = ServiceSpec(
+            "trainer", "trainer", ["areal-hex", "train", c], gpus=trainer_gpus
+        )
+    else:
+        for i, inst in enumerate(plan.rollout):
+            services.append(
+                ServiceSpec(
+                    name=inst.id,
+                    role="inference",
+                    command=["areal-hex", "serve", c, "--index", str(i)],
+                    gpu_kind=inst.gpu_kind,
+                    gpus=inst.tp,
+                    port=cfg.inference.base_port + i,
+                    devices=list(inst.placement.gpu_ids),
+                )
+            )
+        t = plan.trainer
+        per_node = max(len(p.gpu_ids) for p in t.placements)
+        trainer = ServiceSpec(
+            "trainer",
+            "trainer",
+            ["areal-hex", "train", c],
+            gpu_kind=t.gpu_kind,
+            gpus=per_node,
+            nodes=len(t.placements),
+            devices=list(t.placements[0].gpu_ids),
+        )
+    services.append(ServiceSpec("controller", "controller", ["areal-hex", "rollout", c]))
+    services.append(trainer)
+    return Layout(services)

@@ -1,0 +1,72 @@
+"""`plan.yaml`: the planner's output, consumed by `areal-hex deploy` and `areal-hex run`.
+
+Only the placement is here (which GPUs do what); how a job trains lives in the
+experiment config. Validated on load like the config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from areal_hex.config.base import Section, build, read_yaml
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class DeviceSlot(Section):
+    node: str  # node name from the cluster spec, e.g. "h20-3"
+    gpu_ids: list[int]  # local GPU indices on that node
+
+
+class InferenceInstance(Section):
+    id: str  # e.g. "rollout-h20-0"
+    gpu_kind: str
+    tp: int = Field(gt=0)
+    zone: str
+    region: str
+    placement: DeviceSlot
+    predicted_tokens_per_s: float = Field(ge=0)
+
+
+class TrainerPlacement(Section):
+    gpu_kind: str
+    world_size: int = Field(gt=0)
+    dp: int = Field(gt=0)
+    tp: int = Field(1, gt=0)
+    zero_stage: int = Field(ge=0, le=3)
+    placements: list[DeviceSlot]  # one per node the trainer spans, in rank order
+    predicted_tokens_per_s: float = Field(ge=0)
+
+
+class Prediction(Section):
+    samples_per_s: float
+    generation_samples_per_s: float
+    training_samples_per_s: float
+    weight_sync_s: float
+    cost_usd_per_h: float
+
+
+class Plan(Section):
+    schema_version: int = PLAN_SCHEMA_VERSION
+    cluster: str
+    model: str  # preset name or HF config path the plan was made for
+    objective: str  # "throughput" | "cost"
+    budget_usd_per_h: float | None = None
+    target_samples_per_s: float | None = None
+    rollout: list[InferenceInstance]
+    trainer: TrainerPlacement
+    predicted: Prediction
+
+
+def load_plan(path: str | Path) -> Plan:
+    return build(Plan, read_yaml(path), str(path))
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False))
+    return p

@@ -1,0 +1,70 @@
+"""The group record: one prompt and its G scored completions, as the buffer carries it.
+
+A group's version is the oldest policy version among its generated tokens: that is the
+version the staleness rules compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Completion:
+    token_ids: np.ndarray  # (T,) int32, generated tokens only
+    logprobs: np.ndarray  # (T,) float32, behaviour log-prob of each token as sampled
+    versions: np.ndarray  # (T,) int32, policy version that produced each token
+    finish_reason: str  # one of FINISH_REASONS
+    reward: float
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        self.versions = np.asarray(self.versions, dtype=np.int32)
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"completion lengths differ: token_ids={n} logprobs={len(self.logprobs)} "
+                f"versions={len(self.versions)}"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+
+
+@dataclass
+class GroupRecord:
+    prompt_id: str
+    prompt_ids: np.ndarray  # (P,) int32
+    completions: list[Completion]
+    # Sampling temperature the completions were drawn at (the trainer applies it too).
+    temperature: float = 1.0
+    created_at: float = 0.0  # unix seconds when the first request was sent
+    finished_at: float = 0.0  # unix seconds when the last reward was computed
+    metadata: dict[str, str] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+        if not self.completions:
+            raise ValueError(f"group {self.prompt_id!r} has no completions")
+
+    @property
+    def version(self) -> int:
+        """Oldest policy version among the group's tokens (a group with no tokens: -1)."""
+        mins = [int(c.versions.min()) for c in self.completions if len(c.versions)]
+        return min(mins) if mins else -1
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([c.reward for c in self.completions], dtype=np.float32)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(self.prompt_ids) + len(c.token_ids) for c in self.completions)
