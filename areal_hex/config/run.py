@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -18,3 +19,9 @@ class RunConfig(Section):
     seed: int = 0
     # Pin processes to cores so rollout and training really run apart on small machines.
     pin_cores: bool = False
+
+    def run_dir(self) -> Path:
+        """`output_dir/run_id`; the launcher fills in `run_id` before any process starts."""
+        if self.run_id is None:
+            raise ValueError("run.run_id is not set (the launcher sets it; or pass run.run_id=...)")
+        return Path(self.output_dir) / self.run_id
