@@ -58,9 +58,7 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
                 )
             )
         trainer_gpus = 0 if cfg.trainer.device == "cpu" else cfg.trainer.num_ranks
-        trainer = ServiceSpec(
-            "trainer", "trainer", ["areal-hex", "train", c], gpus=trainer_gpus
-        )
+        trainer = ServiceSpec("trainer", "trainer", ["areal-hex", "train", c], gpus=trainer_gpus)
     else:
         for i, inst in enumerate(plan.rollout):
             services.append(

@@ -1,0 +1,141 @@
+"""Models and tokenizers: the tiny locally built ones, and loading any HF causal LM.
+
+The tiny model is a small Qwen3 built from a config; its tokenizer is character-level and
+built here from a fixed alphabet, so nothing is ever downloaded. Heavy imports
+(torch, transformers, tokenizers) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import shutil
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from areal_hex.config import ModelConfig, TinyModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, EOS, UNK, IM_START, IM_END)
+# Printable ASCII (letters, digits, punctuation, space, newline): enough for GSM8K-style text.
+ALPHABET = "".join(dict.fromkeys(string.printable.replace("\r", "").replace("\x0b", "")))
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII with Qwen-style chat specials."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *ALPHABET))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=IM_END,
+        unk_token=UNK,
+        additional_special_tokens=[EOS, IM_START],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0
+) -> PreTrainedModel:
+    """A randomly initialised Qwen3 of the configured size (deterministic in `seed`)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(
+            f"model.tiny.hidden_size ({cfg.hidden_size}) must be divisible by "
+            f"model.tiny.num_heads ({cfg.num_heads})"
+        )
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(
+            f"model.tiny.num_heads ({cfg.num_heads}) must be divisible by "
+            f"model.tiny.num_kv_heads ({cfg.num_kv_heads})"
+        )
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def materialize(model_cfg: ModelConfig, out_dir: str | Path) -> Path:
+    """Write the configured initial model as an HF directory (weights + tokenizer).
+
+    - `model.tiny` set and no `model.path`: build the tiny model and tokenizer here.
+    - `model.path` a local directory: copy it (a run never writes into the user's model).
+    - otherwise: load from the HF hub cache by name and save.
+    """
+    out = Path(out_dir)
+    if out.exists() and (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if model_cfg.path is None:
+        if model_cfg.tiny is None:
+            raise ValueError("model: set model.path (HF name or directory) or model.tiny")
+        tokenizer = build_tokenizer()
+        model = build_tiny_model(model_cfg.tiny, tokenizer, seed=model_cfg.seed)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    elif Path(model_cfg.path).is_dir():
+        shutil.copytree(model_cfg.path, tmp)
+        if model_cfg.tokenizer_path and Path(model_cfg.tokenizer_path).is_dir():
+            load_tokenizer(model_cfg.tokenizer_path).save_pretrained(tmp)
+    else:
+        model = load_model(model_cfg.path, "cpu", model_cfg.dtype)
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(model_cfg.tokenizer_path or model_cfg.path).save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def torch_dtype(name: str):  # -> torch.dtype
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") -> PreTrainedModel:
+    """Load an HF causal LM in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    return model.to(device).eval()
