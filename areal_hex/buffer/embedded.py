@@ -143,7 +143,7 @@ class EmbeddedValkey:
                         return
                 except (redis.ConnectionError, redis.BusyLoadingError):
                     time.sleep(0.05)
-            self._kill()
+            self.kill()
             raise EmbeddedServerError(self._failure(f"not ready after {timeout_s:.0f} s"))
         finally:
             client.close()
@@ -153,7 +153,8 @@ class EmbeddedValkey:
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
         return f"embedded valkey on {self.host}:{self.port} {what}; log {log}:\n{tail}"
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: only what the append-only file holds survives)."""
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
