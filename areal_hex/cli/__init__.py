@@ -16,6 +16,7 @@ from areal_hex.config import ConfigError
 COMMAND_MODULES = (
     "areal_hex.cli.config_cmd",
     "areal_hex.cli.bench",
+    "areal_hex.cli.deploy_cmd",
 )
 
 
