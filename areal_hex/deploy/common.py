@@ -12,7 +12,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from areal_hex.config import ConfigError, ExperimentConfig
 from areal_hex.config.deploy import DeployConfig
@@ -75,12 +75,14 @@ def normalize_model_name(name: str) -> str:
 
 def gpu_label_value(kind: str, dcfg: DeployConfig) -> str | None:
     """The node-label value that marks nodes of `kind`; None when unknown."""
-    for table in (dcfg.gpu_labels, GPU_PRODUCT_LABELS):
-        for k, v in table.items():
-            if k.lower() == kind.lower():
-                return v
+    for k, v in dcfg.gpu_labels.items():
+        if k.lower() == kind.lower():
+            return v
     if dcfg.gpu_label_key != DEFAULT_GPU_LABEL_KEY:
         return slug(kind, 63)  # a custom key such as areal-hex/gpu-kind holds the kind itself
+    for k, v in GPU_PRODUCT_LABELS.items():
+        if k.lower() == kind.lower():
+            return v
     return None
 
 
@@ -228,7 +230,8 @@ def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
     host = parts.hostname or ""
     netloc = f"{host}:{parts.port}" if parts.port else host
     clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    return clean, parts.username or None, parts.password
+    user = unquote(parts.username) if parts.username else None
+    return clean, user, unquote(parts.password) if parts.password is not None else None
 
 
 def resolve_config(
