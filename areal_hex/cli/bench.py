@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 # name -> module providing `add_arguments(parser)` and `run(args) -> dict`
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "buffer": "areal_hex.buffer.bench",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
