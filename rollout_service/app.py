@@ -84,7 +84,7 @@ async def _auth_middleware(
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()))
+        where = ".".join(str(p) for p in err.get("loc", ()) if p not in wire.UNION_TAGS)
         parts.append(f"{where}: {err.get('msg')}")
     body = wire.error_body("invalid request: " + "; ".join(parts))
     body["detail"] = jsonable_encoder(exc.errors(), custom_encoder={Exception: str})

@@ -7,9 +7,30 @@ with the field's path (422).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+# Union branches are tagged so a validation error names the field, not pydantic's
+# internal union member; the app drops these tags from error locations.
+SINGLE, BATCH = "<single>", "<batch>"
+UNION_TAGS = frozenset({SINGLE, BATCH})
+
+
+def _one_or_many(value: Any) -> str:
+    return BATCH if isinstance(value, list) else SINGLE
+
+
+def _nested_or_flat(value: Any) -> str:
+    return BATCH if isinstance(value, list) and value and isinstance(value[0], list) else SINGLE
 
 
 class Lenient(BaseModel):
@@ -30,11 +51,12 @@ class SamplingParamsIn(Lenient):
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=1)  # RL clients send one sample per request
 
-    @model_validator(mode="after")
-    def _top_k_nonzero(self) -> SamplingParamsIn:
-        if self.top_k == 0:
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_nonzero(cls, v: int) -> int:
+        if v == 0:
             raise ValueError("top_k must be -1 (all tokens) or >= 1, got 0")
-        return self
+        return v
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -42,15 +64,21 @@ class SamplingParamsIn(Lenient):
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
+def _tagged(single: Any, batch: Any, how: Any = _one_or_many) -> Any:
+    return Annotated[
+        Annotated[single, Tag(SINGLE)] | Annotated[batch, Tag(BATCH)], Discriminator(how)
+    ]
+
+
 class GenerateReqInput(Lenient):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    text: _tagged(str, list[str]) | None = None  # type: ignore[valid-type]
+    input_ids: _tagged(list[int], list[list[int]], _nested_or_flat) | None = None  # type: ignore[valid-type]
+    sampling_params: _tagged(SamplingParamsIn, list[SamplingParamsIn]) | None = None  # type: ignore[valid-type]
+    return_logprob: _tagged(bool, list[bool]) = False  # type: ignore[valid-type]
+    logprob_start_len: _tagged(int, list[int]) = -1  # type: ignore[valid-type]
+    top_logprobs_num: _tagged(int, list[int]) = 0  # type: ignore[valid-type]
     return_text_in_logprobs: bool = False
-    rid: str | list[str] | None = None
+    rid: _tagged(str, list[str]) | None = None  # type: ignore[valid-type]
     stream: bool = False
 
     @model_validator(mode="after")
