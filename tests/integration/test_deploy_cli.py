@@ -1,0 +1,144 @@
+"""`areal-hex deploy` as a real subprocess, the container entry wrapper exec'ing a real
+command, and the health probe against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_hex.deploy.probe import file_fresh, http_ok
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "areal_hex.cli", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("target", "plan", "cfg"),
+    [
+        ("k8s", "h800_h20.yaml", "qwen3-8b.yaml"),
+        ("compose", "workstation_l40s_l4.yaml", "qwen3-0.6b.yaml"),
+    ],
+)
+def test_deploy_command_renders_and_never_prints_secrets(tmp_path, target, plan, cfg):
+    out = tmp_path / "out"
+    r = _cli(
+        "deploy",
+        f"examples/plans/{plan}",
+        f"examples/deploy/{cfg}",
+        "inference.api_key=tok-from-config-0123456789",
+        "--target",
+        target,
+        "--out",
+        str(out),
+        "--image-tag",
+        "9.9",
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"rendered {target} for run" in r.stdout
+    token = (out / "secrets/api-token").read_text().strip()
+    password = (out / "secrets/redis-password").read_text().strip()
+    assert token == "tok-from-config-0123456789"  # the config's token moves to the Secret
+    for value in (token, password):
+        assert value not in r.stdout and value not in r.stderr
+    # every rendered file but the Secret itself (which holds them base64-encoded)
+    rendered = "".join(f.read_text() for f in out.glob("*.yaml") if f.name != "01-secret.yaml")
+    assert "areal-hex/inference:9.9" in rendered and "areal-hex/trainer:9.9" in rendered
+    assert token not in rendered and password not in rendered
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_exits_2_with_the_mismatch_named(tmp_path):
+    base = ["examples/plans/a100_l40s_l4.yaml", "examples/deploy/qwen3-1.7b.yaml"]
+    out = ["--target", "k8s", "--out", str(tmp_path / "o")]
+    r = _cli("deploy", *base, "model.path=Qwen/Qwen3-8B", *out)
+    assert r.returncode == 2
+    assert "plan.model is 'Qwen/Qwen3-1.7B' but the config's model.path is 'Qwen/Qwen3-8B'" in (
+        r.stderr
+    )
+    assert "Traceback" not in r.stderr
+    r = _cli("deploy", *base, "--gpu-label", "H20", *out)
+    assert r.returncode == 2 and "--gpu-label 'H20': expected KIND=VALUE" in r.stderr
+    (tmp_path / "bad.yaml").write_text("cluster: x\nmodel: y\n")
+    r = _cli("deploy", str(tmp_path / "bad.yaml"), base[1], *out)
+    assert r.returncode == 2 and "rollout: Field required" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(60)
+def test_entry_wrapper_injects_secrets_and_execs(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "x"}, "redis": {"url": "redis://r:6379/0"}}))
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "redis-password").write_text("pw-123\n")
+    (secrets / "api-token").write_text("tok-456\n")
+    out = tmp_path / "rt" / "config.yaml"
+    show = "import sys,os; p=sys.argv[1]; print(p); print(oct(os.stat(p).st_mode & 0o777))"
+    r = subprocess.run(
+        [
+            sys.executable, "-m", "areal_hex.deploy.entry",
+            "--config", str(cfg), "--secrets", str(secrets), "--out", str(out),
+            "--", sys.executable, "-c", show, "{config}",
+        ],
+        env=ENV, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(out), "0o600"]
+    data = yaml.safe_load(out.read_text())
+    assert data["redis"] == {"url": "redis://r:6379/0", "password": "pw-123"}
+    assert data["inference"]["api_key"] == "tok-456"
+    assert "pw-123" not in cfg.read_text()
+    assert "pw-123" not in r.stdout + r.stderr
+
+
+@pytest.mark.timeout(30)
+def test_probe_http_against_a_real_server(tmp_path):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        assert http_ok(f"http://127.0.0.1:{port}/health")
+        assert not http_ok(f"http://127.0.0.1:{port}/other")
+        r = subprocess.run(
+            [sys.executable, "-m", "areal_hex.deploy.probe", "http", f"http://127.0.0.1:{port}/x"],
+            env=ENV, capture_output=True, timeout=30,
+        )  # fmt: skip
+        assert r.returncode == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not http_ok(f"http://127.0.0.1:{port}/health")  # closed port
+    f = tmp_path / "rollout.jsonl"
+    assert file_fresh(f, 10)  # not written yet: starting, not stuck
+    f.write_text("{}\n")
+    assert file_fresh(f, 10)
+    os.utime(f, (1.0, 1.0))
+    assert not file_fresh(f, 10)
