@@ -65,7 +65,9 @@ def run_train(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "areal_hex.cli", "train", str(path)]
     log = open(assets["dir"] / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     run_dir = assets["dir"] / "runs" / name
     if not wait:
         return run_dir, proc
@@ -103,7 +105,9 @@ def test_ranks_and_micro_batches_match_whole_batch(assets: dict[str, Path]) -> N
     whole, _ = run_train(assets, "whole", {})
     micro, _ = run_train(assets, "micro", {"trainer.micro_batch_tokens": 40})
     two, _ = run_train(
-        assets, "two", {"trainer.num_ranks": 2, "trainer.zero_stage": 2, "trainer.micro_batch_tokens": 40}
+        assets,
+        "two",
+        {"trainer.num_ranks": 2, "trainer.zero_stage": 2, "trainer.micro_batch_tokens": 40},
     )
     ref = metrics(whole)
     for other in (micro, two):
@@ -122,35 +126,78 @@ def test_ranks_and_micro_batches_match_whole_batch(assets: dict[str, Path]) -> N
     assert metrics(two)[-1]["groups_trained_total"] == 8
 
 
+def fill_buffer(url: str, run_id: str, groups: list) -> None:
+    import asyncio
+
+    from areal_hex.buffer import RedisEndpoint, RedisTrajectoryProducer
+    from areal_hex.config import BufferConfig
+
+    async def put() -> None:
+        prod = RedisTrajectoryProducer(
+            RedisEndpoint(url).async_client(),
+            run_id,
+            BufferConfig(groups_per_step=4, max_staleness=100),
+        )
+        await prod.admit(len(groups))
+        await prod.put_many(groups)
+        await prod.aclose()
+
+    asyncio.run(put())
+
+
 @pytest.mark.timeout(600)
 def test_sigkill_then_resume_trains_each_group_once(assets: dict[str, Path]) -> None:
-    over = {"trainer.total_steps": 6, "trainer.checkpoint_every": 2, "trainer.publish_every": 2}
-    straight, _ = run_train(assets, "straight", over)
-    run_dir, proc = run_train(assets, "killed", over, wait=False)
-    assert proc is not None
-    deadline = time.monotonic() + 240
-    path = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.is_file() and any(m["step"] >= 3 for m in metrics(run_dir)):
-            break
-        assert proc.poll() is None, "trainer exited before it could be killed"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    first = metrics(run_dir)
-    assert first[-1]["step"] < 6
-    # a half-written checkpoint must never be picked: fake one at a later step
-    (run_dir / "checkpoints" / "step5").mkdir(parents=True)
-    run_train(assets, "killed", {**over, "trainer.resume": "auto"})
-    rows = metrics(run_dir)
-    resumed = rows[len(first) :]
-    start = resumed[0]["step"]
-    assert start in (3, 5), f"resumed at step {start}"
-    assert [m["step"] for m in resumed] == list(range(start, 7))
-    by_step = {m["step"]: m for m in metrics(straight)}
-    for m in resumed:
-        assert m["loss"] == pytest.approx(by_step[m["step"]]["loss"], abs=1e-5)
-        assert m["groups_trained_total"] == 4 * m["step"]
-    assert_same_weights(weights(straight, 6), weights(run_dir, 6), 1e-5)
-    marker = json.loads((run_dir / "checkpoints" / "step6" / "COMPLETE").read_text())
-    assert marker["totals"]["groups_trained_total"] == 24
+    """Real buffer (embedded Valkey): kill -9 the trainer mid-run, restart with
+    resume: auto; every group is acknowledged exactly once and the final weights equal an
+    uninterrupted run's."""
+    import redis
+
+    from areal_hex.buffer import BufferKeys, EmbeddedValkey, read_stats
+    from trainer_service.sources import ReplayConsumer
+
+    groups = ReplayConsumer(assets["replay"]).groups[:12] * 2  # 24 entries, 6 steps of 4
+    with EmbeddedValkey(appendonly=False) as server:
+        over = {
+            "redis.url": server.url,
+            "buffer.max_staleness": 100,
+            "trainer.replay_path": None,
+            "trainer.total_steps": 6,
+            "trainer.checkpoint_every": 2,
+            "trainer.publish_every": 2,
+        }
+        for name in ("straight", "killed"):
+            fill_buffer(server.url, name, groups)
+        straight, _ = run_train(assets, "straight", over)
+        run_dir, proc = run_train(assets, "killed", over, wait=False)
+        assert proc is not None
+        deadline = time.monotonic() + 240
+        path = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if path.is_file() and any(m["step"] >= 3 for m in metrics(run_dir)):
+                break
+            assert proc.poll() is None, "trainer exited before it could be killed"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        first = metrics(run_dir)
+        assert first[-1]["step"] < 6
+        r = redis.Redis.from_url(server.url)
+        mid = read_stats(r, BufferKeys("killed"))
+        assert mid.pending > 0  # trained after the last commit, so not acknowledged
+        # a half-written checkpoint must never be picked: fake one at a later step
+        (run_dir / "checkpoints" / "step5").mkdir(parents=True)
+        run_train(assets, "killed", {**over, "trainer.resume": "auto"})
+        rows = metrics(run_dir)
+        resumed = rows[len(first) :]
+        start = resumed[0]["step"]
+        assert start in (3, 5), f"resumed at step {start}"
+        assert [m["step"] for m in resumed] == list(range(start, 7))
+        by_step = {m["step"]: m for m in metrics(straight)}
+        for m in resumed:
+            assert m["loss"] == pytest.approx(by_step[m["step"]]["loss"], abs=1e-5)
+            assert m["groups_trained_total"] == 4 * m["step"]
+        assert_same_weights(weights(straight, 6), weights(run_dir, 6), 1e-5)
+        end = read_stats(r, BufferKeys("killed"))
+        assert (end.stream_length, end.pending, end.version) == (0, 0, 6)
+        assert int(r.get(BufferKeys("killed").acked)) == 24  # each group acked exactly once
+        assert end.submitted == 24
