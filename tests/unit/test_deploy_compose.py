@@ -109,3 +109,21 @@ def test_compose_refuses_a_plan_across_nodes(tmp_path):
 @pytest.mark.parametrize(("q", "want"), [("32Gi", "32g"), ("512Mi", "512m"), ("7", "7b")])
 def test_docker_size(q, want):
     assert docker_size(q) == want
+
+
+@pytest.mark.parametrize("kind", ["inference", "trainer"])
+def test_image_entrypoint_is_the_rendered_wrapper(kind):
+    """The images' default ENTRYPOINT is the same secret wrapper the manifests set."""
+    from areal_hex.deploy.k8s_pods import entry_command
+
+    text = (ROOT / f"deploy/docker/Dockerfile.{kind}").read_text()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT")]
+    argv = json.loads(line.removeprefix("ENTRYPOINT"))
+    assert argv[1:] == entry_command()[1:]
+    assert "\nUSER 1000\n" in text and "chown 1000:1000 /data" in text
+
+
+def test_cpu_image_runs_the_tiny_example():
+    text = (ROOT / "deploy/docker/Dockerfile.cpu").read_text()
+    assert 'CMD ["areal-hex", "run", "examples/tiny_cpu.yaml"' in text
+    assert "DS_ACCELERATOR=cpu" in text and "\nUSER 1000\n" in text
