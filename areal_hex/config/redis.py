@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
@@ -16,6 +18,12 @@ class RedisConfig(Section):
     # Embedded server only: append-only persistence directory (None: a temp dir).
     data_dir: str | None = None
     appendonly: bool = True
+    # Embedded server only: fsync policy of the append-only file ("always": no write lost).
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    # Embedded server only: port (None: a free one; `areal-hex buffer serve`: 6379).
+    port: int | None = Field(None, ge=1, le=65535)
+    # Embedded server only: address to listen on (0.0.0.0 to serve other containers).
+    bind: str = "127.0.0.1"
 
     @field_validator("url")
     @classmethod
@@ -30,9 +38,16 @@ class BufferConfig(Section):
     groups_per_step: int = Field(8, gt=0)
     # eta: maximum policy-version lag of a trained group (0 = synchronous RL).
     max_staleness: int = Field(2, ge=0)
-    # Backpressure: producers wait while this many groups are unconsumed.
+    # Backpressure: producers wait while this many groups are unconsumed or pending.
     max_pending: int = Field(1024, gt=0)
     # Seconds a producer may wait at the gate before it fails with a clear error.
     gate_timeout_s: float = Field(600.0, gt=0)
     # Pending entries idle this long are reclaimed from a dead consumer.
     reclaim_idle_ms: int = Field(30_000, ge=0)
+    # Name of this consumer in the stream's consumer group: a restarted trainer with the
+    # same name re-reads the entries it had not acknowledged.
+    consumer_name: str = Field("trainer-0", pattern=r"^[A-Za-z0-9_.:-]+$")
+    # Poll interval of waiters (gate, consumer) besides pub/sub wake-ups.
+    poll_interval_s: float = Field(0.1, gt=0)
+    # Seed of the within-batch shuffle (oldest groups are taken first, then shuffled).
+    shuffle_seed: int = 0

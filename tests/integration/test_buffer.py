@@ -1,0 +1,295 @@
+"""The trajectory buffer against a real embedded Valkey: delivery, gate, staleness, dead
+letters, version notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from areal_hex.buffer import (
+    EmbeddedValkey,
+    RedisEndpoint,
+    RedisTrajectoryConsumer,
+    RedisTrajectoryProducer,
+    RedisWeightPublisher,
+    VersionUpdate,
+    encode_group,
+)
+from areal_hex.buffer.keys import BufferKeys
+from areal_hex.config.redis import BufferConfig
+from areal_hex.record import Completion, GroupRecord
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[RedisEndpoint]:
+    with EmbeddedValkey(appendonly=False) as server:
+        yield RedisEndpoint(server.url, server=server)
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def group(i: int, version: int = 0, tokens: int = 2) -> GroupRecord:
+    comp = Completion(
+        np.arange(tokens), np.full(tokens, -0.5), np.full(tokens, version), "stop", float(i)
+    )
+    return GroupRecord(f"p{i}", [1, 2], [comp])
+
+
+def cfg(**kw: object) -> BufferConfig:
+    base = {"groups_per_step": 4, "max_staleness": 1, "gate_timeout_s": 5.0}
+    return BufferConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- delivery
+def test_ten_thousand_groups_round_trip_none_lost(endpoint: RedisEndpoint, run_id: str) -> None:
+    total = 10_000
+    c = cfg(groups_per_step=total, max_pending=500)  # backpressure engages on the way
+
+    async def produce() -> None:
+        p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
+        for i in range(total):
+            await p.admit()
+            await p.put(group(i))
+        await p.aclose()
+
+    producer = threading.Thread(target=lambda: asyncio.run(produce()))
+    producer.start()
+    consumer = RedisTrajectoryConsumer(endpoint.sync_client(), run_id, c)
+    seen: list[str] = []
+    max_backlog = 0
+    while len(seen) < total:
+        batch = consumer.get_batch(min(250, total - len(seen)), timeout_s=30)
+        seen += [g.prompt_id for g in batch.groups]
+        max_backlog = max(max_backlog, consumer.stats().stream_length)
+        consumer.ack(batch.entry_ids)
+    producer.join(30)
+    stats = consumer.stats()
+    consumer.close()
+    assert sorted(seen) == sorted(f"p{i}" for i in range(total))
+    assert len(set(seen)) == total
+    assert (stats.stream_length, stats.pending, stats.unconsumed) == (0, 0, 0)
+    assert stats.submitted == total
+    assert int(endpoint.sync_client().get(BufferKeys(run_id).acked)) == total
+    assert max_backlog <= 500  # stream never held more than max_pending
+
+
+def test_oldest_first_then_shuffled(endpoint: RedisEndpoint, run_id: str) -> None:
+    c = cfg(groups_per_step=100)
+    r = endpoint.sync_client()
+    keys = BufferKeys(run_id)
+    for i in range(12):
+        r.xadd(keys.traj, {b"d": encode_group(group(i))})
+    consumer = RedisTrajectoryConsumer(r, run_id, c)
+    first = consumer.get_batch(6, timeout_s=5)
+    second = consumer.get_batch(6, timeout_s=5)
+    consumer.close()
+    ids = [g.prompt_id for g in first.groups]
+    assert sorted(ids) == sorted(f"p{i}" for i in range(6))  # the oldest six
+    assert ids != [f"p{i}" for i in range(6)]  # shuffled within the batch (seeded)
+    assert sorted(g.prompt_id for g in second.groups) == sorted(f"p{i}" for i in range(6, 12))
+    assert consumer.stats().pending == 12  # nothing acknowledged without ack()
+
+
+# ---------------------------------------------------------------- staleness gate
+async def test_gate_blocks_exactly_at_bound_and_releases_on_version_bump(
+    endpoint: RedisEndpoint, run_id: str
+) -> None:
+    # Poll far slower than the test: only the pub/sub notification can wake the gate.
+    c = cfg(groups_per_step=4, max_staleness=1, poll_interval_s=30.0, gate_timeout_s=60)
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
+    for _ in range(8):  # (v + eta + 1) * B = (0 + 1 + 1) * 4
+        await asyncio.wait_for(p.admit(), 2)
+    blocked = asyncio.ensure_future(p.admit())
+    await asyncio.sleep(0.5)
+    assert not blocked.done()
+    assert int(await p.r.get(p.keys.submitted)) == 8
+    start = time.monotonic()
+    RedisWeightPublisher(endpoint.sync_client(), run_id, c).set_version(1, "/w/v1")
+    await asyncio.wait_for(blocked, 5)
+    assert time.monotonic() - start < 5
+    # v=1: bound 12; three more fit, the fourth blocks again.
+    for _ in range(3):
+        await asyncio.wait_for(p.admit(), 2)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(p.admit(), 0.5)
+    assert int(await p.r.get(p.keys.submitted)) == 12
+    await p.aclose()
+
+
+async def test_concurrent_admits_never_overshoot(endpoint: RedisEndpoint, run_id: str) -> None:
+    c = cfg(groups_per_step=3, max_staleness=0, gate_timeout_s=1.0)
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
+    results = await asyncio.gather(*(p.admit() for _ in range(10)), return_exceptions=True)
+    assert sum(r is None for r in results) == 3
+    assert sum(isinstance(r, TimeoutError) for r in results) == 7
+    assert int(await p.r.get(p.keys.submitted)) == 3
+    await p.aclose()
+
+
+async def test_gate_timeout_names_the_bound(endpoint: RedisEndpoint, run_id: str) -> None:
+    c = cfg(groups_per_step=2, max_staleness=1, gate_timeout_s=0.3)
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
+    await p.admit(4)
+    with pytest.raises(TimeoutError) as err:
+        await p.admit()
+    msg = str(err.value)
+    for part in ("submitted=4", "v=0", "eta=1", "B=2", "(0 + 1 + 1) * 2 = 4", "0.3 s"):
+        assert part in msg, msg
+    assert await p.release(1) == 3  # a failed prompt gives its admission back
+    await asyncio.wait_for(p.admit(), 1)
+    await p.aclose()
+
+
+async def test_backpressure_waits_for_acks(endpoint: RedisEndpoint, run_id: str) -> None:
+    c = cfg(groups_per_step=100, max_pending=3, poll_interval_s=0.05, gate_timeout_s=0.4)
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
+    for i in range(3):
+        await p.admit()
+        await p.put(group(i))
+    with pytest.raises(TimeoutError, match="backpressure: 3 groups .*max_pending=3"):
+        await p.admit()
+    consumer = RedisTrajectoryConsumer(endpoint.sync_client(), run_id, c)
+    batch = consumer.get_batch(2, timeout_s=2)
+    await asyncio.sleep(0.2)
+    with pytest.raises(TimeoutError):  # read but not acknowledged: still counted
+        await p.admit()
+    consumer.ack(batch.entry_ids)
+    await asyncio.wait_for(p.admit(), 2)
+    consumer.close()
+    await p.aclose()
+
+
+# ---------------------------------------------------------------- staleness on consume
+def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) -> None:
+    c = cfg(max_staleness=1)
+    r = endpoint.sync_client()
+    for i, version in enumerate([0, 1, 2, 3, 0, 3]):
+        r.xadd(BufferKeys(run_id).traj, {b"d": encode_group(group(i, version))})
+    RedisWeightPublisher(r, run_id, c).set_version(3, "/w/v3")
+    consumer = RedisTrajectoryConsumer(r, run_id, c)
+    batch = consumer.get_batch(3, timeout_s=5)  # v - eta = 2: versions 0, 1, 0 go
+    assert sorted(g.prompt_id for g in batch.groups) == ["p2", "p3", "p5"]
+    assert sorted(batch.staleness) == [0, 0, 1]
+    assert batch.dropped_stale == 3
+    consumer.ack(batch.entry_ids)
+    stats = consumer.stats()
+    consumer.close()
+    assert (stats.dropped_stale, stats.stream_length, stats.pending) == (3, 0, 0)
+
+
+# ---------------------------------------------------------------- dead letters
+def _malformed(kind: str, i: int) -> dict[bytes, bytes]:
+    good = encode_group(group(i))
+    body = msgpack.unpackb(good, raw=False)
+    if kind == "truncated":
+        return {b"d": good[: len(good) // 2]}
+    if kind == "garbage":
+        return {b"d": b"\xc1" + bytes([i % 256]) * 5}
+    if kind == "no_payload":
+        return {b"x": b"1"}
+    if kind == "schema":
+        body["schema"] = 99
+    elif kind == "dtype":
+        body["tokens"] = ["<f8", np.zeros(2, "<f8").tobytes()]
+    elif kind == "lengths":
+        body["lens"] = [3]
+    return {b"d": msgpack.packb(body, use_bin_type=True)}
+
+
+DEAD_KINDS = {
+    "truncated": "truncated or corrupt",
+    "garbage": "truncated or corrupt",
+    "no_payload": "no payload field",
+    "schema": "schema: version 99 not supported",
+    "dtype": "tokens: dtype '<f8', expected '<i4'",
+    "lengths": "sum to 3",
+}
+
+
+def test_malformed_entries_go_to_dead_letter(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    keys = BufferKeys(run_id)
+    sent: dict[str, str] = {}  # entry id -> kind
+    good = 0
+    for i in range(100):
+        for kind in DEAD_KINDS:
+            sent[r.xadd(keys.traj, _malformed(kind, i)).decode()] = kind
+        if i % 2 == 1:  # good groups in between, the last entry is a good one
+            r.xadd(keys.traj, {b"d": encode_group(group(i))})
+            good += 1
+    consumer = RedisTrajectoryConsumer(r, run_id, cfg())
+    got: list[str] = []
+    dead = 0
+    while len(got) < good:
+        batch = consumer.get_batch(10, timeout_s=5)
+        got += [g.prompt_id for g in batch.groups]
+        dead += batch.dead_lettered
+        consumer.ack(batch.entry_ids)
+    stats = consumer.stats()
+    consumer.close()
+    assert sorted(got) == sorted(f"p{i}" for i in range(1, 100, 2))
+    assert dead == stats.dead_letter == r.xlen(keys.dead) == 600
+    assert (stats.stream_length, stats.pending) == (0, 0)
+    for _, fields in r.xrange(keys.dead):
+        kind = sent[fields[b"source_id"].decode()]
+        assert DEAD_KINDS[kind] in fields[b"reason"].decode(), (kind, fields[b"reason"])
+        if kind == "truncated":
+            assert len(fields[b"payload"]) > 0
+
+
+# ---------------------------------------------------------------- versions
+async def test_watch_versions_yields_current_then_updates(
+    endpoint: RedisEndpoint, run_id: str
+) -> None:
+    c = cfg()
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
+    pub = RedisWeightPublisher(endpoint.sync_client(), run_id, c)
+    pub.set_version(2, "/w/v2")
+    seen: list[VersionUpdate] = []
+
+    async def watch() -> None:
+        async for upd in p.watch_versions(poll_s=30.0):
+            seen.append(upd)
+            if upd.version == 4:
+                return
+
+    task = asyncio.ensure_future(watch())
+    await asyncio.sleep(0.3)
+    pub.set_version(3, "/w/v3")
+    await asyncio.sleep(0.1)
+    pub.set_version(4, "/w/v4")
+    await asyncio.wait_for(task, 5)
+    assert seen == [VersionUpdate(2, "/w/v2"), VersionUpdate(3, "/w/v3"), VersionUpdate(4, "/w/v4")]
+    assert await p.version() == 4
+    await p.aclose()
+
+
+def test_restore_raises_admission_floor(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    pub = RedisWeightPublisher(r, run_id, cfg(groups_per_step=4))
+    assert pub.restore(5, "/w/v5") == 20  # fresh Redis: submitted = v * B
+    r.set(BufferKeys(run_id).submitted, 31)
+    assert pub.restore(6, "/w/v6") == 31  # never lowered
+    assert int(r.get(BufferKeys(run_id).version)) == 6
+
+
+def test_password_from_config(tmp_path: object) -> None:
+    with EmbeddedValkey(appendonly=False, password="s3cret") as server:
+        bare = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(redis.AuthenticationError):
+            RedisEndpoint(bare).sync_client().ping()
+        assert RedisEndpoint(bare, password="s3cret").sync_client().ping()
+        assert RedisEndpoint(server.url).sync_client().ping()  # password in the URL

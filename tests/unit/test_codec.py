@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from areal_hex.buffer.codec import DecodeError, decode_group, encode_group
+from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRecord
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+TEXT = st.text(max_size=20)
+FINITE = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def completions(draw: st.DrawFn) -> Completion:
+    n = draw(st.integers(0, 40))
+    return Completion(
+        token_ids=np.array(draw(st.lists(INT32, min_size=n, max_size=n)), dtype=np.int32),
+        # -inf is a legitimate log-prob (a token outside top-k/top-p); NaN is not.
+        logprobs=np.array(
+            draw(st.lists(st.floats(allow_nan=False, width=32), min_size=n, max_size=n)),
+            dtype=np.float32,
+        ),
+        versions=np.array(draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n))),
+        finish_reason=draw(st.sampled_from(FINISH_REASONS)),
+        reward=draw(FINITE),
+        text=draw(TEXT),
+    )
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> GroupRecord:
+    return GroupRecord(
+        prompt_id=draw(TEXT),
+        prompt_ids=np.array(draw(st.lists(INT32, max_size=30)), dtype=np.int32),
+        completions=draw(st.lists(completions(), min_size=1, max_size=6)),
+        temperature=draw(st.floats(0, 5)),
+        created_at=draw(st.floats(0, 2e9)),
+        finished_at=draw(st.floats(0, 2e9)),
+        metadata=draw(st.dictionaries(TEXT, TEXT, max_size=3)),
+    )
+
+
+def assert_same(a: GroupRecord, b: GroupRecord) -> None:
+    assert (a.prompt_id, a.temperature, a.created_at, a.finished_at, a.metadata) == (
+        b.prompt_id,
+        b.temperature,
+        b.created_at,
+        b.finished_at,
+        b.metadata,
+    )
+    np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+    assert len(a.completions) == len(b.completions)
+    for x, y in zip(a.completions, b.completions, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+        np.testing.assert_array_equal(x.versions, y.versions)
+        assert (x.finish_reason, x.reward, x.text) == (y.finish_reason, y.reward, y.text)
+        assert y.token_ids.dtype == np.int32 and y.logprobs.dtype == np.float32
+    assert a.version == b.version
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups())
+def test_round_trip(group: GroupRecord) -> None:
+    back = decode_group(encode_group(group))
+    assert_same(group, back)
+    # Decoded arrays are writable (the trainer turns them into tensors in place).
+    assert all(c.token_ids.flags.writeable for c in back.completions)
+
+
+@settings(max_examples=100, deadline=None)
+@given(groups(), st.data())
+def test_any_truncation_is_a_decode_error(group: GroupRecord, data: st.DataObject) -> None:
+    payload = encode_group(group)
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    with pytest.raises(DecodeError):
+        decode_group(payload[:cut])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_never_raises_anything_but_decode_error(blob: bytes) -> None:
+    try:
+        decode_group(blob)
+    except DecodeError:
+        pass
+
+
+def _group() -> GroupRecord:
+    comp = [
+        Completion(np.arange(5), np.full(5, -0.5), np.full(5, 3), "stop", 1.0, "a"),
+        Completion(np.arange(3), np.full(3, -0.25), np.array([2, 3, 3]), "length", 0.0),
+    ]
+    return GroupRecord("q1", [7, 8, 9], comp, temperature=0.7, metadata={"src": "test"})
+
+
+def _tamper(**changes: object) -> bytes:
+    body = msgpack.unpackb(encode_group(_group()), raw=False)
+    body.update(changes)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def test_group_version_is_oldest_token_and_survives() -> None:
+    assert decode_group(encode_group(_group())).version == 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "words"),
+    [
+        ({"schema": SCHEMA_VERSION + 1}, "schema", "not supported"),
+        ({"schema": None}, "schema", "not supported"),
+        ({"tokens": ["<f4", np.zeros(8, "<f4").tobytes()]}, "tokens", "dtype '<f4'"),
+        ({"logprobs": ["<f8", np.zeros(8, "<f8").tobytes()]}, "logprobs", "expected '<f4'"),
+        ({"tokens": ["<i4", b"\0" * 30]}, "tokens", "not a whole number"),
+        ({"versions": ["<i4", np.zeros(7, "<i4").tobytes()]}, "versions", "sum to 8"),
+        ({"lens": [5, 4]}, "tokens", "sum to 9"),
+        ({"finish": ["stop"]}, "finish", "one per completion (2)"),
+        ({"finish": ["stop", "eos"]}, "finish[1]", "'eos' not in"),
+        ({"reward": [1.0, float("nan")]}, "reward", "non-finite"),
+        ({"lens": []}, "lens", "no completions"),
+        ({"pid": 3}, "pid", "expected str"),
+        ({"logprobs": ["<f4", np.full(8, np.nan, "<f4").tobytes()]}, "logprobs", "NaN"),
+    ],
+)
+def test_malformed_fields_name_what_is_wrong(changes: dict, field: str, words: str) -> None:
+    with pytest.raises(DecodeError) as err:
+        decode_group(_tamper(**changes))
+    assert err.value.field == field
+    assert words in str(err.value)
+
+
+def test_missing_field_and_non_map() -> None:
+    body = msgpack.unpackb(encode_group(_group()), raw=False)
+    del body["versions"]
+    with pytest.raises(DecodeError, match="versions: missing"):
+        decode_group(msgpack.packb(body, use_bin_type=True))
+    with pytest.raises(DecodeError, match="expected a map"):
+        decode_group(msgpack.packb([1, 2, 3]))
+    with pytest.raises(DecodeError, match="truncated or corrupt"):
+        decode_group(encode_group(_group())[:-7])
