@@ -183,6 +183,12 @@ def _check_trainer(cfg: ExperimentConfig, plan: Plan, target: str) -> list[str]:
             f"plan.trainer: every node must hold the same number of ranks, got "
             f"{[len(p.gpu_ids) for p in t.placements]}"
         )
+    if len(t.placements) > 1 and tc.launcher != "torchrun":
+        errors.append(
+            f"the plan spreads the trainer over {len(t.placements)} nodes, which needs "
+            f"trainer.launcher=torchrun (static rendezvous from the pod environment); got "
+            f"{tc.launcher!r}"
+        )
     if len({p.node for p in t.placements}) != len(t.placements):
         errors.append("plan.trainer.placements name a node twice")
     return errors
@@ -267,7 +273,11 @@ def resolve_config(
     )
     if "server_urls" in type(cfg.inference).model_fields:
         inf["server_urls"] = server_urls
-    data["trainer"]["num_ranks"] = plan.trainer.world_size
+    # num_ranks is per node (the launcher on each node starts that many ranks).
+    t = plan.trainer
+    data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
+    if "master_port" in type(cfg.trainer).model_fields:
+        data["trainer"]["master_port"] = dcfg.master_port
     return ExperimentConfig.model_validate(data)
 
 

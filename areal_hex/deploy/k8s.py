@@ -167,48 +167,35 @@ def _controller(d: Deployment) -> Obj:
     return _deployment(d, name, sel, pod_labels, spec)
 
 
-def trainer_args(d: Deployment, svc: ServiceSpec) -> list[str]:
-    """`areal-hex train CONFIG` plus, across nodes, the rendezvous flags it accepts."""
-    if svc.nodes == 1:
-        return list(svc.command)
-    return [
-        *svc.command,
-        "--nnodes",
-        str(svc.nodes),
-        "--node-rank",
-        "$(NODE_RANK)",
-        "--nproc-per-node",
-        str(svc.gpus),
-        "--master-addr",
-        "$(MASTER_ADDR)",
-        "--master-port",
-        "$(MASTER_PORT)",
-    ]
+def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:
+    """torch.distributed static rendezvous for `areal-hex train` on every Job pod.
+
+    Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
+    `<job>-k.<headless service>`, so rank 0's address is known before it starts. The
+    `PET_*` names are torchrun's own environment form of --nnodes/--node-rank/
+    --master-addr/--master-port, so the launcher `areal-hex train` starts picks them up.
+    """
+    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    rank = {"valueFrom": {"fieldRef": {"fieldPath": index}}}
+    addr = f"{job}-0.{job}"
+    env: list[Obj] = []
+    for prefix in ("", "PET_"):
+        env += [
+            {"name": f"{prefix}MASTER_ADDR", "value": addr},
+            {"name": f"{prefix}MASTER_PORT", "value": str(port)},
+            {"name": f"{prefix}NNODES", "value": str(nodes)},
+            {"name": f"{prefix}NODE_RANK", **rank},
+        ]
+    env.append({"name": "NPROC_PER_NODE", "value": str(per_node)})
+    return env
 
 
 def _trainer(d: Deployment) -> list[Obj]:
     svc = d.layout.by_role("trainer")[0]
     name = service_name(d.prefix, svc)
     port = d.dcfg.master_port
-    env = [
-        # Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
-        # `<job>-k.<headless service>`, so rank 0's address is known before it starts.
-        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
-        {"name": "MASTER_PORT", "value": str(port)},
-        {"name": "NNODES", "value": str(svc.nodes)},
-        {"name": "NPROC_PER_NODE", "value": str(svc.gpus)},
-        {
-            "name": "NODE_RANK",
-            "valueFrom": {
-                "fieldRef": {
-                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-                }
-            },
-        },
-    ]
-    spec = pod_spec(
-        d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, trainer_args(d, svc), env
-    )
+    env = rendezvous_env(name, port, svc.nodes, svc.gpus)
+    spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
     spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": port}]
     spec.update(restartPolicy="Never", subdomain=name)
     pod_labels = labels(d, "trainer")

@@ -142,3 +142,42 @@ def test_probe_http_against_a_real_server(tmp_path):
     assert file_fresh(f, 10)
     os.utime(f, (1.0, 1.0))
     assert not file_fresh(f, 10)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch):
+    """The Job pod's command and environment, fed to `areal-hex train --print-command`, give
+    a torchrun command line whose rendezvous (read as torchrun reads it) matches the plan."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    out = tmp_path / "out"
+    r = _cli(
+        "deploy", "examples/plans/h800_h20.yaml", "examples/deploy/qwen3-8b.yaml",
+        "--target", "k8s", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    objs = list(yaml.safe_load_all((out / "30-trainer.yaml").read_text()))
+    job = [o for o in objs if o["kind"] == "Job"][0]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", "1") for e in container["env"]}  # pod index 1
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text((out / "resolved/config.yaml").read_text())
+    argv = [a.replace("{config}", str(cfg_file)) for a in container["args"]]
+    assert argv[0] == "areal-hex"
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_hex.cli", *argv[1:], "--print-command"],
+        env={**ENV, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout)
+    launcher_args = cmd[cmd.index("torch.distributed.run") + 1 :]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = get_args_parser().parse_args(launcher_args)
+    assert args.nnodes == "2" and args.node_rank == 1
+    assert args.master_addr == env["PET_MASTER_ADDR"]
+    assert args.master_addr.startswith(job["metadata"]["name"] + "-0.")
+    assert args.master_port == 29500
+    assert int(args.nproc_per_node) * int(args.nnodes) == 16  # plan.trainer.world_size

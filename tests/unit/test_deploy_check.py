@@ -59,6 +59,7 @@ def test_unknown_gpu_kind_is_named_and_can_be_mapped(tmp_path):
     [
         (["trainer.zero_stage=3"], "plan.trainer.zero_stage=2 but trainer.zero_stage=3"),
         (["trainer.device=cpu"], "trainer.device is 'cpu' but the plan puts the trainer on 8"),
+        (["trainer.launcher=deepspeed"], "over 2 nodes, which needs trainer.launcher=torchrun"),
         (
             ["inference.backend=builtin", "inference.device=cpu"],
             "inference.device is 'cpu' but the plan puts inference on GPUs",

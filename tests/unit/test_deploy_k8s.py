@@ -138,24 +138,18 @@ def test_trainer_world_size_and_rendezvous_match_the_plan(rendered):
     assert headless["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     c = pod["containers"][0]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
-    port = int(env["MASTER_PORT"])
+    for prefix in ("", "PET_"):  # PET_*: torchrun's environment form of its flags
+        assert env[f"{prefix}MASTER_ADDR"] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+        assert env[f"{prefix}NNODES"] == str(nodes)
+        rank = [e for e in c["env"] if e["name"] == f"{prefix}NODE_RANK"][0]
+        assert "job-completion-index" in rank["valueFrom"]["fieldRef"]["fieldPath"]
+    port = int(env["PET_MASTER_PORT"])
     assert headless["spec"]["ports"][0]["port"] == port == c["ports"][0]["containerPort"]
     assert int(env["NNODES"]) * int(env["NPROC_PER_NODE"]) == plan.trainer.world_size
     assert (
         pod["nodeSelector"]["nvidia.com/gpu.product"] == GPU_PRODUCT_LABELS[plan.trainer.gpu_kind]
     )
-    args = c["args"]
-    assert args[:3] == ["areal-hex", "train", "{config}"]
-    if nodes > 1:
-        flags = dict(zip(args[3::2], args[4::2], strict=True))
-        assert flags["--nnodes"] == str(nodes)
-        assert flags["--nproc-per-node"] == str(plan.trainer.world_size // nodes)
-        assert flags["--node-rank"] == "$(NODE_RANK)"
-        rank_env = [e for e in c["env"] if e["name"] == "NODE_RANK"][0]
-        assert "job-completion-index" in rank_env["valueFrom"]["fieldRef"]["fieldPath"]
-    else:
-        assert args == ["areal-hex", "train", "{config}"]
+    assert c["args"] == ["areal-hex", "train", "{config}"]  # the layout command, unchanged
 
 
 def test_configmap_holds_resolved_config_and_no_secret(rendered):
@@ -171,7 +165,9 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.redis.password is None and cfg.inference.api_key is None
     assert cfg.inference.num_servers == len(plan.rollout)
-    assert cfg.trainer.num_ranks == plan.trainer.world_size
+    # ranks per node: the launcher on each trainer node starts that many
+    assert cfg.trainer.num_ranks * len(plan.trainer.placements) == plan.trainer.world_size
+    assert cfg.trainer.master_port == 29500
     assert Plan.model_validate(yaml.safe_load(cm["data"]["plan.yaml"])) == plan
     redis_svc = [o for o in _kind(objs, "Service") if _component(o) == "redis"][0]
     assert cfg.redis.url == f"redis://{redis_svc['metadata']['name']}:6379/0"
