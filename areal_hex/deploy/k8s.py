@@ -22,6 +22,7 @@ from areal_hex.deploy.k8s_pods import (
     container_security,
     http_probes,
     labels,
+    pod_security,
     pod_spec,
     probe_exec,
     secret_name,
@@ -223,21 +224,54 @@ def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
 
 def _redis(d: Deployment) -> list[Obj]:
     name, port = f"{d.prefix}-redis", d.dcfg.redis.port
-    res = d.dcfg.resources.redis
+    pod_labels = labels(d, "redis")
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(d, name, "redis"),
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": _selector(pod_labels)},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    # 999: the official image's redis user
+                    "securityContext": pod_security(999),
+                    "containers": [_redis_container(d)],
+                    "volumes": [
+                        {
+                            "name": "secrets",
+                            "secret": {
+                                "secretName": secret_name(d),
+                                "defaultMode": 0o440,
+                                "items": [{"key": "redis-password", "path": "redis-password"}],
+                            },
+                        }
+                    ],
+                },
+            },
+            "volumeClaimTemplates": [_redis_claim(d)],
+        },
+    }
+    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
+
+
+def _redis_container(d: Deployment) -> Obj:
+    port, res = d.dcfg.redis.port, d.dcfg.resources.redis
     # The password reaches redis-server on stdin (config file `-`), not its command line.
     start = (
         'printf "requirepass %s\\n" "$(cat /run/secrets/redis/redis-password)" | '
         f"exec redis-server - --port {port} --appendonly yes --appendfsync everysec --dir /data"
     )
-    ping = [
-        "sh",
-        "-c",
+    ping = (
         'REDISCLI_AUTH="$(cat /run/secrets/redis/redis-password)" '
-        f"redis-cli -p {port} ping | grep -q PONG",
-    ]
-    probe = {"exec": {"command": ping}, "periodSeconds": 10, "timeoutSeconds": 5}
-    pod_labels = labels(d, "redis")
-    container = {
+        f"redis-cli -p {port} ping | grep -q PONG"
+    )
+    probe = {"exec": {"command": ["sh", "-c", ping]}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
         "name": "redis",
         "image": d.dcfg.images.redis,
         "imagePullPolicy": d.dcfg.images.pull_policy,
@@ -255,43 +289,6 @@ def _redis(d: Deployment) -> list[Obj]:
         ],
         "securityContext": {**container_security(), "readOnlyRootFilesystem": True},
     }
-    sts = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta(d, name, "redis"),
-        "spec": {
-            "serviceName": name,
-            "replicas": 1,
-            "selector": {"matchLabels": _selector(pod_labels)},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 999,  # the official image's redis user
-                        "runAsGroup": 999,
-                        "fsGroup": 999,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "secrets",
-                            "secret": {
-                                "secretName": secret_name(d),
-                                "defaultMode": 0o440,
-                                "items": [{"key": "redis-password", "path": "redis-password"}],
-                            },
-                        }
-                    ],
-                },
-            },
-            "volumeClaimTemplates": [_redis_claim(d)],
-        },
-    }
-    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
 
 
 def _redis_claim(d: Deployment) -> Obj:

