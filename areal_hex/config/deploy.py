@@ -13,8 +13,10 @@ from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
 
-# RFC 1123 label: what Kubernetes accepts for namespaces and object names.
+# RFC 1123 label: what Kubernetes accepts for namespaces; Service names also need a
+# leading letter (RFC 1035), and every object name starts with `name`.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
 class ImagesConfig(Section):
@@ -72,7 +74,7 @@ class StorageConfig(Section):
 class DeployConfig(Section):
     namespace: str = Field("areal-hex", pattern=DNS_LABEL, max_length=63)
     # Prefix of every object name; None: derived from run.name.
-    name: str | None = Field(None, pattern=DNS_LABEL, max_length=40)
+    name: str | None = Field(None, pattern=DNS_1035_LABEL, max_length=40)
     images: ImagesConfig = ImagesConfig()
     resources: ResourcesConfig = ResourcesConfig()
     redis: RedisDeployConfig = RedisDeployConfig()

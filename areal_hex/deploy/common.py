@@ -100,7 +100,7 @@ def check_plan(
     errors = [
         *_check_model(cfg, plan),
         *_check_inference(cfg, plan, dcfg),
-        *_check_trainer(cfg, plan, target),
+        *_check_trainer(cfg, plan, dcfg),
         *_check_devices(plan),
     ]
     if target == "compose":
@@ -156,10 +156,12 @@ def _check_inference(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> l
     return errors
 
 
-def _check_trainer(cfg: ExperimentConfig, plan: Plan, target: str) -> list[str]:
+def _check_trainer(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> list[str]:
     t, tc = plan.trainer, cfg.trainer
     errors: list[str] = []
     ngpus = sum(len(p.gpu_ids) for p in t.placements)
+    if gpu_label_value(t.gpu_kind, dcfg) is None:
+        errors.append(_unknown_kind("plan.trainer", t.gpu_kind, dcfg))
     if not t.placements:
         errors.append("plan.trainer.placements is empty")
     if t.dp * t.tp != t.world_size:
@@ -320,6 +322,8 @@ def prepare(
     layout = build_layout(cfg, plan)
     check_plan(cfg, plan, dcfg, target, layout)
     prefix = dcfg.name or slug(cfg.run.name, 20)
+    if not prefix[0].isalpha():  # Service names must start with a letter (RFC 1035)
+        prefix = slug(f"ah-{prefix}", 20)
     urls = server_urls(layout, prefix, target)
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)

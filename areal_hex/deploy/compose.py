@@ -21,7 +21,7 @@ COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
 def entrypoint() -> list[str]:
     """The secret-injecting wrapper; the service's layout command follows as `command`."""
     return [
-        "python",
+        "python3",
         "-m",
         "areal_hex.deploy.entry",
         "--config",
@@ -123,7 +123,7 @@ def _inference(d: Deployment, svc: ServiceSpec) -> dict[str, Any]:
 
 def _health(probe_args: list[str], start_period: str) -> dict[str, Any]:
     return {
-        "test": ["CMD", "python", "-m", "areal_hex.deploy.probe", *probe_args],
+        "test": ["CMD", "python3", "-m", "areal_hex.deploy.probe", *probe_args],
         "interval": "15s",
         "timeout": "10s",
         "retries": 5,

@@ -40,7 +40,7 @@ def claim_name(d: Deployment) -> str:
 
 def entry_command() -> list[str]:
     return [
-        "python",
+        "python3",
         "-m",
         "areal_hex.deploy.entry",
         "--config",
@@ -84,7 +84,7 @@ def pod_security(uid: int) -> Obj:
 
 def probe_exec(args: list[str], period: int, failures: int, delay: int = 0) -> Obj:
     return {
-        "exec": {"command": ["python", "-m", "areal_hex.deploy.probe", *args]},
+        "exec": {"command": ["python3", "-m", "areal_hex.deploy.probe", *args]},
         "initialDelaySeconds": delay,
         "periodSeconds": period,
         "timeoutSeconds": 10,

@@ -44,8 +44,13 @@ def test_unknown_gpu_kind_is_named_and_can_be_mapped(tmp_path):
     def kind(plan):
         plan.rollout[2].gpu_kind = "MI300X"
 
-    msg = _refused(tmp_path, plan_edit=kind)
+    def kinds(plan):
+        kind(plan)
+        plan.trainer.gpu_kind = "Gaudi3"
+
+    msg = _refused(tmp_path, plan_edit=kinds)
     assert "plan.rollout[2] (rollout-l40s-2): unknown GPU kind 'MI300X'" in msg
+    assert "plan.trainer: unknown GPU kind 'Gaudi3'" in msg
     assert "--gpu-label MI300X=" in msg
     plan = load_plan(PLAN)
     kind(plan)
@@ -130,3 +135,10 @@ def test_gpu_label_lookup():
     assert gpu_label_value("h20", DeployConfig()) == "NVIDIA-H20"
     assert gpu_label_value("TPUv5", DeployConfig()) is None
     assert gpu_label_value("A100-80GB", DeployConfig(gpu_label_key="pool")) == "a100-80gb"
+
+
+def test_object_names_start_with_a_letter(tmp_path):
+    plan = load_plan(PLAN)
+    render("k8s", load_config(CONFIG, ["run.name=7b-run"]), plan, DeployConfig(), tmp_path)
+    text = (tmp_path / "20-controller.yaml").read_text()
+    assert "name: ah-7b-run-controller" in text

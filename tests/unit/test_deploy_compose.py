@@ -65,7 +65,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
     for i, inst in enumerate(plan.rollout):
         svc = s[inst.id]
         assert svc["command"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
-        assert svc["entrypoint"][:3] == ["python", "-m", "areal_hex.deploy.entry"]
+        assert svc["entrypoint"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
         port = cfg.inference.base_port + i
         assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
         assert svc["restart"] == "unless-stopped"
@@ -119,7 +119,7 @@ def test_image_entrypoint_is_the_rendered_wrapper(kind):
     text = (ROOT / f"deploy/docker/Dockerfile.{kind}").read_text()
     (line,) = [ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT")]
     argv = json.loads(line.removeprefix("ENTRYPOINT"))
-    assert argv[1:] == entry_command()[1:]
+    assert argv == entry_command()
     assert "\nUSER 1000\n" in text and "chown 1000:1000 /data" in text
 
 

@@ -110,7 +110,7 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
         c = spec["containers"][0]
         # rendered from the layout: the real CLI entry point, behind the secret wrapper
         assert c["args"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
-        assert c["command"][:3] == ["python", "-m", "areal_hex.deploy.entry"]
+        assert c["command"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
         port = cfg.inference.base_port + i
         assert c["ports"][0]["containerPort"] == port
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
