@@ -45,6 +45,8 @@ class ResourcesConfig(Section):
     trainer: Resources = Resources(cpu="16", memory="200Gi", shm="64Gi")
     controller: Resources = Resources(cpu="4", memory="8Gi", shm="1Gi")
     redis: Resources = Resources(cpu="2", memory="8Gi", shm="64Mi")
+    # The one-shot job that writes v0 (loads the model on CPU: memory ~ 2-4x its size).
+    prepare: Resources = Resources(cpu="4", memory="64Gi", shm="1Gi")
 
 
 class RedisDeployConfig(Section):

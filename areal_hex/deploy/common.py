@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from areal_hex.config import ConfigError, ExperimentConfig
+from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig
 from areal_hex.config.deploy import DeployConfig
-from areal_hex.layout import Layout, ServiceSpec, build_layout
+from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.plan import Plan
 
 # Value of `nvidia.com/gpu.product` (set by NVIDIA GPU feature discovery) per planner GPU
@@ -59,6 +59,19 @@ class Deployment:
     dcfg: DeployConfig
     prefix: str  # object-name prefix (DNS label)
     secrets: DeploySecrets
+    source_model: ModelConfig  # the experiment's model, which the prepare job writes as v0
+
+    def prepare_command(self) -> list[str]:
+        """Writes v0 = the experiment's model into the run's weights directory."""
+        cmd = ["python3", "-m", "areal_hex.deploy.prepare", CONFIG_PLACEHOLDER]
+        if self.source_model.path:
+            cmd += ["--source", self.source_model.path]
+        if self.source_model.tokenizer_path:
+            cmd += ["--tokenizer-source", self.source_model.tokenizer_path]
+        return cmd
+
+    def initial_weights_marker(self) -> str:
+        return f"{self.cfg.model.path}/config.json"
 
 
 def slug(text: str, max_len: int = 40) -> str:
@@ -261,6 +274,10 @@ def resolve_config(
         url, user = f"redis://{host}:{dcfg.redis.port}/0", None
     else:
         url, user, _ = split_redis_url(dcfg.redis.url or cfg.redis.url or "")
+    # The services start from v0 on the shared volume, written once by the prepare job
+    # (as `areal-hex run` writes it before starting them).
+    data["model"].update(path=f"{dcfg.storage.mount_path}/runs/{rid}/weights/v0")
+    data["model"].update(tokenizer_path=None)
     data["redis"].update(url=url, password=None, data_dir=None)
     if user is not None:
         data["redis"]["username"] = user
@@ -327,4 +344,5 @@ def prepare(
     urls = server_urls(layout, prefix, target)
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)
-    return Deployment(resolved, plan, layout, dcfg, prefix, load_secrets(cfg, dcfg, out_dir))
+    secrets_ = load_secrets(cfg, dcfg, out_dir)
+    return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)

@@ -42,6 +42,7 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "00-namespace.yaml": [_namespace(d)],
         "01-config.yaml": [_configmap(d)],
         "02-storage.yaml": [] if d.dcfg.storage.existing_claim else [_pvc(d)],
+        "05-prepare.yaml": [_prepare(d)],
         "20-controller.yaml": [_controller(d)],
         "30-trainer.yaml": _trainer(d),
         "40-networkpolicy.yaml": _network_policies(d),
@@ -104,6 +105,24 @@ def _pvc(d: Deployment) -> Obj:
         "kind": "PersistentVolumeClaim",
         "metadata": meta(d, claim_name(d), "storage"),
         "spec": spec,
+    }
+
+
+def _prepare(d: Deployment) -> Obj:
+    """One-shot Job writing v0; every other areal-hex pod waits for it (init container)."""
+    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    res = d.dcfg.resources.prepare
+    spec = pod_spec(d, svc, d.dcfg.images.controller, res, svc.command, wait_weights=False)
+    spec["containers"][0]["name"] = "prepare"
+    spec["restartPolicy"] = "OnFailure"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(d, f"{d.prefix}-prepare", "prepare"),
+        "spec": {
+            "backoffLimit": 3,
+            "template": {"metadata": {"labels": labels(d, "prepare")}, "spec": spec},
+        },
     }
 
 

@@ -246,3 +246,30 @@ def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_prepare_writes_v0_once(tmp_path):
+    v0 = tmp_path / "weights" / "v0"
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(v0), "tiny": {"num_layers": 1}}}))
+    cmd = [sys.executable, "-m", "areal_hex.deploy.prepare", str(cfg)]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert f"initial weights ready at {v0}" in r.stdout
+    files = {p.name for p in v0.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    assert yaml.safe_load((v0 / "config.json").read_text())["num_hidden_layers"] == 1
+    stamp = (v0 / "model.safetensors").stat().st_mtime_ns
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0 and (v0 / "model.safetensors").stat().st_mtime_ns == stamp
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_hex.deploy.probe", "wait", str(v0 / "config.json"), "1"],
+        env=ENV, capture_output=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_hex.deploy.probe", "wait", str(v0 / "nope"), "0.5"],
+        env=ENV, capture_output=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 1

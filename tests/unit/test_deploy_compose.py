@@ -56,7 +56,8 @@ def test_gpus_are_reserved_as_planned(rendered):
     assert trainer_ids == [str(g) for g in plan.trainer.placements[0].gpu_ids]
     everything = [g for i in plan.rollout for g in device_ids(i.id)] + trainer_ids
     assert len(everything) == len(set(everything)) == 6
-    assert "deploy" not in services["controller"] and "deploy" not in services["redis"]
+    for name in ("controller", "redis", "prepare"):
+        assert "deploy" not in services[name]
 
 
 def test_services_run_the_layout_commands_with_health_checks(rendered):
@@ -71,10 +72,25 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
         assert svc["restart"] == "unless-stopped"
         assert svc["network_mode"] == "host"
     assert s["controller"]["command"] == ["areal-hex", "rollout", "{config}"]
-    assert set(s["controller"]["depends_on"]) == {"redis", *(i.id for i in plan.rollout)}
+    assert set(s["controller"]["depends_on"]) == {"prepare", "redis", *(i.id for i in plan.rollout)}
     assert s["trainer"]["command"] == ["areal-hex", "train", "{config}"]
     assert s["trainer"]["restart"] == "on-failure"
-    assert s["trainer"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
+    done = {"condition": "service_completed_successfully"}
+    assert s["trainer"]["depends_on"] == {
+        "prepare": done,
+        "redis": {"condition": "service_healthy"},
+    }
+    for inst in plan.rollout:
+        assert s[inst.id]["depends_on"] == {"prepare": done}
+    assert s["prepare"]["command"] == [
+        "python3",
+        "-m",
+        "areal_hex.deploy.prepare",
+        "{config}",
+        "--source",
+        plan.model,
+    ]
+    assert s["prepare"]["restart"] == "no"
     assert "--appendonly yes" in s["redis"]["command"][0]
     assert s["redis"]["healthcheck"]["test"][0] == "CMD-SHELL"
     assert doc["volumes"] == {"data": {}, "redis-data": {}}

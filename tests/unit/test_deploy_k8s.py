@@ -62,7 +62,7 @@ def test_every_object_passes_strict_schema_validation(rendered):
 
 def test_strict_validation_catches_a_typo(rendered):
     _, _, _, objs = rendered
-    job = _kind(objs, "Job")[0]
+    job = _trainer_job(objs)
     job["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
@@ -81,7 +81,7 @@ def test_gpu_requests_add_up_to_the_plan(rendered):
     assert sum(_gpus(o["spec"]["template"]["spec"]) for o in inference) == sum(
         i.tp for i in plan.rollout
     )
-    job = _kind(objs, "Job")[0]
+    job = _trainer_job(objs)
     per_pod = _gpus(job["spec"]["template"]["spec"])
     assert per_pod * job["spec"]["completions"] == plan.trainer.world_size
     for o in objs:
@@ -96,6 +96,11 @@ def test_gpu_requests_add_up_to_the_plan(rendered):
 
 def _component(o: dict) -> str:
     return o["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def _trainer_job(objs: list[dict]) -> dict:
+    (job,) = [o for o in _kind(objs, "Job") if _component(o) == "trainer"]
+    return job
 
 
 def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
@@ -127,7 +132,7 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
 
 def test_trainer_world_size_and_rendezvous_match_the_plan(rendered):
     plan, _, _, objs = rendered
-    job = _kind(objs, "Job")[0]
+    job = _trainer_job(objs)
     nodes = len(plan.trainer.placements)
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed"
@@ -263,3 +268,31 @@ def test_rerender_keeps_secrets_and_drops_stale_files(tmp_path):
     assert (tmp_path / "secrets" / "redis-password").read_text() == before
     assert not (tmp_path / "15-inference-rollout-h800-3.yaml").exists()
     assert len(list(tmp_path.glob("15-inference-*.yaml"))) == 8
+
+
+def test_initial_weights_are_prepared_once_and_awaited(rendered):
+    plan, _, _, objs = rendered
+    (cm,) = _kind(objs, "ConfigMap")
+    cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert cfg.model.path == f"/data/runs/{cfg.run.run_id}/weights/v0"
+    assert cfg.model.path.startswith(cfg.inference.weights_dir)
+    (prep,) = [o for o in _kind(objs, "Job") if _component(o) == "prepare"]
+    pod = prep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    # the experiment's model (a hub name here) becomes v0 of the run
+    assert c["args"] == [
+        "python3",
+        "-m",
+        "areal_hex.deploy.prepare",
+        "{config}",
+        "--source",
+        plan.model,
+    ]
+    assert "initContainers" not in pod and "nvidia.com/gpu" not in c["resources"]["limits"]
+    waiting = [o for o in objs if _component(o) in {"inference", "controller", "trainer"}]
+    waiting = [o for o in waiting if o["kind"] in {"Deployment", "Job"}]
+    assert len(waiting) == len(plan.rollout) + 2
+    for o in waiting:
+        (init,) = o["spec"]["template"]["spec"]["initContainers"]
+        assert init["command"][-1] == "wait"
+        assert init["args"][0] == f"{cfg.model.path}/config.json"
