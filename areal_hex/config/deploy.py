@@ -75,6 +75,9 @@ class StorageConfig(Section):
 
 class DeployConfig(Section):
     namespace: str = Field("areal-hex", pattern=DNS_LABEL, max_length=63)
+    # Render the Namespace (labelled for the "restricted" Pod Security Standard); off to
+    # deploy into an existing namespace that someone else manages.
+    create_namespace: bool = True
     # Prefix of every object name; None: derived from run.name.
     name: str | None = Field(None, pattern=DNS_1035_LABEL, max_length=40)
     images: ImagesConfig = ImagesConfig()

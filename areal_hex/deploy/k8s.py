@@ -39,7 +39,7 @@ def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
 def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
     """File name -> objects in it."""
     files: dict[str, list[Obj]] = {
-        "00-namespace.yaml": [_namespace(d)],
+        "00-namespace.yaml": [_namespace(d)] if d.dcfg.create_namespace else [],
         "01-config.yaml": [_configmap(d)],
         "02-storage.yaml": [] if d.dcfg.storage.existing_claim else [_pvc(d)],
         "05-prepare.yaml": [_prepare(d)],

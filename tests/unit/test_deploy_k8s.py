@@ -235,13 +235,15 @@ def test_existing_secret_external_redis_and_options(tmp_path):
             "storage": {"storage_class": "cephfs", "existing_claim": None},
             "gpu_label_key": "areal-hex/gpu-kind",
             "pin_nodes": True,
+            "create_namespace": False,
         }
     )
     render("k8s", cfg, plan, dcfg, tmp_path)
     objs = _objects(tmp_path)
     assert not _kind(objs, "Secret") and not _kind(objs, "StatefulSet")
+    assert not _kind(objs, "Namespace")
     assert not (tmp_path / "secrets").exists()
-    assert all(o["metadata"].get("namespace", "rl-team") == "rl-team" for o in objs)
+    assert all(o["metadata"]["namespace"] == "rl-team" for o in objs)
     (cm,) = _kind(objs, "ConfigMap")
     assert "hunter2" not in cm["data"]["config.yaml"]
     assert "redis://redis.infra:6380/2" in cm["data"]["config.yaml"]
