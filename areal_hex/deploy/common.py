@@ -88,15 +88,21 @@ def normalize_model_name(name: str) -> str:
 
 def gpu_label_value(kind: str, dcfg: DeployConfig) -> str | None:
     """The node-label value that marks nodes of `kind`; None when unknown."""
+    want = _kind_key(kind)
     for k, v in dcfg.gpu_labels.items():
-        if k.lower() == kind.lower():
+        if _kind_key(k) == want:
             return v
     if dcfg.gpu_label_key != DEFAULT_GPU_LABEL_KEY:
         return slug(kind, 63)  # a custom key such as areal-hex/gpu-kind holds the kind itself
     for k, v in GPU_PRODUCT_LABELS.items():
-        if k.lower() == kind.lower():
+        if _kind_key(k) == want:
             return v
     return None
+
+
+def _kind_key(kind: str) -> str:
+    """`A100-80GB`, `a100_80gb` and `A100 80GB` name one kind."""
+    return re.sub(r"[^a-z0-9]", "", kind.lower())
 
 
 def service_name(prefix: str, svc: ServiceSpec) -> str:

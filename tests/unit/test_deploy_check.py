@@ -133,6 +133,7 @@ def test_split_redis_url():
 
 def test_gpu_label_lookup():
     assert gpu_label_value("h20", DeployConfig()) == "NVIDIA-H20"
+    assert gpu_label_value("a100_80gb", DeployConfig()) == "NVIDIA-A100-SXM4-80GB"
     assert gpu_label_value("TPUv5", DeployConfig()) is None
     assert gpu_label_value("A100-80GB", DeployConfig(gpu_label_key="pool")) == "a100-80gb"
 
