@@ -156,20 +156,24 @@ class RedisTrajectoryConsumer:
         with self._lock:  # our own held entries may be idle too: they are not lost
             return [(_sid(i), f) for i, f in claimed if _sid(i) not in self._held]
 
-    def _read_new(self, count: int, block_ms: int | None) -> list[Entry]:
-        resp = self.r.xreadgroup(
-            GROUP, self.name, {self.keys.traj: ">"}, count=count, block=block_ms
-        )
-        return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])]
+    def _read_new(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        """New entries, and the policy version read in the same round trip (before the
+        read blocks, as it is checked against)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.keys.version)
+        pipe.xreadgroup(GROUP, self.name, {self.keys.traj: ">"}, count=count, block=block_ms)
+        version, resp = pipe.execute()
+        return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])], int(version or 0)
 
-    def _fetch(self, count: int, block_ms: int | None) -> list[Entry]:
+    def _fetch(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        """Own pending entries first, then reclaimed ones, then new ones; with the version."""
         if self._history_cursor is not None:
             entries = self._read_history(count)
             if entries or self._history_cursor is not None:
-                return entries
+                return entries, self.version()
         entries = self._reclaim(count)
         if entries:
-            return entries
+            return entries, self.version()
         return self._read_new(count, block_ms)
 
     # ------------------------------------------------------------ sorting
@@ -224,8 +228,8 @@ class RedisTrajectoryConsumer:
             raise ValueError(f"get_batch(n): n must be positive, got {n}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         dropped = dead = 0
-        v = self.version()
         have, self._carry = self._carry, []
+        v = self.version() if have else -1  # else the first read brings the version along
         first = True
         while True:
             have, k = self._drop_stale_held(have, v)  # carried groups may have aged
@@ -245,14 +249,12 @@ class RedisTrajectoryConsumer:
             first = False
             # Read ahead up to `prefetch` entries in one round trip; the surplus is held
             # (pending to us, kept alive) and served by the next calls.
-            count = max(n - len(have), self.cfg.prefetch)
-            new, k_stale, k_dead = self._triage(self._fetch(count, block_ms), v)
+            entries, v = self._fetch(max(n - len(have), self.cfg.prefetch), block_ms)
+            new, k_stale, k_dead = self._triage(entries, v)
             dropped, dead = dropped + k_stale, dead + k_dead
             with self._lock:
                 self._held.update(i for i, _, _ in new)
             have += new
-            if len(have) < n:
-                v = self.version()  # still short: the next read checks a fresh version
         self._carry = have[n:]
         return self._batch(have[:n], v, dropped, dead)
 

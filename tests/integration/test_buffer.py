@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import msgpack
 import numpy as np
 import pytest
 import redis
@@ -23,6 +22,7 @@ from areal_hex.buffer import (
     VersionUpdate,
     encode_group,
 )
+from areal_hex.buffer.codec import frame, unframe
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import Completion, GroupRecord
@@ -193,28 +193,29 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
 # ---------------------------------------------------------------- dead letters
 def _malformed(kind: str, i: int) -> dict[bytes, bytes]:
     good = encode_group(group(i))
-    body = msgpack.unpackb(good, raw=False)
+    header, data = unframe(good)
+    arrays = bytes(data)
     if kind == "truncated":
-        return {b"d": good[: len(good) // 2]}
+        return {b"d": good[: len(good) - 5]}
     if kind == "garbage":
         return {b"d": b"\xc1" + bytes([i % 256]) * 5}
     if kind == "no_payload":
         return {b"x": b"1"}
     if kind == "schema":
-        body["schema"] = 99
+        header["schema"] = 99
     elif kind == "dtype":
-        body["tokens"] = ["<f8", np.zeros(2, "<f8").tobytes()]
+        header["arrays"][1][1] = "<f4"  # tokens declared as float32
     elif kind == "lengths":
-        body["lens"] = [3]
-    return {b"d": msgpack.packb(body, use_bin_type=True)}
+        header["lens"] = [3]
+    return {b"d": frame(header, [arrays])}
 
 
 DEAD_KINDS = {
-    "truncated": "truncated or corrupt",
-    "garbage": "truncated or corrupt",
+    "truncated": "truncated: arrays declare",
+    "garbage": "header",
     "no_payload": "no payload field",
     "schema": "schema: version 99 not supported",
-    "dtype": "tokens: dtype '<f8', expected '<i4'",
+    "dtype": "tokens: dtype '<f4', expected '<i4'",
     "lengths": "sum to 3",
 }
 

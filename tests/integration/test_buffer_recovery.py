@@ -98,7 +98,9 @@ def test_killed_consumer_entries_trained_exactly_once(tmp_path: Path, same_name:
         read = run_crashing_consumer(server.url, run_id, "trainer-0", tmp_path, idle_ms)
         assert len(read) == 5
         cfg = BufferConfig(reclaim_idle_ms=idle_ms)
-        assert RedisTrajectoryConsumer(r, run_id, cfg, keepalive=False).stats().pending == 5
+        # It read ahead `prefetch` entries: all of them stay pending, none is lost.
+        pending = RedisTrajectoryConsumer(r, run_id, cfg, keepalive=False).stats().pending
+        assert pending == cfg.prefetch == 16
         name = "trainer-0" if same_name else "trainer-1"
         if not same_name:
             time.sleep(idle_ms / 1000 + 0.2)  # the dead consumer's entries go idle
@@ -144,7 +146,7 @@ def test_live_slow_consumer_keeps_its_entries(tmp_path: Path) -> None:
 def test_valkey_restart_with_append_only_file_loses_nothing(tmp_path: Path) -> None:
     run_id = f"a{uuid.uuid4().hex[:8]}"
     data = tmp_path / "valkey"
-    cfg = BufferConfig(groups_per_step=4)
+    cfg = BufferConfig(groups_per_step=4, prefetch=10)  # read exactly the batch
     server = EmbeddedValkey(data_dir=str(data), appendonly=True, appendfsync="always")
     with server:
         r = RedisEndpoint(server.url).sync_client()
