@@ -145,6 +145,7 @@ def measure(ep: RedisEndpoint, groups: list[GroupRecord], args: argparse.Namespa
     raw = RawPath(ep, payloads, args.batch, ours.loop)
     sync = RawPath(ep, payloads, args.batch, None)
     secs = {"ours": 0.0, "raw": 0.0, "sync": 0.0}
+    cpu = dict.fromkeys(secs, 0.0)  # this process's CPU seconds (less noisy than wall)
     for k, lo in enumerate(range(0, len(groups), args.chunk)):
         part = groups[lo : lo + args.chunk]
         runs = [
@@ -153,12 +154,19 @@ def measure(ep: RedisEndpoint, groups: list[GroupRecord], args: argparse.Namespa
             ("sync", lambda lo=lo, p=part: sync.chunk(lo, len(p))),
         ]
         for name, fn in runs[k % 3 :] + runs[: k % 3]:
+            c0 = time.process_time()
             secs[name] += fn()
+            cpu[name] += time.process_time() - c0
     raw.close()
     sync.close()
     ours.close()
     lost = len(groups) - len(ours.seen & {g.prompt_id for g in groups})
-    return {**secs, "lost": lost, "raw_lost": 2 * len(groups) - raw.got - sync.got}
+    return {
+        **secs,
+        **{f"cpu_{k}": v for k, v in cpu.items()},
+        "lost": lost,
+        "raw_lost": 2 * len(groups) - raw.got - sync.got,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         passes = [measure(ep, groups, args) for _ in range(args.repeats)]
     ours, raw, sync = (n / statistics.median(p[k] for p in passes) for k in secs_keys)
     payload = len(encode_group(groups[0]))
+    cpu_ours, cpu_raw = (statistics.median(p[k] for p in passes) for k in ("cpu_ours", "cpu_raw"))
     return {
         "groups": n,
         "completions": args.completions,
@@ -183,6 +192,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_sync_per_s": round(sync, 1),
         "ratio_vs_sync": round(ours / sync, 3),
         "mb_per_s": round(ours * payload / 1e6, 1),
+        # Client CPU per group, ours vs the async-XADD baseline (robust to a busy machine).
+        "cpu_us_per_group": round(cpu_ours / n * 1e6, 1),
+        "raw_cpu_us_per_group": round(cpu_raw / n * 1e6, 1),
+        "cpu_ratio": round(cpu_raw / cpu_ours, 3),
         "lost": max(p["lost"] for p in passes),
         "raw_lost": max(p["raw_lost"] for p in passes),
         "repeats": args.repeats,

@@ -15,8 +15,8 @@ Layout (schema 1):
 
 The G completions' per-token arrays are laid end to end, so a group of any size is a fixed
 number of objects, and the arrays never pass through msgpack: encoding writes each array
-once into the payload, decoding copies the data section once (so the arrays are writable)
-and slices it. Anything that does not match (wrong schema version, truncated bytes, wrong
+once into the payload, decoding slices read-only views out of it (or, asked to, out of
+one writable copy). Anything that does not match (wrong schema version, truncated bytes, wrong
 dtype, lengths that disagree) raises `DecodeError` naming the field and what was expected:
 the consumer moves such entries to the dead-letter stream instead of stopping.
 """
@@ -121,9 +121,9 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _arrays(header: dict[str, Any], data: memoryview) -> dict[str, np.ndarray]:
-    """Check the array table against the data section, then cut writable 1-D arrays from
-    one copy of it."""
+def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, np.ndarray]:
+    """Check the array table against the data section, then cut 1-D arrays from it: views
+    of the payload (read-only, no copy) or, with `copy`, of one writable copy."""
     table = _get(header, "arrays", list)
     names = [e[0] if isinstance(e, list) and e else None for e in table]
     if names != list(ARRAY_ORDER) or not all(len(e) == 3 for e in table):
@@ -140,8 +140,7 @@ def _arrays(header: dict[str, Any], data: memoryview) -> dict[str, np.ndarray]:
     if declared != len(data):
         what = "truncated" if declared > len(data) else "trailing bytes"
         raise DecodeError("payload", f"{what}: arrays declare {declared} bytes, got {len(data)}")
-    # One copy so the arrays are writable (torch.from_numpy warns on read-only buffers).
-    buf, out, off = bytearray(data), {}, 0
+    buf, out, off = (bytearray(data) if copy else data), {}, 0
     for name, dtype, nbytes in table:
         count = nbytes // np.dtype(dtype).itemsize
         out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=off)
@@ -165,12 +164,15 @@ def _check_schema(body: dict[str, Any]) -> None:
         raise DecodeError("schema", f"version {schema!r} not supported (expected {SCHEMA_VERSION})")
 
 
-def decode_group(payload: bytes) -> GroupRecord:
-    """Parse and validate one payload; raises `DecodeError` on any mismatch."""
-    return decode_group_with_version(payload)[0]
+def decode_group(payload: bytes, copy: bool = False) -> GroupRecord:
+    """Parse and validate one payload; raises `DecodeError` on any mismatch.
+
+    The arrays are read-only views of `payload` (zero copy) unless `copy` is set; batching
+    code that concatenates or pads them copies anyway (`np.concatenate`, `torch.tensor`)."""
+    return decode_group_with_version(payload, copy)[0]
 
 
-def decode_group_with_version(payload: bytes) -> tuple[GroupRecord, int]:
+def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[GroupRecord, int]:
     """`decode_group` plus the group's version (oldest token version, -1 without tokens),
     taken in one reduction over the concatenated (sum T,) versions."""
     body, data = unframe(payload)
@@ -181,7 +183,7 @@ def decode_group_with_version(payload: bytes) -> tuple[GroupRecord, int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in lens):
         raise DecodeError("lens", "expected non-negative integers")
     total, g = sum(lens), len(lens)
-    arrays = _arrays(body, data)
+    arrays = _arrays(body, data, copy)
     for key in ("tokens", "logprobs", "versions"):
         if len(arrays[key]) != total:
             n = len(arrays[key])

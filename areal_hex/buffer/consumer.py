@@ -99,11 +99,15 @@ class RedisTrajectoryConsumer:
         cfg: BufferConfig,
         name: str | None = None,
         keepalive: bool = True,
+        copy_arrays: bool = False,
     ) -> None:
+        """`name` defaults to `cfg.consumer_name`; `copy_arrays` decodes into writable
+        arrays instead of read-only views of the received payloads."""
         self.r = client
         self.keys = BufferKeys(run_id)
         self.cfg = cfg
         self.name = name or cfg.consumer_name
+        self.copy_arrays = copy_arrays
         self._rng = random.Random(cfg.shuffle_seed)
         self._ack = client.register_script(scripts.ACK_DELETE)
         ensure_group(client, self.keys)
@@ -193,7 +197,7 @@ class RedisTrajectoryConsumer:
                 dead.append((entry_id, f"no payload field 'd' (fields: {names})", b""))
                 continue
             try:
-                group, version = decode_group_with_version(payload)
+                group, version = decode_group_with_version(payload, self.copy_arrays)
             except DecodeError as exc:
                 dead.append((entry_id, str(exc), payload))
                 continue

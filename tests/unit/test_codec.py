@@ -76,8 +76,11 @@ def assert_same(a: GroupRecord, b: GroupRecord) -> None:
 def test_round_trip(group: GroupRecord) -> None:
     back = decode_group(encode_group(group))
     assert_same(group, back)
-    # Decoded arrays are writable (the trainer turns them into tensors in place).
-    assert all(c.token_ids.flags.writeable for c in back.completions)
+    # Zero-copy views by default; `copy=True` gives writable arrays with the same values.
+    assert not any(c.logprobs.flags.writeable for c in back.completions)
+    copied = decode_group(encode_group(group), copy=True)
+    assert all(c.logprobs.flags.writeable for c in copied.completions)
+    assert_same(group, copied)
 
 
 @settings(max_examples=100, deadline=None)
