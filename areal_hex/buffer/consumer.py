@@ -46,15 +46,19 @@ def _sid(x: bytes | str) -> str:
 
 
 def read_stats(r: redis.Redis, keys: BufferKeys) -> BufferStats:
-    """One snapshot of the buffer's counters (used by the consumer and `buffer stats`)."""
-    ensure_group(r, keys)
+    """One snapshot of the buffer's counters (used by the consumer and `buffer stats`).
+    Creates nothing: a run that never wrote reads as all zeros."""
     pipe = r.pipeline(transaction=True)
     pipe.xlen(keys.traj)
     pipe.xpending(keys.traj, GROUP)
     pipe.xinfo_groups(keys.traj)
     pipe.mget(keys.submitted, keys.dropped_stale, keys.dead_count, keys.version)
-    length, pend, groups, counters = pipe.execute()
-    pending = int(pend["pending"])
+    length, pend, groups, counters = pipe.execute(raise_on_error=False)
+    if isinstance(counters, Exception):
+        raise counters
+    # No stream or no group yet: XPENDING / XINFO answer with errors, which mean zero.
+    pending = 0 if isinstance(pend, Exception) else int(pend["pending"])
+    groups = [] if isinstance(groups, Exception) else groups
     info = next((g for g in groups if _sid(g["name"]) == GROUP), {})
     lag = info.get("lag")
     # Acked entries are deleted, so without a lag figure the rest of the stream is unread.
@@ -170,6 +174,18 @@ class RedisTrajectoryConsumer:
         return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])], int(version or 0)
 
     def _fetch(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        try:
+            return self._fetch_once(count, block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream or group vanished (a server restarted without persistence, or a
+            # FLUSHALL): recreate them and carry on with whatever arrives from now.
+            ensure_group(self.r, self.keys)
+            self._history_cursor, self._claim_cursor = None, "0-0"
+            return [], self.version()
+
+    def _fetch_once(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
         """Own pending entries first, then reclaimed ones, then new ones; with the version."""
         if self._history_cursor is not None:
             entries = self._read_history(count)

@@ -21,6 +21,7 @@ from areal_hex.buffer import (
     RedisWeightPublisher,
     VersionUpdate,
     encode_group,
+    read_stats,
 )
 from areal_hex.buffer.codec import frame, unframe
 from areal_hex.buffer.keys import BufferKeys
@@ -294,3 +295,23 @@ def test_password_from_config(tmp_path: object) -> None:
             RedisEndpoint(bare).sync_client().ping()
         assert RedisEndpoint(bare, password="s3cret").sync_client().ping()
         assert RedisEndpoint(server.url).sync_client().ping()  # password in the URL
+
+
+def test_consumer_survives_a_wiped_server(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    keys = BufferKeys(run_id)
+    consumer = RedisTrajectoryConsumer(r, run_id, cfg())
+    r.delete(keys.traj)  # stream and group gone, as after a restart without persistence
+    with pytest.raises(TimeoutError):
+        consumer.get_batch(1, timeout_s=0.3)
+    r.xadd(keys.traj, {b"d": encode_group(group(1))})
+    batch = consumer.get_batch(1, timeout_s=5)
+    consumer.close()
+    assert [g.prompt_id for g in batch.groups] == ["p1"]
+
+
+def test_stats_of_an_unknown_run_creates_nothing(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    stats = read_stats(r, BufferKeys(run_id))
+    assert (stats.stream_length, stats.pending, stats.version) == (0, 0, 0)
+    assert r.keys(f"{run_id}:*") == []

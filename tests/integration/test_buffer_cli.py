@@ -66,6 +66,7 @@ def test_stats_reports_the_run(tmp_path: Path) -> None:
         "dropped_stale": 4,
         "dead_letter": 1,
         "version": 3,
+        "acked": 0,
     }
     assert text.returncode == 0 and "unconsumed     3" in text.stdout
 
