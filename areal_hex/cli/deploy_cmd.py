@@ -62,9 +62,17 @@ def deploy_config(args: argparse.Namespace):  # -> DeployConfig
     if args.image_tag:
         images = dcfg.images
         for role in ("inference", "trainer", "controller"):
-            repo = getattr(images, role).rsplit(":", 1)[0]
-            setattr(images, role, f"{repo}:{args.image_tag}")
+            setattr(images, role, with_tag(getattr(images, role), args.image_tag))
     return dcfg
+
+
+def with_tag(image: str, tag: str) -> str:
+    """`registry:5000/areal-hex/cpu:0.1.0` -> `registry:5000/areal-hex/cpu:<tag>`."""
+    repo = image.split("@", 1)[0]
+    head, sep, last = repo.rpartition(":")
+    if sep and "/" not in last:  # a tag, not a registry port
+        repo = head
+    return f"{repo}:{tag}"
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -13,8 +13,10 @@ from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
 
-# RFC 1123 label: what Kubernetes accepts for namespaces and object names.
+# RFC 1123 label: what Kubernetes accepts for namespaces; Service names also need a
+# leading letter (RFC 1035), and every object name starts with `name`.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
 class ImagesConfig(Section):
@@ -43,6 +45,8 @@ class ResourcesConfig(Section):
     trainer: Resources = Resources(cpu="16", memory="200Gi", shm="64Gi")
     controller: Resources = Resources(cpu="4", memory="8Gi", shm="1Gi")
     redis: Resources = Resources(cpu="2", memory="8Gi", shm="64Mi")
+    # The one-shot job that writes v0 (loads the model on CPU: memory ~ 2-4x its size).
+    prepare: Resources = Resources(cpu="4", memory="64Gi", shm="1Gi")
 
 
 class RedisDeployConfig(Section):
@@ -71,8 +75,11 @@ class StorageConfig(Section):
 
 class DeployConfig(Section):
     namespace: str = Field("areal-hex", pattern=DNS_LABEL, max_length=63)
+    # Render the Namespace (labelled for the "restricted" Pod Security Standard); off to
+    # deploy into an existing namespace that someone else manages.
+    create_namespace: bool = True
     # Prefix of every object name; None: derived from run.name.
-    name: str | None = Field(None, pattern=DNS_LABEL, max_length=40)
+    name: str | None = Field(None, pattern=DNS_1035_LABEL, max_length=40)
     images: ImagesConfig = ImagesConfig()
     resources: ResourcesConfig = ResourcesConfig()
     redis: RedisDeployConfig = RedisDeployConfig()

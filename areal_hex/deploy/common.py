@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from areal_hex.config import ConfigError, ExperimentConfig
+from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig
 from areal_hex.config.deploy import DeployConfig
-from areal_hex.layout import Layout, ServiceSpec, build_layout
+from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.plan import Plan
 
 # Value of `nvidia.com/gpu.product` (set by NVIDIA GPU feature discovery) per planner GPU
@@ -59,6 +59,19 @@ class Deployment:
     dcfg: DeployConfig
     prefix: str  # object-name prefix (DNS label)
     secrets: DeploySecrets
+    source_model: ModelConfig  # the experiment's model, which the prepare job writes as v0
+
+    def prepare_command(self) -> list[str]:
+        """Writes v0 = the experiment's model into the run's weights directory."""
+        cmd = ["python3", "-m", "areal_hex.deploy.prepare", CONFIG_PLACEHOLDER]
+        if self.source_model.path:
+            cmd += ["--source", self.source_model.path]
+        if self.source_model.tokenizer_path:
+            cmd += ["--tokenizer-source", self.source_model.tokenizer_path]
+        return cmd
+
+    def initial_weights_marker(self) -> str:
+        return f"{self.cfg.model.path}/config.json"
 
 
 def slug(text: str, max_len: int = 40) -> str:
@@ -75,15 +88,21 @@ def normalize_model_name(name: str) -> str:
 
 def gpu_label_value(kind: str, dcfg: DeployConfig) -> str | None:
     """The node-label value that marks nodes of `kind`; None when unknown."""
+    want = _kind_key(kind)
     for k, v in dcfg.gpu_labels.items():
-        if k.lower() == kind.lower():
+        if _kind_key(k) == want:
             return v
     if dcfg.gpu_label_key != DEFAULT_GPU_LABEL_KEY:
         return slug(kind, 63)  # a custom key such as areal-hex/gpu-kind holds the kind itself
     for k, v in GPU_PRODUCT_LABELS.items():
-        if k.lower() == kind.lower():
+        if _kind_key(k) == want:
             return v
     return None
+
+
+def _kind_key(kind: str) -> str:
+    """`A100-80GB`, `a100_80gb` and `A100 80GB` name one kind."""
+    return re.sub(r"[^a-z0-9]", "", kind.lower())
 
 
 def service_name(prefix: str, svc: ServiceSpec) -> str:
@@ -100,7 +119,7 @@ def check_plan(
     errors = [
         *_check_model(cfg, plan),
         *_check_inference(cfg, plan, dcfg),
-        *_check_trainer(cfg, plan, target),
+        *_check_trainer(cfg, plan, dcfg),
         *_check_devices(plan),
     ]
     if target == "compose":
@@ -156,10 +175,12 @@ def _check_inference(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> l
     return errors
 
 
-def _check_trainer(cfg: ExperimentConfig, plan: Plan, target: str) -> list[str]:
+def _check_trainer(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> list[str]:
     t, tc = plan.trainer, cfg.trainer
     errors: list[str] = []
     ngpus = sum(len(p.gpu_ids) for p in t.placements)
+    if gpu_label_value(t.gpu_kind, dcfg) is None:
+        errors.append(_unknown_kind("plan.trainer", t.gpu_kind, dcfg))
     if not t.placements:
         errors.append("plan.trainer.placements is empty")
     if t.dp * t.tp != t.world_size:
@@ -182,6 +203,12 @@ def _check_trainer(cfg: ExperimentConfig, plan: Plan, target: str) -> list[str]:
         errors.append(
             f"plan.trainer: every node must hold the same number of ranks, got "
             f"{[len(p.gpu_ids) for p in t.placements]}"
+        )
+    if len(t.placements) > 1 and tc.launcher != "torchrun":
+        errors.append(
+            f"the plan spreads the trainer over {len(t.placements)} nodes, which needs "
+            f"trainer.launcher=torchrun (static rendezvous from the pod environment); got "
+            f"{tc.launcher!r}"
         )
     if len({p.node for p in t.placements}) != len(t.placements):
         errors.append("plan.trainer.placements name a node twice")
@@ -253,6 +280,10 @@ def resolve_config(
         url, user = f"redis://{host}:{dcfg.redis.port}/0", None
     else:
         url, user, _ = split_redis_url(dcfg.redis.url or cfg.redis.url or "")
+    # The services start from v0 on the shared volume, written once by the prepare job
+    # (as `areal-hex run` writes it before starting them).
+    data["model"].update(path=f"{dcfg.storage.mount_path}/runs/{rid}/weights/v0")
+    data["model"].update(tokenizer_path=None)
     data["redis"].update(url=url, password=None, data_dir=None)
     if user is not None:
         data["redis"]["username"] = user
@@ -267,7 +298,11 @@ def resolve_config(
     )
     if "server_urls" in type(cfg.inference).model_fields:
         inf["server_urls"] = server_urls
-    data["trainer"]["num_ranks"] = plan.trainer.world_size
+    # num_ranks is per node (the launcher on each node starts that many ranks).
+    t = plan.trainer
+    data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
+    if "master_port" in type(cfg.trainer).model_fields:
+        data["trainer"]["master_port"] = dcfg.master_port
     return ExperimentConfig.model_validate(data)
 
 
@@ -310,7 +345,10 @@ def prepare(
     layout = build_layout(cfg, plan)
     check_plan(cfg, plan, dcfg, target, layout)
     prefix = dcfg.name or slug(cfg.run.name, 20)
+    if not prefix[0].isalpha():  # Service names must start with a letter (RFC 1035)
+        prefix = slug(f"ah-{prefix}", 20)
     urls = server_urls(layout, prefix, target)
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)
-    return Deployment(resolved, plan, layout, dcfg, prefix, load_secrets(cfg, dcfg, out_dir))
+    secrets_ = load_secrets(cfg, dcfg, out_dir)
+    return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)

@@ -21,7 +21,7 @@ COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
 def entrypoint() -> list[str]:
     """The secret-injecting wrapper; the service's layout command follows as `command`."""
     return [
-        "python",
+        "python3",
         "-m",
         "areal_hex.deploy.entry",
         "--config",
@@ -46,12 +46,16 @@ def docker_size(quantity: str) -> str:
 def render_compose(d: Deployment) -> dict[str, Any]:
     """The compose file as a dict (YAML-dumped by the caller)."""
     services: dict[str, Any] = {}
-    depends: dict[str, Any] = {}
+    # Every areal-hex service starts after v0 is written, as under `areal-hex run`.
+    prepared = {"prepare": {"condition": "service_completed_successfully"}}
+    depends: dict[str, Any] = dict(prepared)
     if d.dcfg.redis.mode == "internal":
         services["redis"] = _redis(d)
         depends["redis"] = {"condition": "service_healthy"}
+    services["prepare"] = _prepare(d)
     for svc in d.layout.by_role("inference"):
         services[svc.name] = _inference(d, svc)
+        services[svc.name]["depends_on"] = dict(prepared)
     controller = _app(d, d.layout.by_role("controller")[0], d.dcfg.images.controller, None)
     controller["depends_on"] = {
         **depends,
@@ -63,8 +67,7 @@ def render_compose(d: Deployment) -> dict[str, Any]:
     trainer_spec = d.layout.by_role("trainer")[0]
     trainer = _app(d, trainer_spec, d.dcfg.images.trainer, d.dcfg.resources.trainer)
     trainer["restart"] = "on-failure"
-    if depends:
-        trainer["depends_on"] = dict(depends)
+    trainer["depends_on"] = dict(depends)
     services["trainer"] = trainer
     out: dict[str, Any] = {
         "services": services,
@@ -78,6 +81,13 @@ def render_compose(d: Deployment) -> dict[str, Any]:
     }
     if "redis" in services:
         out["volumes"]["redis-data"] = {}
+    return out
+
+
+def _prepare(d: Deployment) -> dict[str, Any]:
+    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    out = _app(d, svc, d.dcfg.images.controller, None)
+    out["restart"] = "no"
     return out
 
 
@@ -123,7 +133,7 @@ def _inference(d: Deployment, svc: ServiceSpec) -> dict[str, Any]:
 
 def _health(probe_args: list[str], start_period: str) -> dict[str, Any]:
     return {
-        "test": ["CMD", "python", "-m", "areal_hex.deploy.probe", *probe_args],
+        "test": ["CMD", "python3", "-m", "areal_hex.deploy.probe", *probe_args],
         "interval": "15s",
         "timeout": "10s",
         "retries": 5,

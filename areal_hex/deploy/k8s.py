@@ -22,6 +22,7 @@ from areal_hex.deploy.k8s_pods import (
     container_security,
     http_probes,
     labels,
+    pod_security,
     pod_spec,
     probe_exec,
     secret_name,
@@ -38,9 +39,10 @@ def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
 def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
     """File name -> objects in it."""
     files: dict[str, list[Obj]] = {
-        "00-namespace.yaml": [_namespace(d)],
+        "00-namespace.yaml": [_namespace(d)] if d.dcfg.create_namespace else [],
         "01-config.yaml": [_configmap(d)],
         "02-storage.yaml": [] if d.dcfg.storage.existing_claim else [_pvc(d)],
+        "05-prepare.yaml": [_prepare(d)],
         "20-controller.yaml": [_controller(d)],
         "30-trainer.yaml": _trainer(d),
         "40-networkpolicy.yaml": _network_policies(d),
@@ -106,6 +108,24 @@ def _pvc(d: Deployment) -> Obj:
     }
 
 
+def _prepare(d: Deployment) -> Obj:
+    """One-shot Job writing v0; every other areal-hex pod waits for it (init container)."""
+    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    res = d.dcfg.resources.prepare
+    spec = pod_spec(d, svc, d.dcfg.images.controller, res, svc.command, wait_weights=False)
+    spec["containers"][0]["name"] = "prepare"
+    spec["restartPolicy"] = "OnFailure"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(d, f"{d.prefix}-prepare", "prepare"),
+        "spec": {
+            "backoffLimit": 3,
+            "template": {"metadata": {"labels": labels(d, "prepare")}, "spec": spec},
+        },
+    }
+
+
 def _service(d: Deployment, name: str, component: str, port: int, selector: dict) -> Obj:
     return {
         "apiVersion": "v1",
@@ -167,48 +187,35 @@ def _controller(d: Deployment) -> Obj:
     return _deployment(d, name, sel, pod_labels, spec)
 
 
-def trainer_args(d: Deployment, svc: ServiceSpec) -> list[str]:
-    """`areal-hex train CONFIG` plus, across nodes, the rendezvous flags it accepts."""
-    if svc.nodes == 1:
-        return list(svc.command)
-    return [
-        *svc.command,
-        "--nnodes",
-        str(svc.nodes),
-        "--node-rank",
-        "$(NODE_RANK)",
-        "--nproc-per-node",
-        str(svc.gpus),
-        "--master-addr",
-        "$(MASTER_ADDR)",
-        "--master-port",
-        "$(MASTER_PORT)",
-    ]
+def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:
+    """torch.distributed static rendezvous for `areal-hex train` on every Job pod.
+
+    Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
+    `<job>-k.<headless service>`, so rank 0's address is known before it starts. The
+    `PET_*` names are torchrun's own environment form of --nnodes/--node-rank/
+    --master-addr/--master-port, so the launcher `areal-hex train` starts picks them up.
+    """
+    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    rank = {"valueFrom": {"fieldRef": {"fieldPath": index}}}
+    addr = f"{job}-0.{job}"
+    env: list[Obj] = []
+    for prefix in ("", "PET_"):
+        env += [
+            {"name": f"{prefix}MASTER_ADDR", "value": addr},
+            {"name": f"{prefix}MASTER_PORT", "value": str(port)},
+            {"name": f"{prefix}NNODES", "value": str(nodes)},
+            {"name": f"{prefix}NODE_RANK", **rank},
+        ]
+    env.append({"name": "NPROC_PER_NODE", "value": str(per_node)})
+    return env
 
 
 def _trainer(d: Deployment) -> list[Obj]:
     svc = d.layout.by_role("trainer")[0]
     name = service_name(d.prefix, svc)
     port = d.dcfg.master_port
-    env = [
-        # Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
-        # `<job>-k.<headless service>`, so rank 0's address is known before it starts.
-        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
-        {"name": "MASTER_PORT", "value": str(port)},
-        {"name": "NNODES", "value": str(svc.nodes)},
-        {"name": "NPROC_PER_NODE", "value": str(svc.gpus)},
-        {
-            "name": "NODE_RANK",
-            "valueFrom": {
-                "fieldRef": {
-                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-                }
-            },
-        },
-    ]
-    spec = pod_spec(
-        d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, trainer_args(d, svc), env
-    )
+    env = rendezvous_env(name, port, svc.nodes, svc.gpus)
+    spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
     spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": port}]
     spec.update(restartPolicy="Never", subdomain=name)
     pod_labels = labels(d, "trainer")
@@ -236,21 +243,54 @@ def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
 
 def _redis(d: Deployment) -> list[Obj]:
     name, port = f"{d.prefix}-redis", d.dcfg.redis.port
-    res = d.dcfg.resources.redis
+    pod_labels = labels(d, "redis")
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(d, name, "redis"),
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": _selector(pod_labels)},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    # 999: the official image's redis user
+                    "securityContext": pod_security(999),
+                    "containers": [_redis_container(d)],
+                    "volumes": [
+                        {
+                            "name": "secrets",
+                            "secret": {
+                                "secretName": secret_name(d),
+                                "defaultMode": 0o440,
+                                "items": [{"key": "redis-password", "path": "redis-password"}],
+                            },
+                        }
+                    ],
+                },
+            },
+            "volumeClaimTemplates": [_redis_claim(d)],
+        },
+    }
+    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
+
+
+def _redis_container(d: Deployment) -> Obj:
+    port, res = d.dcfg.redis.port, d.dcfg.resources.redis
     # The password reaches redis-server on stdin (config file `-`), not its command line.
     start = (
         'printf "requirepass %s\\n" "$(cat /run/secrets/redis/redis-password)" | '
         f"exec redis-server - --port {port} --appendonly yes --appendfsync everysec --dir /data"
     )
-    ping = [
-        "sh",
-        "-c",
+    ping = (
         'REDISCLI_AUTH="$(cat /run/secrets/redis/redis-password)" '
-        f"redis-cli -p {port} ping | grep -q PONG",
-    ]
-    probe = {"exec": {"command": ping}, "periodSeconds": 10, "timeoutSeconds": 5}
-    pod_labels = labels(d, "redis")
-    container = {
+        f"redis-cli -p {port} ping | grep -q PONG"
+    )
+    probe = {"exec": {"command": ["sh", "-c", ping]}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
         "name": "redis",
         "image": d.dcfg.images.redis,
         "imagePullPolicy": d.dcfg.images.pull_policy,
@@ -268,43 +308,6 @@ def _redis(d: Deployment) -> list[Obj]:
         ],
         "securityContext": {**container_security(), "readOnlyRootFilesystem": True},
     }
-    sts = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta(d, name, "redis"),
-        "spec": {
-            "serviceName": name,
-            "replicas": 1,
-            "selector": {"matchLabels": _selector(pod_labels)},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 999,  # the official image's redis user
-                        "runAsGroup": 999,
-                        "fsGroup": 999,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "secrets",
-                            "secret": {
-                                "secretName": secret_name(d),
-                                "defaultMode": 0o440,
-                                "items": [{"key": "redis-password", "path": "redis-password"}],
-                            },
-                        }
-                    ],
-                },
-            },
-            "volumeClaimTemplates": [_redis_claim(d)],
-        },
-    }
-    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
 
 
 def _redis_claim(d: Deployment) -> Obj:

@@ -40,7 +40,7 @@ def claim_name(d: Deployment) -> str:
 
 def entry_command() -> list[str]:
     return [
-        "python",
+        "python3",
         "-m",
         "areal_hex.deploy.entry",
         "--config",
@@ -84,7 +84,7 @@ def pod_security(uid: int) -> Obj:
 
 def probe_exec(args: list[str], period: int, failures: int, delay: int = 0) -> Obj:
     return {
-        "exec": {"command": ["python", "-m", "areal_hex.deploy.probe", *args]},
+        "exec": {"command": ["python3", "-m", "areal_hex.deploy.probe", *args]},
         "initialDelaySeconds": delay,
         "periodSeconds": period,
         "timeoutSeconds": 10,
@@ -141,6 +141,23 @@ def node_selector(d: Deployment, svc: ServiceSpec) -> dict[str, str]:
     return sel
 
 
+def wait_for_weights(d: Deployment, image: str) -> Obj:
+    """Init container: hold the pod until the prepare job has written v0."""
+    return {
+        "name": "wait-initial-weights",
+        "image": image,
+        "imagePullPolicy": d.dcfg.images.pull_policy,
+        "command": ["python3", "-m", "areal_hex.deploy.probe", "wait"],
+        "args": [d.initial_weights_marker(), "86400"],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"memory": "256Mi"},
+        },
+        "volumeMounts": [{"name": "data", "mountPath": d.dcfg.storage.mount_path}],
+        "securityContext": container_security(),
+    }
+
+
 def pod_spec(
     d: Deployment,
     svc: ServiceSpec,
@@ -148,8 +165,10 @@ def pod_spec(
     res: Resources,
     args: list[str],
     env: list[Obj] | None = None,
+    wait_weights: bool = True,
 ) -> Obj:
-    """A pod running `args` (a layout command) on `svc`'s GPU kind."""
+    """A pod running `args` (a layout command) on `svc`'s GPU kind; with `wait_weights`,
+    it starts once the initial weights exist."""
     vols, mounts = volumes(d, res.shm)
     base_env: list[Obj] = [
         {"name": "HF_HOME", "value": f"{d.dcfg.storage.mount_path}/hf-cache"},
@@ -176,6 +195,8 @@ def pod_spec(
         "containers": [container],
         "volumes": vols,
     }
+    if wait_weights:
+        spec["initContainers"] = [wait_for_weights(d, image)]
     sel = node_selector(d, svc)
     if sel:
         spec["nodeSelector"] = sel

@@ -3,10 +3,12 @@ not every image has curl).
 
     python -m areal_hex.deploy.probe http http://127.0.0.1:30000/health
     python -m areal_hex.deploy.probe fresh /data/runs/r1/rollout.jsonl 600
+    python -m areal_hex.deploy.probe wait /data/runs/r1/weights/v0/config.json 7200
 
 `http` passes on a 2xx answer; `fresh` passes while the file was modified within the last
 N seconds, or does not exist yet (a service that has not written its first line is
-starting, not stuck). Exit 0 = healthy, 1 = not.
+starting, not stuck); `wait` blocks until the file exists (init containers: start after
+the initial weights are written). Exit 0 = healthy, 1 = not.
 """
 
 from __future__ import annotations
@@ -34,13 +36,24 @@ def file_fresh(path: Path, max_age_s: float, now: float | None = None) -> bool:
     return (now if now is not None else time.time()) - mtime <= max_age_s
 
 
+def wait_for_file(path: Path, timeout_s: float, poll_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) == 2 and args[0] == "http":
         return 0 if http_ok(args[1]) else 1
     if len(args) == 3 and args[0] == "fresh":
         return 0 if file_fresh(Path(args[1]), float(args[2])) else 1
-    print("usage: probe http URL | probe fresh PATH MAX_AGE_S", file=sys.stderr)
+    if len(args) == 3 and args[0] == "wait":
+        return 0 if wait_for_file(Path(args[1]), float(args[2])) else 1
+    print("usage: probe http URL | fresh PATH MAX_AGE_S | wait PATH TIMEOUT_S", file=sys.stderr)
     return 2
 
 

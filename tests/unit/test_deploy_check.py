@@ -44,8 +44,13 @@ def test_unknown_gpu_kind_is_named_and_can_be_mapped(tmp_path):
     def kind(plan):
         plan.rollout[2].gpu_kind = "MI300X"
 
-    msg = _refused(tmp_path, plan_edit=kind)
+    def kinds(plan):
+        kind(plan)
+        plan.trainer.gpu_kind = "Gaudi3"
+
+    msg = _refused(tmp_path, plan_edit=kinds)
     assert "plan.rollout[2] (rollout-l40s-2): unknown GPU kind 'MI300X'" in msg
+    assert "plan.trainer: unknown GPU kind 'Gaudi3'" in msg
     assert "--gpu-label MI300X=" in msg
     plan = load_plan(PLAN)
     kind(plan)
@@ -59,6 +64,7 @@ def test_unknown_gpu_kind_is_named_and_can_be_mapped(tmp_path):
     [
         (["trainer.zero_stage=3"], "plan.trainer.zero_stage=2 but trainer.zero_stage=3"),
         (["trainer.device=cpu"], "trainer.device is 'cpu' but the plan puts the trainer on 8"),
+        (["trainer.launcher=deepspeed"], "over 2 nodes, which needs trainer.launcher=torchrun"),
         (
             ["inference.backend=builtin", "inference.device=cpu"],
             "inference.device is 'cpu' but the plan puts inference on GPUs",
@@ -127,5 +133,52 @@ def test_split_redis_url():
 
 def test_gpu_label_lookup():
     assert gpu_label_value("h20", DeployConfig()) == "NVIDIA-H20"
+    assert gpu_label_value("a100_80gb", DeployConfig()) == "NVIDIA-A100-SXM4-80GB"
     assert gpu_label_value("TPUv5", DeployConfig()) is None
     assert gpu_label_value("A100-80GB", DeployConfig(gpu_label_key="pool")) == "a100-80gb"
+
+
+def test_object_names_start_with_a_letter(tmp_path):
+    plan = load_plan(PLAN)
+    render("k8s", load_config(CONFIG, ["run.name=7b-run"]), plan, DeployConfig(), tmp_path)
+    text = (tmp_path / "20-controller.yaml").read_text()
+    assert "name: ah-7b-run-controller" in text
+
+
+def test_example_deploy_config_renders(tmp_path):
+    import argparse
+
+    from areal_hex.cli.deploy_cmd import deploy_config
+
+    args = argparse.Namespace(
+        deploy_config=ROOT / "examples/deploy/deploy.yaml",
+        namespace=None,
+        gpu_label_key=None,
+        storage_class=None,
+        redis_url=None,
+        gpu_label=["L4=NVIDIA-L4-24GB"],
+        image_tag="0.2.0",
+    )
+    dcfg = deploy_config(args)
+    assert dcfg.namespace == "rl-demo" and dcfg.storage.storage_class == "cephfs"
+    assert dcfg.images.trainer == "registry.example.com/areal-hex/trainer:0.2.0"
+    assert dcfg.images.redis == "redis:7.4-alpine"  # --image-tag: only areal-hex images
+    render("k8s", load_config(CONFIG), load_plan(PLAN), dcfg, tmp_path)
+    trainer = (tmp_path / "30-trainer.yaml").read_text()
+    assert "nvidia.com/gpu.product: NVIDIA-A100-PCIE-80GB" in trainer
+    assert "NVIDIA-L4-24GB" in (tmp_path / "15-inference-rollout-l4-0.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("image", "want"),
+    [
+        ("areal-hex/cpu:0.1.0", "areal-hex/cpu:9"),
+        ("registry:5000/areal-hex/cpu", "registry:5000/areal-hex/cpu:9"),
+        ("registry:5000/areal-hex/cpu:0.1.0", "registry:5000/areal-hex/cpu:9"),
+        ("areal-hex/cpu@sha256:abc", "areal-hex/cpu:9"),
+    ],
+)
+def test_image_tag_replacement(image, want):
+    from areal_hex.cli.deploy_cmd import with_tag
+
+    assert with_tag(image, "9") == want

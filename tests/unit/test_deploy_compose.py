@@ -56,7 +56,8 @@ def test_gpus_are_reserved_as_planned(rendered):
     assert trainer_ids == [str(g) for g in plan.trainer.placements[0].gpu_ids]
     everything = [g for i in plan.rollout for g in device_ids(i.id)] + trainer_ids
     assert len(everything) == len(set(everything)) == 6
-    assert "deploy" not in services["controller"] and "deploy" not in services["redis"]
+    for name in ("controller", "redis", "prepare"):
+        assert "deploy" not in services[name]
 
 
 def test_services_run_the_layout_commands_with_health_checks(rendered):
@@ -65,16 +66,31 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
     for i, inst in enumerate(plan.rollout):
         svc = s[inst.id]
         assert svc["command"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
-        assert svc["entrypoint"][:3] == ["python", "-m", "areal_hex.deploy.entry"]
+        assert svc["entrypoint"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
         port = cfg.inference.base_port + i
         assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
         assert svc["restart"] == "unless-stopped"
         assert svc["network_mode"] == "host"
     assert s["controller"]["command"] == ["areal-hex", "rollout", "{config}"]
-    assert set(s["controller"]["depends_on"]) == {"redis", *(i.id for i in plan.rollout)}
+    assert set(s["controller"]["depends_on"]) == {"prepare", "redis", *(i.id for i in plan.rollout)}
     assert s["trainer"]["command"] == ["areal-hex", "train", "{config}"]
     assert s["trainer"]["restart"] == "on-failure"
-    assert s["trainer"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
+    done = {"condition": "service_completed_successfully"}
+    assert s["trainer"]["depends_on"] == {
+        "prepare": done,
+        "redis": {"condition": "service_healthy"},
+    }
+    for inst in plan.rollout:
+        assert s[inst.id]["depends_on"] == {"prepare": done}
+    assert s["prepare"]["command"] == [
+        "python3",
+        "-m",
+        "areal_hex.deploy.prepare",
+        "{config}",
+        "--source",
+        plan.model,
+    ]
+    assert s["prepare"]["restart"] == "no"
     assert "--appendonly yes" in s["redis"]["command"][0]
     assert s["redis"]["healthcheck"]["test"][0] == "CMD-SHELL"
     assert doc["volumes"] == {"data": {}, "redis-data": {}}
@@ -109,3 +125,21 @@ def test_compose_refuses_a_plan_across_nodes(tmp_path):
 @pytest.mark.parametrize(("q", "want"), [("32Gi", "32g"), ("512Mi", "512m"), ("7", "7b")])
 def test_docker_size(q, want):
     assert docker_size(q) == want
+
+
+@pytest.mark.parametrize("kind", ["inference", "trainer"])
+def test_image_entrypoint_is_the_rendered_wrapper(kind):
+    """The images' default ENTRYPOINT is the same secret wrapper the manifests set."""
+    from areal_hex.deploy.k8s_pods import entry_command
+
+    text = (ROOT / f"deploy/docker/Dockerfile.{kind}").read_text()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT")]
+    argv = json.loads(line.removeprefix("ENTRYPOINT"))
+    assert argv == entry_command()
+    assert "\nUSER 1000\n" in text and "chown 1000:1000 /data" in text
+
+
+def test_cpu_image_runs_the_tiny_example():
+    text = (ROOT / "deploy/docker/Dockerfile.cpu").read_text()
+    assert 'CMD ["areal-hex", "run", "examples/tiny_cpu.yaml"' in text
+    assert "DS_ACCELERATOR=cpu" in text and "\nUSER 1000\n" in text

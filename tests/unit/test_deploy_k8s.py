@@ -62,7 +62,7 @@ def test_every_object_passes_strict_schema_validation(rendered):
 
 def test_strict_validation_catches_a_typo(rendered):
     _, _, _, objs = rendered
-    job = _kind(objs, "Job")[0]
+    job = _trainer_job(objs)
     job["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
@@ -81,7 +81,7 @@ def test_gpu_requests_add_up_to_the_plan(rendered):
     assert sum(_gpus(o["spec"]["template"]["spec"]) for o in inference) == sum(
         i.tp for i in plan.rollout
     )
-    job = _kind(objs, "Job")[0]
+    job = _trainer_job(objs)
     per_pod = _gpus(job["spec"]["template"]["spec"])
     assert per_pod * job["spec"]["completions"] == plan.trainer.world_size
     for o in objs:
@@ -98,6 +98,11 @@ def _component(o: dict) -> str:
     return o["metadata"]["labels"]["app.kubernetes.io/component"]
 
 
+def _trainer_job(objs: list[dict]) -> dict:
+    (job,) = [o for o in _kind(objs, "Job") if _component(o) == "trainer"]
+    return job
+
+
 def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
     plan, cfg, _, objs = rendered
     by_name = {
@@ -110,7 +115,7 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
         c = spec["containers"][0]
         # rendered from the layout: the real CLI entry point, behind the secret wrapper
         assert c["args"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
-        assert c["command"][:3] == ["python", "-m", "areal_hex.deploy.entry"]
+        assert c["command"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
         port = cfg.inference.base_port + i
         assert c["ports"][0]["containerPort"] == port
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
@@ -127,7 +132,7 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
 
 def test_trainer_world_size_and_rendezvous_match_the_plan(rendered):
     plan, _, _, objs = rendered
-    job = _kind(objs, "Job")[0]
+    job = _trainer_job(objs)
     nodes = len(plan.trainer.placements)
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed"
@@ -138,24 +143,18 @@ def test_trainer_world_size_and_rendezvous_match_the_plan(rendered):
     assert headless["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
     c = pod["containers"][0]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
-    port = int(env["MASTER_PORT"])
+    for prefix in ("", "PET_"):  # PET_*: torchrun's environment form of its flags
+        assert env[f"{prefix}MASTER_ADDR"] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+        assert env[f"{prefix}NNODES"] == str(nodes)
+        rank = [e for e in c["env"] if e["name"] == f"{prefix}NODE_RANK"][0]
+        assert "job-completion-index" in rank["valueFrom"]["fieldRef"]["fieldPath"]
+    port = int(env["PET_MASTER_PORT"])
     assert headless["spec"]["ports"][0]["port"] == port == c["ports"][0]["containerPort"]
     assert int(env["NNODES"]) * int(env["NPROC_PER_NODE"]) == plan.trainer.world_size
     assert (
         pod["nodeSelector"]["nvidia.com/gpu.product"] == GPU_PRODUCT_LABELS[plan.trainer.gpu_kind]
     )
-    args = c["args"]
-    assert args[:3] == ["areal-hex", "train", "{config}"]
-    if nodes > 1:
-        flags = dict(zip(args[3::2], args[4::2], strict=True))
-        assert flags["--nnodes"] == str(nodes)
-        assert flags["--nproc-per-node"] == str(plan.trainer.world_size // nodes)
-        assert flags["--node-rank"] == "$(NODE_RANK)"
-        rank_env = [e for e in c["env"] if e["name"] == "NODE_RANK"][0]
-        assert "job-completion-index" in rank_env["valueFrom"]["fieldRef"]["fieldPath"]
-    else:
-        assert args == ["areal-hex", "train", "{config}"]
+    assert c["args"] == ["areal-hex", "train", "{config}"]  # the layout command, unchanged
 
 
 def test_configmap_holds_resolved_config_and_no_secret(rendered):
@@ -171,7 +170,9 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.redis.password is None and cfg.inference.api_key is None
     assert cfg.inference.num_servers == len(plan.rollout)
-    assert cfg.trainer.num_ranks == plan.trainer.world_size
+    # ranks per node: the launcher on each trainer node starts that many
+    assert cfg.trainer.num_ranks * len(plan.trainer.placements) == plan.trainer.world_size
+    assert cfg.trainer.master_port == 29500
     assert Plan.model_validate(yaml.safe_load(cm["data"]["plan.yaml"])) == plan
     redis_svc = [o for o in _kind(objs, "Service") if _component(o) == "redis"][0]
     assert cfg.redis.url == f"redis://{redis_svc['metadata']['name']}:6379/0"
@@ -234,13 +235,15 @@ def test_existing_secret_external_redis_and_options(tmp_path):
             "storage": {"storage_class": "cephfs", "existing_claim": None},
             "gpu_label_key": "areal-hex/gpu-kind",
             "pin_nodes": True,
+            "create_namespace": False,
         }
     )
     render("k8s", cfg, plan, dcfg, tmp_path)
     objs = _objects(tmp_path)
     assert not _kind(objs, "Secret") and not _kind(objs, "StatefulSet")
+    assert not _kind(objs, "Namespace")
     assert not (tmp_path / "secrets").exists()
-    assert all(o["metadata"].get("namespace", "rl-team") == "rl-team" for o in objs)
+    assert all(o["metadata"]["namespace"] == "rl-team" for o in objs)
     (cm,) = _kind(objs, "ConfigMap")
     assert "hunter2" not in cm["data"]["config.yaml"]
     assert "redis://redis.infra:6380/2" in cm["data"]["config.yaml"]
@@ -267,3 +270,31 @@ def test_rerender_keeps_secrets_and_drops_stale_files(tmp_path):
     assert (tmp_path / "secrets" / "redis-password").read_text() == before
     assert not (tmp_path / "15-inference-rollout-h800-3.yaml").exists()
     assert len(list(tmp_path.glob("15-inference-*.yaml"))) == 8
+
+
+def test_initial_weights_are_prepared_once_and_awaited(rendered):
+    plan, _, _, objs = rendered
+    (cm,) = _kind(objs, "ConfigMap")
+    cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert cfg.model.path == f"/data/runs/{cfg.run.run_id}/weights/v0"
+    assert cfg.model.path.startswith(cfg.inference.weights_dir)
+    (prep,) = [o for o in _kind(objs, "Job") if _component(o) == "prepare"]
+    pod = prep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    # the experiment's model (a hub name here) becomes v0 of the run
+    assert c["args"] == [
+        "python3",
+        "-m",
+        "areal_hex.deploy.prepare",
+        "{config}",
+        "--source",
+        plan.model,
+    ]
+    assert "initContainers" not in pod and "nvidia.com/gpu" not in c["resources"]["limits"]
+    waiting = [o for o in objs if _component(o) in {"inference", "controller", "trainer"}]
+    waiting = [o for o in waiting if o["kind"] in {"Deployment", "Job"}]
+    assert len(waiting) == len(plan.rollout) + 2
+    for o in waiting:
+        (init,) = o["spec"]["template"]["spec"]["initContainers"]
+        assert init["command"][-1] == "wait"
+        assert init["args"][0] == f"{cfg.model.path}/config.json"
