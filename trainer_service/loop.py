@@ -108,9 +108,12 @@ class Trainer:
         if missing[0]:
             tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
             if self.publisher is not None:
-                self.publisher.publish_now(v, tensors)
-        elif self.rank == 0:
-            self._announce(v, str(target.resolve()))
+                self.publisher.publish_now(v, tensors, announce=False)
+        if self.rank == 0 and self.consumer is not None:
+            if hasattr(self.consumer, "restore"):  # also restores the gate's admission count
+                self.consumer.restore(v, str(target.resolve()))
+            else:
+                self._announce(v, str(target.resolve()))
 
     def _announce(self, version: int, path: str) -> None:
         if self.consumer is not None and hasattr(self.consumer, "set_version"):

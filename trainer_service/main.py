@@ -33,9 +33,10 @@ def make_consumer(cfg: ExperimentConfig) -> Any:
         from trainer_service.sources import ReplayConsumer
 
         return ReplayConsumer(cfg.trainer.replay_path)
-    from areal_hex.buffer import open_consumer  # the buffer package's factory
+    from trainer_service.sources import BufferSource
 
-    return open_consumer(cfg.redis, cfg.buffer, cfg.run.run_id)
+    assert cfg.run.run_id is not None
+    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id)
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -105,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     rank, world = init_distributed(cfg.trainer.device)
     trainer = build_trainer(cfg, rank, world)
-    state = trainer.run()
+    try:
+        state = trainer.run()
+    finally:
+        if trainer.consumer is not None and hasattr(trainer.consumer, "close"):
+            trainer.consumer.close()
     if rank == 0:
         print(f"trainer: done at step {state.step}, version {state.version}", flush=True)
     import torch.distributed as dist

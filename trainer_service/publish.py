@@ -119,9 +119,11 @@ class AsyncPublisher:
         self._thread.start()
         return waited
 
-    def publish_now(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def publish_now(
+        self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True
+    ) -> None:
         self.wait()
-        self._write(version, tensors)
+        self._write(version, tensors, announce)
         self._raise()
 
     def wait(self) -> float:
@@ -137,12 +139,13 @@ class AsyncPublisher:
             err, self._error = self._error, None
             raise RuntimeError(f"weight publication failed: {err}") from err
 
-    def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _write(self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True) -> None:
         try:
             t0 = time.perf_counter()
             path = write_model_dir(tensors, self.src_dir, self.weights_dir / f"v{version}")
             self.last_write_s = time.perf_counter() - t0
-            self.announce(version, str(path.resolve()))
+            if announce:
+                self.announce(version, str(path.resolve()))
             self.published.append(version)
             collect_versions(self.weights_dir, self.keep)
         except BaseException as exc:  # surfaced on the training thread by wait()

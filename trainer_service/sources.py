@@ -115,3 +115,43 @@ class ReplayConsumer:
             dead_letter=0,
             version=self._version,
         )
+
+
+class BufferSource:
+    """The Redis buffer seen by rank 0: the trajectory consumer plus the weight publisher
+    (separate clients: publication runs on a background thread)."""
+
+    def __init__(self, redis_cfg: Any, buffer_cfg: Any, run_id: str) -> None:
+        from areal_hex.buffer import RedisTrajectoryConsumer, RedisWeightPublisher, open_redis
+
+        if redis_cfg.url is None:
+            raise ValueError(
+                "redis.url is not set: the trainer joins a running buffer, it never starts one"
+            )
+        self.endpoint = open_redis(redis_cfg)
+        self.consumer = RedisTrajectoryConsumer(self.endpoint.sync_client(), run_id, buffer_cfg)
+        self.publisher = RedisWeightPublisher(self.endpoint.sync_client(), run_id, buffer_cfg)
+
+    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
+        return self.consumer.get_batch(n, timeout_s)
+
+    def ack(self, entry_ids: Sequence[str]) -> None:
+        self.consumer.ack(entry_ids)
+
+    def version(self) -> int:
+        return self.consumer.version()
+
+    def stats(self) -> BufferStats:
+        return self.consumer.stats()
+
+    def set_version(self, version: int, weights_path: str) -> None:
+        self.publisher.set_version(version, weights_path)
+
+    def restore(self, version: int, weights_path: str) -> None:
+        """Resume: version and admission count back to the checkpoint's (the gate then
+        admits no more than (v + eta + 1) * B), then tell servers to load these weights."""
+        self.publisher.restore(version, weights_path)
+        self.publisher.set_version(version, weights_path)
+
+    def close(self) -> None:
+        self.consumer.close()

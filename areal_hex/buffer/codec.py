@@ -128,6 +128,12 @@ def _check_schema(body: dict[str, Any]) -> None:
 
 def decode_group(payload: bytes) -> GroupRecord:
     """Parse and validate one payload; raises `DecodeError` on any mismatch."""
+    return decode_group_with_version(payload)[0]
+
+
+def decode_group_with_version(payload: bytes) -> tuple[GroupRecord, int]:
+    """`decode_group` plus the group's version (oldest token version, -1 without tokens),
+    taken in one reduction over the concatenated (sum T,) versions."""
     body = _unpack(payload)
     _check_schema(body)
     lens = _get(body, "lens", list)
@@ -153,21 +159,23 @@ def decode_group(payload: bytes) -> GroupRecord:
     meta = _get(body, "meta", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise DecodeError("meta", "expected a map of str to str")
-    # Split the concatenated (sum T,) buffers back into per-completion views.
-    cuts = np.cumsum(lens)[:-1]
-    split = {k: np.split(a, cuts) for k, a in arrays.items()}
-    comps = [
-        Completion(
-            token_ids=split["tokens"][i],
-            logprobs=split["logprobs"][i],
-            versions=split["versions"][i],
-            finish_reason=finish[i],
-            reward=float(rewards[i]),
-            text=texts[i],
+    # Split the concatenated (sum T,) buffers back into per-completion (T_i,) views.
+    tokens, logprobs, versions = arrays["tokens"], arrays["logprobs"], arrays["versions"]
+    comps, lo = [], 0
+    for i, t in enumerate(lens):
+        hi = lo + t
+        comps.append(
+            Completion(
+                token_ids=tokens[lo:hi],
+                logprobs=logprobs[lo:hi],
+                versions=versions[lo:hi],
+                finish_reason=finish[i],
+                reward=float(rewards[i]),
+                text=texts[i],
+            )
         )
-        for i in range(g)
-    ]
-    return GroupRecord(
+        lo = hi
+    group = GroupRecord(
         prompt_id=_get(body, "pid", str),
         prompt_ids=_array(body, "prompt"),
         completions=comps,
@@ -177,3 +185,4 @@ def decode_group(payload: bytes) -> GroupRecord:
         metadata=meta,
         schema_version=SCHEMA_VERSION,
     )
+    return group, int(versions.min()) if len(versions) else -1

@@ -24,12 +24,13 @@ import redis
 
 from areal_hex.api import Batch, BufferStats
 from areal_hex.buffer import scripts
-from areal_hex.buffer.codec import DecodeError, decode_group
+from areal_hex.buffer.codec import DecodeError, decode_group_with_version
 from areal_hex.buffer.keys import GROUP, PAYLOAD_FIELD, BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import GroupRecord
 
 Entry = tuple[str, dict[bytes, bytes] | None]  # (stream id, fields); fields None: deleted
+Item = tuple[str, GroupRecord, int]  # (stream id, group, group version computed once)
 
 
 def ensure_group(r: redis.Redis, keys: BufferKeys) -> None:
@@ -111,7 +112,7 @@ class RedisTrajectoryConsumer:
         self._next_claim = 0.0
         # Delivered to the caller (or carried over a timed-out call), not yet acked.
         self._held: set[str] = set()
-        self._carry: list[tuple[str, GroupRecord]] = []
+        self._carry: list[Item] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -172,12 +173,10 @@ class RedisTrajectoryConsumer:
         return self._read_new(count, block_ms)
 
     # ------------------------------------------------------------ sorting
-    def _triage(
-        self, entries: list[Entry], v: int
-    ) -> tuple[list[tuple[str, GroupRecord]], int, int]:
+    def _triage(self, entries: list[Entry], v: int) -> tuple[list[Item], int, int]:
         """Decode entries: fresh groups are returned; stale ones are dropped and malformed
         ones dead-lettered, both acked and deleted in one transaction."""
-        fresh: list[tuple[str, GroupRecord]] = []
+        fresh: list[Item] = []
         stale: list[str] = []
         dead: list[tuple[str, str, bytes]] = []
         for entry_id, fields in entries:
@@ -190,14 +189,14 @@ class RedisTrajectoryConsumer:
                 dead.append((entry_id, f"no payload field 'd' (fields: {names})", b""))
                 continue
             try:
-                group = decode_group(payload)
+                group, version = decode_group_with_version(payload)
             except DecodeError as exc:
                 dead.append((entry_id, str(exc), payload))
                 continue
-            if group.version < v - self.cfg.max_staleness:
+            if version < v - self.cfg.max_staleness:
                 stale.append(entry_id)
             else:
-                fresh.append((entry_id, group))
+                fresh.append((entry_id, group, version))
         if stale or dead:
             self._discard(stale, dead)
         return fresh, len(stale), len(dead)
@@ -244,39 +243,39 @@ class RedisTrajectoryConsumer:
             # mean forever, so an expired deadline reads without blocking (None).
             block_ms = 1000 if left_ms is None else (min(1000, left_ms) if left_ms > 0 else None)
             first = False
-            new, k_stale, k_dead = self._triage(self._fetch(n - len(have), block_ms), v)
+            # Read ahead up to `prefetch` entries in one round trip; the surplus is held
+            # (pending to us, kept alive) and served by the next calls.
+            count = max(n - len(have), self.cfg.prefetch)
+            new, k_stale, k_dead = self._triage(self._fetch(count, block_ms), v)
             dropped, dead = dropped + k_stale, dead + k_dead
             with self._lock:
-                self._held.update(i for i, _ in new)
+                self._held.update(i for i, _, _ in new)
             have += new
-            v = self.version()
+            if len(have) < n:
+                v = self.version()  # still short: the next read checks a fresh version
         self._carry = have[n:]
         return self._batch(have[:n], v, dropped, dead)
 
-    def _drop_stale_held(
-        self, have: list[tuple[str, GroupRecord]], v: int
-    ) -> tuple[list[tuple[str, GroupRecord]], int]:
+    def _drop_stale_held(self, have: list[Item], v: int) -> tuple[list[Item], int]:
         floor = v - self.cfg.max_staleness
-        gone = [i for i, g in have if g.version < floor]
+        gone = [i for i, _, gv in have if gv < floor]
         if not gone:
             return have, 0
         self._discard(gone, [])
         with self._lock:
             self._held.difference_update(gone)
-        return [(i, g) for i, g in have if g.version >= floor], len(gone)
+        return [it for it in have if it[2] >= floor], len(gone)
 
-    def _batch(
-        self, picked: list[tuple[str, GroupRecord]], v: int, dropped: int, dead: int
-    ) -> Batch:
+    def _batch(self, picked: list[Item], v: int, dropped: int, dead: int) -> Batch:
         order = list(range(len(picked)))
         self._rng.shuffle(order)  # oldest-first selection, random order within the batch
         items = [picked[i] for i in order]
         return Batch(
-            entry_ids=[i for i, _ in items],
-            groups=[g for _, g in items],
+            entry_ids=[i for i, _, _ in items],
+            groups=[g for _, g, _ in items],
             dropped_stale=dropped,
             dead_lettered=dead,
-            staleness=[v - g.version for _, g in items],
+            staleness=[v - gv for _, _, gv in items],
         )
 
     def ack(self, entry_ids: Sequence[str]) -> None:

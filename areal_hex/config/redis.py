@@ -49,5 +49,8 @@ class BufferConfig(Section):
     consumer_name: str = Field("trainer-0", pattern=r"^[A-Za-z0-9_.:-]+$")
     # Poll interval of waiters (gate, consumer) besides pub/sub wake-ups.
     poll_interval_s: float = Field(0.1, gt=0)
+    # The consumer reads up to this many entries per round trip; the surplus stays pending
+    # to it (and is checked for staleness again) until a later get_batch hands it out.
+    prefetch: int = Field(16, ge=1)
     # Seed of the within-batch shuffle (oldest groups are taken first, then shuffled).
     shuffle_seed: int = 0

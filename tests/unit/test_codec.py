@@ -6,7 +6,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_hex.buffer.codec import DecodeError, decode_group, encode_group
+from areal_hex.buffer.codec import (
+    DecodeError,
+    decode_group,
+    decode_group_with_version,
+    encode_group,
+)
 from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRecord
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -61,6 +66,7 @@ def assert_same(a: GroupRecord, b: GroupRecord) -> None:
         assert (x.finish_reason, x.reward, x.text) == (y.finish_reason, y.reward, y.text)
         assert y.token_ids.dtype == np.int32 and y.logprobs.dtype == np.float32
     assert a.version == b.version
+    assert decode_group_with_version(encode_group(a))[1] == a.version
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
