@@ -110,6 +110,8 @@ def test_secrets_only_as_files(rendered):
             assert value not in secret_values.values()
     cfg = ExperimentConfig.model_validate(yaml.safe_load((out / "config.yaml").read_text()))
     assert cfg.trainer.num_ranks == 2  # the deepspeed launcher starts the planned ranks
+    ports = [30000 + i for i in range(4)]
+    assert cfg.inference.urls() == [f"http://127.0.0.1:{p}" for p in ports]
     assert cfg.redis.url == "redis://127.0.0.1:6379/0"
     assert cfg.redis.password is None and cfg.inference.api_key is None
     assert cfg.inference.weights_dir == f"/data/runs/{cfg.run.run_id}/weights"

@@ -223,7 +223,9 @@ def test_controller_is_told_where_each_server_listens(rendered):
     dep = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"][0]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == ["areal-hex", "rollout", "{config}"]
-    urls = [e["value"] for e in c["env"] if e["name"] == "AREAL_HEX_SERVER_URLS"][0].split(",")
+    (cm,) = _kind(objs, "ConfigMap")
+    deployed = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    urls = deployed.inference.urls()  # inference.server_urls, read by the controller
     services = {o["metadata"]["name"]: o for o in _kind(objs, "Service")}
     assert len(urls) == len(plan.rollout)
     for i, url in enumerate(urls):
