@@ -19,6 +19,9 @@ class RunConfig(Section):
     seed: int = 0
     # Pin processes to cores so rollout and training really run apart on small machines.
     pin_cores: bool = False
+    # Set by `areal-hex run` when it started the embedded Valkey that `redis.url` names
+    # (so the resolved config still lays out a `redis` service).
+    embedded_redis: bool = False
 
     def run_dir(self) -> Path:
         """`output_dir/run_id`; the launcher fills in `run_id` before any process starts."""
