@@ -39,8 +39,11 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     run_dir = cfg.run.run_dir()
-    print(f"areal-hex run: {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})",
-          file=sys.stderr, flush=True)
+    print(
+        f"areal-hex run: {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})",
+        file=sys.stderr,
+        flush=True,
+    )
     result = execute(cfg, config_path, plan, progress=not args.no_progress, timeout_s=args.timeout)
     if result.outcome.status == "interrupted":
         print("areal-hex run: interrupted; all processes stopped", file=sys.stderr)
@@ -48,9 +51,20 @@ def _run(args: argparse.Namespace) -> int:
     if not result.ok:
         print(f"areal-hex run: error: {failure_message(result)}", file=sys.stderr)
         return 1
-    keys = ["steps", "final_reward", "max_staleness", "samples_per_s", "wall_time_s",
-            "groups_produced", "groups_trained", "groups_dropped_stale", "final_version"]
+    keys = [
+        "steps",
+        "final_reward",
+        "max_staleness",
+        "samples_per_s",
+        "wall_time_s",
+        "groups_produced",
+        "groups_trained",
+        "groups_dropped_stale",
+        "final_version",
+    ]
     print(json.dumps({k: result.summary.get(k) for k in keys}))
-    print(f"areal-hex run: report in {run_dir / 'summary.json'} and {run_dir / 'report'}",
-          file=sys.stderr)
+    print(
+        f"areal-hex run: report in {run_dir / 'summary.json'} and {run_dir / 'report'}",
+        file=sys.stderr,
+    )
     return 0

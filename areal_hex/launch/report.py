@@ -121,7 +121,10 @@ def _plot_reward(plt: Any, metrics: list[dict], rollout: list[dict], out: Path) 
     rew = [r.get("reward_mean", 0.0) for r in metrics]
     ax.plot(steps, rew, ".", alpha=0.4, label="batch reward (= accuracy: reward is 0/1)")
     k = max(1, len(rew) // 10)
-    smooth = [sum(rew[max(0, i - k + 1) : i + 1]) / len(rew[max(0, i - k + 1) : i + 1]) for i in range(len(rew))]
+    smooth = [
+        sum(rew[max(0, i - k + 1) : i + 1]) / len(rew[max(0, i - k + 1) : i + 1])
+        for i in range(len(rew))
+    ]
     ax.plot(steps, smooth, "-", label=f"moving mean ({k} steps)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
@@ -147,11 +150,18 @@ def _plot_staleness(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None
     plt.close(fig)
 
 
-def _plot_throughput(plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float) -> None:
+def _plot_throughput(
+    plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float
+) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [r for r in rollout if not r.get("final")]
-    ax.plot([r["time"] - t0 for r in rows], [r.get("samples_per_s", 0) for r in rows], "-o",
-            ms=3, label="generated samples/s (controller)")
+    ax.plot(
+        [r["time"] - t0 for r in rows],
+        [r.get("samples_per_s", 0) for r in rows],
+        "-o",
+        ms=3,
+        label="generated samples/s (controller)",
+    )
     if len(metrics) > 1:
         g = metrics[0].get("sequences", 0) or 0
         xs, ys = [], []
@@ -170,13 +180,17 @@ def _plot_throughput(plt: Any, metrics: list[dict], rollout: list[dict], out: Pa
     plt.close(fig)
 
 
-def _plot_timeline(plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float) -> None:
+def _plot_timeline(
+    plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float
+) -> None:
     """Trainer: one bar per step's compute (+ publish) time; generation: the fraction of
     each metrics interval the servers were busy, as bar opacity."""
     fig, ax = plt.subplots(figsize=(9, 2.8))
     train = [
-        (r["time"] - t0 - r.get("compute_s", 0) - r.get("publish_s", 0),
-         r.get("compute_s", 0) + r.get("publish_s", 0))
+        (
+            r["time"] - t0 - r.get("compute_s", 0) - r.get("publish_s", 0),
+            r.get("compute_s", 0) + r.get("publish_s", 0),
+        )
         for r in metrics
     ]
     ax.broken_barh(train, (0.6, 0.8), color="tab:orange")
@@ -186,7 +200,9 @@ def _plot_timeline(plt: Any, metrics: list[dict], rollout: list[dict], out: Path
         t, busy = r["time"] - t0, float(r["gen_busy_s"])
         if prev_t is not None and t > prev_t:
             frac = min(1.0, max(0.0, (busy - prev_busy) / (t - prev_t)))
-            ax.broken_barh([(prev_t, t - prev_t)], (1.6, 0.8), color="tab:blue", alpha=0.15 + 0.85 * frac)
+            ax.broken_barh(
+                [(prev_t, t - prev_t)], (1.6, 0.8), color="tab:blue", alpha=0.15 + 0.85 * frac
+            )
         prev_t, prev_busy = t, busy
     ax.set_yticks([1.0, 2.0], ["trainer (compute)", "inference (busy)"])
     ax.set_xlabel("time since start (s)")

@@ -105,7 +105,9 @@ def wait_ready(sup: Supervisor, name: str, probe: Any, timeout_s: float) -> None
         except Exception:  # not listening yet
             pass
         time.sleep(0.25)
-    raise LaunchError(f"{name} not ready after {timeout_s:.0f} s; last log lines:\n{sup.tail(name)}")
+    raise LaunchError(
+        f"{name} not ready after {timeout_s:.0f} s; last log lines:\n{sup.tail(name)}"
+    )
 
 
 def redis_probe(cfg: ExperimentConfig) -> Any:
