@@ -51,6 +51,18 @@ def core_groups(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     return set(cores[:half]), set(cores[half:])
 
 
+def assign_local_gpus(layout: Layout) -> None:
+    """Without a plan, GPU services get consecutive local GPUs in layout order
+    (inference servers first, then the trainer's ranks)."""
+    if any(s.devices for s in layout.services):
+        return  # planned placement
+    nxt = 0
+    for svc in layout.services:
+        if svc.gpus > 0:
+            svc.devices = list(range(nxt, nxt + svc.gpus))
+            nxt += svc.gpus
+
+
 def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
     """The layout's command with this tree's interpreter (`python -m areal_hex.cli`), so
     the services run the same code as the launcher."""
@@ -64,6 +76,7 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
     run_dir = cfg.run.run_dir()
     rollout_cores, trainer_cores = core_groups(cfg.run.pin_cores)
     n_rollout = len([s for s in layout.services if s.role != "trainer"])
+    assign_local_gpus(layout)
     specs = []
     for svc in layout.services:
         cores = trainer_cores if svc.role == "trainer" else rollout_cores

@@ -89,14 +89,20 @@ def test_jsonl_tail_waits_for_complete_lines(tmp_path: Path) -> None:
         f.write('{"step": 1}\n{"step"')
     assert tail.read() == [{"step": 1}]
     with open(p, "a") as f:
-        f.write(': 2}\n')
+        f.write(": 2}\n")
     assert tail.read() == [{"step": 2}]
     assert tail.read() == []
 
 
 def test_format_line_and_eta() -> None:
-    state = {"step": 5, "reward_mean": 0.25, "staleness": 1, "max_staleness": 2,
-             "samples_per_s": 12.5, "t_first_step_elapsed": 10.0}
+    state = {
+        "step": 5,
+        "reward_mean": 0.25,
+        "staleness": 1,
+        "max_staleness": 2,
+        "samples_per_s": 12.5,
+        "t_first_step_elapsed": 10.0,
+    }
     line = format_line(state, 10, elapsed_s=30.0)  # 4 steps in 20 s after the first
     assert "step 5/10" in line and "reward 0.250" in line and "staleness 1 (max 2)" in line
     assert "12.5 samples/s" in line and "ETA 0m25s" in line
