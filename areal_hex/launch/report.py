@@ -126,7 +126,7 @@ def _timeline(
         train.append((r["time"] - t0 - busy, busy))
     ax.broken_barh(train, (10, 8), facecolors="tab:red", label="training")
     gen = []
-    for a, b in zip(roll, roll[1:]):
+    for a, b in zip(roll, roll[1:], strict=False):
         dt = b["time"] - a["time"]
         share = (
             min(1.0, max(0.0, (b.get("gen_busy_s", 0) - a.get("gen_busy_s", 0)) / dt)) if dt else 0
