@@ -29,6 +29,9 @@ class ServiceSpec:
     port: int | None = None
     devices: list[int] = field(default_factory=list)  # local GPU ids, when planned
     env: dict[str, str] = field(default_factory=dict)
+    # Planned node names (cluster-spec names) the service spans, in rank order; empty when
+    # there is no plan. Deploy uses them to pin services and to check single-host targets.
+    node_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +73,7 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
                     gpus=inst.tp,
                     port=cfg.inference.base_port + i,
                     devices=list(inst.placement.gpu_ids),
+                    node_names=[inst.placement.node],
                 )
             )
         t = plan.trainer
@@ -82,6 +86,7 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
             gpus=per_node,
             nodes=len(t.placements),
             devices=list(t.placements[0].gpu_ids),
+            node_names=[p.node for p in t.placements],
         )
     services.append(ServiceSpec("controller", "controller", ["areal-hex", "rollout", c]))
     services.append(trainer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,10 +91,53 @@ def build_tiny_model(
     return model
 
 
-def materialize(model_cfg: ModelConfig, out_dir: str | Path) -> Path:
+def supervised_warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    texts: Sequence[str],
+    cfg: TinyModelConfig,
+    seed: int = 0,
+) -> list[float]:
+    """Teacher-forced next-token training on `texts` for `cfg.sft_steps` steps (AdamW).
+
+    Returns the loss per step. Used to give the tiny model a starting policy that knows the
+    answer format, as a real RL run starts from a pretrained/SFT model.
+    """
+    import torch
+
+    if not texts:
+        raise ValueError("supervised warm start needs at least one text")
+    gen = torch.Generator().manual_seed(seed)
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
+    model.train()
+    losses = []
+    for _ in range(cfg.sft_steps):
+        idx = torch.randint(len(encoded), (cfg.sft_batch_size,), generator=gen).tolist()
+        batch = [encoded[i][: cfg.max_position_embeddings] for i in idx]
+        width = max(len(b) for b in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (B, T)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, b in enumerate(batch):
+            ids[row, : len(b)] = torch.tensor(b)
+            mask[row, : len(b)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def materialize(
+    model_cfg: ModelConfig, out_dir: str | Path, sft_texts: Sequence[str] | None = None
+) -> Path:
     """Write the configured initial model as an HF directory (weights + tokenizer).
 
-    - `model.tiny` set and no `model.path`: build the tiny model and tokenizer here.
+    - `model.tiny` set and no `model.path`: build the tiny model and tokenizer here, then
+      warm-start it on `sft_texts` if `model.tiny.sft_steps` > 0.
     - `model.path` a local directory: copy it (a run never writes into the user's model).
     - otherwise: load from the HF hub cache by name and save.
     """
@@ -107,6 +151,10 @@ def materialize(model_cfg: ModelConfig, out_dir: str | Path) -> Path:
             raise ValueError("model: set model.path (HF name or directory) or model.tiny")
         tokenizer = build_tokenizer()
         model = build_tiny_model(model_cfg.tiny, tokenizer, seed=model_cfg.seed)
+        if model_cfg.tiny.sft_steps:
+            if not sft_texts:
+                raise ValueError("model.tiny.sft_steps > 0 needs texts to warm-start on")
+            supervised_warm_start(model, tokenizer, sft_texts, model_cfg.tiny, model_cfg.seed)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     elif Path(model_cfg.path).is_dir():

@@ -12,12 +12,16 @@ import sys
 
 from areal_hex.config import ConfigError
 
-# Each module defines `register(subparsers)`; its parser sets `func(args) -> int`.
-COMMAND_MODULES = (
-    "areal_hex.cli.config_cmd",
-    "areal_hex.cli.bench",
-    "areal_hex.cli.buffer_cmd",
-)
+
+# Every `areal_hex/cli/*_cmd.py` module defines `register(subparsers)`; its parser sets
+# `func(args) -> int`. Commands are listed in `areal-hex --help` in module-name order.
+def command_modules() -> list[str]:
+    import pkgutil
+
+    import areal_hex.cli as pkg
+
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.endswith("_cmd")]
+    return [f"areal_hex.cli.{n}" for n in sorted(names)] + ["areal_hex.cli.bench"]
 
 
 class UsageError(Exception):
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
+    for name in command_modules():
         importlib.import_module(name).register(sub)
     return parser
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
 
@@ -27,3 +27,12 @@ class AlgoConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
+    # Dr. GRPO's constant length for aggregation "fixed_len" (None: rollout.max_new_tokens).
+    fixed_len: int | None = Field(None, gt=0)
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_above_one(cls, v: float | None) -> float | None:
+        if v is not None and v <= 1.0:
+            raise ValueError("expected a value > 1 (or null to turn dual clip off)")
+        return v

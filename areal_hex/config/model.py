@@ -18,6 +18,11 @@ class TinyModelConfig(Section):
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(2, gt=0)
     max_position_embeddings: int = Field(512, gt=0)
+    # Supervised warm start on task text before RL (0: random weights). An RL run needs a
+    # policy that sometimes earns a reward; a random 2-layer model never does.
+    sft_steps: int = Field(0, ge=0)
+    sft_lr: float = Field(3e-3, gt=0)
+    sft_batch_size: int = Field(32, gt=0)
 
 
 class ModelConfig(Section):

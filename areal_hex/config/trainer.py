@@ -10,18 +10,42 @@ from areal_hex.config.base import Section
 
 
 class TrainerConfig(Section):
+    # Ranks (one per device; CPU: processes) the launcher starts on this node.
     num_ranks: int = Field(1, gt=0)
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+    # Rendezvous port for the launcher (None: a free port).
+    master_port: int | None = Field(None, gt=0, lt=65536)
     zero_stage: int = Field(0, ge=0, le=3)
+    # cpu: fp32 with gloo (DS_ACCELERATOR=cpu); cuda: bf16 with NCCL.
     device: Literal["cpu", "cuda"] = "cpu"
     lr: float = Field(1e-4, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # Linear warm-up from 0 over this many optimizer steps.
     warmup_steps: int = Field(0, ge=0)
+    # Final LR of a linear/cosine decay, as a fraction of `lr`.
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0)
-    # Per-rank token budget of one micro-batch.
+    # Per-rank token budget of one micro-batch (padded tokens: rows x longest row).
     micro_batch_tokens: int = Field(4096, gt=0)
+    # Recompute activations in backward (saves memory on big models).
+    gradient_checkpointing: bool = False
     total_steps: int = Field(20, gt=0)
+    # Publish weights v<N> every this many optimizer steps (N = step count).
     publish_every: int = Field(1, gt=0)
+    # Published versions kept on disk besides v0 (the initial model is never deleted).
     keep_versions: int = Field(3, gt=0)
     checkpoint_every: int = Field(10, gt=0)
+    # Complete checkpoints kept on disk.
+    keep_checkpoints: int = Field(2, gt=0)
+    # Checkpoint directory (None: <run_dir>/checkpoints).
+    checkpoint_dir: str | None = None
+    # "auto": continue from the newest complete checkpoint if any; "none": start fresh;
+    # otherwise a checkpoint directory (…/checkpoints/step<N>).
     resume: str = "auto"
+    # Seconds to wait for a batch from the buffer before failing (None: forever).
+    batch_timeout_s: float | None = Field(None, gt=0)
+    # Train from a JSONL file of group records instead of the buffer (replay, tests).
+    replay_path: str | None = None

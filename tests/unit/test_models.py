@@ -44,3 +44,17 @@ def test_tiny_model_is_deterministic_and_materializes(tmp_path):
     # a local directory is copied, not reused in place
     copy = materialize(ModelConfig(path=str(out)), tmp_path / "copy")
     assert (copy / "model.safetensors").is_file() and copy != out
+
+
+def test_supervised_warm_start_lowers_loss():
+    from areal_hex.models import supervised_warm_start
+
+    tok = build_tokenizer()
+    cfg = TinyModelConfig(
+        num_layers=1, hidden_size=32, intermediate_size=64, sft_steps=60, sft_batch_size=8
+    )
+    model = build_tiny_model(cfg, tok, seed=0)
+    texts = [f"{a} + {b} = {a + b}" for a in range(5) for b in range(5)]
+    losses = supervised_warm_start(model, tok, texts, cfg)
+    assert len(losses) == 60
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:3]) / 3

@@ -1,0 +1,70 @@
+"""`areal-hex train CONFIG [overrides]`: start the trainer ranks through the deepspeed
+(or torchrun) launcher, one rank per device; `DS_ACCELERATOR=cpu` on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from areal_hex.cli import add_config_args
+
+    p = sub.add_parser("train", help="run the DeepSpeed trainer (one rank per device)")
+    add_config_args(p)
+    p.add_argument(
+        "--print-command", action="store_true", help="print the launcher command, do not run it"
+    )
+    p.set_defaults(func=_run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_command(cfg, config: str, overrides: list[str]) -> list[str]:  # cfg: ExperimentConfig
+    """The launcher command line that starts `trainer.num_ranks` ranks of
+    `trainer_service.main` with the same config and overrides."""
+    t = cfg.trainer
+    port = str(t.master_port or _free_port())
+    tail = ["trainer_service.main", config, *overrides]
+    if t.launcher == "deepspeed":
+        head = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.num_ranks)]
+        return [*head, "--master_port", port, "--module", *tail]
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(t.num_ranks)]
+    return [*head, "--master_port", port, "-m", *tail]
+
+
+def launcher_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
+    env = dict(os.environ)
+    if cfg.trainer.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        # ranks share the cores: one rank's intra-op threads must not starve the others
+        per_rank = max(1, (os.cpu_count() or 1) // cfg.trainer.num_ranks)
+        env.setdefault("OMP_NUM_THREADS", str(per_rank))
+    return env
+
+
+def _run(args: argparse.Namespace) -> int:
+    from areal_hex.cli import UsageError, config_from_args
+
+    cfg = config_from_args(args)  # validate before any process starts
+    if cfg.run.run_id is None:
+        raise UsageError("run.run_id is not set: pass run.run_id=NAME (the launcher sets it)")
+    if cfg.trainer.replay_path is None and cfg.redis.url is None:
+        raise UsageError(
+            "redis.url is not set: start the buffer first (areal-hex run does) or set "
+            "trainer.replay_path to train from a file"
+        )
+    cmd = launcher_command(cfg, args.config, list(args.overrides))
+    if args.print_command:
+        print(shlex.join(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execvpe(cmd[0], cmd, launcher_env(cfg))
+    return 0  # not reached

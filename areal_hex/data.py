@@ -1,0 +1,376 @@
+"""Datasets and prompts: GSM8K, MATH-500, generated arithmetic, chat templating.
+
+A `Problem` is a question with its gold final answer; a `Prompt` is a problem rendered
+(chat template or plain text) and tokenized, ready for the rollout controller.
+
+- GSM8K: the HF hub dataset `openai/gsm8k` (config `main`) when the `datasets` package is
+  installed and online, or local parquet/jsonl files with `question` and `answer`
+  columns (answer = "reasoning ... #### N").
+- MATH-500: `HuggingFaceH4/MATH-500`, or local parquet/jsonl with `problem`, `answer` and
+  `solution` columns (answer missing: the last \\boxed{} of the solution).
+- arithmetic: generated GSM8K-format problems ("What is 3 + 4?" -> "3 + 4 = 7\\n#### 7"),
+  seeded, with train and test splits that never overlap, for runs with no downloads.
+
+pyarrow and transformers are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areal_hex.config.data import ArithmeticConfig, DataConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+GSM8K_HUB = ("openai/gsm8k", "main")
+MATH500_HUB = ("HuggingFaceH4/MATH-500", None)
+DEFAULT_INSTRUCTIONS = {
+    "arithmetic": "",
+    "gsm8k": 'Let\'s think step by step and output the final answer after "####".',
+    "math500": "Please reason step by step, and put your final answer within \\boxed{}.",
+}
+# Enumerate the arithmetic problem space when it is at most this large, else sample.
+_ENUMERATE_LIMIT = 1_000_000
+
+
+class DataError(ValueError):
+    """A dataset that cannot be loaded or used; the message says where and what."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    question: str
+    answer: str  # gold final answer (e.g. "7", "\\frac{1}{2}")
+    solution: str = ""  # full reference solution (GSM8K: "... #### N")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    input_ids: list[int]
+    answer: str
+    text: str  # the rendered prompt the ids encode
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt]
+    skipped_overlong: int = 0  # problems whose prompt exceeded data.max_prompt_tokens
+    skipped_ids: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- answers
+def gsm8k_final_answer(solution: str) -> str:
+    """The number after the last `####` of a GSM8K solution, commas removed."""
+    if "####" not in solution:
+        raise DataError(f"GSM8K answer has no '#### N' final answer: {solution[-80:]!r}")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces balanced."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None  # unbalanced: no usable answer
+
+
+# ---------------------------------------------------------------- local files
+def read_records(path: str | Path, split: str) -> list[dict[str, Any]]:
+    """Rows of a parquet/jsonl/json file, or of the `*<split>*` files of a directory."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(
+            f
+            for f in p.rglob(f"*{split}*")
+            if f.is_file() and f.suffix in (".parquet", ".jsonl", ".json")
+        )
+        if not files:
+            raise DataError(
+                f"data.path {p}: no parquet/jsonl/json file with {split!r} in its name "
+                f"(expected e.g. {p}/{split}.parquet or {p}/{split}.jsonl)"
+            )
+        return [row for f in files for row in read_records(f, split)]
+    if not p.is_file():
+        raise DataError(f"data.path {p}: no such file or directory")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    if p.suffix in (".jsonl", ".json"):
+        return _read_json_rows(p)
+    raise DataError(f"data.path {p}: unsupported file type {p.suffix!r} (parquet, jsonl, json)")
+
+
+def _read_json_rows(p: Path) -> list[dict[str, Any]]:
+    text = p.read_text()
+    if p.suffix == ".json" and text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{p}:{n}: not valid JSON: {exc}") from None
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{p}: row {n} is {type(row).__name__}, expected an object")
+    return rows
+
+
+def _require(rows: list[dict[str, Any]], columns: Sequence[str], where: str) -> None:
+    if not rows:
+        raise DataError(f"{where}: no rows")
+    missing = [c for c in columns if c not in rows[0]]
+    if missing:
+        raise DataError(
+            f"{where}: missing column(s) {missing}; expected {list(columns)}, "
+            f"found {sorted(rows[0])}"
+        )
+
+
+def _hub_rows(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"loading {name} from the HF hub needs the `datasets` package "
+            f"(pip install datasets) and network access; or set data.path to a local "
+            f"parquet/jsonl file or directory"
+        ) from None
+    ds = datasets.load_dataset(name, config, split=split)
+    return [dict(r) for r in ds]
+
+
+# ---------------------------------------------------------------- loaders
+def load_gsm8k(path: str | Path | None, split: str = "train") -> list[Problem]:
+    """GSM8K problems from local files (question/answer columns) or the HF hub."""
+    where = str(path) if path is not None else f"{GSM8K_HUB[0]}:{split}"
+    rows = read_records(path, split) if path is not None else _hub_rows(*GSM8K_HUB, split)
+    _require(rows, ("question", "answer"), where)
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            gold = gsm8k_final_answer(str(row["answer"]))
+        except DataError as exc:
+            raise DataError(f"{where}: row {i}: {exc}") from None
+        out.append(Problem(f"gsm8k/{split}/{i}", str(row["question"]), gold, str(row["answer"])))
+    return out
+
+
+def load_math500(path: str | Path | None, split: str = "test") -> list[Problem]:
+    """MATH-500 problems from local files (problem/answer/solution) or the HF hub."""
+    where = str(path) if path is not None else f"{MATH500_HUB[0]}:{split}"
+    rows = read_records(path, split) if path is not None else _hub_rows(*MATH500_HUB, split)
+    _require(rows, ("problem",), where)
+    out = []
+    for i, row in enumerate(rows):
+        solution = str(row.get("solution") or "")
+        gold = row.get("answer")
+        gold = str(gold) if gold not in (None, "") else last_boxed(solution)
+        if not gold:
+            raise DataError(
+                f"{where}: row {i}: no answer (expected an 'answer' column or a \\boxed{{}} "
+                f"in 'solution')"
+            )
+        pid = str(row.get("unique_id") or f"math500/{split}/{i}")
+        out.append(Problem(pid, str(row["problem"]), gold, solution))
+    return out
+
+
+def generate_arithmetic(
+    n: int, split: str = "train", seed: int = 0, cfg: ArithmeticConfig | None = None
+) -> list[Problem]:
+    """Up to `n` distinct arithmetic problems of `split` ("train" or "test").
+
+    A problem belongs to the test split iff a hash of its expression falls below
+    `cfg.test_fraction`, so the splits never overlap for any sizes or seeds. The result
+    is shorter than `n` when the split has fewer distinct problems.
+    """
+    cfg = cfg or ArithmeticConfig()
+    if split not in ("train", "test"):
+        raise DataError(f"arithmetic dataset: split {split!r} must be 'train' or 'test'")
+    rng = random.Random(f"arith:{seed}:{split}")
+    want_test = split == "test"
+    k, ops, values = cfg.num_operands, cfg.ops, range(cfg.max_value + 1)
+    space = len(values) ** k * len(ops) ** (k - 1)
+    exprs: list[tuple[tuple[int, ...], tuple[str, ...]]] = []
+    if space <= _ENUMERATE_LIMIT:
+        for nums in itertools.product(values, repeat=k):
+            for opseq in itertools.product(ops, repeat=k - 1):
+                if _is_test(nums, opseq, cfg.test_fraction) == want_test:
+                    exprs.append((nums, opseq))
+        rng.shuffle(exprs)
+        exprs = exprs[:n]
+    else:  # too many to list: rejection-sample distinct ones
+        seen: set[tuple[tuple[int, ...], tuple[str, ...]]] = set()
+        for _ in range(50 * n):
+            if len(exprs) >= n:
+                break
+            e = (
+                tuple(rng.choice(values) for _ in range(k)),
+                tuple(rng.choice(ops) for _ in range(k - 1)),
+            )
+            if e not in seen and _is_test(*e, cfg.test_fraction) == want_test:
+                seen.add(e)
+                exprs.append(e)
+    return [_arith_problem(nums, opseq, split) for nums, opseq in exprs]
+
+
+def _expr_text(nums: Sequence[int], opseq: Sequence[str]) -> str:
+    parts = [str(nums[0])]
+    for op, x in zip(opseq, nums[1:], strict=True):
+        parts += [op, str(x)]
+    return " ".join(parts)
+
+
+def _is_test(nums: Sequence[int], opseq: Sequence[str], fraction: float) -> bool:
+    h = hashlib.sha256(_expr_text(nums, opseq).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def _arith_problem(nums: Sequence[int], opseq: Sequence[str], split: str) -> Problem:
+    """Worked solution: products first, then sums/differences left to right."""
+    steps: list[str] = []
+    terms: list[int] = [nums[0]]
+    signs: list[str] = []
+    for op, x in zip(opseq, nums[1:], strict=True):
+        if op == "*":
+            steps.append(f"{terms[-1]} * {x} = {terms[-1] * x}")
+            terms[-1] *= x
+        else:
+            signs.append(op)
+            terms.append(x)
+    acc = terms[0]
+    for op, x in zip(signs, terms[1:], strict=True):
+        new = acc + x if op == "+" else acc - x
+        steps.append(f"{acc} {op} {x} = {new}")
+        acc = new
+    expr = _expr_text(nums, opseq)
+    solution = "\n".join([*steps, f"#### {acc}"]) if steps else f"{expr} = {acc}\n#### {acc}"
+    return Problem(f"arith/{expr.replace(' ', '')}", f"What is {expr}?", str(acc), solution)
+
+
+def load_problems(cfg: DataConfig, split: str | None = None) -> list[Problem]:
+    """The configured dataset's problems of `split` (default `data.split`), limited."""
+    split = split or cfg.split
+    if cfg.dataset == "arithmetic":
+        if cfg.path is not None:
+            problems = load_gsm8k(cfg.path, split)  # saved arithmetic data is GSM8K-format
+        else:
+            problems = generate_arithmetic(cfg.num_generated, split, cfg.seed, cfg.arithmetic)
+    elif cfg.dataset == "gsm8k":
+        problems = load_gsm8k(cfg.path, split)
+    else:
+        problems = load_math500(cfg.path, split)
+    if cfg.limit is not None:
+        problems = problems[: cfg.limit]
+    if not problems:
+        raise DataError(f"data.dataset={cfg.dataset} split {split!r}: no problems")
+    return problems
+
+
+def write_jsonl(problems: Sequence[Problem], path: str | Path) -> Path:
+    """Save problems GSM8K-style (question, answer=solution) as jsonl."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w") as f:
+        for pr in problems:
+            f.write(json.dumps({"question": pr.question, "answer": pr.solution}) + "\n")
+    return p
+
+
+# ---------------------------------------------------------------- prompts
+def render_prompt(
+    question: str,
+    tokenizer: PreTrainedTokenizerBase,
+    use_chat_template: bool,
+    instruction: str = "",
+) -> str:
+    """The prompt text: the user turn through the tokenizer's chat template (with the
+    assistant turn opened), or the bare question."""
+    content = f"{question}\n{instruction}" if instruction else question
+    if not use_chat_template:
+        return content
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "data.use_chat_template=true but the tokenizer has no chat template; "
+            "set data.use_chat_template=false or use a tokenizer with one"
+        )
+    messages = [{"role": "user", "content": content}]
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def build_prompts(
+    problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
+) -> PromptSet:
+    """Render and tokenize; prompts over `data.max_prompt_tokens` are skipped and counted
+    (or fail, with `data.overlong=error`)."""
+    instruction = cfg.instruction
+    if instruction is None:
+        instruction = DEFAULT_INSTRUCTIONS[cfg.dataset]
+    out = PromptSet(prompts=[])
+    for pr in problems:
+        text = render_prompt(pr.question, tokenizer, cfg.use_chat_template, instruction)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) > cfg.max_prompt_tokens:
+            if cfg.overlong == "error":
+                raise DataError(
+                    f"prompt {pr.id} has {len(ids)} tokens > data.max_prompt_tokens="
+                    f"{cfg.max_prompt_tokens} (raise it, or set data.overlong=skip)"
+                )
+            out.skipped_overlong += 1
+            out.skipped_ids.append(pr.id)
+            continue
+        out.prompts.append(Prompt(pr.id, ids, pr.answer, text))
+    if out.skipped_overlong:
+        log.warning(
+            "skipped %d of %d prompts longer than data.max_prompt_tokens=%d",
+            out.skipped_overlong,
+            len(problems),
+            cfg.max_prompt_tokens,
+        )
+    if not out.prompts:
+        raise DataError(
+            f"all {len(problems)} prompts exceed data.max_prompt_tokens={cfg.max_prompt_tokens}"
+        )
+    return out
+
+
+def iterate_prompts(
+    prompts: Sequence[Prompt], seed: int = 0, shuffle: bool = True
+) -> Iterator[tuple[int, Prompt]]:
+    """(epoch, prompt) forever: each epoch is a fresh seeded permutation."""
+    if not prompts:
+        raise DataError("no prompts to iterate")
+    for epoch in itertools.count():
+        order = list(range(len(prompts)))
+        if shuffle:
+            random.Random(f"{seed}:{epoch}").shuffle(order)
+        for i in order:
+            yield epoch, prompts[i]

@@ -1,0 +1,176 @@
+"""docker-compose rendering: the job on one GPU host.
+
+Every service uses the host network, exactly like `areal-hex run`: servers, Redis and
+the trainer's ranks talk over loopback (NCCL and the weight-update calls need no port
+mapping), and nothing listens beyond 127.0.0.1 (Redis binds loopback and needs a
+password anyway). GPUs are reserved per service with `device_ids` from the plan.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from areal_hex.config.deploy import Resources
+from areal_hex.deploy.common import CONFIG_DIR, RUNTIME_CONFIG, Deployment
+from areal_hex.layout import ServiceSpec
+
+COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
+
+
+def entrypoint() -> list[str]:
+    """The secret-injecting wrapper; the service's layout command follows as `command`."""
+    return [
+        "python3",
+        "-m",
+        "areal_hex.deploy.entry",
+        "--config",
+        f"{CONFIG_DIR}/config.yaml",
+        "--secrets",
+        COMPOSE_SECRETS_DIR,
+        "--out",
+        RUNTIME_CONFIG,
+        "--",
+    ]
+
+
+def docker_size(quantity: str) -> str:
+    """Kubernetes quantity (`32Gi`, `512Mi`) to a docker size (`32g`, `512m`)."""
+    m = re.fullmatch(r"(\d+)([KMGT]i?)?", quantity)
+    if m is None:
+        raise ValueError(f"size {quantity!r}: expected a number with Ki/Mi/Gi/Ti")
+    unit = (m.group(2) or "")[:1].lower()
+    return f"{m.group(1)}{unit or 'b'}"
+
+
+def render_compose(d: Deployment) -> dict[str, Any]:
+    """The compose file as a dict (YAML-dumped by the caller)."""
+    services: dict[str, Any] = {}
+    # Every areal-hex service starts after v0 is written, as under `areal-hex run`.
+    prepared = {"prepare": {"condition": "service_completed_successfully"}}
+    depends: dict[str, Any] = dict(prepared)
+    if d.dcfg.redis.mode == "internal":
+        services["redis"] = _redis(d)
+        depends["redis"] = {"condition": "service_healthy"}
+    services["prepare"] = _prepare(d)
+    for svc in d.layout.by_role("inference"):
+        services[svc.name] = _inference(d, svc)
+        services[svc.name]["depends_on"] = dict(prepared)
+    controller = _app(d, d.layout.by_role("controller")[0], d.dcfg.images.controller, None)
+    controller["depends_on"] = {
+        **depends,
+        **{s.name: {"condition": "service_healthy"} for s in d.layout.by_role("inference")},
+    }
+    run_dir = d.cfg.run.run_dir()
+    controller["healthcheck"] = _health(["fresh", f"{run_dir}/rollout.jsonl", "600"], "60s")
+    services["controller"] = controller
+    trainer_spec = d.layout.by_role("trainer")[0]
+    trainer = _app(d, trainer_spec, d.dcfg.images.trainer, d.dcfg.resources.trainer)
+    trainer["restart"] = "on-failure"
+    trainer["depends_on"] = dict(depends)
+    services["trainer"] = trainer
+    out: dict[str, Any] = {
+        "services": services,
+        "volumes": {"data": {}},
+        "configs": {
+            "areal-config": {"file": "./config.yaml"},
+            "areal-plan": {"file": "./plan.yaml"},
+        },
+        "secrets": {k: {"file": f"./secrets/{k}"} for k in d.secrets.as_dict()},
+        "x-areal-hex": {"run_id": d.cfg.run.run_id, "cluster": d.plan.cluster},
+    }
+    if "redis" in services:
+        out["volumes"]["redis-data"] = {}
+    return out
+
+
+def _prepare(d: Deployment) -> dict[str, Any]:
+    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    out = _app(d, svc, d.dcfg.images.controller, None)
+    out["restart"] = "no"
+    return out
+
+
+def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> dict[str, Any]:
+    """A service running one layout command through the entry wrapper."""
+    out: dict[str, Any] = {
+        "image": image,
+        "network_mode": "host",
+        "user": f"{d.dcfg.uid}:{d.dcfg.uid}",
+        "entrypoint": entrypoint(),
+        "command": list(svc.command),
+        "environment": {
+            "HF_HOME": f"{d.dcfg.storage.mount_path}/hf-cache",
+            "HOME": "/tmp",
+            **svc.env,  # what the layout asks for, as under `areal-hex run`
+        },
+        "configs": [
+            {"source": "areal-config", "target": f"{CONFIG_DIR}/config.yaml"},
+            {"source": "areal-plan", "target": f"{CONFIG_DIR}/plan.yaml"},
+        ],
+        "secrets": list(d.secrets.as_dict()),
+        "volumes": [f"data:{d.dcfg.storage.mount_path}"],
+        "restart": "unless-stopped",
+    }
+    if res is not None:
+        out["shm_size"] = docker_size(res.shm)
+    if svc.gpus:
+        devices = [str(g) for g in svc.devices]
+        out["deploy"] = {
+            "resources": {
+                "reservations": {
+                    "devices": [
+                        {"driver": "nvidia", "device_ids": devices, "capabilities": ["gpu"]}
+                    ]
+                }
+            }
+        }
+    return out
+
+
+def _inference(d: Deployment, svc: ServiceSpec) -> dict[str, Any]:
+    out = _app(d, svc, d.dcfg.images.inference, d.dcfg.resources.inference)
+    # Model loading (and SGLang's CUDA graph capture) can take many minutes.
+    out["healthcheck"] = _health(["http", f"http://127.0.0.1:{svc.port}/health"], "900s")
+    return out
+
+
+def _health(probe_args: list[str], start_period: str) -> dict[str, Any]:
+    return {
+        "test": ["CMD", "python3", "-m", "areal_hex.deploy.probe", *probe_args],
+        "interval": "15s",
+        "timeout": "10s",
+        "retries": 5,
+        "start_period": start_period,
+    }
+
+
+def _redis(d: Deployment) -> dict[str, Any]:
+    port = d.dcfg.redis.port
+    # The password goes to redis-server on stdin (a config file `-`): never on a command
+    # line or in the environment. `$$` is compose's escape for a literal `$`.
+    start = (
+        'printf "requirepass %s\\n" "$$(cat /run/secrets/redis-password)" | '
+        f"exec redis-server - --bind 127.0.0.1 --port {port} "
+        "--appendonly yes --appendfsync everysec --dir /data"
+    )
+    ping = (
+        'REDISCLI_AUTH="$$(cat /run/secrets/redis-password)" '
+        f"redis-cli -p {port} ping | grep -q PONG"
+    )
+    return {
+        "image": d.dcfg.images.redis,
+        "network_mode": "host",
+        "user": "999:999",  # the redis user of the official image; owns /data
+        "entrypoint": ["sh", "-c"],
+        "command": [start],
+        "secrets": ["redis-password"],
+        "volumes": ["redis-data:/data"],
+        "healthcheck": {
+            "test": ["CMD-SHELL", ping],
+            "interval": "5s",
+            "timeout": "5s",
+            "retries": 10,
+        },
+        "restart": "unless-stopped",
+    }

@@ -1,0 +1,359 @@
+"""Kubernetes rendering: one file per concern, applied in file-name order.
+
+Objects: Namespace, Secret (Redis password, service token), ConfigMap (resolved config and
+plan, no secrets), a ReadWriteMany PVC for runs and weights, Redis (StatefulSet + Service)
+unless external, one inference Deployment + Service per planned instance (each keeps its
+index, port and TP degree; pinned to its GPU kind by node selector), the rollout
+controller, the trainer as an indexed Job with a headless Service for torch.distributed
+rendezvous, and NetworkPolicies (only this job's pods reach Redis and control endpoints).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import yaml
+
+from areal_hex.config import dump_yaml
+from areal_hex.deploy.common import Deployment, service_name, slug
+from areal_hex.deploy.k8s_pods import (
+    claim_name,
+    container_security,
+    http_probes,
+    labels,
+    pod_security,
+    pod_spec,
+    probe_exec,
+    secret_name,
+)
+from areal_hex.layout import ServiceSpec
+
+Obj = dict[str, Any]
+
+
+def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
+    return {"name": name, "namespace": d.dcfg.namespace, "labels": labels(d, component, **extra)}
+
+
+def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
+    """File name -> objects in it."""
+    files: dict[str, list[Obj]] = {
+        "00-namespace.yaml": [_namespace(d)] if d.dcfg.create_namespace else [],
+        "01-config.yaml": [_configmap(d)],
+        "02-storage.yaml": [] if d.dcfg.storage.existing_claim else [_pvc(d)],
+        "05-prepare.yaml": [_prepare(d)],
+        "20-controller.yaml": [_controller(d)],
+        "30-trainer.yaml": _trainer(d),
+        "40-networkpolicy.yaml": _network_policies(d),
+    }
+    if d.dcfg.existing_secret is None:
+        files["01-secret.yaml"] = [_secret(d)]
+    if d.dcfg.redis.mode == "internal":
+        files["10-redis.yaml"] = _redis(d)
+    for svc in d.layout.by_role("inference"):
+        files[f"15-inference-{slug(svc.name)}.yaml"] = _inference(d, svc)
+    return {k: files[k] for k in sorted(files) if files[k]}
+
+
+def dump_objects(objs: list[Obj]) -> str:
+    return "---\n".join(yaml.safe_dump(o, sort_keys=False) for o in objs)
+
+
+def _namespace(d: Deployment) -> Obj:
+    ns_labels = labels(d, "namespace")
+    # Every pod below satisfies the "restricted" Pod Security Standard.
+    ns_labels["pod-security.kubernetes.io/enforce"] = "restricted"
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": d.dcfg.namespace, "labels": ns_labels},
+    }
+
+
+def _secret(d: Deployment) -> Obj:
+    data = {k: base64.b64encode(v.encode()).decode() for k, v in d.secrets.as_dict().items()}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(d, secret_name(d), "secrets"),
+        "type": "Opaque",
+        "data": data,
+    }
+
+
+def _configmap(d: Deployment) -> Obj:
+    plan_yaml = yaml.safe_dump(d.plan.model_dump(mode="json"), sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(d, f"{d.prefix}-config", "config"),
+        "data": {"config.yaml": dump_yaml(d.cfg), "plan.yaml": plan_yaml},
+    }
+
+
+def _pvc(d: Deployment) -> Obj:
+    st = d.dcfg.storage
+    spec: Obj = {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": st.size}},
+    }
+    if st.storage_class:
+        spec["storageClassName"] = st.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": meta(d, claim_name(d), "storage"),
+        "spec": spec,
+    }
+
+
+def _prepare(d: Deployment) -> Obj:
+    """One-shot Job writing v0; every other areal-hex pod waits for it (init container)."""
+    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    res = d.dcfg.resources.prepare
+    spec = pod_spec(d, svc, d.dcfg.images.controller, res, svc.command, wait_weights=False)
+    spec["containers"][0]["name"] = "prepare"
+    spec["restartPolicy"] = "OnFailure"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(d, f"{d.prefix}-prepare", "prepare"),
+        "spec": {
+            "backoffLimit": 3,
+            "template": {"metadata": {"labels": labels(d, "prepare")}, "spec": spec},
+        },
+    }
+
+
+def _service(d: Deployment, name: str, component: str, port: int, selector: dict) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(d, name, component),
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": "tcp", "port": port, "targetPort": port}],
+        },
+    }
+
+
+def _deployment(d: Deployment, name: str, sel: dict, pod_labels: dict, spec: Obj) -> Obj:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta(d, name, pod_labels["app.kubernetes.io/component"]),
+        "spec": {
+            "replicas": 1,
+            # GPUs cannot be shared by an old and a new pod: stop first, then start.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": sel},
+            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
+        },
+    }
+
+
+def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
+    name = service_name(d.prefix, svc)
+    assert svc.port is not None and svc.gpu_kind is not None
+    pod_labels = labels(
+        d, "inference", **{"areal-hex/instance": name, "areal-hex/gpu-kind": slug(svc.gpu_kind, 63)}
+    )
+    spec = pod_spec(d, svc, d.dcfg.images.inference, d.dcfg.resources.inference, svc.command)
+    spec["containers"][0].update(http_probes(svc.port))
+    sel = {"areal-hex/instance": name}
+    return [
+        _service(d, name, "inference", svc.port, sel),
+        _deployment(d, name, sel, pod_labels, spec),
+    ]
+
+
+def _controller(d: Deployment) -> Obj:
+    svc = d.layout.by_role("controller")[0]
+    name = service_name(d.prefix, svc)
+    # It finds server i at inference.server_urls[i] (each server's Service) in the config.
+    spec = pod_spec(d, svc, d.dcfg.images.controller, d.dcfg.resources.controller, svc.command)
+    # The controller appends to rollout.jsonl every few seconds; silence means it hangs.
+    fresh = ["fresh", f"{d.cfg.run.run_dir()}/rollout.jsonl", "600"]
+    spec["containers"][0]["livenessProbe"] = probe_exec(fresh, 60, 3, delay=120)
+    pod_labels = labels(d, "controller")
+    sel = {"app.kubernetes.io/instance": pod_labels["app.kubernetes.io/instance"]}
+    sel["app.kubernetes.io/component"] = "controller"
+    return _deployment(d, name, sel, pod_labels, spec)
+
+
+def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:
+    """torch.distributed static rendezvous for `areal-hex train` on every Job pod.
+
+    Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
+    `<job>-k.<headless service>`, so rank 0's address is known before it starts. The
+    `PET_*` names are torchrun's own environment form of --nnodes/--node-rank/
+    --master-addr/--master-port, so the launcher `areal-hex train` starts picks them up.
+    """
+    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    rank = {"valueFrom": {"fieldRef": {"fieldPath": index}}}
+    addr = f"{job}-0.{job}"
+    env: list[Obj] = []
+    for prefix in ("", "PET_"):
+        env += [
+            {"name": f"{prefix}MASTER_ADDR", "value": addr},
+            {"name": f"{prefix}MASTER_PORT", "value": str(port)},
+            {"name": f"{prefix}NNODES", "value": str(nodes)},
+            {"name": f"{prefix}NODE_RANK", **rank},
+        ]
+    env.append({"name": "NPROC_PER_NODE", "value": str(per_node)})
+    return env
+
+
+def _trainer(d: Deployment) -> list[Obj]:
+    svc = d.layout.by_role("trainer")[0]
+    name = service_name(d.prefix, svc)
+    port = d.dcfg.master_port
+    env = rendezvous_env(name, port, svc.nodes, svc.gpus)
+    spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
+    spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": port}]
+    spec.update(restartPolicy="Never", subdomain=name)
+    pod_labels = labels(d, "trainer")
+    headless = _service(d, name, "trainer", port, {**_selector(pod_labels)})
+    headless["spec"].update(clusterIP="None", publishNotReadyAddresses=True)
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(d, name, "trainer"),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": svc.nodes,
+            "parallelism": svc.nodes,
+            "backoffLimit": d.dcfg.trainer_backoff_limit,
+            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
+        },
+    }
+    return [headless, job]
+
+
+def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
+    keys = ("app.kubernetes.io/instance", "app.kubernetes.io/component")
+    return {k: pod_labels[k] for k in keys}
+
+
+def _redis(d: Deployment) -> list[Obj]:
+    name, port = f"{d.prefix}-redis", d.dcfg.redis.port
+    pod_labels = labels(d, "redis")
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(d, name, "redis"),
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": _selector(pod_labels)},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    # 999: the official image's redis user
+                    "securityContext": pod_security(999),
+                    "containers": [_redis_container(d)],
+                    "volumes": [
+                        {
+                            "name": "secrets",
+                            "secret": {
+                                "secretName": secret_name(d),
+                                "defaultMode": 0o440,
+                                "items": [{"key": "redis-password", "path": "redis-password"}],
+                            },
+                        }
+                    ],
+                },
+            },
+            "volumeClaimTemplates": [_redis_claim(d)],
+        },
+    }
+    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
+
+
+def _redis_container(d: Deployment) -> Obj:
+    port, res = d.dcfg.redis.port, d.dcfg.resources.redis
+    # The password reaches redis-server on stdin (config file `-`), not its command line.
+    start = (
+        'printf "requirepass %s\\n" "$(cat /run/secrets/redis/redis-password)" | '
+        f"exec redis-server - --port {port} --appendonly yes --appendfsync everysec --dir /data"
+    )
+    ping = (
+        'REDISCLI_AUTH="$(cat /run/secrets/redis/redis-password)" '
+        f"redis-cli -p {port} ping | grep -q PONG"
+    )
+    probe = {"exec": {"command": ["sh", "-c", ping]}, "periodSeconds": 10, "timeoutSeconds": 5}
+    return {
+        "name": "redis",
+        "image": d.dcfg.images.redis,
+        "imagePullPolicy": d.dcfg.images.pull_policy,
+        "command": ["sh", "-c", start],
+        "ports": [{"name": "redis", "containerPort": port}],
+        "resources": {
+            "requests": {"cpu": res.cpu, "memory": res.memory},
+            "limits": {"memory": res.memory_limit or res.memory},
+        },
+        "readinessProbe": {**probe, "failureThreshold": 3},
+        "livenessProbe": {**probe, "failureThreshold": 6, "initialDelaySeconds": 30},
+        "volumeMounts": [
+            {"name": "redis-data", "mountPath": "/data"},
+            {"name": "secrets", "mountPath": "/run/secrets/redis", "readOnly": True},
+        ],
+        "securityContext": {**container_security(), "readOnlyRootFilesystem": True},
+    }
+
+
+def _redis_claim(d: Deployment) -> Obj:
+    spec: Obj = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": d.dcfg.redis.storage}},
+    }
+    if d.dcfg.storage.storage_class:
+        spec["storageClassName"] = d.dcfg.storage.storage_class
+    return {"metadata": {"name": "redis-data"}, "spec": spec}
+
+
+def _network_policies(d: Deployment) -> list[Obj]:
+    inst = labels(d, "x")["app.kubernetes.io/instance"]
+    job_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}
+
+    def policy(name: str, component: str | None, ingress: list[Obj]) -> Obj:
+        sel = {"app.kubernetes.io/instance": inst}
+        if component:
+            sel["app.kubernetes.io/component"] = component
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta(d, f"{d.prefix}-{name}", "network"),
+            "spec": {
+                "podSelector": {"matchLabels": sel},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        }
+
+    inf_ports = [{"protocol": "TCP", "port": s.port} for s in d.layout.by_role("inference")]
+
+    def pods(component: str) -> Obj:
+        sel = {"app.kubernetes.io/instance": inst, "app.kubernetes.io/component": component}
+        return {"podSelector": {"matchLabels": sel}}
+
+    out = [
+        # Default: nothing reaches this job's pods ...
+        policy("deny-ingress", None, []),
+        # ... but its own pods reach the inference control endpoints, and the trainer any
+        # inference port (NCCL weight broadcast opens its own ports),
+        policy(
+            "inference",
+            "inference",
+            [{"from": [job_pods], "ports": inf_ports}, {"from": [pods("trainer")]}],
+        ),
+        # and trainer ranks reach each other (rendezvous, NCCL), as do the servers (NCCL).
+        policy("trainer", "trainer", [{"from": [pods("trainer"), pods("inference")]}]),
+    ]
+    if d.dcfg.redis.mode == "internal":
+        port = [{"protocol": "TCP", "port": d.dcfg.redis.port}]
+        out.append(policy("redis", "redis", [{"from": [job_pods], "ports": port}]))
+    return out

@@ -1,0 +1,175 @@
+"""Rewards: the model's final answer checked against the gold one with math-verify.
+
+The final answer is the content of the completion's last `\\boxed{}`, else what follows
+its last `####` (GSM8K style) on that line; a completion with neither scores 0.
+`math_reward` is a pure function; `RewardPool` runs it in worker processes with a
+per-answer timeout so that a slow or crashing check never blocks or kills the asyncio
+controller: such an answer scores 0 and is counted in `failures`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from areal_hex.data import last_boxed
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float]
+
+
+def extract_final_answer(completion: str) -> str | None:
+    """The last \\boxed{} content, else the rest of the line after the last `####`."""
+    boxed = last_boxed(completion)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    if "####" in completion:
+        tail = completion.rsplit("####", 1)[1].strip()
+        line = tail.splitlines()[0].strip() if tail else ""
+        line = line.rstrip(".").lstrip("$").strip()
+        return line or None
+    return None
+
+
+def math_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's final answer equals `gold` per math-verify, else 0.0."""
+    from math_verify import parse, verify
+
+    pred = extract_final_answer(completion)
+    if pred is None:
+        return 0.0
+    gold_parsed = parse(f"\\boxed{{{gold}}}")
+    pred_parsed = parse(f"\\boxed{{{pred}}}")
+    if not gold_parsed or not pred_parsed:
+        return 0.0
+    return 1.0 if verify(gold_parsed, pred_parsed) else 0.0
+
+
+def _worker_init() -> None:
+    import math_verify  # noqa: F401  (import once per worker, not inside the timed call)
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
+@dataclass
+class RewardStats:
+    calls: int = 0
+    failures: int = 0  # timeouts + exceptions + worker crashes: each scored 0
+    timeouts: int = 0
+    restarts: int = 0  # worker pools replaced after a timeout or crash
+
+
+class RewardPool:
+    """Scores answers in `workers` processes; at most `workers` run at once, and each has
+    `timeout_s` of compute (time waiting for a free worker does not count).
+
+    A timed-out answer leaves its worker busy, so the pool is replaced (its processes
+    killed); answers that were running in the old pool are resubmitted once.
+    """
+
+    def __init__(self, workers: int, timeout_s: float, fn: RewardFn = math_reward) -> None:
+        if workers <= 0 or timeout_s <= 0:
+            raise ValueError(f"RewardPool: workers ({workers}) and timeout_s ({timeout_s}) > 0")
+        self.workers, self.timeout_s, self.fn = workers, timeout_s, fn
+        self.stats = RewardStats()
+        self._pool: ProcessPoolExecutor | None = None
+        self._gen = 0
+        self._slots: asyncio.Semaphore | None = None
+        self._ready: asyncio.Event | None = None
+
+    async def start(self) -> None:
+        """Spawn the workers and wait until each has imported math-verify."""
+        self._slots = asyncio.Semaphore(self.workers)
+        self._ready = asyncio.Event()
+        await self._new_pool()
+
+    async def _new_pool(self) -> None:
+        # spawn, not fork: the controller has threads (HTTP, tokenizer) a fork would copy.
+        ctx = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init)
+        pings = [asyncio.wrap_future(pool.submit(_ping)) for _ in range(self.workers)]
+        await asyncio.gather(*pings)
+        self._pool = pool
+        assert self._ready is not None
+        self._ready.set()
+
+    async def _restart(self, gen: int) -> None:
+        """Replace the pool of generation `gen` (no-op if it was already replaced)."""
+        assert self._ready is not None
+        if gen != self._gen:
+            return
+        self._gen += 1
+        self._ready.clear()
+        self.stats.restarts += 1
+        old, self._pool = self._pool, None
+        if old is not None:
+            _kill(old)
+        await self._new_pool()
+
+    async def score(self, completion: str, gold: str) -> float:
+        """The reward of one answer; 0.0 (counted) on timeout, exception or crash."""
+        if self._slots is None or self._ready is None:
+            raise RuntimeError("RewardPool.start() was not awaited")
+        self.stats.calls += 1
+        async with self._slots:
+            for attempt in range(2):
+                await self._ready.wait()
+                gen, pool = self._gen, self._pool
+                assert pool is not None
+                try:
+                    cf = pool.submit(self.fn, completion, gold)
+                    return float(await asyncio.wait_for(asyncio.wrap_future(cf), self.timeout_s))
+                except asyncio.TimeoutError:
+                    self.stats.timeouts += 1
+                    log.warning("reward timed out after %.1f s; scored 0", self.timeout_s)
+                    await self._restart(gen)
+                    break
+                except (BrokenProcessPool, RuntimeError) as exc:
+                    # RuntimeError: submit() to a pool another answer just shut down.
+                    if gen != self._gen and attempt == 0:
+                        continue  # our pool was replaced under us: resubmit once
+                    log.warning("reward worker crashed (%s); scored 0", exc)
+                    await self._restart(gen)
+                    break
+                except asyncio.CancelledError:
+                    # A pool replaced by another answer's timeout cancels queued calls;
+                    # that is not a cancellation of this task: resubmit once.
+                    task = asyncio.current_task()
+                    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
+                    ours = cancelling is None or cancelling() > 0
+                    if ours or gen == self._gen or attempt > 0:
+                        raise
+                    continue
+                except Exception as exc:  # the reward function raised: score 0, count it
+                    log.warning("reward raised %s: %s; scored 0", type(exc).__name__, exc)
+                    break
+        self.stats.failures += 1
+        return 0.0
+
+    async def score_many(self, completions: Sequence[str], gold: str) -> list[float]:
+        return list(await asyncio.gather(*[self.score(c, gold) for c in completions]))
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            _kill(self._pool)
+            self._pool = None
+
+
+def _kill(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool now, even with a worker stuck in a call (shutdown alone would wait)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.join(timeout=5)

@@ -1,0 +1,1 @@
+"""Rollout service: inference servers and the rollout controller."""

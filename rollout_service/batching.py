@@ -1,0 +1,214 @@
+"""The running batch of the built-in engine: one KV cache for all live sequences.
+
+Sequences are stacked with LEFT padding: row b of every cache tensor holds that
+sequence's keys/values right-aligned at the end, and `mask[b]` marks its real columns.
+All rows therefore write their next key/value at the same column, so a decode step is
+one forward of shape (B, 1) over HF's DynamicCache, with per-row position ids.
+
+- New requests are prefilled together (their own left-padded batch), then merged into
+  the running batch between decode steps (the shorter cache is left-padded to the
+  longer one's length).
+- Finished rows leave by index-select; leading columns that became padding in every
+  remaining row are cut, so the cache stays as long as the longest live sequence.
+
+Sampling returns, per token, the log-prob under the distribution it was drawn from
+after temperature, `log_softmax(logits / T)` (raw logits when T = 0, greedy); top-k /
+top-p / min-p only restrict which tokens can be drawn, as in SGLang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as tensors on the model's device, shape (B,)."""
+
+    temperature: torch.Tensor  # float32
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, -1 = all
+    min_p: torch.Tensor  # float32
+
+    @staticmethod
+    def build(rows: Sequence[Any], device: torch.device) -> RowParams:
+        """`rows`: objects with temperature, top_p, top_k, min_p attributes."""
+        return RowParams(
+            temperature=torch.tensor([r.temperature for r in rows], device=device),
+            top_p=torch.tensor([r.top_p for r in rows], device=device),
+            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+            min_p=torch.tensor([r.min_p for r in rows], device=device),
+        )
+
+    def select(self, idx: torch.Tensor) -> RowParams:
+        return RowParams(self.temperature[idx], self.top_p[idx], self.top_k[idx], self.min_p[idx])
+
+    @staticmethod
+    def cat(a: RowParams, b: RowParams) -> RowParams:
+        return RowParams(
+            torch.cat([a.temperature, b.temperature]),
+            torch.cat([a.top_p, b.top_p]),
+            torch.cat([a.top_k, b.top_k]),
+            torch.cat([a.min_p, b.min_p]),
+        )
+
+
+def sample(
+    logits: torch.Tensor, p: RowParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: (B, V). Returns tokens (B,) int64 and their
+    log-probs (B,) float32 under log_softmax(logits / T) (T = 1 for greedy rows)."""
+    logits = logits.float()
+    greedy = p.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V)
+    probs = _restrict(logp.exp(), p)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _restrict(probs: torch.Tensor, p: RowParams) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p, row by row. probs: (B, V)."""
+    need_k = bool((p.top_k > 0).any())
+    need_p = bool((p.top_p < 1).any())
+    need_min = bool((p.min_p > 0).any())
+    if not (need_k or need_p or need_min):
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+    if need_k:
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        k = torch.where(p.top_k > 0, p.top_k, probs.shape[-1])
+        drop |= rank >= k[:, None]
+    if need_p:
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
+        drop |= (before >= p.top_p[:, None]) & (p.top_p < 1)[:, None]
+    if need_min:
+        drop |= sorted_p < (p.min_p * sorted_p[:, :1].squeeze(1))[:, None]
+    drop[:, 0] = False  # the most likely token always stays
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(1, order, sorted_p)
+
+
+@dataclass
+class KVBatch:
+    """Left-padded KV state of B live sequences.
+
+    cache: HF DynamicCache, each layer's keys/values (B, H_kv, L, D)
+    mask: (B, L) int64, 1 where the column holds a real token of that row
+    pos: (B,) int64, the position id of each row's next token
+    last: (B,) int64, the token each row feeds into the next decode step
+    params: per-row sampling parameters
+    """
+
+    cache: Any
+    mask: torch.Tensor
+    pos: torch.Tensor
+    last: torch.Tensor
+    params: RowParams
+
+    @property
+    def size(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+
+@torch.no_grad()
+def prefill(
+    model: Any, prompts: Sequence[Sequence[int]], params: RowParams, pad_id: int
+) -> tuple[KVBatch, torch.Tensor]:
+    """Run the prompts as one left-padded batch. Returns the batch (its `last` not yet
+    set) and the logits of each prompt's final position, (B, V)."""
+    from transformers import DynamicCache
+
+    device = params.temperature.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids[b, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[b, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, L)
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    pos = mask.sum(dim=1)
+    batch = KVBatch(cache=out.past_key_values, mask=mask, pos=pos, last=pos.clone(), params=params)
+    return batch, out.logits[:, -1, :]
+
+
+@torch.no_grad()
+def decode_step(model: Any, batch: KVBatch) -> torch.Tensor:
+    """Feed each row's `last` token; returns next-token logits (B, V)."""
+    ones = torch.ones((batch.size, 1), dtype=batch.mask.dtype, device=batch.mask.device)
+    batch.mask = torch.cat([batch.mask, ones], dim=1)
+    out = model(
+        input_ids=batch.last[:, None],
+        attention_mask=batch.mask,
+        position_ids=batch.pos[:, None],
+        past_key_values=batch.cache,
+        use_cache=True,
+    )
+    batch.pos = batch.pos + 1
+    return out.logits[:, -1, :]
+
+
+def _layers(cache: Any) -> list[Any]:
+    return list(cache.layers)
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    extra = width - t.shape[dim]
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def merge(a: KVBatch, b: KVBatch) -> KVBatch:
+    """Stack b's rows under a's (a's cache object is reused)."""
+    width = max(a.length, b.length)
+    for la, lb in zip(_layers(a.cache), _layers(b.cache), strict=True):
+        la.keys = torch.cat([_left_pad(la.keys, width, 2), _left_pad(lb.keys, width, 2)])
+        la.values = torch.cat([_left_pad(la.values, width, 2), _left_pad(lb.values, width, 2)])
+    return KVBatch(
+        cache=a.cache,
+        mask=torch.cat([_left_pad(a.mask, width, 1), _left_pad(b.mask, width, 1)]),
+        pos=torch.cat([a.pos, b.pos]),
+        last=torch.cat([a.last, b.last]),
+        params=RowParams.cat(a.params, b.params),
+    )
+
+
+def select(batch: KVBatch, keep: list[int]) -> KVBatch:
+    """Keep rows `keep` (in that order) and cut columns that are padding in all of them."""
+    idx = torch.tensor(keep, dtype=torch.long, device=batch.mask.device)
+    mask = batch.mask.index_select(0, idx)
+    live = mask.any(dim=0).nonzero()
+    start = int(live[0]) if live.numel() else mask.shape[1]
+    for layer in _layers(batch.cache):
+        layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
+        layer.values = layer.values.index_select(0, idx)[:, :, start:]
+    return KVBatch(
+        cache=batch.cache,
+        mask=mask[:, start:],
+        pos=batch.pos.index_select(0, idx),
+        last=batch.last.index_select(0, idx),
+        params=batch.params.select(idx),
+    )

@@ -1,0 +1,227 @@
+"""Async HTTP client for one inference server: ours or a real SGLang server.
+
+Implements `areal_hex.api.GenerationClient` using only the SGLang native API subset in
+SGLANG_API.md, so the same code drives both. With an API key it sends
+`Authorization: Bearer <key>` on every call (SGLang's `--api-key` expects the same).
+
+    async with InferenceClient("http://127.0.0.1:30000", api_key=key) as c:
+        res = await c.generate(prompt_ids, SamplingParams(max_new_tokens=32), rid="p0-s1")
+        res.output_ids, res.logprobs, res.finish_reason, res.weight_version
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from areal_hex.api import GenerateResult, SamplingParams
+
+
+class GenerationError(RuntimeError):
+    """A call the server refused or could not answer. `status` is None when the server
+    could not be reached (connection refused, timeout): worth a retry elsewhere."""
+
+    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+        where = f"{url} (HTTP {status})" if status is not None else url
+        super().__init__(f"{where}: {message}")
+        self.url = url
+        self.status = status
+        self.message = message
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:500]
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateResult:
+    """A `/generate` response (one request, `return_logprob: true`) as a GenerateResult."""
+    meta = body.get("meta_info") or {}
+    output_ids = [int(t) for t in body.get("output_ids") or []]
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise ValueError("response has no meta_info.output_token_logprobs (return_logprob?)")
+    logprobs = [float(p[0]) for p in pairs]
+    if not output_ids:  # some servers omit output_ids: the ids are in the log-prob tuples
+        output_ids = [int(p[1]) for p in pairs]
+    if len(logprobs) != len(output_ids):
+        raise ValueError(f"{len(logprobs)} log-probs for {len(output_ids)} output tokens")
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    return GenerateResult(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=str(kind or "abort"),
+        weight_version=str(meta.get("weight_version", "")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float | None = 120.0,
+        update_timeout_s: float | None = 600.0,
+        max_connections: int = 512,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.update_timeout_s = update_timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+        )
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # ------------------------------------------------------------------ transport
+    async def _call(
+        self, method: str, path: str, body: Any = None, timeout: float | None | object = ...
+    ) -> httpx.Response:
+        kwargs: dict[str, Any] = {}
+        if body is not None:
+            kwargs["json"] = body
+        if timeout is not ...:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)  # type: ignore[arg-type]
+        try:
+            resp = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise GenerationError(self.base_url + path, f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise GenerationError(self.base_url + path, _message(resp), resp.status_code)
+        return resp
+
+    async def _json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        resp = await self._call(method, path, body, **kw)
+        return resp.json() if resp.content else {}
+
+    # ------------------------------------------------------------------ generation
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
+    ) -> GenerateResult:
+        """One request with behaviour log-probs; an aborted request returns normally
+        with `finish_reason == "abort"` and the tokens generated so far."""
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling.to_wire(),
+            "return_logprob": True,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        body = await self._json("POST", "/generate", payload)
+        try:
+            return parse_generate(body)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise GenerationError(self.base_url + "/generate", f"bad response: {exc}") from exc
+
+    async def generate_raw(self, payload: dict[str, Any]) -> Any:
+        """POST any `/generate` body; returns the decoded JSON (object or list)."""
+        return await self._json("POST", "/generate", payload)
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request by rid, or every request when `rid` is None."""
+        body = {"rid": rid} if rid is not None else {"abort_all": True}
+        await self._json("POST", "/abort_request", body)
+
+    # ------------------------------------------------------------------ weights, control
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str, abort_all_requests: bool = True
+    ) -> None:
+        body = {
+            "model_path": model_path,
+            "weight_version": str(weight_version),
+            "abort_all_requests": abort_all_requests,
+        }
+        out = await self._json(
+            "POST", "/update_weights_from_disk", body, timeout=self.update_timeout_s
+        )
+        if isinstance(out, dict) and out.get("success") is False:
+            raise GenerationError(
+                self.base_url + "/update_weights_from_disk", str(out.get("message"))
+            )
+
+    async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        await self._json("POST", "/update_weight_version", body)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation; mode `abort` returns once nothing is in flight."""
+        await self._json("POST", "/pause_generation", {"mode": mode}, timeout=self.update_timeout_s)
+
+    async def resume(self) -> None:
+        await self._json("POST", "/continue_generation", {})
+
+    async def flush_cache(self, retries: int = 20, delay_s: float = 0.5) -> None:
+        """Flush the prefix cache; the server refuses while requests run, so retry."""
+        for attempt in range(retries + 1):
+            try:
+                await self._call("POST", "/flush_cache")
+                return
+            except GenerationError as exc:
+                if exc.status != 400 or attempt == retries:
+                    raise
+                await asyncio.sleep(delay_s)
+
+    # ------------------------------------------------------------------ info
+    async def health(self) -> bool:
+        try:
+            resp = await self._http.get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        try:
+            resp = await self._http.get("/health_generate", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def wait_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.5) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.health():
+            if loop.time() > deadline:
+                raise GenerationError(self.base_url, f"not healthy after {timeout_s:.0f} s")
+            await asyncio.sleep(interval_s)
+
+    async def model_info(self) -> dict[str, Any]:
+        return dict(await self._json("GET", "/get_model_info"))
+
+    async def server_info(self) -> dict[str, Any]:
+        return dict(await self._json("GET", "/get_server_info"))
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info()).get("weight_version", ""))
+
+    async def metrics_text(self) -> str:
+        return (await self._call("GET", "/metrics")).text

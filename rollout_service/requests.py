@@ -1,0 +1,73 @@
+"""One generation request as the built-in engine tracks it, and its stop rules."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollout_service.wire import FinishReason
+
+
+class EngineError(Exception):
+    """A request the engine refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class GenRequest:
+    rid: str
+    prompt: list[int]
+    sampling: Sampling
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # one per output token
+    finish: FinishReason | None = None
+    weight_version: str = ""  # the server's version when the request finished
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float = 0.0
+    submitted: bool = False  # handed to the scheduler thread
+    # Called once, from the thread that finishes the request.
+    on_done: Callable[[GenRequest], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def latency(self) -> float:
+        return (self.finished_at or time.monotonic()) - self.created
+
+
+def check_stop(
+    req: GenRequest,
+    token: int,
+    eos_ids: frozenset[int],
+    decode_tail: Callable[[list[int]], str] | None,
+) -> FinishReason | None:
+    """The finish reason once `token` (already appended to req.output_ids) is out."""
+    s = req.sampling
+    if token in s.stop_token_ids or (not s.ignore_eos and token in eos_ids):
+        return FinishReason(type="stop", matched=token)
+    if s.stop_strings and decode_tail is not None:
+        width = max(len(x) for x in s.stop_strings) + 1
+        tail = decode_tail(req.output_ids[-width:])
+        for text in s.stop_strings:
+            if text in tail:
+                return FinishReason(type="stop", matched=text)
+    if len(req.output_ids) >= s.max_new_tokens:
+        return FinishReason(type="length", length=s.max_new_tokens)
+    return None

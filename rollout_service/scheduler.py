@@ -1,0 +1,210 @@
+"""The scheduler thread's state: the running batch, control commands and one tick.
+
+Everything here runs on the engine's scheduler thread only; `Engine` is the thread-safe
+front. A tick = (reload if one is due) → prefill and merge newly admitted requests →
+one decode step for the whole running batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollout_service import batching
+from rollout_service.batching import KVBatch, RowParams
+from rollout_service.requests import EngineError, GenRequest, check_stop
+from rollout_service.wire import FinishReason
+
+if TYPE_CHECKING:
+    from rollout_service.engine import Engine, _Control
+
+log = logging.getLogger(__name__)
+
+
+def eos_ids(model: Any, tokenizer: Any | None) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class Core:
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.device = torch.device(engine.opts.device)
+        self.batch: KVBatch | None = None
+        self.rows: list[GenRequest] = []  # aligned with the batch's rows
+        self.held = False  # in-place pause
+        self.pending_reload: _Control | None = None
+        self.eos = eos_ids(engine.model, engine.tokenizer)
+        tok = engine.tokenizer
+        self.pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id else 0
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(engine.opts.seed)
+        self._decode_tail = (
+            (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        )
+
+    # ------------------------------------------------------------------ state
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    def has_work(self, waiting: bool) -> bool:
+        if self.held:
+            return False
+        if self.pending_reload is not None:
+            return True
+        return bool(self.rows) or waiting
+
+    # ------------------------------------------------------------------ controls
+    def apply(self, ctl: _Control) -> None:
+        try:
+            if ctl.kind == "abort":
+                ctl.result.set_result(self.abort(ctl.args["rid"], ctl.args["message"]))
+            elif ctl.kind == "hold":
+                self.held = True
+                ctl.result.set_result(None)
+            elif ctl.kind == "release":
+                self.held = False
+                ctl.result.set_result(None)
+            elif ctl.kind == "reload":
+                n = 0
+                if ctl.args["abort_all"]:
+                    n = self.abort(None, "weights are being updated")
+                if self.pending_reload is not None:  # a newer reload supersedes it
+                    self.pending_reload.result.set_exception(
+                        EngineError("superseded by a newer weight update")
+                    )
+                ctl.args["aborted"] = n
+                self.pending_reload = ctl
+            else:
+                raise ValueError(f"unknown control {ctl.kind!r}")
+        except Exception as exc:
+            if not ctl.result.done():
+                ctl.result.set_exception(exc)
+
+    def abort(self, rid: str | None, message: str) -> int:
+        reason = FinishReason(type="abort", message=message)
+        if rid is not None:
+            req = self.e._inflight.get(rid)
+            if req is None:
+                return 0
+            if req in self.rows:
+                self._drop_rows([i for i, r in enumerate(self.rows) if r is req], reason)
+            else:  # queued, or still waiting for `continue`
+                with self.e._cv:
+                    if req in self.e._waiting:
+                        self.e._waiting.remove(req)
+                self.e.finish(req, reason)
+            return 1
+        queued = self.e.drain_waiting()
+        n = len(self.rows) + len(queued)
+        self._drop_rows(list(range(len(self.rows))), reason)
+        for req in queued:
+            self.e.finish(req, reason)
+        return n
+
+    def abort_running(self, message: str) -> None:
+        self._drop_rows(list(range(len(self.rows))), FinishReason(type="abort", message=message))
+
+    def _drop_rows(self, idx: list[int], reason: FinishReason) -> None:
+        if not idx:
+            return
+        gone = set(idx)
+        for i in idx:
+            self.e.finish(self.rows[i], reason)
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        self.batch = batching.select(self.batch, keep) if keep and self.batch else None
+
+    # ------------------------------------------------------------------ one tick
+    def tick(self) -> None:
+        if self.held:
+            return
+        if self.pending_reload is not None:
+            if self.rows:  # wait for in-flight requests, admit nothing new
+                self._decode()
+                return
+            self._reload(self.pending_reload)
+            self.pending_reload = None
+        room = self.e.opts.max_running_requests - len(self.rows)
+        if room > 0:
+            admitted = self.e.take_waiting(room, self.e.opts.max_prefill_tokens)
+            if admitted:
+                self._prefill(admitted)
+        if self.rows:
+            self._decode()
+
+    def _reload(self, ctl: _Control) -> None:
+        path, version = ctl.args["path"], ctl.args["version"]
+        try:
+            model = self.e._load_model(path)
+        except Exception as exc:
+            ctl.result.set_exception(EngineError(f"failed to load weights from {path}: {exc}"))
+            return
+        old = self.e.model
+        self.e.model = model
+        self.e.model_path = path
+        if version is not None:
+            self.e.weight_version = version
+        self.eos = eos_ids(model, self.e.tokenizer)
+        del old
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.e.counters["updates"] += 1
+        log.info("loaded weights from %s (version %s)", path, self.e.weight_version)
+        ctl.result.set_result(ctl.args.get("aborted", 0))
+
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        prompts = [r.prompt for r in reqs]
+        params = RowParams.build([r.sampling for r in reqs], self.device)
+        try:
+            new, logits = batching.prefill(self.e.model, prompts, params, self.pad_id)
+        except Exception as exc:
+            msg = f"engine error in prefill: {type(exc).__name__}: {exc}"
+            for r in reqs:
+                self.e.finish(r, FinishReason(type="abort", message=msg))
+            raise
+        tokens, logps = batching.sample(logits, params, self.gen)
+        self.e.note_tokens(len(reqs), sum(len(p) for p in prompts))
+        new.last = tokens
+        keep = self._advance(reqs, tokens.tolist(), logps.tolist())
+        if not keep:
+            return
+        survivors = [reqs[i] for i in keep]
+        if len(keep) < len(reqs):
+            new = batching.select(new, keep)
+        self.batch = new if self.batch is None else batching.merge(self.batch, new)
+        self.rows.extend(survivors)
+
+    def _decode(self) -> None:
+        assert self.batch is not None
+        logits = batching.decode_step(self.e.model, self.batch)
+        tokens, logps = batching.sample(logits, self.batch.params, self.gen)
+        self.batch.last = tokens
+        self.e.note_tokens(len(self.rows))
+        keep = self._advance(self.rows, tokens.tolist(), logps.tolist())
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            self.batch = batching.select(self.batch, keep) if keep else None
+
+    def _advance(self, reqs: list[GenRequest], tokens: list[int], logps: list[float]) -> list[int]:
+        """Append one token per request; finish those that stop. Returns live indices."""
+        keep: list[int] = []
+        for i, (req, tok, lp) in enumerate(zip(reqs, tokens, logps, strict=True)):
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            reason = check_stop(req, tok, self.eos, self._decode_tail)
+            if reason is None:
+                keep.append(i)
+            else:
+                self.e.finish(req, reason)
+        return keep

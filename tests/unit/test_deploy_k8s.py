@@ -1,0 +1,311 @@
+"""Kubernetes rendering of the example plans: schema-valid objects (kubernetes-validate,
+strict, offline) whose GPUs, placement, rendezvous and secrets match the plan."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from areal_hex.config import ExperimentConfig, load_config
+from areal_hex.config.deploy import DeployConfig
+from areal_hex.deploy import render
+from areal_hex.deploy.common import GPU_PRODUCT_LABELS
+from areal_hex.plan import Plan, load_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S_VERSION = "1.30.0"
+CASES = [
+    ("h800_h20.yaml", "qwen3-8b.yaml"),
+    ("a100_l40s_l4.yaml", "qwen3-1.7b.yaml"),
+    ("workstation_l40s_l4.yaml", "qwen3-0.6b.yaml"),
+]
+
+
+def _load(plan_file: str, cfg_file: str) -> tuple[Plan, ExperimentConfig]:
+    plan = load_plan(ROOT / "examples/plans" / plan_file)
+    return plan, load_config(ROOT / "examples/deploy" / cfg_file)
+
+
+def _objects(out: Path) -> list[dict]:
+    return [
+        o
+        for f in sorted(out.glob("*.yaml"))
+        for o in yaml.safe_load_all(f.read_text())
+        if o is not None
+    ]
+
+
+def _kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+@pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
+def rendered(request, tmp_path):
+    plan, cfg = _load(*request.param)
+    render("k8s", cfg, plan, DeployConfig(), tmp_path)
+    return plan, cfg, tmp_path, _objects(tmp_path)
+
+
+@pytest.mark.parametrize("version", ["1.27.0", K8S_VERSION, "1.33.0"])
+def test_every_object_passes_strict_schema_validation(rendered, version):
+    _, _, _, objs = rendered
+    kinds = {o["kind"] for o in objs}
+    assert {"Namespace", "Secret", "ConfigMap", "PersistentVolumeClaim", "StatefulSet"} <= kinds
+    assert {"Deployment", "Service", "Job", "NetworkPolicy"} <= kinds
+    for o in objs:
+        # raises on any schema violation, and SchemaNotFoundError on an unknown kind
+        assert kubernetes_validate.validate(o, version, strict=True) == version[:4]
+
+
+def test_strict_validation_catches_a_typo(rendered):
+    _, _, _, objs = rendered
+    job = _trainer_job(objs)
+    job["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+
+
+def _gpus(pod_spec: dict) -> int:
+    return sum(
+        int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) for c in pod_spec["containers"]
+    )
+
+
+def test_gpu_requests_add_up_to_the_plan(rendered):
+    plan, _, _, objs = rendered
+    inference = [o for o in _kind(objs, "Deployment") if _component(o) == "inference"]
+    assert len(inference) == len(plan.rollout)
+    assert sum(_gpus(o["spec"]["template"]["spec"]) for o in inference) == sum(
+        i.tp for i in plan.rollout
+    )
+    job = _trainer_job(objs)
+    per_pod = _gpus(job["spec"]["template"]["spec"])
+    assert per_pod * job["spec"]["completions"] == plan.trainer.world_size
+    for o in objs:
+        spec = o.get("spec", {}).get("template", {}).get("spec")
+        if spec:  # requests equal limits for GPUs
+            for c in spec["containers"]:
+                r = c["resources"]
+                assert r["requests"].get("nvidia.com/gpu") == r["limits"].get("nvidia.com/gpu")
+    controller = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"]
+    assert _gpus(controller[0]["spec"]["template"]["spec"]) == 0
+
+
+def _component(o: dict) -> str:
+    return o["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def _trainer_job(objs: list[dict]) -> dict:
+    (job,) = [o for o in _kind(objs, "Job") if _component(o) == "trainer"]
+    return job
+
+
+def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
+    plan, cfg, _, objs = rendered
+    by_name = {
+        o["metadata"]["name"]: o for o in _kind(objs, "Deployment") if _component(o) == "inference"
+    }
+    for i, inst in enumerate(plan.rollout):
+        (dep,) = [o for n, o in by_name.items() if n.endswith(inst.id)]
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": GPU_PRODUCT_LABELS[inst.gpu_kind]}
+        c = spec["containers"][0]
+        # rendered from the layout: the real CLI entry point, behind the secret wrapper
+        assert c["args"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
+        assert c["command"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
+        port = cfg.inference.base_port + i
+        assert c["ports"][0]["containerPort"] == port
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert labels["areal-hex/gpu-kind"] == inst.gpu_kind.lower()
+        sel = dep["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= labels.items()
+        (svc,) = [
+            o for o in _kind(objs, "Service") if o["metadata"]["name"] == dep["metadata"]["name"]
+        ]
+        assert svc["spec"]["selector"] == sel and svc["spec"]["ports"][0]["port"] == port
+
+
+def test_trainer_world_size_and_rendezvous_match_the_plan(rendered):
+    plan, _, _, objs = rendered
+    job = _trainer_job(objs)
+    nodes = len(plan.trainer.placements)
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == nodes
+    pod = spec["template"]["spec"]
+    (headless,) = [o for o in _kind(objs, "Service") if o["metadata"]["name"] == pod["subdomain"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    c = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    for prefix in ("", "PET_"):  # PET_*: torchrun's environment form of its flags
+        assert env[f"{prefix}MASTER_ADDR"] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+        assert env[f"{prefix}NNODES"] == str(nodes)
+        rank = [e for e in c["env"] if e["name"] == f"{prefix}NODE_RANK"][0]
+        assert "job-completion-index" in rank["valueFrom"]["fieldRef"]["fieldPath"]
+    port = int(env["PET_MASTER_PORT"])
+    assert headless["spec"]["ports"][0]["port"] == port == c["ports"][0]["containerPort"]
+    assert int(env["NNODES"]) * int(env["NPROC_PER_NODE"]) == plan.trainer.world_size
+    assert (
+        pod["nodeSelector"]["nvidia.com/gpu.product"] == GPU_PRODUCT_LABELS[plan.trainer.gpu_kind]
+    )
+    assert c["args"] == ["areal-hex", "train", "{config}"]  # the layout command, unchanged
+
+
+def test_configmap_holds_resolved_config_and_no_secret(rendered):
+    plan, _, out, objs = rendered
+    (secret,) = _kind(objs, "Secret")
+    values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(values) == {"redis-password", "api-token"}
+    assert all(len(v) >= 32 for v in values.values())
+    for key, value in values.items():
+        assert (out / "secrets" / key).read_text().strip() == value
+        assert (out / "secrets" / key).stat().st_mode & 0o077 == 0
+    assert (out / "01-secret.yaml").stat().st_mode & 0o077 == 0
+    (cm,) = _kind(objs, "ConfigMap")
+    cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert cfg.redis.password is None and cfg.inference.api_key is None
+    assert cfg.inference.num_servers == len(plan.rollout)
+    # ranks per node: the launcher on each trainer node starts that many
+    assert cfg.trainer.num_ranks * len(plan.trainer.placements) == plan.trainer.world_size
+    assert cfg.trainer.master_port == 29500
+    assert Plan.model_validate(yaml.safe_load(cm["data"]["plan.yaml"])) == plan
+    redis_svc = [o for o in _kind(objs, "Service") if _component(o) == "redis"][0]
+    assert cfg.redis.url == f"redis://{redis_svc['metadata']['name']}:6379/0"
+    sts = _kind(objs, "StatefulSet")[0]
+    assert "--appendonly yes" in sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    # no secret value anywhere but the Secret itself (plain or base64)
+    for f in out.rglob("*"):
+        if f.is_file() and f.name != "01-secret.yaml" and f.parent.name != "secrets":
+            text = f.read_text()
+            for v in values.values():
+                assert v not in text, f
+                assert base64.b64encode(v.encode()).decode() not in text, f
+
+
+def test_pods_are_non_root_and_network_policies_cover_them(rendered):
+    _, _, _, objs = rendered
+    pods = [o["spec"]["template"] for o in objs if "template" in o.get("spec", {})]
+    instance = objs[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
+    allowed_volumes = {"configMap", "secret", "emptyDir", "persistentVolumeClaim"}
+    for t in pods:  # the "restricted" Pod Security Standard, as the Namespace enforces
+        spec = t["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(spec)
+        for v in spec.get("volumes", []):
+            assert set(v) - {"name"} <= allowed_volumes, v
+        assert t["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+    policies = {o["metadata"]["name"].split("-")[-1]: o for o in _kind(objs, "NetworkPolicy")}
+    assert policies["ingress"]["spec"]["ingress"] == []  # default deny for the job's pods
+    (rule,) = policies["redis"]["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": instance}}}
+    ]
+    (pvc,) = _kind(objs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_controller_is_told_where_each_server_listens(rendered):
+    plan, cfg, _, objs = rendered
+    dep = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"][0]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == ["areal-hex", "rollout", "{config}"]
+    (cm,) = _kind(objs, "ConfigMap")
+    deployed = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    urls = deployed.inference.urls()  # inference.server_urls, read by the controller
+    services = {o["metadata"]["name"]: o for o in _kind(objs, "Service")}
+    assert len(urls) == len(plan.rollout)
+    for i, url in enumerate(urls):
+        host, port = url.removeprefix("http://").split(":")
+        assert (
+            services[host]["spec"]["ports"][0]["port"] == int(port) == cfg.inference.base_port + i
+        )
+        assert host.endswith(plan.rollout[i].id)
+
+
+def test_existing_secret_external_redis_and_options(tmp_path):
+    plan, cfg = _load(*CASES[1])
+    dcfg = DeployConfig.model_validate(
+        {
+            "namespace": "rl-team",
+            "existing_secret": "team-secrets",
+            "redis": {"mode": "external", "url": "redis://:hunter2-secret@redis.infra:6380/2"},
+            "storage": {"storage_class": "cephfs", "existing_claim": None},
+            "gpu_label_key": "areal-hex/gpu-kind",
+            "pin_nodes": True,
+            "create_namespace": False,
+        }
+    )
+    render("k8s", cfg, plan, dcfg, tmp_path)
+    objs = _objects(tmp_path)
+    assert not _kind(objs, "Secret") and not _kind(objs, "StatefulSet")
+    assert not _kind(objs, "Namespace")
+    assert not (tmp_path / "secrets").exists()
+    assert all(o["metadata"]["namespace"] == "rl-team" for o in objs)
+    (cm,) = _kind(objs, "ConfigMap")
+    assert "hunter2" not in cm["data"]["config.yaml"]
+    assert "redis://redis.infra:6380/2" in cm["data"]["config.yaml"]
+    assert _kind(objs, "PersistentVolumeClaim")[0]["spec"]["storageClassName"] == "cephfs"
+    for dep in _kind(objs, "Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["secrets"]["secret"]["secretName"] == "team-secrets"
+        if _component(dep) == "inference":
+            sel = spec["nodeSelector"]
+            assert sel["areal-hex/gpu-kind"] in {"l40s", "l4"}
+            assert sel["kubernetes.io/hostname"] in {"l40s-0", "l4-0"}
+    for o in objs:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+
+
+def test_rerender_keeps_secrets_and_drops_stale_files(tmp_path):
+    plan, cfg = _load(*CASES[0])
+    render("k8s", cfg, plan, DeployConfig(), tmp_path)
+    before = (tmp_path / "secrets" / "redis-password").read_text()
+    assert (tmp_path / "15-inference-rollout-h800-3.yaml").is_file()
+    smaller = plan.model_copy(update={"rollout": plan.rollout[:8]})
+    render("k8s", cfg, smaller, DeployConfig(), tmp_path)
+    assert (tmp_path / "secrets" / "redis-password").read_text() == before
+    assert not (tmp_path / "15-inference-rollout-h800-3.yaml").exists()
+    assert len(list(tmp_path.glob("15-inference-*.yaml"))) == 8
+
+
+def test_initial_weights_are_prepared_once_and_awaited(rendered):
+    plan, _, _, objs = rendered
+    (cm,) = _kind(objs, "ConfigMap")
+    cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert cfg.model.path == f"/data/runs/{cfg.run.run_id}/weights/v0"
+    assert cfg.model.path.startswith(cfg.inference.weights_dir)
+    (prep,) = [o for o in _kind(objs, "Job") if _component(o) == "prepare"]
+    pod = prep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    # the experiment's model (a hub name here) becomes v0 of the run
+    assert c["args"] == [
+        "python3",
+        "-m",
+        "areal_hex.deploy.prepare",
+        "{config}",
+        "--source",
+        plan.model,
+    ]
+    assert "initContainers" not in pod and "nvidia.com/gpu" not in c["resources"]["limits"]
+    waiting = [o for o in objs if _component(o) in {"inference", "controller", "trainer"}]
+    waiting = [o for o in waiting if o["kind"] in {"Deployment", "Job"}]
+    assert len(waiting) == len(plan.rollout) + 2
+    for o in waiting:
+        (init,) = o["spec"]["template"]["spec"]["initContainers"]
+        assert init["command"][-1] == "wait"
+        assert init["args"][0] == f"{cfg.model.path}/config.json"

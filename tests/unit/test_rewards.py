@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from areal_hex.rewards import RewardPool, extract_final_answer, math_reward
+
+
+# Reward functions the spawned workers import from this module.
+def slow_on_hang(completion: str, gold: str) -> float:
+    if "hang" in completion:
+        time.sleep(60)
+    return math_reward(completion, gold)
+
+
+def raise_on_bad(completion: str, gold: str) -> float:
+    if "bad" in completion:
+        raise ValueError("malformed answer")
+    return math_reward(completion, gold)
+
+
+def die_on_crash(completion: str, gold: str) -> float:
+    if "crash" in completion:
+        os._exit(3)
+    return math_reward(completion, gold)
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("3 + 4 = 7\n#### 7", "7"),
+        ("#### 1,234.\nmore text", "1,234"),
+        ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+        ("first \\boxed{1} then \\boxed{x^{2}}", "x^{2}"),
+        ("#### 5 but \\boxed{6}", "6"),
+        ("no answer here 7", None),
+        ("####   ", None),
+        ("#### $18", "18"),
+    ],
+)
+def test_extract_final_answer(completion: str, expected: str | None) -> None:
+    assert extract_final_answer(completion) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "reward"),
+    [
+        ("3 + 4 = 7\n#### 7", "7", 1.0),
+        ("3 + 4 = 8\n#### 8", "7", 0.0),
+        ("#### 1,234", "1234", 1.0),
+        ("#### -3", "-3", 1.0),
+        ("#### 3", "-3", 0.0),
+        ("The answer is \\boxed{0.5}.", "\\frac{1}{2}", 1.0),
+        ("The answer is \\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{(3, \\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+        ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", 0.0),
+        ("7", "7", 0.0),  # no #### and no \boxed{}: no final answer
+        ("#### seven", "7", 0.0),
+    ],
+)
+def test_math_reward(completion: str, gold: str, reward: float) -> None:
+    assert math_reward(completion, gold) == reward
+
+
+@pytest.mark.timeout(90)
+async def test_pool_scores_and_survives_timeout_exception_crash() -> None:
+    pool = RewardPool(workers=2, timeout_s=3.0, fn=slow_on_hang)
+    await pool.start()
+    try:
+        t0 = time.monotonic()
+        rewards = await pool.score_many(["#### 7", "#### 8", "hang #### 7", "\\boxed{7}"], "7")
+        assert rewards == [1.0, 0.0, 0.0, 1.0]
+        assert time.monotonic() - t0 < 30  # the hung answer was cut off, not awaited
+        assert pool.stats.timeouts == 1 and pool.stats.failures == 1
+        assert pool.stats.restarts == 1
+        assert await pool.score("#### 7", "7") == 1.0  # the replaced pool works
+        assert pool.stats.calls == 5
+    finally:
+        await pool.aclose()
+
+    pool = RewardPool(workers=1, timeout_s=5.0, fn=raise_on_bad)
+    await pool.start()
+    try:
+        assert await pool.score_many(["bad #### 7", "#### 7"], "7") == [0.0, 1.0]
+        assert pool.stats.failures == 1 and pool.stats.timeouts == 0
+        assert pool.stats.restarts == 0
+    finally:
+        await pool.aclose()
+
+    pool = RewardPool(workers=1, timeout_s=5.0, fn=die_on_crash)
+    await pool.start()
+    try:
+        assert await pool.score("crash", "7") == 0.0
+        assert pool.stats.failures == 1 and pool.stats.restarts == 1
+        assert await pool.score("#### 7", "7") == 1.0
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_pool_never_blocks_event_loop() -> None:
+    pool = RewardPool(workers=1, timeout_s=2.0, fn=slow_on_hang)
+    await pool.start()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+
+    t = asyncio.create_task(ticker())
+    try:
+        assert await pool.score("hang", "7") == 0.0
+        assert ticks >= 20  # the loop kept running during the 2 s the answer hung
+    finally:
+        t.cancel()
+        await pool.aclose()

@@ -1,0 +1,1 @@
+"""The DeepSpeed trainer service: recompute, decoupled PPO, publish weights, checkpoint."""

@@ -1,0 +1,202 @@
+"""From group records to per-rank micro-batches: flatten, share out, pack, collate.
+
+Every rank runs the same deterministic functions on the same broadcast batch, so each
+knows its own share (and everyone else's) without further messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from areal_hex.record import GroupRecord
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class SeqItem:
+    """One completion as a training row: prompt + completion tokens."""
+
+    index: int  # position among the step's trained sequences
+    group: int  # index of its group in the batch
+    tokens: np.ndarray  # (P + T,) int64
+    prompt_len: int  # P
+    behav_logp: np.ndarray  # (T,) float32
+    temperature: float
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def flatten_groups(groups: Sequence[GroupRecord]) -> list[SeqItem]:
+    """Completions with at least one token, in batch order (empty ones carry no loss;
+    they still count in their group's reward baseline)."""
+    items: list[SeqItem] = []
+    for gi, g in enumerate(groups):
+        for c in g.completions:
+            if len(c.token_ids) == 0:
+                continue
+            tokens = np.concatenate([g.prompt_ids, c.token_ids]).astype(np.int64)
+            items.append(
+                SeqItem(
+                    index=len(items),
+                    group=gi,
+                    tokens=tokens,
+                    prompt_len=len(g.prompt_ids),
+                    behav_logp=c.logprobs.astype(np.float32),
+                    temperature=float(g.temperature) if g.temperature > 0 else 1.0,
+                )
+            )
+    return items
+
+
+def assign_to_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Longest-first greedy: each sequence goes to the rank with the fewest tokens so far
+    (ties: the lower rank). Returns the sequence indices of each rank."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for i in order:
+        r = min(range(world), key=lambda k: (loads[k], k))
+        shares[r].append(i)
+        loads[r] += lengths[i]
+    return shares
+
+
+def pack_micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], budget: int
+) -> list[list[int]]:
+    """Pack sequences longest first into micro-batches whose padded size
+    (rows x longest row) stays within `budget` tokens."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if lengths[i] > budget:
+            raise ValueError(
+                f"a sequence of {lengths[i]} tokens exceeds trainer.micro_batch_tokens "
+                f"({budget}); raise it to at least the longest prompt + completion"
+            )
+        # longest first: the first row of a micro-batch is its longest
+        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors of one micro-batch; token tensors are shifted by one: position j
+    holds the log-prob of token j + 1 given tokens 0..j."""
+
+    seq_index: torch.Tensor  # (B,) int64, indices into the step's sequences
+    input_ids: torch.Tensor  # (B, L) int64, right-padded
+    attention_mask: torch.Tensor  # (B, L) int64
+    loss_mask: torch.Tensor  # (B, L - 1) float, 1 on completion tokens
+    behav_logp: torch.Tensor  # (B, L - 1) float
+    temperature: torch.Tensor  # (B, 1, 1) float
+    targets: torch.Tensor  # (B, L - 1) int64, input_ids shifted left
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def to(self, device: str) -> MicroBatch:
+        return MicroBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
+
+def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
+    """Right-pad `items` into one micro-batch."""
+    import torch
+
+    rows, width = len(items), max(len(it.tokens) for it in items)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros((rows, width - 1))
+    behav = torch.zeros((rows, width - 1))
+    for r, it in enumerate(items):
+        n, p = len(it.tokens), it.prompt_len
+        ids[r, :n] = torch.from_numpy(it.tokens)
+        attn[r, :n] = 1
+        # completion token t (absolute position p + t) is predicted at position p + t - 1
+        mask[r, p - 1 : n - 1] = 1.0
+        behav[r, p - 1 : n - 1] = torch.from_numpy(it.behav_logp)
+    temps = torch.tensor([it.temperature for it in items], dtype=torch.float32)
+    return MicroBatch(
+        seq_index=torch.tensor([it.index for it in items], dtype=torch.long),
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=mask,
+        behav_logp=behav,
+        temperature=temps.view(rows, 1, 1),
+        targets=ids[:, 1:].clone(),
+    )
+
+
+def dummy_batch(pad_id: int) -> MicroBatch:
+    """A one-row, zero-weight micro-batch: ranks with fewer micro-batches run it so every
+    rank takes part in the same number of forward/backward collectives."""
+    import torch
+
+    return MicroBatch(
+        seq_index=torch.tensor([-1]),
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        loss_mask=torch.zeros((1, 1)),
+        behav_logp=torch.zeros((1, 1)),
+        temperature=torch.ones((1, 1, 1)),
+        targets=torch.full((1, 1), pad_id, dtype=torch.long),
+    )
+
+
+def group_rewards(groups: Sequence[GroupRecord]) -> list[np.ndarray]:
+    return [g.rewards.astype(np.float64) for g in groups]
+
+
+def sequence_advantages(
+    groups: Sequence[GroupRecord],
+    items: Sequence[SeqItem],
+    kind: str,
+    std_normalize: bool,
+    eps: float,
+    reward_penalty: np.ndarray | None = None,
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """Advantages per trained sequence (N,), the number of degenerate groups, and every
+    completion's advantage in batch order (for statistics). `reward_penalty` (N,) is
+    subtracted from the trained sequences' rewards first (KL in the reward)."""
+    import torch
+
+    from areal_hex.algorithms import grpo_advantages
+
+    rewards = [r.copy() for r in group_rewards(groups)]
+    if reward_penalty is not None:
+        # map trained sequences back to (group, completion) slots: non-empty ones in order
+        slots = [
+            (gi, ci)
+            for gi, g in enumerate(groups)
+            for ci, c in enumerate(g.completions)
+            if len(c.token_ids)
+        ]
+        for (gi, ci), pen in zip(slots, reward_penalty, strict=True):
+            rewards[gi][ci] -= float(pen)
+    per_group: list[np.ndarray] = []
+    degenerate = 0
+    for r in rewards:
+        adv, flat = grpo_advantages(torch.tensor(r[None, :]), kind, std_normalize, eps)
+        per_group.append(adv[0].numpy())
+        degenerate += flat
+    seq_adv = np.zeros(len(items), dtype=np.float32)
+    cursor = [0] * len(groups)
+    nonempty = [[ci for ci, c in enumerate(g.completions) if len(c.token_ids)] for g in groups]
+    for it in items:
+        ci = nonempty[it.group][cursor[it.group]]
+        cursor[it.group] += 1
+        seq_adv[it.index] = per_group[it.group][ci]
+    all_adv = np.concatenate(per_group) if per_group else np.zeros(0)
+    return seq_adv, degenerate, all_adv.astype(np.float32)

@@ -1,0 +1,107 @@
+"""The DeepSpeed engine over an HF causal LM, and token log-probs as the server samples.
+
+CPU: fp32, gloo, `DS_ACCELERATOR=cpu`. CUDA: bf16, NCCL. The optimizer is torch AdamW
+(built by DeepSpeed with `torch_adam`, so no fused-op build is needed) and the LR
+schedule a `LambdaLR` that DeepSpeed steps and checkpoints with the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from areal_hex.config.trainer import TrainerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer_service.batching import MicroBatch
+
+
+def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
+    """Multiplier of `cfg.lr` after `step` optimizer steps: linear warm-up from 0, then
+    constant, linear or cosine decay to `min_lr_ratio` at `total_steps`."""
+
+    def fn(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        frac = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+        lo = cfg.min_lr_ratio
+        if cfg.lr_schedule == "linear":
+            return 1.0 - (1.0 - lo) * frac
+        return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return fn
+
+
+def ds_config(cfg: TrainerConfig, world_size: int) -> dict[str, Any]:
+    """DeepSpeed config: one optimizer step per call of `engine.step()`, whatever the
+    number of micro-batches (`managed_gradient_accumulation` off)."""
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.zero_stage == 3:
+        # gather every parameter at once for the forward: small models, simpler schedule
+        zero.update({"stage3_param_persistence_threshold": 0, "overlap_comm": False})
+    elif cfg.zero_stage > 0:
+        zero.update({"overlap_comm": False, "contiguous_gradients": True})
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.lr,
+                "betas": list(cfg.adam_betas),
+                "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "bf16": {"enabled": cfg.device == "cuda"},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainerConfig, world_size: int) -> Any:
+    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule."""
+    import deepspeed
+    import torch
+
+    if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    fn = lr_lambda(cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config(cfg, world_size),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn),
+    )
+    return engine
+
+
+def token_logprobs(
+    model: Callable[..., Any], mb: MicroBatch, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each next token under softmax(logits / T), as the server sampled it.
+
+    Returns (B, L - 1) log-probs and, if asked, the (B, L - 1) entropy (detached).
+    """
+    import torch
+
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    logits = out.logits[:, :-1].float() / mb.temperature  # (B, L - 1, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)  # (B, L - 1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy

@@ -1,0 +1,249 @@
+"""The training loop: fetch, optimize, publish, checkpoint-then-acknowledge, log.
+
+Exactly-once: rank 0 acknowledges a group only after a COMPLETE checkpoint containing
+its update exists. The ids are stored in that checkpoint's marker and acknowledged
+again on resume (XACK is idempotent), which covers a crash between commit and ack.
+Groups trained after the last commit stay pending in the buffer: a restarted trainer
+rolls the weights back to the checkpoint and receives them again, so each group ends
+up in the committed weights exactly once. Within a run, a pending group delivered a
+second time (reclaimed while waiting for the next commit) is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_hex.api import Batch, TrajectoryConsumer
+from areal_hex.config.algo import AlgoConfig
+from areal_hex.config.trainer import TrainerConfig
+from trainer_service import checkpoint
+from trainer_service.publish import AsyncPublisher, full_state_dict
+from trainer_service.step import StepContext, StepResult, optimize
+
+
+@dataclass
+class TrainerPaths:
+    model_dir: Path  # initial HF model dir: config and tokenizer files are copied from it
+    run_dir: Path
+    weights_dir: Path
+    checkpoint_dir: Path
+
+
+@dataclass
+class Totals:
+    groups_trained_total: int = 0
+    dropped_stale_total: int = 0
+    dead_letter_total: int = 0
+    degenerate_groups_total: int = 0
+    tokens_total: int = 0
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    version: int = 0
+    totals: Totals = field(default_factory=Totals)
+    unacked: list[str] = field(default_factory=list)  # trained since the last commit
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        algo: AlgoConfig,
+        paths: TrainerPaths,
+        ctx: StepContext,
+        groups_per_step: int,
+        consumer: TrajectoryConsumer | None,
+    ) -> None:
+        self.cfg, self.algo, self.paths, self.ctx = cfg, algo, paths, ctx
+        self.groups_per_step = groups_per_step
+        self.consumer = consumer  # rank 0 only
+        self.rank = ctx.rank
+        self.state = TrainerState()
+        self.publisher: AsyncPublisher | None = None
+        if self.rank == 0:
+            paths.weights_dir.mkdir(parents=True, exist_ok=True)
+            self.publisher = AsyncPublisher(
+                paths.weights_dir, paths.model_dir, cfg.keep_versions, self._announce
+            )
+        self.metrics_path = paths.run_dir / "metrics.jsonl"
+        if self.publisher is not None:
+            ctx.before_update = self.publisher.wait
+
+    # ------------------------------------------------------------ lifecycle
+    def run(self) -> TrainerState:
+        self.resume()
+        while self.state.step < self.cfg.total_steps:
+            self.train_step()
+        if self.publisher is not None:
+            self.publisher.wait()
+        return self.state
+
+    def resume(self) -> None:
+        path = checkpoint.resolve_resume(self.cfg.resume, self.paths.checkpoint_dir)
+        if path is None:
+            return
+        saved = checkpoint.load(self.ctx.engine, path)
+        self.state.step, self.state.version = saved["step"], saved["version"]
+        self.state.totals = Totals(**saved["totals"])
+        if self.consumer is not None:
+            # the checkpoint holds these updates: make sure they are acknowledged
+            self.consumer.ack(saved["ack_ids"])
+            if "replay_position" in saved and hasattr(self.consumer, "position"):
+                self.consumer.position = saved["replay_position"]
+        self._republish()
+
+    def _republish(self) -> None:
+        """Announce the restored weights as the current version (written if missing)."""
+        import torch.distributed as dist
+
+        v = self.state.version
+        target = self.paths.weights_dir / f"v{v}"
+        missing = [not (target / "config.json").is_file()]
+        dist.broadcast_object_list(missing, src=0)
+        if missing[0]:
+            tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
+            if self.publisher is not None and tensors is not None:
+                self.publisher.publish_now(v, tensors, announce=False)
+        if self.rank == 0 and self.consumer is not None:
+            if hasattr(self.consumer, "restore"):  # also restores the gate's admission count
+                self.consumer.restore(v, str(target.resolve()))
+            else:
+                self._announce(v, str(target.resolve()))
+
+    def _announce(self, version: int, path: str) -> None:
+        if self.consumer is not None and hasattr(self.consumer, "set_version"):
+            self.consumer.set_version(version, path)
+
+    # ------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        batch = self._fetch()
+        t1 = time.perf_counter()
+        result = optimize(self.ctx, batch.groups)
+        t2 = time.perf_counter()
+        st = self.state
+        st.step += 1
+        st.version = st.step
+        tot = st.totals
+        tot.groups_trained_total += len(batch.groups)
+        tot.dropped_stale_total += batch.dropped_stale
+        tot.dead_letter_total += batch.dead_lettered
+        tot.degenerate_groups_total += result.degenerate_groups
+        tot.tokens_total += result.num_tokens
+        st.unacked.extend(batch.entry_ids)
+        publish_s = self._maybe_publish()
+        t3 = time.perf_counter()
+        ckpt_s = self._maybe_checkpoint()
+        row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=t2 - t1, publish_s=t3 - t2)
+        # time the step waited for the previous weight write (before its optimizer step)
+        row["publish_wait_s"] = publish_s + result.extra.get("publish_fence_s", 0.0)
+        row["checkpoint_s"] = ckpt_s
+        if self.rank == 0:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def _fetch(self) -> Batch:
+        """Rank 0 takes B fresh groups from the consumer; every rank gets the batch."""
+        import torch.distributed as dist
+
+        payload: list[Batch | None] = [None]
+        if self.rank == 0:
+            payload[0] = self._take(self.groups_per_step)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        assert payload[0] is not None
+        return payload[0]
+
+    def _take(self, n: int) -> Batch:
+        assert self.consumer is not None
+        seen = set(self.state.unacked)
+        out = Batch(entry_ids=[], groups=[])
+        while len(out.groups) < n:
+            b = self.consumer.get_batch(n - len(out.groups), timeout_s=self.cfg.batch_timeout_s)
+            out.dropped_stale += b.dropped_stale
+            out.dead_lettered += b.dead_lettered
+            stal = b.staleness or [self.state.version - g.version for g in b.groups]
+            for eid, g, s in zip(b.entry_ids, b.groups, stal, strict=True):
+                if eid in seen:  # trained already, waiting for its commit
+                    continue
+                seen.add(eid)
+                out.entry_ids.append(eid)
+                out.groups.append(g)
+                out.staleness.append(int(s))
+        return out
+
+    def _maybe_publish(self) -> float:
+        if self.state.step % self.cfg.publish_every and self.state.step != self.cfg.total_steps:
+            return 0.0
+        tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
+        if self.publisher is None or tensors is None:
+            return 0.0
+        return self.publisher.submit(self.state.version, tensors)
+
+    def _maybe_checkpoint(self) -> float:
+        st = self.state
+        if st.step % self.cfg.checkpoint_every and st.step != self.cfg.total_steps:
+            return 0.0
+        t0 = time.perf_counter()
+        saved = {
+            "step": st.step,
+            "version": st.version,
+            "totals": st.totals.__dict__,
+            "ack_ids": list(st.unacked),
+        }
+        if self.consumer is not None and hasattr(self.consumer, "position"):
+            saved["replay_position"] = self.consumer.position
+        checkpoint.save(
+            self.ctx.engine, self.paths.checkpoint_dir, st.step, saved, self.cfg.keep_checkpoints
+        )
+        if self.consumer is not None:
+            self.consumer.ack(st.unacked)  # committed: now they may leave the buffer
+        st.unacked = []
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------ metrics
+    def _metrics(
+        self, batch: Batch, r: StepResult, wait_s: float, compute_s: float, publish_s: float
+    ) -> dict[str, Any]:
+        import numpy as np
+
+        rewards = np.concatenate([g.rewards for g in batch.groups]) if batch.groups else []
+        tokens = max(r.sums["tokens"], 1.0)
+        hist = Counter(str(s) for s in batch.staleness)
+        return {
+            "step": self.state.step,
+            "version": self.state.version,
+            "time": time.time(),
+            "loss": r.sums["loss"],
+            "reward_mean": float(np.mean(rewards)) if len(rewards) else 0.0,
+            "adv_mean": float(r.advantages.mean()) if r.advantages.size else 0.0,
+            "adv_std": float(r.advantages.std()) if r.advantages.size else 0.0,
+            "clip_frac": r.sums["clipped"] / tokens,
+            "dual_clip_frac": r.sums["dual_clipped"] / tokens,
+            "behav_weight_mean": r.sums["behav_w"] / tokens,
+            "behav_weight_max": r.maxima["behav_w_max"],
+            "behav_masked_frac": r.sums["behav_masked"] / tokens,
+            "entropy": r.sums["entropy"] / tokens,
+            "kl": r.sums["kl"] / tokens,
+            "grad_norm": r.grad_norm,
+            "lr": float(self.ctx.engine.get_lr()[0]),
+            "staleness_hist": dict(hist),
+            "max_staleness": max(batch.staleness, default=0),
+            "degenerate_groups": r.degenerate_groups,
+            "sequences": r.num_sequences,
+            "completion_tokens": int(r.sums["tokens"]),
+            "tokens": r.num_tokens,
+            "tokens_per_s": r.num_tokens / max(compute_s, 1e-9),
+            "wait_s": wait_s,
+            "compute_s": compute_s,
+            "publish_s": publish_s,
+            **self.state.totals.__dict__,
+        }

@@ -1,0 +1,124 @@
+"""Entry point of one trainer rank: `python -m trainer_service.main CONFIG [overrides]`,
+started by the deepspeed (or torchrun) launcher that `areal-hex train` execs.
+
+This is the wiring: it reads the whole config once and hands each part its section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from areal_hex.config import ExperimentConfig, load_config
+from trainer_service.loop import Trainer, TrainerPaths
+from trainer_service.step import StepContext
+
+
+def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
+    run_dir = cfg.run.run_dir()
+    weights = Path(cfg.inference.weights_dir or run_dir / "weights")
+    model_dir = Path(cfg.model.path) if cfg.model.path else weights / "v0"
+    ckpt = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
+    return TrainerPaths(
+        model_dir=model_dir, run_dir=run_dir, weights_dir=weights, checkpoint_dir=ckpt
+    )
+
+
+def make_consumer(cfg: ExperimentConfig) -> Any:
+    """The trajectory source of rank 0: a replay file, or the Redis buffer."""
+    if cfg.trainer.replay_path:
+        from trainer_service.sources import ReplayConsumer
+
+        return ReplayConsumer(cfg.trainer.replay_path)
+    from trainer_service.sources import BufferSource
+
+    assert cfg.run.run_id is not None
+    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id)
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def prepare_model_dir(cfg: ExperimentConfig, paths: TrainerPaths, rank: int) -> None:
+    """Standalone runs without a launcher-written v0: rank 0 materialises it."""
+    import torch.distributed as dist
+
+    if rank == 0 and not (paths.model_dir / "config.json").is_file():
+        from areal_hex.models import materialize
+
+        materialize(cfg.model, paths.model_dir)
+    dist.barrier()
+
+
+def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
+    import torch
+
+    from areal_hex.models import load_model, load_tokenizer
+    from trainer_service.engine import build_engine
+
+    paths = resolve_paths(cfg)
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_model_dir(cfg, paths, rank)
+    torch.manual_seed(cfg.run.seed)
+    t = cfg.trainer
+    device = "cpu" if t.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    model = load_model(paths.model_dir, "cpu", "float32").train()
+    engine = build_engine(model, t, world)
+    ref = None
+    if cfg.algo.kl_coef > 0:
+        dtype = "float32" if t.device == "cpu" else "bfloat16"
+        ref = load_model(paths.model_dir, device, dtype)
+        ref.requires_grad_(False)
+    tok = load_tokenizer(paths.model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ctx = StepContext(
+        engine=engine,
+        algo=cfg.algo,
+        micro_batch_tokens=t.micro_batch_tokens,
+        fixed_len=cfg.algo.fixed_len or cfg.rollout.max_new_tokens,
+        pad_id=int(pad),
+        rank=rank,
+        world=world,
+        ref_model=ref,
+        device=device,
+    )
+    consumer = make_consumer(cfg) if rank == 0 else None
+    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainer_service.main")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    rank, world = init_distributed(cfg.trainer.device)
+    trainer = build_trainer(cfg, rank, world)
+    try:
+        state = trainer.run()
+    finally:
+        if trainer.consumer is not None and hasattr(trainer.consumer, "close"):
+            trainer.consumer.close()
+    if rank == 0:
+        print(f"trainer: done at step {state.step}, version {state.version}", flush=True)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Weight publication: gather the full weights, write an HF directory `v<N>` atomically,
+then announce it; old versions are garbage-collected.
+
+The gather is the only part on the training critical path (it is collective under
+ZeRO-3); writing the files, the rename and `set_version` run on a background thread
+while the next step fetches its batch and runs forward and backward; the trainer waits
+for the write only before its next optimizer step, so under ZeRO 0-2 no copy of the
+weights is needed. v0 (the initial model) is never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# files of a model directory that are weights or config; everything else (tokenizer,
+# generation config, chat template) is copied from the initial model as is
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.index\.json$|^config\.json$")
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def full_state_dict(engine: Any, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
+    """Every weight on rank 0 (None elsewhere): the live parameters under ZeRO 0-2 (no
+    copy: they must be written before the next optimizer step changes them), a gathered
+    copy under ZeRO-3 (collective). Tied parameters (lm_head = embed_tokens) appear once."""
+    module = engine.module
+    if zero_stage == 3:
+        sd = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        sd = module.state_dict() if rank == 0 else None
+    if rank != 0 or sd is None:
+        return None
+    unique = {n for n, _ in module.named_parameters()}
+    every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v.detach() for k, v in sd.items() if k in unique or k not in every}
+
+
+def write_model_dir(
+    tensors: dict[str, torch.Tensor], src_dir: str | Path, out_dir: str | Path
+) -> Path:
+    """Write `out_dir` (model.safetensors + config.json + the tokenizer files of
+    `src_dir`) via a temp dir next to it and one rename; replaces an existing `out_dir`."""
+    from safetensors.torch import save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    host = {k: v if v.device.type == "cpu" else v.to("cpu") for k, v in tensors.items()}
+    save_file(host, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    dtype = str(next(iter(host.values())).dtype).removeprefix("torch.")
+    config["torch_dtype"] = config["dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and not _WEIGHT_FILES.match(f.name):
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():
+        # re-publication after a resume: the old directory is replaced as a whole
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def collect_versions(weights_dir: str | Path, keep: int) -> list[Path]:
+    """Delete version directories beyond the newest `keep` (never v0); returns removed."""
+    root = Path(weights_dir)
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if p.is_dir() and (m := _VERSION_DIR.match(p.name))
+    )
+    removed = []
+    for v, p in found[:-keep] if keep < len(found) else []:
+        if v != 0:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+class AsyncPublisher:
+    """Writes versions on one background thread; `announce(version, path)` runs after each
+    write (the buffer's `set_version`). At most one write is in flight: `submit` waits
+    for the previous one, so versions are announced in order."""
+
+    def __init__(
+        self,
+        weights_dir: str | Path,
+        src_dir: str | Path,
+        keep_versions: int,
+        announce: Callable[[int, str], None],
+    ) -> None:
+        self.weights_dir = Path(weights_dir)
+        self.src_dir = Path(src_dir)
+        self.keep = keep_versions
+        self.announce = announce
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_write_s = 0.0
+        self.published: list[int] = []
+
+    def submit(self, version: int, tensors: dict[str, torch.Tensor]) -> float:
+        """Start writing `v<version>`; returns seconds spent waiting for the previous
+        write. Live tensors must not change until `wait()` returns (the trainer waits
+        right before its next optimizer step, so the write overlaps that step's
+        forward and backward passes)."""
+        waited = self.wait()
+        self._thread = threading.Thread(
+            target=self._write, args=(version, tensors), name=f"publish-v{version}", daemon=True
+        )
+        self._thread.start()
+        return waited
+
+    def publish_now(
+        self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True
+    ) -> None:
+        self.wait()
+        self._write(version, tensors, announce)
+        self._raise()
+
+    def wait(self) -> float:
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+        return time.perf_counter() - t0
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"weight publication failed: {err}") from err
+
+    def _write(self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True) -> None:
+        try:
+            t0 = time.perf_counter()
+            path = write_model_dir(tensors, self.src_dir, self.weights_dir / f"v{version}")
+            self.last_write_s = time.perf_counter() - t0
+            if announce:
+                self.announce(version, str(path.resolve()))
+            self.published.append(version)
+            collect_versions(self.weights_dir, self.keep)
+        except BaseException as exc:  # surfaced on the training thread by wait()
+            self._error = exc

@@ -1,0 +1,193 @@
+"""One optimizer step over a batch of groups, on every rank.
+
+Rank r trains only its share of the sequences, in micro-batches of at most
+`micro_batch_tokens` padded tokens. The loss of each micro-batch is
+sum(per-token loss x weight) with weights from the step's GLOBAL token and sequence
+counts, so micro-batches and ranks add up to the whole-batch loss exactly. DeepSpeed
+averages gradients over ranks, hence the factor `world` on each backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from areal_hex.algorithms import GlobalCounts, kl_estimate, policy_loss
+from areal_hex.config.algo import AlgoConfig
+from areal_hex.record import GroupRecord
+from trainer_service.batching import (
+    MicroBatch,
+    assign_to_ranks,
+    collate,
+    dummy_batch,
+    flatten_groups,
+    pack_micro_batches,
+    sequence_advantages,
+)
+from trainer_service.engine import token_logprobs
+
+# sums reduced over ranks (SUM) and maxima (MAX), in this order
+_SUM_KEYS = (
+    "loss",
+    "tokens",
+    "clipped",
+    "dual_clipped",
+    "behav_w",
+    "behav_masked",
+    "entropy",
+    "kl",
+)
+_MAX_KEYS = ("behav_w_max",)
+
+
+@dataclass
+class StepResult:
+    sums: dict[str, float]
+    maxima: dict[str, float]
+    num_sequences: int
+    num_tokens: int  # prompt + completion tokens processed (all ranks)
+    degenerate_groups: int
+    advantages: np.ndarray  # every completion's advantage, batch order
+    grad_norm: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepContext:
+    engine: Any  # DeepSpeed engine
+    algo: AlgoConfig
+    micro_batch_tokens: int
+    fixed_len: int
+    pad_id: int
+    rank: int
+    world: int
+    ref_model: Any | None = None  # frozen reference policy (KL), or None
+    device: str = "cpu"
+    # Called right before the optimizer step changes the weights: waits for a weight
+    # write still reading them (returns the seconds waited).
+    before_update: Callable[[], float] | None = None
+
+
+def _all_reduce(values: list[float], op: str, device: str) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def plan_micro_batches(
+    ctx: StepContext, groups: Sequence[GroupRecord]
+) -> tuple[list[MicroBatch], list, GlobalCounts]:
+    """This rank's micro-batches (padded with zero-weight ones to the ranks' maximum
+    count), every sequence of the step, and the step's global counts."""
+    items = flatten_groups(groups)
+    lengths = [len(it.tokens) for it in items]
+    share = assign_to_ranks(lengths, ctx.world)[ctx.rank]
+    packs = pack_micro_batches(share, lengths, ctx.micro_batch_tokens)
+    (most,) = _all_reduce([float(len(packs))], "max", ctx.device)
+    mbs = [collate([items[i] for i in p], ctx.pad_id).to(ctx.device) for p in packs]
+    mbs += [dummy_batch(ctx.pad_id).to(ctx.device) for _ in range(int(most) - len(packs))]
+    counts = GlobalCounts(
+        tokens=sum(it.num_completion_tokens for it in items),
+        sequences=len(items),
+        fixed_len=ctx.fixed_len,
+    )
+    return mbs, items, counts
+
+
+def _reference_pass(
+    ctx: StepContext, mbs: list[MicroBatch]
+) -> tuple[list[Any | None], list[Any | None]]:
+    """No-grad log-probs before the update: the proximal policy (current weights) and
+    the reference model, where the objective needs them."""
+    import torch
+
+    need_prox = ctx.algo.decoupled or ctx.algo.kl_coef > 0
+    prox: list[Any | None] = []
+    ref: list[Any | None] = []
+    with torch.no_grad():
+        for mb in mbs:
+            prox.append(token_logprobs(ctx.engine, mb)[0] if need_prox else None)
+            use_ref = ctx.ref_model is not None and ctx.algo.kl_coef > 0
+            ref.append(token_logprobs(ctx.ref_model, mb)[0] if use_ref else None)
+    return prox, ref
+
+
+def _kl_penalty(
+    ctx: StepContext, mbs: list[MicroBatch], prox: list, ref: list, n: int
+) -> np.ndarray:
+    """(n,) per-sequence sum of kl_coef x KL, gathered from all ranks (KL in the reward)."""
+    local = np.zeros(n)
+    for mb, p, r in zip(mbs, prox, ref, strict=True):
+        kl = (kl_estimate(p, r, ctx.algo.kl_estimator) * mb.loss_mask).sum(dim=1)
+        for row, idx in enumerate(mb.seq_index.tolist()):
+            if idx >= 0:
+                local[idx] = float(kl[row]) * ctx.algo.kl_coef
+    return np.asarray(_all_reduce(local.tolist(), "sum", ctx.device)) if n else local
+
+
+def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
+    """Recompute log-probs, compute advantages, accumulate gradients over the
+    micro-batches and take one optimizer step. Collective: every rank calls it."""
+    import torch
+
+    a = ctx.algo
+    mbs, items, counts = plan_micro_batches(ctx, groups)
+    prox, ref = _reference_pass(ctx, mbs)
+    penalty = None
+    if a.kl_coef > 0 and a.kl_in_reward:
+        penalty = _kl_penalty(ctx, mbs, prox, ref, len(items))
+    seq_adv, degenerate, all_adv = sequence_advantages(
+        groups, items, a.advantage, a.std_normalize, a.std_eps, penalty
+    )
+    adv_t = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
+    sums = dict.fromkeys(_SUM_KEYS, 0.0)
+    w_max = 0.0
+    for mb, p, r in zip(mbs, prox, ref, strict=True):
+        logp, ent = token_logprobs(ctx.engine, mb, with_entropy=True)
+        adv = adv_t[mb.seq_index].view(-1, 1)  # index -1 (dummy rows) -> the appended 0
+        behav = mb.behav_logp
+        loss, terms = policy_loss(
+            a,
+            logp,
+            p if p is not None else behav,
+            behav,
+            adv,
+            mb.loss_mask,
+            counts,
+            ref_logp=r if not a.kl_in_reward else None,
+        )
+        ctx.engine.backward(loss * ctx.world)
+        m = mb.loss_mask
+        sums["loss"] += float(loss.detach())
+        sums["tokens"] += float(m.sum())
+        sums["clipped"] += float((terms.clipped * m).sum())
+        sums["dual_clipped"] += float((terms.dual_clipped * m).sum())
+        sums["behav_w"] += float((terms.behav_weight * m).sum())
+        sums["behav_masked"] += float((terms.behav_masked * m).sum())
+        sums["entropy"] += float((ent * m).sum())
+        if r is not None:
+            sums["kl"] += float((kl_estimate(logp.detach(), r, a.kl_estimator) * m).sum())
+        if m.sum() > 0:
+            w_max = max(w_max, float(terms.behav_weight[m > 0].max()))
+    fence_s = ctx.before_update() if ctx.before_update is not None else 0.0
+    ctx.engine.step()
+    reduced = _all_reduce([sums[k] for k in _SUM_KEYS], "sum", ctx.device)
+    (w_max,) = _all_reduce([w_max], "max", ctx.device)
+    norm = ctx.engine.get_global_grad_norm()
+    return StepResult(
+        sums=dict(zip(_SUM_KEYS, reduced, strict=True)),
+        maxima={"behav_w_max": w_max},
+        num_sequences=len(items),
+        num_tokens=sum(len(it.tokens) for it in items),
+        degenerate_groups=degenerate,
+        advantages=all_adv,
+        grad_norm=float(norm) if norm is not None else None,
+        extra={"publish_fence_s": fence_s},
+    )
