@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -220,6 +221,45 @@ def check_logprobs_match_versions(stack: Stack, g: GroupRecord, c) -> None:
         lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, p:, None])[:, 0].numpy()
         mask = c.versions == v
         np.testing.assert_allclose(lp[mask], c.logprobs[mask], atol=2e-3)
+
+
+def test_rollout_cli_runs_and_stops_on_sigterm(stack: Stack, tmp_path: Path) -> None:
+    run_id = f"c{uuid.uuid4().hex[:8]}"
+    cfg = {
+        "run": {"run_id": run_id, "output_dir": str(tmp_path)},
+        "redis": {"url": stack.endpoint.url},
+        "model": {"path": str(stack.weights / "v0")},
+        "inference": {"server_urls": stack.urls(), "weights_dir": str(stack.weights)},
+        "buffer": {"groups_per_step": 4, "max_staleness": 0},
+        "rollout": {"group_size": 2, "max_new_tokens": 16, "metrics_interval_s": 0.5},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "areal_hex.cli", "rollout", str(path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp_path / run_id / "rollout.jsonl"
+    r = stack.endpoint.sync_client()
+    try:
+        deadline = time.monotonic() + 90
+        while read_stats(r, BufferKeys(run_id)).stream_length < 4:  # gate: (0 + 0 + 1) * 4
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert b"Traceback" not in err
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    final = lines[-1]
+    assert final["final"] is True and final == json.loads(out.decode().strip().splitlines()[-1])
+    assert final["groups_produced_total"] == 4 and final["groups_in_flight"] == 0
+    for key in ("samples_per_s", "reward_mean", "reward_failures_total", "gen_busy_s",
+                "requests_retried_total", "requests_aborted_total"):  # fmt: skip
+        assert key in final
+    stats = read_stats(r, BufferKeys(run_id))
+    assert stats.submitted == stats.stream_length == 4
 
 
 async def test_killed_server_requests_finish_elsewhere(stack: Stack) -> None:
