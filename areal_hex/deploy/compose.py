@@ -99,7 +99,11 @@ def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> 
         "user": f"{d.dcfg.uid}:{d.dcfg.uid}",
         "entrypoint": entrypoint(),
         "command": list(svc.command),
-        "environment": {"HF_HOME": f"{d.dcfg.storage.mount_path}/hf-cache", "HOME": "/tmp"},
+        "environment": {
+            "HF_HOME": f"{d.dcfg.storage.mount_path}/hf-cache",
+            "HOME": "/tmp",
+            **svc.env,  # what the layout asks for, as under `areal-hex run`
+        },
         "configs": [
             {"source": "areal-config", "target": f"{CONFIG_DIR}/config.yaml"},
             {"source": "areal-plan", "target": f"{CONFIG_DIR}/plan.yaml"},

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import dump_yaml
-from areal_hex.deploy.common import Deployment, server_urls, service_name, slug
+from areal_hex.deploy.common import Deployment, service_name, slug
 from areal_hex.deploy.k8s_pods import (
     claim_name,
     container_security,
@@ -171,13 +171,8 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
 def _controller(d: Deployment) -> Obj:
     svc = d.layout.by_role("controller")[0]
     name = service_name(d.prefix, svc)
-    # Where server i listens (also `inference.server_urls` in the config, when it has it).
-    urls = [
-        {"name": "AREAL_HEX_SERVER_URLS", "value": ",".join(server_urls(d.layout, d.prefix, "k8s"))}
-    ]
-    spec = pod_spec(
-        d, svc, d.dcfg.images.controller, d.dcfg.resources.controller, svc.command, urls
-    )
+    # It finds server i at inference.server_urls[i] (each server's Service) in the config.
+    spec = pod_spec(d, svc, d.dcfg.images.controller, d.dcfg.resources.controller, svc.command)
     # The controller appends to rollout.jsonl every few seconds; silence means it hangs.
     fresh = ["fresh", f"{d.cfg.run.run_dir()}/rollout.jsonl", "600"]
     spec["containers"][0]["livenessProbe"] = probe_exec(fresh, 60, 3, delay=120)

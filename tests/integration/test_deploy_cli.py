@@ -80,6 +80,8 @@ def test_bad_input_exits_2_with_the_mismatch_named(tmp_path):
     (tmp_path / "bad.yaml").write_text("cluster: x\nmodel: y\n")
     r = _cli("deploy", str(tmp_path / "bad.yaml"), base[1], *out)
     assert r.returncode == 2 and "rollout: Field required" in r.stderr
+    r = _cli("deploy", str(tmp_path / "missing.yaml"), base[1], *out)
+    assert r.returncode == 2 and "plan file not found" in r.stderr
     assert not (tmp_path / "o").exists()
 
 
