@@ -9,7 +9,7 @@ averages gradients over ranks, hence the factor `world` on each backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,9 @@ class StepContext:
     world: int
     ref_model: Any | None = None  # frozen reference policy (KL), or None
     device: str = "cpu"
+    # Called right before the optimizer step changes the weights: waits for a weight
+    # write still reading them (returns the seconds waited).
+    before_update: Callable[[], float] | None = None
 
 
 def _all_reduce(values: list[float], op: str, device: str) -> list[float]:
@@ -173,6 +176,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
             sums["kl"] += float((kl_estimate(logp.detach(), r, a.kl_estimator) * m).sum())
         if m.sum() > 0:
             w_max = max(w_max, float(terms.behav_weight[m > 0].max()))
+    fence_s = ctx.before_update() if ctx.before_update is not None else 0.0
     ctx.engine.step()
     reduced = _all_reduce([sums[k] for k in _SUM_KEYS], "sum", ctx.device)
     (w_max,) = _all_reduce([w_max], "max", ctx.device)
@@ -185,4 +189,5 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         degenerate_groups=degenerate,
         advantages=all_adv,
         grad_norm=float(norm) if norm is not None else None,
+        extra={"publish_fence_s": fence_s},
     )

@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import msgpack
 import numpy as np
 import pytest
 import redis
@@ -22,7 +21,9 @@ from areal_hex.buffer import (
     RedisWeightPublisher,
     VersionUpdate,
     encode_group,
+    read_stats,
 )
+from areal_hex.buffer.codec import frame, unframe
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import Completion, GroupRecord
@@ -193,28 +194,29 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
 # ---------------------------------------------------------------- dead letters
 def _malformed(kind: str, i: int) -> dict[bytes, bytes]:
     good = encode_group(group(i))
-    body = msgpack.unpackb(good, raw=False)
+    header, data = unframe(good)
+    arrays = bytes(data)
     if kind == "truncated":
-        return {b"d": good[: len(good) // 2]}
+        return {b"d": good[: len(good) - 5]}
     if kind == "garbage":
         return {b"d": b"\xc1" + bytes([i % 256]) * 5}
     if kind == "no_payload":
         return {b"x": b"1"}
     if kind == "schema":
-        body["schema"] = 99
+        header["schema"] = 99
     elif kind == "dtype":
-        body["tokens"] = ["<f8", np.zeros(2, "<f8").tobytes()]
+        header["arrays"][1][1] = "<f4"  # tokens declared as float32
     elif kind == "lengths":
-        body["lens"] = [3]
-    return {b"d": msgpack.packb(body, use_bin_type=True)}
+        header["lens"] = [3]
+    return {b"d": frame(header, [arrays])}
 
 
 DEAD_KINDS = {
-    "truncated": "truncated or corrupt",
-    "garbage": "truncated or corrupt",
+    "truncated": "truncated: arrays declare",
+    "garbage": "header",
     "no_payload": "no payload field",
     "schema": "schema: version 99 not supported",
-    "dtype": "tokens: dtype '<f8', expected '<i4'",
+    "dtype": "tokens: dtype '<f4', expected '<i4'",
     "lengths": "sum to 3",
 }
 
@@ -293,3 +295,23 @@ def test_password_from_config(tmp_path: object) -> None:
             RedisEndpoint(bare).sync_client().ping()
         assert RedisEndpoint(bare, password="s3cret").sync_client().ping()
         assert RedisEndpoint(server.url).sync_client().ping()  # password in the URL
+
+
+def test_consumer_survives_a_wiped_server(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    keys = BufferKeys(run_id)
+    consumer = RedisTrajectoryConsumer(r, run_id, cfg())
+    r.delete(keys.traj)  # stream and group gone, as after a restart without persistence
+    with pytest.raises(TimeoutError):
+        consumer.get_batch(1, timeout_s=0.3)
+    r.xadd(keys.traj, {b"d": encode_group(group(1))})
+    batch = consumer.get_batch(1, timeout_s=5)
+    consumer.close()
+    assert [g.prompt_id for g in batch.groups] == ["p1"]
+
+
+def test_stats_of_an_unknown_run_creates_nothing(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    stats = read_stats(r, BufferKeys(run_id))
+    assert (stats.stream_length, stats.pending, stats.version) == (0, 0, 0)
+    assert r.keys(f"{run_id}:*") == []
