@@ -297,11 +297,10 @@ def test_rendered_inference_service_runs_with_its_secrets(tmp_path):
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     port, weights = _free_port(), tmp_path / "weights"
     index = int(svc["command"][-1])
-    cfg["model"].update(path=str(weights / "v0"), tiny={"num_layers": 1}, dtype="float32")
+    # (no v0 here: the server builds the tiny model itself; test_prepare_writes_v0_once)
+    cfg["model"].update(path=None, tiny={"num_layers": 1}, dtype="float32")
     cfg["inference"].update(device="cpu", base_port=port - index, weights_dir=str(weights))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    prep = [sys.executable, "-m", "areal_hex.deploy.prepare", str(tmp_path / "config.yaml")]
-    assert subprocess.run(prep, env=ENV, capture_output=True, timeout=120).returncode == 0
     entry = svc["entrypoint"]
     entry[entry.index("--config") + 1] = str(tmp_path / "config.yaml")
     entry[entry.index("--secrets") + 1] = str(out / "secrets")
@@ -326,7 +325,7 @@ def test_rendered_inference_service_runs_with_its_secrets(tmp_path):
         url = f"http://127.0.0.1:{port}/get_model_info"
         assert httpx.get(url, timeout=10).status_code == 401
         info = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
-        assert info.status_code == 200 and info.json()["model_path"] == str(weights / "v0")
+        assert info.status_code == 200 and info.json()["model_path"] == "tiny"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
