@@ -66,12 +66,14 @@ def default_run_id(cfg: ExperimentConfig) -> str:
     return f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.mode}"
 
 
-def sft_texts(cfg: ExperimentConfig, tokenizer: object, limit: int = 5000) -> list[str]:
-    """Prompt + reference solution + end-of-turn for the tiny model's warm start, from
-    the training split (the held-out split is never seen)."""
+def sft_texts(cfg: ExperimentConfig, tokenizer: object) -> list[str]:
+    """Prompt + reference solution + end-of-turn for the tiny model's warm start, from the
+    first `run.warm_start_fraction` of the training split (the rest is left for RL to
+    learn; the held-out split is never seen)."""
     from areal_hex.data import DEFAULT_INSTRUCTIONS, load_problems, render_prompt
 
-    problems = load_problems(cfg.data, cfg.data.split)[:limit]
+    problems = load_problems(cfg.data, cfg.data.split)
+    problems = problems[: max(1, int(len(problems) * cfg.run.warm_start_fraction))]
     instruction = cfg.data.instruction
     if instruction is None:
         instruction = DEFAULT_INSTRUCTIONS[cfg.data.dataset]

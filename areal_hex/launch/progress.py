@@ -84,13 +84,16 @@ class Progress:
         enabled: bool = True,
         min_interval_s: float = 0.5,
         log_interval_s: float = 15.0,
+        mode: str = "auto",
     ) -> None:
         self.metrics = JsonlTail(run_dir / "metrics.jsonl")
         self.rollout = JsonlTail(run_dir / "rollout.jsonl")
         self.total_steps = total_steps
         self.stream = stream
         self.enabled = enabled
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        # auto: redraw in place on a terminal; "live" always, "log" never
+        isatty = bool(getattr(stream, "isatty", lambda: False)())
+        self.tty = {"live": True, "log": False}.get(mode, isatty)
         self.t0 = time.monotonic()
         self.state: dict[str, Any] = {}
         self.min_interval_s = min_interval_s

@@ -99,6 +99,7 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
                 log_path=run_dir / "logs" / f"{svc.name}.log",
                 env=env,
                 on_exit={"inference": "restart", "trainer": "finish"}.get(svc.role, "fail"),
+                max_restarts=cfg.run.max_restarts,
                 cpus=cores,
             )
         )
@@ -176,13 +177,15 @@ def start_services(
         by_role.setdefault(roles[spec.name], []).append(spec)
     for spec in by_role.get("redis", []):
         sup.start(spec)
-        wait_ready(sup, spec.name, redis_probe(cfg), 30.0)
+        wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
     servers = by_role.get("inference", [])
     for spec in servers:
         sup.start(spec)
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
-        timeout = cfg.inference.startup_timeout_s
+        timeout = cfg.run.start_timeout_s
+        if cfg.inference.backend == "sglang":
+            timeout = max(timeout, cfg.inference.startup_timeout_s)
         wait_ready(sup, spec.name, http_probe(urls[i]), timeout)
     for spec in by_role.get("trainer", []) + by_role.get("controller", []):
         sup.start(spec)
@@ -244,7 +247,9 @@ def execute(
             stop_services(sup, cfg, layout)
             return RunResult(run_dir, Outcome("interrupted"))
         t_ready = time.time()
-        view = Progress(run_dir, cfg.trainer.total_steps, stream, enabled=progress)
+        view = Progress(
+            run_dir, cfg.trainer.total_steps, stream, enabled=progress, mode=cfg.run.progress
+        )
         outcome = sup.watch(on_tick=view.tick, timeout_s=timeout_s)
         view.close()
         try:
