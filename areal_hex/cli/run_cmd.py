@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+from types import FrameType
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=None, help="fail the run after this many seconds"
     )
     p.set_defaults(func=_run)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -44,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the services as on Ctrl-C
     result = execute(cfg, config_path, plan, progress=not args.no_progress, timeout_s=args.timeout)
     if result.outcome.status == "interrupted":
         print("areal-hex run: interrupted; all processes stopped", file=sys.stderr)

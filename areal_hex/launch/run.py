@@ -236,7 +236,7 @@ def execute(
     t_start = time.time()
     t_ready = t_start
     stats: dict[str, Any] | None = None
-    with Supervisor() as sup:
+    with Supervisor(pid_file=run_dir / "pids.json") as sup:
         try:
             start_services(sup, cfg, layout, specs)
         except LaunchError as exc:

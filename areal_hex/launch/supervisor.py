@@ -8,6 +8,7 @@ the terminal reaches only the supervisor, which then stops the services in order
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -91,8 +92,11 @@ def _set_affinity(cpus: set[int] | None) -> Callable[[], None] | None:
 class Supervisor:
     """Owns the processes it starts; `stop()` (or leaving the `with` block) ends them all."""
 
-    def __init__(self, poll_s: float = 0.5, stop_timeout_s: float = 20.0) -> None:
+    def __init__(
+        self, poll_s: float = 0.5, stop_timeout_s: float = 20.0, pid_file: Path | None = None
+    ) -> None:
         self.poll_s = poll_s
+        self.pid_file = pid_file  # kept current: {name: pid} of every started process
         self.stop_timeout_s = stop_timeout_s
         self.procs: dict[str, Managed] = {}
         self.events: list[tuple[float, str, str]] = []  # (time, name, what happened)
@@ -127,6 +131,15 @@ class Supervisor:
         m.started_at = time.monotonic()
         m.returncode = None
         self.events.append((time.time(), spec.name, "start"))
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        if self.pid_file is None:
+            return
+        pids = {n: m.proc.pid for n, m in self.procs.items() if m.proc is not None}
+        tmp = self.pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(self.pid_file)
 
     def running(self, name: str) -> bool:
         m = self.procs.get(name)

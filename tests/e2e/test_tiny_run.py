@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 ETA = 1
-STEPS = 6
+STEPS = 8
 
 
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -34,6 +36,19 @@ def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def kill_server_after_first_steps(run_dir: Path, proc: subprocess.Popen[str]) -> bool:
+    """SIGKILL inference-0 (its whole process group) once the trainer logged 2 steps."""
+    deadline = time.monotonic() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            pid = json.loads((run_dir / "pids.json").read_text())["inference-0"]
+            os.killpg(pid, signal.SIGKILL)
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -60,10 +75,25 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         "model.tiny.sft_steps=10",
         "trainer.checkpoint_every=3",
     ]
-    res = cli("run", str(EXAMPLE), *overrides, "--no-progress", timeout=400)
-    assert res.returncode == 0, res.stderr[-4000:]
     run_dir = tmp_path / "e2e"
-    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_hex.cli", "run", str(EXAMPLE), *overrides, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    try:
+        killed = kill_server_after_first_steps(run_dir, proc)
+        stdout, stderr = proc.communicate(timeout=380)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+    assert killed, "the run ended before the server could be killed"
+    assert proc.returncode == 0, stderr[-4000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["steps"] == STEPS
 
     metrics = jsonl(run_dir / "metrics.jsonl")
@@ -83,6 +113,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     )
     assert full["groups_trained"] == STEPS * 4
     assert full["max_staleness"] <= ETA
+    assert full["restarts"]["inference-0"] == 1  # the killed server was restarted
     assert full["samples_per_s"] > 0
     for name in ("reward", "staleness", "throughput", "timeline"):
         assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
