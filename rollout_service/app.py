@@ -173,8 +173,18 @@ def _generation_routes(app: FastAPI) -> None:
         tasks = [
             asyncio.ensure_future(engine.generate(it.prompt, it.sampling, it.rid)) for it in items
         ]
+        work = asyncio.gather(*tasks)
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done = await asyncio.gather(*tasks)
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client left (e.g. its timeout): free the batch slots
+            for t in tasks:
+                t.cancel()
+            return Response(status_code=499)
+        try:
+            done = work.result()
         except EngineError:
             for t in tasks:
                 t.cancel()
@@ -184,6 +194,15 @@ def _generation_routes(app: FastAPI) -> None:
         if body.stream:  # the whole answer as one event: clients read the last one
             return StreamingResponse(_sse(result), media_type="text/event-stream")
         return JSONResponse(result)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body is already read, so the
+    next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _sse(result: Any) -> AsyncIterator[bytes]:

@@ -108,6 +108,17 @@ async def test_generate_shapes_and_finish_reasons(weights: Path) -> None:
             )
             assert text["meta_info"]["prompt_tokens"] == 4 and len(text["output_ids"]) == 3
 
+            # a stop string (the model dir has a tokenizer): generation ends once the
+            # decoded output contains it
+            free = await c.generate_raw({"text": "7*8=", "sampling_params": greedy})
+            target = free["text"][3]
+            cut = free["text"].index(target) + 1
+            stopped = await c.generate_raw(
+                {"text": "7*8=", "sampling_params": {**greedy, "stop": [target]}}
+            )
+            assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+            assert stopped["text"] == free["text"][:cut]
+
             zero = await c.generate_raw(
                 {"input_ids": [5], "sampling_params": {"max_new_tokens": 0}}
             )
@@ -292,3 +303,21 @@ async def test_metrics_health_and_info(weights: Path) -> None:
             with pytest.raises(GenerationError) as err:
                 await c._json("POST", "/update_weights_from_distributed", {"names": []})
             assert err.value.status == 400
+
+
+async def test_client_that_leaves_frees_its_request(weights: Path) -> None:
+    """A client that times out disconnects; the server aborts its request, so the same
+    rid can be sent again at once (no 'already in flight')."""
+    with start(weights) as url:
+        async with InferenceClient(url, timeout_s=0.5) as impatient, InferenceClient(url) as c:
+            sp = SamplingParams(max_new_tokens=450, ignore_eos=True)
+            with pytest.raises(GenerationError) as err:
+                await impatient.generate([70], sp, rid="retry-me")
+            assert err.value.status is None  # a transport timeout, not an HTTP answer
+            deadline = time.monotonic() + 10
+            while (await c.server_info())["num_running_reqs"]:
+                assert time.monotonic() < deadline, "the abandoned request kept running"
+                await asyncio.sleep(0.05)
+            res = await c.generate([70], SamplingParams(max_new_tokens=3), rid="retry-me")
+            assert len(res.output_ids) <= 3
+            assert "sglang:num_aborted_requests_total 1.0" in await c.metrics_text()
