@@ -257,9 +257,15 @@ async def test_pause_continue(weights: Path) -> None:
             held = await tokens_generated(c)
             await asyncio.sleep(0.3)
             assert await tokens_generated(c) == held and not task.done()
+            # a reload while paused in place does not wait for the held request
+            await asyncio.wait_for(
+                c.update_weights_from_disk(str(weights / "v0"), "2", abort_all_requests=False), 10
+            )
+            assert not task.done()
             await c.resume()
             res = await asyncio.wait_for(task, 30)
             assert res.finish_reason == "length" and len(res.output_ids) == 200
+            assert res.weight_version == "2"
 
 
 async def test_abort_by_rid_and_all(weights: Path) -> None:
