@@ -315,8 +315,8 @@ async def test_client_that_leaves_frees_its_request(weights: Path) -> None:
     """A client that times out disconnects; the server aborts its request, so the same
     rid can be sent again at once (no 'already in flight')."""
     with start(weights) as url:
-        async with InferenceClient(url, timeout_s=0.5) as impatient, InferenceClient(url) as c:
-            sp = SamplingParams(max_new_tokens=450, ignore_eos=True)
+        async with InferenceClient(url, timeout_s=0.3) as impatient, InferenceClient(url) as c:
+            sp = SamplingParams(max_new_tokens=500, ignore_eos=True)
             with pytest.raises(GenerationError) as err:
                 await impatient.generate([70], sp, rid="retry-me")
             assert err.value.status is None  # a transport timeout, not an HTTP answer
