@@ -207,6 +207,8 @@ class Core:
             reason = check_stop(req, tok, self.eos, self._decode_tail)
             if reason is None:
                 keep.append(i)
+                if req.on_token is not None:
+                    req.on_token(req)
             else:
                 self.e.finish(req, reason)
         return keep

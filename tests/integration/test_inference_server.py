@@ -5,6 +5,7 @@ pause/continue, metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -327,3 +328,32 @@ async def test_client_that_leaves_frees_its_request(weights: Path) -> None:
             res = await c.generate([70], SamplingParams(max_new_tokens=3), rid="retry-me")
             assert len(res.output_ids) <= 3
             assert "sglang:num_aborted_requests_total 1.0" in await c.metrics_text()
+
+
+async def test_streaming_sends_cumulative_chunks(weights: Path) -> None:
+    import httpx
+
+    with start(weights) as url:
+        body = {
+            "input_ids": [5, 6],
+            "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+            "return_logprob": True,
+            "stream": True,
+        }
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", url + "/generate", json=body) as resp:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert len(final["output_ids"]) == 12 and len(chunks) >= 2
+    for chunk in chunks[:-1]:  # each a prefix of the final answer, not yet finished
+        n = len(chunk["output_ids"])
+        assert chunk["meta_info"]["finish_reason"] is None
+        assert chunk["output_ids"] == final["output_ids"][:n]
+        assert (
+            chunk["meta_info"]["output_token_logprobs"]
+            == (final["meta_info"]["output_token_logprobs"][:n])
+        )
