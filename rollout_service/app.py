@@ -16,19 +16,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 
 from rollout_service import wire
 from rollout_service.engine import Engine
 from rollout_service.metrics import build_registry
 from rollout_service.requests import EngineError, GenRequest, Sampling
 
+M = TypeVar("M", bound=BaseModel)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 SERVER_VERSION = "areal-hex-builtin"
 
@@ -236,7 +238,7 @@ def _weight_routes(app: FastAPI) -> None:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:
-        body = wire.PauseReq.model_validate(await _json_or_empty(request))
+        body = await _optional_body(wire.PauseReq, request)
         n = await request.app.state.engine.pause(body.mode)
         return {"success": True, "message": f"paused ({body.mode})", "num_aborted_requests": n}
 
@@ -260,17 +262,18 @@ def _weight_routes(app: FastAPI) -> None:
         return JSONResponse({"success": True, "message": "cache flushed"})
 
 
-async def _json_or_empty(request: Request) -> dict[str, Any]:
+async def _optional_body(model: type[M], request: Request) -> M:
+    """Parse a body that may be empty (SGLang clients send `{}` or nothing)."""
     raw = await request.body()
-    if not raw.strip():
-        return {}
     try:
-        data = json.loads(raw)
+        data = json.loads(raw) if raw.strip() else {}
     except ValueError as exc:
         raise EngineError(f"request body is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise EngineError("request body must be a JSON object")
-    return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise RequestValidationError(errors) from None
 
 
 # ---------------------------------------------------------------------- health, info, metrics

@@ -296,13 +296,11 @@ def resolve_config(
         host="127.0.0.1" if target == "compose" else "0.0.0.0",
         weights_dir=f"{dcfg.storage.mount_path}/runs/{rid}/weights",
     )
-    if "server_urls" in type(cfg.inference).model_fields:
-        inf["server_urls"] = server_urls
+    inf["server_urls"] = server_urls  # the controller reaches server i there
     # num_ranks is per node (the launcher on each node starts that many ranks).
     t = plan.trainer
     data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
-    if "master_port" in type(cfg.trainer).model_fields:
-        data["trainer"]["master_port"] = dcfg.master_port
+    data["trainer"]["master_port"] = dcfg.master_port
     return ExperimentConfig.model_validate(data)
 
 

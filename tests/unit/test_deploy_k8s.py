@@ -50,14 +50,15 @@ def rendered(request, tmp_path):
     return plan, cfg, tmp_path, _objects(tmp_path)
 
 
-def test_every_object_passes_strict_schema_validation(rendered):
+@pytest.mark.parametrize("version", ["1.27.0", K8S_VERSION, "1.33.0"])
+def test_every_object_passes_strict_schema_validation(rendered, version):
     _, _, _, objs = rendered
     kinds = {o["kind"] for o in objs}
     assert {"Namespace", "Secret", "ConfigMap", "PersistentVolumeClaim", "StatefulSet"} <= kinds
     assert {"Deployment", "Service", "Job", "NetworkPolicy"} <= kinds
     for o in objs:
         # raises on any schema violation, and SchemaNotFoundError on an unknown kind
-        assert kubernetes_validate.validate(o, K8S_VERSION, strict=True) == "1.30"
+        assert kubernetes_validate.validate(o, version, strict=True) == version[:4]
 
 
 def test_strict_validation_catches_a_typo(rendered):
@@ -90,7 +91,7 @@ def test_gpu_requests_add_up_to_the_plan(rendered):
             for c in spec["containers"]:
                 r = c["resources"]
                 assert r["requests"].get("nvidia.com/gpu") == r["limits"].get("nvidia.com/gpu")
-    controller = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"]
+    controller = [o for o in _kind(objs, "Job") if _component(o) == "controller"]
     assert _gpus(controller[0]["spec"]["template"]["spec"]) == 0
 
 
@@ -166,6 +167,7 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
     for key, value in values.items():
         assert (out / "secrets" / key).read_text().strip() == value
         assert (out / "secrets" / key).stat().st_mode & 0o077 == 0
+    assert (out / "01-secret.yaml").stat().st_mode & 0o077 == 0
     (cm,) = _kind(objs, "ConfigMap")
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.redis.password is None and cfg.inference.api_key is None
@@ -191,10 +193,17 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
     _, _, _, objs = rendered
     pods = [o["spec"]["template"] for o in objs if "template" in o.get("spec", {})]
     instance = objs[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
-    for t in pods:
-        assert t["spec"]["securityContext"]["runAsNonRoot"] is True
+    allowed_volumes = {"configMap", "secret", "emptyDir", "persistentVolumeClaim"}
+    for t in pods:  # the "restricted" Pod Security Standard, as the Namespace enforces
+        spec = t["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(spec)
+        for v in spec.get("volumes", []):
+            assert set(v) - {"name"} <= allowed_volumes, v
         assert t["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
-        for c in t["spec"]["containers"]:
+        for c in spec["containers"] + spec.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
             assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
@@ -211,10 +220,14 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
 
 def test_controller_is_told_where_each_server_listens(rendered):
     plan, cfg, _, objs = rendered
-    dep = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"][0]
-    c = dep["spec"]["template"]["spec"]["containers"][0]
+    (job,) = [o for o in objs if _component(o) == "controller"]
+    assert job["kind"] == "Job"  # it exits when done: never restarted after success
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == ["areal-hex", "rollout", "{config}"]
-    urls = [e["value"] for e in c["env"] if e["name"] == "AREAL_HEX_SERVER_URLS"][0].split(",")
+    (cm,) = _kind(objs, "ConfigMap")
+    deployed = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    urls = deployed.inference.urls()  # inference.server_urls, read by the controller
     services = {o["metadata"]["name"]: o for o in _kind(objs, "Service")}
     assert len(urls) == len(plan.rollout)
     for i, url in enumerate(urls):
