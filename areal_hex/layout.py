@@ -48,7 +48,7 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
     trainer sized as planned, otherwise `cfg.inference.num_servers` local servers."""
     c = CONFIG_PLACEHOLDER
     services: list[ServiceSpec] = []
-    if cfg.redis.url is None:
+    if cfg.redis.url is None or cfg.run.embedded_redis:
         services.append(ServiceSpec("redis", "redis", ["areal-hex", "buffer", "serve", c]))
     if plan is None:
         for i in range(cfg.inference.num_servers):
