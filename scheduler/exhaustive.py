@@ -1,0 +1,48 @@
+"""Exhaustive search under the same cost model as the MILP (for tests and the bench's
+optimality gap). Packing is checked by placing instances on concrete machines, not by the
+MILP's block constraints, so it also checks that formulation."""
+
+from __future__ import annotations
+
+import itertools
+
+from scheduler.milp import Problem, gen_rate
+
+
+def fits(p: Problem, c_idx: int, reps: dict[int, int]) -> bool:
+    """Place the trainer, then instances largest-TP first (first fit) on real machines."""
+    c = p.trainers[c_idx]
+    free: dict[str, list[int]] = {g: [p.gpn[g]] * (n // p.gpn[g]) for g, n in p.gpus.items()}
+    for g, n in c.parts:
+        if n % p.gpn[g] == 0:
+            if n // p.gpn[g] > len(free[g]):
+                return False
+            free[g] = free[g][n // p.gpn[g]:]
+        else:
+            free[g][0] -= n
+    items = sorted(((p.rollouts[i].tp, p.rollouts[i].group) for i, k in reps.items()
+                    for _ in range(k)), reverse=True)
+    for tp, g in items:
+        slot = next((j for j, f in enumerate(free[g]) if f >= tp), None)
+        if slot is None:
+            return False
+        free[g][slot] -= tp
+    return True
+
+
+def exhaustive(p: Problem, budget: float) -> tuple[float, float]:
+    """(best rate, its cheapest cost) over every trainer and replica vector."""
+    best = (0.0, float("inf"))
+    ranges = [range(p.gpus[r.group] // r.tp + 1) for r in p.rollouts]
+    for c_idx, c in enumerate(p.trainers):
+        if c.usd_per_h > budget:
+            continue
+        for ys in itertools.product(*ranges):
+            reps = {i: k for i, k in enumerate(ys) if k}
+            cost = c.usd_per_h + sum(k * p.rollouts[i].usd_per_h for i, k in reps.items())
+            if cost > budget + 1e-9 or not fits(p, c_idx, reps):
+                continue
+            rate = min(c.samples_per_s, gen_rate(p, c_idx, reps))
+            if rate > best[0] * (1 + 1e-9) or (rate >= best[0] * (1 - 1e-9) and cost < best[1]):
+                best = (rate, cost)
+    return best
