@@ -18,6 +18,7 @@ from scheduler.profile import Profile
 from scheduler.workload import CostConstants, Workload
 
 GB = 1e9
+BATCH_DIVISORS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def decode_step_s(
 
 
 def rollout_config(
-    cl: Cluster, g: NodeGroup, tp: int, m: ModelShape, w: Workload, prof: Profile | None
+    cl: Cluster, g: NodeGroup, tp: int, m: ModelShape, w: Workload, prof: Profile | None,
+    batch_div: int = 1,
 ) -> RolloutConfig | None:
     """The instance's throughput, or None when the weights or one request do not fit."""
     k, kind = w.constants, cl.kinds[g.name]
@@ -80,7 +82,9 @@ def rollout_config(
     )
     if free < per_req:
         return None
-    batch = int(min(k.max_running_requests, free // per_req))
+    batch = int(min(k.max_running_requests, free // per_req)) // batch_div
+    if batch < 1:
+        return None
     ctx = w.prompt_tokens + w.response_tokens / 2  # mean context over a response
     args = (kind.hbm_gbs, kind.bf16_tflops, tp, batch, ctx, g.intra_node.bandwidth_gbs, k)
     step = decode_step_s(m, *args)
@@ -103,6 +107,12 @@ def rollout_config(
     )
 
 
+def inflight_cap(w: Workload) -> int:
+    """Requests the staleness gate lets run at once while the trainer holds a batch:
+    submitted ≤ (v + η + 1)·B and B groups are in the step, so η·B groups (≥ B)."""
+    return max(1, w.staleness) * w.samples_per_step
+
+
 def tp_degrees(g: NodeGroup, m: ModelShape) -> list[int]:
     """TP stays inside a machine and divides the attention heads."""
     out, t = [], 1
@@ -119,9 +129,14 @@ def rollout_configs(
     out: list[RolloutConfig] = []
     for g in cl.spec.node_groups:
         for tp in tp_degrees(g, m):
-            rc = rollout_config(cl, g, tp, m, w, prof)
-            if rc is not None:
-                out.append(rc)
+            # Variants at 1/2 and 1/4 of the memory-limited batch: the staleness gate caps
+            # requests in flight, and a smaller batch is how an instance lives with it.
+            seen: set[int] = set()
+            for div in BATCH_DIVISORS:
+                rc = rollout_config(cl, g, tp, m, w, prof, div)
+                if rc is not None and rc.batch not in seen:
+                    seen.add(rc.batch)
+                    out.append(rc)
     return out
 
 

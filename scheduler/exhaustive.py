@@ -40,7 +40,8 @@ def exhaustive(p: Problem, budget: float) -> tuple[float, float]:
         for ys in itertools.product(*ranges):
             reps = {i: k for i, k in enumerate(ys) if k}
             cost = c.usd_per_h + sum(k * p.rollouts[i].usd_per_h for i, k in reps.items())
-            if cost > budget + 1e-9 or not fits(p, c_idx, reps):
+            slots = sum(k * p.rollouts[i].batch for i, k in reps.items())
+            if cost > budget + 1e-9 or slots > p.inflight or not fits(p, c_idx, reps):
                 continue
             rate = min(c.samples_per_s, gen_rate(p, c_idx, reps))
             if rate > best[0] * (1 + 1e-9) or (rate >= best[0] * (1 - 1e-9) and cost < best[1]):

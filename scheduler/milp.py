@@ -8,6 +8,7 @@ h_ψ; x_c ∈ {0,1} for trainer configuration c with rate t_c (Σ x_c = 1); R �
     G_z = Σ_{ψ in zone z} y_ψ h_ψ
     Σ_{ψ∈g, tp_ψ ≥ t} tp_ψ y_ψ + Σ_c lost_cgt x_c ≤ GPUs_g   for every group g, TP size t
     Σ_ψ y_ψ $_ψ + Σ_c x_c $_c ≤ budget
+    Σ_ψ y_ψ batch_ψ ≤ η·B·G                                  (staleness gate's in-flight cap)
 f_zc is the share of time a rollout instance in zone z pauses for weight syncs when the
 trainer publishes every k of its steps; lost_cgt counts the t-GPU blocks c takes from g
 (whole machines or part of one), which makes the block constraints an exact packing test
@@ -26,7 +27,7 @@ from pathlib import Path
 import pulp
 
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutConfig, TrainerConfig, weight_sync_s
+from scheduler.costmodel import RolloutConfig, TrainerConfig, inflight_cap, weight_sync_s
 from scheduler.models import ModelShape
 from scheduler.workload import Workload
 
@@ -41,6 +42,7 @@ class Problem:
     gpus: dict[str, int]  # node group -> GPUs
     gpn: dict[str, int]  # node group -> GPUs per node
     tps: dict[str, list[int]]  # node group -> TP sizes in use
+    inflight: int  # requests the staleness gate admits at once (Σ y_ψ·batch_ψ ≤ this)
 
 
 @dataclass
@@ -72,7 +74,7 @@ def build_problem(
     return Problem(
         rollouts, trainers, pause,
         {g.name: g.nodes * g.gpus_per_node for g in groups},
-        {g.name: g.gpus_per_node for g in groups}, tps,
+        {g.name: g.gpus_per_node for g in groups}, tps, inflight_cap(w),
     )
 
 
@@ -148,6 +150,7 @@ def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None,
             prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
     cost = pulp.lpSum(p.rollouts[i].usd_per_h * y[i] for i in ris) + pulp.lpSum(
         p.trainers[c].usd_per_h * x[c] for c in cis)
+    prob += pulp.lpSum(p.rollouts[i].batch * y[i] for i in ris) <= p.inflight
     if budget is not None:
         prob += cost <= budget
     return prob, y, x, R, cost
