@@ -30,15 +30,30 @@ def fits(p: Problem, c_idx: int, reps: dict[int, int]) -> bool:
     return True
 
 
+def _group_vectors(p: Problem, idx: list[int], cap: int) -> list[dict[int, int]]:
+    """Every replica vector over configs `idx` (one node group) using at most `cap` GPUs."""
+    if not idx:
+        return [{}]
+    head, rest = idx[0], idx[1:]
+    out = []
+    for k in range(cap // p.rollouts[head].tp + 1):
+        for tail in _group_vectors(p, rest, cap - k * p.rollouts[head].tp):
+            out.append({head: k, **tail} if k else tail)
+    return out
+
+
 def exhaustive(p: Problem, budget: float) -> tuple[float, float]:
     """(best rate, its cheapest cost) over every trainer and replica vector."""
     best = (0.0, float("inf"))
-    ranges = [range(p.gpus[r.group] // r.tp + 1) for r in p.rollouts]
+    per_group = [
+        _group_vectors(p, [i for i, r in enumerate(p.rollouts) if r.group == g], n)
+        for g, n in p.gpus.items()
+    ]
     for c_idx, c in enumerate(p.trainers):
         if c.usd_per_h > budget:
             continue
-        for ys in itertools.product(*ranges):
-            reps = {i: k for i, k in enumerate(ys) if k}
+        for parts in itertools.product(*per_group):
+            reps = {i: k for part in parts for i, k in part.items()}
             cost = c.usd_per_h + sum(k * p.rollouts[i].usd_per_h for i, k in reps.items())
             slots = sum(k * p.rollouts[i].batch for i, k in reps.items())
             if cost > budget + 1e-9 or slots > p.inflight or not fits(p, c_idx, reps):
