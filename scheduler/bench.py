@@ -22,8 +22,14 @@ from scheduler.partition import place
 from scheduler.planner import make_plan, problem_for
 from scheduler.workload import Workload, load_workload
 
-KINDS = [("H100", 2.99), ("H200", 3.79), ("H20", 1.85), ("A100-80GB", 1.79), ("L40S", 1.04),
-         ("L4", 0.52)]
+KINDS = [
+    ("H100", 2.99),
+    ("H200", 3.79),
+    ("H20", 1.85),
+    ("A100-80GB", 1.79),
+    ("L40S", 1.04),
+    ("L4", 0.52),
+]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -46,19 +52,32 @@ def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
     for i in range(nodes - sum(counts)):
         counts[i % len(slots)] += 1
     groups = [
-        {"name": f"g{i}", "gpu": KINDS[k][0], "gpus_per_node": gpn, "nodes": n,
-         "zone": zones[z][0], "usd_per_gpu_hour": KINDS[k][1],
-         "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300}}
-        for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True)) if n > 0
+        {
+            "name": f"g{i}",
+            "gpu": KINDS[k][0],
+            "gpus_per_node": gpn,
+            "nodes": n,
+            "zone": zones[z][0],
+            "usd_per_gpu_hour": KINDS[k][1],
+            "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
+        }
+        for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True))
+        if n > 0
     ]
-    links = [{"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
-             for r in range(4)]
-    links += [{"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
-              for a in range(4) for b in range(a + 1, 4)]
+    links = [
+        {"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
+        for r in range(4)
+    ]
+    links += [
+        {"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
+        for a in range(4)
+        for b in range(a + 1, 4)
+    ]
     spec = ClusterSpec(
         name=f"generated-{gpus}",
         zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
-        node_groups=groups, links=links,
+        node_groups=groups,
+        links=links,
     )
     return make_cluster(spec)
 
@@ -68,26 +87,38 @@ def random_small_cluster(seed: int):
     rng = random.Random(seed)
     kinds = rng.sample(KINDS, 2)
     groups = [
-        {"name": f"g{i}", "gpu": k, "gpus_per_node": rng.choice([1, 2]),
-         "nodes": rng.choice([1, 2]), "zone": "za" if i % 2 == 0 else "zb",
-         "usd_per_gpu_hour": round(p * rng.uniform(0.7, 1.3), 2),
-         "intra_node": {"kind": "pcie", "bandwidth_gbs": 32}}
+        {
+            "name": f"g{i}",
+            "gpu": k,
+            "gpus_per_node": rng.choice([1, 2]),
+            "nodes": rng.choice([1, 2]),
+            "zone": "za" if i % 2 == 0 else "zb",
+            "usd_per_gpu_hour": round(p * rng.uniform(0.7, 1.3), 2),
+            "intra_node": {"kind": "pcie", "bandwidth_gbs": 32},
+        }
         for i, (k, p) in enumerate(kinds)
     ]
     spec = ClusterSpec(
         name=f"random-{seed}",
-        zones=[{"name": "za", "region": "r", "inter_node_bandwidth_gbs": 12.5},
-               {"name": "zb", "region": "r", "inter_node_bandwidth_gbs": 12.5}],
+        zones=[
+            {"name": "za", "region": "r", "inter_node_bandwidth_gbs": 12.5},
+            {"name": "zb", "region": "r", "inter_node_bandwidth_gbs": 12.5},
+        ],
         node_groups=groups,
-        links=[{"a": "za", "b": "zb", "bandwidth_gbs": rng.choice([1.5, 6.0]),
-                "latency_ms": 0.5}],
+        links=[{"a": "za", "b": "zb", "bandwidth_gbs": rng.choice([1.5, 6.0]), "latency_ms": 0.5}],
     )
     total = sum(g["nodes"] * g["gpus_per_node"] * g["usd_per_gpu_hour"] for g in groups)
     return make_cluster(spec), total * rng.uniform(0.3, 0.9)
 
 
-SMALL_WORKLOAD = Workload(groups_per_step=8, group_size=4, prompt_tokens=256,
-                          response_tokens=1024, max_response_tokens=2048, staleness=2)
+SMALL_WORKLOAD = Workload(
+    groups_per_step=8,
+    group_size=4,
+    prompt_tokens=256,
+    response_tokens=1024,
+    max_response_tokens=2048,
+    staleness=2,
+)
 
 
 def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int]:

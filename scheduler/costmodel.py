@@ -9,7 +9,6 @@ over the slowest link of the group. Weight sync: bytes over the link between the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from scheduler.cluster import Cluster, NodeGroup
@@ -53,8 +52,14 @@ class TrainerConfig:
 
 
 def decode_step_s(
-    m: ModelShape, kind_bw: float, kind_tflops: float, tp: int, batch: int, ctx: float,
-    intra_gbs: float, k: CostConstants,
+    m: ModelShape,
+    kind_bw: float,
+    kind_tflops: float,
+    tp: int,
+    batch: int,
+    ctx: float,
+    intra_gbs: float,
+    k: CostConstants,
 ) -> float:
     """One decode step of `batch` sequences with mean context `ctx` on a TP-`tp` instance."""
     weight_b = 2.0 * m.params / tp
@@ -70,16 +75,19 @@ def decode_step_s(
 
 
 def rollout_config(
-    cl: Cluster, g: NodeGroup, tp: int, m: ModelShape, w: Workload, prof: Profile | None,
+    cl: Cluster,
+    g: NodeGroup,
+    tp: int,
+    m: ModelShape,
+    w: Workload,
+    prof: Profile | None,
     batch_div: int = 1,
 ) -> RolloutConfig | None:
     """The instance's throughput, or None when the weights or one request do not fit."""
     k, kind = w.constants, cl.kinds[g.name]
     usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
     free = usable - 2.0 * m.params / tp
-    per_req = (w.prompt_tokens + w.max_response_tokens) * m.kv_bytes_per_token / min(
-        tp, m.kv_heads
-    )
+    per_req = (w.prompt_tokens + w.max_response_tokens) * m.kv_bytes_per_token / min(tp, m.kv_heads)
     if free < per_req:
         return None
     batch = int(min(k.max_running_requests, free // per_req)) // batch_div
@@ -89,8 +97,12 @@ def rollout_config(
     args = (kind.hbm_gbs, kind.bf16_tflops, tp, batch, ctx, g.intra_node.bandwidth_gbs, k)
     step = decode_step_s(m, *args)
     if prof is not None and prof.has(kind.name):
-        step = prof.decode_step_s(kind.name, batch) * step / decode_step_s(
-            m, kind.hbm_gbs, kind.bf16_tflops, 1, batch, ctx, g.intra_node.bandwidth_gbs, k
+        step = (
+            prof.decode_step_s(kind.name, batch)
+            * step
+            / decode_step_s(
+                m, kind.hbm_gbs, kind.bf16_tflops, 1, batch, ctx, g.intra_node.bandwidth_gbs, k
+            )
         )
     share = 1 / w.group_size if k.prefix_cache else 1.0
     prefill_flops = 2.0 * m.params * w.prompt_tokens * share
@@ -101,9 +113,16 @@ def rollout_config(
     # compute from the same GPUs, so per sample it adds serially.
     per_sample = w.response_tokens * step / batch + prefill
     return RolloutConfig(
-        group=g.name, kind=kind.name, zone=g.zone, tp=tp, batch=batch, step_s=step,
-        prefill_s=prefill, samples_per_s=1.0 / per_sample,
-        tokens_per_s=w.response_tokens / per_sample, usd_per_h=tp * g.usd_per_gpu_hour,
+        group=g.name,
+        kind=kind.name,
+        zone=g.zone,
+        tp=tp,
+        batch=batch,
+        step_s=step,
+        prefill_s=prefill,
+        samples_per_s=1.0 / per_sample,
+        tokens_per_s=w.response_tokens / per_sample,
+        usd_per_h=tp * g.usd_per_gpu_hour,
     )
 
 
@@ -167,8 +186,9 @@ def train_memory_gb(m: ModelShape, w: Workload, dp: int, zero: int) -> float:
     return (states + ref + act) / GB + k.runtime_reserve_gb
 
 
-def allreduce_s(m: ModelShape, dp: int, nodes: int, zero: int, intra: float, inter: float,
-                latency_ms: float) -> float:
+def allreduce_s(
+    m: ModelShape, dp: int, nodes: int, zero: int, intra: float, inter: float, latency_ms: float
+) -> float:
     """Gradient traffic per step: ring all-reduce moves 2(p-1)/p · M per GPU (M = 2Ψ bf16
     bytes); ZeRO-3 adds the parameter all-gather (3Ψ vs 2Ψ in the ZeRO paper). With several
     nodes the inter-node ring carries 2(n-1)/n · M per node over the slowest link."""

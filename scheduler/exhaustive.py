@@ -17,11 +17,13 @@ def fits(p: Problem, c_idx: int, reps: dict[int, int]) -> bool:
         if n % p.gpn[g] == 0:
             if n // p.gpn[g] > len(free[g]):
                 return False
-            free[g] = free[g][n // p.gpn[g]:]
+            free[g] = free[g][n // p.gpn[g] :]
         else:
             free[g][0] -= n
-    items = sorted(((p.rollouts[i].tp, p.rollouts[i].group) for i, k in reps.items()
-                    for _ in range(k)), reverse=True)
+    items = sorted(
+        ((p.rollouts[i].tp, p.rollouts[i].group) for i, k in reps.items() for _ in range(k)),
+        reverse=True,
+    )
     for tp, g in items:
         slot = next((j for j, f in enumerate(free[g]) if f >= tp), None)
         if slot is None:

@@ -17,8 +17,14 @@ from scheduler.models import ModelShape, load_model
 from scheduler.profile import DeviceRates, Profile
 
 TINY = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
 
@@ -44,7 +50,8 @@ def _kind_for(device: str) -> str:
     for k in ("H200", "H100", "H800", "H20", "A100", "L40S", "L4", "A10", "4090"):
         if k in name:
             return {"A100": "A100-80GB" if "80" in name else "A100-40GB", "4090": "RTX4090"}.get(
-                k, k)
+                k, k
+            )
     return name
 
 
@@ -64,8 +71,9 @@ def _timed(fn, device: str, repeats: int) -> float:
     return best
 
 
-def measure_profile(config_path: Path | None, device: str, kind: str | None,
-                    batches: list[int], context: int) -> Profile:
+def measure_profile(
+    config_path: Path | None, device: str, kind: str | None, batches: list[int], context: int
+) -> Profile:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
@@ -74,8 +82,9 @@ def measure_profile(config_path: Path | None, device: str, kind: str | None,
         cfg = Qwen3Config(**TINY)
         label = "tiny-qwen3"
     else:
-        cfg = AutoConfig.from_pretrained(str(config_path.parent if config_path.is_file()
-                                             else config_path))
+        cfg = AutoConfig.from_pretrained(
+            str(config_path.parent if config_path.is_file() else config_path)
+        )
         label = str(config_path)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -87,7 +96,9 @@ def measure_profile(config_path: Path | None, device: str, kind: str | None,
     shape = _shape(cfg, label)
     rates = DeviceRates(
         device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        decode_step_s=steps, decode_context=context, prefill_tokens_per_s=prefill,
+        decode_step_s=steps,
+        decode_context=context,
+        prefill_tokens_per_s=prefill,
         train_tokens_per_s=train,
     )
     return Profile(model=label, params=shape.params, kinds={kind or _kind_for(device): rates})

@@ -60,7 +60,10 @@ class Solution:
 
 
 def build_problem(
-    cl: Cluster, m: ModelShape, w: Workload, rollouts: list[RolloutConfig],
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    rollouts: list[RolloutConfig],
     trainers: list[TrainerConfig],
 ) -> Problem:
     zones = sorted({r.zone for r in rollouts})
@@ -72,9 +75,13 @@ def build_problem(
     groups = cl.spec.node_groups
     tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
     return Problem(
-        rollouts, trainers, pause,
+        rollouts,
+        trainers,
+        pause,
         {g.name: g.nodes * g.gpus_per_node for g in groups},
-        {g.name: g.gpus_per_node for g in groups}, tps, inflight_cap(w),
+        {g.name: g.gpus_per_node for g in groups},
+        tps,
+        inflight_cap(w),
     )
 
 
@@ -94,8 +101,11 @@ def gen_rate(p: Problem, c_idx: int, y: dict[int, int]) -> float:
 
 
 def solve(
-    p: Problem, budget: float | None = None, target: float | None = None,
-    time_limit_s: float = 60.0, allowed_kinds: set[str] | None = None,
+    p: Problem,
+    budget: float | None = None,
+    target: float | None = None,
+    time_limit_s: float = 60.0,
+    allowed_kinds: set[str] | None = None,
 ) -> Solution | None:
     """max R under `budget`, or min cost with R ≥ `target`. None when infeasible."""
     t0 = time.perf_counter()
@@ -121,8 +131,7 @@ def solve(
     return _solution(p, c_idx, reps, status, gap, time.perf_counter() - t0)
 
 
-def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None,
-           target: float | None):
+def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None, target: float | None):
     prob = pulp.LpProblem("areal_hex_phase1")
     y = {i: pulp.LpVariable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
     x = {i: pulp.LpVariable(f"x{i}", cat="Binary") for i in cis}
@@ -130,11 +139,19 @@ def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None,
     zones = sorted({p.rollouts[i].zone for i in ris})
     G = {z: pulp.LpVariable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
     for z in zones:
-        prob += G[z] == pulp.lpSum(p.rollouts[i].samples_per_s * y[i] for i in ris
-                                   if p.rollouts[i].zone == z)
+        prob += G[z] == pulp.lpSum(
+            p.rollouts[i].samples_per_s * y[i] for i in ris if p.rollouts[i].zone == z
+        )
     big_m = sum(
-        max((p.rollouts[i].samples_per_s / p.rollouts[i].tp for i in ris
-             if p.rollouts[i].group == g), default=0.0) * n
+        max(
+            (
+                p.rollouts[i].samples_per_s / p.rollouts[i].tp
+                for i in ris
+                if p.rollouts[i].group == g
+            ),
+            default=0.0,
+        )
+        * n
         for g, n in p.gpus.items()
     )
     prob += pulp.lpSum(x.values()) == 1
@@ -144,12 +161,16 @@ def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None,
         prob += R <= pulp.lpSum((1 - p.pause[(z, c)]) * G[z] for z in zones) + big_m * (1 - x[c])
     for g, total in p.gpus.items():
         for t in p.tps.get(g) or [1]:
-            lhs = pulp.lpSum(p.rollouts[i].tp * y[i] for i in ris
-                             if p.rollouts[i].group == g and p.rollouts[i].tp >= t)
+            lhs = pulp.lpSum(
+                p.rollouts[i].tp * y[i]
+                for i in ris
+                if p.rollouts[i].group == g and p.rollouts[i].tp >= t
+            )
             lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in cis]
             prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
     cost = pulp.lpSum(p.rollouts[i].usd_per_h * y[i] for i in ris) + pulp.lpSum(
-        p.trainers[c].usd_per_h * x[c] for c in cis)
+        p.trainers[c].usd_per_h * x[c] for c in cis
+    )
     prob += pulp.lpSum(p.rollouts[i].batch * y[i] for i in ris) <= p.inflight
     if budget is not None:
         prob += cost <= budget
@@ -160,8 +181,7 @@ def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
     """Solve; return ("ok" | "infeasible", relative gap parsed from CBC's log)."""
     with tempfile.TemporaryDirectory() as d:
         log = Path(d) / "cbc.log"
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1,
-                                   logPath=str(log))
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, logPath=str(log))
         prob.solve(solver)
         text = log.read_text() if log.exists() else ""
     if pulp.LpStatus[prob.status] != "Optimal" and prob.sol_status not in (1, 2):
@@ -179,10 +199,21 @@ def _read(x: dict, y: dict, cis: list[int], ris: list[int]) -> tuple[int, dict[i
     return c_idx, reps
 
 
-def _solution(p: Problem, c_idx: int, reps: dict[int, int], status: str, gap: float,
-              solve_s: float) -> Solution:
+def _solution(
+    p: Problem, c_idx: int, reps: dict[int, int], status: str, gap: float, solve_s: float
+) -> Solution:
     c = p.trainers[c_idx]
     gen = gen_rate(p, c_idx, reps)
     cost = c.usd_per_h + sum(n * p.rollouts[i].usd_per_h for i, n in reps.items())
-    return Solution(min(gen, c.samples_per_s), gen, c.samples_per_s, cost, c, reps, status,
-                    gap, solve_s, {"trainer_index": c_idx})
+    return Solution(
+        min(gen, c.samples_per_s),
+        gen,
+        c.samples_per_s,
+        cost,
+        c,
+        reps,
+        status,
+        gap,
+        solve_s,
+        {"trainer_index": c_idx},
+    )

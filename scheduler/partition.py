@@ -49,14 +49,17 @@ def _graph(cl: Cluster, groups: list[NodeGroup]):
     for z, idx in by_zone.items():
         bw = cl.link(z, z).bandwidth_gbs
         for pos, a in enumerate(idx):
-            others = idx[pos + 1:] if len(idx) <= MAX_CLIQUE else [
-                idx[(pos + d) % len(idx)] for d in range(1, RING_K // 2 + 1)]
+            others = (
+                idx[pos + 1 :]
+                if len(idx) <= MAX_CLIQUE
+                else [idx[(pos + d) % len(idx)] for d in range(1, RING_K // 2 + 1)]
+            )
             for b in others:
                 if a != b:
                     add(a, b, bw)
     zones = sorted(by_zone)
     for i, za in enumerate(zones):
-        for zb in zones[i + 1:]:
+        for zb in zones[i + 1 :]:
             bw = cl.link(za, zb).bandwidth_gbs
             for a, b in zip(by_zone[za], by_zone[zb], strict=False):
                 add(a, b, bw)
@@ -80,7 +83,11 @@ def _trainer_nodes(cl: Cluster, c: TrainerConfig) -> tuple[list[tuple[str, list[
     if len(verts) > 1 and adjncy:
         vw = [g.gpus_per_node for g, _ in verts]
         cutcount, parts = pymetis.part_graph(
-            2, xadj=xadj, adjncy=adjncy, vweights=vw, eweights=ew, tpwgts=[share, 1 - share]
+            2,
+            pymetis.CSRAdjacency(xadj, adjncy),
+            vweights=vw,
+            eweights=ew,
+            tpwgts=[share, 1 - share],
         )
         island = {n for (_, n), p in zip(verts, parts, strict=True) if p == 0}
         cut = cutcount / 10
@@ -100,9 +107,7 @@ def place(cl: Cluster, c: TrainerConfig, replicas: list[tuple[RolloutConfig, int
     used = {node: set(ids) for node, ids in trainer}
     rollout: list[tuple[RolloutConfig, str, list[int]]] = []
     gmap = {g.name: g for g in cl.spec.node_groups}
-    items = sorted(
-        ((rc, k) for rc, k in replicas), key=lambda t: (t[0].group, -t[0].tp)
-    )
+    items = sorted(((rc, k) for rc, k in replicas), key=lambda t: (t[0].group, -t[0].tp))
     for rc, k in items:
         g = gmap[rc.group]
         for _ in range(k):

@@ -62,9 +62,17 @@ def cheapest_cost(p: Problem, time_limit_s: float) -> float | None:
 
 
 def make_plan(
-    cl: Cluster, m: ModelShape, w: Workload, *, budget: float | None = None,
-    target: float | None = None, prof: Profile | None = None, model_label: str | None = None,
-    time_limit_s: float = 60.0, simulate_plan: bool = True, baselines: bool = True,
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    *,
+    budget: float | None = None,
+    target: float | None = None,
+    prof: Profile | None = None,
+    model_label: str | None = None,
+    time_limit_s: float = 60.0,
+    simulate_plan: bool = True,
+    baselines: bool = True,
 ) -> PlanResult:
     if (budget is None) == (target is None):
         raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
@@ -86,8 +94,9 @@ def make_plan(
     return PlanResult(plan, sol, placement, p, sim, homo, sync)
 
 
-def _infeasible_message(p: Problem, budget: float | None, target: float | None,
-                        time_limit_s: float) -> str:
+def _infeasible_message(
+    p: Problem, budget: float | None, target: float | None, time_limit_s: float
+) -> str:
     if budget is not None:
         low = cheapest_cost(p, time_limit_s)
         if low is None:
@@ -129,8 +138,13 @@ def synchronous_rate(p: Problem, w: Workload, budget: float) -> float:
 
 
 def simulate_solution(
-    cl: Cluster, m: ModelShape, w: Workload, sol: Solution, placement: Placement,
-    steps: int = 14, seed: int = 0,
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    sol: Solution,
+    placement: Placement,
+    steps: int = 14,
+    seed: int = 0,
 ) -> SimResult:
     gmap = {g.name: g for g in cl.spec.node_groups}
     ctx = w.prompt_tokens + w.response_tokens / 2
@@ -140,58 +154,99 @@ def simulate_solution(
 
         def step_fn(n: int, rc: RolloutConfig = rc, g=g, kind=kind) -> float:
             def at(b: int) -> float:
-                return decode_step_s(m, kind.hbm_gbs, kind.bf16_tflops, rc.tp, b, ctx,
-                                     g.intra_node.bandwidth_gbs, w.constants)
+                return decode_step_s(
+                    m,
+                    kind.hbm_gbs,
+                    kind.bf16_tflops,
+                    rc.tp,
+                    b,
+                    ctx,
+                    g.intra_node.bandwidth_gbs,
+                    w.constants,
+                )
+
             return at(n) * rc.step_s / at(rc.batch)  # keeps a profile's calibration
 
         sync = weight_sync_s(cl, m, w, sol.trainer.zones[0], rc.zone)
         insts.append(SimInstance(node, rc.batch, rc.prefill_s, sync, step_fn))
     return simulate(
-        insts, batch_groups=w.groups_per_step, group_size=w.group_size,
-        staleness=w.staleness, publish_interval=w.publish_interval,
-        train_step_s=sol.trainer.step_s, mean_len=w.response_tokens,
-        max_len=w.max_response_tokens, steps=steps, seed=seed,
+        insts,
+        batch_groups=w.groups_per_step,
+        group_size=w.group_size,
+        staleness=w.staleness,
+        publish_interval=w.publish_interval,
+        train_step_s=sol.trainer.step_s,
+        mean_len=w.response_tokens,
+        max_len=w.max_response_tokens,
+        steps=steps,
+        seed=seed,
     )
 
 
 def to_plan(
-    cl: Cluster, m: ModelShape, w: Workload, sol: Solution, pl: Placement,
-    budget: float | None, target: float | None, model_label: str | None,
-    sim: SimResult | None, homo: dict[str, float], sync: float,
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    sol: Solution,
+    pl: Placement,
+    budget: float | None,
+    target: float | None,
+    model_label: str | None,
+    sim: SimResult | None,
+    homo: dict[str, float],
+    sync: float,
 ) -> Plan:
     counters: dict[str, int] = {}
     rollout = []
     for rc, node, ids in pl.rollout:
         zone = cl.zone_of[rc.zone]
         n = counters[rc.kind] = counters.get(rc.kind, -1) + 1
-        rollout.append(InferenceInstance(
-            id=f"rollout-{rc.kind.lower()}-{n}", gpu_kind=rc.kind, tp=rc.tp, zone=rc.zone,
-            region=zone.region, placement=DeviceSlot(node=node, gpu_ids=ids),
-            predicted_tokens_per_s=round(rc.tokens_per_s, 2),
-        ))
+        rollout.append(
+            InferenceInstance(
+                id=f"rollout-{rc.kind.lower()}-{n}",
+                gpu_kind=rc.kind,
+                tp=rc.tp,
+                zone=rc.zone,
+                region=zone.region,
+                placement=DeviceSlot(node=node, gpu_ids=ids),
+                predicted_tokens_per_s=round(rc.tokens_per_s, 2),
+            )
+        )
     c = sol.trainer
     toks = w.prompt_tokens + w.response_tokens
     trainer = TrainerPlacement(
-        gpu_kind=c.kind, world_size=c.dp, dp=c.dp, tp=1, zero_stage=c.zero,
+        gpu_kind=c.kind,
+        world_size=c.dp,
+        dp=c.dp,
+        tp=1,
+        zero_stage=c.zero,
         placements=[DeviceSlot(node=n, gpu_ids=ids) for n, ids in pl.trainer],
         predicted_tokens_per_s=round(c.samples_per_s * toks, 2),
     )
     syncs = [weight_sync_s(cl, m, w, c.zones[0], rc.zone) for rc, _, _ in pl.rollout]
     best_homo = max(homo.items(), key=lambda kv: kv[1], default=(None, 0.0))
     return Plan(
-        cluster=cl.name, model=model_label or m.name,
+        cluster=cl.name,
+        model=model_label or m.name,
         objective="throughput" if target is None else "cost",
-        budget_usd_per_h=budget, target_samples_per_s=target, rollout=rollout, trainer=trainer,
+        budget_usd_per_h=budget,
+        target_samples_per_s=target,
+        rollout=rollout,
+        trainer=trainer,
         predicted=Prediction(
-            samples_per_s=round(sol.rate, 4), generation_samples_per_s=round(sol.gen_rate, 4),
+            samples_per_s=round(sol.rate, 4),
+            generation_samples_per_s=round(sol.gen_rate, 4),
             training_samples_per_s=round(sol.train_rate, 4),
-            weight_sync_s=round(max(syncs, default=0.0), 3), cost_usd_per_h=round(sol.cost, 2),
+            weight_sync_s=round(max(syncs, default=0.0), 3),
+            cost_usd_per_h=round(sol.cost, 2),
         ),
         baselines=Baselines(
-            homogeneous_gpu_kind=best_homo[0], homogeneous_samples_per_s=round(best_homo[1], 4),
+            homogeneous_gpu_kind=best_homo[0],
+            homogeneous_samples_per_s=round(best_homo[1], 4),
             synchronous_samples_per_s=round(sync, 4),
             simulated_samples_per_s=None if sim is None else round(sim.samples_per_s, 4),
             simulated_max_staleness=None if sim is None else sim.max_staleness,
-            mip_gap=sol.gap, solve_s=round(sol.solve_s, 3),
+            mip_gap=sol.gap,
+            solve_s=round(sol.solve_s, 3),
         ),
     )

@@ -11,8 +11,9 @@ from scheduler.partition import Placement, node_names
 COLOURS = {"trainer": "#d62728", "rollout": "#1f77b4", "idle": "#d9d9d9"}
 
 
-def plot(path: str | Path, cl: Cluster, pl: Placement,
-         sweep: list[dict[str, float]] | None = None) -> Path:
+def plot(
+    path: str | Path, cl: Cluster, pl: Placement, sweep: list[dict[str, float]] | None = None
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,16 +38,19 @@ def plot(path: str | Path, cl: Cluster, pl: Placement,
     ax.set_ylim(-len(rows) + 0.9, 1)
     ax.set_xlabel("GPU index")
     ax.set_title(f"{cl.name}: role of each GPU")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right",
-              fontsize=7)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", fontsize=7
+    )
     if sweep:
         ax2 = axes[0][1]
         xs = [s["budget_usd_per_h"] for s in sweep]
         ax2.plot(xs, [s["samples_per_s"] for s in sweep], "o-", label="heterogeneous (MILP)")
-        ax2.plot(xs, [s["homogeneous_samples_per_s"] for s in sweep], "s--",
-                 label="best homogeneous")
-        ax2.plot(xs, [s["synchronous_samples_per_s"] for s in sweep], "^:",
-                 label="best synchronous")
+        ax2.plot(
+            xs, [s["homogeneous_samples_per_s"] for s in sweep], "s--", label="best homogeneous"
+        )
+        ax2.plot(
+            xs, [s["synchronous_samples_per_s"] for s in sweep], "^:", label="best synchronous"
+        )
         ax2.set_xlabel("budget ($/h)")
         ax2.set_ylabel("predicted samples/s")
         ax2.set_title("throughput against budget")

@@ -41,8 +41,13 @@ class Profile(Section):
         i = bisect.bisect_left(xs, batch)
         if i < len(xs) and xs[i] == batch:
             return pts[i][1]
-        lo, hi = (pts[0], pts[1]) if i == 0 else (pts[-2], pts[-1]) if i >= len(xs) else (
-            pts[i - 1], pts[i])
+        lo, hi = (
+            (pts[0], pts[1])
+            if i == 0
+            else (pts[-2], pts[-1])
+            if i >= len(xs)
+            else (pts[i - 1], pts[i])
+        )
         if len(pts) == 1:
             return pts[0][1]
         slope = (hi[1] - lo[1]) / (hi[0] - lo[0])

@@ -43,11 +43,15 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
     b = plan.baselines
     if b is not None:
         homo = f"{b.homogeneous_samples_per_s:.3f} ({b.homogeneous_gpu_kind})"
-        lines.append(f"baselines at the same budget: best homogeneous {homo}, best "
-                     f"synchronous {b.synchronous_samples_per_s:.3f}")
+        lines.append(
+            f"baselines at the same budget: best homogeneous {homo}, best "
+            f"synchronous {b.synchronous_samples_per_s:.3f}"
+        )
         if b.simulated_samples_per_s is not None:
-            lines.append(f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
-                         f"{b.simulated_max_staleness}")
+            lines.append(
+                f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
+                f"{b.simulated_max_staleness}"
+            )
         lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}")
     if sweep:
         lines += ["", f"{'budget $/h':>11}{'hetero':>9}{'homog.':>9}{'sync':>9}{'cost':>9}"]
@@ -60,9 +64,15 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
     return "\n".join(lines)
 
 
-def sweep_budgets(cl: Cluster, m: ModelShape, w: Workload, res: PlanResult,
-                  prof: Profile | None, time_limit_s: float, points: int = 8
-                  ) -> list[dict[str, float]]:
+def sweep_budgets(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    res: PlanResult,
+    prof: Profile | None,
+    time_limit_s: float,
+    points: int = 8,
+) -> list[dict[str, float]]:
     """Predicted throughput from the cheapest feasible plan to the whole cluster's price."""
     p = res.problem
     low = cheapest_cost(p, time_limit_s) or 0.0
@@ -72,14 +82,18 @@ def sweep_budgets(cl: Cluster, m: ModelShape, w: Workload, res: PlanResult,
     for k in range(points):
         budget = low + (high - low) * k / max(1, points - 1)
         sol = solve(p, budget=budget, time_limit_s=time_limit_s)
-        homo = [solve(p, budget=budget, time_limit_s=time_limit_s, allowed_kinds={kd})
-                for kd in kinds]
-        out.append({
-            "budget_usd_per_h": round(budget, 2),
-            "samples_per_s": round(sol.rate, 4) if sol else 0.0,
-            "cost_usd_per_h": round(sol.cost, 2) if sol else 0.0,
-            "homogeneous_samples_per_s": round(max((h.rate for h in homo if h), default=0.0),
-                                               4),
-            "synchronous_samples_per_s": round(synchronous_rate(p, w, budget), 4),
-        })
+        homo = [
+            solve(p, budget=budget, time_limit_s=time_limit_s, allowed_kinds={kd}) for kd in kinds
+        ]
+        out.append(
+            {
+                "budget_usd_per_h": round(budget, 2),
+                "samples_per_s": round(sol.rate, 4) if sol else 0.0,
+                "cost_usd_per_h": round(sol.cost, 2) if sol else 0.0,
+                "homogeneous_samples_per_s": round(
+                    max((h.rate for h in homo if h), default=0.0), 4
+                ),
+                "synchronous_samples_per_s": round(synchronous_rate(p, w, budget), 4),
+            }
+        )
     return out

@@ -61,9 +61,18 @@ class SimResult:
 
 
 def simulate(
-    instances: list[SimInstance], *, batch_groups: int, group_size: int, staleness: int,
-    publish_interval: int, train_step_s: float, mean_len: int, max_len: int,
-    steps: int = 16, warmup: int = 3, seed: int = 0,
+    instances: list[SimInstance],
+    *,
+    batch_groups: int,
+    group_size: int,
+    staleness: int,
+    publish_interval: int,
+    train_step_s: float,
+    mean_len: int,
+    max_len: int,
+    steps: int = 16,
+    warmup: int = 3,
+    seed: int = 0,
 ) -> SimResult:
     rng = random.Random(seed)
     events: list[tuple[float, int, str, int, int]] = []  # (time, seq, kind, arg, stamp)

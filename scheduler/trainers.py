@@ -65,8 +65,12 @@ def _links(cl: Cluster, groups: list[NodeGroup]) -> tuple[float, float]:
 
 
 def cost_trainer(
-    cl: Cluster, m: ModelShape, w: Workload, parts: tuple[tuple[str, int], ...],
-    per_node: int, prof: Profile | None,
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    parts: tuple[tuple[str, int], ...],
+    per_node: int,
+    prof: Profile | None,
 ) -> TrainerConfig | None:
     k = w.constants
     gmap = {g.name: g for g in cl.spec.node_groups}
@@ -93,8 +97,16 @@ def cost_trainer(
         comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat)
         step = compute + (1 - k.comm_overlap) * comm + publish
         cand = TrainerConfig(
-            kind=kind.name, parts=parts, per_node=per_node, dp=dp, zero=zero, step_s=step,
-            compute_s=compute, comm_s=comm, publish_s=publish, mem_gb=mem,
+            kind=kind.name,
+            parts=parts,
+            per_node=per_node,
+            dp=dp,
+            zero=zero,
+            step_s=step,
+            compute_s=compute,
+            comm_s=comm,
+            publish_s=publish,
+            mem_gb=mem,
             samples_per_s=w.samples_per_step / step,
             usd_per_h=sum(n * gmap[g].usd_per_gpu_hour for g, n in parts),
             zones=tuple(dict.fromkeys(g.zone for g in groups)),

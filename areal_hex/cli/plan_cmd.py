@@ -38,8 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--out", default="profile.yaml", help="profile file to write")
     q.add_argument("--model-config", help="HF config.json to profile (default: tiny Qwen3)")
-    q.add_argument("--kind", help="GPU kind name to file the rates under (default: CPU or "
-                   "the CUDA device's catalogue name)")
+    q.add_argument(
+        "--kind",
+        help="GPU kind name to file the rates under (default: CPU or "
+        "the CUDA device's catalogue name)",
+    )
     q.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     q.add_argument("--batches", default="1,4,16", help="decode batch sizes to time")
     q.add_argument("--context", type=int, default=128, help="context length for decode")
@@ -66,9 +69,17 @@ def _plan(args: argparse.Namespace) -> int:
     m = load_model(args.model)
     w = load_workload(args.workload)
     prof = load_profile(args.profile, m.params) if args.profile else None
-    res = make_plan(cl, m, w, budget=args.budget, target=args.target_rate, prof=prof,
-                    model_label=args.model, time_limit_s=args.time_limit,
-                    simulate_plan=not args.no_simulate)
+    res = make_plan(
+        cl,
+        m,
+        w,
+        budget=args.budget,
+        target=args.target_rate,
+        prof=prof,
+        model_label=args.model,
+        time_limit_s=args.time_limit,
+        simulate_plan=not args.no_simulate,
+    )
     sweep = sweep_budgets(cl, m, w, res, prof, args.time_limit) if args.sweep_budget else None
     out = save_plan(res.plan, args.out)
     if args.plot:
@@ -79,7 +90,8 @@ def _plan(args: argparse.Namespace) -> int:
         doc = {"plan_path": str(out), "plan": res.plan.model_dump(mode="json")}
         if res.sim is not None:
             doc["simulated"] = res.sim.__dict__ | {
-                "staleness_hist": {str(k): v for k, v in res.sim.staleness_hist.items()}}
+                "staleness_hist": {str(k): v for k, v in res.sim.staleness_hist.items()}
+            }
         doc["homogeneous"] = res.homogeneous
         if sweep is not None:
             doc["sweep"] = sweep
@@ -102,8 +114,11 @@ def _profile(args: argparse.Namespace) -> int:
     if not batches or min(batches) < 1:
         raise UsageError(f"--batches {args.batches!r}: expected positive integers")
     prof = measure_profile(
-        Path(args.model_config) if args.model_config else None, args.device, args.kind,
-        batches, args.context,
+        Path(args.model_config) if args.model_config else None,
+        args.device,
+        args.kind,
+        batches,
+        args.context,
     )
     path = save_profile(prof, args.out)
     if args.json:
@@ -111,7 +126,9 @@ def _profile(args: argparse.Namespace) -> int:
     else:
         for kind, r in prof.kinds.items():
             steps = ", ".join(f"b={b}: {s * 1e3:.1f} ms" for b, s in r.decode_step_s.items())
-            print(f"{kind} ({r.device}): decode step {steps}; prefill "
-                  f"{r.prefill_tokens_per_s:,.0f} tok/s; train {r.train_tokens_per_s:,.0f} tok/s")
+            print(
+                f"{kind} ({r.device}): decode step {steps}; prefill "
+                f"{r.prefill_tokens_per_s:,.0f} tok/s; train {r.train_tokens_per_s:,.0f} tok/s"
+            )
         print(f"wrote {path}")
     return 0
