@@ -148,6 +148,8 @@ def rollout_configs(
     out: list[RolloutConfig] = []
     for g in cl.spec.node_groups:
         for tp in tp_degrees(g, m):
+            if w.rollout_tp is not None and tp != w.rollout_tp:
+                continue
             # Variants at 1/2 and 1/4 of the memory-limited batch: the staleness gate caps
             # requests in flight, and a smaller batch is how an instance lives with it.
             seen: set[int] = set()

@@ -21,6 +21,7 @@ import math
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,11 +134,11 @@ def solve(
 
 def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None, target: float | None):
     prob = pulp.LpProblem("areal_hex_phase1")
-    y = {i: pulp.LpVariable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
-    x = {i: pulp.LpVariable(f"x{i}", cat="Binary") for i in cis}
-    R = pulp.LpVariable("R", lowBound=target or 0.0)
+    y = {i: prob.add_variable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
+    x = {i: prob.add_variable(f"x{i}", lowBound=0, upBound=1, cat="Integer") for i in cis}
+    R = prob.add_variable("R", lowBound=target or 0.0)
     zones = sorted({p.rollouts[i].zone for i in ris})
-    G = {z: pulp.LpVariable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
+    G = {z: prob.add_variable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
     for z in zones:
         prob += G[z] == pulp.lpSum(
             p.rollouts[i].samples_per_s * y[i] for i in ris if p.rollouts[i].zone == z
@@ -181,7 +182,12 @@ def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
     """Solve; return ("ok" | "infeasible", relative gap parsed from CBC's log)."""
     with tempfile.TemporaryDirectory() as d:
         log = Path(d) / "cbc.log"
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, logPath=str(log))
+        # The CBC binary bundled with PuLP (PuLP 4 moves it to COIN_CMD + pulp[cbc]).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(
+                msg=False, timeLimit=time_limit_s, threads=1, logPath=str(log)
+            )
         prob.solve(solver)
         text = log.read_text() if log.exists() else ""
     if pulp.LpStatus[prob.status] != "Optimal" and prob.sol_status not in (1, 2):

@@ -40,6 +40,12 @@ class PlanResult:
 def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> Problem:
     rollouts = rollout_configs(cl, m, w, prof)
     trainers = trainer_configs(cl, m, w, prof)
+    if not rollouts and w.rollout_tp is not None:
+        raise ConfigError(
+            f"no rollout instance at TP {w.rollout_tp} fits cluster {cl.name!r} for model "
+            f"{m.name} (TP must divide the GPUs per node and the {m.heads} attention heads, "
+            f"and the weights plus one request's KV cache must fit)"
+        )
     if not rollouts:
         largest = max(g.gpus_per_node for g in cl.spec.node_groups)
         raise ConfigError(

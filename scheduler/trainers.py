@@ -90,7 +90,10 @@ def cost_trainer(
         compute = per_rank * train_flops_per_sample(m, w) / (kind.bf16_tflops * 1e12 * k.train_mfu)
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
     best: TrainerConfig | None = None
-    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+    stages = (0, 1, 2, 3) if dp > 1 else (0,)
+    if w.zero_stage is not None:
+        stages = (w.zero_stage,)  # pinned: DeepSpeed runs any stage on one rank too
+    for zero in stages:
         mem = train_memory_gb(m, w, dp, zero)
         if mem > kind.hbm_gb:
             continue

@@ -62,6 +62,11 @@ class Workload(Section):
     staleness: int = Field(4, ge=0)  # η (AReaL's default for maths is 8)
     publish_interval: int = Field(1, gt=0)  # optimizer steps between weight publishes
     reference_model: bool = False  # KL to a frozen reference: one more forward per token
+    # Pin choices to what the experiment config runs (`deploy` checks both against it):
+    # every rollout instance at this TP (inference.sglang.tp_size), the trainer at this
+    # ZeRO stage (trainer.zero_stage). None lets the planner choose.
+    rollout_tp: int | None = Field(None, gt=0)
+    zero_stage: int | None = Field(None, ge=0, le=3)
     constants: CostConstants = CostConstants()
 
     @property

@@ -26,6 +26,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="write a PNG: cluster by role (+ budget sweep)")
     p.add_argument("--sweep-budget", action="store_true", help="also plan at 8 budgets")
     p.add_argument("--profile", help="measured rates from `areal-hex profile`")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="every rollout instance at this TP degree (match inference.sglang.tp_size for deploy)",
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        help="trainer ZeRO stage (match trainer.zero_stage for deploy)",
+    )
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC time limit, s")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator replay")
     p.set_defaults(func=_plan)
@@ -68,6 +79,12 @@ def _plan(args: argparse.Namespace) -> int:
     cl = load_cluster(args.cluster)
     m = load_model(args.model)
     w = load_workload(args.workload)
+    if args.tp is not None:
+        if args.tp < 1:
+            raise UsageError(f"--tp must be a positive integer, got {args.tp}")
+        w = w.model_copy(update={"rollout_tp": args.tp})
+    if args.zero_stage is not None:
+        w = w.model_copy(update={"zero_stage": args.zero_stage})
     prof = load_profile(args.profile, m.params) if args.profile else None
     res = make_plan(
         cl,

@@ -210,3 +210,47 @@ def test_profile_then_plan_with_profile(tmp_path: Path) -> None:
         str(tmp_path / "x.yaml"),
     )
     assert bad.returncode == 2 and "profile was measured for" in bad.stderr
+
+
+@pytest.mark.timeout(240)
+def test_pinned_plan_deploys(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    r = cli(
+        "plan",
+        str(EX / "clusters" / "h800_h20.yaml"),
+        "--model",
+        "Qwen/Qwen3-8B",
+        "--budget",
+        "100",
+        "--tp",
+        "1",
+        "--zero-stage",
+        "3",
+        "--out",
+        str(out),
+        "--no-simulate",
+    )
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(out)
+    assert {i.tp for i in plan.rollout} == {1} and plan.trainer.zero_stage == 3
+    d = cli(
+        "deploy",
+        str(out),
+        str(EX / "deploy" / "qwen3-8b.yaml"),
+        "--target",
+        "k8s",
+        "--out",
+        str(tmp_path / "k8s"),
+    )
+    assert d.returncode == 0, d.stderr
+    assert (tmp_path / "k8s" / "30-trainer.yaml").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_bench_plan_small(tmp_path: Path) -> None:
+    r = cli("bench", "plan", "--json", "--sizes", "64", "--random-clusters", "2")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc["solve_s"]) == {"64"} and doc["max_gap_vs_exhaustive"] == 0.0
+    assert doc["max_sim_error"] < 0.10
+    assert set(doc["speedup_vs_homogeneous"]) == {"h800_h20", "hetrl_a100_l40s_l4", "multi_region"}
