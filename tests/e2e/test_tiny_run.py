@@ -55,6 +55,12 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def port_open(url: str) -> bool:
     host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     with socket.socket() as s:
@@ -74,6 +80,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         "rollout.group_size=4",
         "model.tiny.sft_steps=10",
         "trainer.checkpoint_every=3",
+        f"inference.base_port={free_port()}",
     ]
     run_dir = tmp_path / "e2e"
     proc = subprocess.Popen(
