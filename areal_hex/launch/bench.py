@@ -33,6 +33,14 @@ def run_once(config: str, overrides: list[str], mode: str, out_dir: str) -> dict
     return result.summary
 
 
+def initial_weights(config: str, overrides: list[str], out: Path) -> Path:
+    from areal_hex.config import load_config
+    from areal_hex.launch.prepare import materialize_v0
+
+    cfg = load_config(config, overrides)
+    return materialize_v0(cfg, out.resolve())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -41,6 +49,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides.append(f"buffer.max_staleness={args.eta}")
     with tempfile.TemporaryDirectory(prefix="areal-hex-bench-") as tmp:
         out = args.output_dir or tmp
+        # both runs start from the same initial weights, written (warm-started) once
+        v0 = initial_weights(args.config, overrides, Path(out) / "initial")
+        overrides.append(f"model.path={v0}")
         sync = run_once(args.config, overrides, "sync", out)
         asyn = run_once(args.config, overrides, "async", out)
     s, a = sync["samples_per_s"] or 0.0, asyn["samples_per_s"] or 0.0

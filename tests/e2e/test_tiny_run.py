@@ -23,7 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 ETA = 1
-STEPS = 8
+STEPS = 6
 
 
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
