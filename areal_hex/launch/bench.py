@@ -33,6 +33,24 @@ def run_once(config: str, overrides: list[str], mode: str, out_dir: str) -> dict
     return result.summary
 
 
+def out_dir_of(summary: dict[str, Any], out: str) -> str:
+    return str(Path(out) / str(summary["run_id"]))
+
+
+def steady_rate(run_dir: Path, group_size: int, skip: int) -> float:
+    """Trained samples/s between step `skip` and the last step (from metrics.jsonl)."""
+    from areal_hex.launch.progress import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    if len(rows) < 2:
+        return 0.0
+    first = rows[min(max(skip, 1), len(rows) - 1) - 1]
+    last = rows[-1]
+    dt = last["time"] - first["time"]
+    groups = last["groups_trained_total"] - first["groups_trained_total"]
+    return groups * group_size / dt if dt > 0 else 0.0
+
+
 def initial_weights(config: str, overrides: list[str], out: Path) -> Path:
     from areal_hex.config import load_config
     from areal_hex.launch.prepare import materialize_v0
@@ -54,10 +72,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides.append(f"model.path={v0}")
         sync = run_once(args.config, overrides, "sync", out)
         asyn = run_once(args.config, overrides, "async", out)
-    s, a = sync["samples_per_s"] or 0.0, asyn["samples_per_s"] or 0.0
+        # The same window in both runs: after the first eta + 1 steps, whose batches the
+        # async run could generate before the trainer started (a head start, not rate).
+        skip = asyn["eta"] + 1
+        s = steady_rate(Path(out_dir_of(sync, out)), sync["group_size"], skip)
+        a = steady_rate(Path(out_dir_of(asyn, out)), asyn["group_size"], skip)
     return {
         "config": args.config,
         "steps": asyn["steps"],
+        "window_from_step": skip,
         "eta": asyn["eta"],
         "sync_samples_per_s": s,
         "async_samples_per_s": a,

@@ -108,3 +108,20 @@ def test_pass_at_k() -> None:
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity")
 def test_core_groups_off_means_no_pinning() -> None:
     assert core_groups(False) == (None, None)
+
+
+def test_bench_steady_rate_skips_the_head_start(tmp_path: Path) -> None:
+    import json
+
+    from areal_hex.launch.bench import steady_rate
+
+    rows = [  # 3 quick steps (prefilled batches), then one step every 2 s
+        {"step": 1, "time": 0.0, "groups_trained_total": 4},
+        {"step": 2, "time": 0.1, "groups_trained_total": 8},
+        {"step": 3, "time": 0.2, "groups_trained_total": 12},
+        {"step": 4, "time": 2.2, "groups_trained_total": 16},
+        {"step": 5, "time": 4.2, "groups_trained_total": 20},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert steady_rate(tmp_path, 8, skip=3) == pytest.approx(8 * 8 / 4.0)
+    assert steady_rate(tmp_path, 8, skip=1) == pytest.approx(16 * 8 / 4.2)
