@@ -146,8 +146,8 @@ def test_unrecoverable_server_fails_the_run_with_its_log(tmp_path: Path) -> None
         "inference.sglang.python=/nonexistent/python",
     ]
     res = cli("run", str(EXAMPLE), *overrides, "--no-progress", timeout=170)
-    assert res.returncode == 1
-    assert "inference-0 exited while starting" in res.stderr
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "inference-0 exited while starting" in res.stderr, res.stderr[-3000:]
     assert "last log lines" in res.stderr
     cfg = yaml.safe_load((tmp_path / "bad" / "config.yaml").read_text())
     assert not port_open(cfg["redis"]["url"])
