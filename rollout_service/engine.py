@@ -78,7 +78,7 @@ class Engine:
         self.model_path = model_path
         self.weight_version = weight_version
         self.opts = options
-        self._load_model = load_model
+        self.load_model = load_model
         self._cv = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
         self._controls: deque[_Control] = deque()
@@ -299,6 +299,15 @@ class Engine:
                 width = w
                 out.append(self._waiting.popleft())
         return out
+
+    def find(self, rid: str) -> GenRequest | None:
+        with self._cv:
+            return self._inflight.get(rid)
+
+    def unqueue(self, req: GenRequest) -> None:
+        with self._cv:
+            if req in self._waiting:
+                self._waiting.remove(req)
 
     def drain_waiting(self) -> list[GenRequest]:
         with self._cv:
