@@ -34,6 +34,7 @@ from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRe
 
 # Expected dtype of every array field (little-endian on the wire, whatever the host is).
 DTYPES = {"prompt": "<i4", "tokens": "<i4", "logprobs": "<f4", "versions": "<i4"}
+ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in DTYPES.items()}
 
 
 class DecodeError(ValueError):
@@ -134,7 +135,7 @@ def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, n
             raise DecodeError(name, f"dtype {dtype!r}, expected {DTYPES[name]!r}")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise DecodeError(name, f"byte count {nbytes!r} is not a non-negative integer")
-        if nbytes % np.dtype(dtype).itemsize:
+        if nbytes % ITEMSIZE[name]:
             raise DecodeError(name, f"{nbytes} bytes is not a whole number of {dtype!r} items")
         declared += nbytes
     if declared != len(data):
@@ -142,7 +143,7 @@ def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, n
         raise DecodeError("payload", f"{what}: arrays declare {declared} bytes, got {len(data)}")
     buf, out, off = (bytearray(data) if copy else data), {}, 0
     for name, dtype, nbytes in table:
-        count = nbytes // np.dtype(dtype).itemsize
+        count = nbytes // ITEMSIZE[name]
         out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=off)
         off += nbytes
     return out
@@ -188,7 +189,10 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
         if len(arrays[key]) != total:
             n = len(arrays[key])
             raise DecodeError(key, f"{n} items, but completion lengths sum to {total}")
-    if np.isnan(arrays["logprobs"]).any():
+    # One reduction finds any NaN (a sum with a NaN is NaN; -inf log-probs are allowed).
+    with np.errstate(invalid="ignore"):  # +inf + -inf is NaN too: then look closer
+        total_lp = float(arrays["logprobs"].sum(dtype=np.float64))
+    if total_lp != total_lp and np.isnan(arrays["logprobs"]).any():
         raise DecodeError("logprobs", "contains NaN")
     finish = _list_of(body, "finish", str, g)
     for i, reason in enumerate(finish):

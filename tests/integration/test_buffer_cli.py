@@ -165,3 +165,26 @@ def test_bench_buffer_prints_one_json_object() -> None:
     )
     assert result["payload_bytes"] > 8 * 64 * 12  # 8 completions x 64 tokens x 3 arrays
     assert time.monotonic() - start < 150
+
+
+def test_embedded_server_dies_with_its_owner() -> None:
+    code = (
+        "import time; from areal_hex.buffer import EmbeddedValkey; "
+        "s = EmbeddedValkey(appendonly=False).start(); print(s.port, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        assert redis.Redis(port=port).ping()
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no context exit
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            redis.Redis(port=port, socket_connect_timeout=0.5).ping()
+        except redis.ConnectionError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"valkey on port {port} outlived its owner")
