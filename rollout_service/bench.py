@@ -181,9 +181,11 @@ async def _drive(
             res = await client.generate(prompt, sp)
             return time.perf_counter() - t0, len(res.output_ids)
 
+        before = _counters(await client.metrics_text())
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(p, n) for p, n in work))
         wall = time.perf_counter() - t0
+        after = _counters(await client.metrics_text())
     lat = sorted(r[0] for r in results)
     tokens = sum(r[1] for r in results)
     return {
@@ -192,7 +194,19 @@ async def _drive(
         "server_tokens_per_s": tokens / wall,
         "p50_latency_s": _pct(lat, 0.50),
         "p99_latency_s": _pct(lat, 0.99),
+        "server_prefill_batches": after["prefill"] - before["prefill"],
+        "server_decode_steps": after["decode"] - before["decode"],
     }
+
+
+def _counters(metrics: str) -> dict[str, int]:
+    names = {"sglang:prefill_batches_total": "prefill", "sglang:decode_steps_total": "decode"}
+    out = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[names[name]] = int(float(value))
+    return out
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
