@@ -131,6 +131,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _StartFailed(RuntimeError):
+    """The server process exited before it answered /health (e.g. its port was taken)."""
+
+
 def _server_rounds(
     args: argparse.Namespace,
     work: list[tuple[list[int], int]],
@@ -139,7 +143,6 @@ def _server_rounds(
 ) -> list[tuple[dict[str, Any], float]]:
     """Start `areal-hex serve` in a subprocess; per round, send every request at once,
     then run the baseline (the server idles meanwhile)."""
-    port = _free_port()
     cfg = {
         "model": _model_config(args),
         "inference": {
@@ -150,24 +153,38 @@ def _server_rounds(
             "num_threads": args.threads,
         },
     }
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")])),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")])),
-        )
-        cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(path), "--port", str(port)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            return asyncio.run(_drive(f"http://127.0.0.1:{port}", args, work, proc, baseline))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for attempt in range(3):  # a free port can be taken before the server binds it
+            port = _free_port()
+            cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(path), "--port", str(port)]
+            with open(Path(tmp) / f"server{attempt}.log", "w+b") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    return asyncio.run(_drive(url, args, work, proc, baseline))
+                except _StartFailed:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                    if attempt == 2:
+                        raise RuntimeError(f"bench server did not start:\n{tail}") from None
+                finally:
+                    _stop(proc)
+    raise AssertionError("not reached")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _root() -> str:
@@ -185,11 +202,10 @@ async def _drive(
     from rollout_service.client import InferenceClient
 
     async with InferenceClient(url, timeout_s=None) as client:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 120
         while not await client.health():
             if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-                raise RuntimeError(f"bench server did not start:\n{err}")
+                raise _StartFailed()
             await asyncio.sleep(0.2)
         # warm-up: one short request (first-call allocations, lazy imports)
         await client.generate(work[0][0], SamplingParams(max_new_tokens=4, ignore_eos=True))
