@@ -94,7 +94,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         device=device,
     )
     consumer = make_consumer(cfg) if rank == 0 else None
-    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer)
+    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
