@@ -347,7 +347,11 @@ class RolloutController:
         async with self._weights_lock:
             if self._weights is not None:
                 version, path = self._weights
-                await server.client.update_weights_from_disk(path, str(version))
+                # Our client can tell the server's version (SGLang's /get_model_info); skip
+                # the reload when a transient error did not cost the server its weights.
+                current = getattr(server.client, "weight_version", None)
+                if current is None or await current() != str(version):
+                    await server.client.update_weights_from_disk(path, str(version))
             await server.client.resume()
 
     # ------------------------------------------------------------ metrics

@@ -55,6 +55,7 @@ class Dispatcher:
         self._busy_since: float | None = None
         self._busy_s = 0.0
         self._prober: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[bool]] = set()
 
     # ------------------------------------------------------------ choice
     def pick(self, exclude: set[int] | None = None) -> ServerState | None:
@@ -119,6 +120,15 @@ class Dispatcher:
             log.warning("server %s marked unhealthy: %s", server.url, reason)
         server.healthy = False
 
+    def suspect(self, server: ServerState, reason: str) -> None:
+        """A request failed there: take the server out now and probe it at once, so a
+        transient error (e.g. a keep-alive connection closed under us) costs one probe,
+        while a dead server stays out until a periodic probe finds it back."""
+        self.mark_unhealthy(server, reason)
+        task = asyncio.get_running_loop().create_task(self.probe(server))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
     def mark_healthy(self, server: ServerState) -> None:
         if not server.healthy:
             log.info("server %s healthy", server.url)
@@ -174,6 +184,9 @@ class Dispatcher:
             await self.probe_all()
 
     async def aclose(self) -> None:
+        for t in list(self._probes):
+            t.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
         if self._prober is not None:
             self._prober.cancel()
             try:

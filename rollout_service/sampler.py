@@ -116,7 +116,7 @@ class Sampler:
                 failures += 1
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc)
                 if not _is_client_error(exc):
-                    self.dispatcher.mark_unhealthy(server, reason)
+                    self.dispatcher.suspect(server, reason)
                 exclude.add(server.index)
                 if failures > self.max_retries:
                     raise SampleFailed(
