@@ -44,6 +44,8 @@ class Problem:
     gpn: dict[str, int]  # node group -> GPUs per node
     tps: dict[str, list[int]]  # node group -> TP sizes in use
     inflight: int  # requests the staleness gate admits at once (Σ y_ψ·batch_ψ ≤ this)
+    sync_s: dict[tuple[str, int], float]  # (zone, trainer index) -> pause per publish, s
+    publish_samples: int  # samples trained between two publishes (k·B·G)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Solution:
     gap: float
     solve_s: float
     extra: dict[str, float] = field(default_factory=dict)
+    eval_rate: float = 0.0  # `evaluate`: pauses at the rate reached (≥ rate)
+    eval_gen_rate: float = 0.0
 
 
 def build_problem(
@@ -69,10 +73,12 @@ def build_problem(
 ) -> Problem:
     zones = sorted({r.zone for r in rollouts})
     pause: dict[tuple[str, int], float] = {}
+    sync: dict[tuple[str, int], float] = {}
     for i, c in enumerate(trainers):
         period = w.publish_interval * c.step_s
         for z in zones:
-            pause[(z, i)] = min(1.0, weight_sync_s(cl, m, w, c.zones[0], z) / period)
+            sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)
+            pause[(z, i)] = min(1.0, sync[(z, i)] / period)
     groups = cl.spec.node_groups
     tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
     return Problem(
@@ -83,6 +89,8 @@ def build_problem(
         {g.name: g.gpus_per_node for g in groups},
         tps,
         inflight_cap(w),
+        sync,
+        w.publish_interval * w.samples_per_step,
     )
 
 
@@ -99,6 +107,34 @@ def gen_rate(p: Problem, c_idx: int, y: dict[int, int]) -> float:
         n * p.rollouts[i].samples_per_s * (1 - p.pause[(p.rollouts[i].zone, c_idx)])
         for i, n in y.items()
     )
+
+
+def evaluate(p: Problem, c_idx: int, y: dict[int, int]) -> tuple[float, float]:
+    """(rate, generation rate) of a fixed plan with pauses at the rate it reaches.
+
+    Publishes come every k·B·G trained samples, so at rate R an instance in zone z pauses
+    a share s_z·R/(kBG); generation keeps up while R ≤ Σ_z G_z (1 - s_z R/(kBG)), i.e.
+    R ≤ ΣG / (1 + Σ G_z s_z/(kBG)) over the zones whose share stays below 1. The MILP
+    charges the share at the trainer's own period (R = t_c), which is exact when training
+    is the bottleneck and conservative otherwise; this is the exact figure.
+    """
+    c = p.trainers[c_idx]
+    g_z: dict[str, float] = {}
+    for i, n in y.items():
+        r = p.rollouts[i]
+        g_z[r.zone] = g_z.get(r.zone, 0.0) + n * r.samples_per_s
+    zones = set(g_z)
+    while True:
+        a = sum(g_z[z] for z in zones)
+        b = sum(g_z[z] * p.sync_s[(z, c_idx)] / p.publish_samples for z in zones)
+        gen = a / (1 + b)
+        rate = min(c.samples_per_s, gen)
+        dead = {z for z in zones if p.sync_s[(z, c_idx)] * rate / p.publish_samples >= 1}
+        if not dead:
+            break
+        zones -= dead
+    gen_at = sum(g_z[z] * (1 - p.sync_s[(z, c_idx)] * rate / p.publish_samples) for z in zones)
+    return rate, gen_at
 
 
 def solve(
@@ -222,4 +258,5 @@ def _solution(
         gap,
         solve_s,
         {"trainer_index": c_idx},
+        *evaluate(p, c_idx, reps),
     )

@@ -240,8 +240,8 @@ def to_plan(
         rollout=rollout,
         trainer=trainer,
         predicted=Prediction(
-            samples_per_s=round(sol.rate, 4),
-            generation_samples_per_s=round(sol.gen_rate, 4),
+            samples_per_s=round(sol.eval_rate, 4),
+            generation_samples_per_s=round(sol.eval_gen_rate, 4),
             training_samples_per_s=round(sol.train_rate, 4),
             weight_sync_s=round(max(syncs, default=0.0), 3),
             cost_usd_per_h=round(sol.cost, 2),
@@ -254,5 +254,6 @@ def to_plan(
             simulated_max_staleness=None if sim is None else sim.max_staleness,
             mip_gap=sol.gap,
             solve_s=round(sol.solve_s, 3),
+            milp_samples_per_s=round(sol.rate, 4),
         ),
     )
