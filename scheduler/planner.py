@@ -3,7 +3,6 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from areal_hex.config import ConfigError
@@ -111,8 +110,8 @@ def _infeasible_message(
             f"budget ${budget:.2f}/h is below the cheapest feasible plan, ${low:.2f}/h "
             f"(one trainer and one rollout instance); raise --budget to at least {low:.2f}"
         )
-    top = solve(p, budget=math.inf, time_limit_s=time_limit_s)
-    best = top.rate if top else 0.0
+    top = solve(p, time_limit_s=time_limit_s)  # no budget: every GPU may be used
+    best = top.eval_rate if top else 0.0
     return (
         f"target {target:g} samples/s is above what the cluster can reach "
         f"({best:.3f} samples/s with every GPU in use)"
