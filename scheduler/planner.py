@@ -93,7 +93,7 @@ def make_plan(
         spend = budget if budget is not None else sol.cost
         for kind in sorted({r.kind for r in p.rollouts}):
             hs = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-            homo[kind] = hs.rate if hs else 0.0
+            homo[kind] = hs.eval_rate if hs else 0.0
         sync = synchronous_rate(p, w, spend)
     plan = to_plan(cl, m, w, sol, placement, budget, target, model_label, sim, homo, sync)
     return PlanResult(plan, sol, placement, p, sim, homo, sync)

@@ -88,10 +88,10 @@ def sweep_budgets(
         out.append(
             {
                 "budget_usd_per_h": round(budget, 2),
-                "samples_per_s": round(sol.rate, 4) if sol else 0.0,
+                "samples_per_s": round(sol.eval_rate, 4) if sol else 0.0,
                 "cost_usd_per_h": round(sol.cost, 2) if sol else 0.0,
                 "homogeneous_samples_per_s": round(
-                    max((h.rate for h in homo if h), default=0.0), 4
+                    max((h.eval_rate for h in homo if h), default=0.0), 4
                 ),
                 "synchronous_samples_per_s": round(synchronous_rate(p, w, budget), 4),
             }
