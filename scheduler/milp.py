@@ -27,10 +27,16 @@ from pathlib import Path
 
 import pulp
 
+from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
 from scheduler.costmodel import RolloutConfig, TrainerConfig, inflight_cap, weight_sync_s
 from scheduler.models import ModelShape
 from scheduler.workload import Workload
+
+
+class SolveTimeout(ConfigError):
+    """CBC hit its time limit before finding any integer solution (a usage error: the
+    CLI prints it and exits 2)."""
 
 
 @dataclass
@@ -154,6 +160,11 @@ def solve(
     prob.sense = pulp.LpMaximize if target is None else pulp.LpMinimize
     prob.setObjective(R if target is None else cost)
     status, gap = _run_cbc(prob, time_limit_s)
+    if status == "timeout":
+        raise SolveTimeout(
+            f"CBC found no feasible plan within the {time_limit_s:g} s time limit "
+            f"({len(ris)} rollout and {len(cis)} trainer configurations); raise --time-limit"
+        )
     if status != "ok":
         return None
     c_idx, reps = _read(x, y, cis, ris)
@@ -226,10 +237,10 @@ def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
             )
         prob.solve(solver)
         text = log.read_text() if log.exists() else ""
-    if pulp.LpStatus[prob.status] != "Optimal" and prob.sol_status not in (1, 2):
-        return "infeasible", math.inf
-    if "infeasible" in text.lower() and prob.sol_status not in (1, 2):
-        return "infeasible", math.inf
+    if prob.sol_status not in (1, 2):  # neither optimal nor an integer incumbent
+        return ("timeout" if pulp.LpStatus[prob.status] == "Not Solved" else "infeasible"), (
+            math.inf
+        )
     m = re.search(r"Gap:\s*([0-9.eE+-]+)", text)
     gap = float(m.group(1)) if m else 0.0
     return "ok", gap
