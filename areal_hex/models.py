@@ -126,7 +126,7 @@ def supervised_warm_start(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     model.eval()
     return losses
 

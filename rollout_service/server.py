@@ -51,8 +51,12 @@ def load_initial(model_cfg: ModelConfig, device: str) -> tuple[Any, Any | None, 
 
 
 def build_engine(model_cfg: ModelConfig, inf: InferenceConfig) -> Engine:
+    import torch
+
     from areal_hex.models import load_model
 
+    if inf.num_threads is not None:
+        torch.set_num_threads(inf.num_threads)
     model, tok, path = load_initial(model_cfg, inf.device)
 
     def reload(weights: str) -> Any:
@@ -96,7 +100,16 @@ def serve(model_cfg: ModelConfig, inf: InferenceConfig, port: int) -> None:
     app = build_server_app(model_cfg, inf)
     if inf.weights_dir:
         Path(inf.weights_dir).mkdir(parents=True, exist_ok=True)
-    uvicorn.run(app, host=inf.host, port=port, log_level=inf.log_level, access_log=False)
+    # On SIGTERM, requests still running after 5 s are cancelled (their generations are
+    # aborted) so the engine can stop.
+    uvicorn.run(
+        app,
+        host=inf.host,
+        port=port,
+        log_level=inf.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
 
 
 class ServerThread:
@@ -108,7 +121,14 @@ class ServerThread:
     def __init__(self, app: Any, host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=0, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=0,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.host = host
         self.start_timeout_s = start_timeout_s

@@ -73,6 +73,8 @@ class Trainer:
                 paths.weights_dir, paths.model_dir, cfg.keep_versions, self._announce
             )
         self.metrics_path = paths.run_dir / "metrics.jsonl"
+        if self.publisher is not None:
+            ctx.before_update = self.publisher.wait
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> TrainerState:
@@ -107,7 +109,7 @@ class Trainer:
         dist.broadcast_object_list(missing, src=0)
         if missing[0]:
             tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
-            if self.publisher is not None:
+            if self.publisher is not None and tensors is not None:
                 self.publisher.publish_now(v, tensors, announce=False)
         if self.rank == 0 and self.consumer is not None:
             if hasattr(self.consumer, "restore"):  # also restores the gate's admission count
@@ -140,7 +142,8 @@ class Trainer:
         t3 = time.perf_counter()
         ckpt_s = self._maybe_checkpoint()
         row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=t2 - t1, publish_s=t3 - t2)
-        row["publish_wait_s"] = publish_s
+        # time the step waited for the previous weight write (before its optimizer step)
+        row["publish_wait_s"] = publish_s + result.extra.get("publish_fence_s", 0.0)
         row["checkpoint_s"] = ckpt_s
         if self.rank == 0:
             with open(self.metrics_path, "a") as f:
@@ -181,7 +184,7 @@ class Trainer:
         if self.state.step % self.cfg.publish_every and self.state.step != self.cfg.total_steps:
             return 0.0
         tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
-        if self.publisher is None:
+        if self.publisher is None or tensors is None:
             return 0.0
         return self.publisher.submit(self.state.version, tensors)
 

@@ -3,7 +3,9 @@ then announce it; old versions are garbage-collected.
 
 The gather is the only part on the training critical path (it is collective under
 ZeRO-3); writing the files, the rename and `set_version` run on a background thread
-while the next step trains. v0 (the initial model) is never deleted.
+while the next step fetches its batch and runs forward and backward; the trainer waits
+for the write only before its next optimizer step, so under ZeRO 0-2 no copy of the
+weights is needed. v0 (the initial model) is never deleted.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 def full_state_dict(engine: Any, zero_stage: int, rank: int) -> dict[str, torch.Tensor] | None:
-    """Every weight as a CPU tensor on rank 0 (None elsewhere). Collective under ZeRO-3;
-    tied parameters (e.g. lm_head = embed_tokens) appear once."""
+    """Every weight on rank 0 (None elsewhere): the live parameters under ZeRO 0-2 (no
+    copy: they must be written before the next optimizer step changes them), a gathered
+    copy under ZeRO-3 (collective). Tied parameters (lm_head = embed_tokens) appear once."""
     module = engine.module
     if zero_stage == 3:
         sd = engine._zero3_consolidated_16bit_state_dict()
@@ -39,29 +42,25 @@ def full_state_dict(engine: Any, zero_stage: int, rank: int) -> dict[str, torch.
         return None
     unique = {n for n, _ in module.named_parameters()}
     every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    return {
-        k: v.detach().to("cpu", copy=True).contiguous()
-        for k, v in sd.items()
-        if k in unique or k not in every
-    }
+    return {k: v.detach() for k, v in sd.items() if k in unique or k not in every}
 
 
 def write_model_dir(
     tensors: dict[str, torch.Tensor], src_dir: str | Path, out_dir: str | Path
 ) -> Path:
-    """Write `tensors` as `out_dir` (model.safetensors + config.json + the tokenizer files
-    of `src_dir`) via a temp dir next to it and one rename; replaces an existing `out_dir`."""
+    """Write `out_dir` (model.safetensors + config.json + the tokenizer files of
+    `src_dir`) via a temp dir next to it and one rename; replaces an existing `out_dir`."""
     from safetensors.torch import save_file
 
     src, out = Path(src_dir), Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    host = {k: v if v.device.type == "cpu" else v.to("cpu") for k, v in tensors.items()}
+    save_file(host, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    for key in ("torch_dtype", "dtype"):
-        config[key] = dtype
+    dtype = str(next(iter(host.values())).dtype).removeprefix("torch.")
+    config["torch_dtype"] = config["dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and not _WEIGHT_FILES.match(f.name):
@@ -111,7 +110,10 @@ class AsyncPublisher:
         self.published: list[int] = []
 
     def submit(self, version: int, tensors: dict[str, torch.Tensor]) -> float:
-        """Start writing `v<version>`; returns seconds spent waiting for the previous one."""
+        """Start writing `v<version>`; returns seconds spent waiting for the previous
+        write. Live tensors must not change until `wait()` returns (the trainer waits
+        right before its next optimizer step, so the write overlaps that step's
+        forward and backward passes)."""
         waited = self.wait()
         self._thread = threading.Thread(
             target=self._write, args=(version, tensors), name=f"publish-v{version}", daemon=True

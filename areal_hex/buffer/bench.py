@@ -55,31 +55,38 @@ def make_groups(n: int, g: int, t: int, seed: int = 0) -> list[GroupRecord]:
 class RawPath:
     """Baseline: the same bytes through bare redis-py XADD, XREADGROUP(COUNT B), XACK.
 
-    With `loop`, XADD goes through redis.asyncio as our producer's does (the contract makes
-    the producer async), so the ratio isolates our own work; without it, all calls are sync.
+    `payloads` are our codec's bytes for the very groups our path sends (one distinct buffer
+    each, as a producer would have). With `loop`, XADD goes through redis.asyncio as our
+    producer's does (the contract makes the producer async), so the ratio isolates our own
+    work; without it, all calls are sync.
     """
 
     def __init__(
-        self, ep: RedisEndpoint, payload: bytes, batch: int, loop: asyncio.AbstractEventLoop | None
+        self,
+        ep: RedisEndpoint,
+        payloads: list[bytes],
+        batch: int,
+        loop: asyncio.AbstractEventLoop | None,
     ) -> None:
-        self.r, self.payload, self.batch, self.loop = ep.sync_client(), payload, batch, loop
+        self.r, self.payloads, self.batch, self.loop = ep.sync_client(), payloads, batch, loop
         self.a = ep.async_client() if loop is not None else None
         self.stream = f"bench-raw-{uuid.uuid4().hex[:8]}"
         self.r.xgroup_create(self.stream, "trainer", id="0", mkstream=True)
         self.got = 0
 
-    async def _xadd(self, n: int) -> None:
+    async def _xadd(self, part: list[bytes]) -> None:
         assert self.a is not None
-        for _ in range(n):
-            await self.a.xadd(self.stream, {b"d": self.payload})
+        for payload in part:
+            await self.a.xadd(self.stream, {b"d": payload})
 
-    def chunk(self, n: int) -> float:
+    def chunk(self, lo: int, n: int) -> float:
+        part = self.payloads[lo : lo + n]
         start = time.perf_counter()
         if self.loop is not None:
-            self.loop.run_until_complete(self._xadd(n))
+            self.loop.run_until_complete(self._xadd(part))
         else:
-            for _ in range(n):
-                self.r.xadd(self.stream, {b"d": self.payload})
+            for payload in part:
+                self.r.xadd(self.stream, {b"d": payload})
         left = n
         while left > 0:
             resp = self.r.xreadgroup("trainer", "c", {self.stream: ">"}, count=self.batch)
@@ -134,24 +141,32 @@ def measure(ep: RedisEndpoint, groups: list[GroupRecord], args: argparse.Namespa
     """One pass of each path over all groups, chunk by chunk, rotating which goes first so
     all see the same machine load. Returns seconds per path and losses."""
     ours = OurPath(ep, args.batch, len(groups))
-    payload = encode_group(groups[0])
-    raw = RawPath(ep, payload, args.batch, ours.loop)
-    sync = RawPath(ep, payload, args.batch, None)
+    payloads = [encode_group(g) for g in groups]
+    raw = RawPath(ep, payloads, args.batch, ours.loop)
+    sync = RawPath(ep, payloads, args.batch, None)
     secs = {"ours": 0.0, "raw": 0.0, "sync": 0.0}
+    cpu = dict.fromkeys(secs, 0.0)  # this process's CPU seconds (less noisy than wall)
     for k, lo in enumerate(range(0, len(groups), args.chunk)):
         part = groups[lo : lo + args.chunk]
         runs = [
             ("ours", lambda p=part: ours.chunk(p)),
-            ("raw", lambda p=part: raw.chunk(len(p))),
-            ("sync", lambda p=part: sync.chunk(len(p))),
+            ("raw", lambda lo=lo, p=part: raw.chunk(lo, len(p))),
+            ("sync", lambda lo=lo, p=part: sync.chunk(lo, len(p))),
         ]
         for name, fn in runs[k % 3 :] + runs[: k % 3]:
+            c0 = time.process_time()
             secs[name] += fn()
+            cpu[name] += time.process_time() - c0
     raw.close()
     sync.close()
     ours.close()
     lost = len(groups) - len(ours.seen & {g.prompt_id for g in groups})
-    return {**secs, "lost": lost, "raw_lost": 2 * len(groups) - raw.got - sync.got}
+    return {
+        **secs,
+        **{f"cpu_{k}": v for k, v in cpu.items()},
+        "lost": lost,
+        "raw_lost": 2 * len(groups) - raw.got - sync.got,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         passes = [measure(ep, groups, args) for _ in range(args.repeats)]
     ours, raw, sync = (n / statistics.median(p[k] for p in passes) for k in secs_keys)
     payload = len(encode_group(groups[0]))
+    cpu_ours, cpu_raw = (statistics.median(p[k] for p in passes) for k in ("cpu_ours", "cpu_raw"))
     return {
         "groups": n,
         "completions": args.completions,
@@ -176,6 +192,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_sync_per_s": round(sync, 1),
         "ratio_vs_sync": round(ours / sync, 3),
         "mb_per_s": round(ours * payload / 1e6, 1),
+        # Client CPU per group, ours vs the async-XADD baseline (robust to a busy machine).
+        "cpu_us_per_group": round(cpu_ours / n * 1e6, 1),
+        "raw_cpu_us_per_group": round(cpu_raw / n * 1e6, 1),
+        "cpu_ratio": round(cpu_raw / cpu_ours, 3),
         "lost": max(p["lost"] for p in passes),
         "raw_lost": max(p["raw_lost"] for p in passes),
         "repeats": args.repeats,

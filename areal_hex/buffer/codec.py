@@ -1,24 +1,30 @@
-"""Wire format of a `GroupRecord`: one msgpack map whose arrays are raw little-endian numpy
-buffers, decoded with validation.
+"""Wire format of a `GroupRecord`: a small msgpack header followed by raw little-endian
+numpy buffers, decoded with validation.
 
-Layout (schema 1). The G completions' per-token arrays are concatenated into one buffer per
-kind, so a group of any size costs a fixed number of msgpack objects:
+Layout (schema 1):
 
-    {"schema": 1, "pid": str, "prompt": [dtype, bytes],          # (P,) int32
-     "temp": float, "t0": float, "t1": float, "meta": {str: str},
-     "lens": [T_0, ..., T_{G-1}],
-     "tokens": [dtype, bytes], "logprobs": [dtype, bytes],        # (sum T,) int32 / float32
-     "versions": [dtype, bytes],                                  # (sum T,) int32
-     "finish": [str] * G, "reward": [float] * G, "text": [str] * G}
+    u32 (little-endian) H | H bytes: msgpack header | array data
 
-Anything that does not match (wrong schema version, truncated bytes, wrong dtype, lengths
-that disagree) raises `DecodeError` naming the field and what was expected: the consumer
-moves such entries to the dead-letter stream instead of stopping.
+    header = {"schema": 1, "pid": str, "temp": float, "t0": float, "t1": float,
+              "meta": {str: str}, "lens": [T_0, ..., T_{G-1}],
+              "finish": [str] * G, "reward": [float] * G, "text": [str] * G,
+              "arrays": [["prompt", "<i4", nbytes],       # (P,) prompt token ids
+                         ["tokens", "<i4", nbytes],       # (sum T,) all completions' tokens
+                         ["logprobs", "<f4", nbytes],     # (sum T,) behaviour log-probs
+                         ["versions", "<i4", nbytes]]}    # (sum T,) policy version per token
+
+The G completions' per-token arrays are laid end to end, so a group of any size is a fixed
+number of objects, and the arrays never pass through msgpack: encoding writes each array
+once into the payload, decoding slices read-only views out of it (or, asked to, out of
+one writable copy). Anything that does not match (wrong schema version, truncated bytes, wrong
+dtype, lengths that disagree) raises `DecodeError` naming the field and what was expected:
+the consumer moves such entries to the dead-letter stream instead of stopping.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import msgpack
@@ -28,6 +34,7 @@ from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRe
 
 # Expected dtype of every array field (little-endian on the wire, whatever the host is).
 DTYPES = {"prompt": "<i4", "tokens": "<i4", "logprobs": "<f4", "versions": "<i4"}
+ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in DTYPES.items()}
 
 
 class DecodeError(ValueError):
@@ -38,32 +45,66 @@ class DecodeError(ValueError):
         self.field = field
 
 
+ARRAY_ORDER = ("prompt", "tokens", "logprobs", "versions")
+_LEN = struct.Struct("<I")  # header length prefix
+
+
+# ---------------------------------------------------------------- framing
+def frame(header: dict[str, Any], data: list[Any]) -> bytes:
+    """Length-prefixed msgpack header + the concatenation of `data` (bytes-like objects)."""
+    head = msgpack.packb(header, use_bin_type=True)
+    return b"".join([_LEN.pack(len(head)), head, *data])
+
+
+def unframe(payload: bytes) -> tuple[dict[str, Any], memoryview]:
+    """Split a payload into its header map and its array data section (no copy)."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise DecodeError("payload", f"expected bytes, got {type(payload).__name__}")
+    view = memoryview(payload)
+    if len(view) < _LEN.size:
+        raise DecodeError("payload", f"truncated: {len(view)} bytes, no header length")
+    (hlen,) = _LEN.unpack_from(view)
+    if hlen > len(view) - _LEN.size:
+        raise DecodeError(
+            "payload", f"truncated: header of {hlen} bytes declared, {len(view) - 4} follow"
+        )
+    try:
+        header = msgpack.unpackb(view[_LEN.size : _LEN.size + hlen], raw=False)
+    except Exception as exc:  # msgpack raises several types for corrupt input
+        raise DecodeError("header", f"corrupt msgpack ({hlen} bytes): {exc}") from None
+    if not isinstance(header, dict):
+        raise DecodeError("header", f"expected a map, got {type(header).__name__}")
+    return header, view[_LEN.size + hlen :]
+
+
 # ---------------------------------------------------------------- encode
-def _raw(arr: np.ndarray, dtype: str) -> list[Any]:
-    return [dtype, np.ascontiguousarray(arr, dtype=dtype).tobytes()]
+def _le(arr: np.ndarray, dtype: str) -> np.ndarray:
+    return np.ascontiguousarray(arr, dtype=dtype)  # no copy when already right
 
 
 def encode_group(group: GroupRecord) -> bytes:
     """Serialise a group; the inverse of `decode_group`."""
     comps = group.completions
-    cat = np.concatenate  # completions' token arrays laid end to end: (sum T,)
-    body = {
+    parts = {
+        "prompt": [_le(group.prompt_ids, DTYPES["prompt"])],
+        "tokens": [_le(c.token_ids, DTYPES["tokens"]) for c in comps],
+        "logprobs": [_le(c.logprobs, DTYPES["logprobs"]) for c in comps],
+        "versions": [_le(c.versions, DTYPES["versions"]) for c in comps],
+    }
+    header = {
         "schema": group.schema_version,
         "pid": group.prompt_id,
-        "prompt": _raw(group.prompt_ids, DTYPES["prompt"]),
         "temp": float(group.temperature),
         "t0": float(group.created_at),
         "t1": float(group.finished_at),
         "meta": dict(group.metadata),
         "lens": [len(c.token_ids) for c in comps],
-        "tokens": _raw(cat([c.token_ids for c in comps]), DTYPES["tokens"]),
-        "logprobs": _raw(cat([c.logprobs for c in comps]), DTYPES["logprobs"]),
-        "versions": _raw(cat([c.versions for c in comps]), DTYPES["versions"]),
         "finish": [c.finish_reason for c in comps],
         "reward": [float(c.reward) for c in comps],
         "text": [c.text for c in comps],
+        "arrays": [[k, DTYPES[k], sum(a.nbytes for a in parts[k])] for k in ARRAY_ORDER],
     }
-    return msgpack.packb(body, use_bin_type=True)
+    return frame(header, [memoryview(a) for k in ARRAY_ORDER for a in parts[k]])
 
 
 # ---------------------------------------------------------------- decode
@@ -81,19 +122,31 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _array(body: dict[str, Any], key: str) -> np.ndarray:
-    """A `[dtype, bytes]` pair → a writable 1-D array, after checking dtype and size."""
-    pair = _get(body, key, list)
-    if len(pair) != 2 or not isinstance(pair[0], str) or not isinstance(pair[1], bytes):
-        raise DecodeError(key, "expected [dtype, bytes]")
-    dtype, raw = pair
-    if dtype != DTYPES[key]:
-        raise DecodeError(key, f"dtype {dtype!r}, expected {DTYPES[key]!r}")
-    itemsize = np.dtype(dtype).itemsize
-    if len(raw) % itemsize:
-        raise DecodeError(key, f"{len(raw)} bytes is not a whole number of {dtype!r} items")
-    # Copy once so the arrays are writable (torch.from_numpy warns on read-only buffers).
-    return np.frombuffer(raw, dtype=dtype).astype(dtype.lstrip("<"), copy=True)
+def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, np.ndarray]:
+    """Check the array table against the data section, then cut 1-D arrays from it: views
+    of the payload (read-only, no copy) or, with `copy`, of one writable copy."""
+    table = _get(header, "arrays", list)
+    names = [e[0] if isinstance(e, list) and e else None for e in table]
+    if names != list(ARRAY_ORDER) or not all(len(e) == 3 for e in table):
+        raise DecodeError("arrays", f"expected [name, dtype, nbytes] for {list(ARRAY_ORDER)}")
+    declared = 0
+    for name, dtype, nbytes in table:
+        if dtype != DTYPES[name]:
+            raise DecodeError(name, f"dtype {dtype!r}, expected {DTYPES[name]!r}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise DecodeError(name, f"byte count {nbytes!r} is not a non-negative integer")
+        if nbytes % ITEMSIZE[name]:
+            raise DecodeError(name, f"{nbytes} bytes is not a whole number of {dtype!r} items")
+        declared += nbytes
+    if declared != len(data):
+        what = "truncated" if declared > len(data) else "trailing bytes"
+        raise DecodeError("payload", f"{what}: arrays declare {declared} bytes, got {len(data)}")
+    buf, out, off = (bytearray(data) if copy else data), {}, 0
+    for name, dtype, nbytes in table:
+        count = nbytes // ITEMSIZE[name]
+        out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=off)
+        off += nbytes
+    return out
 
 
 def _list_of(body: dict[str, Any], key: str, types: type | tuple[type, ...], n: int) -> list:
@@ -106,35 +159,24 @@ def _list_of(body: dict[str, Any], key: str, types: type | tuple[type, ...], n: 
     return items
 
 
-def _unpack(payload: bytes) -> dict[str, Any]:
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        raise DecodeError("payload", f"expected bytes, got {type(payload).__name__}")
-    try:
-        body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for truncated/corrupt input
-        raise DecodeError(
-            "payload", f"truncated or corrupt msgpack ({len(payload)} bytes): {exc}"
-        ) from None
-    if not isinstance(body, dict):
-        raise DecodeError("payload", f"expected a map, got {type(body).__name__}")
-    return body
-
-
 def _check_schema(body: dict[str, Any]) -> None:
     schema = body.get("schema")
     if schema != SCHEMA_VERSION or isinstance(schema, bool):
         raise DecodeError("schema", f"version {schema!r} not supported (expected {SCHEMA_VERSION})")
 
 
-def decode_group(payload: bytes) -> GroupRecord:
-    """Parse and validate one payload; raises `DecodeError` on any mismatch."""
-    return decode_group_with_version(payload)[0]
+def decode_group(payload: bytes, copy: bool = False) -> GroupRecord:
+    """Parse and validate one payload; raises `DecodeError` on any mismatch.
+
+    The arrays are read-only views of `payload` (zero copy) unless `copy` is set; batching
+    code that concatenates or pads them copies anyway (`np.concatenate`, `torch.tensor`)."""
+    return decode_group_with_version(payload, copy)[0]
 
 
-def decode_group_with_version(payload: bytes) -> tuple[GroupRecord, int]:
+def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[GroupRecord, int]:
     """`decode_group` plus the group's version (oldest token version, -1 without tokens),
     taken in one reduction over the concatenated (sum T,) versions."""
-    body = _unpack(payload)
+    body, data = unframe(payload)
     _check_schema(body)
     lens = _get(body, "lens", list)
     if not lens:
@@ -142,11 +184,15 @@ def decode_group_with_version(payload: bytes) -> tuple[GroupRecord, int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in lens):
         raise DecodeError("lens", "expected non-negative integers")
     total, g = sum(lens), len(lens)
-    arrays = {k: _array(body, k) for k in ("tokens", "logprobs", "versions")}
-    for key, arr in arrays.items():
-        if len(arr) != total:
-            raise DecodeError(key, f"{len(arr)} items, but completion lengths sum to {total}")
-    if np.isnan(arrays["logprobs"]).any():
+    arrays = _arrays(body, data, copy)
+    for key in ("tokens", "logprobs", "versions"):
+        if len(arrays[key]) != total:
+            n = len(arrays[key])
+            raise DecodeError(key, f"{n} items, but completion lengths sum to {total}")
+    # One reduction finds any NaN (a sum with a NaN is NaN; -inf log-probs are allowed).
+    with np.errstate(invalid="ignore"):  # +inf + -inf is NaN too: then look closer
+        total_lp = float(arrays["logprobs"].sum(dtype=np.float64))
+    if total_lp != total_lp and np.isnan(arrays["logprobs"]).any():
         raise DecodeError("logprobs", "contains NaN")
     finish = _list_of(body, "finish", str, g)
     for i, reason in enumerate(finish):
@@ -177,7 +223,7 @@ def decode_group_with_version(payload: bytes) -> tuple[GroupRecord, int]:
         lo = hi
     group = GroupRecord(
         prompt_id=_get(body, "pid", str),
-        prompt_ids=_array(body, "prompt"),
+        prompt_ids=arrays["prompt"],
         completions=comps,
         temperature=float(_get(body, "temp", (int, float))),
         created_at=float(_get(body, "t0", (int, float))),

@@ -46,15 +46,19 @@ def _sid(x: bytes | str) -> str:
 
 
 def read_stats(r: redis.Redis, keys: BufferKeys) -> BufferStats:
-    """One snapshot of the buffer's counters (used by the consumer and `buffer stats`)."""
-    ensure_group(r, keys)
+    """One snapshot of the buffer's counters (used by the consumer and `buffer stats`).
+    Creates nothing: a run that never wrote reads as all zeros."""
     pipe = r.pipeline(transaction=True)
     pipe.xlen(keys.traj)
     pipe.xpending(keys.traj, GROUP)
     pipe.xinfo_groups(keys.traj)
     pipe.mget(keys.submitted, keys.dropped_stale, keys.dead_count, keys.version)
-    length, pend, groups, counters = pipe.execute()
-    pending = int(pend["pending"])
+    length, pend, groups, counters = pipe.execute(raise_on_error=False)
+    if isinstance(counters, Exception):
+        raise counters
+    # No stream or no group yet: XPENDING / XINFO answer with errors, which mean zero.
+    pending = 0 if isinstance(pend, Exception) else int(pend["pending"])
+    groups = [] if isinstance(groups, Exception) else groups
     info = next((g for g in groups if _sid(g["name"]) == GROUP), {})
     lag = info.get("lag")
     # Acked entries are deleted, so without a lag figure the rest of the stream is unread.
@@ -99,11 +103,15 @@ class RedisTrajectoryConsumer:
         cfg: BufferConfig,
         name: str | None = None,
         keepalive: bool = True,
+        copy_arrays: bool = False,
     ) -> None:
+        """`name` defaults to `cfg.consumer_name`; `copy_arrays` decodes into writable
+        arrays instead of read-only views of the received payloads."""
         self.r = client
         self.keys = BufferKeys(run_id)
         self.cfg = cfg
         self.name = name or cfg.consumer_name
+        self.copy_arrays = copy_arrays
         self._rng = random.Random(cfg.shuffle_seed)
         self._ack = client.register_script(scripts.ACK_DELETE)
         ensure_group(client, self.keys)
@@ -156,20 +164,36 @@ class RedisTrajectoryConsumer:
         with self._lock:  # our own held entries may be idle too: they are not lost
             return [(_sid(i), f) for i, f in claimed if _sid(i) not in self._held]
 
-    def _read_new(self, count: int, block_ms: int | None) -> list[Entry]:
-        resp = self.r.xreadgroup(
-            GROUP, self.name, {self.keys.traj: ">"}, count=count, block=block_ms
-        )
-        return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])]
+    def _read_new(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        """New entries, and the policy version read in the same round trip (before the
+        read blocks, as it is checked against)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.keys.version)
+        pipe.xreadgroup(GROUP, self.name, {self.keys.traj: ">"}, count=count, block=block_ms)
+        version, resp = pipe.execute()
+        return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])], int(version or 0)
 
-    def _fetch(self, count: int, block_ms: int | None) -> list[Entry]:
+    def _fetch(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        try:
+            return self._fetch_once(count, block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream or group vanished (a server restarted without persistence, or a
+            # FLUSHALL): recreate them and carry on with whatever arrives from now.
+            ensure_group(self.r, self.keys)
+            self._history_cursor, self._claim_cursor = None, "0-0"
+            return [], self.version()
+
+    def _fetch_once(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
+        """Own pending entries first, then reclaimed ones, then new ones; with the version."""
         if self._history_cursor is not None:
             entries = self._read_history(count)
             if entries or self._history_cursor is not None:
-                return entries
+                return entries, self.version()
         entries = self._reclaim(count)
         if entries:
-            return entries
+            return entries, self.version()
         return self._read_new(count, block_ms)
 
     # ------------------------------------------------------------ sorting
@@ -189,7 +213,7 @@ class RedisTrajectoryConsumer:
                 dead.append((entry_id, f"no payload field 'd' (fields: {names})", b""))
                 continue
             try:
-                group, version = decode_group_with_version(payload)
+                group, version = decode_group_with_version(payload, self.copy_arrays)
             except DecodeError as exc:
                 dead.append((entry_id, str(exc), payload))
                 continue
@@ -224,8 +248,8 @@ class RedisTrajectoryConsumer:
             raise ValueError(f"get_batch(n): n must be positive, got {n}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         dropped = dead = 0
-        v = self.version()
         have, self._carry = self._carry, []
+        v = self.version() if have else -1  # else the first read brings the version along
         first = True
         while True:
             have, k = self._drop_stale_held(have, v)  # carried groups may have aged
@@ -245,14 +269,12 @@ class RedisTrajectoryConsumer:
             first = False
             # Read ahead up to `prefetch` entries in one round trip; the surplus is held
             # (pending to us, kept alive) and served by the next calls.
-            count = max(n - len(have), self.cfg.prefetch)
-            new, k_stale, k_dead = self._triage(self._fetch(count, block_ms), v)
+            entries, v = self._fetch(max(n - len(have), self.cfg.prefetch), block_ms)
+            new, k_stale, k_dead = self._triage(entries, v)
             dropped, dead = dropped + k_stale, dead + k_dead
             with self._lock:
                 self._held.update(i for i, _, _ in new)
             have += new
-            if len(have) < n:
-                v = self.version()  # still short: the next read checks a fresh version
         self._carry = have[n:]
         return self._batch(have[:n], v, dropped, dead)
 

@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,25 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A pre-exec hook asking Linux to SIGTERM the child when its parent dies.
+
+    prctl is resolved here, in the parent, so the child (between fork and exec) only makes
+    one foreign call. The signal follows the creating *thread*, so it is only used from
+    the main thread; elsewhere the server relies on stop()/atexit."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return hook
 
 
 def valkey_binary() -> Path:
@@ -129,7 +147,7 @@ class EmbeddedValkey:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=_death_signal_hook() if self.die_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)

@@ -157,27 +157,36 @@ class RedisTrajectoryProducer:
     ) -> AsyncIterator[VersionUpdate]:
         """Yield each newer policy version (increasing), from pub/sub with a poll fallback
         (a missed message is found by reading the version key). With `include_current`, the
-        version at subscription time comes first."""
-        pubsub = self.r.pubsub()
-        await pubsub.subscribe(self.keys.weights_channel)
-        try:
-            last = -1 if include_current else (await self.current()).version
-            while True:
-                # Read the key right after subscribing and after every quiet period, so an
-                # update published before we listened is not lost.
-                now = await self.current()
-                if now.version > last:
-                    last = now.version
-                    yield now
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
-                while msg is not None:
-                    upd = _parse_update(msg["data"]) if msg.get("type") == "message" else None
-                    if upd is not None and upd.version > last:
+        version at subscription time comes first. A lost connection is retried every
+        `poll_s` seconds; the iterator only ends when the caller stops it."""
+        last = -1 if include_current else (await self.current()).version
+        while True:
+            pubsub = self.r.pubsub()
+            try:
+                await pubsub.subscribe(self.keys.weights_channel)
+                async for upd in self._updates(pubsub, poll_s):
+                    if upd.version > last:
                         last = upd.version
                         yield upd
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
-        finally:
-            await pubsub.aclose()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                await asyncio.sleep(poll_s)  # Redis restarting: resubscribe, re-read the key
+            finally:
+                await pubsub.aclose()
+
+    async def _updates(
+        self, pubsub: redis.asyncio.client.PubSub, poll_s: float
+    ) -> AsyncIterator[VersionUpdate]:
+        while True:
+            # Read the key right after subscribing and after every quiet period, so an
+            # update published while we were not listening is not lost.
+            yield await self.current()
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
+            while msg is not None:
+                if msg.get("type") == "message":
+                    upd = _parse_update(msg["data"])
+                    if upd is not None:
+                        yield upd
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
 
     async def aclose(self) -> None:
         if self._listener is not None:

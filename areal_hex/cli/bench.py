@@ -13,6 +13,7 @@ from typing import Any
 BENCHMARKS: dict[str, str] = {
     "buffer": "areal_hex.buffer.bench",
     "rollout": "rollout_service.bench",
+    "controller": "rollout_service.bench_controller",
     "trainer": "trainer_service.bench",
     "e2e": "areal_hex.launch.bench",
     "plan": "scheduler.bench",

@@ -51,7 +51,9 @@ def _stats(args: argparse.Namespace) -> int:
     ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
     client = ep.sync_client(socket_connect_timeout=5, socket_timeout=10)
     try:
-        stats = read_stats(client, BufferKeys(cfg.run.run_id))
+        keys = BufferKeys(cfg.run.run_id)
+        stats = read_stats(client, keys)
+        acked = int(client.get(keys.acked) or 0)
     except redis.AuthenticationError as exc:
         where = redact(cfg.redis.url)
         raise UsageError(f"redis at {where} refused the credentials: {exc}") from None
@@ -59,7 +61,7 @@ def _stats(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot reach redis at {redact(cfg.redis.url)}: {exc}") from None
     finally:
         client.close()
-    data = {"run_id": cfg.run.run_id, **dataclasses.asdict(stats)}
+    data = {"run_id": cfg.run.run_id, **dataclasses.asdict(stats), "acked": acked}
     if args.json:
         print(json.dumps(data, sort_keys=True))
     else:

@@ -76,10 +76,12 @@ def with_tag(image: str, tag: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from areal_hex.cli import config_from_args
+    from areal_hex.cli import UsageError, config_from_args
     from areal_hex.deploy import render
     from areal_hex.plan import load_plan
 
+    if not Path(args.plan).is_file():
+        raise UsageError(f"plan file not found: {args.plan} (write one with `areal-hex plan`)")
     plan = load_plan(args.plan)
     cfg = config_from_args(args)
     result = render(args.target, cfg, plan, deploy_config(args), args.out)

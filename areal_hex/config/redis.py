@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from areal_hex.config.base import Section
 
@@ -54,3 +54,14 @@ class BufferConfig(Section):
     prefetch: int = Field(16, ge=1)
     # Seed of the within-batch shuffle (oldest groups are taken first, then shuffled).
     shuffle_seed: int = 0
+
+    @model_validator(mode="after")
+    def _room_for_a_batch(self) -> BufferConfig:
+        # The trainer holds a whole batch pending while it waits for the rest of it; with
+        # less room than that, producers and trainer would wait on each other forever.
+        if self.max_pending < self.groups_per_step:
+            raise ValueError(
+                f"max_pending ({self.max_pending}) must be at least groups_per_step "
+                f"({self.groups_per_step})"
+            )
+        return self

@@ -15,7 +15,21 @@ class RolloutConfig(Section):
     top_k: int = -1
     # Prompts in flight at once (each is a group of `group_size` requests).
     max_concurrent_groups: int = Field(16, gt=0)
+    # One /generate call; on expiry the request is retried on another server.
     request_timeout_s: float = Field(120.0, gt=0)
+    # Failed attempts (error, timeout, dead server) allowed per sample before its group is
+    # abandoned (and its admission given back to the gate).
     max_retries: int = Field(3, ge=0)
     reward_workers: int = Field(1, gt=0)
     reward_timeout_s: float = Field(5.0, gt=0)
+    # Groups to produce; None: (trainer.total_steps + buffer.max_staleness + 1) *
+    # buffer.groups_per_step, the most the staleness gate admits by the last step.
+    max_groups: int | None = Field(None, gt=0)
+    # On SIGTERM/SIGINT, in-flight groups get this long to finish before they are dropped.
+    stop_grace_s: float = Field(30.0, ge=0)
+    # Seconds between lines of <run_dir>/rollout.jsonl (and progress logs).
+    metrics_interval_s: float = Field(5.0, gt=0)
+    # Seconds between health probes of unhealthy servers.
+    probe_interval_s: float = Field(2.0, gt=0)
+    # How long `areal-hex rollout` waits at start for the first healthy server.
+    startup_timeout_s: float = Field(600.0, gt=0)

@@ -63,6 +63,8 @@ def render_compose(d: Deployment) -> dict[str, Any]:
     }
     run_dir = d.cfg.run.run_dir()
     controller["healthcheck"] = _health(["fresh", f"{run_dir}/rollout.jsonl", "600"], "60s")
+    # It exits 0 once the run's groups are produced; only a failure restarts it.
+    controller["restart"] = "on-failure"
     services["controller"] = controller
     trainer_spec = d.layout.by_role("trainer")[0]
     trainer = _app(d, trainer_spec, d.dcfg.images.trainer, d.dcfg.resources.trainer)
@@ -99,7 +101,11 @@ def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> 
         "user": f"{d.dcfg.uid}:{d.dcfg.uid}",
         "entrypoint": entrypoint(),
         "command": list(svc.command),
-        "environment": {"HF_HOME": f"{d.dcfg.storage.mount_path}/hf-cache", "HOME": "/tmp"},
+        "environment": {
+            "HF_HOME": f"{d.dcfg.storage.mount_path}/hf-cache",
+            "HOME": "/tmp",
+            **svc.env,  # what the layout asks for, as under `areal-hex run`
+        },
         "configs": [
             {"source": "areal-config", "target": f"{CONFIG_DIR}/config.yaml"},
             {"source": "areal-plan", "target": f"{CONFIG_DIR}/plan.yaml"},

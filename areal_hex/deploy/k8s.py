@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import dump_yaml
-from areal_hex.deploy.common import Deployment, server_urls, service_name, slug
+from areal_hex.deploy.common import Deployment, service_name, slug
 from areal_hex.deploy.k8s_pods import (
     claim_name,
     container_security,
@@ -169,22 +169,24 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
 
 
 def _controller(d: Deployment) -> Obj:
+    """A Job, not a Deployment: the controller exits 0 once it has produced the run's
+    groups (`rollout.max_groups`), and must then not start over."""
     svc = d.layout.by_role("controller")[0]
-    name = service_name(d.prefix, svc)
-    # Where server i listens (also `inference.server_urls` in the config, when it has it).
-    urls = [
-        {"name": "AREAL_HEX_SERVER_URLS", "value": ",".join(server_urls(d.layout, d.prefix, "k8s"))}
-    ]
-    spec = pod_spec(
-        d, svc, d.dcfg.images.controller, d.dcfg.resources.controller, svc.command, urls
-    )
+    # It finds server i at inference.server_urls[i] (each server's Service) in the config.
+    spec = pod_spec(d, svc, d.dcfg.images.controller, d.dcfg.resources.controller, svc.command)
     # The controller appends to rollout.jsonl every few seconds; silence means it hangs.
     fresh = ["fresh", f"{d.cfg.run.run_dir()}/rollout.jsonl", "600"]
     spec["containers"][0]["livenessProbe"] = probe_exec(fresh, 60, 3, delay=120)
-    pod_labels = labels(d, "controller")
-    sel = {"app.kubernetes.io/instance": pod_labels["app.kubernetes.io/instance"]}
-    sel["app.kubernetes.io/component"] = "controller"
-    return _deployment(d, name, sel, pod_labels, spec)
+    spec["restartPolicy"] = "OnFailure"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(d, service_name(d.prefix, svc), "controller"),
+        "spec": {
+            "backoffLimit": 6,
+            "template": {"metadata": {"labels": labels(d, "controller")}, "spec": spec},
+        },
+    }
 
 
 def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:

@@ -174,6 +174,8 @@ def pod_spec(
         {"name": "HF_HOME", "value": f"{d.dcfg.storage.mount_path}/hf-cache"},
         {"name": "HOME", "value": "/tmp"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # what the layout asks for, as under `areal-hex run`
+        *({"name": k, "value": v} for k, v in svc.env.items()),
     ]
     container: Obj = {
         "name": svc.role,

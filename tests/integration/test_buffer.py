@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import msgpack
 import numpy as np
 import pytest
 import redis
@@ -22,7 +21,9 @@ from areal_hex.buffer import (
     RedisWeightPublisher,
     VersionUpdate,
     encode_group,
+    read_stats,
 )
+from areal_hex.buffer.codec import frame, unframe
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import Completion, GroupRecord
@@ -56,13 +57,14 @@ def cfg(**kw: object) -> BufferConfig:
 # ---------------------------------------------------------------- delivery
 def test_ten_thousand_groups_round_trip_none_lost(endpoint: RedisEndpoint, run_id: str) -> None:
     total = 10_000
-    c = cfg(groups_per_step=total, max_pending=500)  # backpressure engages on the way
+    # Batches of 250; backpressure engages on the way (the gate is kept out of it).
+    c = cfg(groups_per_step=250, max_staleness=100, max_pending=500)
 
     async def produce() -> None:
         p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
-        for i in range(total):
-            await p.admit()
-            await p.put(group(i))
+        for lo in range(0, total, 25):  # admit and put in chunks: fewer round trips
+            await p.admit(25)
+            await p.put_many([group(i) for i in range(lo, lo + 25)])
         await p.aclose()
 
     producer = threading.Thread(target=lambda: asyncio.run(produce()))
@@ -83,7 +85,7 @@ def test_ten_thousand_groups_round_trip_none_lost(endpoint: RedisEndpoint, run_i
     assert (stats.stream_length, stats.pending, stats.unconsumed) == (0, 0, 0)
     assert stats.submitted == total
     assert int(endpoint.sync_client().get(BufferKeys(run_id).acked)) == total
-    assert max_backlog <= 500  # stream never held more than max_pending
+    assert max_backlog <= 500 + 25  # admits stop once max_pending are in the stream
 
 
 def test_oldest_first_then_shuffled(endpoint: RedisEndpoint, run_id: str) -> None:
@@ -154,7 +156,7 @@ async def test_gate_timeout_names_the_bound(endpoint: RedisEndpoint, run_id: str
 
 
 async def test_backpressure_waits_for_acks(endpoint: RedisEndpoint, run_id: str) -> None:
-    c = cfg(groups_per_step=100, max_pending=3, poll_interval_s=0.05, gate_timeout_s=0.4)
+    c = cfg(groups_per_step=3, max_pending=3, poll_interval_s=0.05, gate_timeout_s=0.4)
     p = RedisTrajectoryProducer(endpoint.async_client(), run_id, c)
     for i in range(3):
         await p.admit()
@@ -193,28 +195,29 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
 # ---------------------------------------------------------------- dead letters
 def _malformed(kind: str, i: int) -> dict[bytes, bytes]:
     good = encode_group(group(i))
-    body = msgpack.unpackb(good, raw=False)
+    header, data = unframe(good)
+    arrays = bytes(data)
     if kind == "truncated":
-        return {b"d": good[: len(good) // 2]}
+        return {b"d": good[: len(good) - 5]}
     if kind == "garbage":
         return {b"d": b"\xc1" + bytes([i % 256]) * 5}
     if kind == "no_payload":
         return {b"x": b"1"}
     if kind == "schema":
-        body["schema"] = 99
+        header["schema"] = 99
     elif kind == "dtype":
-        body["tokens"] = ["<f8", np.zeros(2, "<f8").tobytes()]
+        header["arrays"][1][1] = "<f4"  # tokens declared as float32
     elif kind == "lengths":
-        body["lens"] = [3]
-    return {b"d": msgpack.packb(body, use_bin_type=True)}
+        header["lens"] = [3]
+    return {b"d": frame(header, [arrays])}
 
 
 DEAD_KINDS = {
-    "truncated": "truncated or corrupt",
-    "garbage": "truncated or corrupt",
+    "truncated": "truncated: arrays declare",
+    "garbage": "header",
     "no_payload": "no payload field",
     "schema": "schema: version 99 not supported",
-    "dtype": "tokens: dtype '<f8', expected '<i4'",
+    "dtype": "tokens: dtype '<f4', expected '<i4'",
     "lengths": "sum to 3",
 }
 
@@ -293,3 +296,28 @@ def test_password_from_config(tmp_path: object) -> None:
             RedisEndpoint(bare).sync_client().ping()
         assert RedisEndpoint(bare, password="s3cret").sync_client().ping()
         assert RedisEndpoint(server.url).sync_client().ping()  # password in the URL
+
+
+def test_consumer_survives_a_wiped_server(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    keys = BufferKeys(run_id)
+    consumer = RedisTrajectoryConsumer(r, run_id, cfg())
+    r.delete(keys.traj)  # stream and group gone, as after a restart without persistence
+    with pytest.raises(TimeoutError):
+        consumer.get_batch(1, timeout_s=0.3)
+    r.xadd(keys.traj, {b"d": encode_group(group(1))})
+    batch = consumer.get_batch(1, timeout_s=5)
+    consumer.close()
+    assert [g.prompt_id for g in batch.groups] == ["p1"]
+
+
+def test_stats_of_an_unknown_run_creates_nothing(endpoint: RedisEndpoint, run_id: str) -> None:
+    r = endpoint.sync_client()
+    stats = read_stats(r, BufferKeys(run_id))
+    assert (stats.stream_length, stats.pending, stats.version) == (0, 0, 0)
+    assert r.keys(f"{run_id}:*") == []
+
+
+def test_config_needs_room_for_a_batch() -> None:
+    with pytest.raises(ValueError, match=r"max_pending \(4\) must be at least groups_per_step"):
+        BufferConfig(groups_per_step=8, max_pending=4)

@@ -3,6 +3,7 @@ reclaiming from a dead consumer while a live slow one keeps its entries."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from areal_hex.buffer import (
     EmbeddedValkey,
     RedisEndpoint,
     RedisTrajectoryConsumer,
+    RedisTrajectoryProducer,
     RedisWeightPublisher,
     encode_group,
 )
@@ -98,7 +100,9 @@ def test_killed_consumer_entries_trained_exactly_once(tmp_path: Path, same_name:
         read = run_crashing_consumer(server.url, run_id, "trainer-0", tmp_path, idle_ms)
         assert len(read) == 5
         cfg = BufferConfig(reclaim_idle_ms=idle_ms)
-        assert RedisTrajectoryConsumer(r, run_id, cfg, keepalive=False).stats().pending == 5
+        # It read ahead `prefetch` entries: all of them stay pending, none is lost.
+        pending = RedisTrajectoryConsumer(r, run_id, cfg, keepalive=False).stats().pending
+        assert pending == cfg.prefetch == 16
         name = "trainer-0" if same_name else "trainer-1"
         if not same_name:
             time.sleep(idle_ms / 1000 + 0.2)  # the dead consumer's entries go idle
@@ -144,7 +148,7 @@ def test_live_slow_consumer_keeps_its_entries(tmp_path: Path) -> None:
 def test_valkey_restart_with_append_only_file_loses_nothing(tmp_path: Path) -> None:
     run_id = f"a{uuid.uuid4().hex[:8]}"
     data = tmp_path / "valkey"
-    cfg = BufferConfig(groups_per_step=4)
+    cfg = BufferConfig(groups_per_step=4, prefetch=10)  # read exactly the batch
     server = EmbeddedValkey(data_dir=str(data), appendonly=True, appendfsync="always")
     with server:
         r = RedisEndpoint(server.url).sync_client()
@@ -174,3 +178,32 @@ def test_valkey_restart_with_append_only_file_loses_nothing(tmp_path: Path) -> N
     trained.update(g.prompt_id for g in first.groups)
     assert trained == Counter(f"p{i}" for i in range(30) if f"p{i}" not in done)
     assert (data / "appendonlydir").is_dir()
+
+
+@pytest.mark.timeout(90)
+async def test_version_watch_survives_a_server_restart(tmp_path: Path) -> None:
+    run_id = f"w{uuid.uuid4().hex[:8]}"
+    cfg = BufferConfig()
+    server = EmbeddedValkey(data_dir=str(tmp_path / "v"), appendonly=True, appendfsync="always")
+    with server:
+        ep = RedisEndpoint(server.url)
+        producer = RedisTrajectoryProducer(ep.async_client(), run_id, cfg)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            async for upd in producer.watch_versions(poll_s=0.2):
+                seen.append(upd.version)
+                if upd.version == 2:
+                    return
+
+        task = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.5)
+        RedisWeightPublisher(ep.sync_client(), run_id, cfg).set_version(1, "/w/v1")
+        await asyncio.sleep(0.5)
+        server.kill()
+        await asyncio.sleep(0.5)
+        server.start()
+        RedisWeightPublisher(ep.sync_client(), run_id, cfg).set_version(2, "/w/v2")
+        await asyncio.wait_for(task, 30)
+        await producer.aclose()
+    assert seen == [0, 1, 2]

@@ -1,16 +1,18 @@
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_hex.buffer.codec import (
+    ARRAY_ORDER,
     DecodeError,
     decode_group,
     decode_group_with_version,
     encode_group,
+    frame,
+    unframe,
 )
 from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRecord
 
@@ -74,8 +76,11 @@ def assert_same(a: GroupRecord, b: GroupRecord) -> None:
 def test_round_trip(group: GroupRecord) -> None:
     back = decode_group(encode_group(group))
     assert_same(group, back)
-    # Decoded arrays are writable (the trainer turns them into tensors in place).
-    assert all(c.token_ids.flags.writeable for c in back.completions)
+    # Zero-copy views by default; `copy=True` gives writable arrays with the same values.
+    assert not any(c.logprobs.flags.writeable for c in back.completions)
+    copied = decode_group(encode_group(group), copy=True)
+    assert all(c.logprobs.flags.writeable for c in copied.completions)
+    assert_same(group, copied)
 
 
 @settings(max_examples=100, deadline=None)
@@ -104,47 +109,76 @@ def _group() -> GroupRecord:
     return GroupRecord("q1", [7, 8, 9], comp, temperature=0.7, metadata={"src": "test"})
 
 
-def _tamper(**changes: object) -> bytes:
-    body = msgpack.unpackb(encode_group(_group()), raw=False)
-    body.update(changes)
-    return msgpack.packb(body, use_bin_type=True)
+def _tamper(arrays: dict[str, tuple[str, np.ndarray]] | None = None, **changes: object) -> bytes:
+    """Re-frame `_group()` with header fields changed and/or arrays replaced."""
+    header, data = unframe(encode_group(_group()))
+    header.update(changes)
+    # Current arrays, cut from the data section by the table.
+    current, off = {}, 0
+    for name, dtype, nbytes in header["arrays"]:
+        current[name] = (dtype, bytes(data[off : off + nbytes]))
+        off += nbytes
+    for name, (dtype, arr) in (arrays or {}).items():
+        current[name] = (dtype, arr.tobytes())
+    header["arrays"] = [[k, current[k][0], len(current[k][1])] for k in ARRAY_ORDER]
+    return frame(header, [current[k][1] for k in ARRAY_ORDER])
 
 
 def test_group_version_is_oldest_token_and_survives() -> None:
     assert decode_group(encode_group(_group())).version == 2
 
 
+F4, I4 = "<f4", "<i4"
+
+
 @pytest.mark.parametrize(
-    ("changes", "field", "words"),
+    ("arrays", "changes", "field", "words"),
     [
-        ({"schema": SCHEMA_VERSION + 1}, "schema", "not supported"),
-        ({"schema": None}, "schema", "not supported"),
-        ({"tokens": ["<f4", np.zeros(8, "<f4").tobytes()]}, "tokens", "dtype '<f4'"),
-        ({"logprobs": ["<f8", np.zeros(8, "<f8").tobytes()]}, "logprobs", "expected '<f4'"),
-        ({"tokens": ["<i4", b"\0" * 30]}, "tokens", "not a whole number"),
-        ({"versions": ["<i4", np.zeros(7, "<i4").tobytes()]}, "versions", "sum to 8"),
-        ({"lens": [5, 4]}, "tokens", "sum to 9"),
-        ({"finish": ["stop"]}, "finish", "one per completion (2)"),
-        ({"finish": ["stop", "eos"]}, "finish[1]", "'eos' not in"),
-        ({"reward": [1.0, float("nan")]}, "reward", "non-finite"),
-        ({"lens": []}, "lens", "no completions"),
-        ({"pid": 3}, "pid", "expected str"),
-        ({"logprobs": ["<f4", np.full(8, np.nan, "<f4").tobytes()]}, "logprobs", "NaN"),
+        (None, {"schema": SCHEMA_VERSION + 1}, "schema", "not supported"),
+        (None, {"schema": None}, "schema", "not supported"),
+        ({"tokens": (F4, np.zeros(8, F4))}, {}, "tokens", "dtype '<f4', expected '<i4'"),
+        ({"logprobs": ("<f8", np.zeros(8, "<f8"))}, {}, "logprobs", "expected '<f4'"),
+        ({"tokens": (I4, np.zeros(30, "u1"))}, {}, "tokens", "not a whole number"),
+        ({"versions": (I4, np.zeros(7, I4))}, {}, "versions", "sum to 8"),
+        (None, {"lens": [5, 4]}, "tokens", "sum to 9"),
+        (None, {"finish": ["stop"]}, "finish", "one per completion (2)"),
+        (None, {"finish": ["stop", "eos"]}, "finish[1]", "'eos' not in"),
+        (None, {"reward": [1.0, float("nan")]}, "reward", "non-finite"),
+        (None, {"lens": []}, "lens", "no completions"),
+        (None, {"pid": 3}, "pid", "expected str"),
+        ({"logprobs": (F4, np.full(8, np.nan, F4))}, {}, "logprobs", "NaN"),
+        (None, {"arrays": [["tokens", I4, 32]]}, "arrays", "expected [name, dtype, nbytes]"),
     ],
 )
-def test_malformed_fields_name_what_is_wrong(changes: dict, field: str, words: str) -> None:
+def test_malformed_fields_name_what_is_wrong(
+    arrays: dict | None, changes: dict, field: str, words: str
+) -> None:
+    if "arrays" in changes:  # a broken table cannot be re-framed by _tamper
+        header, data = unframe(encode_group(_group()))
+        payload = frame({**header, **changes}, [bytes(data)])
+    else:
+        payload = _tamper(arrays, **changes)
     with pytest.raises(DecodeError) as err:
-        decode_group(_tamper(**changes))
+        decode_group(payload)
     assert err.value.field == field
     assert words in str(err.value)
 
 
-def test_missing_field_and_non_map() -> None:
-    body = msgpack.unpackb(encode_group(_group()), raw=False)
-    del body["versions"]
-    with pytest.raises(DecodeError, match="versions: missing"):
-        decode_group(msgpack.packb(body, use_bin_type=True))
-    with pytest.raises(DecodeError, match="expected a map"):
-        decode_group(msgpack.packb([1, 2, 3]))
-    with pytest.raises(DecodeError, match="truncated or corrupt"):
-        decode_group(encode_group(_group())[:-7])
+def test_missing_field_truncation_and_trailing_bytes() -> None:
+    header, data = unframe(encode_group(_group()))
+    del header["pid"]
+    with pytest.raises(DecodeError, match="pid: missing"):
+        decode_group(frame(header, [bytes(data)]))
+    with pytest.raises(DecodeError, match="header: expected a map"):
+        decode_group(frame([1, 2, 3], []))  # type: ignore[arg-type]
+    good = encode_group(_group())
+    with pytest.raises(DecodeError, match="truncated: arrays declare"):
+        decode_group(good[:-7])
+    with pytest.raises(DecodeError, match="truncated: header of"):
+        decode_group(good[:10])
+    with pytest.raises(DecodeError, match="no header length"):
+        decode_group(good[:3])
+    with pytest.raises(DecodeError, match="trailing bytes"):
+        decode_group(good + b"\0\0\0\0")
+    with pytest.raises(DecodeError, match="header: corrupt msgpack"):
+        decode_group(b"\x02\0\0\0\xc1\xc1")

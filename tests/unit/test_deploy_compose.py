@@ -72,6 +72,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
         assert svc["restart"] == "unless-stopped"
         assert svc["network_mode"] == "host"
     assert s["controller"]["command"] == ["areal-hex", "rollout", "{config}"]
+    assert s["controller"]["restart"] == "on-failure"
     assert set(s["controller"]["depends_on"]) == {"prepare", "redis", *(i.id for i in plan.rollout)}
     assert s["trainer"]["command"] == ["areal-hex", "train", "{config}"]
     assert s["trainer"]["restart"] == "on-failure"
@@ -109,6 +110,9 @@ def test_secrets_only_as_files(rendered):
         for value in svc.get("environment", {}).values():
             assert value not in secret_values.values()
     cfg = ExperimentConfig.model_validate(yaml.safe_load((out / "config.yaml").read_text()))
+    assert cfg.trainer.num_ranks == 2  # the deepspeed launcher starts the planned ranks
+    ports = [30000 + i for i in range(4)]
+    assert cfg.inference.urls() == [f"http://127.0.0.1:{p}" for p in ports]
     assert cfg.redis.url == "redis://127.0.0.1:6379/0"
     assert cfg.redis.password is None and cfg.inference.api_key is None
     assert cfg.inference.weights_dir == f"/data/runs/{cfg.run.run_id}/weights"
@@ -143,3 +147,26 @@ def test_cpu_image_runs_the_tiny_example():
     text = (ROOT / "deploy/docker/Dockerfile.cpu").read_text()
     assert 'CMD ["areal-hex", "run", "examples/tiny_cpu.yaml"' in text
     assert "DS_ACCELERATOR=cpu" in text and "\nUSER 1000\n" in text
+
+
+def test_layout_environment_is_rendered(tmp_path, monkeypatch):
+    """Services carry the layout's env (the same system as `areal-hex run`)."""
+    import areal_hex.deploy.common as common
+    from areal_hex.layout import build_layout
+
+    def with_env(cfg, plan=None):
+        layout = build_layout(cfg, plan)
+        for svc in layout.services:
+            svc.env = {"AREAL_HEX_ROLE": svc.role}
+        return layout
+
+    monkeypatch.setattr(common, "build_layout", with_env)
+    plan = load_plan(ROOT / "examples/plans/workstation_l40s_l4.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-0.6b.yaml")
+    render("compose", cfg, plan, DeployConfig(), tmp_path / "c")
+    doc = yaml.safe_load((tmp_path / "c/docker-compose.yaml").read_text())
+    assert doc["services"]["trainer"]["environment"]["AREAL_HEX_ROLE"] == "trainer"
+    assert doc["services"]["rollout-l4-0"]["environment"]["AREAL_HEX_ROLE"] == "inference"
+    render("k8s", cfg, plan, DeployConfig(), tmp_path / "k")
+    text = (tmp_path / "k/20-controller.yaml").read_text()
+    assert "name: AREAL_HEX_ROLE\n          value: controller" in text

@@ -19,14 +19,16 @@ from areal_hex.plan import Plan, load_plan
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30.0"
 CASES = [
-    ("h800_h20.yaml", "qwen3-8b.yaml"),
-    ("a100_l40s_l4.yaml", "qwen3-1.7b.yaml"),
-    ("workstation_l40s_l4.yaml", "qwen3-0.6b.yaml"),
+    ("examples/plans/h800_h20.yaml", "qwen3-8b.yaml"),
+    ("examples/plans/a100_l40s_l4.yaml", "qwen3-1.7b.yaml"),
+    ("examples/plans/workstation_l40s_l4.yaml", "qwen3-0.6b.yaml"),
+    # real planner output: mixed TP degrees, three GPU kinds
+    ("tests/data/planner_hetrl_plan.yaml", "qwen3-1.7b.yaml"),
 ]
 
 
 def _load(plan_file: str, cfg_file: str) -> tuple[Plan, ExperimentConfig]:
-    plan = load_plan(ROOT / "examples/plans" / plan_file)
+    plan = load_plan(ROOT / plan_file)
     return plan, load_config(ROOT / "examples/deploy" / cfg_file)
 
 
@@ -43,7 +45,7 @@ def _kind(objs: list[dict], kind: str) -> list[dict]:
     return [o for o in objs if o["kind"] == kind]
 
 
-@pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
+@pytest.fixture(params=CASES, ids=[Path(c[0]).stem for c in CASES])
 def rendered(request, tmp_path):
     plan, cfg = _load(*request.param)
     render("k8s", cfg, plan, DeployConfig(), tmp_path)
@@ -58,6 +60,14 @@ def test_every_object_passes_strict_schema_validation(rendered):
     for o in objs:
         # raises on any schema violation, and SchemaNotFoundError on an unknown kind
         assert kubernetes_validate.validate(o, K8S_VERSION, strict=True) == "1.30"
+
+
+@pytest.mark.parametrize("version", ["1.27.0", "1.33.0"])
+def test_objects_valid_for_older_and_newer_kubernetes(tmp_path, version):
+    plan, cfg = _load(*CASES[0])
+    render("k8s", cfg, plan, DeployConfig(), tmp_path)
+    for o in _objects(tmp_path):
+        assert kubernetes_validate.validate(o, version, strict=True) == version[:4]
 
 
 def test_strict_validation_catches_a_typo(rendered):
@@ -90,7 +100,7 @@ def test_gpu_requests_add_up_to_the_plan(rendered):
             for c in spec["containers"]:
                 r = c["resources"]
                 assert r["requests"].get("nvidia.com/gpu") == r["limits"].get("nvidia.com/gpu")
-    controller = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"]
+    controller = [o for o in _kind(objs, "Job") if _component(o) == "controller"]
     assert _gpus(controller[0]["spec"]["template"]["spec"]) == 0
 
 
@@ -114,7 +124,9 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
         assert spec["nodeSelector"] == {"nvidia.com/gpu.product": GPU_PRODUCT_LABELS[inst.gpu_kind]}
         c = spec["containers"][0]
         # rendered from the layout: the real CLI entry point, behind the secret wrapper
-        assert c["args"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
+        # (the config leaves inference.sglang.tp_size at 1: other degrees are overrides)
+        tp = [] if inst.tp == 1 else [f"inference.sglang.tp_size={inst.tp}"]
+        assert c["args"] == ["areal-hex", "serve", "{config}", *tp, "--index", str(i)]
         assert c["command"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
         port = cfg.inference.base_port + i
         assert c["ports"][0]["containerPort"] == port
@@ -166,6 +178,7 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
     for key, value in values.items():
         assert (out / "secrets" / key).read_text().strip() == value
         assert (out / "secrets" / key).stat().st_mode & 0o077 == 0
+    assert (out / "01-secret.yaml").stat().st_mode & 0o077 == 0
     (cm,) = _kind(objs, "ConfigMap")
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.redis.password is None and cfg.inference.api_key is None
@@ -191,10 +204,17 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
     _, _, _, objs = rendered
     pods = [o["spec"]["template"] for o in objs if "template" in o.get("spec", {})]
     instance = objs[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
-    for t in pods:
-        assert t["spec"]["securityContext"]["runAsNonRoot"] is True
+    allowed_volumes = {"configMap", "secret", "emptyDir", "persistentVolumeClaim"}
+    for t in pods:  # the "restricted" Pod Security Standard, as the Namespace enforces
+        spec = t["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(spec)
+        for v in spec.get("volumes", []):
+            assert set(v) - {"name"} <= allowed_volumes, v
         assert t["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
-        for c in t["spec"]["containers"]:
+        for c in spec["containers"] + spec.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
             assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
@@ -211,10 +231,14 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
 
 def test_controller_is_told_where_each_server_listens(rendered):
     plan, cfg, _, objs = rendered
-    dep = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"][0]
-    c = dep["spec"]["template"]["spec"]["containers"][0]
+    (job,) = [o for o in objs if _component(o) == "controller"]
+    assert job["kind"] == "Job"  # it exits when done: never restarted after success
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == ["areal-hex", "rollout", "{config}"]
-    urls = [e["value"] for e in c["env"] if e["name"] == "AREAL_HEX_SERVER_URLS"][0].split(",")
+    (cm,) = _kind(objs, "ConfigMap")
+    deployed = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+    urls = deployed.inference.urls()  # inference.server_urls, read by the controller
     services = {o["metadata"]["name"]: o for o in _kind(objs, "Service")}
     assert len(urls) == len(plan.rollout)
     for i, url in enumerate(urls):
@@ -273,7 +297,7 @@ def test_rerender_keeps_secrets_and_drops_stale_files(tmp_path):
 
 
 def test_initial_weights_are_prepared_once_and_awaited(rendered):
-    plan, _, _, objs = rendered
+    plan, experiment, _, objs = rendered
     (cm,) = _kind(objs, "ConfigMap")
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.model.path == f"/data/runs/{cfg.run.run_id}/weights/v0"
@@ -282,13 +306,14 @@ def test_initial_weights_are_prepared_once_and_awaited(rendered):
     pod = prep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     # the experiment's model (a hub name here) becomes v0 of the run
+    source = experiment.model.path
     assert c["args"] == [
         "python3",
         "-m",
         "areal_hex.deploy.prepare",
         "{config}",
         "--source",
-        plan.model,
+        source,
     ]
     assert "initContainers" not in pod and "nvidia.com/gpu" not in c["resources"]["limits"]
     waiting = [o for o in objs if _component(o) in {"inference", "controller", "trainer"}]

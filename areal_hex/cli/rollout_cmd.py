@@ -1,0 +1,50 @@
+"""`areal-hex rollout CONFIG [overrides]`: run the rollout controller.
+
+Reads prompts from `data`, sends `rollout.group_size` samples per prompt to the
+`inference` servers, scores them and puts one group per prompt into the buffer at
+`redis.url`, reloading the servers' weights when the trainer publishes a version. Stops
+after the configured number of groups or on SIGTERM/SIGINT (in-flight groups get
+`rollout.stop_grace_s`). Metrics: `<run_dir>/rollout.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from areal_hex.cli import add_config_args
+
+    p = sub.add_parser("rollout", help="run the rollout controller (prompts -> groups -> buffer)")
+    add_config_args(p)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from areal_hex.cli import UsageError, config_from_args
+    from areal_hex.data import DataError
+
+    cfg = config_from_args(args)
+    if cfg.run.run_id is None:
+        raise UsageError("run.run_id is not set: pass run.run_id=NAME (the launcher sets it)")
+    if cfg.redis.url is None:
+        raise UsageError(
+            "redis.url is not set: start the buffer first (areal-hex run does) and pass "
+            "redis.url=redis://HOST:PORT"
+        )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from rollout_service.wiring import run_rollout
+
+    try:
+        final = asyncio.run(run_rollout(cfg))
+    except DataError as exc:
+        raise UsageError(str(exc)) from None
+    except TimeoutError as exc:  # no server came up, or the gate waited too long
+        logging.getLogger("areal_hex.rollout").error("%s", exc)
+        return 1
+    print(json.dumps(final))
+    return 0

@@ -1,0 +1,270 @@
+"""`areal-hex run`: the whole job as local processes, from the layout `deploy` renders.
+
+Order: run directory and resolved config (prepare.py), v0 weights, Valkey, inference
+servers (wait for /health), then trainer and controller. The run ends when the trainer
+finishes its last step (then the controller, servers and Valkey are stopped, in that
+order, and the report is written), on Ctrl-C, or when a process fails for good (its last
+log lines are printed and the exit code is 1). A crashed inference server is restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.launch.supervisor import Outcome, ProcessSpec, Supervisor, tail_lines
+from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
+from areal_hex.plan import Plan
+
+
+class LaunchError(RuntimeError):
+    """A service did not come up; the message says which and shows its log."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    outcome: Outcome
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome.status == "finished"
+
+
+# ---------------------------------------------------------------- process placement
+def core_groups(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(rollout cores, trainer cores): the first half of the usable cores serve Valkey,
+    the inference servers and the controller; the rest the trainer. None: no pinning."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def assign_local_gpus(layout: Layout) -> None:
+    """Without a plan, GPU services get consecutive local GPUs in layout order
+    (inference servers first, then the trainer's ranks)."""
+    if any(s.devices for s in layout.services):
+        return  # planned placement
+    nxt = 0
+    for svc in layout.services:
+        if svc.gpus > 0:
+            svc.devices = list(range(nxt, nxt + svc.gpus))
+            nxt += svc.gpus
+
+
+def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
+    """The layout's command with this tree's interpreter (`python -m areal_hex.cli`), so
+    the services run the same code as the launcher."""
+    argv = [str(config_path) if a == CONFIG_PLACEHOLDER else a for a in svc.command]
+    if argv and argv[0] == "areal-hex":
+        argv = [sys.executable, "-m", "areal_hex.cli", *argv[1:]]
+    return argv
+
+
+def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> list[ProcessSpec]:
+    run_dir = cfg.run.run_dir()
+    rollout_cores, trainer_cores = core_groups(cfg.run.pin_cores)
+    n_rollout = len([s for s in layout.services if s.role != "trainer"])
+    assign_local_gpus(layout)
+    specs = []
+    for svc in layout.services:
+        cores = trainer_cores if svc.role == "trainer" else rollout_cores
+        env = dict(svc.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        if cores is not None:
+            share = len(cores) if svc.role == "trainer" else max(1, len(cores) // n_rollout)
+            env["OMP_NUM_THREADS"] = str(share)
+        elif cfg.inference.device == "cpu" and svc.role == "inference":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+        if svc.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in svc.devices)
+        pythonpath = os.environ.get("PYTHONPATH")
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root if not pythonpath else f"{root}{os.pathsep}{pythonpath}"
+        specs.append(
+            ProcessSpec(
+                name=svc.name,
+                command=_command(svc, config_path),
+                log_path=run_dir / "logs" / f"{svc.name}.log",
+                env=env,
+                on_exit={"inference": "restart", "trainer": "finish"}.get(svc.role, "fail"),
+                max_restarts=cfg.run.max_restarts,
+                cpus=cores,
+            )
+        )
+    return specs
+
+
+# ---------------------------------------------------------------- readiness
+def wait_ready(sup: Supervisor, name: str, probe: Any, timeout_s: float) -> None:
+    """Poll `probe()` until True; fail early (with the log) if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not sup.running(name):
+            raise LaunchError(f"{name} exited while starting; last log lines:\n{sup.tail(name)}")
+        try:
+            if probe():
+                return
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.25)
+    raise LaunchError(
+        f"{name} not ready after {timeout_s:.0f} s; last log lines:\n{sup.tail(name)}"
+    )
+
+
+def redis_probe(cfg: ExperimentConfig) -> Any:
+    def probe() -> bool:
+        from areal_hex.buffer.embedded import RedisEndpoint
+
+        assert cfg.redis.url is not None
+        ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
+        client = ep.sync_client(socket_connect_timeout=1, socket_timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+
+    return probe
+
+
+def http_probe(url: str) -> Any:
+    def probe() -> bool:
+        import httpx
+
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+
+    return probe
+
+
+def buffer_stats(cfg: ExperimentConfig) -> dict[str, Any] | None:
+    """The buffer's counters (read before Valkey stops), or None if unreachable."""
+    import dataclasses
+
+    from areal_hex.buffer import BufferKeys, read_stats
+    from areal_hex.buffer.embedded import RedisEndpoint
+
+    if cfg.redis.url is None or cfg.run.run_id is None:
+        return None
+    ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
+    client = ep.sync_client(socket_connect_timeout=2, socket_timeout=5)
+    try:
+        return dataclasses.asdict(read_stats(client, BufferKeys(cfg.run.run_id)))
+    except Exception:
+        return None
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- the run
+def start_services(
+    sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
+) -> None:
+    roles = {s.name: s.role for s in layout.services}
+    by_role: dict[str, list[ProcessSpec]] = {}
+    for spec in specs:
+        by_role.setdefault(roles[spec.name], []).append(spec)
+    for spec in by_role.get("redis", []):
+        sup.start(spec)
+        wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
+    servers = by_role.get("inference", [])
+    for spec in servers:
+        sup.start(spec)
+    urls = cfg.inference.urls()
+    for i, spec in enumerate(servers):
+        timeout = cfg.run.start_timeout_s
+        if cfg.inference.backend == "sglang":
+            timeout = max(timeout, cfg.inference.startup_timeout_s)
+        wait_ready(sup, spec.name, http_probe(urls[i]), timeout)
+    for spec in by_role.get("trainer", []) + by_role.get("controller", []):
+        sup.start(spec)
+
+
+def stop_services(sup: Supervisor, cfg: ExperimentConfig, layout: Layout) -> dict[str, Any] | None:
+    """Controller first (it puts or gives back what is in flight), then read the buffer,
+    then trainer, servers and Valkey."""
+
+    def names(role: str) -> list[str]:
+        return [s.name for s in layout.by_role(role)]  # type: ignore[arg-type]
+
+    sup.stop(names("controller"), timeout_s=cfg.rollout.stop_grace_s + 15)
+    stats = buffer_stats(cfg)
+    sup.stop(names("trainer"), timeout_s=30)
+    sup.stop(names("inference"), timeout_s=15)
+    sup.stop(names("redis"), timeout_s=15)
+    return stats
+
+
+def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float) -> None:
+    data = {
+        "t_start": t_start,
+        "t_services_ready": t_ready,
+        "t_end": time.time(),
+        "events": [{"time": t, "process": n, "event": e} for t, n, e in sup.events],
+        "restarts": {n: m.restarts for n, m in sup.procs.items()},
+    }
+    (run_dir / "events.json").write_text(json.dumps(data, indent=2))
+
+
+def execute(
+    cfg: ExperimentConfig,
+    config_path: Path,
+    plan: Plan | None = None,
+    progress: bool = True,
+    stream: TextIO | None = None,
+    timeout_s: float | None = None,
+) -> RunResult:
+    """Start, watch and stop the services of a prepared run; write the report."""
+    from areal_hex.launch.progress import Progress
+    from areal_hex.launch.report import write_report
+
+    stream = stream or sys.stderr
+    run_dir = cfg.run.run_dir()
+    layout = build_layout(cfg, plan)
+    specs = process_specs(cfg, layout, config_path)
+    t_start = time.time()
+    t_ready = t_start
+    stats: dict[str, Any] | None = None
+    with Supervisor() as sup:
+        try:
+            start_services(sup, cfg, layout, specs)
+        except LaunchError as exc:
+            stop_services(sup, cfg, layout)
+            write_events(run_dir, sup, t_start, t_ready)
+            return RunResult(run_dir, Outcome("failed", None, None, str(exc)))
+        except KeyboardInterrupt:
+            stop_services(sup, cfg, layout)
+            return RunResult(run_dir, Outcome("interrupted"))
+        t_ready = time.time()
+        view = Progress(
+            run_dir, cfg.trainer.total_steps, stream, enabled=progress, mode=cfg.run.progress
+        )
+        outcome = sup.watch(on_tick=view.tick, timeout_s=timeout_s)
+        view.close()
+        try:
+            stats = stop_services(sup, cfg, layout)
+        except KeyboardInterrupt:
+            sup.stop(timeout_s=2)
+        write_events(run_dir, sup, t_start, t_ready)
+    summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status)
+    return RunResult(run_dir, outcome, summary)
+
+
+def failure_message(result: RunResult) -> str:
+    o = result.outcome
+    if o.name is None:
+        return o.log_tail
+    log = result.run_dir / "logs" / f"{o.name}.log"
+    tail = o.log_tail or tail_lines(log)
+    return f"{o.name} exited with code {o.returncode}; last lines of {log}:\n{tail}"

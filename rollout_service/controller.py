@@ -1,0 +1,424 @@
+"""The rollout controller: prompts in, scored groups out, weights kept current.
+
+Per prompt: `await producer.admit()` (the staleness gate), then `group_size` samples
+spread over the servers (see `sampler.py`, `dispatch.py`), rewards in a process pool,
+one `GroupRecord` to `producer.put()`. At most `max_concurrent_groups` prompts run.
+
+Weight updates: a watcher follows the buffer's version notifications; on version N with
+path P it closes the update gate (no new requests), pauses every server, reloads P on
+each as version N (aborting what runs), continues them and reopens the gate. Aborted
+requests resume with their tokens so far (their later tokens carry version N).
+
+Stopping (SIGTERM/SIGINT via `request_stop`, or `max_groups` reached): no new prompt is
+admitted; groups in flight get `stop_grace_s` to finish and be put; the rest are
+cancelled, counted in `groups_abandoned_total` (and `groups_in_flight` of the last
+metrics line), and their admissions are given back to the gate (`producer.release`), as
+are those of groups that failed, so `<run>:submitted` counts exactly the groups put.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from areal_hex.api import GenerationClient, SamplingParams, TrajectoryProducer
+from areal_hex.config.rollout import RolloutConfig
+from areal_hex.data import Prompt, iterate_prompts
+from areal_hex.record import Completion, GroupRecord
+from areal_hex.rewards import RewardPool
+from rollout_service.dispatch import Dispatcher, ServerState
+from rollout_service.sampler import Sample, SampleFailed, Sampler, UpdateGate
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class VersionUpdate(Protocol):
+    version: int
+    path: str
+
+
+class WatchesVersions(Protocol):
+    """What the buffer's producer offers beyond `TrajectoryProducer`."""
+
+    def watch_versions(self) -> AsyncIterator[VersionUpdate]: ...
+
+    async def release(self, n: int = 1) -> int: ...
+
+
+class RolloutController:
+    def __init__(
+        self,
+        clients: Sequence[GenerationClient],
+        producer: TrajectoryProducer,
+        prompts: Sequence[Prompt],
+        decode: Callable[[list[int]], str],
+        cfg: RolloutConfig,
+        *,
+        max_groups: int | None = None,
+        metrics_path: str | Path | None = None,
+        stop_token_ids: Sequence[int] = (),
+        weights_dir: str | None = None,
+        seed: int = 0,
+        rewards: RewardPool | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.producer = producer
+        self.prompts = list(prompts)
+        self.decode = decode
+        self.max_groups = max_groups
+        self.metrics_path = Path(metrics_path) if metrics_path is not None else None
+        self.weights_dir = weights_dir
+        self.seed = seed
+        self.rewards = rewards
+        self._owns_rewards = rewards is None
+        self.gate = UpdateGate()
+        self.dispatcher = Dispatcher(clients, cfg.probe_interval_s, on_recover=self._recover)
+        sampling = SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop_token_ids=list(stop_token_ids),
+        )
+        self.sampler = Sampler(
+            self.dispatcher, self.gate, sampling, cfg.request_timeout_s, cfg.max_retries
+        )
+        self._rid_prefix = uuid.uuid4().hex[:8]
+        self._weights: tuple[int, str] | None = None  # last (version, path) applied
+        self._weights_lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stats: Counter[str] = Counter()
+        self.finish_reasons: Counter[str] = Counter()
+        self._reward_sum = self._reward_n = 0.0  # since the last metrics line
+        self._reward_sum_total = self._reward_n_total = 0.0
+        self._last: dict[str, float] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def request_stop(self) -> None:
+        """Stop admitting prompts; in-flight groups get `stop_grace_s` to finish."""
+        if not self._stop.is_set():
+            log.info("stop requested: finishing in-flight groups")
+        self._stop.set()
+
+    async def run(self) -> dict[str, Any]:
+        """Produce groups until `max_groups` or a stop; returns the final metrics line."""
+        self._t0 = time.monotonic()
+        self._last = {"t": self._t0, "samples": 0, "tokens": 0}
+        if self.rewards is None:
+            self.rewards = RewardPool(self.cfg.reward_workers, self.cfg.reward_timeout_s)
+        if self._owns_rewards:
+            await self.rewards.start()
+        await self.dispatcher.probe_all()
+        self.dispatcher.start_probing()
+        background = [asyncio.create_task(self._metrics_loop())]
+        if hasattr(self.producer, "watch_versions"):
+            background.append(asyncio.create_task(self._watch_versions()))
+        else:
+            log.warning("producer has no watch_versions(): weights will not be reloaded")
+        try:
+            await self._produce()
+        finally:
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.dispatcher.aclose()
+            if self._owns_rewards:
+                await self.rewards.aclose()
+            final = self.write_metrics(final=True)
+        if self._fatal is not None:
+            raise self._fatal
+        return final
+
+    async def _produce(self) -> None:
+        prompts = iterate_prompts(self.prompts, self.seed)
+        slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
+        seq = 0
+        try:
+            while self.max_groups is None or seq < self.max_groups:
+                if not await self._until_stop(slots.acquire()):
+                    break
+                if not await self._until_stop(self.producer.admit()):
+                    slots.release()
+                    break
+                epoch, prompt = next(prompts)
+                task = asyncio.create_task(self._group(seq, epoch, prompt))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _t: slots.release())
+                seq += 1
+        except asyncio.CancelledError:
+            for t in self._tasks:
+                t.cancel()
+            raise
+        except Exception:  # e.g. the gate timed out: in-flight groups still end cleanly
+            self.request_stop()
+            await self._drain()
+            raise
+        await self._drain()
+
+    async def _until_stop(self, aw: Awaitable[T]) -> bool:
+        """Await `aw` unless a stop comes first (then cancel it); True if it completed."""
+        if self._stop.is_set():
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            return False
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            task.result()  # re-raises e.g. the gate's TimeoutError
+            return True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+
+    async def _drain(self) -> None:
+        """Let in-flight groups finish; after a stop, for `stop_grace_s` at most."""
+        if self._tasks:
+            await self._until_stop(asyncio.wait(set(self._tasks)))
+        if self._tasks:
+            log.info("%d group(s) in flight at stop", len(self._tasks))
+            await asyncio.wait(set(self._tasks), timeout=self.cfg.stop_grace_s)
+        self.stats["groups_in_flight_at_stop"] = len(self._tasks)
+        pending = set(self._tasks)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            await self._release(len(pending))
+
+    async def _release(self, n: int) -> None:
+        release = getattr(self.producer, "release", None)
+        if release is None or n <= 0:
+            return
+        try:
+            await release(n)
+            self.stats["admissions_released_total"] += n
+        except Exception as exc:
+            log.error("could not give back %d admission(s) to the gate: %s", n, exc)
+
+    # ------------------------------------------------------------ groups
+    async def _group(self, seq: int, epoch: int, prompt: Prompt) -> None:
+        created = time.time()
+        try:
+            samples = await self._samples(prompt, f"{self._rid_prefix}-g{seq}")
+            texts = [self.decode(s.token_ids) for s in samples]
+            assert self.rewards is not None
+            rewards = await self.rewards.score_many(texts, prompt.answer)
+            group = GroupRecord(
+                prompt_id=prompt.id,
+                prompt_ids=prompt.input_ids,
+                completions=[
+                    Completion(s.token_ids, s.logprobs, s.versions, s.finish_reason, r, text)
+                    for s, r, text in zip(samples, rewards, texts, strict=True)
+                ],
+                temperature=self.cfg.temperature,
+                created_at=created,
+                finished_at=time.time(),
+                metadata={"seq": str(seq), "epoch": str(epoch), "answer": prompt.answer},
+            )
+            await self._put(group)
+        except asyncio.CancelledError:
+            self.stats["groups_abandoned_total"] += 1
+            raise
+        except SampleFailed as exc:
+            self.stats["groups_failed_total"] += 1
+            log.error("group %d (%s) failed: %s", seq, prompt.id, exc)
+            await self._release(1)
+            return
+        except Exception as exc:  # a bug or a lost buffer: stop rather than spin
+            self.stats["groups_failed_total"] += 1
+            log.exception("group %d (%s): unexpected error", seq, prompt.id)
+            await self._release(1)
+            if self._fatal is None:
+                self._fatal = exc
+            self.request_stop()
+            return
+        self.stats["groups_produced_total"] += 1
+        self.stats["samples_total"] += len(samples)
+        self.finish_reasons.update(s.finish_reason for s in samples)
+        self._reward_sum += float(sum(rewards))
+        self._reward_n += len(rewards)
+        self._reward_sum_total += float(sum(rewards))
+        self._reward_n_total += len(rewards)
+
+    async def _samples(self, prompt: Prompt, rid: str) -> list[Sample]:
+        """All `group_size` samples, or SampleFailed (the others are cancelled)."""
+        tasks = [
+            asyncio.create_task(self.sampler.sample(list(prompt.input_ids), f"{rid}s{i}"))
+            for i in range(self.cfg.group_size)
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _put(self, group: GroupRecord, attempts: int = 3) -> None:
+        for i in range(attempts):
+            try:
+                await self.producer.put(group)
+                return
+            except (ConnectionError, OSError) as exc:
+                if i == attempts - 1:
+                    raise
+                log.warning("put failed (%s); retrying", exc)
+                await asyncio.sleep(0.5 * 2**i)
+
+    # ------------------------------------------------------------ weights
+    async def _watch_versions(self) -> None:
+        watcher: WatchesVersions = self.producer  # type: ignore[assignment]
+        while True:
+            try:
+                async for upd in watcher.watch_versions():
+                    if upd.version > self.gate.version:
+                        await self.update_weights(upd.version, upd.path)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a lost Redis connection: resubscribe
+                log.warning("version watch failed (%s); resubscribing", exc)
+                await asyncio.sleep(1.0)
+
+    async def update_weights(self, version: int, path: str) -> None:
+        """Pause every healthy server, reload `path` as `version`, continue."""
+        if not path and self.weights_dir:
+            path = str(Path(self.weights_dir) / f"v{version}")
+        if not path:
+            log.warning("version %d has no weights path; not reloading", version)
+            return
+        async with self._weights_lock:
+            t0 = time.monotonic()
+            self.gate.close()
+            try:
+                servers = [s for s in self.dispatcher.servers if s.healthy]
+                servers = await self._phase(servers, "pause", lambda s: s.client.pause())
+                servers = await self._phase(
+                    servers,
+                    "update",
+                    lambda s: s.client.update_weights_from_disk(path, str(version)),
+                )
+                await self._phase(servers, "continue", lambda s: s.client.resume())
+                self._weights = (version, path)
+            finally:
+                self.gate.reopen(version)
+            dt = time.monotonic() - t0
+            self.stats["weight_updates_total"] += 1
+            self.stats["weight_update_ms_total"] += int(dt * 1000)
+            log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
+
+    async def _phase(
+        self,
+        servers: list[ServerState],
+        name: str,
+        call: Callable[[ServerState], Awaitable[Any]],
+    ) -> list[ServerState]:
+        """Run one step of the update on each server; failures are marked unhealthy (they
+        reload on recovery) and left out of the next steps."""
+
+        async def one(s: ServerState) -> bool:
+            try:
+                await call(s)
+                return True
+            except Exception as exc:
+                self.dispatcher.mark_unhealthy(s, f"weight update ({name}) failed: {exc}")
+                return False
+
+        ok = await asyncio.gather(*[one(s) for s in servers])
+        return [s for s, good in zip(servers, ok, strict=True) if good]
+
+    async def _recover(self, server: ServerState) -> None:
+        """A server back from the dead may hold old weights (or still be paused)."""
+        async with self._weights_lock:
+            if self._weights is not None:
+                version, path = self._weights
+                # Our client can tell the server's version (SGLang's /get_model_info); skip
+                # the reload when a transient error did not cost the server its weights.
+                current = getattr(server.client, "weight_version", None)
+                if current is None or await current() != str(version):
+                    await server.client.update_weights_from_disk(path, str(version))
+            await server.client.resume()
+
+    # ------------------------------------------------------------ metrics
+    def snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        c, rs = self.sampler.counters, self.rewards.stats if self.rewards else None
+        dt = max(now - self._last.get("t", now), 1e-9)
+        samples, tokens = self.stats["samples_total"], c.tokens_total
+        out: dict[str, Any] = {
+            "time": time.time(),
+            "elapsed_s": round(now - getattr(self, "_t0", now), 3),
+            "version": self.gate.version,
+            "groups_produced_total": self.stats["groups_produced_total"],
+            "groups_in_flight": len(self._tasks),
+            "groups_failed_total": self.stats["groups_failed_total"],
+            "groups_abandoned_total": self.stats["groups_abandoned_total"],
+            "samples_total": samples,
+            "samples_per_s": (samples - self._last.get("samples", 0)) / dt,
+            "tokens_total": tokens,
+            "tokens_per_s": (tokens - self._last.get("tokens", 0)) / dt,
+            "reward_mean": self._reward_sum / self._reward_n if self._reward_n else None,
+            "reward_mean_total": (
+                self._reward_sum_total / self._reward_n_total if self._reward_n_total else None
+            ),
+            "reward_failures_total": rs.failures if rs else 0,
+            "reward_timeouts_total": rs.timeouts if rs else 0,
+            "requests_total": c.requests_total,
+            "requests_retried_total": c.requests_retried_total,
+            "requests_aborted_total": c.requests_aborted_total,
+            "weight_updates_total": self.stats["weight_updates_total"],
+            "weight_update_s_total": self.stats["weight_update_ms_total"] / 1000,
+            "gen_busy_s": round(self.dispatcher.busy_s, 3),
+            "servers_healthy": self.dispatcher.num_healthy,
+            "finish_reasons": dict(self.finish_reasons),
+        }
+        self._last = {"t": now, "samples": samples, "tokens": tokens}
+        self._reward_sum = self._reward_n = 0.0  # reward_mean is per interval
+        return out
+
+    def write_metrics(self, final: bool = False) -> dict[str, Any]:
+        snap = self.snapshot()
+        if final:
+            snap["final"] = True
+            snap["groups_in_flight"] = self.stats["groups_in_flight_at_stop"]
+            snap["admissions_released_total"] = self.stats["admissions_released_total"]
+        if self.metrics_path is not None:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(snap) + "\n")
+        return snap
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.metrics_interval_s)
+            s = self.write_metrics()
+            reward = "-" if s["reward_mean"] is None else f"{s['reward_mean']:.3f}"
+            log.info(
+                "groups %d (+%d in flight, %d failed) | %.1f samples/s | reward %s | v%d | "
+                "%d/%d servers | retried %d aborted %d",
+                s["groups_produced_total"],
+                s["groups_in_flight"],
+                s["groups_failed_total"],
+                s["samples_per_s"],
+                reward,
+                s["version"],
+                s["servers_healthy"],
+                len(self.dispatcher.servers),
+                s["requests_retried_total"],
+                s["requests_aborted_total"],
+            )

@@ -1,0 +1,196 @@
+"""Spreading requests over inference servers: least outstanding work, health, re-probes.
+
+Outstanding work of a server = the tokens its in-flight requests may still touch
+(prompt + tokens so far + tokens still allowed), so a long continuation weighs more than a
+short fresh prompt. A server that fails or times out is marked unhealthy and gets no
+requests until a background probe finds it healthy again (and, if the policy moved on
+meanwhile, has reloaded the current weights: see `on_recover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from areal_hex.api import GenerationClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    index: int
+    client: GenerationClient
+    healthy: bool = False
+    outstanding_tokens: int = 0
+    in_flight: int = 0
+    requests_total: int = 0
+    failures_total: int = 0
+    last_error: str = ""
+
+    @property
+    def url(self) -> str:
+        return str(getattr(self.client, "base_url", f"server-{self.index}"))
+
+
+class Dispatcher:
+    """Chooses a server per request and tracks the work on each. One event loop."""
+
+    def __init__(
+        self,
+        clients: Sequence[GenerationClient],
+        probe_interval_s: float = 2.0,
+        on_recover: Callable[[ServerState], Awaitable[None]] | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("Dispatcher: at least one inference server is needed")
+        self.servers = [ServerState(i, c) for i, c in enumerate(clients)]
+        self.probe_interval_s = probe_interval_s
+        self.on_recover = on_recover
+        self._changed = asyncio.Event()  # set whenever a server becomes healthy
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._prober: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[bool]] = set()
+
+    # ------------------------------------------------------------ choice
+    def pick(self, exclude: set[int] | None = None) -> ServerState | None:
+        """The healthy server with the least outstanding work, avoiding `exclude` unless
+        only excluded servers are healthy; None when no server is healthy."""
+        healthy = [s for s in self.servers if s.healthy]
+        if not healthy:
+            return None
+        preferred = [s for s in healthy if s.index not in (exclude or set())] or healthy
+        return min(preferred, key=lambda s: (s.outstanding_tokens, s.in_flight, s.index))
+
+    async def acquire(self, exclude: set[int] | None = None) -> ServerState:
+        """`pick`, waiting (and logging now and then) while no server is healthy."""
+        waited = 0.0
+        while True:
+            s = self.pick(exclude)
+            if s is not None:
+                return s
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=10.0)
+            except asyncio.TimeoutError:
+                waited += 10.0
+                log.warning("no healthy inference server for %.0f s; waiting", waited)
+
+    @contextmanager
+    def lease(self, server: ServerState, tokens: int) -> Iterator[None]:
+        """Count `tokens` of work on `server` while a request runs there."""
+        if self.in_flight == 0:
+            self._busy_since = time.monotonic()
+        server.outstanding_tokens += tokens
+        server.in_flight += 1
+        server.requests_total += 1
+        try:
+            yield
+        finally:
+            server.outstanding_tokens -= tokens
+            server.in_flight -= 1
+            if self.in_flight == 0 and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(s.in_flight for s in self.servers)
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds during which at least one request was in flight on some server."""
+        now = time.monotonic()
+        return self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+
+    @property
+    def num_healthy(self) -> int:
+        return sum(s.healthy for s in self.servers)
+
+    # ------------------------------------------------------------ health
+    def mark_unhealthy(self, server: ServerState, reason: str) -> None:
+        server.failures_total += 1
+        server.last_error = reason
+        if server.healthy:
+            log.warning("server %s marked unhealthy: %s", server.url, reason)
+        server.healthy = False
+
+    def suspect(self, server: ServerState, reason: str) -> None:
+        """A request failed there: take the server out now and probe it at once, so a
+        transient error (e.g. a keep-alive connection closed under us) costs one probe,
+        while a dead server stays out until a periodic probe finds it back."""
+        self.mark_unhealthy(server, reason)
+        task = asyncio.get_running_loop().create_task(self.probe(server))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    def mark_healthy(self, server: ServerState) -> None:
+        if not server.healthy:
+            log.info("server %s healthy", server.url)
+        server.healthy = True
+        self._changed.set()
+
+    async def probe(self, server: ServerState) -> bool:
+        """Check one unhealthy server; on success run `on_recover`, then mark it healthy."""
+        try:
+            ok = await asyncio.wait_for(server.client.health(), timeout=10.0)
+        except Exception:  # a probe never raises: the server just stays unhealthy
+            ok = False
+        if not ok:
+            return False
+        if self.on_recover is not None:
+            try:
+                await self.on_recover(server)
+            except Exception as exc:
+                server.last_error = f"recovery failed: {exc}"
+                log.warning("server %s is up but could not recover: %s", server.url, exc)
+                return False
+        self.mark_healthy(server)
+        return True
+
+    async def probe_all(self) -> int:
+        await asyncio.gather(*[self.probe(s) for s in self.servers if not s.healthy])
+        return self.num_healthy
+
+    async def wait_healthy(self, timeout_s: float, min_servers: int = 1) -> int:
+        """Probe until `min_servers` are healthy; raises TimeoutError naming the others."""
+        deadline = time.monotonic() + timeout_s
+        while await self.probe_all() < min_servers:
+            if time.monotonic() > deadline:
+                down = ", ".join(
+                    f"{s.url} ({s.last_error or 'not healthy'})"
+                    for s in self.servers
+                    if not s.healthy
+                )
+                raise TimeoutError(
+                    f"{self.num_healthy} of {len(self.servers)} inference servers healthy "
+                    f"after {timeout_s:.0f} s (need {min_servers}); down: {down}"
+                )
+            await asyncio.sleep(min(self.probe_interval_s, 0.5))
+        return self.num_healthy
+
+    def start_probing(self) -> None:
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await self.probe_all()
+
+    async def aclose(self) -> None:
+        for t in list(self._probes):
+            t.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        if self._prober is not None:
+            self._prober.cancel()
+            try:
+                await self._prober
+            except asyncio.CancelledError:
+                pass
+            self._prober = None

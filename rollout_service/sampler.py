@@ -1,0 +1,175 @@
+"""One sample (one completion of one prompt), driven to the end across aborts and failures.
+
+- abort (a weight update paused the server): keep the partial tokens and their
+  log-probs, append them to the input, lower `max_new_tokens` by their count, wait until
+  the update is over, resend (to whichever server has the least work then);
+- error or `request_timeout_s`: the server is marked unhealthy and the request goes to
+  another server with the tokens so far, at most `max_retries` times.
+
+Each token is tagged with the `weight_version` of the response that carried it; a
+version that is not an integer (e.g. SGLang's "default") means the version the
+controller last applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+
+from areal_hex.api import GenerateResult, SamplingParams
+from rollout_service.dispatch import Dispatcher, ServerState
+
+log = logging.getLogger(__name__)
+
+
+class SampleFailed(RuntimeError):
+    """A sample ran out of retries; its group cannot be completed."""
+
+
+class UpdateGate:
+    """Whether new requests may start (closed during a weight update) and which update
+    epoch is current, so an abort caused by our own update is told from a stray one."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version  # last policy version applied to the servers
+        self.epoch = 0  # incremented when an update starts
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self.epoch += 1
+        self._open.clear()
+
+    def reopen(self, version: int | None = None) -> None:
+        if version is not None:
+            self.version = version
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
+
+
+@dataclass
+class Sample:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    segments: int = 0  # /generate responses that contributed (1 without aborts)
+
+
+@dataclass
+class SamplerCounters:
+    requests_total: int = 0
+    requests_retried_total: int = 0  # failed attempts resent elsewhere
+    requests_aborted_total: int = 0  # abort finishes resumed
+    tokens_total: int = 0
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    """A 4xx says the request was refused, not that the server is down."""
+    status = getattr(exc, "status", None)
+    return isinstance(status, int) and 400 <= status < 500
+
+
+class Sampler:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        gate: UpdateGate,
+        sampling: SamplingParams,
+        request_timeout_s: float,
+        max_retries: int,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.gate = gate
+        self.sampling = sampling
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.counters = SamplerCounters()
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _version(self, res: GenerateResult) -> int:
+        try:
+            return int(res.weight_version)
+        except (TypeError, ValueError):
+            return self.gate.version
+
+    async def sample(self, prompt_ids: list[int], rid: str) -> Sample:
+        out = Sample()
+        failures = 0
+        exclude: set[int] = set()
+        limit = self.sampling.max_new_tokens
+        while True:
+            await self.gate.wait_open()
+            server = await self.dispatcher.acquire(exclude)
+            remaining = limit - len(out.token_ids)
+            epoch = self.gate.epoch
+            try:
+                res = await self._send(server, prompt_ids + out.token_ids, remaining, rid, out)
+            except (asyncio.TimeoutError, Exception) as exc:
+                failures += 1
+                reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+                if not _is_client_error(exc):
+                    self.dispatcher.suspect(server, reason)
+                exclude.add(server.index)
+                if failures > self.max_retries:
+                    raise SampleFailed(
+                        f"request {rid}: {failures} failed attempts "
+                        f"(rollout.max_retries={self.max_retries}); last: {reason}"
+                    ) from exc
+                self.counters.requests_retried_total += 1
+                log.info("request %s failed on %s (%s); retrying", rid, server.url, reason)
+                continue
+            v = self._version(res)
+            out.token_ids += res.output_ids
+            out.logprobs += res.logprobs
+            out.versions += [v] * len(res.output_ids)
+            out.segments += 1
+            self.counters.tokens_total += len(res.output_ids)
+            if res.finish_reason != "abort":
+                out.finish_reason = res.finish_reason
+                return out
+            self.counters.requests_aborted_total += 1
+            if len(out.token_ids) >= limit:
+                out.finish_reason = "length"
+                return out
+            ours = epoch != self.gate.epoch or not self.gate.is_open
+            if not ours and not res.output_ids:
+                # Aborted by someone else with no progress: count it, so a server that
+                # aborts everything cannot hold a sample forever.
+                failures += 1
+                exclude.add(server.index)
+                if failures > self.max_retries:
+                    raise SampleFailed(f"request {rid}: aborted {failures} times without progress")
+
+    async def _send(
+        self, server: ServerState, input_ids: list[int], remaining: int, rid: str, out: Sample
+    ) -> GenerateResult:
+        sampling = replace(self.sampling, max_new_tokens=remaining)
+        # A fresh rid per attempt: a server may still hold the previous one.
+        seg_rid = f"{rid}.{out.segments}.{self.counters.requests_total}"
+        self.counters.requests_total += 1
+        with self.dispatcher.lease(server, len(input_ids) + remaining):
+            try:
+                return await asyncio.wait_for(
+                    server.client.generate(input_ids, sampling, seg_rid), self.request_timeout_s
+                )
+            except asyncio.TimeoutError:
+                self._abort_quietly(server, seg_rid)
+                raise
+
+    def _abort_quietly(self, server: ServerState, rid: str) -> None:
+        """Best effort: tell a slow server to drop the request we gave up on."""
+        abort = getattr(server.client, "abort", None)
+        if abort is None:
+            return
+        task = asyncio.get_running_loop().create_task(abort(rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())

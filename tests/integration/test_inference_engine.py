@@ -1,0 +1,127 @@
+"""The built-in engine's pieces on a real tiny Qwen3: sampling rules and the left-padded
+running batch (prefill, merge, decode, select) against full forward passes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
+from areal_hex.models import build_tiny_model, build_tokenizer
+from rollout_service import batching
+from rollout_service.batching import RowParams
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return build_tiny_model(TinyModelConfig(), build_tokenizer(), seed=0).eval()
+
+
+def params(n: int, **kw: Any) -> RowParams:
+    row = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0)
+    rows = [SimpleNamespace(**{**vars(row), **kw}) for _ in range(n)]
+    return RowParams.build(rows, torch.device("cpu"))
+
+
+def last_logits(model: Any, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0, -1]
+
+
+def test_sampling_rules() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen)
+    best = logits.argmax(-1)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}, {"temperature": 0.0}):
+        tokens, _ = batching.sample(logits, params(4, **kw), gen)
+        assert tokens.tolist() == best.tolist(), kw
+    # top-k: 200 draws stay inside each row's 5 most likely tokens
+    many = logits.repeat(50, 1)
+    tokens, lp = batching.sample(many, params(200, top_k=5, temperature=2.0), gen)
+    top5 = many.topk(5, dim=-1).indices
+    assert bool((top5 == tokens[:, None]).any(-1).all())
+    # log-probs are those of log_softmax(logits / T), not of the restricted distribution
+    want = torch.log_softmax(many / 2.0, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(lp, want)
+    # greedy rows report log_softmax of the raw logits
+    mixed = RowParams.cat(params(2, temperature=0.0), params(2, temperature=0.5))
+    tokens, lp = batching.sample(logits, mixed, gen)
+    assert tokens[:2].tolist() == best[:2].tolist()
+    torch.testing.assert_close(lp[:2], torch.log_softmax(logits[:2], -1).max(-1).values)
+    want = torch.log_softmax(logits[2:] / 0.5, -1).gather(1, tokens[2:, None]).squeeze(1)
+    torch.testing.assert_close(lp[2:], want)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_draws_follow_the_tempered_distribution(temperature: float) -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(20000, 1)
+    gen = torch.Generator().manual_seed(2)
+    tokens, _ = batching.sample(logits, params(20000, temperature=temperature), gen)
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    want = torch.softmax(logits[0] / temperature, -1)
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two only
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    gen = torch.Generator().manual_seed(1)
+    tokens, _ = batching.sample(probs.log().repeat(400, 1), params(400, top_p=0.7), gen)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_prefill_merge_decode_select_match_full_forward(model: Any) -> None:
+    seqs = [[7, 8, 9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    a, la = batching.prefill(model, seqs[:2], params(2), pad_id=0)
+    b, lb = batching.prefill(model, seqs[2:], params(1), pad_id=0)
+    for row, seq in enumerate(seqs[:2]):
+        torch.testing.assert_close(la[row], last_logits(model, seq), atol=1e-4, rtol=0)
+    torch.testing.assert_close(lb[0], last_logits(model, seqs[2]), atol=1e-4, rtol=0)
+    a.last = torch.tensor([40, 41])
+    b.last = torch.tensor([42])
+    merged = batching.merge(a, b)  # b is longer: a's rows get more left padding
+    assert merged.size == 3 and merged.length == 9
+    seqs = [s + [t] for s, t in zip(seqs, [40, 41, 42], strict=True)]
+    for _ in range(3):
+        logits = batching.decode_step(model, merged)
+        nxt = logits.argmax(-1)
+        for row, seq in enumerate(seqs):
+            torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+        merged.last = nxt
+        seqs = [s + [int(t)] for s, t in zip(seqs, nxt, strict=True)]
+    # the longest row leaves: leading padding columns are cut
+    kept = batching.select(merged, [1, 0])
+    assert kept.size == 2 and kept.length == len(seqs[0]) - 1
+    assert bool(kept.mask[:, 0].any())
+    logits = batching.decode_step(model, kept)
+    for row, seq in zip((0, 1), (seqs[1], seqs[0]), strict=True):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+async def test_engine_on_cuda() -> None:
+    """The server on CUDA: behaviour log-probs (fp32) match a full forward on the GPU."""
+    from areal_hex.api import SamplingParams
+    from rollout_service.client import InferenceClient
+    from rollout_service.server import ServerThread, build_server_app
+
+    model_cfg = ModelConfig(tiny=TinyModelConfig(), seed=0)
+    app = build_server_app(model_cfg, InferenceConfig(device="cuda"))
+    ref = build_tiny_model(TinyModelConfig(), build_tokenizer(), seed=0).cuda().eval()
+    with ServerThread(app) as url:
+        async with InferenceClient(url) as c:
+            prompts = [[10 + i] * (2 + 3 * i) for i in range(8)]
+            sp = SamplingParams(max_new_tokens=24, temperature=0.8, ignore_eos=True)
+            results = await asyncio.gather(*(c.generate(p, sp) for p in prompts))
+    for prompt, res in zip(prompts, results, strict=True):
+        assert len(res.output_ids) == 24
+        ids = torch.tensor([prompt + res.output_ids], device="cuda")
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(prompt) - 1 : -1].float() / 0.8
+        want = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(res.logprobs), want.cpu(), atol=1e-3, rtol=0)

@@ -1,0 +1,380 @@
+"""The controller against in-process servers behind the `GenerationClient` Protocol and an
+in-memory producer with the buffer's gate rule (the real ones: tests/integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from areal_hex.api import GenerateResult, SamplingParams
+from areal_hex.config import DataConfig, RolloutConfig
+from areal_hex.data import build_prompts, generate_arithmetic
+from areal_hex.models import build_tokenizer
+from areal_hex.record import GroupRecord
+from areal_hex.rewards import RewardPool
+from rollout_service.controller import RolloutController
+from rollout_service.dispatch import Dispatcher
+
+TOK = build_tokenizer()
+ANSWER = TOK("#### 7", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+
+
+class ServerDown(ConnectionError):
+    pass
+
+
+class LoopbackServer:
+    """Emits the tokens of "#### 7<eos>" one per `delay_s`, continuing where the input's
+    tail left off; pause aborts what runs (partial tokens returned) like SGLang's."""
+
+    def __init__(self, name: str, delay_s: float = 0.01, target: list[int] = ANSWER) -> None:
+        self.base_url = name
+        self.delay_s = delay_s
+        self.target = target
+        self.version = "0"
+        self.down = False
+        self.hang = False
+        self.paused = asyncio.Event()
+        self.running = asyncio.Event()
+        self.running.set()
+        self.in_flight = 0
+        self.calls: list[tuple[int, int]] = []  # (input length, max_new_tokens)
+        self.updates: list[tuple[str, str]] = []
+
+    def _start(self, input_ids: list[int]) -> int:
+        for k in range(min(len(self.target), len(input_ids)), 0, -1):
+            if input_ids[-k:] == self.target[:k]:
+                return k
+        return 0
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
+    ) -> GenerateResult:
+        if self.down:
+            raise ServerDown(f"{self.base_url}: connection refused")
+        await self.running.wait()
+        self.calls.append((len(input_ids), sampling.max_new_tokens))
+        self.in_flight += 1
+        out: list[int] = []
+        try:
+            pos = self._start(input_ids)
+            while True:
+                if self.hang:
+                    await asyncio.sleep(3600)
+                if self.paused.is_set():
+                    return self._result(out, "abort")
+                if len(out) >= sampling.max_new_tokens:
+                    return self._result(out, "length")
+                await asyncio.sleep(self.delay_s)
+                if self.paused.is_set():
+                    return self._result(out, "abort")
+                out.append(self.target[pos])
+                pos += 1
+                if out[-1] == TOK.eos_token_id:
+                    return self._result(out, "stop")
+        finally:
+            self.in_flight -= 1
+
+    def _result(self, out: list[int], reason: str) -> GenerateResult:
+        lp = -0.5 - int(self.version)  # log-probs tell versions apart
+        return GenerateResult(list(out), [lp] * len(out), reason, self.version)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        if self.down:
+            raise ServerDown(self.base_url)
+        self.updates.append((model_path, weight_version))
+        await asyncio.sleep(0.05)
+        self.version = weight_version
+
+    async def pause(self) -> None:
+        if self.down:
+            raise ServerDown(self.base_url)
+        self.running.clear()
+        self.paused.set()
+        while self.in_flight:
+            await asyncio.sleep(0.001)
+
+    async def resume(self) -> None:
+        self.paused.clear()
+        self.running.set()
+
+    async def health(self) -> bool:
+        return not self.down
+
+
+@dataclass
+class Update:
+    version: int
+    path: str
+
+
+class MemoryProducer:
+    """The buffer's gate rule in memory: admit while submitted < (v + eta + 1) * B."""
+
+    def __init__(self, groups_per_step: int = 2, eta: int = 0) -> None:
+        self.b, self.eta = groups_per_step, eta
+        self.v = 0
+        self.submitted = 0
+        self.groups: list[GroupRecord] = []
+        self.released = 0
+        self.max_over: int = 0  # most groups ever admitted beyond the bound (must stay 0)
+        self._changed = asyncio.Condition()
+        self._updates: asyncio.Queue[Update] = asyncio.Queue()
+
+    async def admit(self, n: int = 1) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.submitted + n <= self.cap)
+            self.submitted += n
+            self.max_over = max(self.max_over, self.submitted - self.cap)
+
+    @property
+    def cap(self) -> int:
+        return (self.v + self.eta + 1) * self.b
+
+    async def put(self, group: GroupRecord) -> str:
+        self.groups.append(group)
+        return f"{len(self.groups)}-0"
+
+    async def version(self) -> int:
+        return self.v
+
+    async def release(self, n: int = 1) -> int:
+        self.released += n
+        self.submitted -= n
+        return self.submitted
+
+    async def publish(self, version: int, path: str) -> None:
+        async with self._changed:
+            self.v = version
+            self._changed.notify_all()
+        self._updates.put_nowait(Update(version, path))
+
+    async def watch_versions(self) -> AsyncIterator[Update]:
+        yield Update(self.v, "")
+        while True:
+            yield await self._updates.get()
+
+
+def _prompts(n: int = 8):
+    return build_prompts(generate_arithmetic(n, "train"), TOK, DataConfig()).prompts
+
+
+def _decode(ids: list[int]) -> str:
+    return TOK.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture
+async def rewards():
+    pool = RewardPool(workers=1, timeout_s=10.0)
+    await pool.start()
+    yield pool
+    await pool.aclose()
+
+
+def _controller(servers, producer, rewards, tmp_path: Path, max_groups: int, **cfg):
+    base = dict(group_size=3, max_new_tokens=16, metrics_interval_s=0.2, probe_interval_s=0.05)
+    return RolloutController(
+        servers,
+        producer,
+        _prompts(),
+        _decode,
+        RolloutConfig(**{**base, **cfg}),
+        max_groups=max_groups,
+        metrics_path=tmp_path / "rollout.jsonl",
+        rewards=rewards,
+    )
+
+
+# ---------------------------------------------------------------- dispatch
+async def test_dispatch_least_outstanding_work() -> None:
+    servers = [LoopbackServer(f"s{i}") for i in range(3)]
+    d = Dispatcher(servers)
+    assert d.pick() is None  # nothing probed yet
+    assert await d.probe_all() == 3
+    s0, s1, s2 = d.servers
+    with d.lease(s0, 100), d.lease(s1, 30):
+        assert d.pick() is s2
+        with d.lease(s2, 50):
+            assert d.pick() is s1  # 30 < 50 < 100
+            assert d.pick(exclude={1}) is s2
+            assert d.pick(exclude={0, 1, 2}) is s1  # all excluded: still the least loaded
+            d.mark_unhealthy(s1, "test")
+            assert d.pick() is s2
+            assert d.in_flight == 3
+    assert (s0.outstanding_tokens, s1.outstanding_tokens, d.in_flight) == (0, 0, 0)
+    assert d.pick() is s0 and d.busy_s > 0
+    servers[1].down = True
+    assert await d.probe_all() == 2 and not s1.healthy
+    servers[1].down = False
+    assert await d.probe_all() == 3 and s1.healthy
+
+
+async def test_dispatch_spreads_a_burst_evenly() -> None:
+    d = Dispatcher([LoopbackServer(f"s{i}") for i in range(4)])
+    await d.probe_all()
+    leases = []
+    for _ in range(12):
+        s = d.pick()
+        assert s is not None
+        cm = d.lease(s, 10)
+        cm.__enter__()
+        leases.append(cm)
+    assert [s.in_flight for s in d.servers] == [3, 3, 3, 3]
+    for cm in leases:
+        cm.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------- controller
+@pytest.mark.timeout(60)
+async def test_groups_shapes_rewards_and_metrics(rewards, tmp_path: Path) -> None:
+    servers = [LoopbackServer("a"), LoopbackServer("b")]
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller(servers, producer, rewards, tmp_path, max_groups=6)
+    final = await ctl.run()
+    assert len(producer.groups) == 6 and producer.submitted == 6
+    prompts = {p.id: p for p in _prompts()}
+    for g in producer.groups:
+        assert len(g.completions) == 3 and g.version == 0 and g.temperature == 1.0
+        assert list(g.prompt_ids) == prompts[g.prompt_id].input_ids
+        for c in g.completions:
+            assert list(c.token_ids) == ANSWER and c.finish_reason == "stop"
+            assert list(c.versions) == [0] * len(ANSWER)
+            assert c.text == "#### 7"
+            assert c.reward == (1.0 if prompts[g.prompt_id].answer == "7" else 0.0)
+        assert g.finished_at >= g.created_at > 0
+    assert sum(len(s.calls) for s in servers) == 18
+    assert min(len(s.calls) for s in servers) >= 6  # spread over both servers
+    lines = [json.loads(x) for x in (tmp_path / "rollout.jsonl").read_text().splitlines()]
+    assert lines[-1] == {**final, "time": lines[-1]["time"]} and lines[-1]["final"] is True
+    assert final["groups_produced_total"] == 6 and final["samples_total"] == 18
+    assert final["finish_reasons"] == {"stop": 18} and final["groups_in_flight"] == 0
+    assert final["requests_retried_total"] == 0 and final["gen_busy_s"] > 0
+
+
+@pytest.mark.timeout(60)
+async def test_weight_update_interrupts_and_resumes(rewards, tmp_path: Path) -> None:
+    servers = [LoopbackServer("a", delay_s=0.05), LoopbackServer("b", delay_s=0.05)]
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller(servers, producer, rewards, tmp_path, max_groups=2)
+    run = asyncio.create_task(ctl.run())
+    await asyncio.sleep(0.18)  # a few tokens into every sample
+    await producer.publish(1, "/weights/v1")
+    final = await run
+    assert [s.updates for s in servers] == [[("/weights/v1", "1")]] * 2
+    assert final["version"] == 1 and final["weight_updates_total"] == 1
+    assert final["requests_aborted_total"] == 6
+    for g in producer.groups:
+        assert g.version == 0
+        for c in g.completions:
+            assert list(c.token_ids) == ANSWER  # resumed exactly where it stopped
+            v = list(c.versions)
+            k = v.index(1)
+            assert 0 < k < len(ANSWER) and v == [0] * k + [1] * (len(v) - k)
+            assert list(c.logprobs) == pytest.approx([-0.5] * k + [-1.5] * (len(v) - k))
+    # Each resend asked for fewer new tokens and sent the partial output as input.
+    resends = [c for s in servers for c in s.calls if c[1] < 16]
+    lengths = {len(p.input_ids) for p in _prompts()}
+    assert len(resends) == 6 and all(n + m - 16 in lengths for n, m in resends)
+
+
+@pytest.mark.timeout(60)
+async def test_dead_and_hung_servers_requests_finish_elsewhere(rewards, tmp_path: Path) -> None:
+    dead, hung, good = LoopbackServer("dead"), LoopbackServer("hung"), LoopbackServer("good")
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller(
+        [dead, hung, good], producer, rewards, tmp_path, max_groups=4, request_timeout_s=0.5
+    )
+    await ctl.dispatcher.probe_all()  # all three start healthy
+    dead.down, hung.hang = True, True
+    final = await ctl.run()
+    assert len(producer.groups) == 4
+    assert all(list(c.token_ids) == ANSWER for g in producer.groups for c in g.completions)
+    assert final["requests_retried_total"] >= 2 and final["groups_failed_total"] == 0
+    d, h, _ = ctl.dispatcher.servers
+    assert not d.healthy and d.failures_total >= 1  # refused: down until a probe succeeds
+    assert h.failures_total >= 1 and h.last_error == "timeout"  # /health ok: re-probed up
+
+
+@pytest.mark.timeout(60)
+async def test_recovered_server_gets_current_weights(rewards, tmp_path: Path) -> None:
+    a, b = LoopbackServer("a"), LoopbackServer("b")
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([a, b], producer, rewards, tmp_path, max_groups=3)
+    await ctl.dispatcher.probe_all()
+    b.down = True
+    await ctl.update_weights(4, "/w/v4")  # b fails the pause: unhealthy, not updated
+    assert a.updates == [("/w/v4", "4")] and b.updates == []
+    b.down = False
+    await ctl.dispatcher.probe_all()
+    assert b.updates == [("/w/v4", "4")] and b.version == "4"
+
+
+@pytest.mark.timeout(60)
+async def test_exhausted_retries_fail_group_and_release(rewards, tmp_path: Path) -> None:
+    s = LoopbackServer("only")
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([s], producer, rewards, tmp_path, max_groups=2, max_retries=1)
+    await ctl.dispatcher.probe_all()
+    s.down = True
+
+    async def revive() -> None:  # keep the server flapping: healthy probe, failing generate
+        while True:
+            await asyncio.sleep(0.02)
+            ctl.dispatcher.mark_healthy(ctl.dispatcher.servers[0])
+
+    flap = asyncio.create_task(revive())
+    final = await ctl.run()
+    flap.cancel()
+    assert producer.groups == [] and final["groups_failed_total"] == 2
+    assert producer.released == 2 and producer.submitted == 0
+
+
+@pytest.mark.timeout(60)
+async def test_gate_and_stop_abandons_in_flight(rewards, tmp_path: Path) -> None:
+    servers = [LoopbackServer("a", delay_s=0.02)]
+    producer = MemoryProducer(groups_per_step=2, eta=1)  # cap (0 + 1 + 1) * 2 = 4
+    ctl = _controller(servers, producer, rewards, tmp_path, max_groups=None, stop_grace_s=0.0)
+    run = asyncio.create_task(ctl.run())
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if len(producer.groups) == 4:
+            break
+    await asyncio.sleep(0.3)
+    assert len(producer.groups) == 4 and producer.submitted == 4  # blocked at the gate
+    await producer.publish(1, "/w/v1")  # cap 6: two more groups admitted
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if producer.submitted == 6 and ctl.snapshot()["groups_in_flight"] > 0:
+            break
+    servers[0].delay_s = 5.0  # the in-flight ones will not finish in the grace period
+    await asyncio.sleep(0.1)
+    ctl.request_stop()
+    final = await asyncio.wait_for(run, 20)
+    assert producer.max_over == 0
+    assert final["groups_in_flight"] >= 1
+    assert final["groups_abandoned_total"] == final["groups_in_flight"]
+    assert producer.released == final["groups_in_flight"]
+    assert producer.submitted == len(producer.groups) == final["groups_produced_total"]
+
+
+@pytest.mark.timeout(60)
+async def test_gate_timeout_ends_cleanly_and_raises(rewards, tmp_path: Path) -> None:
+    class StuckGate(MemoryProducer):
+        async def admit(self, n: int = 1) -> None:
+            if self.submitted >= 2:
+                await asyncio.sleep(0.2)
+                raise TimeoutError("buffer gate: waited too long")
+            await super().admit(n)
+
+    producer = StuckGate(groups_per_step=100)
+    ctl = _controller([LoopbackServer("a")], producer, rewards, tmp_path, max_groups=None)
+    with pytest.raises(TimeoutError, match="waited too long"):
+        await ctl.run()
+    assert len(producer.groups) == 2 and producer.submitted == 2  # admitted ones finished
+    last = json.loads((tmp_path / "rollout.jsonl").read_text().splitlines()[-1])
+    assert last["final"] is True and last["groups_produced_total"] == 2
