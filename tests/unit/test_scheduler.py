@@ -9,7 +9,7 @@ from scheduler.bench import SMALL_WORKLOAD, random_small_cluster
 from scheduler.catalogue import CATALOGUE, UnknownGpuKind, canonical_kind
 from scheduler.cluster import load_cluster
 from scheduler.costmodel import allreduce_s, train_memory_gb
-from scheduler.exhaustive import exhaustive, fits
+from scheduler.exhaustive import exhaustive, exhaustive_min_cost, fits
 from scheduler.milp import solve
 from scheduler.models import PRESETS, load_model
 from scheduler.planner import make_plan, problem_for
@@ -60,6 +60,17 @@ def test_milp_matches_exhaustive_search(seed: int) -> None:
     assert sol.rate == pytest.approx(best, rel=1e-6)
     assert sol.cost <= budget + 1e-6
     assert fits(p, sol.extra["trainer_index"], sol.replicas)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_min_cost_matches_exhaustive_search(seed: int) -> None:
+    cl, budget = random_small_cluster(seed)
+    p = problem_for(cl, load_model("qwen3-1.7b"), SMALL_WORKLOAD)
+    best, _ = exhaustive(p, budget)
+    target = 0.5 * best
+    sol = solve(p, target=target)
+    assert sol is not None and sol.rate >= target * (1 - 1e-6)
+    assert sol.cost == pytest.approx(exhaustive_min_cost(p, target), rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["hetrl_a100_l40s_l4", "h800_h20", "multi_region"])
