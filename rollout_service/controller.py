@@ -53,6 +53,19 @@ class WatchesVersions(Protocol):
     async def release(self, n: int = 1) -> int: ...
 
 
+def is_connection_error(exc: BaseException) -> bool:
+    """Lost connection to the buffer: OS-level, or redis-py's own ConnectionError."""
+    if isinstance(exc, TimeoutError):  # an OSError too, but the gate's "waited too long"
+        return False
+    if isinstance(exc, (ConnectionError, OSError)):
+        return True
+    try:
+        import redis.exceptions
+    except ImportError:  # pragma: no cover - redis is a dependency
+        return False
+    return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
+
+
 class RolloutController:
     def __init__(
         self,
@@ -147,7 +160,7 @@ class RolloutController:
             while self.max_groups is None or seq < self.max_groups:
                 if not await self._until_stop(slots.acquire()):
                     break
-                if not await self._until_stop(self.producer.admit()):
+                if not await self._until_stop(self._buffer_call(self.producer.admit, "admit")):
                     slots.release()
                     break
                 epoch, prompt = next(prompts)
@@ -270,16 +283,23 @@ class RolloutController:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _put(self, group: GroupRecord, attempts: int = 3) -> None:
-        for i in range(attempts):
+    async def _put(self, group: GroupRecord) -> None:
+        await self._buffer_call(lambda: self.producer.put(group), "put")
+
+    async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
+        `rollout.buffer_retry_s`; then the error propagates."""
+        deadline = time.monotonic() + self.cfg.buffer_retry_s
+        delay = 0.2
+        while True:
             try:
-                await self.producer.put(group)
-                return
-            except (ConnectionError, OSError) as exc:
-                if i == attempts - 1:
+                return await call()
+            except Exception as exc:
+                if not is_connection_error(exc) or time.monotonic() > deadline:
                     raise
-                log.warning("put failed (%s); retrying", exc)
-                await asyncio.sleep(0.5 * 2**i)
+                log.warning("buffer %s failed (%s); retrying in %.1f s", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------ weights
     async def _watch_versions(self) -> None:

@@ -378,3 +378,39 @@ async def test_gate_timeout_ends_cleanly_and_raises(rewards, tmp_path: Path) -> 
     assert len(producer.groups) == 2 and producer.submitted == 2  # admitted ones finished
     last = json.loads((tmp_path / "rollout.jsonl").read_text().splitlines()[-1])
     assert last["final"] is True and last["groups_produced_total"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_buffer_outage_is_ridden_out(rewards, tmp_path: Path) -> None:
+    import redis.exceptions
+
+    class Flaky(MemoryProducer):
+        fails = {"admit": 2, "put": 2}
+
+        async def admit(self, n: int = 1) -> None:
+            if self.fails["admit"]:
+                self.fails["admit"] -= 1
+                raise redis.exceptions.ConnectionError("Error 111 connecting")
+            await super().admit(n)
+
+        async def put(self, group: GroupRecord) -> str:
+            if self.fails["put"]:
+                self.fails["put"] -= 1
+                raise ConnectionRefusedError("connection refused")
+            return await super().put(group)
+
+    producer = Flaky(groups_per_step=100)
+    ctl = _controller([LoopbackServer("a")], producer, rewards, tmp_path, max_groups=3)
+    final = await ctl.run()
+    assert len(producer.groups) == 3 and final["groups_failed_total"] == 0
+    assert producer.fails == {"admit": 0, "put": 0}
+
+    class Down(MemoryProducer):
+        async def admit(self, n: int = 1) -> None:
+            raise redis.exceptions.ConnectionError("Error 111 connecting")
+
+    ctl = _controller(
+        [LoopbackServer("a")], Down(), rewards, tmp_path, max_groups=3, buffer_retry_s=0.5
+    )
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await ctl.run()
