@@ -16,6 +16,7 @@ from areal_hex.plan import Plan
 
 Role = Literal["redis", "inference", "controller", "trainer"]
 CONFIG_PLACEHOLDER = "{config}"
+TP_KEY = "inference.sglang.tp_size"
 
 
 @dataclass
@@ -47,7 +48,7 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
     trainer sized as planned, otherwise `cfg.inference.num_servers` local servers."""
     c = CONFIG_PLACEHOLDER
     services: list[ServiceSpec] = []
-    if cfg.redis.url is None:
+    if cfg.redis.url is None or cfg.run.embedded_redis:
         services.append(ServiceSpec("redis", "redis", ["areal-hex", "buffer", "serve", c]))
     if plan is None:
         for i in range(cfg.inference.num_servers):
@@ -64,11 +65,14 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
         trainer = ServiceSpec("trainer", "trainer", ["areal-hex", "train", c], gpus=trainer_gpus)
     else:
         for i, inst in enumerate(plan.rollout):
+            # The planner picks TP per instance; the config holds one degree, so an
+            # instance planned otherwise gets it as an override (before --index: argparse).
+            tp = [] if inst.tp == cfg.inference.sglang.tp_size else [f"{TP_KEY}={inst.tp}"]
             services.append(
                 ServiceSpec(
                     name=inst.id,
                     role="inference",
-                    command=["areal-hex", "serve", c, "--index", str(i)],
+                    command=["areal-hex", "serve", c, *tp, "--index", str(i)],
                     gpu_kind=inst.gpu_kind,
                     gpus=inst.tp,
                     port=cfg.inference.base_port + i,

@@ -49,6 +49,18 @@ class Prediction(Section):
     cost_usd_per_h: float
 
 
+class Baselines(Section):
+    """Optional: what the planner compared against and how sure it is (same budget)."""
+
+    homogeneous_gpu_kind: str | None = None
+    homogeneous_samples_per_s: float = 0.0
+    synchronous_samples_per_s: float = 0.0
+    simulated_samples_per_s: float | None = None
+    simulated_max_staleness: int | None = None
+    mip_gap: float = 0.0
+    solve_s: float = 0.0
+
+
 class Plan(Section):
     schema_version: int = PLAN_SCHEMA_VERSION
     cluster: str
@@ -59,6 +71,7 @@ class Plan(Section):
     rollout: list[InferenceInstance]
     trainer: TrainerPlacement
     predicted: Prediction
+    baselines: Baselines | None = None  # optional; written by `areal-hex plan`
 
 
 def load_plan(path: str | Path) -> Plan:

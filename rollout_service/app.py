@@ -140,29 +140,44 @@ def _items(engine: Engine, body: wire.GenerateReqInput) -> list[_Item]:
     return items
 
 
-def _output(engine: Engine, item: _Item, req: GenRequest) -> dict[str, Any]:
+def _output(
+    engine: Engine, item: _Item, req: GenRequest, upto: int | None = None
+) -> dict[str, Any]:
+    """The response object of a finished request, or (`upto` = n) of its first n output
+    tokens while it still runs (a streaming chunk: no finish reason yet)."""
+    final = upto is None
+    ids = list(req.output_ids if final else req.output_ids[:upto])
     tok = engine.tokenizer
-    text = (
-        tok.decode(req.output_ids, skip_special_tokens=item.params.skip_special_tokens)
-        if tok
-        else ""
-    )
-    assert req.finish is not None
+    skip = item.params.skip_special_tokens
+    text = tok.decode(ids, skip_special_tokens=skip) if tok is not None else ""
+    assert req.finish is not None or not final
     meta: dict[str, Any] = {
         "id": req.rid,
-        "finish_reason": req.finish.to_wire(),
+        "finish_reason": req.finish.to_wire() if final and req.finish else None,
         "prompt_tokens": len(req.prompt),
-        "completion_tokens": len(req.output_ids),
+        "completion_tokens": len(ids),
         "cached_tokens": 0,
-        "weight_version": req.weight_version,
+        "weight_version": req.weight_version if final else engine.weight_version,
         "e2e_latency": req.latency(),
     }
     if item.logprob:
-        meta["output_token_logprobs"] = [
-            [lp, t, None] for lp, t in zip(req.logprobs, req.output_ids, strict=True)
-        ]
+        lps = req.logprobs[: len(ids)]
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
         meta["input_token_logprobs"] = []
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]]:
+    """Register every request of a call, or none (a refused one releases the others)."""
+    opened: list[tuple[GenRequest, Any]] = []
+    try:
+        for it in items:
+            opened.append(engine.open(it.prompt, it.sampling, it.rid))
+    except EngineError:
+        for req, _ in opened:
+            engine.finish(req, wire.FinishReason(type="abort", message="batch refused"))
+        raise
+    return opened
 
 
 def _generation_routes(app: FastAPI) -> None:
@@ -170,25 +185,75 @@ def _generation_routes(app: FastAPI) -> None:
     async def generate(body: wire.GenerateReqInput, request: Request) -> Response:
         engine: Engine = request.app.state.engine
         items = _items(engine, body)
-        tasks = [
-            asyncio.ensure_future(engine.generate(it.prompt, it.sampling, it.rid)) for it in items
-        ]
+        if body.stream:
+            if body.is_batch:
+                raise EngineError("stream: streaming takes one request per call")
+            return _stream(engine, items[0])
+        tasks = [asyncio.ensure_future(engine.run(r, f)) for r, f in _open_all(engine, items)]
+        work = asyncio.gather(*tasks)
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done = await asyncio.gather(*tasks)
-        except EngineError:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client left (e.g. its timeout): free the batch slots
             for t in tasks:
                 t.cancel()
-            raise
-        outs = [_output(engine, it, req) for it, req in zip(items, done, strict=True)]
-        result: Any = outs if body.is_batch else outs[0]
-        if body.stream:  # the whole answer as one event: clients read the last one
-            return StreamingResponse(_sse(result), media_type="text/event-stream")
-        return JSONResponse(result)
+            return Response(status_code=499)
+        outs = [_output(engine, it, req) for it, req in zip(items, work.result(), strict=True)]
+        return JSONResponse(outs if body.is_batch else outs[0])
 
 
-async def _sse(result: Any) -> AsyncIterator[bytes]:
-    yield f"data: {json.dumps(result)}\n\n".encode()
-    yield b"data: [DONE]\n\n"
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body is already read, so the
+    next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _stream(engine: Engine, item: _Item) -> StreamingResponse:
+    """Server-sent events: one cumulative response object per new token (coalesced when
+    the client reads slower), the final one with its finish reason, then [DONE]."""
+    progress: asyncio.Queue[int] = asyncio.Queue()
+    req, fut = engine.open(item.prompt, item.sampling, item.rid, on_token=progress.put_nowait)
+    task = asyncio.ensure_future(engine.run(req, fut))
+    return StreamingResponse(
+        _events(engine, item, req, task, progress), media_type="text/event-stream"
+    )
+
+
+async def _events(
+    engine: Engine,
+    item: _Item,
+    req: GenRequest,
+    task: asyncio.Future[GenRequest],
+    progress: asyncio.Queue[int],
+) -> AsyncIterator[bytes]:
+    try:
+        while not task.done():
+            nxt = asyncio.ensure_future(progress.get())
+            await asyncio.wait({nxt, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                break
+            n = nxt.result()
+            while not progress.empty():
+                n = progress.get_nowait()
+            yield _sse(_output(engine, item, req, upto=n))
+        try:
+            yield _sse(_output(engine, item, task.result()))
+        except EngineError as exc:
+            yield _sse(wire.error_body(str(exc)))
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not task.done():  # the client went away: abort the request
+            task.cancel()
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 # ---------------------------------------------------------------------- weights, control

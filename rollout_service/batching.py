@@ -67,7 +67,10 @@ def sample(
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V)
     probs = _restrict(logp.exp(), p)
-    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+    # argmax(p / E) with E ~ Exp(1) draws from p (exponential race; faster than
+    # torch.multinomial); rows with p = 0 can never win.
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    drawn = (probs / race).argmax(dim=-1)  # (B,)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 

@@ -134,21 +134,44 @@ class Engine:
                 f"= {total} exceeds the context length {self.opts.context_length}"
             )
 
-    async def generate(self, prompt: list[int], sampling: Sampling, rid: str) -> GenRequest:
-        """Run one request to its end (stop, length or abort); raises EngineError."""
+    async def generate(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        rid: str,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenRequest:
+        """Run one request to its end (stop, length or abort); raises EngineError.
+        `on_token(n)` is called on the event loop each time the output reaches n tokens."""
+        req, fut = self.open(prompt, sampling, rid, on_token)
+        return await self.run(req, fut)
+
+    def open(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        rid: str,
+        on_token: Callable[[int], None] | None = None,
+    ) -> tuple[GenRequest, asyncio.Future[GenRequest]]:
+        """Validate and register a request (EngineError: refused); `run` then sends it."""
         self.validate(prompt, sampling)
         assert self._loop is not None and self._gate is not None, "engine not started"
         loop = self._loop
         fut: asyncio.Future[GenRequest] = loop.create_future()
         req = GenRequest(rid=rid, prompt=list(prompt), sampling=sampling)
         req.on_done = lambda r: loop.call_soon_threadsafe(_resolve, fut, r)
+        if on_token is not None:
+            req.on_token = lambda r: loop.call_soon_threadsafe(on_token, len(r.output_ids))
         with self._cv:
             if rid in self._inflight:
                 raise EngineError(f"rid {rid!r}: a request with this id is already in flight")
             self._inflight[rid] = req
             self.counters["requests"] += 1
+        return req, fut
+
+    async def run(self, req: GenRequest, fut: asyncio.Future[GenRequest]) -> GenRequest:
         try:
-            if sampling.max_new_tokens == 0:
+            if req.sampling.max_new_tokens == 0:
                 self.finish(req, FinishReason(type="length", length=0))
             await self._wait_open(fut)
             with self._cv:
@@ -158,7 +181,7 @@ class Engine:
                     self._cv.notify_all()
             return await fut
         except asyncio.CancelledError:  # the client went away: free the slot
-            self._submit(_Control("abort", {"rid": rid, "message": "client disconnected"}))
+            self._submit(_Control("abort", {"rid": req.rid, "message": "client disconnected"}))
             raise
 
     async def _wait_open(self, fut: asyncio.Future[GenRequest]) -> None:

@@ -43,6 +43,8 @@ class GenRequest:
     submitted: bool = False  # handed to the scheduler thread
     # Called once, from the thread that finishes the request.
     on_done: Callable[[GenRequest], None] | None = None
+    # Called after each new output token (scheduler thread), for streaming.
+    on_token: Callable[[GenRequest], None] | None = None
 
     @property
     def done(self) -> bool:

@@ -58,10 +58,10 @@ class Core:
         return len(self.rows)
 
     def has_work(self, waiting: bool) -> bool:
-        if self.held:
-            return False
         if self.pending_reload is not None:
             return True
+        if self.held:
+            return False
         return bool(self.rows) or waiting
 
     # ------------------------------------------------------------------ controls
@@ -127,14 +127,16 @@ class Core:
 
     # ------------------------------------------------------------------ one tick
     def tick(self) -> None:
-        if self.held:
-            return
         if self.pending_reload is not None:
-            if self.rows:  # wait for in-flight requests, admit nothing new
+            if self.rows and not self.held:  # drain in-flight requests, admit nothing new
                 self._decode()
                 return
+            # Nothing running, or paused in place: held rows keep their KV cache and
+            # continue on the new weights after `continue` (as SGLang's in-place pause).
             self._reload(self.pending_reload)
             self.pending_reload = None
+        if self.held:
+            return
         room = self.e.opts.max_running_requests - len(self.rows)
         if room > 0:
             admitted = self.e.take_waiting(room, self.e.opts.max_prefill_tokens)
@@ -205,6 +207,8 @@ class Core:
             reason = check_stop(req, tok, self.eos, self._decode_tail)
             if reason is None:
                 keep.append(i)
+                if req.on_token is not None:
+                    req.on_token(req)
             else:
                 self.e.finish(req, reason)
         return keep

@@ -100,7 +100,16 @@ def serve(model_cfg: ModelConfig, inf: InferenceConfig, port: int) -> None:
     app = build_server_app(model_cfg, inf)
     if inf.weights_dir:
         Path(inf.weights_dir).mkdir(parents=True, exist_ok=True)
-    uvicorn.run(app, host=inf.host, port=port, log_level=inf.log_level, access_log=False)
+    # On SIGTERM, requests still running after 5 s are cancelled (their generations are
+    # aborted) so the engine can stop.
+    uvicorn.run(
+        app,
+        host=inf.host,
+        port=port,
+        log_level=inf.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
 
 
 class ServerThread:
@@ -112,7 +121,14 @@ class ServerThread:
     def __init__(self, app: Any, host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=0, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=0,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.host = host
         self.start_timeout_s = start_timeout_s

@@ -40,6 +40,8 @@ class Lenient(BaseModel):
 
 
 class SamplingParamsIn(Lenient):
+    """A null value means the default, as in SGLang."""
+
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -50,6 +52,13 @@ class SamplingParamsIn(Lenient):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=1)  # RL clients send one sample per request
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     @field_validator("top_k")
     @classmethod

@@ -19,11 +19,13 @@ if TYPE_CHECKING:
     from trainer_service.batching import MicroBatch
 
 
-def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
-    """Multiplier of `cfg.lr` after `step` optimizer steps: linear warm-up from 0, then
-    constant, linear or cosine decay to `min_lr_ratio` at `total_steps`."""
+def lr_lambda(cfg: TrainerConfig, updates_per_step: int = 1) -> Callable[[int], float]:
+    """Multiplier of `cfg.lr` after `update` optimizer updates: linear warm-up from 0,
+    then constant, linear or cosine decay to `min_lr_ratio` at `total_steps`. Warm-up
+    and decay count trainer steps (`updates_per_step` updates each)."""
 
-    def fn(step: int) -> float:
+    def fn(update: int) -> float:
+        step = update // updates_per_step
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         if cfg.lr_schedule == "constant":
@@ -70,14 +72,16 @@ def ds_config(cfg: TrainerConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainerConfig, world_size: int) -> Any:
+def build_engine(
+    model: torch.nn.Module, cfg: TrainerConfig, world_size: int, updates_per_step: int = 1
+) -> Any:
     """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule."""
     import deepspeed
     import torch
 
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
-    fn = lr_lambda(cfg)
+    fn = lr_lambda(cfg, updates_per_step)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],

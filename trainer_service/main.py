@@ -74,7 +74,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
     t = cfg.trainer
     device = "cpu" if t.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     model = load_model(paths.model_dir, "cpu", "float32").train()
-    engine = build_engine(model, t, world)
+    engine = build_engine(model, t, world, cfg.algo.ppo_minibatches)
     ref = None
     if cfg.algo.kl_coef > 0:
         dtype = "float32" if t.device == "cpu" else "bfloat16"

@@ -1,4 +1,4 @@
-"""One optimizer step over a batch of groups, on every rank.
+"""One trainer step over a batch of groups, on every rank.
 
 Rank r trains only its share of the sequences, in micro-batches of at most
 `micro_batch_tokens` padded tokens. The loss of each micro-batch is
@@ -132,9 +132,22 @@ def _kl_penalty(
     return np.asarray(_all_reduce(local.tolist(), "sum", ctx.device)) if n else local
 
 
-def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
-    """Recompute log-probs, compute advantages, accumulate gradients over the
-    micro-batches and take one optimizer step. Collective: every rank calls it."""
+@dataclass
+class _Minibatch:
+    """One optimizer update's share of the step, prepared before any update."""
+
+    mbs: list[MicroBatch]
+    items: list
+    counts: GlobalCounts
+    prox: list
+    ref: list
+    adv: Any  # (N + 1,) advantages of the sequences, then a 0 for dummy rows
+    degenerate: int
+    all_adv: np.ndarray
+
+
+def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
+    """Micro-batches, proximal/reference log-probs and advantages of `groups`."""
     import torch
 
     a = ctx.algo
@@ -146,12 +159,18 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     seq_adv, degenerate, all_adv = sequence_advantages(
         groups, items, a.advantage, a.std_normalize, a.std_eps, penalty
     )
-    adv_t = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
-    sums = dict.fromkeys(_SUM_KEYS, 0.0)
+    adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
+    return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
+
+
+def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) -> float:
+    """Forward + backward of every micro-batch of one minibatch; adds statistics to
+    `sums` and returns the largest behaviour weight seen."""
+    a = ctx.algo
     w_max = 0.0
-    for mb, p, r in zip(mbs, prox, ref, strict=True):
+    for mb, p, r in zip(mb_set.mbs, mb_set.prox, mb_set.ref, strict=True):
         logp, ent = token_logprobs(ctx.engine, mb, with_entropy=True)
-        adv = adv_t[mb.seq_index].view(-1, 1)  # index -1 (dummy rows) -> the appended 0
+        adv = mb_set.adv[mb.seq_index].view(-1, 1)  # index -1 (dummy rows) -> the final 0
         behav = mb.behav_logp
         loss, terms = policy_loss(
             a,
@@ -160,7 +179,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
             behav,
             adv,
             mb.loss_mask,
-            counts,
+            mb_set.counts,
             ref_logp=r if not a.kl_in_reward else None,
         )
         ctx.engine.backward(loss * ctx.world)
@@ -176,18 +195,40 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
             sums["kl"] += float((kl_estimate(logp.detach(), r, a.kl_estimator) * m).sum())
         if m.sum() > 0:
             w_max = max(w_max, float(terms.behav_weight[m > 0].max()))
-    fence_s = ctx.before_update() if ctx.before_update is not None else 0.0
-    ctx.engine.step()
+    return w_max
+
+
+def split_groups(groups: Sequence[GroupRecord], k: int) -> list[list[GroupRecord]]:
+    """`k` contiguous, near-equal slices of the batch (fewer if there are fewer groups)."""
+    k = max(1, min(k, len(groups)))
+    bounds = [round(i * len(groups) / k) for i in range(k + 1)]
+    return [list(groups[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
+    """One trainer step: recompute the proximal log-probs of the whole batch with the
+    current weights, then one optimizer update per minibatch (`algo.ppo_minibatches`),
+    each accumulating gradients over its micro-batches. Collective: every rank calls it.
+    The reported loss is the mean over minibatches."""
+    prepared = [_prepare(ctx, g) for g in split_groups(groups, ctx.algo.ppo_minibatches)]
+    sums = dict.fromkeys(_SUM_KEYS, 0.0)
+    w_max, fence_s = 0.0, 0.0
+    for i, mb_set in enumerate(prepared):
+        w_max = max(w_max, _accumulate(ctx, mb_set, sums))
+        if i == 0 and ctx.before_update is not None:
+            fence_s = ctx.before_update()
+        ctx.engine.step()
+    sums["loss"] /= len(prepared)
     reduced = _all_reduce([sums[k] for k in _SUM_KEYS], "sum", ctx.device)
     (w_max,) = _all_reduce([w_max], "max", ctx.device)
     norm = ctx.engine.get_global_grad_norm()
     return StepResult(
         sums=dict(zip(_SUM_KEYS, reduced, strict=True)),
         maxima={"behav_w_max": w_max},
-        num_sequences=len(items),
-        num_tokens=sum(len(it.tokens) for it in items),
-        degenerate_groups=degenerate,
-        advantages=all_adv,
+        num_sequences=sum(len(p.items) for p in prepared),
+        num_tokens=sum(len(it.tokens) for p in prepared for it in p.items),
+        degenerate_groups=sum(p.degenerate for p in prepared),
+        advantages=np.concatenate([p.all_adv for p in prepared]),
         grad_norm=float(norm) if norm is not None else None,
         extra={"publish_fence_s": fence_s},
     )

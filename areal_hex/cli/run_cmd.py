@@ -1,6 +1,6 @@
-"""`areal-hex run CONFIG [overrides] [--mode sync|async] [--plan plan.yaml]`: a whole job
-(embedded Valkey, inference servers, rollout controller, DeepSpeed trainer) as local
-processes, with live progress and a report at the end."""
+"""`areal-hex run CONFIG [key=value ...] [--mode sync|async] [--plan plan.yaml]`: run a whole
+job as local processes (Valkey, inference servers, rollout controller, DeepSpeed trainer)
+and write the report into the run directory."""
 
 from __future__ import annotations
 
@@ -12,50 +12,59 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     from areal_hex.cli import add_config_args
 
-    p = sub.add_parser("run", help="run a whole job locally (servers, controller, trainer)")
+    p = sub.add_parser("run", help="run a whole job locally (buffer, servers, controller, trainer)")
     add_config_args(p)
-    p.add_argument(
-        "--mode",
-        choices=["async", "sync"],
-        default=None,
-        help="sync: staleness 0, the baseline (default: run.mode)",
-    )
+    p.add_argument("--mode", choices=["sync", "async"], default=None, help="default: run.mode")
     p.add_argument("--plan", default=None, help="plan.yaml from `areal-hex plan` (optional)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="fail the run after this many seconds"
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from areal_hex.cli import config_from_args
-    from areal_hex.launch.run import prepare, run_job
-    from areal_hex.launch.supervisor import ProcessFailed
-    from areal_hex.plan import load_plan
+    from areal_hex.cli import UsageError, config_from_args
+    from areal_hex.launch.prepare import prepare_run
+    from areal_hex.launch.run import execute, failure_message
 
     cfg = config_from_args(args)
-    plan = load_plan(args.plan) if args.plan else None
-    prep = prepare(cfg, args.mode)
-    run_dir = prep.cfg.run.run_dir()
-    print(f"run {prep.cfg.run.run_id}: {run_dir} ({prep.cfg.run.mode})", file=sys.stderr)
+    plan = None
+    if args.plan is not None:
+        from areal_hex.plan import load_plan
+
+        plan = load_plan(args.plan)
     try:
-        summary = run_job(prep, plan)
-    except ProcessFailed as exc:
-        print(f"areal-hex run: error: {exc}", file=sys.stderr)
-        return 1
+        cfg, config_path = prepare_run(cfg, plan, args.mode)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    run_dir = cfg.run.run_dir()
     print(
-        json.dumps(
-            {
-                k: summary[k]
-                for k in (
-                    "steps",
-                    "final_version",
-                    "final_reward",
-                    "max_staleness",
-                    "samples_per_s",
-                    "wall_s",
-                    "groups",
-                )
-            },
-            indent=2,
-        )
+        f"areal-hex run: {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})",
+        file=sys.stderr,
+        flush=True,
     )
-    print(f"report: {run_dir / 'report'}  summary: {run_dir / 'summary.json'}", file=sys.stderr)
+    result = execute(cfg, config_path, plan, progress=not args.no_progress, timeout_s=args.timeout)
+    if result.outcome.status == "interrupted":
+        print("areal-hex run: interrupted; all processes stopped", file=sys.stderr)
+        return 130
+    if not result.ok:
+        print(f"areal-hex run: error: {failure_message(result)}", file=sys.stderr)
+        return 1
+    keys = [
+        "steps",
+        "final_reward",
+        "max_staleness",
+        "samples_per_s",
+        "wall_time_s",
+        "groups_produced",
+        "groups_trained",
+        "groups_dropped_stale",
+        "final_version",
+    ]
+    print(json.dumps({k: result.summary.get(k) for k in keys}))
+    print(
+        f"areal-hex run: report in {run_dir / 'summary.json'} and {run_dir / 'report'}",
+        file=sys.stderr,
+    )
     return 0

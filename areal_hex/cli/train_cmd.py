@@ -61,6 +61,16 @@ def _run(args: argparse.Namespace) -> int:
             "redis.url is not set: start the buffer first (areal-hex run does) or set "
             "trainer.replay_path to train from a file"
         )
+    held = (cfg.trainer.checkpoint_every + 1) * cfg.buffer.groups_per_step
+    if cfg.trainer.replay_path is None and held > cfg.buffer.max_pending:
+        # groups stay pending until the checkpoint that holds their update commits; the
+        # producers' backpressure counts them, so the pipeline would stall
+        raise UsageError(
+            f"trainer.checkpoint_every ({cfg.trainer.checkpoint_every}) x "
+            f"buffer.groups_per_step ({cfg.buffer.groups_per_step}) keeps up to {held} groups "
+            f"pending, more than buffer.max_pending ({cfg.buffer.max_pending}): lower "
+            "checkpoint_every or raise max_pending"
+        )
     cmd = launcher_command(cfg, args.config, list(args.overrides))
     if args.print_command:
         print(shlex.join(cmd))

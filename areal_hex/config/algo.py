@@ -27,6 +27,9 @@ class AlgoConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
+    # Optimizer updates per trainer step: the batch is split into this many minibatches
+    # (by group), all scored by the same proximal policy (the weights at the step start).
+    ppo_minibatches: int = Field(1, gt=0)
     # Dr. GRPO's constant length for aggregation "fixed_len" (None: rollout.max_new_tokens).
     fixed_len: int | None = Field(None, gt=0)
 

@@ -27,6 +27,9 @@ class RunConfig(Section):
     warm_start_fraction: float = Field(0.5, gt=0, le=1)
     # Progress display: "auto" (live on a terminal, log lines otherwise), "live", "log".
     progress: Literal["auto", "live", "log"] = "auto"
+    # Set by `areal-hex run` when it started the embedded Valkey that `redis.url` names
+    # (so the resolved config still lays out a `redis` service).
+    embedded_redis: bool = False
 
     def run_dir(self) -> Path:
         """`output_dir/run_id`; the launcher fills in `run_id` before any process starts."""

@@ -28,6 +28,7 @@ GPU_PRODUCT_LABELS: dict[str, str] = {
     "H20": "NVIDIA-H20",
     "A100-40GB": "NVIDIA-A100-SXM4-40GB",
     "A100-80GB": "NVIDIA-A100-SXM4-80GB",
+    "A10": "NVIDIA-A10",
     "A10G": "NVIDIA-A10G",
     "L40S": "NVIDIA-L40S",
     "L4": "NVIDIA-L4",
@@ -151,6 +152,7 @@ def _check_inference(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> l
     if not plan.rollout:
         errors.append("plan.rollout is empty: the plan has no inference instances")
     seen: set[str] = set()
+    pinned_tp = "tp_size" in inf.sglang.model_fields_set
     for i, inst in enumerate(plan.rollout):
         where = f"plan.rollout[{i}] ({inst.id})"
         if slug(inst.id) in seen:
@@ -162,9 +164,12 @@ def _check_inference(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> l
             errors.append(
                 f"{where}: tp={inst.tp} but placement lists {len(inst.placement.gpu_ids)} GPUs"
             )
-        if inf.backend == "sglang" and inst.tp != inf.sglang.tp_size:
+        # An unset tp_size takes the plan's degree per instance (a serve override, see
+        # layout.py); one the config sets explicitly must agree with the plan.
+        if inf.backend == "sglang" and pinned_tp and inst.tp != inf.sglang.tp_size:
             errors.append(
-                f"{where}: tp={inst.tp} but inference.sglang.tp_size={inf.sglang.tp_size}"
+                f"{where}: tp={inst.tp} but the config sets inference.sglang.tp_size="
+                f"{inf.sglang.tp_size} (remove it to take the plan's TP per instance)"
             )
         if inf.backend == "builtin" and inst.tp != 1:
             errors.append(f"{where}: tp={inst.tp} but the builtin engine serves on one GPU")

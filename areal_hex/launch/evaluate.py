@@ -1,11 +1,17 @@
-"""Score a weights version on a dataset split through an inference server: pass@1 with
-greedy decoding, pass@k with k samples per problem (unbiased estimator from n ≥ k)."""
+"""`areal-hex eval`: score a published weights version on a dataset split.
+
+pass@1 is greedy decoding (one answer per problem); pass@k draws k samples per problem at
+`rollout.temperature` and counts a problem solved if any of them is right. Prompts come
+from the controller's data module and answers are checked by its reward function, served
+by the same inference server code the run uses (a built-in server started here with the
+weights, or a running server given by URL).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import math
-from contextlib import ExitStack
+import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,99 +19,186 @@ from typing import Any
 from areal_hex.config import ExperimentConfig
 
 
+class EvalError(ValueError):
+    """Bad eval input (weights not found, empty split); the message says what and where."""
+
+
 @dataclass
 class EvalOptions:
-    weights: str  # a directory, or a version number under inference.weights_dir
-    split: str = "test"
-    limit: int | None = None  # at most this many problems
-    k: int = 1  # pass@k; k > 1 samples n ≥ k answers per problem at rollout.temperature
-    n: int | None = None
-    server: str | None = None  # use a running server (its weights are reloaded)
-    concurrency: int = 32
+    weights: str | None  # a directory, "latest", "vN" or "N" (None: --server-url as is)
+    split: str | None = None  # default: data.eval_split
+    k: int = 1
+    n: int | None = None  # at most this many problems
+    server_url: str | None = None
+    concurrency: int = 64
 
 
-def resolve_weights(cfg: ExperimentConfig, weights: str) -> Path:
-    """`weights` as a directory, or `N`/`vN` under `inference.weights_dir`."""
-    path = Path(weights)
-    if path.is_dir():
-        return path.resolve()
-    name = weights if weights.startswith("v") else f"v{weights}"
-    if cfg.inference.weights_dir and (Path(cfg.inference.weights_dir) / name).is_dir():
-        return (Path(cfg.inference.weights_dir) / name).resolve()
-    raise FileNotFoundError(
-        f"weights {weights!r}: not a directory, nor a version under inference.weights_dir "
-        f"({cfg.inference.weights_dir})"
+def weights_root(cfg: ExperimentConfig) -> Path:
+    if cfg.inference.weights_dir:
+        return Path(cfg.inference.weights_dir)
+    if cfg.run.run_id is None:
+        raise EvalError(
+            "--weights names a version but the config has no run (pass the run directory's "
+            "config.yaml, or a weights directory)"
+        )
+    return cfg.run.run_dir() / "weights"
+
+
+def versions_in(root: Path) -> list[int]:
+    return sorted(
+        int(p.name[1:])
+        for p in root.glob("v*")
+        if p.name[1:].isdigit() and (p / "config.json").is_file()
     )
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+def resolve_weights(cfg: ExperimentConfig, spec: str) -> tuple[Path, str]:
+    """(directory, version label) for `spec`: a directory, `latest`, `vN` or `N`."""
+    p = Path(spec)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise EvalError(f"--weights {spec}: no config.json in that directory (not HF format)")
+        label = p.name[1:] if p.name[:1] == "v" and p.name[1:].isdigit() else p.name
+        return p, label
+    root = weights_root(cfg)
+    have = versions_in(root)
+    if spec == "latest":
+        if not have:
+            raise EvalError(f"--weights latest: no published versions in {root}")
+        v = have[-1]
+    else:
+        digits = spec[1:] if spec.startswith("v") else spec
+        if not digits.isdigit():
+            raise EvalError(
+                f"--weights {spec!r}: expected a weights directory, 'latest', 'vN' or 'N'"
+            )
+        v = int(digits)
+        if v not in have:
+            raise EvalError(f"--weights {spec}: version {v} not in {root} (have {have or 'none'})")
+    return root / f"v{v}", str(v)
 
 
-def evaluate(cfg: ExperimentConfig, opts: EvalOptions) -> dict[str, Any]:
-    from areal_hex.data import build_prompts, load_problems
-    from areal_hex.models import load_tokenizer
-    from rollout_service.server import ServerThread, build_server_app
-
-    weights = resolve_weights(cfg, opts.weights)
-    tok = load_tokenizer(weights)
-    problems = load_problems(cfg.data, opts.split)[: opts.limit]
-    prompts = build_prompts(problems, tok, cfg.data).prompts
-    with ExitStack() as stack:
-        url = opts.server
-        if url is None:
-            model_cfg = cfg.model.model_copy(update={"path": str(weights), "tokenizer_path": None})
-            inf = cfg.inference.model_copy(update={"api_key": None, "weights_dir": None})
-            url = stack.enter_context(ServerThread(build_server_app(model_cfg, inf)))
-        return asyncio.run(_score(cfg, opts, url, str(weights), prompts, tok))
+def pass_at_k(correct: list[list[bool]]) -> float:
+    """Fraction of problems with at least one correct sample."""
+    return sum(any(c) for c in correct) / max(len(correct), 1)
 
 
-async def _score(
-    cfg: ExperimentConfig, opts: EvalOptions, url: str, weights: str, prompts: list, tok: Any
+async def _score_all(
+    url: str,
+    api_key: str | None,
+    prompts: list[Any],
+    cfg: ExperimentConfig,
+    opts: EvalOptions,
+    decode: Any,
 ) -> dict[str, Any]:
     from areal_hex.api import SamplingParams
     from areal_hex.rewards import RewardPool
     from rollout_service.client import InferenceClient
 
-    n = max(opts.n or opts.k, opts.k)
-    greedy = opts.k == 1 and opts.n is None
-    r = cfg.rollout
-    sampling = SamplingParams(
-        max_new_tokens=r.max_new_tokens,
-        temperature=0.0 if greedy else r.temperature,
-        top_p=1.0 if greedy else r.top_p,
-        top_k=-1 if greedy else r.top_k,
+    ro = cfg.rollout
+    greedy = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=0.0)
+    sampled = SamplingParams(
+        max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k
     )
-    rewards = RewardPool(r.reward_workers, r.reward_timeout_s)
+    sem = asyncio.Semaphore(opts.concurrency)
+    rewards = RewardPool(1, ro.reward_timeout_s)
     await rewards.start()
-    slots = asyncio.Semaphore(opts.concurrency)
-    async with InferenceClient(url, api_key=cfg.inference.api_key) as client:
-        if opts.server is not None:
-            await client.update_weights_from_disk(weights, "eval")
+    async with InferenceClient(url, api_key=api_key, timeout_s=ro.request_timeout_s) as client:
 
-        async def one(prompt: Any) -> int:
-            async with slots:
-                outs = await asyncio.gather(
-                    *[client.generate(prompt.input_ids, sampling) for _ in range(n)]
-                )
-            texts = [tok.decode(o.output_ids, skip_special_tokens=True) for o in outs]
-            return int(sum(await rewards.score_many(texts, prompt.answer)))
+        async def one(prompt: Any, sp: SamplingParams, rid: str) -> float:
+            async with sem:
+                res = await client.generate(prompt.input_ids, sp, rid=rid)
+            return await rewards.score(decode(res.output_ids), prompt.answer)
 
         try:
-            correct = await asyncio.gather(*[one(p) for p in prompts])
+            first = await asyncio.gather(
+                *[one(p, greedy, f"eval-{i}-g") for i, p in enumerate(prompts)]
+            )
+            samples: list[list[float]] = []
+            if opts.k > 1:
+                flat = await asyncio.gather(
+                    *[
+                        one(p, sampled, f"eval-{i}-s{j}")
+                        for i, p in enumerate(prompts)
+                        for j in range(opts.k)
+                    ]
+                )
+                samples = [list(flat[i * opts.k : (i + 1) * opts.k]) for i in range(len(prompts))]
+            version = await client.weight_version()
         finally:
             await rewards.aclose()
-    scores = [pass_at_k(n, c, opts.k) for c in correct]
+    out: dict[str, Any] = {"pass@1": sum(first) / max(len(first), 1), "weight_version": version}
+    if samples:
+        out[f"pass@{opts.k}"] = pass_at_k([[s > 0 for s in row] for row in samples])
+        out["sampled_accuracy"] = sum(map(sum, samples)) / (len(prompts) * opts.k)
+    return out
+
+
+def evaluate(cfg: ExperimentConfig, opts: EvalOptions) -> dict[str, Any]:
+    """Score the weights of `opts` on the split; returns the result object."""
+    from areal_hex.data import build_prompts, load_problems
+    from areal_hex.models import build_tokenizer, load_tokenizer
+
+    if opts.k < 1:
+        raise EvalError(f"--k {opts.k}: expected k >= 1")
+    if opts.weights is None and opts.server_url is None:
+        raise EvalError("give --weights (a directory or version) or --server-url")
+    split = opts.split or cfg.data.eval_split
+    weights_dir, label = (None, None)
+    if opts.weights is not None:
+        weights_dir, label = resolve_weights(cfg, opts.weights)
+    tok_path = weights_dir or cfg.model.tokenizer_path or cfg.model.path
+    tokenizer = load_tokenizer(tok_path) if tok_path else build_tokenizer()
+    problems = load_problems(cfg.data, split)
+    if opts.n is not None:
+        problems = problems[: opts.n]
+    prompts = build_prompts(problems, tokenizer, cfg.data).prompts
+    t0 = time.perf_counter()
+    with _server(cfg, weights_dir, label, opts.server_url) as url:
+        scores = asyncio.run(
+            _score_all(
+                url,
+                cfg.inference.api_key,
+                prompts,
+                cfg,
+                opts,
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            )
+        )
     return {
-        "weights": weights,
-        "split": opts.split,
+        "weights": str(weights_dir) if weights_dir else opts.server_url,
+        "version": label if label is not None else scores["weight_version"],
+        "dataset": cfg.data.dataset,
+        "split": split,
         "problems": len(prompts),
-        "samples_per_problem": n,
-        "decoding": "greedy" if greedy else f"temperature {r.temperature}",
-        f"pass@{opts.k}": sum(scores) / len(scores) if scores else 0.0,
-        "accuracy": sum(correct) / (n * len(prompts)) if prompts else 0.0,
-        "reward_failures": rewards.stats.failures,
+        "k": opts.k,
+        **{k: v for k, v in scores.items() if k != "weight_version"},
+        "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _server(
+    cfg: ExperimentConfig, weights: Path | None, label: str | None, url: str | None
+) -> AbstractContextManager[str]:
+    """A running server's URL as is, or a built-in server on a free port with `weights`."""
+    if url is not None and weights is None:
+        return nullcontext(url)
+    if url is not None:
+        raise EvalError("give either --server-url (a server as it runs) or --weights, not both")
+    from rollout_service.server import ServerThread, build_server_app
+
+    assert weights is not None
+    model = cfg.model.model_copy(update={"path": str(weights), "tokenizer_path": None})
+    inf = cfg.inference.model_copy(
+        update={"weight_version": label or "0", "device": cfg.inference.device, "api_key": None}
+    )
+    cfg.inference.api_key = None  # the local server is open; the client sends no token
+    return ServerThread(build_server_app(model, inf))
+
+
+def format_table(result: dict[str, Any]) -> str:
+    width = max(len(k) for k in result)
+    return "\n".join(
+        f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+        for k, v in result.items()
+    )

@@ -1,5 +1,11 @@
-"""End-of-run report: PNG plots and `summary.json` from `metrics.jsonl` (trainer, one row per
-step) and `rollout.jsonl` (controller snapshots)."""
+"""The end-of-run report: `summary.json` and PNG plots (matplotlib, Agg backend) from
+`metrics.jsonl`, `rollout.jsonl`, `events.json` and the buffer's final counters.
+
+Group accounting (every admitted group is accounted for):
+    produced (put by the controller) = trained + dropped_stale + dead_letter
+                                       + left in the buffer at stop (unconsumed + pending)
+and groups still generating at stop are reported as `in_flight_controller`.
+"""
 
 from __future__ import annotations
 
@@ -8,146 +14,231 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from areal_hex.config import ExperimentConfig
 from areal_hex.launch.progress import read_jsonl
 
 
-def summarize(run_dir: Path, wall_s: float, buffer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Totals of a finished run, with the group accounting that shows nothing was lost:
-    produced = trained + dropped_stale + dead_letter + left in the buffer."""
-    steps = read_jsonl(run_dir / "metrics.jsonl")
-    roll = read_jsonl(run_dir / "rollout.jsonl")
-    last_t, last_r = (steps[-1] if steps else {}), (roll[-1] if roll else {})
-    hist: Counter[str] = Counter()
-    for row in steps:
-        hist.update({k: int(v) for k, v in row.get("staleness_hist", {}).items()})
-    samples = int(last_r.get("samples_total", 0))
-    start = roll[0]["time"] - roll[0].get("elapsed_s", 0.0) if roll else None
-    gen_window = (last_r["time"] - start) if roll and start else wall_s
-    trained = int(last_t.get("groups_trained_total", 0))
-    dropped = int(last_t.get("dropped_stale_total", 0))
-    dead = int(last_t.get("dead_letter_total", 0))
+def _final_reward(rows: list[dict[str, Any]], frac: float = 0.2) -> float | None:
+    """Mean reward of the last `frac` of steps (at least 1): one step is noisy."""
+    vals = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+    if not vals:
+        return None
+    k = max(1, int(len(vals) * frac))
+    return sum(vals[-k:]) / k
+
+
+def _throughput(
+    rows: list[dict[str, Any]], group_size: int, t_ready: float | None
+) -> dict[str, float | None]:
+    """Trained samples per second: steady state (first to last step) and wall (services
+    ready to last step)."""
+    if not rows:
+        return {"samples_per_s": None, "samples_per_s_wall": None}
+    first, last = rows[0], rows[-1]
+    trained = last.get("groups_trained_total", 0) * group_size
+    steady = None
+    if len(rows) > 1 and last["time"] > first["time"]:
+        between = trained - first.get("groups_trained_total", 0) * group_size
+        steady = between / (last["time"] - first["time"])
+    wall = trained / (last["time"] - t_ready) if t_ready and last["time"] > t_ready else None
+    return {"samples_per_s": steady, "samples_per_s_wall": wall}
+
+
+def accounting(
+    metrics: list[dict[str, Any]], rollout: list[dict[str, Any]], buffer: dict[str, Any] | None
+) -> dict[str, Any]:
+    last_m = metrics[-1] if metrics else {}
+    finals = [r for r in rollout if r.get("final")] or rollout[-1:]
+    last_r = finals[-1] if finals else {}
     produced = int(last_r.get("groups_produced_total", 0))
-    left = None if buffer is None else int(buffer["unconsumed"]) + int(buffer["pending"])
-    recent = [r["reward_mean"] for r in steps[-5:] if r.get("reward_mean") is not None]
+    trained = int(last_m.get("groups_trained_total", 0))
+    dropped = int(last_m.get("dropped_stale_total", 0))
+    dead = int(last_m.get("dead_letter_total", 0))
+    out: dict[str, Any] = {
+        "groups_produced": produced,
+        "groups_trained": trained,
+        "groups_dropped_stale": dropped,
+        "groups_dead_letter": dead,
+        "in_flight_controller": int(last_r.get("groups_in_flight", 0)),
+    }
+    if buffer is not None:
+        out["groups_dropped_stale"] = dropped = max(dropped, int(buffer["dropped_stale"]))
+        out["groups_dead_letter"] = dead = max(dead, int(buffer["dead_letter"]))
+        in_buffer = int(buffer["unconsumed"]) + int(buffer["pending"])
+        out["in_buffer_at_stop"] = in_buffer
+        out["groups_admitted"] = int(buffer["submitted"])
+        out["groups_lost"] = produced - trained - dropped - dead - in_buffer
+    return out
+
+
+def summarize(
+    run_dir: Path,
+    cfg: ExperimentConfig,
+    buffer: dict[str, Any] | None = None,
+    outcome: str = "finished",
+) -> dict[str, Any]:
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    rollout = read_jsonl(run_dir / "rollout.jsonl")
+    events_path = run_dir / "events.json"
+    events = json.loads(events_path.read_text()) if events_path.exists() else {}
+    t_ready = events.get("t_services_ready")
+    wall = (events["t_end"] - events["t_start"]) if "t_end" in events else None
+    hist: Counter[str] = Counter()
+    for r in metrics:
+        hist.update({str(k): int(v) for k, v in (r.get("staleness_hist") or {}).items()})
+    weights = run_dir / "weights"
+    published = sorted(
+        int(p.name[1:]) for p in weights.glob("v*") if p.name[1:].isdigit() and p.is_dir()
+    )
     return {
-        "steps": int(last_t.get("step", 0)),
-        "final_version": int(last_t.get("version", 0)),
-        "versions_seen": sorted({int(r.get("version", 0)) for r in steps}),
-        "final_reward": sum(recent) / len(recent) if recent else None,
-        "first_reward": steps[0].get("reward_mean") if steps else None,
-        "max_staleness": max((int(k) for k in hist), default=0),
+        "run_id": cfg.run.run_id,
+        "mode": cfg.run.mode,
+        "outcome": outcome,
+        "eta": cfg.buffer.max_staleness,
+        "groups_per_step": cfg.buffer.groups_per_step,
+        "group_size": cfg.rollout.group_size,
+        "steps": int(metrics[-1]["step"]) if metrics else 0,
+        "total_steps": cfg.trainer.total_steps,
+        "final_reward": _final_reward(metrics),
+        "first_reward": metrics[0].get("reward_mean") if metrics else None,
+        "max_staleness": max((int(r.get("max_staleness", 0)) for r in metrics), default=0),
         "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-        "samples_total": samples,
-        "samples_per_s": samples / gen_window if gen_window else 0.0,
-        "wall_s": wall_s,
-        "groups": {
-            "produced": produced,
-            "trained": trained,
-            "dropped_stale": dropped,
-            "dead_letter": dead,
-            "left_in_buffer": left,
-            "in_flight_at_stop": int(last_r.get("groups_in_flight", 0)),
-            "abandoned": int(last_r.get("groups_abandoned_total", 0)),
-            "lost": None if left is None else produced - (trained + dropped + dead + left),
-        },
+        **_throughput(metrics, cfg.rollout.group_size, t_ready),
+        "wall_time_s": wall,
+        **accounting(metrics, rollout, buffer),
+        "versions": [int(r["version"]) for r in metrics],
+        "final_version": int(metrics[-1]["version"]) if metrics else 0,
+        "versions_on_disk": published,
+        "restarts": events.get("restarts", {}),
+        "buffer": buffer,
     }
 
 
-def write_report(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
-    """summary.json and the plots; returns the files written."""
+# ---------------------------------------------------------------- plots
+def _plot_reward(plt: Any, metrics: list[dict], rollout: list[dict], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in metrics]
+    rew = [r.get("reward_mean", 0.0) for r in metrics]
+    ax.plot(steps, rew, ".", alpha=0.4, label="batch reward (= accuracy: reward is 0/1)")
+    k = max(1, len(rew) // 10)
+    smooth = [
+        sum(rew[max(0, i - k + 1) : i + 1]) / len(rew[max(0, i - k + 1) : i + 1])
+        for i in range(len(rew))
+    ]
+    ax.plot(steps, smooth, "-", label=f"moving mean ({k} steps)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="best")
+    ax.set_title("Training reward")
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=100)
+    plt.close(fig)
+
+
+def _plot_staleness(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    lags = sorted(int(k) for k in hist) or [0]
+    ax.bar(lags, [hist.get(str(k), 0) for k in lags], color="tab:blue")
+    ax.axvline(eta + 0.5, color="tab:red", ls="--", label=f"bound eta = {eta}")
+    ax.set_xlabel("staleness (policy versions behind)")
+    ax.set_ylabel("groups trained")
+    ax.legend()
+    ax.set_title("Staleness of trained groups")
+    fig.tight_layout()
+    fig.savefig(out / "staleness.png", dpi=100)
+    plt.close(fig)
+
+
+def _plot_throughput(
+    plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float
+) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = [r for r in rollout if not r.get("final")]
+    ax.plot(
+        [r["time"] - t0 for r in rows],
+        [r.get("samples_per_s", 0) for r in rows],
+        "-o",
+        ms=3,
+        label="generated samples/s (controller)",
+    )
+    if len(metrics) > 1:
+        g = metrics[0].get("sequences", 0) or 0
+        xs, ys = [], []
+        for a, b in zip(metrics, metrics[1:], strict=False):
+            dt = b["time"] - a["time"]
+            if dt > 0:
+                xs.append(b["time"] - t0)
+                ys.append((b.get("sequences", g) or g) / dt)
+        ax.plot(xs, ys, "-s", ms=3, label="trained samples/s (trainer)")
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("samples/s")
+    ax.legend(loc="best")
+    ax.set_title("Throughput")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    plt.close(fig)
+
+
+def _plot_timeline(
+    plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float
+) -> None:
+    """Trainer: one bar per step's compute (+ publish) time; generation: the fraction of
+    each metrics interval the servers were busy, as bar opacity."""
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    train = [
+        (
+            r["time"] - t0 - r.get("compute_s", 0) - r.get("publish_s", 0),
+            r.get("compute_s", 0) + r.get("publish_s", 0),
+        )
+        for r in metrics
+    ]
+    ax.broken_barh(train, (0.6, 0.8), color="tab:orange")
+    rows = [r for r in rollout if "gen_busy_s" in r]
+    prev_t, prev_busy = None, 0.0
+    for r in rows:
+        t, busy = r["time"] - t0, float(r["gen_busy_s"])
+        if prev_t is not None and t > prev_t:
+            frac = min(1.0, max(0.0, (busy - prev_busy) / (t - prev_t)))
+            ax.broken_barh(
+                [(prev_t, t - prev_t)], (1.6, 0.8), color="tab:blue", alpha=0.15 + 0.85 * frac
+            )
+        prev_t, prev_busy = t, busy
+    ax.set_yticks([1.0, 2.0], ["trainer (compute)", "inference (busy)"])
+    ax.set_xlabel("time since start (s)")
+    ax.set_title("Generation vs training busy time")
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=100)
+    plt.close(fig)
+
+
+def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = read_jsonl(run_dir / "metrics.jsonl")
-    roll = read_jsonl(run_dir / "rollout.jsonl")
-    evals = read_jsonl(run_dir / "eval.jsonl")
     out = run_dir / "report"
-    out.mkdir(exist_ok=True)
-    files = []
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r.get("reward_mean") or 0 for r in steps], label="reward")
-    if evals:
-        ax.plot(
-            [e["step"] for e in evals], [e["accuracy"] for e in evals], "o-", label="held-out acc"
-        )
-    ax.set(xlabel="step", ylabel="reward / accuracy", title="Reward and accuracy")
-    ax.legend()
-    files.append(_save(fig, out / "reward.png"))
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    hist = summary["staleness_hist"]
-    ax.bar([int(k) for k in hist], list(hist.values()))
-    ax.set(xlabel="staleness (versions behind)", ylabel="groups trained", title="Staleness")
-    files.append(_save(fig, out / "staleness.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    t0 = _t0(steps, roll)
-    ax.plot(
-        [r["time"] - t0 for r in roll],
-        [r.get("samples_per_s", 0) for r in roll],
-        label="rollout samples/s",
-    )
-    ax2 = ax.twinx()
-    ax2.plot(
-        [r["time"] - t0 for r in steps],
-        [r.get("tokens_per_s", 0) for r in steps],
-        "r.-",
-        label="trainer tokens/s",
-    )
-    ax.set(xlabel="time (s)", ylabel="samples/s", title="Throughput")
-    ax2.set_ylabel("tokens/s")
-    fig.legend(loc="upper right")
-    files.append(_save(fig, out / "throughput.png"))
-
-    files.append(_timeline(plt, steps, roll, t0, out / "timeline.png"))
-    path = run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    files.append(path)
-    return files
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    rollout = read_jsonl(run_dir / "rollout.jsonl")
+    times = [r["time"] for r in metrics + rollout if "time" in r]
+    t0 = min(times) if times else 0.0
+    _plot_reward(plt, metrics, rollout, out)
+    _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
+    _plot_throughput(plt, metrics, rollout, out, t0)
+    _plot_timeline(plt, metrics, rollout, out, t0)
+    return sorted(out.glob("*.png"))
 
 
-def _t0(steps: list[dict[str, Any]], roll: list[dict[str, Any]]) -> float:
-    times = [r["time"] for r in steps] + [r["time"] for r in roll]
-    return min(times) if times else 0.0
-
-
-def _timeline(
-    plt: Any, steps: list[dict[str, Any]], roll: list[dict[str, Any]], t0: float, path: Path
-) -> Path:
-    """Busy intervals per process: trainer compute (+publish) per step, and generation
-    busy share per controller snapshot interval."""
-    fig, ax = plt.subplots(figsize=(9, 2.8))
-    train = []
-    for r in steps:
-        busy = float(r.get("compute_s", 0)) + float(r.get("publish_s", 0))
-        train.append((r["time"] - t0 - busy, busy))
-    ax.broken_barh(train, (10, 8), facecolors="tab:red", label="training")
-    gen = []
-    for a, b in zip(roll, roll[1:], strict=False):
-        dt = b["time"] - a["time"]
-        share = (
-            min(1.0, max(0.0, (b.get("gen_busy_s", 0) - a.get("gen_busy_s", 0)) / dt)) if dt else 0
-        )
-        if share > 0:
-            gen.append((a["time"] - t0, dt * share))
-    ax.broken_barh(gen, (0, 8), facecolors="tab:blue", label="generation")
-    ax.set(
-        yticks=[4, 14],
-        yticklabels=["rollout", "trainer"],
-        xlabel="time (s)",
-        title="Busy time: generation vs training",
-    )
-    ax.legend(loc="upper right")
-    return _save(fig, path)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
+def write_report(
+    run_dir: Path,
+    cfg: ExperimentConfig,
+    buffer: dict[str, Any] | None = None,
+    outcome: str = "finished",
+) -> dict[str, Any]:
+    """Write `summary.json` and `report/*.png`; returns the summary."""
+    summary = summarize(run_dir, cfg, buffer, outcome)
+    summary["plots"] = [str(p.relative_to(run_dir)) for p in write_plots(run_dir, summary)]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary

@@ -1,227 +1,270 @@
-"""Orchestrate a local run: run directory, initial weights, embedded Valkey, inference
-servers, trainer and controller as processes from `build_layout`, progress, report."""
+"""`areal-hex run`: the whole job as local processes, from the layout `deploy` renders.
+
+Order: run directory and resolved config (prepare.py), v0 weights, Valkey, inference
+servers (wait for /health), then trainer and controller. The run ends when the trainer
+finishes its last step (then the controller, servers and Valkey are stopped, in that
+order, and the report is written), on Ctrl-C, or when a process fails for good (its last
+log lines are printed and the exit code is 1). A crashed inference server is restarted.
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import socket
 import sys
 import time
-import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from areal_hex.config import ExperimentConfig, save_config
-from areal_hex.launch.supervisor import ProcessSpec, Supervisor
-from areal_hex.layout import CONFIG_PLACEHOLDER, ServiceSpec, build_layout
+from areal_hex.config import ExperimentConfig
+from areal_hex.launch.supervisor import Outcome, ProcessSpec, Supervisor, tail_lines
+from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.plan import Plan
 
 
+class LaunchError(RuntimeError):
+    """A service did not come up; the message says which and shows its log."""
+
+
 @dataclass
-class Prepared:
-    cfg: ExperimentConfig  # resolved: run id, weights, redis.url all set
-    config_path: Path  # <run_dir>/config.yaml
-    embedded_redis: bool  # the run starts (and stops) its own Valkey
+class RunResult:
+    run_dir: Path
+    outcome: Outcome
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome.status == "finished"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def prepare(cfg: ExperimentConfig, mode: str | None = None) -> Prepared:
-    """Resolve a config for a run (run id, mode, weights v0, Redis address), create the run
-    directory and write `config.yaml` there."""
-    cfg = cfg.model_copy(deep=True)
-    if mode is not None:
-        cfg.run.mode = mode
-    if cfg.run.mode == "sync":
-        cfg.buffer.max_staleness = 0  # a step's rollout waits for the previous step's weights
-    if cfg.run.run_id is None:
-        cfg.run.run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    run_dir = cfg.run.run_dir()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    weights = (run_dir / "weights").resolve()
-    v0 = materialize_initial(cfg, weights / "v0")
-    cfg.model.path = str(v0)
-    cfg.model.tokenizer_path = None
-    cfg.inference.weights_dir = str(weights)
-    embedded = cfg.redis.url is None
-    if embedded:
-        cfg.redis.url = f"redis://127.0.0.1:{_free_port()}"
-        cfg.redis.data_dir = str((run_dir / "redis").resolve())
-    path = save_config(cfg, run_dir / "config.yaml")
-    return Prepared(cfg, path.resolve(), embedded)
-
-
-def materialize_initial(cfg: ExperimentConfig, out: Path) -> Path:
-    """Write v0; a tiny model with `sft_steps` is warm-started on worked training answers."""
-    from areal_hex.models import materialize
-
-    tiny = cfg.model.tiny
-    texts = None
-    if cfg.model.path is None and tiny is not None and tiny.sft_steps > 0:
-        texts = warm_start_texts(cfg)
-    return materialize(cfg.model, out, sft_texts=texts)
-
-
-def warm_start_texts(cfg: ExperimentConfig) -> list[str]:
-    """Prompt + reference solution + end of turn, for the first `run.warm_start_fraction`
-    of the training split (the rest is left for RL to learn)."""
-    from areal_hex.data import DEFAULT_INSTRUCTIONS, load_problems, render_prompt
-    from areal_hex.models import build_tokenizer
-
-    tok = build_tokenizer()
-    problems = load_problems(cfg.data, cfg.data.split)
-    n = max(1, int(len(problems) * cfg.run.warm_start_fraction))
-    instruction = cfg.data.instruction
-    if instruction is None:
-        instruction = DEFAULT_INSTRUCTIONS[cfg.data.dataset]
-    return [
-        render_prompt(p.question, tok, cfg.data.use_chat_template, instruction)
-        + p.solution
-        + str(tok.eos_token)
-        for p in problems[:n]
-    ]
-
-
-def _cores(role: str, pin: bool) -> list[int] | None:
-    """With pinning: the rollout side on the first half of the cores, the trainer on the
-    rest, so generation and training really run apart even on two cores."""
+# ---------------------------------------------------------------- process placement
+def core_groups(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(rollout cores, trainer cores): the first half of the usable cores serve Valkey,
+    the inference servers and the controller; the rest the trainer. None: no pinning."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None, None
     cores = sorted(os.sched_getaffinity(0))
-    if not pin or len(cores) < 2:
-        return None
+    if len(cores) < 2:
+        return None, None
     half = len(cores) // 2
-    return cores[half:] if role == "trainer" else cores[:half]
+    return set(cores[:half]), set(cores[half:])
 
 
-def process_specs(prep: Prepared, plan: Plan | None = None) -> list[ProcessSpec]:
-    """The layout's services as local processes, the embedded Valkey first."""
-    services = build_layout(prep.cfg, plan).services
-    if prep.embedded_redis:
-        redis = ServiceSpec("redis", "redis", ["areal-hex", "buffer", "serve", CONFIG_PLACEHOLDER])
-        services = [redis, *services]
-    return [_process(prep, svc) for svc in services]
+def assign_local_gpus(layout: Layout) -> None:
+    """Without a plan, GPU services get consecutive local GPUs in layout order
+    (inference servers first, then the trainer's ranks)."""
+    if any(s.devices for s in layout.services):
+        return  # planned placement
+    nxt = 0
+    for svc in layout.services:
+        if svc.gpus > 0:
+            svc.devices = list(range(nxt, nxt + svc.gpus))
+            nxt += svc.gpus
 
 
-def _process(prep: Prepared, svc: ServiceSpec) -> ProcessSpec:
-    cfg = prep.cfg
-    argv = [str(prep.config_path) if a == CONFIG_PLACEHOLDER else a for a in svc.command]
-    argv = [sys.executable, "-m", "areal_hex.cli", *argv[1:]]  # the interpreter running us
-    if svc.role == "redis":
-        port = str(cfg.redis.url).rsplit(":", 1)[1]
-        argv += ["--port", port, "--dir", str(cfg.redis.data_dir)]
-    cores = _cores(svc.role, cfg.run.pin_cores)
-    env = {"PYTHONUNBUFFERED": "1", **svc.env}
-    if cores:
-        share = 1 if svc.role == "trainer" else max(1, cfg.inference.num_servers)
-        env["OMP_NUM_THREADS"] = str(max(1, len(cores) // share))
-    return ProcessSpec(
-        name=svc.name,
-        argv=argv,
-        log=cfg.run.run_dir() / "logs" / f"{svc.name}.log",
-        env=env,
-        cores=cores,
-        max_restarts=cfg.run.max_restarts if svc.role == "inference" else 0,
-        final=svc.role == "trainer",
+def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
+    """The layout's command with this tree's interpreter (`python -m areal_hex.cli`), so
+    the services run the same code as the launcher."""
+    argv = [str(config_path) if a == CONFIG_PLACEHOLDER else a for a in svc.command]
+    if argv and argv[0] == "areal-hex":
+        argv = [sys.executable, "-m", "areal_hex.cli", *argv[1:]]
+    return argv
+
+
+def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> list[ProcessSpec]:
+    run_dir = cfg.run.run_dir()
+    rollout_cores, trainer_cores = core_groups(cfg.run.pin_cores)
+    n_rollout = len([s for s in layout.services if s.role != "trainer"])
+    assign_local_gpus(layout)
+    specs = []
+    for svc in layout.services:
+        cores = trainer_cores if svc.role == "trainer" else rollout_cores
+        env = dict(svc.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        if cores is not None:
+            share = len(cores) if svc.role == "trainer" else max(1, len(cores) // n_rollout)
+            env["OMP_NUM_THREADS"] = str(share)
+        elif cfg.inference.device == "cpu" and svc.role == "inference":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+        if svc.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in svc.devices)
+        pythonpath = os.environ.get("PYTHONPATH")
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root if not pythonpath else f"{root}{os.pathsep}{pythonpath}"
+        specs.append(
+            ProcessSpec(
+                name=svc.name,
+                command=_command(svc, config_path),
+                log_path=run_dir / "logs" / f"{svc.name}.log",
+                env=env,
+                on_exit={"inference": "restart", "trainer": "finish"}.get(svc.role, "fail"),
+                max_restarts=cfg.run.max_restarts,
+                cpus=cores,
+            )
+        )
+    return specs
+
+
+# ---------------------------------------------------------------- readiness
+def wait_ready(sup: Supervisor, name: str, probe: Any, timeout_s: float) -> None:
+    """Poll `probe()` until True; fail early (with the log) if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not sup.running(name):
+            raise LaunchError(f"{name} exited while starting; last log lines:\n{sup.tail(name)}")
+        try:
+            if probe():
+                return
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.25)
+    raise LaunchError(
+        f"{name} not ready after {timeout_s:.0f} s; last log lines:\n{sup.tail(name)}"
     )
 
 
-def wait_ready(sup: Supervisor, name: str, url: str, timeout_s: float) -> None:
-    """Poll `url` until it answers 200, failing early if the process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sup.check()
+def redis_probe(cfg: ExperimentConfig) -> Any:
+    def probe() -> bool:
+        from areal_hex.buffer.embedded import RedisEndpoint
+
+        assert cfg.redis.url is not None
+        ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
+        client = ep.sync_client(socket_connect_timeout=1, socket_timeout=2)
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{name} did not become healthy at {url} within {timeout_s:.0f} s")
+            return bool(client.ping())
+        finally:
+            client.close()
+
+    return probe
 
 
-def wait_redis(sup: Supervisor, url: str, timeout_s: float) -> None:
-    import redis
+def http_probe(url: str) -> Any:
+    def probe() -> bool:
+        import httpx
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sup.check()
-        try:
-            redis.Redis.from_url(url, socket_timeout=2).ping()
-            return
-        except redis.RedisError:
-            time.sleep(0.2)
-    raise TimeoutError(f"embedded Valkey did not answer at {url} within {timeout_s:.0f} s")
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+
+    return probe
 
 
-def start_services(sup: Supervisor, prep: Prepared, plan: Plan | None = None) -> None:
-    """Start in dependency order: Valkey, servers (wait for /health), trainer, controller."""
-    cfg = prep.cfg
-    specs = {s.name: s for s in process_specs(prep, plan)}
-    layout = build_layout(cfg, plan)
-    if prep.embedded_redis:
-        sup.start(specs["redis"])
-        wait_redis(sup, str(cfg.redis.url), cfg.run.start_timeout_s)
-    for svc in layout.by_role("inference"):
-        sup.start(specs[svc.name])
-    for svc in layout.by_role("inference"):
-        url = f"http://{cfg.inference.host}:{svc.port}/health"
-        wait_ready(sup, svc.name, url, cfg.run.start_timeout_s)
-    for role in ("trainer", "controller"):
-        for svc in layout.by_role(role):
-            sup.start(specs[svc.name])
+def buffer_stats(cfg: ExperimentConfig) -> dict[str, Any] | None:
+    """The buffer's counters (read before Valkey stops), or None if unreachable."""
+    import dataclasses
 
+    from areal_hex.buffer import BufferKeys, read_stats
+    from areal_hex.buffer.embedded import RedisEndpoint
 
-def buffer_stats(cfg: ExperimentConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    import redis
-
-    from areal_hex.buffer.consumer import read_stats
-    from areal_hex.buffer.keys import BufferKeys
-
-    r = redis.Redis.from_url(str(cfg.redis.url), socket_timeout=5)
+    if cfg.redis.url is None or cfg.run.run_id is None:
+        return None
+    ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
+    client = ep.sync_client(socket_connect_timeout=2, socket_timeout=5)
     try:
-        return asdict(read_stats(r, BufferKeys(str(cfg.run.run_id))))
+        return dataclasses.asdict(read_stats(client, BufferKeys(cfg.run.run_id)))
+    except Exception:
+        return None
     finally:
-        r.close()
+        client.close()
 
 
-def run_job(prep: Prepared, plan: Plan | None = None) -> dict[str, Any]:
-    """Start everything, show progress until the trainer's last step, stop cleanly, write
-    the report. Raises ProcessFailed (with the process's last log lines) on a crash that a
-    restart cannot fix."""
+# ---------------------------------------------------------------- the run
+def start_services(
+    sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
+) -> None:
+    roles = {s.name: s.role for s in layout.services}
+    by_role: dict[str, list[ProcessSpec]] = {}
+    for spec in specs:
+        by_role.setdefault(roles[spec.name], []).append(spec)
+    for spec in by_role.get("redis", []):
+        sup.start(spec)
+        wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
+    servers = by_role.get("inference", [])
+    for spec in servers:
+        sup.start(spec)
+    urls = cfg.inference.urls()
+    for i, spec in enumerate(servers):
+        timeout = cfg.run.start_timeout_s
+        if cfg.inference.backend == "sglang":
+            timeout = max(timeout, cfg.inference.startup_timeout_s)
+        wait_ready(sup, spec.name, http_probe(urls[i]), timeout)
+    for spec in by_role.get("trainer", []) + by_role.get("controller", []):
+        sup.start(spec)
+
+
+def stop_services(sup: Supervisor, cfg: ExperimentConfig, layout: Layout) -> dict[str, Any] | None:
+    """Controller first (it puts or gives back what is in flight), then read the buffer,
+    then trainer, servers and Valkey."""
+
+    def names(role: str) -> list[str]:
+        return [s.name for s in layout.by_role(role)]  # type: ignore[arg-type]
+
+    sup.stop(names("controller"), timeout_s=cfg.rollout.stop_grace_s + 15)
+    stats = buffer_stats(cfg)
+    sup.stop(names("trainer"), timeout_s=30)
+    sup.stop(names("inference"), timeout_s=15)
+    sup.stop(names("redis"), timeout_s=15)
+    return stats
+
+
+def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float) -> None:
+    data = {
+        "t_start": t_start,
+        "t_services_ready": t_ready,
+        "t_end": time.time(),
+        "events": [{"time": t, "process": n, "event": e} for t, n, e in sup.events],
+        "restarts": {n: m.restarts for n, m in sup.procs.items()},
+    }
+    (run_dir / "events.json").write_text(json.dumps(data, indent=2))
+
+
+def execute(
+    cfg: ExperimentConfig,
+    config_path: Path,
+    plan: Plan | None = None,
+    progress: bool = True,
+    stream: TextIO | None = None,
+    timeout_s: float | None = None,
+) -> RunResult:
+    """Start, watch and stop the services of a prepared run; write the report."""
     from areal_hex.launch.progress import Progress
-    from areal_hex.launch.report import summarize, write_report
+    from areal_hex.launch.report import write_report
 
-    cfg = prep.cfg
+    stream = stream or sys.stderr
     run_dir = cfg.run.run_dir()
-    t0 = time.time()
-    progress = Progress(run_dir, cfg.trainer.total_steps, cfg.run.progress)
+    layout = build_layout(cfg, plan)
+    specs = process_specs(cfg, layout, config_path)
+    t_start = time.time()
+    t_ready = t_start
     stats: dict[str, Any] | None = None
     with Supervisor() as sup:
-        start_services(sup, prep, plan)
         try:
-            while not sup.check():
-                progress.update()
-                time.sleep(1.0)
-        finally:
-            progress.update()
-            progress.close()
-            # The controller first (it records what is in flight), then read the buffer
-            # while Valkey still runs, then the rest.
-            sup.stop(["controller"])
-            try:
-                stats = buffer_stats(cfg)
-            except Exception:  # noqa: BLE001 - the report says the count is unknown
-                stats = None
-    summary = summarize(run_dir, time.time() - t0, stats)
-    summary["mode"] = cfg.run.mode
-    summary["max_staleness_allowed"] = cfg.buffer.max_staleness
-    summary["restarts"] = sup.events
-    write_report(run_dir, summary)
-    return summary
+            start_services(sup, cfg, layout, specs)
+        except LaunchError as exc:
+            stop_services(sup, cfg, layout)
+            write_events(run_dir, sup, t_start, t_ready)
+            return RunResult(run_dir, Outcome("failed", None, None, str(exc)))
+        except KeyboardInterrupt:
+            stop_services(sup, cfg, layout)
+            return RunResult(run_dir, Outcome("interrupted"))
+        t_ready = time.time()
+        view = Progress(
+            run_dir, cfg.trainer.total_steps, stream, enabled=progress, mode=cfg.run.progress
+        )
+        outcome = sup.watch(on_tick=view.tick, timeout_s=timeout_s)
+        view.close()
+        try:
+            stats = stop_services(sup, cfg, layout)
+        except KeyboardInterrupt:
+            sup.stop(timeout_s=2)
+        write_events(run_dir, sup, t_start, t_ready)
+    summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status)
+    return RunResult(run_dir, outcome, summary)
+
+
+def failure_message(result: RunResult) -> str:
+    o = result.outcome
+    if o.name is None:
+        return o.log_tail
+    log = result.run_dir / "logs" / f"{o.name}.log"
+    tail = o.log_tail or tail_lines(log)
+    return f"{o.name} exited with code {o.returncode}; last lines of {log}:\n{tail}"

@@ -1,7 +1,9 @@
-"""Start, watch, restart and stop the processes of a local run.
+"""A small process supervisor: start services, watch them, restart the ones allowed to
+restart, stop everything cleanly, and say which process failed and why.
 
-Each child runs in its own session (process group) so that a launcher's children
-(deepspeed ranks) stop with it. Output goes to one log file per process.
+Each service runs in its own session (process group), so that stopping it also stops
+whatever it spawned (the DeepSpeed launcher's ranks, SGLang's workers) and a Ctrl-C on
+the terminal reaches only the supervisor, which then stops the services in order.
 """
 
 from __future__ import annotations
@@ -10,133 +12,213 @@ import os
 import signal
 import subprocess
 import time
-from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+OnExit = Literal["fail", "restart", "finish"]
 
 
 @dataclass
 class ProcessSpec:
     name: str
-    argv: list[str]
-    log: Path
-    env: dict[str, str] = field(default_factory=dict)
-    cores: list[int] | None = None  # CPU affinity (None: any core)
-    max_restarts: int = 0  # >0: restart on a crash this many times
-    # The run is over when a process marked `final` exits 0 (the trainer).
-    final: bool = False
+    command: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's env
+    # What the process exiting means: "fail": a non-zero exit fails the run (0: it is
+    # done); "restart": start it again (up to max_restarts, any exit code); "finish": exit
+    # code 0 ends the run successfully, non-zero fails it.
+    on_exit: OnExit = "fail"
+    max_restarts: int = 3
+    cpus: set[int] | None = None  # CPU affinity (None: inherit)
+    cwd: str | None = None
+
+
+@dataclass
+class Managed:
+    spec: ProcessSpec
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    returncode: int | None = None
+
+
+@dataclass
+class Outcome:
+    """How a watch ended: `finished` (a "finish" process exited 0), `failed` (with the
+    process name, its exit code and last log lines) or `interrupted`."""
+
+    status: Literal["finished", "failed", "interrupted", "stopped"]
+    name: str | None = None
+    returncode: int | None = None
+    log_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("finished", "stopped")
 
 
 class ProcessFailed(RuntimeError):
-    """A process died and could not be recovered; the message holds its last log lines."""
+    def __init__(self, name: str, returncode: int | None, log_tail: str) -> None:
+        super().__init__(f"{name} exited with code {returncode}")
+        self.name, self.returncode, self.log_tail = name, returncode, log_tail
 
 
-def tail(path: Path, lines: int = 30) -> str:
+def tail_lines(path: Path, n: int = 30, max_bytes: int = 64_000) -> str:
+    """The last `n` lines of a log file (reads at most `max_bytes` from its end)."""
     try:
-        with path.open(errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode(errors="replace")
     except OSError:
         return "(no log)"
+    return "\n".join(data.splitlines()[-n:])
 
 
-class Managed:
-    def __init__(self, spec: ProcessSpec) -> None:
-        self.spec = spec
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
+def _set_affinity(cpus: set[int] | None) -> Callable[[], None] | None:
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return None
 
-    def start(self) -> None:
-        s = self.spec
-        s.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **s.env}
-        cores = s.cores
+    def apply() -> None:  # in the child, between fork and exec: inherited by its children
+        os.sched_setaffinity(0, cpus)
 
-        def pin() -> None:  # runs in the child before exec
-            if cores:
-                os.sched_setaffinity(0, cores)
-
-        with s.log.open("ab") as log:
-            log.write(f"\n=== start {s.name}: {' '.join(s.argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                s.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=pin if cores else None,
-            )
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def wait(self, timeout_s: float) -> bool:
-        if self.proc is None:
-            return True
-        try:
-            self.proc.wait(timeout=timeout_s)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
+    return apply
 
 
 class Supervisor:
-    """Owns the processes of a run. Use as a context manager: exiting stops everything."""
+    """Owns the processes it starts; `stop()` (or leaving the `with` block) ends them all."""
 
-    def __init__(self, stop_timeout_s: float = 20.0) -> None:
-        self.procs: dict[str, Managed] = {}
+    def __init__(self, poll_s: float = 0.5, stop_timeout_s: float = 20.0) -> None:
+        self.poll_s = poll_s
         self.stop_timeout_s = stop_timeout_s
-        self.events: list[str] = []
+        self.procs: dict[str, Managed] = {}
+        self.events: list[tuple[float, str, str]] = []  # (time, name, what happened)
 
+    # ------------------------------------------------------------ starting
     def start(self, spec: ProcessSpec) -> Managed:
-        if spec.name in self.procs:
-            raise ValueError(f"process {spec.name!r} already started")
-        m = self.procs[spec.name] = Managed(spec)
-        m.start()
+        if spec.name in self.procs and self.running(spec.name):
+            raise RuntimeError(f"{spec.name} is already running")
+        m = self.procs.get(spec.name) or Managed(spec)
+        m.spec = spec
+        self.procs[spec.name] = m
+        self._spawn(m)
         return m
 
-    def check(self) -> bool:
-        """Restart crashed restartable processes; True when a `final` process finished.
-        Raises ProcessFailed for a crash that cannot be recovered."""
-        done = False
-        for m in self.procs.values():
-            rc = m.poll()
+    def _spawn(self, m: Managed) -> None:
+        spec = m.spec
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **spec.env}
+        with open(spec.log_path, "ab") as log:
+            log.write(f"\n=== start {spec.name}: {' '.join(spec.command)}\n".encode())
+            log.flush()
+            m.proc = subprocess.Popen(
+                spec.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=spec.cwd,
+                start_new_session=True,
+                preexec_fn=_set_affinity(spec.cpus),
+            )
+        m.started_at = time.monotonic()
+        m.returncode = None
+        self.events.append((time.time(), spec.name, "start"))
+
+    def running(self, name: str) -> bool:
+        m = self.procs.get(name)
+        return m is not None and m.proc is not None and m.proc.poll() is None
+
+    def pid(self, name: str) -> int | None:
+        m = self.procs.get(name)
+        return m.proc.pid if m and m.proc else None
+
+    def tail(self, name: str, n: int = 30) -> str:
+        return tail_lines(self.procs[name].spec.log_path, n)
+
+    # ------------------------------------------------------------ watching
+    def check(self) -> Outcome | None:
+        """One pass over the processes: restart what may restart; an Outcome when the run
+        has finished or failed, else None."""
+        for name, m in self.procs.items():
+            if m.proc is None or m.returncode is not None:
+                continue
+            rc = m.proc.poll()
             if rc is None:
                 continue
-            if rc == 0 and m.spec.final:
-                done = True
-                continue
-            if rc == 0:
-                continue
-            if m.restarts < m.spec.max_restarts:
+            m.returncode = rc
+            self.events.append((time.time(), name, f"exit {rc}"))
+            spec = m.spec
+            if spec.on_exit == "finish" and rc == 0:
+                return Outcome("finished", name, rc)
+            if spec.on_exit == "fail" and rc == 0:
+                continue  # done with its work (the controller after its last group)
+            if spec.on_exit == "restart" and m.restarts < spec.max_restarts:
                 m.restarts += 1
-                self.events.append(f"{time.time():.3f} restart {m.spec.name} (exit {rc})")
-                m.start()
+                with open(spec.log_path, "ab") as log:
+                    log.write(f"\n=== {name} exited ({rc}); restart {m.restarts}\n".encode())
+                self._spawn(m)
+                self.events.append((time.time(), name, "restart"))
                 continue
-            raise ProcessFailed(
-                f"{m.spec.name} exited with code {rc} (restarts used: {m.restarts}); "
-                f"last lines of {m.spec.log}:\n{tail(m.spec.log)}"
-            )
-        return done
+            return Outcome("failed", name, rc, self.tail(name))
+        return None
 
-    def stop(self, names: list[str] | None = None) -> None:
-        """SIGTERM, wait, then SIGKILL; in reverse start order."""
-        targets = [self.procs[n] for n in (names or list(self.procs))][::-1]
-        for m in targets:
-            m.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
-        for m in targets:
-            if not m.wait(max(0.0, deadline - time.monotonic())):
-                m.signal(signal.SIGKILL)
-                m.wait(5.0)
+    def watch(
+        self,
+        on_tick: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        timeout_s: float | None = None,
+    ) -> Outcome:
+        """Poll until a process finishes the run or fails, `should_stop()` says so, or
+        Ctrl-C; `on_tick` runs every poll (progress display)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                outcome = self.check()
+                if outcome is not None:
+                    return outcome
+                if on_tick is not None:
+                    on_tick()
+                if should_stop is not None and should_stop():
+                    return Outcome("stopped")
+                if deadline is not None and time.monotonic() > deadline:
+                    return Outcome("failed", None, None, f"timed out after {timeout_s:.0f} s")
+                time.sleep(self.poll_s)
+        except KeyboardInterrupt:
+            return Outcome("interrupted")
+
+    # ------------------------------------------------------------ stopping
+    def stop(self, names: Sequence[str] | None = None, timeout_s: float | None = None) -> None:
+        """SIGTERM each process group (in the given order, default: reverse start order),
+        wait up to `timeout_s` for each, then SIGKILL."""
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
+        order = list(names) if names is not None else list(reversed(self.procs))
+        for name in order:
+            m = self.procs.get(name)
+            if m is None or m.proc is None:
+                continue
+            if m.proc.poll() is None:
+                self._signal(m.proc, signal.SIGTERM)
+                try:
+                    m.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._signal(m.proc, signal.SIGKILL)
+                    m.proc.wait()
+                self.events.append((time.time(), name, "stopped"))
+            # children left behind in its group (e.g. ranks of a killed launcher)
+            self._signal(m.proc, signal.SIGKILL)
+            if m.returncode is None:
+                m.returncode = m.proc.returncode
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # its own session: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self) -> Supervisor:
         return self

@@ -231,7 +231,12 @@ def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
         .replace("--port 6379", f"--port {port}")
         .replace("--dir /data", f"--dir {data}")
     )
-    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the shell may fork the server: stop the whole group
+    )
     try:
         client = redis.Redis(port=port, password=password, socket_connect_timeout=1)
         for _ in range(100):
@@ -246,7 +251,10 @@ def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert password not in cmdline and str(get_binary_path()) in cmdline
     finally:
-        proc.terminate()
+        import os
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
 
 

@@ -56,6 +56,16 @@ def test_sampling_rules() -> None:
     torch.testing.assert_close(lp[2:], want)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_draws_follow_the_tempered_distribution(temperature: float) -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(20000, 1)
+    gen = torch.Generator().manual_seed(2)
+    tokens, _ = batching.sample(logits, params(20000, temperature=temperature), gen)
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    want = torch.softmax(logits[0] / temperature, -1)
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
 def test_top_p_keeps_the_nucleus() -> None:
     # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two only
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])

@@ -74,8 +74,20 @@ def test_weight_paths_outside_weights_dir_are_refused(server: Any) -> None:
         assert "outside the weights directory" in resp.json()["error"]["message"]
     missing = post(url, "/update_weights_from_disk", {"model_path": str(weights / "v5")})
     assert missing.status_code == 400 and "config.json" in missing.json()["error"]["message"]
+    # a version directory with broken weights: 400, the old weights keep serving
+    broken = weights / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "config.json").write_text((weights / "v0" / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    resp = post(
+        url, "/update_weights_from_disk", {"model_path": str(broken), "weight_version": "9"}
+    )
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert "failed to load weights" in resp.json()["message"]
     info = httpx.get(url + "/get_model_info", headers={"Authorization": f"Bearer {TOKEN}"})
     assert info.json()["weight_version"] == "0"
+    after = post(url, "/generate", GEN)
+    assert after.status_code == 200 and after.json()["meta_info"]["weight_version"] == "0"
 
 
 def test_bad_requests_name_the_field(server: Any) -> None:

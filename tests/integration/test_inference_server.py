@@ -5,6 +5,7 @@ pause/continue, metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,17 @@ async def test_generate_shapes_and_finish_reasons(weights: Path) -> None:
                 {"text": "1+1=", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
             )
             assert text["meta_info"]["prompt_tokens"] == 4 and len(text["output_ids"]) == 3
+
+            # a stop string (the model dir has a tokenizer): generation ends once the
+            # decoded output contains it
+            free = await c.generate_raw({"text": "7*8=", "sampling_params": greedy})
+            target = free["text"][3]
+            cut = free["text"].index(target) + 1
+            stopped = await c.generate_raw(
+                {"text": "7*8=", "sampling_params": {**greedy, "stop": [target]}}
+            )
+            assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+            assert stopped["text"] == free["text"][:cut]
 
             zero = await c.generate_raw(
                 {"input_ids": [5], "sampling_params": {"max_new_tokens": 0}}
@@ -246,9 +258,15 @@ async def test_pause_continue(weights: Path) -> None:
             held = await tokens_generated(c)
             await asyncio.sleep(0.3)
             assert await tokens_generated(c) == held and not task.done()
+            # a reload while paused in place does not wait for the held request
+            await asyncio.wait_for(
+                c.update_weights_from_disk(str(weights / "v0"), "2", abort_all_requests=False), 10
+            )
+            assert not task.done()
             await c.resume()
             res = await asyncio.wait_for(task, 30)
             assert res.finish_reason == "length" and len(res.output_ids) == 200
+            assert res.weight_version == "2"
 
 
 async def test_abort_by_rid_and_all(weights: Path) -> None:
@@ -292,3 +310,50 @@ async def test_metrics_health_and_info(weights: Path) -> None:
             with pytest.raises(GenerationError) as err:
                 await c._json("POST", "/update_weights_from_distributed", {"names": []})
             assert err.value.status == 400
+
+
+async def test_client_that_leaves_frees_its_request(weights: Path) -> None:
+    """A client that times out disconnects; the server aborts its request, so the same
+    rid can be sent again at once (no 'already in flight')."""
+    with start(weights) as url:
+        async with InferenceClient(url, timeout_s=0.3) as impatient, InferenceClient(url) as c:
+            sp = SamplingParams(max_new_tokens=500, ignore_eos=True)
+            with pytest.raises(GenerationError) as err:
+                await impatient.generate([70], sp, rid="retry-me")
+            assert err.value.status is None  # a transport timeout, not an HTTP answer
+            deadline = time.monotonic() + 10
+            while (await c.server_info())["num_running_reqs"]:
+                assert time.monotonic() < deadline, "the abandoned request kept running"
+                await asyncio.sleep(0.05)
+            res = await c.generate([70], SamplingParams(max_new_tokens=3), rid="retry-me")
+            assert len(res.output_ids) <= 3
+            assert "sglang:num_aborted_requests_total 1.0" in await c.metrics_text()
+
+
+async def test_streaming_sends_cumulative_chunks(weights: Path) -> None:
+    import httpx
+
+    with start(weights) as url:
+        body = {
+            "input_ids": [5, 6],
+            "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+            "return_logprob": True,
+            "stream": True,
+        }
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", url + "/generate", json=body) as resp:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert len(final["output_ids"]) == 12 and len(chunks) >= 2
+    for chunk in chunks[:-1]:  # each a prefix of the final answer, not yet finished
+        n = len(chunk["output_ids"])
+        assert chunk["meta_info"]["finish_reason"] is None
+        assert chunk["output_ids"] == final["output_ids"][:n]
+        assert (
+            chunk["meta_info"]["output_token_logprobs"]
+            == (final["meta_info"]["output_token_logprobs"][:n])
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from areal_hex.config import ConfigError, load_config
 from areal_hex.config.deploy import DeployConfig
@@ -34,10 +35,31 @@ def test_model_mismatch_is_named(tmp_path):
     assert "plan.model is 'Qwen/Qwen3-1.7B' but the config's model.path is 'Qwen/Qwen3-8B'" in msg
 
 
-def test_tp_mismatch_is_named(tmp_path):
+def test_tp_set_in_the_config_must_match_the_plan(tmp_path):
     msg = _refused(tmp_path, ["inference.sglang.tp_size=2"])
-    assert "plan.rollout[0] (rollout-l40s-0): tp=1 but inference.sglang.tp_size=2" in msg
-    assert "plan.rollout[7] (rollout-l4-3)" in msg  # every instance, not just the first
+    want = "plan.rollout[2] (rollout-l4-0): tp=1 but the config sets inference.sglang.tp_size=2"
+    assert want in msg
+    assert "plan.rollout[5] (rollout-l4-3)" in msg  # every instance, not just the first
+    assert "rollout-l40s-0" not in msg  # planned with TP 2: agrees
+
+
+def test_tp_unset_in_the_config_follows_the_plan_per_instance(tmp_path):
+    plan, cfg = load_plan(PLAN), load_config(CONFIG)
+    assert "tp_size" not in cfg.inference.sglang.model_fields_set
+    render("k8s", cfg, plan, DeployConfig(), tmp_path)
+    for i, inst in enumerate(plan.rollout):
+        doc = list(yaml.safe_load_all((tmp_path / f"15-inference-{inst.id}.yaml").read_text()))
+        c = doc[1]["spec"]["template"]["spec"]["containers"][0]
+        tp = [] if inst.tp == 1 else [f"inference.sglang.tp_size={inst.tp}"]
+        assert c["args"] == ["areal-hex", "serve", "{config}", *tp, "--index", str(i)]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == str(inst.tp)
+    assert {i.tp for i in plan.rollout} == {1, 2}
+    # the override is one `areal-hex serve` accepts, and it yields the planned degree
+    from areal_hex.cli import build_parser, config_from_args
+
+    argv = ["serve", str(CONFIG), "inference.sglang.tp_size=2", "--index", "0"]
+    args = build_parser().parse_args(argv)
+    assert config_from_args(args).inference.sglang.tp_size == 2 and args.index == 0
 
 
 def test_unknown_gpu_kind_is_named_and_can_be_mapped(tmp_path):
@@ -49,14 +71,14 @@ def test_unknown_gpu_kind_is_named_and_can_be_mapped(tmp_path):
         plan.trainer.gpu_kind = "Gaudi3"
 
     msg = _refused(tmp_path, plan_edit=kinds)
-    assert "plan.rollout[2] (rollout-l40s-2): unknown GPU kind 'MI300X'" in msg
+    assert "plan.rollout[2] (rollout-l4-0): unknown GPU kind 'MI300X'" in msg
     assert "plan.trainer: unknown GPU kind 'Gaudi3'" in msg
     assert "--gpu-label MI300X=" in msg
     plan = load_plan(PLAN)
     kind(plan)
     dcfg = DeployConfig(gpu_labels={"MI300X": "AMD-MI300X"})
     render("k8s", load_config(CONFIG), plan, dcfg, tmp_path / "ok")
-    assert "AMD-MI300X" in (tmp_path / "ok" / "15-inference-rollout-l40s-2.yaml").read_text()
+    assert "AMD-MI300X" in (tmp_path / "ok" / "15-inference-rollout-l4-0.yaml").read_text()
 
 
 @pytest.mark.parametrize(
@@ -97,9 +119,9 @@ def test_inconsistent_plans(tmp_path):
     assert "same number of ranks, got [4, 2]" in _refused(tmp_path, plan_edit=uneven)
 
     def tp_slots(plan):
-        plan.rollout[0].tp = 2
+        plan.rollout[0].tp = 4
 
-    assert "tp=2 but placement lists 1 GPUs" in _refused(tmp_path, plan_edit=tp_slots)
+    assert "tp=4 but placement lists 2 GPUs" in _refused(tmp_path, plan_edit=tp_slots)
 
 
 def test_external_redis_needs_a_url(tmp_path):

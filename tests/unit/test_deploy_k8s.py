@@ -19,14 +19,16 @@ from areal_hex.plan import Plan, load_plan
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30.0"
 CASES = [
-    ("h800_h20.yaml", "qwen3-8b.yaml"),
-    ("a100_l40s_l4.yaml", "qwen3-1.7b.yaml"),
-    ("workstation_l40s_l4.yaml", "qwen3-0.6b.yaml"),
+    ("examples/plans/h800_h20.yaml", "qwen3-8b.yaml"),
+    ("examples/plans/a100_l40s_l4.yaml", "qwen3-1.7b.yaml"),
+    ("examples/plans/workstation_l40s_l4.yaml", "qwen3-0.6b.yaml"),
+    # real planner output: mixed TP degrees, three GPU kinds
+    ("tests/data/planner_hetrl_plan.yaml", "qwen3-1.7b.yaml"),
 ]
 
 
 def _load(plan_file: str, cfg_file: str) -> tuple[Plan, ExperimentConfig]:
-    plan = load_plan(ROOT / "examples/plans" / plan_file)
+    plan = load_plan(ROOT / plan_file)
     return plan, load_config(ROOT / "examples/deploy" / cfg_file)
 
 
@@ -43,21 +45,28 @@ def _kind(objs: list[dict], kind: str) -> list[dict]:
     return [o for o in objs if o["kind"] == kind]
 
 
-@pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
+@pytest.fixture(params=CASES, ids=[Path(c[0]).stem for c in CASES])
 def rendered(request, tmp_path):
     plan, cfg = _load(*request.param)
     render("k8s", cfg, plan, DeployConfig(), tmp_path)
     return plan, cfg, tmp_path, _objects(tmp_path)
 
 
-@pytest.mark.parametrize("version", ["1.27.0", K8S_VERSION, "1.33.0"])
-def test_every_object_passes_strict_schema_validation(rendered, version):
+def test_every_object_passes_strict_schema_validation(rendered):
     _, _, _, objs = rendered
     kinds = {o["kind"] for o in objs}
     assert {"Namespace", "Secret", "ConfigMap", "PersistentVolumeClaim", "StatefulSet"} <= kinds
     assert {"Deployment", "Service", "Job", "NetworkPolicy"} <= kinds
     for o in objs:
         # raises on any schema violation, and SchemaNotFoundError on an unknown kind
+        assert kubernetes_validate.validate(o, K8S_VERSION, strict=True) == "1.30"
+
+
+@pytest.mark.parametrize("version", ["1.27.0", "1.33.0"])
+def test_objects_valid_for_older_and_newer_kubernetes(tmp_path, version):
+    plan, cfg = _load(*CASES[0])
+    render("k8s", cfg, plan, DeployConfig(), tmp_path)
+    for o in _objects(tmp_path):
         assert kubernetes_validate.validate(o, version, strict=True) == version[:4]
 
 
@@ -115,7 +124,9 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
         assert spec["nodeSelector"] == {"nvidia.com/gpu.product": GPU_PRODUCT_LABELS[inst.gpu_kind]}
         c = spec["containers"][0]
         # rendered from the layout: the real CLI entry point, behind the secret wrapper
-        assert c["args"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
+        # (the config leaves inference.sglang.tp_size at 1: other degrees are overrides)
+        tp = [] if inst.tp == 1 else [f"inference.sglang.tp_size={inst.tp}"]
+        assert c["args"] == ["areal-hex", "serve", "{config}", *tp, "--index", str(i)]
         assert c["command"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
         port = cfg.inference.base_port + i
         assert c["ports"][0]["containerPort"] == port
@@ -286,7 +297,7 @@ def test_rerender_keeps_secrets_and_drops_stale_files(tmp_path):
 
 
 def test_initial_weights_are_prepared_once_and_awaited(rendered):
-    plan, _, _, objs = rendered
+    plan, experiment, _, objs = rendered
     (cm,) = _kind(objs, "ConfigMap")
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.model.path == f"/data/runs/{cfg.run.run_id}/weights/v0"
@@ -295,13 +306,14 @@ def test_initial_weights_are_prepared_once_and_awaited(rendered):
     pod = prep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     # the experiment's model (a hub name here) becomes v0 of the run
+    source = experiment.model.path
     assert c["args"] == [
         "python3",
         "-m",
         "areal_hex.deploy.prepare",
         "{config}",
         "--source",
-        plan.model,
+        source,
     ]
     assert "initContainers" not in pod and "nvidia.com/gpu" not in c["resources"]["limits"]
     waiting = [o for o in objs if _component(o) in {"inference", "controller", "trainer"}]

@@ -84,6 +84,21 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert lr_lambda(TrainerConfig())(100) == 1.0
 
 
+def test_lr_schedule_counts_trainer_steps_with_minibatches() -> None:
+    fn = lr_lambda(TrainerConfig(warmup_steps=1), updates_per_step=2)
+    # updates 0 and 1 belong to step 0 (warm-up), 2 and 3 to step 1
+    assert [fn(u) for u in range(4)] == pytest.approx([0.5, 0.5, 1.0, 1.0])
+
+
+def test_split_groups_into_minibatches() -> None:
+    from trainer_service.step import split_groups
+
+    groups = [GroupRecord(f"p{i}", [1], [comp([2], 0.0)]) for i in range(5)]
+    sizes = [[g.prompt_id for g in part] for part in split_groups(groups, 2)]
+    assert sizes == [["p0", "p1"], ["p2", "p3", "p4"]]
+    assert len(split_groups(groups[:1], 4)) == 1
+
+
 def test_ds_config_per_device() -> None:
     cpu = ds_config(TrainerConfig(zero_stage=3), world_size=2)
     assert cpu["bf16"]["enabled"] is False and cpu["zero_optimization"]["stage"] == 3
@@ -167,3 +182,6 @@ def test_train_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "run.run_id" in capsys.readouterr().err
     assert main(["train", "run.run_id=x"]) == 2
     assert "redis.url" in capsys.readouterr().err
+    url = "redis.url=redis://127.0.0.1:1"
+    assert main(["train", "run.run_id=x", url, "trainer.checkpoint_every=200"]) == 2
+    assert "buffer.max_pending (1024)" in capsys.readouterr().err

@@ -60,6 +60,8 @@ def test_lenient_about_unknown_keys() -> None:
     assert req.item(0)[1].max_new_tokens == 3
     assert SamplingParamsIn.model_validate({"stop": "\n"}).stop_strings() == ["\n"]
     assert PauseReq.model_validate({}).mode == "abort"
+    nulls = SamplingParamsIn.model_validate({"max_new_tokens": None, "temperature": None})
+    assert nulls.max_new_tokens == 128 and nulls.temperature == 1.0
 
 
 @pytest.mark.parametrize(

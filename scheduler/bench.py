@@ -1,0 +1,174 @@
+"""Planner: MILP solve time by cluster size, optimality gap and simulator error.
+
+solve_s: phase 1 + phase 2 wall time for generated clusters (six GPU kinds, four regions,
+two zones each). max_gap_vs_exhaustive: relative gap between the MILP and an exhaustive
+search under the same cost model on small random clusters. max_sim_error: |simulated -
+predicted| / predicted on the shipped example clusters. speedup_vs_homogeneous: the plan's
+predicted rate over the best one-kind plan at the same budget (same run, same model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from scheduler.cluster import ClusterSpec, make_cluster
+from scheduler.exhaustive import exhaustive
+from scheduler.milp import solve
+from scheduler.models import load_model
+from scheduler.partition import place
+from scheduler.planner import make_plan, problem_for
+from scheduler.workload import Workload, load_workload
+
+KINDS = [
+    ("H100", 2.99),
+    ("H200", 3.79),
+    ("H20", 1.85),
+    ("A100-80GB", 1.79),
+    ("L40S", 1.04),
+    ("L4", 0.52),
+]
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="64,256,1024,4096", help="GPU counts to time")
+    p.add_argument("--random-clusters", type=int, default=12, help="clusters for the gap")
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--time-limit", type=float, default=60.0, help="CBC limit per solve, s")
+
+
+def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
+    """`gpus` GPUs in nodes of `gpn`, spread over six kinds in 4 regions x 2 zones."""
+    rng = random.Random(seed)
+    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
+    nodes = gpus // gpn
+    slots = [(k, z) for k in range(len(KINDS)) for z in range(len(zones))]
+    rng.shuffle(slots)
+    slots = slots[: max(6, min(len(slots), nodes))]
+    counts = [nodes // len(slots)] * len(slots)
+    for i in range(nodes - sum(counts)):
+        counts[i % len(slots)] += 1
+    groups = [
+        {
+            "name": f"g{i}",
+            "gpu": KINDS[k][0],
+            "gpus_per_node": gpn,
+            "nodes": n,
+            "zone": zones[z][0],
+            "usd_per_gpu_hour": KINDS[k][1],
+            "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
+        }
+        for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True))
+        if n > 0
+    ]
+    links = [
+        {"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
+        for r in range(4)
+    ]
+    links += [
+        {"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
+        for a in range(4)
+        for b in range(a + 1, 4)
+    ]
+    spec = ClusterSpec(
+        name=f"generated-{gpus}",
+        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
+        node_groups=groups,
+        links=links,
+    )
+    return make_cluster(spec)
+
+
+def random_small_cluster(seed: int):
+    """Two node groups of 1-2 machines with 1-2 GPUs: small enough to enumerate."""
+    rng = random.Random(seed)
+    kinds = rng.sample(KINDS, 2)
+    groups = [
+        {
+            "name": f"g{i}",
+            "gpu": k,
+            "gpus_per_node": rng.choice([1, 2]),
+            "nodes": rng.choice([1, 2]),
+            "zone": "za" if i % 2 == 0 else "zb",
+            "usd_per_gpu_hour": round(p * rng.uniform(0.7, 1.3), 2),
+            "intra_node": {"kind": "pcie", "bandwidth_gbs": 32},
+        }
+        for i, (k, p) in enumerate(kinds)
+    ]
+    spec = ClusterSpec(
+        name=f"random-{seed}",
+        zones=[
+            {"name": "za", "region": "r", "inter_node_bandwidth_gbs": 12.5},
+            {"name": "zb", "region": "r", "inter_node_bandwidth_gbs": 12.5},
+        ],
+        node_groups=groups,
+        links=[{"a": "za", "b": "zb", "bandwidth_gbs": rng.choice([1.5, 6.0]), "latency_ms": 0.5}],
+    )
+    total = sum(g["nodes"] * g["gpus_per_node"] * g["usd_per_gpu_hour"] for g in groups)
+    return make_cluster(spec), total * rng.uniform(0.3, 0.9)
+
+
+SMALL_WORKLOAD = Workload(
+    groups_per_step=8,
+    group_size=4,
+    prompt_tokens=256,
+    response_tokens=1024,
+    max_response_tokens=2048,
+    staleness=2,
+)
+
+
+def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int]:
+    m, worst, n = load_model(model), 0.0, 0
+    for s in range(seeds):
+        cl, budget = random_small_cluster(s)
+        p = problem_for(cl, m, SMALL_WORKLOAD)
+        sol = solve(p, budget=budget)
+        exh, _ = exhaustive(p, budget)
+        got = sol.rate if sol else 0.0
+        if exh > 0:
+            worst = max(worst, (exh - got) / exh)
+            n += 1
+    return worst, n
+
+
+def run(args: argparse.Namespace) -> dict:
+    m = load_model(args.model)
+    w = Workload()
+    solve_s, gaps = {}, {}
+    for size in [int(s) for s in args.sizes.split(",")]:
+        cl = generated_cluster(size)
+        price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+        t0 = time.perf_counter()
+        p = problem_for(cl, m, w)
+        sol = solve(p, budget=0.5 * price, time_limit_s=args.time_limit)
+        place(cl, sol.trainer, [(p.rollouts[i], k) for i, k in sol.replicas.items()])
+        solve_s[str(size)] = round(time.perf_counter() - t0, 3)
+        gaps[str(size)] = sol.gap
+    gap, compared = gap_vs_exhaustive(args.random_clusters)
+    sim_err, speedup = {}, {}
+    wl = load_workload(EXAMPLES / "workloads" / "long_cot.yaml")
+    for f in sorted((EXAMPLES / "clusters").glob("*.yaml")):
+        from scheduler.cluster import load_cluster
+
+        cl = load_cluster(f)
+        price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+        res = make_plan(cl, m, wl, budget=0.6 * price, time_limit_s=args.time_limit)
+        pred = res.plan.predicted.samples_per_s
+        sim_err[f.stem] = round(abs(res.sim.samples_per_s - pred) / pred, 4)
+        homo = max(res.homogeneous.values())
+        speedup[f.stem] = round(pred / homo, 3) if homo > 0 else None
+    return {
+        "solve_s": solve_s,
+        "mip_gap_by_size": gaps,
+        "max_gap_vs_exhaustive": round(gap, 6),
+        "exhaustive_clusters_compared": compared,
+        "max_sim_error": max(sim_err.values()),
+        "sim_error": sim_err,
+        "speedup_vs_homogeneous": speedup,
+        "model": args.model,
+        "workload_for_examples": "examples/workloads/long_cot.yaml at 60% of cluster price",
+    }

@@ -1,0 +1,158 @@
+"""Cluster spec: node groups (GPU kind, GPUs per node, node count, zone, $/GPU-hour,
+intra-node link), zones (region, bandwidth between machines) and links between zones or
+regions. Loaded from YAML and validated; every problem names its field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from areal_hex.config import ConfigError
+from areal_hex.config.base import Section, build, read_yaml
+from scheduler.catalogue import GpuKind, UnknownGpuKind, resolve_kind
+
+
+class IntraNode(Section):
+    kind: Literal["nvlink", "pcie"] = "nvlink"
+    bandwidth_gbs: float = Field(gt=0)  # per-GPU, one direction, GB/s
+
+
+class NodeGroup(Section):
+    name: str
+    gpu: str
+    gpus_per_node: int = Field(gt=0)
+    nodes: int = Field(gt=0)
+    zone: str
+    usd_per_gpu_hour: float = Field(gt=0)
+    intra_node: IntraNode
+
+
+class Zone(Section):
+    name: str
+    region: str
+    inter_node_bandwidth_gbs: float = Field(gt=0)  # between two machines in the zone
+    inter_node_latency_ms: float = Field(0.02, ge=0)
+
+
+class Link(Section):
+    # Either two zones or two regions; a region link covers every zone pair across them.
+    a: str
+    b: str
+    bandwidth_gbs: float = Field(gt=0)
+    latency_ms: float = Field(ge=0)
+
+
+class GpuOverride(Section):
+    bf16_tflops: float | None = Field(None, gt=0)
+    hbm_gb: float | None = Field(None, gt=0)
+    hbm_gbs: float | None = Field(None, gt=0)
+
+
+class ClusterSpec(Section):
+    name: str
+    zones: list[Zone] = Field(min_length=1)
+    node_groups: list[NodeGroup] = Field(min_length=1)
+    links: list[Link] = []
+    gpu_overrides: dict[str, GpuOverride] = {}
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    bandwidth_gbs: float
+    latency_ms: float
+
+
+@dataclass
+class Cluster:
+    """A validated spec with GPU kinds resolved and every zone pair's link known."""
+
+    spec: ClusterSpec
+    kinds: dict[str, GpuKind]  # node-group name -> kind
+    zone_of: dict[str, Zone]
+    pair_links: dict[tuple[str, str], LinkInfo]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def link(self, za: str, zb: str) -> LinkInfo:
+        """Bandwidth and latency between two machines in zones `za` and `zb`."""
+        if za == zb:
+            z = self.zone_of[za]
+            return LinkInfo(z.inter_node_bandwidth_gbs, z.inter_node_latency_ms)
+        return self.pair_links[tuple(sorted((za, zb)))]
+
+    def total_gpus(self) -> int:
+        return sum(g.gpus_per_node * g.nodes for g in self.spec.node_groups)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    spec = build(ClusterSpec, read_yaml(path), str(path))
+    return make_cluster(spec, str(path))
+
+
+def make_cluster(spec: ClusterSpec, source: str = "cluster spec") -> Cluster:
+    errors: list[str] = []
+    zone_of: dict[str, Zone] = {}
+    for i, z in enumerate(spec.zones):
+        if z.name in zone_of:
+            errors.append(f"zones[{i}].name: zone {z.name!r} is defined twice")
+        zone_of[z.name] = z
+    overrides = {k: v.model_dump(exclude_none=True) for k, v in spec.gpu_overrides.items()}
+    kinds: dict[str, GpuKind] = {}
+    seen: set[str] = set()
+    for i, g in enumerate(spec.node_groups):
+        where = f"node_groups[{i}] ({g.name})"
+        if g.name in seen:
+            errors.append(f"{where}.name: node group {g.name!r} is defined twice")
+        seen.add(g.name)
+        if g.zone not in zone_of:
+            errors.append(f"{where}.zone: unknown zone {g.zone!r} (zones: {', '.join(zone_of)})")
+        try:
+            kinds[g.name] = resolve_kind(g.gpu, overrides)
+        except UnknownGpuKind as exc:
+            errors.append(f"{where}.gpu: {exc}")
+    pair_links = _pair_links(spec, zone_of, errors)
+    if errors:
+        raise ConfigError(f"invalid cluster spec ({source}):\n  " + "\n  ".join(errors))
+    return Cluster(spec, kinds, zone_of, pair_links)
+
+
+def _pair_links(
+    spec: ClusterSpec, zone_of: dict[str, Zone], errors: list[str]
+) -> dict[tuple[str, str], LinkInfo]:
+    """Zone-pair links: a zone link wins over a region link; every pair must have one."""
+    regions = {z.region for z in zone_of.values()}
+    zone_links: dict[tuple[str, str], LinkInfo] = {}
+    region_links: dict[tuple[str, str], LinkInfo] = {}
+    for i, ln in enumerate(spec.links):
+        info = LinkInfo(ln.bandwidth_gbs, ln.latency_ms)
+        if ln.a in zone_of and ln.b in zone_of and ln.a != ln.b:
+            zone_links[tuple(sorted((ln.a, ln.b)))] = info
+        elif ln.a in regions and ln.b in regions and ln.a != ln.b:
+            region_links[tuple(sorted((ln.a, ln.b)))] = info
+        else:
+            errors.append(
+                f"links[{i}]: {ln.a!r} - {ln.b!r} must name two different zones "
+                f"({', '.join(zone_of)}) or two different regions ({', '.join(sorted(regions))})"
+            )
+    used = {g.zone for g in spec.node_groups if g.zone in zone_of}
+    out: dict[tuple[str, str], LinkInfo] = {}
+    for za, zb in combinations(sorted(zone_of), 2):
+        key = (za, zb)
+        rkey = tuple(sorted((zone_of[za].region, zone_of[zb].region)))
+        info = zone_links.get(key) or region_links.get(rkey)
+        if info is None:
+            if za in used and zb in used:
+                errors.append(
+                    f"links: zones {za!r} and {zb!r} have no link (add one between the zones "
+                    f"or, across regions, between regions {rkey[0]!r} and {rkey[1]!r})"
+                )
+            continue
+        out[key] = info
+    return out

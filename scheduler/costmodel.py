@@ -1,0 +1,215 @@
+"""Analytic speed and memory of rollout instances and trainer configurations.
+
+Rollout instance ψ = (node group, TP degree): decode is bound by HBM bandwidth (weights /
+TP + the batch's KV cache read per step) unless compute-bound, the batch is limited by KV
+memory, prefill by compute. Trainer configuration c = (GPU kind, node groups, DP size,
+ZeRO stage): FLOPs per token at an MFU, ZeRO memory per stage, the DP gradient all-reduce
+over the slowest link of the group. Weight sync: bytes over the link between the pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.cluster import Cluster, NodeGroup
+from scheduler.models import ModelShape
+from scheduler.profile import Profile
+from scheduler.workload import CostConstants, Workload
+
+GB = 1e9
+BATCH_DIVISORS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group: str  # node-group name
+    kind: str
+    zone: str
+    tp: int
+    batch: int  # concurrent requests the KV memory admits
+    step_s: float  # decode step time at that batch
+    prefill_s: float  # per sample (prompt share when the group shares a prefix)
+    samples_per_s: float  # h_ψ
+    tokens_per_s: float
+    usd_per_h: float
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    kind: str
+    parts: tuple[tuple[str, int], ...]  # (node group, GPUs taken) in rank order
+    per_node: int  # ranks per node (equal on every node)
+    dp: int
+    zero: int
+    step_s: float  # one optimizer step of B·G samples, weight publish included
+    compute_s: float
+    comm_s: float
+    publish_s: float
+    mem_gb: float  # per GPU
+    samples_per_s: float  # t_c
+    usd_per_h: float
+    zones: tuple[str, ...] = field(default=())
+
+
+def decode_step_s(
+    m: ModelShape,
+    kind_bw: float,
+    kind_tflops: float,
+    tp: int,
+    batch: int,
+    ctx: float,
+    intra_gbs: float,
+    k: CostConstants,
+) -> float:
+    """One decode step of `batch` sequences with mean context `ctx` on a TP-`tp` instance."""
+    weight_b = 2.0 * m.params / tp
+    kv_b = batch * ctx * m.kv_bytes_per_token / min(tp, m.kv_heads)
+    mem_s = (weight_b + kv_b) / (kind_bw * GB * k.decode_bw_efficiency)
+    flop_s = 2.0 * m.params * batch / tp / (kind_tflops * 1e12 * k.prefill_mfu)
+    # Two all-reduces of (batch, hidden) bf16 activations per layer when tp > 1.
+    comm_s = 0.0
+    if tp > 1:
+        vol = 2 * (tp - 1) / tp * batch * m.hidden * 2
+        comm_s = 2 * m.layers * (k.tp_allreduce_latency_ms / 1e3 + vol / (intra_gbs * GB))
+    return max(mem_s, flop_s) + comm_s + k.decode_step_overhead_ms / 1e3
+
+
+def rollout_config(
+    cl: Cluster,
+    g: NodeGroup,
+    tp: int,
+    m: ModelShape,
+    w: Workload,
+    prof: Profile | None,
+    batch_div: int = 1,
+) -> RolloutConfig | None:
+    """The instance's throughput, or None when the weights or one request do not fit."""
+    k, kind = w.constants, cl.kinds[g.name]
+    usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
+    free = usable - 2.0 * m.params / tp
+    per_req = (w.prompt_tokens + w.max_response_tokens) * m.kv_bytes_per_token / min(tp, m.kv_heads)
+    if free < per_req:
+        return None
+    batch = int(min(k.max_running_requests, free // per_req)) // batch_div
+    if batch < 1:
+        return None
+    ctx = w.prompt_tokens + w.response_tokens / 2  # mean context over a response
+    args = (kind.hbm_gbs, kind.bf16_tflops, tp, batch, ctx, g.intra_node.bandwidth_gbs, k)
+    step = decode_step_s(m, *args)
+    if prof is not None and prof.has(kind.name):
+        step = (
+            prof.decode_step_s(kind.name, batch)
+            * step
+            / decode_step_s(
+                m, kind.hbm_gbs, kind.bf16_tflops, 1, batch, ctx, g.intra_node.bandwidth_gbs, k
+            )
+        )
+    share = 1 / w.group_size if k.prefix_cache else 1.0
+    prefill_flops = 2.0 * m.params * w.prompt_tokens * share
+    prefill = prefill_flops / tp / (kind.bf16_tflops * 1e12 * k.prefill_mfu)
+    if prof is not None and prof.has(kind.name):
+        prefill = w.prompt_tokens * share / prof.prefill_tokens_per_s(kind.name) / tp
+    # Continuous batching: `batch` sequences advance one token per step; prefill steals
+    # compute from the same GPUs, so per sample it adds serially.
+    per_sample = w.response_tokens * step / batch + prefill
+    return RolloutConfig(
+        group=g.name,
+        kind=kind.name,
+        zone=g.zone,
+        tp=tp,
+        batch=batch,
+        step_s=step,
+        prefill_s=prefill,
+        samples_per_s=1.0 / per_sample,
+        tokens_per_s=w.response_tokens / per_sample,
+        usd_per_h=tp * g.usd_per_gpu_hour,
+    )
+
+
+def inflight_cap(w: Workload) -> int:
+    """Requests the staleness gate lets run at once while the trainer holds a batch:
+    submitted ≤ (v + η + 1)·B and B groups are in the step, so η·B groups (≥ B)."""
+    return max(1, w.staleness) * w.samples_per_step
+
+
+def tp_degrees(g: NodeGroup, m: ModelShape) -> list[int]:
+    """TP stays inside a machine and divides the attention heads."""
+    out, t = [], 1
+    while t <= g.gpus_per_node:
+        if g.gpus_per_node % t == 0 and m.heads % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def rollout_configs(
+    cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None
+) -> list[RolloutConfig]:
+    out: list[RolloutConfig] = []
+    for g in cl.spec.node_groups:
+        for tp in tp_degrees(g, m):
+            if w.rollout_tp is not None and tp != w.rollout_tp:
+                continue
+            # Variants at 1/2 and 1/4 of the memory-limited batch: the staleness gate caps
+            # requests in flight, and a smaller batch is how an instance lives with it.
+            seen: set[int] = set()
+            for div in BATCH_DIVISORS:
+                rc = rollout_config(cl, g, tp, m, w, prof, div)
+                if rc is not None and rc.batch not in seen:
+                    seen.add(rc.batch)
+                    out.append(rc)
+    return out
+
+
+def train_flops_per_sample(m: ModelShape, w: Workload) -> float:
+    """6N per token (forward + backward), 2N for the proximal log-prob recompute, 2N per
+    reference forward; attention adds 4·L·heads·head_dim·ctx per token and pass."""
+    toks = w.prompt_tokens + w.response_tokens
+    passes = 3 + 1 + (1 if w.reference_model else 0)  # backward counts as two forwards
+    dense = 2.0 * m.params * passes
+    attn = 4.0 * m.layers * m.heads * m.head_dim * (toks / 2) * passes
+    return toks * (dense + attn)
+
+
+def train_memory_gb(m: ModelShape, w: Workload, dp: int, zero: int) -> float:
+    """Per-GPU memory: ZeRO-sharded model states, reference weights, activations."""
+    k, psi = w.constants, float(m.params)
+    opt = k.adam_bytes_per_param - 4.0  # optimizer states (fp32 master, m, v)
+    states = {
+        0: k.adam_bytes_per_param * psi,
+        1: 4.0 * psi + opt * psi / dp,
+        2: 2.0 * psi + (opt + 2.0) * psi / dp,
+        3: k.adam_bytes_per_param * psi / dp,
+    }[zero]
+    ref = (2.0 * psi / (dp if zero == 3 else 1)) if w.reference_model else 0.0
+    seq = w.prompt_tokens + w.max_response_tokens  # one sequence per micro-batch
+    act = seq * m.hidden * (k.act_checkpoint_bytes_per_hidden * m.layers)
+    act += seq * m.hidden * k.act_layer_bytes_per_hidden + seq * m.vocab * 4.0
+    return (states + ref + act) / GB + k.runtime_reserve_gb
+
+
+def allreduce_s(
+    m: ModelShape, dp: int, nodes: int, zero: int, intra: float, inter: float, latency_ms: float
+) -> float:
+    """Gradient traffic per step: ring all-reduce moves 2(p-1)/p · M per GPU (M = 2Ψ bf16
+    bytes); ZeRO-3 adds the parameter all-gather (3Ψ vs 2Ψ in the ZeRO paper). With several
+    nodes the inter-node ring carries 2(n-1)/n · M per node over the slowest link."""
+    if dp == 1:
+        return 0.0
+    mbytes, factor = 2.0 * m.params, (1.5 if zero == 3 else 1.0)
+    per_node = dp // nodes
+    t = 0.0
+    if per_node > 1:
+        t += factor * 2 * (per_node - 1) / per_node * mbytes / (intra * GB)
+    if nodes > 1:
+        t += factor * 2 * (nodes - 1) / nodes * mbytes / (inter * GB)
+        t += 2 * (nodes - 1) * latency_ms / 1e3
+    return t
+
+
+def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zone: str) -> float:
+    """Pause of a rollout instance per publish: latency + factor · 2N bytes / link."""
+    ln = cl.link(from_zone, to_zone)
+    return ln.latency_ms / 1e3 + w.constants.weight_sync_factor * 2.0 * m.params / (
+        ln.bandwidth_gbs * GB
+    )

@@ -1,0 +1,225 @@
+"""Phase 1: a PuLP MILP, solved by CBC, choosing the rollout and trainer mix.
+
+Variables: y_ψ ∈ Z≥0 replicas of rollout configuration ψ = (node group, TP) with rate
+h_ψ; x_c ∈ {0,1} for trainer configuration c with rate t_c (Σ x_c = 1); R ≥ 0.
+    max R                      (or min cost with R = target)
+    R ≤ Σ_c x_c t_c                                        (training)
+    R ≤ Σ_z (1 - f_zc) G_z + M (1 - x_c)       for every c  (generation, with sync pauses)
+    G_z = Σ_{ψ in zone z} y_ψ h_ψ
+    Σ_{ψ∈g, tp_ψ ≥ t} tp_ψ y_ψ + Σ_c lost_cgt x_c ≤ GPUs_g   for every group g, TP size t
+    Σ_ψ y_ψ $_ψ + Σ_c x_c $_c ≤ budget
+    Σ_ψ y_ψ batch_ψ ≤ η·B·G                                  (staleness gate's in-flight cap)
+f_zc is the share of time a rollout instance in zone z pauses for weight syncs when the
+trainer publishes every k of its steps; lost_cgt counts the t-GPU blocks c takes from g
+(whole machines or part of one), which makes the block constraints an exact packing test
+for power-of-two TP sizes inside machines.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pulp
+
+from scheduler.cluster import Cluster
+from scheduler.costmodel import RolloutConfig, TrainerConfig, inflight_cap, weight_sync_s
+from scheduler.models import ModelShape
+from scheduler.workload import Workload
+
+
+@dataclass
+class Problem:
+    """Everything the MILP (and the exhaustive check) needs, with the cluster folded in."""
+
+    rollouts: list[RolloutConfig]
+    trainers: list[TrainerConfig]
+    pause: dict[tuple[str, int], float]  # (zone, trainer index) -> f_zc
+    gpus: dict[str, int]  # node group -> GPUs
+    gpn: dict[str, int]  # node group -> GPUs per node
+    tps: dict[str, list[int]]  # node group -> TP sizes in use
+    inflight: int  # requests the staleness gate admits at once (Σ y_ψ·batch_ψ ≤ this)
+
+
+@dataclass
+class Solution:
+    rate: float
+    gen_rate: float
+    train_rate: float
+    cost: float
+    trainer: TrainerConfig
+    replicas: dict[int, int]  # rollout index -> count
+    status: str
+    gap: float
+    solve_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def build_problem(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    rollouts: list[RolloutConfig],
+    trainers: list[TrainerConfig],
+) -> Problem:
+    zones = sorted({r.zone for r in rollouts})
+    pause: dict[tuple[str, int], float] = {}
+    for i, c in enumerate(trainers):
+        period = w.publish_interval * c.step_s
+        for z in zones:
+            pause[(z, i)] = min(1.0, weight_sync_s(cl, m, w, c.zones[0], z) / period)
+    groups = cl.spec.node_groups
+    tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
+    return Problem(
+        rollouts,
+        trainers,
+        pause,
+        {g.name: g.nodes * g.gpus_per_node for g in groups},
+        {g.name: g.gpus_per_node for g in groups},
+        tps,
+        inflight_cap(w),
+    )
+
+
+def lost_blocks(c: TrainerConfig, group: str, gpn: int, t: int) -> int:
+    """GPUs' worth of t-sized blocks trainer c makes unusable in `group`."""
+    n = sum(k for g, k in c.parts if g == group)
+    if n == 0 or n % gpn == 0:
+        return n
+    return t * (gpn // t - (gpn - n) // t)  # part of one machine
+
+
+def gen_rate(p: Problem, c_idx: int, y: dict[int, int]) -> float:
+    return sum(
+        n * p.rollouts[i].samples_per_s * (1 - p.pause[(p.rollouts[i].zone, c_idx)])
+        for i, n in y.items()
+    )
+
+
+def solve(
+    p: Problem,
+    budget: float | None = None,
+    target: float | None = None,
+    time_limit_s: float = 60.0,
+    allowed_kinds: set[str] | None = None,
+) -> Solution | None:
+    """max R under `budget`, or min cost with R ≥ `target`. None when infeasible."""
+    t0 = time.perf_counter()
+    ris = [i for i, r in enumerate(p.rollouts) if allowed_kinds is None or r.kind in allowed_kinds]
+    cis = [i for i, c in enumerate(p.trainers) if allowed_kinds is None or c.kind in allowed_kinds]
+    if not ris or not cis:
+        return None
+    prob, y, x, R, cost = _model(p, ris, cis, budget, target)
+    prob.sense = pulp.LpMaximize if target is None else pulp.LpMinimize
+    prob.setObjective(R if target is None else cost)
+    status, gap = _run_cbc(prob, time_limit_s)
+    if status != "ok":
+        return None
+    c_idx, reps = _read(x, y, cis, ris)
+    if target is None:
+        # Lexicographic: the cheapest plan among those reaching the best rate (within
+        # 1e-6, CBC's integrality tolerance); keep the first answer if CBC finds none.
+        prob += R >= R.value() * (1 - 1e-6)
+        prob.sense = pulp.LpMinimize
+        prob.setObjective(cost)
+        if _run_cbc(prob, time_limit_s)[0] == "ok":
+            c_idx, reps = _read(x, y, cis, ris)
+    return _solution(p, c_idx, reps, status, gap, time.perf_counter() - t0)
+
+
+def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None, target: float | None):
+    prob = pulp.LpProblem("areal_hex_phase1")
+    y = {i: prob.add_variable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
+    x = {i: prob.add_variable(f"x{i}", lowBound=0, upBound=1, cat="Integer") for i in cis}
+    R = prob.add_variable("R", lowBound=target or 0.0)
+    zones = sorted({p.rollouts[i].zone for i in ris})
+    G = {z: prob.add_variable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
+    for z in zones:
+        prob += G[z] == pulp.lpSum(
+            p.rollouts[i].samples_per_s * y[i] for i in ris if p.rollouts[i].zone == z
+        )
+    big_m = sum(
+        max(
+            (
+                p.rollouts[i].samples_per_s / p.rollouts[i].tp
+                for i in ris
+                if p.rollouts[i].group == g
+            ),
+            default=0.0,
+        )
+        * n
+        for g, n in p.gpus.items()
+    )
+    prob += pulp.lpSum(x.values()) == 1
+    prob += R <= pulp.lpSum(p.trainers[c].samples_per_s * x[c] for c in cis)
+    prob += R <= pulp.lpSum(G.values())
+    for c in cis:
+        prob += R <= pulp.lpSum((1 - p.pause[(z, c)]) * G[z] for z in zones) + big_m * (1 - x[c])
+    for g, total in p.gpus.items():
+        for t in p.tps.get(g) or [1]:
+            lhs = pulp.lpSum(
+                p.rollouts[i].tp * y[i]
+                for i in ris
+                if p.rollouts[i].group == g and p.rollouts[i].tp >= t
+            )
+            lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in cis]
+            prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
+    cost = pulp.lpSum(p.rollouts[i].usd_per_h * y[i] for i in ris) + pulp.lpSum(
+        p.trainers[c].usd_per_h * x[c] for c in cis
+    )
+    prob += pulp.lpSum(p.rollouts[i].batch * y[i] for i in ris) <= p.inflight
+    if budget is not None:
+        prob += cost <= budget
+    return prob, y, x, R, cost
+
+
+def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
+    """Solve; return ("ok" | "infeasible", relative gap parsed from CBC's log)."""
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "cbc.log"
+        # The CBC binary bundled with PuLP (PuLP 4 moves it to COIN_CMD + pulp[cbc]).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(
+                msg=False, timeLimit=time_limit_s, threads=1, logPath=str(log)
+            )
+        prob.solve(solver)
+        text = log.read_text() if log.exists() else ""
+    if pulp.LpStatus[prob.status] != "Optimal" and prob.sol_status not in (1, 2):
+        return "infeasible", math.inf
+    if "infeasible" in text.lower() and prob.sol_status not in (1, 2):
+        return "infeasible", math.inf
+    m = re.search(r"Gap:\s*([0-9.eE+-]+)", text)
+    gap = float(m.group(1)) if m else 0.0
+    return "ok", gap
+
+
+def _read(x: dict, y: dict, cis: list[int], ris: list[int]) -> tuple[int, dict[int, int]]:
+    c_idx = next(i for i in cis if (x[i].value() or 0) > 0.5)
+    reps = {i: int(round(y[i].value() or 0)) for i in ris if round(y[i].value() or 0) > 0}
+    return c_idx, reps
+
+
+def _solution(
+    p: Problem, c_idx: int, reps: dict[int, int], status: str, gap: float, solve_s: float
+) -> Solution:
+    c = p.trainers[c_idx]
+    gen = gen_rate(p, c_idx, reps)
+    cost = c.usd_per_h + sum(n * p.rollouts[i].usd_per_h for i, n in reps.items())
+    return Solution(
+        min(gen, c.samples_per_s),
+        gen,
+        c.samples_per_s,
+        cost,
+        c,
+        reps,
+        status,
+        gap,
+        solve_s,
+        {"trainer_index": c_idx},
+    )

@@ -1,0 +1,258 @@
+"""`make_plan`: cost model → phase 1 MILP → phase 2 METIS → simulator → `Plan`, with the
+homogeneous and synchronous baselines computed in the same call."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from areal_hex.config import ConfigError
+from areal_hex.plan import (
+    Baselines,
+    DeviceSlot,
+    InferenceInstance,
+    Plan,
+    Prediction,
+    TrainerPlacement,
+)
+from scheduler.cluster import Cluster
+from scheduler.costmodel import RolloutConfig, decode_step_s, rollout_configs, weight_sync_s
+from scheduler.milp import Problem, Solution, build_problem, solve
+from scheduler.models import ModelShape
+from scheduler.partition import Placement, place
+from scheduler.profile import Profile
+from scheduler.simulator import SimInstance, SimResult, simulate
+from scheduler.trainers import trainer_configs
+from scheduler.workload import Workload
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    solution: Solution
+    placement: Placement
+    problem: Problem
+    sim: SimResult | None
+    homogeneous: dict[str, float] = field(default_factory=dict)  # kind -> best rate
+    synchronous: float = 0.0
+
+
+def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> Problem:
+    rollouts = rollout_configs(cl, m, w, prof)
+    trainers = trainer_configs(cl, m, w, prof)
+    if not rollouts and w.rollout_tp is not None:
+        raise ConfigError(
+            f"no rollout instance at TP {w.rollout_tp} fits cluster {cl.name!r} for model "
+            f"{m.name} (TP must divide the GPUs per node and the {m.heads} attention heads, "
+            f"and the weights plus one request's KV cache must fit)"
+        )
+    if not rollouts:
+        largest = max(g.gpus_per_node for g in cl.spec.node_groups)
+        raise ConfigError(
+            f"model {m.name} ({m.params / 1e9:.1f}B parameters) fits on no GPU of cluster "
+            f"{cl.name!r} for generation, even at TP {largest} (weights plus one request's KV "
+            f"cache of {w.prompt_tokens + w.max_response_tokens} tokens must fit)"
+        )
+    if not trainers:
+        raise ConfigError(
+            f"model {m.name} ({m.params / 1e9:.1f}B parameters) cannot be trained on cluster "
+            f"{cl.name!r}: no GPU kind holds its ZeRO-3 states and activations at any "
+            f"data-parallel size up to {w.samples_per_step} ranks"
+        )
+    return build_problem(cl, m, w, rollouts, trainers)
+
+
+def cheapest_cost(p: Problem, time_limit_s: float) -> float | None:
+    sol = solve(p, target=1e-9, time_limit_s=time_limit_s)
+    return None if sol is None else sol.cost
+
+
+def make_plan(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    *,
+    budget: float | None = None,
+    target: float | None = None,
+    prof: Profile | None = None,
+    model_label: str | None = None,
+    time_limit_s: float = 60.0,
+    simulate_plan: bool = True,
+    baselines: bool = True,
+) -> PlanResult:
+    if (budget is None) == (target is None):
+        raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
+    p = problem_for(cl, m, w, prof)
+    sol = solve(p, budget=budget, target=target, time_limit_s=time_limit_s)
+    if sol is None:
+        raise ConfigError(_infeasible_message(p, budget, target, time_limit_s))
+    placement = place(cl, sol.trainer, [(p.rollouts[i], n) for i, n in sol.replicas.items()])
+    sim = simulate_solution(cl, m, w, sol, placement) if simulate_plan else None
+    homo: dict[str, float] = {}
+    sync = 0.0
+    if baselines:
+        spend = budget if budget is not None else sol.cost
+        for kind in sorted({r.kind for r in p.rollouts}):
+            hs = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
+            homo[kind] = hs.rate if hs else 0.0
+        sync = synchronous_rate(p, w, spend)
+    plan = to_plan(cl, m, w, sol, placement, budget, target, model_label, sim, homo, sync)
+    return PlanResult(plan, sol, placement, p, sim, homo, sync)
+
+
+def _infeasible_message(
+    p: Problem, budget: float | None, target: float | None, time_limit_s: float
+) -> str:
+    if budget is not None:
+        low = cheapest_cost(p, time_limit_s)
+        if low is None:
+            return "no feasible plan: no trainer and rollout pool fit this cluster together"
+        return (
+            f"budget ${budget:.2f}/h is below the cheapest feasible plan, ${low:.2f}/h "
+            f"(one trainer and one rollout instance); raise --budget to at least {low:.2f}"
+        )
+    top = solve(p, budget=math.inf, time_limit_s=time_limit_s)
+    best = top.rate if top else 0.0
+    return (
+        f"target {target:g} samples/s is above what the cluster can reach "
+        f"({best:.3f} samples/s with every GPU in use)"
+    )
+
+
+def synchronous_rate(p: Problem, w: Workload, budget: float) -> float:
+    """Best colocated synchronous plan (η = 0, the trainer's GPUs also generate, each phase
+    waits for the other): step = generation of B·G samples (at least the longest answer's
+    decode) + the training step. Searched over the same trainer configurations."""
+    best = 0.0
+    longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
+    for c in p.trainers:
+        if c.usd_per_h > budget:
+            continue
+        gen, tail = 0.0, 0.0
+        for g, n in c.parts:
+            opts = [r for r in p.rollouts if r.group == g and r.tp <= n and n % r.tp == 0]
+            if not opts:
+                continue
+            r = max(opts, key=lambda r: r.samples_per_s / r.tp)
+            gen += n // r.tp * r.samples_per_s
+            tail = max(tail, longest * r.step_s)
+        if gen <= 0:
+            continue
+        step = max(w.samples_per_step / gen, tail) + c.step_s
+        best = max(best, w.samples_per_step / step)
+    return best
+
+
+def simulate_solution(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    sol: Solution,
+    placement: Placement,
+    steps: int = 14,
+    seed: int = 0,
+) -> SimResult:
+    gmap = {g.name: g for g in cl.spec.node_groups}
+    ctx = w.prompt_tokens + w.response_tokens / 2
+    insts = []
+    for rc, node, _ in placement.rollout:
+        g, kind = gmap[rc.group], cl.kinds[rc.group]
+
+        def step_fn(n: int, rc: RolloutConfig = rc, g=g, kind=kind) -> float:
+            def at(b: int) -> float:
+                return decode_step_s(
+                    m,
+                    kind.hbm_gbs,
+                    kind.bf16_tflops,
+                    rc.tp,
+                    b,
+                    ctx,
+                    g.intra_node.bandwidth_gbs,
+                    w.constants,
+                )
+
+            return at(n) * rc.step_s / at(rc.batch)  # keeps a profile's calibration
+
+        sync = weight_sync_s(cl, m, w, sol.trainer.zones[0], rc.zone)
+        insts.append(SimInstance(node, rc.batch, rc.prefill_s, sync, step_fn))
+    return simulate(
+        insts,
+        batch_groups=w.groups_per_step,
+        group_size=w.group_size,
+        staleness=w.staleness,
+        publish_interval=w.publish_interval,
+        train_step_s=sol.trainer.step_s,
+        mean_len=w.response_tokens,
+        max_len=w.max_response_tokens,
+        steps=steps,
+        seed=seed,
+    )
+
+
+def to_plan(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    sol: Solution,
+    pl: Placement,
+    budget: float | None,
+    target: float | None,
+    model_label: str | None,
+    sim: SimResult | None,
+    homo: dict[str, float],
+    sync: float,
+) -> Plan:
+    counters: dict[str, int] = {}
+    rollout = []
+    for rc, node, ids in pl.rollout:
+        zone = cl.zone_of[rc.zone]
+        n = counters[rc.kind] = counters.get(rc.kind, -1) + 1
+        rollout.append(
+            InferenceInstance(
+                id=f"rollout-{rc.kind.lower()}-{n}",
+                gpu_kind=rc.kind,
+                tp=rc.tp,
+                zone=rc.zone,
+                region=zone.region,
+                placement=DeviceSlot(node=node, gpu_ids=ids),
+                predicted_tokens_per_s=round(rc.tokens_per_s, 2),
+            )
+        )
+    c = sol.trainer
+    toks = w.prompt_tokens + w.response_tokens
+    trainer = TrainerPlacement(
+        gpu_kind=c.kind,
+        world_size=c.dp,
+        dp=c.dp,
+        tp=1,
+        zero_stage=c.zero,
+        placements=[DeviceSlot(node=n, gpu_ids=ids) for n, ids in pl.trainer],
+        predicted_tokens_per_s=round(c.samples_per_s * toks, 2),
+    )
+    syncs = [weight_sync_s(cl, m, w, c.zones[0], rc.zone) for rc, _, _ in pl.rollout]
+    best_homo = max(homo.items(), key=lambda kv: kv[1], default=(None, 0.0))
+    return Plan(
+        cluster=cl.name,
+        model=model_label or m.name,
+        objective="throughput" if target is None else "cost",
+        budget_usd_per_h=budget,
+        target_samples_per_s=target,
+        rollout=rollout,
+        trainer=trainer,
+        predicted=Prediction(
+            samples_per_s=round(sol.rate, 4),
+            generation_samples_per_s=round(sol.gen_rate, 4),
+            training_samples_per_s=round(sol.train_rate, 4),
+            weight_sync_s=round(max(syncs, default=0.0), 3),
+            cost_usd_per_h=round(sol.cost, 2),
+        ),
+        baselines=Baselines(
+            homogeneous_gpu_kind=best_homo[0],
+            homogeneous_samples_per_s=round(best_homo[1], 4),
+            synchronous_samples_per_s=round(sync, 4),
+            simulated_samples_per_s=None if sim is None else round(sim.samples_per_s, 4),
+            simulated_max_staleness=None if sim is None else sim.max_staleness,
+            mip_gap=sol.gap,
+            solve_s=round(sol.solve_s, 3),
+        ),
+    )

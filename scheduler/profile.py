@@ -1,0 +1,77 @@
+"""Measured rates (`areal-hex profile`) that replace the analytic estimates in `plan`.
+
+A profile holds, per device kind, decode step times at several batch sizes, prefill
+tokens/s and training tokens/s per device, all for one model. `plan --profile` uses them
+for the matching GPU kind (the cluster spec names the kind, e.g. `H100`, or `CPU` with
+its figures in `gpu_overrides`) and keeps the analytic model for kinds not measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from areal_hex.config import ConfigError
+from areal_hex.config.base import Section, build, read_yaml
+
+
+class DeviceRates(Section):
+    device: str  # what torch reported, e.g. "cpu" or "NVIDIA H100 80GB HBM3"
+    decode_step_s: dict[int, float]  # batch -> seconds per decode step (mean context)
+    decode_context: int = Field(gt=0)  # context length the decode steps were timed at
+    prefill_tokens_per_s: float = Field(gt=0)
+    train_tokens_per_s: float = Field(gt=0)  # forward + backward + optimizer, one device
+
+
+class Profile(Section):
+    model: str  # preset name or config path the rates are for
+    params: int = Field(gt=0)
+    kinds: dict[str, DeviceRates]
+
+    def has(self, kind: str) -> bool:
+        return kind in self.kinds
+
+    def decode_step_s(self, kind: str, batch: int) -> float:
+        """Piecewise-linear in the batch between measured points, linear beyond."""
+        pts = sorted(self.kinds[kind].decode_step_s.items())
+        xs = [b for b, _ in pts]
+        i = bisect.bisect_left(xs, batch)
+        if i < len(xs) and xs[i] == batch:
+            return pts[i][1]
+        lo, hi = (
+            (pts[0], pts[1])
+            if i == 0
+            else (pts[-2], pts[-1])
+            if i >= len(xs)
+            else (pts[i - 1], pts[i])
+        )
+        if len(pts) == 1:
+            return pts[0][1]
+        slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+        return max(1e-9, lo[1] + slope * (batch - lo[0]))
+
+    def prefill_tokens_per_s(self, kind: str) -> float:
+        return self.kinds[kind].prefill_tokens_per_s
+
+    def train_tokens_per_s(self, kind: str) -> float:
+        return self.kinds[kind].train_tokens_per_s
+
+
+def load_profile(path: str | Path, model_params: int | None = None) -> Profile:
+    prof = build(Profile, read_yaml(path), str(path))
+    if model_params is not None and prof.params != model_params:
+        raise ConfigError(
+            f"{path}: profile was measured for {prof.model!r} ({prof.params:,} parameters) "
+            f"but the plan is for a model of {model_params:,} parameters"
+        )
+    return prof
+
+
+def save_profile(prof: Profile, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(prof.model_dump(mode="json"), sort_keys=False))
+    return p

@@ -1,0 +1,99 @@
+"""The readable table of a plan, and the budget sweep."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from scheduler.cluster import Cluster
+from scheduler.milp import solve
+from scheduler.models import ModelShape
+from scheduler.planner import PlanResult, cheapest_cost, synchronous_rate
+from scheduler.profile import Profile
+from scheduler.workload import Workload
+
+
+def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
+    plan, sol = res.plan, res.solution
+    lines = [f"plan for {plan.model} on {plan.cluster} ({plan.objective})", ""]
+    hdr = f"{'pool':<9}{'GPU':<11}{'zone':<11}{'count':>6}{'GPUs':>6}  {'parallelism':<22}"
+    hdr += f"{'samples/s':>10}{'$/h':>9}"
+    lines += [hdr, "-" * len(hdr)]
+    c = sol.trainer
+    zones = "+".join(c.zones)
+    lines.append(
+        f"{'train':<9}{c.kind:<11}{zones:<11}{1:>6}{c.dp:>6}  "
+        f"{f'DP {c.dp}, ZeRO-{c.zero}':<22}{c.samples_per_s:>10.3f}{c.usd_per_h:>9.2f}"
+    )
+    counts = Counter(sol.replicas)
+    for i, n in sorted(counts.items(), key=lambda kv: -res.problem.rollouts[kv[0]].tp):
+        r = res.problem.rollouts[i]
+        par = f"TP {r.tp}, batch {r.batch}"
+        lines.append(
+            f"{'rollout':<9}{r.kind:<11}{r.zone:<11}{n:>6}{n * r.tp:>6}  {par:<22}"
+            f"{n * r.samples_per_s:>10.3f}{n * r.usd_per_h:>9.2f}"
+        )
+    p = plan.predicted
+    lines += [
+        "",
+        f"predicted: {p.samples_per_s:.3f} samples/s = min(generation "
+        f"{p.generation_samples_per_s:.3f} incl. weight-sync pauses, training "
+        f"{p.training_samples_per_s:.3f}); ${p.cost_usd_per_h:.2f}/h; weight sync up to "
+        f"{p.weight_sync_s:.1f} s",
+    ]
+    b = plan.baselines
+    if b is not None:
+        homo = f"{b.homogeneous_samples_per_s:.3f} ({b.homogeneous_gpu_kind})"
+        lines.append(
+            f"baselines at the same budget: best homogeneous {homo}, best "
+            f"synchronous {b.synchronous_samples_per_s:.3f}"
+        )
+        if b.simulated_samples_per_s is not None:
+            lines.append(
+                f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
+                f"{b.simulated_max_staleness}"
+            )
+        lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}")
+    if sweep:
+        lines += ["", f"{'budget $/h':>11}{'hetero':>9}{'homog.':>9}{'sync':>9}{'cost':>9}"]
+        for s in sweep:
+            lines.append(
+                f"{s['budget_usd_per_h']:>11.2f}{s['samples_per_s']:>9.3f}"
+                f"{s['homogeneous_samples_per_s']:>9.3f}{s['synchronous_samples_per_s']:>9.3f}"
+                f"{s['cost_usd_per_h']:>9.2f}"
+            )
+    return "\n".join(lines)
+
+
+def sweep_budgets(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    res: PlanResult,
+    prof: Profile | None,
+    time_limit_s: float,
+    points: int = 8,
+) -> list[dict[str, float]]:
+    """Predicted throughput from the cheapest feasible plan to the whole cluster's price."""
+    p = res.problem
+    low = cheapest_cost(p, time_limit_s) or 0.0
+    high = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+    kinds = sorted({r.kind for r in p.rollouts})
+    out = []
+    for k in range(points):
+        budget = low + (high - low) * k / max(1, points - 1)
+        sol = solve(p, budget=budget, time_limit_s=time_limit_s)
+        homo = [
+            solve(p, budget=budget, time_limit_s=time_limit_s, allowed_kinds={kd}) for kd in kinds
+        ]
+        out.append(
+            {
+                "budget_usd_per_h": round(budget, 2),
+                "samples_per_s": round(sol.rate, 4) if sol else 0.0,
+                "cost_usd_per_h": round(sol.cost, 2) if sol else 0.0,
+                "homogeneous_samples_per_s": round(
+                    max((h.rate for h in homo if h), default=0.0), 4
+                ),
+                "synchronous_samples_per_s": round(synchronous_rate(p, w, budget), 4),
+            }
+        )
+    return out

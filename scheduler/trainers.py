@@ -1,0 +1,135 @@
+"""Enumerate and cost the candidate trainer configurations c = (kind, node groups, DP
+size, ZeRO stage) that the MILP chooses among (exactly one).
+
+DeepSpeed runs pure data parallel with the same number of ranks on every node, so a
+trainer is either part of one machine (1, 2, 4, ... GPUs) or m whole machines, possibly
+spanning several zones of one region (its all-reduce then crosses the slowest link).
+"""
+
+from __future__ import annotations
+
+import math
+
+from scheduler.cluster import Cluster, NodeGroup
+from scheduler.costmodel import (
+    GB,
+    TrainerConfig,
+    allreduce_s,
+    train_flops_per_sample,
+    train_memory_gb,
+)
+from scheduler.models import ModelShape
+from scheduler.profile import Profile
+from scheduler.workload import Workload
+
+
+def _layouts(groups: list[NodeGroup]) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    """(parts, per_node) layouts: partial single machines, m whole machines of one group,
+    and every group of a zone-prefix whole plus m machines of the next group."""
+    out: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    for g in groups:
+        k = 1
+        while k < g.gpus_per_node:
+            out.append((((g.name, k),), k))
+            k *= 2
+        for m in range(1, g.nodes + 1):
+            out.append((((g.name, m * g.gpus_per_node),), g.gpus_per_node))
+    return out
+
+
+def _multi_group_layouts(
+    cl: Cluster, groups: list[NodeGroup]
+) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    out: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    regions: dict[tuple[str, int], list[NodeGroup]] = {}
+    for g in groups:
+        regions.setdefault((cl.zone_of[g.zone].region, g.gpus_per_node), []).append(g)
+    for (_, gpn), gs in regions.items():
+        gs = sorted(gs, key=lambda g: (-g.nodes, g.name))
+        for j in range(1, len(gs)):
+            head = tuple((g.name, g.nodes * gpn) for g in gs[:j])
+            for m in range(1, gs[j].nodes + 1):
+                out.append((head + ((gs[j].name, m * gpn),), gpn))
+    return out
+
+
+def _links(cl: Cluster, groups: list[NodeGroup]) -> tuple[float, float]:
+    """Slowest bandwidth and largest latency between any two machines of the groups."""
+    zones = sorted({g.zone for g in groups})
+    bw, lat = math.inf, 0.0
+    for i, za in enumerate(zones):
+        for zb in zones[i:]:
+            ln = cl.link(za, zb)
+            bw, lat = min(bw, ln.bandwidth_gbs), max(lat, ln.latency_ms)
+    return bw, lat
+
+
+def cost_trainer(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    parts: tuple[tuple[str, int], ...],
+    per_node: int,
+    prof: Profile | None,
+) -> TrainerConfig | None:
+    k = w.constants
+    gmap = {g.name: g for g in cl.spec.node_groups}
+    groups = [gmap[p[0]] for p in parts]
+    kind = cl.kinds[groups[0].name]
+    dp = sum(n for _, n in parts)
+    if dp > w.samples_per_step:
+        return None  # a rank without a sample does nothing
+    nodes = dp // per_node
+    intra = min(g.intra_node.bandwidth_gbs for g in groups)
+    inter, lat = _links(cl, groups)
+    per_rank = math.ceil(w.samples_per_step / dp)
+    if prof is not None and prof.has(kind.name):
+        toks = per_rank * (w.prompt_tokens + w.response_tokens)
+        compute = toks / prof.train_tokens_per_s(kind.name)
+    else:
+        compute = per_rank * train_flops_per_sample(m, w) / (kind.bf16_tflops * 1e12 * k.train_mfu)
+    publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
+    best: TrainerConfig | None = None
+    stages = (0, 1, 2, 3) if dp > 1 else (0,)
+    if w.zero_stage is not None:
+        stages = (w.zero_stage,)  # pinned: DeepSpeed runs any stage on one rank too
+    for zero in stages:
+        mem = train_memory_gb(m, w, dp, zero)
+        if mem > kind.hbm_gb:
+            continue
+        comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat)
+        step = compute + (1 - k.comm_overlap) * comm + publish
+        cand = TrainerConfig(
+            kind=kind.name,
+            parts=parts,
+            per_node=per_node,
+            dp=dp,
+            zero=zero,
+            step_s=step,
+            compute_s=compute,
+            comm_s=comm,
+            publish_s=publish,
+            mem_gb=mem,
+            samples_per_s=w.samples_per_step / step,
+            usd_per_h=sum(n * gmap[g].usd_per_gpu_hour for g, n in parts),
+            zones=tuple(dict.fromkeys(g.zone for g in groups)),
+        )
+        # Same GPUs, same price: keep the fastest stage, and among equals the leanest.
+        if best is None or cand.step_s <= best.step_s * (1 + 1e-9):
+            best = cand
+    return best
+
+
+def trainer_configs(
+    cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None
+) -> list[TrainerConfig]:
+    by_kind: dict[str, list[NodeGroup]] = {}
+    for g in cl.spec.node_groups:
+        by_kind.setdefault(cl.kinds[g.name].name, []).append(g)
+    out: list[TrainerConfig] = []
+    for groups in by_kind.values():
+        for parts, per_node in _layouts(groups) + _multi_group_layouts(cl, groups):
+            c = cost_trainer(cl, m, w, parts, per_node, prof)
+            if c is not None:
+                out.append(c)
+    return out

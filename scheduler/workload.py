@@ -1,0 +1,88 @@
+"""Workload (what one RL step needs) and the cost model's named constants.
+
+Every constant says where its default comes from; override any of them in the workload
+YAML under `constants:` or replace the analytic rates with a measured profile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from areal_hex.config.base import Section, build, read_yaml
+
+
+class CostConstants(Section):
+    # Fraction of datasheet HBM bandwidth a decode step attains (weights + KV read).
+    # Assumption from published SGLang/vLLM decode roofline studies (60-80%); calibrate
+    # with `areal-hex profile`.
+    decode_bw_efficiency: float = Field(0.7, gt=0, le=1)
+    # Fraction of dense BF16 peak reached by prefill and compute-bound decode GEMMs.
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    # Model FLOPs utilisation of a training step (forward + backward + recompute);
+    # 30-45% is what Megatron/DeepSpeed report for dense models at this scale.
+    train_mfu: float = Field(0.35, gt=0, le=1)
+    # Share of HBM the inference engine may take (SGLang's mem_fraction_static ~0.88).
+    hbm_utilization: float = Field(0.88, gt=0, le=1)
+    # CUDA context, allocator slack and kernels' workspaces per GPU, GB.
+    runtime_reserve_gb: float = Field(2.0, ge=0)
+    # Largest decode batch per instance (SGLang's max_running_requests class of limit).
+    max_running_requests: int = Field(256, gt=0)
+    # Scheduler + kernel-launch overhead per decode step, ms (CUDA graphs: a few ms).
+    decode_step_overhead_ms: float = Field(2.0, ge=0)
+    # Latency of one TP all-reduce, ms (NCCL small-message latency on NVLink/PCIe).
+    tp_allreduce_latency_ms: float = Field(0.01, ge=0)
+    # GRPO groups share a prompt: with a radix/prefix cache the prompt is prefilled once
+    # per group instead of G times.
+    prefix_cache: bool = True
+    # Weight sync time = latency + factor * 2N bytes / link bandwidth; AReaL-Hex measured
+    # 4-6x the naive bytes/bandwidth figure (reload, pause, resharding), hence 5.
+    weight_sync_factor: float = Field(5.0, ge=1)
+    # Rank 0 writes the bf16 weights (2N bytes) to shared storage at this rate, GB/s.
+    storage_write_gbs: float = Field(2.0, gt=0)
+    # Fraction of the DP gradient all-reduce hidden behind backward compute (0: none).
+    comm_overlap: float = Field(0.0, ge=0, le=1)
+    # Bytes per parameter of mixed-precision Adam state before sharding (ZeRO paper):
+    # bf16 params 2 + bf16 grads 2 + fp32 master, momentum, variance 12.
+    adam_bytes_per_param: float = Field(16.0, gt=0)
+    # Activation bytes kept per token and layer with activation checkpointing (the layer
+    # input, bf16) plus one layer's recompute working set per token (~34 h bytes,
+    # Korthikanti et al. 2022); the fp32 logits of a micro-batch come on top.
+    act_checkpoint_bytes_per_hidden: float = Field(2.0, gt=0)
+    act_layer_bytes_per_hidden: float = Field(34.0, gt=0)
+
+
+class Workload(Section):
+    groups_per_step: int = Field(32, gt=0)  # B: prompts (GRPO groups) per optimizer step
+    group_size: int = Field(8, gt=0)  # G: samples per prompt
+    prompt_tokens: int = Field(512, gt=0)
+    response_tokens: int = Field(2048, gt=0)  # mean generated length
+    max_response_tokens: int = Field(4096, gt=0)  # KV reservation per request
+    staleness: int = Field(4, ge=0)  # η (AReaL's default for maths is 8)
+    publish_interval: int = Field(1, gt=0)  # optimizer steps between weight publishes
+    reference_model: bool = False  # KL to a frozen reference: one more forward per token
+    # Pin choices to what the experiment config runs (`deploy` checks both against it):
+    # every rollout instance at this TP (inference.sglang.tp_size), the trainer at this
+    # ZeRO stage (trainer.zero_stage). None lets the planner choose.
+    rollout_tp: int | None = Field(None, gt=0)
+    zero_stage: int | None = Field(None, ge=0, le=3)
+    constants: CostConstants = CostConstants()
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
+
+def load_workload(path: str | Path | None) -> Workload:
+    if path is None:
+        return Workload()
+    w = build(Workload, read_yaml(path), str(path))
+    if w.max_response_tokens < w.response_tokens:
+        from areal_hex.config import ConfigError
+
+        raise ConfigError(
+            f"{path}: max_response_tokens ({w.max_response_tokens}) must be >= "
+            f"response_tokens ({w.response_tokens})"
+        )
+    return w

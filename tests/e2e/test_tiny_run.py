@@ -1,0 +1,115 @@
+"""The README's run, shortened: `areal-hex run examples/tiny_cpu.yaml` with a real
+embedded Valkey, a real inference server, the rollout controller and DeepSpeed (gloo).
+
+Asserts the run's invariants on what it wrote: staleness never above eta, no group lost
+(produced = trained + dropped as stale + left in the buffer at stop), weight versions
+advance, the report is written and every process is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+ETA = 1
+STEPS = 6
+
+
+def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "areal_hex.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def port_open(url: str) -> bool:
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_tiny_run_end_to_end(tmp_path: Path) -> None:
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        "run.run_id=e2e",
+        f"trainer.total_steps={STEPS}",
+        f"buffer.max_staleness={ETA}",
+        "buffer.groups_per_step=4",
+        "rollout.group_size=4",
+        "model.tiny.sft_steps=10",
+        "trainer.checkpoint_every=3",
+    ]
+    res = cli("run", str(EXAMPLE), *overrides, "--no-progress", timeout=400)
+    assert res.returncode == 0, res.stderr[-4000:]
+    run_dir = tmp_path / "e2e"
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == STEPS
+
+    metrics = jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        assert m["max_staleness"] <= ETA
+        assert all(int(lag) <= ETA for lag in m["staleness_hist"])
+    versions = [m["version"] for m in metrics]
+    assert versions == sorted(versions) and versions[-1] > versions[0]
+    assert (run_dir / "weights" / f"v{versions[-1]}" / "config.json").is_file()
+    assert (run_dir / "weights" / "v0" / "model.safetensors").is_file()
+
+    full = json.loads((run_dir / "summary.json").read_text())
+    assert full["groups_lost"] == 0
+    assert full["groups_produced"] == (
+        full["groups_trained"] + full["groups_dropped_stale"] + full["in_buffer_at_stop"]
+    )
+    assert full["groups_trained"] == STEPS * 4
+    assert full["max_staleness"] <= ETA
+    assert full["samples_per_s"] > 0
+    for name in ("reward", "staleness", "throughput", "timeline"):
+        assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
+    rollout = jsonl(run_dir / "rollout.jsonl")
+    assert rollout[-1].get("final") is True
+    for name in ("redis", "inference-0", "controller", "trainer"):
+        assert (run_dir / "logs" / f"{name}.log").is_file()
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["model"]["path"] == str(run_dir / "weights" / "v0")
+    assert not port_open(cfg["redis"]["url"])  # Valkey stopped
+    assert not port_open(f"http://127.0.0.1:{cfg['inference']['base_port']}")  # server stopped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_unrecoverable_server_fails_the_run_with_its_log(tmp_path: Path) -> None:
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        "run.run_id=bad",
+        "model.tiny.sft_steps=0",
+        "inference.backend=sglang",
+        "inference.sglang.python=/nonexistent/python",
+    ]
+    res = cli("run", str(EXAMPLE), *overrides, "--no-progress", timeout=170)
+    assert res.returncode == 1
+    assert "inference-0 exited while starting" in res.stderr
+    assert "last log lines" in res.stderr
+    cfg = yaml.safe_load((tmp_path / "bad" / "config.yaml").read_text())
+    assert not port_open(cfg["redis"]["url"])

@@ -1,0 +1,109 @@
+"""Run preparation, process specs from the layout, weight resolution for eval."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_hex.config import load_config
+from areal_hex.launch.evaluate import EvalError, pass_at_k, resolve_weights
+from areal_hex.launch.prepare import apply_mode, free_port_block
+from areal_hex.launch.run import assign_local_gpus, core_groups, process_specs
+from areal_hex.layout import build_layout
+
+
+def test_sync_mode_sets_eta_zero() -> None:
+    cfg = load_config(None, ["buffer.max_staleness=4", "trainer.publish_every=3"])
+    sync = apply_mode(cfg, "sync")
+    assert sync.run.mode == "sync" and sync.buffer.max_staleness == 0
+    assert sync.trainer.publish_every == 1
+    assert cfg.buffer.max_staleness == 4  # the input is not changed
+    assert apply_mode(cfg, "async").buffer.max_staleness == 4
+
+
+def test_free_port_block_skips_a_busy_port() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        base = free_port_block(2, busy - 1)
+        assert base > busy - 1 or base + 1 < busy  # the block avoids the busy port
+        assert busy not in (base, base + 1)
+
+
+def test_embedded_redis_stays_in_the_layout_after_resolution() -> None:
+    cfg = load_config(None, ["run.run_id=r", "inference.num_servers=2"])
+    assert [s.name for s in build_layout(cfg).services][0] == "redis"
+    cfg.redis.url = "redis://127.0.0.1:1234/0"
+    assert "redis" not in [s.name for s in build_layout(cfg).services]  # an external Redis
+    cfg.run.embedded_redis = True
+    names = [s.name for s in build_layout(cfg).services]
+    assert names == ["redis", "inference-0", "inference-1", "controller", "trainer"]
+
+
+def test_process_specs_commands_policies_and_pinning(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.run_id=r", "run.pin_cores=true"])
+    config = tmp_path / "r" / "config.yaml"
+    specs = {s.name: s for s in process_specs(cfg, build_layout(cfg), config)}
+    assert specs["trainer"].command == [sys.executable, "-m", "areal_hex.cli", "train", str(config)]
+    assert specs["inference-0"].command[-2:] == ["--index", "0"]
+    assert specs["inference-0"].on_exit == "restart"
+    assert specs["trainer"].on_exit == "finish" and specs["controller"].on_exit == "fail"
+    assert specs["controller"].log_path == tmp_path / "r" / "logs" / "controller.log"
+    rollout, trainer = core_groups(True)
+    if rollout is None:
+        pytest.skip("fewer than 2 usable cores")
+    assert specs["inference-0"].cpus == rollout and specs["trainer"].cpus == trainer
+    assert not rollout & trainer
+    assert specs["trainer"].env["OMP_NUM_THREADS"] == str(len(trainer))
+
+
+def test_local_gpus_are_handed_out_in_layout_order() -> None:
+    cfg = load_config(
+        None,
+        [
+            "inference.device=cuda",
+            "inference.num_servers=2",
+            "inference.sglang.tp_size=2",
+            "trainer.device=cuda",
+            "trainer.num_ranks=3",
+        ],
+    )
+    layout = build_layout(cfg)
+    assign_local_gpus(layout)
+    got = {s.name: s.devices for s in layout.services}
+    assert got["inference-0"] == [0, 1] and got["inference-1"] == [2, 3]
+    assert got["trainer"] == [4, 5, 6] and got["controller"] == []
+
+
+def test_resolve_weights_versions_and_errors(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.run_id=r"])
+    root = tmp_path / "r" / "weights"
+    for v in (0, 3, 12):
+        (root / f"v{v}").mkdir(parents=True)
+        (root / f"v{v}" / "config.json").write_text("{}")
+    (root / "v13.tmp").mkdir()  # an unfinished write is not a version
+    assert resolve_weights(cfg, "latest") == (root / "v12", "12")
+    assert resolve_weights(cfg, "v3") == (root / "v3", "3")
+    assert resolve_weights(cfg, "0") == (root / "v0", "0")
+    assert resolve_weights(cfg, str(root / "v3")) == (root / "v3", "3")
+    with pytest.raises(EvalError, match=r"version 5 not in .* \(have \[0, 3, 12\]\)"):
+        resolve_weights(cfg, "v5")
+    with pytest.raises(EvalError, match="expected a weights directory"):
+        resolve_weights(cfg, "newest")
+    with pytest.raises(EvalError, match="no config.json"):
+        resolve_weights(cfg, str(tmp_path))
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k([[False, True], [False, False], [True, True]]) == pytest.approx(2 / 3)
+    assert pass_at_k([]) == 0.0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity")
+def test_core_groups_off_means_no_pinning() -> None:
+    assert core_groups(False) == (None, None)
