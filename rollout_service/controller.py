@@ -303,17 +303,40 @@ class RolloutController:
 
     # ------------------------------------------------------------ weights
     async def _watch_versions(self) -> None:
+        """Follow version notifications; reload to the newest one. Versions published
+        while a reload runs are coalesced: only the latest is loaded next."""
         watcher: WatchesVersions = self.producer  # type: ignore[assignment]
-        while True:
-            try:
-                async for upd in watcher.watch_versions():
-                    if upd.version > self.gate.version:
-                        await self.update_weights(upd.version, upd.path)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a lost Redis connection: resubscribe
-                log.warning("version watch failed (%s); resubscribing", exc)
-                await asyncio.sleep(1.0)
+        latest: list[tuple[int, str]] = []  # at most one pending (version, path)
+        wake = asyncio.Event()
+
+        async def apply() -> None:
+            while True:
+                await wake.wait()
+                wake.clear()
+                version, path = latest.pop()
+                if version > self.gate.version:
+                    try:
+                        await self.update_weights(version, path)
+                    except Exception:  # keep following versions; the next one retries
+                        log.exception("weight update to v%d failed", version)
+
+        applier = asyncio.create_task(apply())
+        try:
+            while True:
+                try:
+                    async for upd in watcher.watch_versions():
+                        newest = latest[0][0] if latest else self.gate.version
+                        if upd.version > newest:
+                            latest[:] = [(upd.version, upd.path)]
+                            wake.set()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a lost Redis connection: resubscribe
+                    log.warning("version watch failed (%s); resubscribing", exc)
+                    await asyncio.sleep(1.0)
+        finally:
+            applier.cancel()
+            await asyncio.gather(applier, return_exceptions=True)
 
     async def update_weights(self, version: int, path: str) -> None:
         """Pause every healthy server, reload `path` as `version`, continue."""
@@ -376,6 +399,7 @@ class RolloutController:
 
     # ------------------------------------------------------------ metrics
     def snapshot(self) -> dict[str, Any]:
+        """Current metrics; rates and reward_mean over the time since the last line."""
         now = time.monotonic()
         c, rs = self.sampler.counters, self.rewards.stats if self.rewards else None
         dt = max(now - self._last.get("t", now), 1e-9)
@@ -407,12 +431,20 @@ class RolloutController:
             "servers_healthy": self.dispatcher.num_healthy,
             "finish_reasons": dict(self.finish_reasons),
         }
-        self._last = {"t": now, "samples": samples, "tokens": tokens}
-        self._reward_sum = self._reward_n = 0.0  # reward_mean is per interval
         return out
+
+    def _start_interval(self) -> None:
+        """Rates and reward_mean of the next metrics line count from now."""
+        self._last = {
+            "t": time.monotonic(),
+            "samples": self.stats["samples_total"],
+            "tokens": self.sampler.counters.tokens_total,
+        }
+        self._reward_sum = self._reward_n = 0.0
 
     def write_metrics(self, final: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
+        self._start_interval()
         if final:
             snap["final"] = True
             snap["groups_in_flight"] = self.stats["groups_in_flight_at_stop"]

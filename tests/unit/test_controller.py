@@ -414,3 +414,18 @@ async def test_buffer_outage_is_ridden_out(rewards, tmp_path: Path) -> None:
     )
     with pytest.raises(redis.exceptions.ConnectionError):
         await ctl.run()
+
+
+@pytest.mark.timeout(60)
+async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_path: Path) -> None:
+    server = LoopbackServer("a", delay_s=0.05)
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([server], producer, rewards, tmp_path, max_groups=2)
+    run = asyncio.create_task(ctl.run())
+    await asyncio.sleep(0.2)
+    for v in (1, 2, 3):  # 2 arrives while 1 loads (50 ms), then 3 replaces it
+        await producer.publish(v, f"/w/v{v}")
+        await asyncio.sleep(0.01)
+    final = await run
+    assert server.updates == [("/w/v1", "1"), ("/w/v3", "3")]
+    assert final["version"] == 3 and final["weight_updates_total"] == 2
