@@ -25,17 +25,11 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from areal_hex.cli import UsageError, config_from_args
+    from areal_hex.cli import UsageError, config_from_args, require_run
     from areal_hex.data import DataError
 
     cfg = config_from_args(args)
-    if cfg.run.run_id is None:
-        raise UsageError("run.run_id is not set: pass run.run_id=NAME (the launcher sets it)")
-    if cfg.redis.url is None:
-        raise UsageError(
-            "redis.url is not set: start the buffer first (areal-hex run does) and pass "
-            "redis.url=redis://HOST:PORT"
-        )
+    require_run(cfg, "areal-hex rollout")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     log = logging.getLogger("areal_hex.rollout")
