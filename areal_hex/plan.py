@@ -58,6 +58,7 @@ class Baselines(Section):
     simulated_samples_per_s: float | None = None
     simulated_max_staleness: int | None = None
     mip_gap: float = 0.0
+    milp_samples_per_s: float | None = None  # the MILP's objective (pauses at t_c's period)
     solve_s: float = 0.0
 
 

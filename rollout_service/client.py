@@ -112,10 +112,18 @@ class InferenceClient:
             kwargs["json"] = body
         if timeout is not ...:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)  # type: ignore[arg-type]
-        try:
-            resp = await self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise GenerationError(self.base_url + path, f"{type(exc).__name__}: {exc}") from exc
+        for attempt in range(2):
+            try:
+                resp = await self._http.request(method, path, **kwargs)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # A keep-alive connection the server closed just as it was reused: the
+                # request never ran (the server aborts requests whose client went away).
+                if attempt == 0:
+                    continue
+                raise GenerationError(self.base_url + path, f"{type(exc).__name__}: {exc}") from exc
+            except httpx.HTTPError as exc:
+                raise GenerationError(self.base_url + path, f"{type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
             raise GenerationError(self.base_url + path, _message(resp), resp.status_code)
         return resp

@@ -53,6 +53,19 @@ class WatchesVersions(Protocol):
     async def release(self, n: int = 1) -> int: ...
 
 
+def is_connection_error(exc: BaseException) -> bool:
+    """Lost connection to the buffer: OS-level, or redis-py's own ConnectionError."""
+    if isinstance(exc, TimeoutError):  # an OSError too, but the gate's "waited too long"
+        return False
+    if isinstance(exc, (ConnectionError, OSError)):
+        return True
+    try:
+        import redis.exceptions
+    except ImportError:  # pragma: no cover - redis is a dependency
+        return False
+    return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
+
+
 class RolloutController:
     def __init__(
         self,
@@ -147,7 +160,7 @@ class RolloutController:
             while self.max_groups is None or seq < self.max_groups:
                 if not await self._until_stop(slots.acquire()):
                     break
-                if not await self._until_stop(self.producer.admit()):
+                if not await self._until_stop(self._buffer_call(self.producer.admit, "admit")):
                     slots.release()
                     break
                 epoch, prompt = next(prompts)
@@ -270,30 +283,60 @@ class RolloutController:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _put(self, group: GroupRecord, attempts: int = 3) -> None:
-        for i in range(attempts):
+    async def _put(self, group: GroupRecord) -> None:
+        await self._buffer_call(lambda: self.producer.put(group), "put")
+
+    async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
+        `rollout.buffer_retry_s`; then the error propagates."""
+        deadline = time.monotonic() + self.cfg.buffer_retry_s
+        delay = 0.2
+        while True:
             try:
-                await self.producer.put(group)
-                return
-            except (ConnectionError, OSError) as exc:
-                if i == attempts - 1:
+                return await call()
+            except Exception as exc:
+                if not is_connection_error(exc) or time.monotonic() > deadline:
                     raise
-                log.warning("put failed (%s); retrying", exc)
-                await asyncio.sleep(0.5 * 2**i)
+                log.warning("buffer %s failed (%s); retrying in %.1f s", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------ weights
     async def _watch_versions(self) -> None:
+        """Follow version notifications; reload to the newest one. Versions published
+        while a reload runs are coalesced: only the latest is loaded next."""
         watcher: WatchesVersions = self.producer  # type: ignore[assignment]
-        while True:
-            try:
-                async for upd in watcher.watch_versions():
-                    if upd.version > self.gate.version:
-                        await self.update_weights(upd.version, upd.path)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a lost Redis connection: resubscribe
-                log.warning("version watch failed (%s); resubscribing", exc)
-                await asyncio.sleep(1.0)
+        latest: list[tuple[int, str]] = []  # at most one pending (version, path)
+        wake = asyncio.Event()
+
+        async def apply() -> None:
+            while True:
+                await wake.wait()
+                wake.clear()
+                version, path = latest.pop()
+                if version > self.gate.version:
+                    try:
+                        await self.update_weights(version, path)
+                    except Exception:  # keep following versions; the next one retries
+                        log.exception("weight update to v%d failed", version)
+
+        applier = asyncio.create_task(apply())
+        try:
+            while True:
+                try:
+                    async for upd in watcher.watch_versions():
+                        newest = latest[0][0] if latest else self.gate.version
+                        if upd.version > newest:
+                            latest[:] = [(upd.version, upd.path)]
+                            wake.set()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a lost Redis connection: resubscribe
+                    log.warning("version watch failed (%s); resubscribing", exc)
+                    await asyncio.sleep(1.0)
+        finally:
+            applier.cancel()
+            await asyncio.gather(applier, return_exceptions=True)
 
     async def update_weights(self, version: int, path: str) -> None:
         """Pause every healthy server, reload `path` as `version`, continue."""
@@ -356,6 +399,7 @@ class RolloutController:
 
     # ------------------------------------------------------------ metrics
     def snapshot(self) -> dict[str, Any]:
+        """Current metrics; rates and reward_mean over the time since the last line."""
         now = time.monotonic()
         c, rs = self.sampler.counters, self.rewards.stats if self.rewards else None
         dt = max(now - self._last.get("t", now), 1e-9)
@@ -387,12 +431,20 @@ class RolloutController:
             "servers_healthy": self.dispatcher.num_healthy,
             "finish_reasons": dict(self.finish_reasons),
         }
-        self._last = {"t": now, "samples": samples, "tokens": tokens}
-        self._reward_sum = self._reward_n = 0.0  # reward_mean is per interval
         return out
+
+    def _start_interval(self) -> None:
+        """Rates and reward_mean of the next metrics line count from now."""
+        self._last = {
+            "t": time.monotonic(),
+            "samples": self.stats["samples_total"],
+            "tokens": self.sampler.counters.tokens_total,
+        }
+        self._reward_sum = self._reward_n = 0.0
 
     def write_metrics(self, final: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
+        self._start_interval()
         if final:
             snap["final"] = True
             snap["groups_in_flight"] = self.stats["groups_in_flight_at_stop"]

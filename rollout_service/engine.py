@@ -53,6 +53,8 @@ class EngineStats:
     requests_total: int
     aborted_total: int
     weight_updates_total: int
+    prefill_batches_total: int
+    decode_steps_total: int
     last_error: str | None
 
 
@@ -78,7 +80,7 @@ class Engine:
         self.model_path = model_path
         self.weight_version = weight_version
         self.opts = options
-        self._load_model = load_model
+        self.load_model = load_model
         self._cv = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
         self._controls: deque[_Control] = deque()
@@ -88,7 +90,9 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None  # set = not paused
         self._core: Any = None  # the scheduler's state (rollout_service.scheduler.Core)
-        self.counters = {"gen": 0, "prompt": 0, "requests": 0, "aborted": 0, "updates": 0}
+        self.counters = dict.fromkeys(
+            ("gen", "prompt", "requests", "aborted", "updates", "prefills", "steps"), 0
+        )
         self.last_error: str | None = None
         self._rate: deque[tuple[float, int]] = deque()
         self._n_running = 0
@@ -259,15 +263,18 @@ class Engine:
             requests_total=c["requests"],
             aborted_total=c["aborted"],
             weight_updates_total=c["updates"],
+            prefill_batches_total=c["prefills"],
+            decode_steps_total=c["steps"],
             last_error=self.last_error,
         )
 
     def note_tokens(self, generated: int, prompt: int = 0) -> None:
-        """Called by the scheduler after each forward."""
+        """Called by the scheduler after each forward (a prefill when `prompt` > 0)."""
         now = time.monotonic()
         with self._cv:
             self.counters["gen"] += generated
             self.counters["prompt"] += prompt
+            self.counters["prefills" if prompt else "steps"] += 1
             self._rate.append((now, generated))
             while self._rate and now - self._rate[0][0] > self.opts.throughput_window_s:
                 self._rate.popleft()
@@ -299,6 +306,15 @@ class Engine:
                 width = w
                 out.append(self._waiting.popleft())
         return out
+
+    def find(self, rid: str) -> GenRequest | None:
+        with self._cv:
+            return self._inflight.get(rid)
+
+    def unqueue(self, req: GenRequest) -> None:
+        with self._cv:
+            if req in self._waiting:
+                self._waiting.remove(req)
 
     def drain_waiting(self) -> list[GenRequest]:
         with self._cv:

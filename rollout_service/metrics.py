@@ -45,6 +45,8 @@ class EngineCollector(Collector):
             ("num_requests", "requests received", s.requests_total),
             ("num_aborted_requests", "requests that ended aborted", s.aborted_total),
             ("weight_updates", "weight reloads completed", s.weight_updates_total),
+            ("prefill_batches", "prefill forwards (new requests joining)", s.prefill_batches_total),
+            ("decode_steps", "decode forwards of the running batch", s.decode_steps_total),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(P + name, doc, value=value)

@@ -94,15 +94,13 @@ class Core:
     def abort(self, rid: str | None, message: str) -> int:
         reason = FinishReason(type="abort", message=message)
         if rid is not None:
-            req = self.e._inflight.get(rid)
+            req = self.e.find(rid)
             if req is None:
                 return 0
             if req in self.rows:
                 self._drop_rows([i for i, r in enumerate(self.rows) if r is req], reason)
             else:  # queued, or still waiting for `continue`
-                with self.e._cv:
-                    if req in self.e._waiting:
-                        self.e._waiting.remove(req)
+                self.e.unqueue(req)
                 self.e.finish(req, reason)
             return 1
         queued = self.e.drain_waiting()
@@ -148,7 +146,7 @@ class Core:
     def _reload(self, ctl: _Control) -> None:
         path, version = ctl.args["path"], ctl.args["version"]
         try:
-            model = self.e._load_model(path)
+            model = self.e.load_model(path)
         except Exception as exc:
             ctl.result.set_exception(EngineError(f"failed to load weights from {path}: {exc}"))
             return

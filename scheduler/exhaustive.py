@@ -64,3 +64,24 @@ def exhaustive(p: Problem, budget: float) -> tuple[float, float]:
             if rate > best[0] * (1 + 1e-9) or (rate >= best[0] * (1 - 1e-9) and cost < best[1]):
                 best = (rate, cost)
     return best
+
+
+def exhaustive_min_cost(p: Problem, target: float) -> float:
+    """Cheapest cost over every trainer and replica vector whose rate reaches `target`."""
+    best = float("inf")
+    per_group = [
+        _group_vectors(p, [i for i, r in enumerate(p.rollouts) if r.group == g], n)
+        for g, n in p.gpus.items()
+    ]
+    for c_idx, c in enumerate(p.trainers):
+        if c.samples_per_s < target * (1 - 1e-9) or c.usd_per_h >= best:
+            continue
+        for parts in itertools.product(*per_group):
+            reps = {i: k for part in parts for i, k in part.items()}
+            cost = c.usd_per_h + sum(k * p.rollouts[i].usd_per_h for i, k in reps.items())
+            slots = sum(k * p.rollouts[i].batch for i, k in reps.items())
+            if cost >= best or slots > p.inflight or not fits(p, c_idx, reps):
+                continue
+            if gen_rate(p, c_idx, reps) >= target * (1 - 1e-9):
+                best = cost
+    return best

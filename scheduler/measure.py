@@ -78,6 +78,10 @@ def measure_profile(
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
     device = _device(device)
+    if device == "cpu":
+        # One intra-op thread: OpenMP barriers spin badly when the cores are shared, which
+        # made step times swing by 100x between batch sizes here.
+        torch.set_num_threads(1)
     if config_path is None:
         cfg = Qwen3Config(**TINY)
         label = "tiny-qwen3"
@@ -89,10 +93,10 @@ def measure_profile(
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
-    reps = 3 if device == "cpu" else 10
+    reps = 10  # best of 10: other processes on the machine only ever add time
     steps = {b: _decode_step(model, cfg.vocab_size, b, context, device, reps) for b in batches}
     prefill = _prefill_rate(model, cfg.vocab_size, context, device, reps)
-    train = _train_rate(model, cfg.vocab_size, context, device, reps)
+    train = _train_rate(model, cfg.vocab_size, context, device, max(3, reps // 3))
     shape = _shape(cfg, label)
     rates = DeviceRates(
         device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

@@ -27,10 +27,16 @@ from pathlib import Path
 
 import pulp
 
+from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
 from scheduler.costmodel import RolloutConfig, TrainerConfig, inflight_cap, weight_sync_s
 from scheduler.models import ModelShape
 from scheduler.workload import Workload
+
+
+class SolveTimeout(ConfigError):
+    """CBC hit its time limit before finding any integer solution (a usage error: the
+    CLI prints it and exits 2)."""
 
 
 @dataclass
@@ -44,6 +50,8 @@ class Problem:
     gpn: dict[str, int]  # node group -> GPUs per node
     tps: dict[str, list[int]]  # node group -> TP sizes in use
     inflight: int  # requests the staleness gate admits at once (Σ y_ψ·batch_ψ ≤ this)
+    sync_s: dict[tuple[str, int], float]  # (zone, trainer index) -> pause per publish, s
+    publish_samples: int  # samples trained between two publishes (k·B·G)
 
 
 @dataclass
@@ -58,6 +66,8 @@ class Solution:
     gap: float
     solve_s: float
     extra: dict[str, float] = field(default_factory=dict)
+    eval_rate: float = 0.0  # `evaluate`: pauses at the rate reached (≥ rate)
+    eval_gen_rate: float = 0.0
 
 
 def build_problem(
@@ -69,10 +79,12 @@ def build_problem(
 ) -> Problem:
     zones = sorted({r.zone for r in rollouts})
     pause: dict[tuple[str, int], float] = {}
+    sync: dict[tuple[str, int], float] = {}
     for i, c in enumerate(trainers):
         period = w.publish_interval * c.step_s
         for z in zones:
-            pause[(z, i)] = min(1.0, weight_sync_s(cl, m, w, c.zones[0], z) / period)
+            sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)
+            pause[(z, i)] = min(1.0, sync[(z, i)] / period)
     groups = cl.spec.node_groups
     tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
     return Problem(
@@ -83,6 +95,8 @@ def build_problem(
         {g.name: g.gpus_per_node for g in groups},
         tps,
         inflight_cap(w),
+        sync,
+        w.publish_interval * w.samples_per_step,
     )
 
 
@@ -99,6 +113,34 @@ def gen_rate(p: Problem, c_idx: int, y: dict[int, int]) -> float:
         n * p.rollouts[i].samples_per_s * (1 - p.pause[(p.rollouts[i].zone, c_idx)])
         for i, n in y.items()
     )
+
+
+def evaluate(p: Problem, c_idx: int, y: dict[int, int]) -> tuple[float, float]:
+    """(rate, generation rate) of a fixed plan with pauses at the rate it reaches.
+
+    Publishes come every k·B·G trained samples, so at rate R an instance in zone z pauses
+    a share s_z·R/(kBG); generation keeps up while R ≤ Σ_z G_z (1 - s_z R/(kBG)), i.e.
+    R ≤ ΣG / (1 + Σ G_z s_z/(kBG)) over the zones whose share stays below 1. The MILP
+    charges the share at the trainer's own period (R = t_c), which is exact when training
+    is the bottleneck and conservative otherwise; this is the exact figure.
+    """
+    c = p.trainers[c_idx]
+    g_z: dict[str, float] = {}
+    for i, n in y.items():
+        r = p.rollouts[i]
+        g_z[r.zone] = g_z.get(r.zone, 0.0) + n * r.samples_per_s
+    zones = set(g_z)
+    while True:
+        a = sum(g_z[z] for z in zones)
+        b = sum(g_z[z] * p.sync_s[(z, c_idx)] / p.publish_samples for z in zones)
+        gen = a / (1 + b)
+        rate = min(c.samples_per_s, gen)
+        dead = {z for z in zones if p.sync_s[(z, c_idx)] * rate / p.publish_samples >= 1}
+        if not dead:
+            break
+        zones -= dead
+    gen_at = sum(g_z[z] * (1 - p.sync_s[(z, c_idx)] * rate / p.publish_samples) for z in zones)
+    return rate, gen_at
 
 
 def solve(
@@ -118,6 +160,11 @@ def solve(
     prob.sense = pulp.LpMaximize if target is None else pulp.LpMinimize
     prob.setObjective(R if target is None else cost)
     status, gap = _run_cbc(prob, time_limit_s)
+    if status == "timeout":
+        raise SolveTimeout(
+            f"CBC found no feasible plan within the {time_limit_s:g} s time limit "
+            f"({len(ris)} rollout and {len(cis)} trainer configurations); raise --time-limit"
+        )
     if status != "ok":
         return None
     c_idx, reps = _read(x, y, cis, ris)
@@ -190,10 +237,10 @@ def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
             )
         prob.solve(solver)
         text = log.read_text() if log.exists() else ""
-    if pulp.LpStatus[prob.status] != "Optimal" and prob.sol_status not in (1, 2):
-        return "infeasible", math.inf
-    if "infeasible" in text.lower() and prob.sol_status not in (1, 2):
-        return "infeasible", math.inf
+    if prob.sol_status not in (1, 2):  # neither optimal nor an integer incumbent
+        return ("timeout" if pulp.LpStatus[prob.status] == "Not Solved" else "infeasible"), (
+            math.inf
+        )
     m = re.search(r"Gap:\s*([0-9.eE+-]+)", text)
     gap = float(m.group(1)) if m else 0.0
     return "ok", gap
@@ -222,4 +269,5 @@ def _solution(
         gap,
         solve_s,
         {"trainer_index": c_idx},
+        *evaluate(p, c_idx, reps),
     )

@@ -3,7 +3,6 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from areal_hex.config import ConfigError
@@ -94,7 +93,7 @@ def make_plan(
         spend = budget if budget is not None else sol.cost
         for kind in sorted({r.kind for r in p.rollouts}):
             hs = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-            homo[kind] = hs.rate if hs else 0.0
+            homo[kind] = hs.eval_rate if hs else 0.0
         sync = synchronous_rate(p, w, spend)
     plan = to_plan(cl, m, w, sol, placement, budget, target, model_label, sim, homo, sync)
     return PlanResult(plan, sol, placement, p, sim, homo, sync)
@@ -111,8 +110,8 @@ def _infeasible_message(
             f"budget ${budget:.2f}/h is below the cheapest feasible plan, ${low:.2f}/h "
             f"(one trainer and one rollout instance); raise --budget to at least {low:.2f}"
         )
-    top = solve(p, budget=math.inf, time_limit_s=time_limit_s)
-    best = top.rate if top else 0.0
+    top = solve(p, time_limit_s=time_limit_s)  # no budget: every GPU may be used
+    best = top.eval_rate if top else 0.0
     return (
         f"target {target:g} samples/s is above what the cluster can reach "
         f"({best:.3f} samples/s with every GPU in use)"
@@ -240,8 +239,8 @@ def to_plan(
         rollout=rollout,
         trainer=trainer,
         predicted=Prediction(
-            samples_per_s=round(sol.rate, 4),
-            generation_samples_per_s=round(sol.gen_rate, 4),
+            samples_per_s=round(sol.eval_rate, 4),
+            generation_samples_per_s=round(sol.eval_gen_rate, 4),
             training_samples_per_s=round(sol.train_rate, 4),
             weight_sync_s=round(max(syncs, default=0.0), 3),
             cost_usd_per_h=round(sol.cost, 2),
@@ -254,5 +253,6 @@ def to_plan(
             simulated_max_staleness=None if sim is None else sim.max_staleness,
             mip_gap=sol.gap,
             solve_s=round(sol.solve_s, 3),
+            milp_samples_per_s=round(sol.rate, 4),
         ),
     )

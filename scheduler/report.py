@@ -48,9 +48,16 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             f"synchronous {b.synchronous_samples_per_s:.3f}"
         )
         if b.simulated_samples_per_s is not None:
+            sim = res.sim
+            idle = (
+                f", trainer idle {sim.trainer_idle_frac:.0%}, rollout busy "
+                f"{sim.rollout_busy_frac:.0%}"
+                if sim is not None
+                else ""
+            )
             lines.append(
                 f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
-                f"{b.simulated_max_staleness}"
+                f"{b.simulated_max_staleness}{idle}"
             )
         lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}")
     if sweep:
@@ -88,10 +95,10 @@ def sweep_budgets(
         out.append(
             {
                 "budget_usd_per_h": round(budget, 2),
-                "samples_per_s": round(sol.rate, 4) if sol else 0.0,
+                "samples_per_s": round(sol.eval_rate, 4) if sol else 0.0,
                 "cost_usd_per_h": round(sol.cost, 2) if sol else 0.0,
                 "homogeneous_samples_per_s": round(
-                    max((h.rate for h in homo if h), default=0.0), 4
+                    max((h.eval_rate for h in homo if h), default=0.0), 4
                 ),
                 "synchronous_samples_per_s": round(synchronous_rate(p, w, budget), 4),
             }

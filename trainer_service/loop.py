@@ -60,9 +60,11 @@ class Trainer:
         ctx: StepContext,
         groups_per_step: int,
         consumer: TrajectoryConsumer | None,
+        seed: int = 0,
     ) -> None:
         self.cfg, self.algo, self.paths, self.ctx = cfg, algo, paths, ctx
         self.groups_per_step = groups_per_step
+        self.seed = seed
         self.consumer = consumer  # rank 0 only
         self.rank = ctx.rank
         self.state = TrainerState()
@@ -156,11 +158,29 @@ class Trainer:
 
         payload: list[Batch | None] = [None]
         if self.rank == 0:
-            payload[0] = self._take(self.groups_per_step)
+            payload[0] = self._canonical_order(self._take(self.groups_per_step))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
         assert payload[0] is not None
         return payload[0]
+
+    def _canonical_order(self, b: Batch) -> Batch:
+        """Stream order, then a shuffle seeded by the step: the same groups give the same
+        minibatches after a restart (the buffer's own shuffle is not reproducible)."""
+        import random
+
+        def key(i: int) -> tuple[int, ...]:
+            return tuple(int(x) for x in b.entry_ids[i].split("-") if x.isdigit())
+
+        order = sorted(range(len(b.groups)), key=key)
+        random.Random(self.seed * 1_000_003 + self.state.step).shuffle(order)
+        return Batch(
+            entry_ids=[b.entry_ids[i] for i in order],
+            groups=[b.groups[i] for i in order],
+            dropped_stale=b.dropped_stale,
+            dead_lettered=b.dead_lettered,
+            staleness=[b.staleness[i] for i in order],
+        )
 
     def _take(self, n: int) -> Batch:
         assert self.consumer is not None

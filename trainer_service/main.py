@@ -44,9 +44,9 @@ def init_distributed(device: str) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
-    if device == "cuda":
+    if device == "cuda":  # before NCCL starts: each rank owns one device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -94,7 +94,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         device=device,
     )
     consumer = make_consumer(cfg) if rank == 0 else None
-    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer)
+    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,12 +64,20 @@ def write_model_dir(
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and not _WEIGHT_FILES.match(f.name):
-            shutil.copy2(f, tmp / f.name)
+            _link_or_copy(f, tmp / f.name)
     if out.exists():
         # re-publication after a resume: the old directory is replaced as a whole
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link a read-only tokenizer file (no data copied); copy across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def collect_versions(weights_dir: str | Path, keep: int) -> list[Path]:

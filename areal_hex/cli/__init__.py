@@ -72,3 +72,18 @@ def config_from_args(args: argparse.Namespace):  # -> ExperimentConfig
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
         path, overrides = None, [path, *overrides]
     return load_config(path, overrides)
+
+
+def require_run(cfg, command: str, need_redis: bool = True) -> None:  # cfg: ExperimentConfig
+    """A service started on its own needs the run id and Redis URL that `areal-hex run` (or
+    `areal-hex deploy`) writes into the run's config.yaml."""
+    if cfg.run.run_id is None:
+        raise UsageError(
+            f"run.run_id is not set: {command} needs the run's config.yaml (written by "
+            "areal-hex run or deploy) or run.run_id=ID"
+        )
+    if need_redis and cfg.redis.url is None:
+        raise UsageError(
+            f"redis.url is not set: {command} needs a running buffer server (areal-hex run "
+            "starts one; its config.yaml has the URL), or pass redis.url=redis://HOST:PORT"
+        )

@@ -38,16 +38,10 @@ def _stats(args: argparse.Namespace) -> int:
     from areal_hex.buffer.consumer import read_stats
     from areal_hex.buffer.embedded import RedisEndpoint, redact
     from areal_hex.buffer.keys import BufferKeys
-    from areal_hex.cli import UsageError, config_from_args
+    from areal_hex.cli import UsageError, config_from_args, require_run
 
     cfg = config_from_args(args)
-    if cfg.run.run_id is None:
-        raise UsageError("run.run_id is not set: pass the run's config.yaml or run.run_id=ID")
-    if cfg.redis.url is None:
-        raise UsageError(
-            "redis.url is not set: stats needs a running server (the run directory's "
-            "config.yaml has its URL, or pass redis.url=redis://HOST:PORT)"
-        )
+    require_run(cfg, "areal-hex buffer stats")
     ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
     client = ep.sync_client(socket_connect_timeout=5, socket_timeout=10)
     try:

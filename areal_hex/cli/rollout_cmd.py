@@ -25,18 +25,14 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from areal_hex.cli import UsageError, config_from_args
+    from areal_hex.cli import UsageError, config_from_args, require_run
     from areal_hex.data import DataError
 
     cfg = config_from_args(args)
-    if cfg.run.run_id is None:
-        raise UsageError("run.run_id is not set: pass run.run_id=NAME (the launcher sets it)")
-    if cfg.redis.url is None:
-        raise UsageError(
-            "redis.url is not set: start the buffer first (areal-hex run does) and pass "
-            "redis.url=redis://HOST:PORT"
-        )
+    require_run(cfg, "areal-hex rollout")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    log = logging.getLogger("areal_hex.rollout")
     from rollout_service.wiring import run_rollout
 
     try:
@@ -44,7 +40,14 @@ def _run(args: argparse.Namespace) -> int:
     except DataError as exc:
         raise UsageError(str(exc)) from None
     except TimeoutError as exc:  # no server came up, or the gate waited too long
-        logging.getLogger("areal_hex.rollout").error("%s", exc)
+        log.error("%s", exc)
+        return 1
+    except Exception as exc:
+        from rollout_service.controller import is_connection_error
+
+        if not is_connection_error(exc):
+            raise
+        log.error("lost the buffer at redis.url (retried rollout.buffer_retry_s): %s", exc)
         return 1
     print(json.dumps(final))
     return 0

@@ -51,16 +51,11 @@ def launcher_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
 
 
 def _run(args: argparse.Namespace) -> int:
-    from areal_hex.cli import UsageError, config_from_args
+    from areal_hex.cli import UsageError, config_from_args, require_run
 
     cfg = config_from_args(args)  # validate before any process starts
-    if cfg.run.run_id is None:
-        raise UsageError("run.run_id is not set: pass run.run_id=NAME (the launcher sets it)")
-    if cfg.trainer.replay_path is None and cfg.redis.url is None:
-        raise UsageError(
-            "redis.url is not set: start the buffer first (areal-hex run does) or set "
-            "trainer.replay_path to train from a file"
-        )
+    # trainer.replay_path trains from a file: no buffer server needed
+    require_run(cfg, "areal-hex train", need_redis=cfg.trainer.replay_path is None)
     held = (cfg.trainer.checkpoint_every + 1) * cfg.buffer.groups_per_step
     if cfg.trainer.replay_path is None and held > cfg.buffer.max_pending:
         # groups stay pending until the checkpoint that holds their update commits; the

@@ -149,12 +149,13 @@ def _health(probe_args: list[str], start_period: str) -> dict[str, Any]:
 
 def _redis(d: Deployment) -> dict[str, Any]:
     port = d.dcfg.redis.port
-    # The password goes to redis-server on stdin (a config file `-`): never on a command
-    # line or in the environment. `$$` is compose's escape for a literal `$`.
+    # The password goes to redis-server on stdin (config file `-`, a here-document): never
+    # on a command line or in the environment; `exec` makes the server PID 1 (clean stop on
+    # SIGTERM). `$$` is compose's escape for a literal `$`.
     start = (
-        'printf "requirepass %s\\n" "$$(cat /run/secrets/redis-password)" | '
-        f"exec redis-server - --bind 127.0.0.1 --port {port} "
-        "--appendonly yes --appendfsync everysec --dir /data"
+        f"exec redis-server - --bind 127.0.0.1 --port {port} --appendonly yes "
+        "--appendfsync everysec --dir /data <<EOF\n"
+        "requirepass $$(cat /run/secrets/redis-password)\nEOF\n"
     )
     ping = (
         'REDISCLI_AUTH="$$(cat /run/secrets/redis-password)" '

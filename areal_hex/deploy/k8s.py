@@ -282,10 +282,11 @@ def _redis(d: Deployment) -> list[Obj]:
 
 def _redis_container(d: Deployment) -> Obj:
     port, res = d.dcfg.redis.port, d.dcfg.resources.redis
-    # The password reaches redis-server on stdin (config file `-`), not its command line.
+    # The password reaches redis-server on stdin (config file `-`, a here-document), not
+    # its command line; `exec` makes the server PID 1, so SIGTERM shuts it down cleanly.
     start = (
-        'printf "requirepass %s\\n" "$(cat /run/secrets/redis/redis-password)" | '
-        f"exec redis-server - --port {port} --appendonly yes --appendfsync everysec --dir /data"
+        f"exec redis-server - --port {port} --appendonly yes --appendfsync everysec "
+        "--dir /data <<EOF\nrequirepass $(cat /run/secrets/redis/redis-password)\nEOF\n"
     )
     ping = (
         'REDISCLI_AUTH="$(cat /run/secrets/redis/redis-password)" '

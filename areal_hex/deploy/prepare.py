@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     source = cfg.model.model_copy(
         update={"path": args.source, "tokenizer_path": args.tokenizer_source}
     )
-    out = materialize(source, cfg.model.path)
+    texts = None
+    if source.path is None and source.tiny is not None and source.tiny.sft_steps > 0:
+        from areal_hex.launch.prepare import sft_texts
+        from areal_hex.models import build_tokenizer
+
+        texts = sft_texts(cfg, build_tokenizer())  # the same warm start as `areal-hex run`
+    out = materialize(source, cfg.model.path, sft_texts=texts)
     print(f"initial weights ready at {out}", flush=True)
     return 0
 

@@ -282,3 +282,21 @@ async def test_killed_server_requests_finish_elsewhere(stack: Stack) -> None:
     assert not victim.healthy and victim.failures_total >= 1
     groups = read_groups(stack, run_id, buf, 6)
     assert sum(len(g.completions) for g in groups) == 24
+
+
+def test_rollout_cli_usage_errors(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    base = [sys.executable, "-m", "areal_hex.cli", "rollout"]
+    cases = [
+        (["model.tiny={}"], "run.run_id is not set"),
+        (["run.run_id=x", "model.tiny={}"], "redis.url is not set"),
+        (
+            ["run.run_id=x", "model.tiny={}", "redis.url=redis://127.0.0.1:1/0",
+             "data.dataset=gsm8k", f"data.path={tmp_path / 'missing.jsonl'}"],
+            "missing.jsonl: no such file",
+        ),
+    ]  # fmt: skip
+    for args, message in cases:
+        out = subprocess.run([*base, *args], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert message in out.stderr and "Traceback" not in out.stderr

@@ -248,14 +248,20 @@ def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
+        client.set("k", "v")
+        # the shell exec'd the server: it is the process a container runtime signals
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert password not in cmdline and str(get_binary_path()) in cmdline
+        proc.terminate()  # SIGTERM, as `docker stop` / pod deletion sends it
+        assert proc.wait(timeout=20) == 0  # a clean shutdown
+        assert any(data.rglob("*.aof"))  # append-only persistence on disk
     finally:
         import os
         import signal
 
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the whole group, whatever the shell forked
+            proc.wait(timeout=10)
 
 
 @pytest.mark.timeout(120)

@@ -78,15 +78,17 @@ def test_serve_rejects_bad_index() -> None:
 
 @pytest.mark.timeout(240)
 def test_bench_rollout_json() -> None:
-    args = "--requests 8 --batch-size 4 --max-new 24 --max-prompt 16".split()
+    args = "--requests 6 --batch-size 3 --min-new 4 --max-new 12 --max-prompt 12 --rounds 1".split()
     cmd = [sys.executable, "-m", "areal_hex.cli", "bench", "rollout", "--json", *args]
     out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=230)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["requests"] == 8 and result["server_tokens"] == result["useful_tokens"]
+    assert result["requests"] == 6 and result["server_tokens"] == result["useful_tokens"]
     for key in ("server_tokens_per_s", "hf_generate_tokens_per_s", "p50_latency_s"):
         assert result[key] > 0, key
     assert result["p99_latency_s"] >= result["p50_latency_s"]
+    assert result["rounds"] == 1 and len(result["server_tokens_per_s_rounds"]) == 1
+    assert result["server_decode_steps"] > 0 and result["server_prefill_batches"] > 0
     assert result["ratio"] == pytest.approx(
         result["server_tokens_per_s"] / result["hf_generate_tokens_per_s"]
     )

@@ -125,3 +125,49 @@ async def test_engine_on_cuda() -> None:
             logits = ref(ids).logits[0, len(prompt) - 1 : -1].float() / 0.8
         want = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(res.logprobs), want.cpu(), atol=1e-3, rtol=0)
+
+
+class FailingOnce(torch.nn.Module):
+    """The real tiny model, except that one forward raises as a CUDA OOM would."""
+
+    def __init__(self, inner: Any, fail_at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.generation_config = inner.generation_config
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def forward(self, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return self.inner(**kwargs)
+
+
+@pytest.mark.timeout(60)
+async def test_a_failing_step_aborts_the_batch_and_the_server_goes_on(model: Any) -> None:
+    from areal_hex.api import SamplingParams
+    from rollout_service.app import ServerSettings, create_app
+    from rollout_service.client import InferenceClient
+    from rollout_service.engine import Engine, EngineOptions
+    from rollout_service.server import ServerThread
+
+    flaky = FailingOnce(model, fail_at=10)
+    engine = Engine(flaky, None, lambda p: model, "tiny", "0", EngineOptions())
+    with ServerThread(create_app(engine, ServerSettings())) as url:
+        async with InferenceClient(url) as c:
+            sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+            batch = {
+                "input_ids": [[5], [6, 7]],
+                "sampling_params": {"max_new_tokens": 40, "ignore_eos": True},
+            }
+            first = await c.generate_raw(batch)
+            assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in first)
+            assert all(0 < len(r["output_ids"]) < 40 for r in first)
+            assert "engine error" in first[0]["meta_info"]["finish_reason"]["message"]
+            info = await c.server_info()
+            assert "CUDA out of memory (injected)" in info["last_error"]
+            again = await c.generate([5], sp)
+            assert again.finish_reason == "length" and len(again.output_ids) == 40
+            assert await c.health()

@@ -91,6 +91,7 @@ def test_plan_writes_yaml_json_and_plot(tmp_path: Path) -> None:
         ("fits_nowhere", "fits on no GPU"),
         ("low_budget", r"below the cheapest feasible plan, \$3.70/h"),
         ("bad_budget", "--budget must be a positive number"),
+        ("high_target", "above what the cluster can reach"),
     ],
 )
 def test_bad_input_exits_2_without_traceback(tmp_path: Path, case: str, match: str) -> None:
@@ -112,9 +113,8 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path, case: str, match: s
         budget = "2"
     elif case == "bad_budget":
         budget = "-5"
-    r = cli(
-        "plan", str(path), "--model", model, "--budget", budget, "--out", str(tmp_path / "p.yaml")
-    )
+    goal = ["--target-rate", "1e6"] if case == "high_target" else ["--budget", budget]
+    r = cli("plan", str(path), "--model", model, *goal, "--out", str(tmp_path / "p.yaml"))
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     import re

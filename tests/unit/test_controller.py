@@ -378,3 +378,54 @@ async def test_gate_timeout_ends_cleanly_and_raises(rewards, tmp_path: Path) -> 
     assert len(producer.groups) == 2 and producer.submitted == 2  # admitted ones finished
     last = json.loads((tmp_path / "rollout.jsonl").read_text().splitlines()[-1])
     assert last["final"] is True and last["groups_produced_total"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_buffer_outage_is_ridden_out(rewards, tmp_path: Path) -> None:
+    import redis.exceptions
+
+    class Flaky(MemoryProducer):
+        fails = {"admit": 2, "put": 2}
+
+        async def admit(self, n: int = 1) -> None:
+            if self.fails["admit"]:
+                self.fails["admit"] -= 1
+                raise redis.exceptions.ConnectionError("Error 111 connecting")
+            await super().admit(n)
+
+        async def put(self, group: GroupRecord) -> str:
+            if self.fails["put"]:
+                self.fails["put"] -= 1
+                raise ConnectionRefusedError("connection refused")
+            return await super().put(group)
+
+    producer = Flaky(groups_per_step=100)
+    ctl = _controller([LoopbackServer("a")], producer, rewards, tmp_path, max_groups=3)
+    final = await ctl.run()
+    assert len(producer.groups) == 3 and final["groups_failed_total"] == 0
+    assert producer.fails == {"admit": 0, "put": 0}
+
+    class Down(MemoryProducer):
+        async def admit(self, n: int = 1) -> None:
+            raise redis.exceptions.ConnectionError("Error 111 connecting")
+
+    ctl = _controller(
+        [LoopbackServer("a")], Down(), rewards, tmp_path, max_groups=3, buffer_retry_s=0.5
+    )
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await ctl.run()
+
+
+@pytest.mark.timeout(60)
+async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_path: Path) -> None:
+    server = LoopbackServer("a", delay_s=0.05)
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([server], producer, rewards, tmp_path, max_groups=2)
+    run = asyncio.create_task(ctl.run())
+    await asyncio.sleep(0.2)
+    for v in (1, 2, 3):  # 2 arrives while 1 loads (50 ms), then 3 replaces it
+        await producer.publish(v, f"/w/v{v}")
+        await asyncio.sleep(0.01)
+    final = await run
+    assert server.updates == [("/w/v1", "1"), ("/w/v3", "3")]
+    assert final["version"] == 3 and final["weight_updates_total"] == 2

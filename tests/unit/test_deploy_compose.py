@@ -145,7 +145,11 @@ def test_image_entrypoint_is_the_rendered_wrapper(kind):
 
 def test_cpu_image_runs_the_tiny_example():
     text = (ROOT / "deploy/docker/Dockerfile.cpu").read_text()
-    assert 'CMD ["areal-hex", "run", "examples/tiny_cpu.yaml"' in text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("CMD")]
+    cmd = json.loads(line.removeprefix("CMD"))
+    assert cmd[:3] == ["areal-hex", "run", "examples/tiny_cpu.yaml"]
+    cfg = load_config(ROOT / cmd[2], cmd[3:])  # the example and overrides load as given
+    assert cfg.run.output_dir == "/data/runs" and cfg.trainer.device == "cpu"
     assert "DS_ACCELERATOR=cpu" in text and "\nUSER 1000\n" in text
 
 
