@@ -114,7 +114,7 @@ def prepare_run(
         cfg.redis.url = f"redis://127.0.0.1:{port}/0"
         cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
     inf = cfg.inference
-    if not inf.server_urls and inf.backend == "builtin":
+    if not inf.server_urls:
         inf.base_port = free_port_block(inf.num_servers, inf.base_port)
     weights = Path(inf.weights_dir or run_dir / "weights").resolve()
     weights.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,7 @@ def test_unrecoverable_server_fails_the_run_with_its_log(tmp_path: Path) -> None
         "model.tiny.sft_steps=0",
         "inference.backend=sglang",
         "inference.sglang.python=/nonexistent/python",
+        f"inference.base_port={free_port()}",
     ]
     res = cli("run", str(EXAMPLE), *overrides, "--no-progress", timeout=170)
     assert res.returncode == 1, res.stderr[-3000:]
