@@ -122,7 +122,10 @@ async def test_gate_blocks_exactly_at_bound_and_releases_on_version_bump(
     for _ in range(8):  # (v + eta + 1) * B = (0 + 1 + 1) * 4
         await asyncio.wait_for(p.admit(), 2)
     blocked = asyncio.ensure_future(p.admit())
-    await asyncio.sleep(0.5)
+    sync = endpoint.sync_client()
+    # Blocked, and listening for version bumps (else only the 30 s poll could wake it).
+    await wait_until(lambda: sync.pubsub_numsub(p.keys.weights_channel)[0][1] == 1)
+    await asyncio.sleep(0.3)
     assert not blocked.done()
     assert int(await p.r.get(p.keys.submitted)) == 8
     start = time.monotonic()
