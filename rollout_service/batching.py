@@ -121,6 +121,36 @@ class KVBatch:
         return int(self.mask.shape[1])
 
 
+def _prebuilt_masks(model: Any) -> bool:
+    """Whether we may hand the model its 4-D boolean mask ourselves: SDPA attention
+    and full attention in every layer (HF otherwise rebuilds it on each call)."""
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return getattr(cfg, "_attn_implementation", None) == "sdpa" and set(layer_types) == {
+        "full_attention"
+    }
+
+
+def _attention(model: Any, mask: torch.Tensor, queries: int) -> Any:
+    """The attention mask argument for the last `queries` columns of `mask` (B, L).
+
+    Prebuilt: (B, 1, queries, L) bool, True = may attend: causal within the new
+    columns and never to a padding column. A padding query row attends to itself only,
+    so no row is fully masked (SDPA would return NaN for it, and NaN keys/values of
+    padding would then poison real rows through 0 * NaN)."""
+    if not _prebuilt_masks(model):
+        return mask
+    keys = mask.bool()[:, None, None, :]  # (B, 1, 1, L)
+    if queries == 1:
+        return {"full_attention": keys}
+    width = mask.shape[1]
+    q_pos = torch.arange(width - queries, width, device=mask.device)[:, None]  # (q, 1)
+    k_pos = torch.arange(width, device=mask.device)[None, :]  # (1, L)
+    causal = (k_pos <= q_pos)[None, None]  # (1, 1, q, L)
+    allowed = (causal & keys) | (k_pos == q_pos)[None, None]
+    return {"full_attention": allowed}
+
+
 @torch.no_grad()
 def prefill(
     model: Any, prompts: Sequence[Sequence[int]], params: RowParams, pad_id: int
@@ -141,7 +171,7 @@ def prefill(
     cache = DynamicCache(config=model.config)
     out = model(
         input_ids=ids,
-        attention_mask=mask,
+        attention_mask=_attention(model, mask, width),
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
@@ -159,7 +189,7 @@ def decode_step(model: Any, batch: KVBatch) -> torch.Tensor:
     batch.mask = torch.cat([batch.mask, ones], dim=1)
     out = model(
         input_ids=batch.last[:, None],
-        attention_mask=batch.mask,
+        attention_mask=_attention(model, batch.mask, 1),
         position_ids=batch.pos[:, None],
         past_key_values=batch.cache,
         use_cache=True,

@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for both the server and the baseline (default 1)",
+    )
 
 
 def _workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "device": args.device,
         "model_size": args.model_size,
+        "threads": args.threads,
         "useful_tokens": sum(n for _, n in work),
         **server,
         "hf_generate_tokens_per_s": hf,
@@ -125,6 +132,7 @@ def _server_run(
             "max_running_requests": args.batch_size,
             "context_length": context,
             "seed": args.seed,
+            "num_threads": args.threads,
         },
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,6 +209,7 @@ def _hf_run(
     from areal_hex import models
 
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     model = models.build_tiny_model(model_cfg.tiny, tok, seed=model_cfg.seed)
     model = model.to(device=args.device, dtype=models.torch_dtype(model_cfg.dtype)).eval()
     pad = int(tok.pad_token_id)

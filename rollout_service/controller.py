@@ -143,18 +143,27 @@ class RolloutController:
         prompts = iterate_prompts(self.prompts, self.seed)
         slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
         seq = 0
-        while self.max_groups is None or seq < self.max_groups:
-            if not await self._until_stop(slots.acquire()):
-                break
-            if not await self._until_stop(self.producer.admit()):
-                slots.release()
-                break
-            epoch, prompt = next(prompts)
-            task = asyncio.create_task(self._group(seq, epoch, prompt))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(lambda _t: slots.release())
-            seq += 1
+        try:
+            while self.max_groups is None or seq < self.max_groups:
+                if not await self._until_stop(slots.acquire()):
+                    break
+                if not await self._until_stop(self.producer.admit()):
+                    slots.release()
+                    break
+                epoch, prompt = next(prompts)
+                task = asyncio.create_task(self._group(seq, epoch, prompt))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _t: slots.release())
+                seq += 1
+        except asyncio.CancelledError:
+            for t in self._tasks:
+                t.cancel()
+            raise
+        except Exception:  # e.g. the gate timed out: in-flight groups still end cleanly
+            self.request_stop()
+            await self._drain()
+            raise
         await self._drain()
 
     async def _until_stop(self, aw: Awaitable[T]) -> bool:

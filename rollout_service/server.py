@@ -51,8 +51,12 @@ def load_initial(model_cfg: ModelConfig, device: str) -> tuple[Any, Any | None, 
 
 
 def build_engine(model_cfg: ModelConfig, inf: InferenceConfig) -> Engine:
+    import torch
+
     from areal_hex.models import load_model
 
+    if inf.num_threads is not None:
+        torch.set_num_threads(inf.num_threads)
     model, tok, path = load_initial(model_cfg, inf.device)
 
     def reload(weights: str) -> Any:

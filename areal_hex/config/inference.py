@@ -39,6 +39,9 @@ class InferenceConfig(Section):
     # Version reported for the weights the server starts with (v0 = the initial model).
     weight_version: str = "0"
     seed: int = 0
+    # torch intra-op threads of a CPU server (None: torch's default, one per core). On a
+    # small machine shared with the trainer, 1 is often much faster for small models.
+    num_threads: int | None = Field(None, gt=0)
     # How long `serve` waits for a launched SGLang server to answer /health.
     startup_timeout_s: float = Field(600.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "warning"

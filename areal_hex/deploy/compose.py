@@ -63,6 +63,8 @@ def render_compose(d: Deployment) -> dict[str, Any]:
     }
     run_dir = d.cfg.run.run_dir()
     controller["healthcheck"] = _health(["fresh", f"{run_dir}/rollout.jsonl", "600"], "60s")
+    # It exits 0 once the run's groups are produced; only a failure restarts it.
+    controller["restart"] = "on-failure"
     services["controller"] = controller
     trainer_spec = d.layout.by_role("trainer")[0]
     trainer = _app(d, trainer_spec, d.dcfg.images.trainer, d.dcfg.resources.trainer)

@@ -169,17 +169,24 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
 
 
 def _controller(d: Deployment) -> Obj:
+    """A Job, not a Deployment: the controller exits 0 once it has produced the run's
+    groups (`rollout.max_groups`), and must then not start over."""
     svc = d.layout.by_role("controller")[0]
-    name = service_name(d.prefix, svc)
     # It finds server i at inference.server_urls[i] (each server's Service) in the config.
     spec = pod_spec(d, svc, d.dcfg.images.controller, d.dcfg.resources.controller, svc.command)
     # The controller appends to rollout.jsonl every few seconds; silence means it hangs.
     fresh = ["fresh", f"{d.cfg.run.run_dir()}/rollout.jsonl", "600"]
     spec["containers"][0]["livenessProbe"] = probe_exec(fresh, 60, 3, delay=120)
-    pod_labels = labels(d, "controller")
-    sel = {"app.kubernetes.io/instance": pod_labels["app.kubernetes.io/instance"]}
-    sel["app.kubernetes.io/component"] = "controller"
-    return _deployment(d, name, sel, pod_labels, spec)
+    spec["restartPolicy"] = "OnFailure"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(d, service_name(d.prefix, svc), "controller"),
+        "spec": {
+            "backoffLimit": 6,
+            "template": {"metadata": {"labels": labels(d, "controller")}, "spec": spec},
+        },
+    }
 
 
 def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:

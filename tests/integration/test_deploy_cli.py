@@ -275,3 +275,57 @@ def test_prepare_writes_v0_once(tmp_path):
         env=ENV, capture_output=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 1
+
+
+@pytest.mark.timeout(240)
+def test_rendered_inference_service_runs_with_its_secrets(tmp_path):
+    """A compose inference service as rendered (entry wrapper + `areal-hex serve`), on a
+    tiny CPU model: it answers the rendered health check and requires the rendered token."""
+    import time
+
+    import httpx
+
+    out = tmp_path / "out"
+    r = _cli(
+        "deploy", "examples/plans/workstation_l40s_l4.yaml", "examples/deploy/qwen3-0.6b.yaml",
+        "inference.backend=builtin", "inference.device=cuda",
+        "--target", "compose", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    svc = yaml.safe_load((out / "docker-compose.yaml").read_text())["services"]["rollout-l4-0"]
+    # What this machine lacks stands in: the CPU, the tiny model, a free port, a temp dir.
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    port, weights = _free_port(), tmp_path / "weights"
+    index = int(svc["command"][-1])
+    # (no v0 here: the server builds the tiny model itself; test_prepare_writes_v0_once)
+    cfg["model"].update(path=None, tiny={"num_layers": 1}, dtype="float32")
+    cfg["inference"].update(device="cpu", base_port=port - index, weights_dir=str(weights))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    entry = svc["entrypoint"]
+    entry[entry.index("--config") + 1] = str(tmp_path / "config.yaml")
+    entry[entry.index("--secrets") + 1] = str(out / "secrets")
+    entry[entry.index("--out") + 1] = str(tmp_path / "rt" / "config.yaml")
+    assert svc["command"][0] == "areal-hex"
+    command = [sys.executable, "-m", "areal_hex.cli", *svc["command"][1:]]
+    proc = subprocess.Popen(
+        [sys.executable if a == "python3" else a for a in entry] + command,
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    health = [sys.executable if a == "python3" else a for a in svc["healthcheck"]["test"][1:]]
+    health[-1] = health[-1].replace(f":{30000 + index}/", f":{port}/")
+    try:
+        for _ in range(300):
+            if subprocess.run(health, env=ENV, capture_output=True).returncode == 0:
+                break
+            assert proc.poll() is None, "server exited"
+            time.sleep(0.5)
+        else:
+            raise AssertionError("server never became healthy")
+        token = (out / "secrets/api-token").read_text().strip()
+        url = f"http://127.0.0.1:{port}/get_model_info"
+        assert httpx.get(url, timeout=10).status_code == 401
+        info = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert info.status_code == 200 and info.json()["model_path"] == "tiny"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

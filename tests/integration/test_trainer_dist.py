@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -81,6 +82,14 @@ def run_train(
     return run_dir, None
 
 
+def whole_run(assets: dict[str, Path]) -> Path:
+    """The reference run (1 rank, whole batch), made once per module."""
+    run_dir = assets["dir"] / "runs" / "whole"
+    if not (run_dir / "weights" / "v2" / "model.safetensors").is_file():
+        run_train(assets, "whole", {})
+    return run_dir
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -102,15 +111,21 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
 def test_ranks_and_micro_batches_match_whole_batch(assets: dict[str, Path]) -> None:
     import torch
 
-    whole, _ = run_train(assets, "whole", {})
+    whole = whole_run(assets)
     micro, _ = run_train(assets, "micro", {"trainer.micro_batch_tokens": 40})
     two, _ = run_train(
         assets,
         "two",
         {"trainer.num_ranks": 2, "trainer.zero_stage": 2, "trainer.micro_batch_tokens": 40},
     )
+    # ZeRO-3 through the torchrun launcher: parameters gathered for forward and publication
+    three, _ = run_train(
+        assets,
+        "three",
+        {"trainer.num_ranks": 2, "trainer.zero_stage": 3, "trainer.launcher": "torchrun"},
+    )
     ref = metrics(whole)
-    for other in (micro, two):
+    for other in (micro, two, three):
         got = metrics(other)
         assert [m["step"] for m in got] == [1, 2]
         for a, b in zip(ref, got, strict=True):
@@ -118,11 +133,11 @@ def test_ranks_and_micro_batches_match_whole_batch(assets: dict[str, Path]) -> N
             assert b["behav_weight_mean"] == pytest.approx(a["behav_weight_mean"], abs=1e-5)
             assert b["clip_frac"] == pytest.approx(a["clip_frac"], abs=1e-6)
     # the weights moved, and moved identically
-    init = weights(whole, 1)
-    w_whole = weights(whole, 2)
-    assert any(not torch.equal(init[k], w_whole[k]) for k in init)
+    after1, w_whole = weights(whole, 1), weights(whole, 2)
+    assert any(not torch.equal(after1[k], w_whole[k]) for k in after1)
     assert_same_weights(w_whole, weights(micro, 2), 1e-5)
     assert_same_weights(w_whole, weights(two, 2), 1e-5)
+    assert_same_weights(w_whole, weights(three, 2), 1e-5)
     assert metrics(two)[-1]["groups_trained_total"] == 8
 
 
@@ -201,3 +216,59 @@ def test_sigkill_then_resume_trains_each_group_once(assets: dict[str, Path]) -> 
         assert (end.stream_length, end.pending, end.version) == (0, 0, 6)
         assert int(r.get(BufferKeys("killed").acked)) == 24  # each group acked exactly once
         assert end.submitted == 24
+
+
+@pytest.mark.timeout(300)
+def test_published_weights_serve_the_trainers_log_probs(assets: dict[str, Path]) -> None:
+    """v2 loaded by the inference engine samples with the log-probs the trainer's own
+    model (restored from its DeepSpeed checkpoint) assigns to the same tokens."""
+    import asyncio
+
+    import torch
+
+    from areal_hex.config import InferenceConfig, ModelConfig
+    from areal_hex.models import load_model
+    from rollout_service.requests import Sampling
+    from rollout_service.server import build_engine
+    from trainer_service.batching import collate, flatten_groups
+    from trainer_service.engine import token_logprobs
+    from trainer_service.sources import ReplayConsumer
+    from trainer_service.synthetic import synthetic_groups
+
+    run_dir = whole_run(assets)
+    v2 = run_dir / "weights" / "v2"
+    prompt = ReplayConsumer(assets["replay"]).groups[0].prompt_ids.tolist()
+    engine = build_engine(ModelConfig(path=str(assets["model"])), InferenceConfig())
+
+    async def sample() -> tuple[list[int], list[float], str]:
+        engine.start()
+        try:
+            await engine.update_weights(str(v2), "2", abort_all=False)
+            req = await engine.generate(prompt, Sampling(max_new_tokens=12, temperature=0.7), "r")
+            return req.output_ids, req.logprobs, req.weight_version
+        finally:
+            engine.stop()
+
+    out_ids, server_lp, version = asyncio.run(sample())
+    assert version == "2" and len(out_ids) > 0
+    state = torch.load(
+        run_dir / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False
+    )
+    trained = load_model(assets["model"])
+    trained.load_state_dict(state["module"])
+    group = synthetic_groups(1, 1, 10, seed=0)[0]
+    group.prompt_ids = np.asarray(prompt, dtype=np.int32)
+    comp = group.completions[0]
+    comp.token_ids = np.asarray(out_ids, dtype=np.int32)
+    comp.logprobs = np.zeros(len(out_ids), dtype=np.float32)
+    comp.versions = np.zeros(len(out_ids), dtype=np.int32)
+    group.temperature = 0.7
+    mb = collate(flatten_groups([group]), pad_id=0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(trained, mb)
+    ours = logp[mb.loss_mask > 0].tolist()
+    assert ours == pytest.approx(server_lp, abs=1e-4)
+    # and the published file holds exactly the trainer's weights
+    published = weights(run_dir, 2)
+    for k, v in published.items():
+        assert torch.equal(v, state["module"][k]), k

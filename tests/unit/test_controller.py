@@ -360,3 +360,21 @@ async def test_gate_and_stop_abandons_in_flight(rewards, tmp_path: Path) -> None
     assert final["groups_abandoned_total"] == final["groups_in_flight"]
     assert producer.released == final["groups_in_flight"]
     assert producer.submitted == len(producer.groups) == final["groups_produced_total"]
+
+
+@pytest.mark.timeout(60)
+async def test_gate_timeout_ends_cleanly_and_raises(rewards, tmp_path: Path) -> None:
+    class StuckGate(MemoryProducer):
+        async def admit(self, n: int = 1) -> None:
+            if self.submitted >= 2:
+                await asyncio.sleep(0.2)
+                raise TimeoutError("buffer gate: waited too long")
+            await super().admit(n)
+
+    producer = StuckGate(groups_per_step=100)
+    ctl = _controller([LoopbackServer("a")], producer, rewards, tmp_path, max_groups=None)
+    with pytest.raises(TimeoutError, match="waited too long"):
+        await ctl.run()
+    assert len(producer.groups) == 2 and producer.submitted == 2  # admitted ones finished
+    last = json.loads((tmp_path / "rollout.jsonl").read_text().splitlines()[-1])
+    assert last["final"] is True and last["groups_produced_total"] == 2

@@ -72,6 +72,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
         assert svc["restart"] == "unless-stopped"
         assert svc["network_mode"] == "host"
     assert s["controller"]["command"] == ["areal-hex", "rollout", "{config}"]
+    assert s["controller"]["restart"] == "on-failure"
     assert set(s["controller"]["depends_on"]) == {"prepare", "redis", *(i.id for i in plan.rollout)}
     assert s["trainer"]["command"] == ["areal-hex", "train", "{config}"]
     assert s["trainer"]["restart"] == "on-failure"

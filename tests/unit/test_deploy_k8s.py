@@ -91,7 +91,7 @@ def test_gpu_requests_add_up_to_the_plan(rendered):
             for c in spec["containers"]:
                 r = c["resources"]
                 assert r["requests"].get("nvidia.com/gpu") == r["limits"].get("nvidia.com/gpu")
-    controller = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"]
+    controller = [o for o in _kind(objs, "Job") if _component(o) == "controller"]
     assert _gpus(controller[0]["spec"]["template"]["spec"]) == 0
 
 
@@ -220,8 +220,10 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
 
 def test_controller_is_told_where_each_server_listens(rendered):
     plan, cfg, _, objs = rendered
-    dep = [o for o in _kind(objs, "Deployment") if _component(o) == "controller"][0]
-    c = dep["spec"]["template"]["spec"]["containers"][0]
+    (job,) = [o for o in objs if _component(o) == "controller"]
+    assert job["kind"] == "Job"  # it exits when done: never restarted after success
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    c = job["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == ["areal-hex", "rollout", "{config}"]
     (cm,) = _kind(objs, "ConfigMap")
     deployed = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
