@@ -5,26 +5,36 @@
         consumer = RedisTrajectoryConsumer(endpoint.sync_client(), run_id, cfg.buffer)
         publisher = RedisWeightPublisher(endpoint.sync_client(), run_id, cfg.buffer)
 
-See docs/buffer.md for keys, semantics and options.
+See docs/buffer.md for keys, semantics and options. Names are imported on first use, so
+importing a submodule (e.g. the benchmark, for the CLI's parser) stays cheap.
 """
 
 from __future__ import annotations
 
-from areal_hex.buffer.codec import DecodeError, decode_group, encode_group
-from areal_hex.buffer.consumer import (
-    RedisTrajectoryConsumer,
-    RedisWeightPublisher,
-    read_stats,
-)
-from areal_hex.buffer.embedded import EmbeddedValkey, RedisEndpoint, open_redis
-from areal_hex.buffer.keys import GROUP, BufferKeys
-from areal_hex.buffer.producer import RedisTrajectoryProducer, VersionUpdate
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "DecodeError": "codec",
+    "decode_group": "codec",
+    "encode_group": "codec",
+    "RedisTrajectoryConsumer": "consumer",
+    "RedisWeightPublisher": "consumer",
+    "read_stats": "consumer",
+    "EmbeddedValkey": "embedded",
+    "RedisEndpoint": "embedded",
+    "open_redis": "embedded",
+    "GROUP": "keys",
+    "BufferKeys": "keys",
+    "RedisTrajectoryProducer": "producer",
+    "VersionUpdate": "producer",
+}
 
 __all__ = [
-    "GROUP",
     "BufferKeys",
     "DecodeError",
     "EmbeddedValkey",
+    "GROUP",
     "RedisEndpoint",
     "RedisTrajectoryConsumer",
     "RedisTrajectoryProducer",
@@ -35,3 +45,21 @@ __all__ = [
     "open_redis",
     "read_stats",
 ]
+
+if TYPE_CHECKING:
+    from areal_hex.buffer.codec import DecodeError, decode_group, encode_group
+    from areal_hex.buffer.consumer import (
+        RedisTrajectoryConsumer,
+        RedisWeightPublisher,
+        read_stats,
+    )
+    from areal_hex.buffer.embedded import EmbeddedValkey, RedisEndpoint, open_redis
+    from areal_hex.buffer.keys import GROUP, BufferKeys
+    from areal_hex.buffer.producer import RedisTrajectoryProducer, VersionUpdate
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_hex.buffer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"areal_hex.buffer.{module}"), name)

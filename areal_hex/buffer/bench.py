@@ -15,16 +15,12 @@ import asyncio
 import statistics
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from areal_hex.buffer.codec import encode_group
-from areal_hex.buffer.consumer import RedisTrajectoryConsumer
-from areal_hex.buffer.embedded import EmbeddedValkey, RedisEndpoint
-from areal_hex.buffer.producer import RedisTrajectoryProducer
-from areal_hex.config.redis import BufferConfig
-from areal_hex.record import Completion, GroupRecord
+# The CLI imports this module to build its parser: heavy imports wait for run().
+if TYPE_CHECKING:
+    from areal_hex.buffer.embedded import RedisEndpoint
+    from areal_hex.record import GroupRecord
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_groups(n: int, g: int, t: int, seed: int = 0) -> list[GroupRecord]:
+    import numpy as np
+
+    from areal_hex.record import Completion, GroupRecord
+
     rng = np.random.default_rng(seed)
     comps = [
         Completion(
@@ -108,6 +108,10 @@ class OurPath:
 
     def __init__(self, ep: RedisEndpoint, batch: int, total: int) -> None:
         run_id = f"bench-{uuid.uuid4().hex[:8]}"
+        from areal_hex.buffer.consumer import RedisTrajectoryConsumer
+        from areal_hex.buffer.producer import RedisTrajectoryProducer
+        from areal_hex.config.redis import BufferConfig
+
         cfg = BufferConfig(groups_per_step=batch, max_pending=total + 1)
         self.batch = batch
         self.consumer = RedisTrajectoryConsumer(ep.sync_client(), run_id, cfg, keepalive=False)
@@ -141,6 +145,8 @@ def measure(ep: RedisEndpoint, groups: list[GroupRecord], args: argparse.Namespa
     """One pass of each path over all groups, chunk by chunk, rotating which goes first so
     all see the same machine load. Returns seconds per path and losses."""
     ours = OurPath(ep, args.batch, len(groups))
+    from areal_hex.buffer.codec import encode_group
+
     payloads = [encode_group(g) for g in groups]
     raw = RawPath(ep, payloads, args.batch, ours.loop)
     sync = RawPath(ep, payloads, args.batch, None)
@@ -170,6 +176,9 @@ def measure(ep: RedisEndpoint, groups: list[GroupRecord], args: argparse.Namespa
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from areal_hex.buffer.codec import encode_group
+    from areal_hex.buffer.embedded import EmbeddedValkey, RedisEndpoint
+
     n = args.groups
     groups = make_groups(n, args.completions, args.tokens)
     secs_keys = ("ours", "raw", "sync")

@@ -149,13 +149,14 @@ def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, n
     return out
 
 
-def _list_of(body: dict[str, Any], key: str, types: type | tuple[type, ...], n: int) -> list:
+def _list_of(body: dict[str, Any], key: str, types: tuple[type, ...], n: int) -> list:
     items = _get(body, key, list)
     if len(items) != n:
         raise DecodeError(key, f"{len(items)} entries, expected one per completion ({n})")
-    for i, item in enumerate(items):
-        if not isinstance(item, types) or isinstance(item, bool):
-            raise DecodeError(f"{key}[{i}]", f"unexpected type {type(item).__name__}")
+    # `type(x) in types` (not isinstance): rejects bools where numbers are expected.
+    if not all(type(item) in types for item in items):
+        i, item = next((i, x) for i, x in enumerate(items) if type(x) not in types)
+        raise DecodeError(f"{key}[{i}]", f"unexpected type {type(item).__name__}")
     return items
 
 
@@ -181,7 +182,7 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
     lens = _get(body, "lens", list)
     if not lens:
         raise DecodeError("lens", "group has no completions")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in lens):
+    if not all(type(t) is int and t >= 0 for t in lens):
         raise DecodeError("lens", "expected non-negative integers")
     total, g = sum(lens), len(lens)
     arrays = _arrays(body, data, copy)
@@ -194,16 +195,16 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
         total_lp = float(arrays["logprobs"].sum(dtype=np.float64))
     if total_lp != total_lp and np.isnan(arrays["logprobs"]).any():
         raise DecodeError("logprobs", "contains NaN")
-    finish = _list_of(body, "finish", str, g)
+    finish = _list_of(body, "finish", (str,), g)
     for i, reason in enumerate(finish):
         if reason not in FINISH_REASONS:
             raise DecodeError(f"finish[{i}]", f"{reason!r} not in {FINISH_REASONS}")
     rewards = _list_of(body, "reward", (int, float), g)
     if not all(math.isfinite(r) for r in rewards):
         raise DecodeError("reward", "contains a non-finite reward")
-    texts = _list_of(body, "text", str, g)
+    texts = _list_of(body, "text", (str,), g)
     meta = _get(body, "meta", dict)
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+    if not all(type(k) is str and type(v) is str for k, v in meta.items()):
         raise DecodeError("meta", "expected a map of str to str")
     # Split the concatenated (sum T,) buffers back into per-completion (T_i,) views.
     tokens, logprobs, versions = arrays["tokens"], arrays["logprobs"], arrays["versions"]

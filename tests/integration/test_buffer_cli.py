@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from areal_hex.buffer import EmbeddedValkey, RedisEndpoint, RedisWeightPublisher, open_redis
+from areal_hex.buffer import (
+    EmbeddedValkey,
+    RedisEndpoint,
+    RedisTrajectoryConsumer,
+    RedisWeightPublisher,
+    open_redis,
+)
 from areal_hex.buffer.embedded import redact
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config.redis import BufferConfig, RedisConfig
@@ -69,6 +75,24 @@ def test_stats_reports_the_run(tmp_path: Path) -> None:
         "acked": 0,
     }
     assert text.returncode == 0 and "unconsumed     3" in text.stdout
+
+
+def test_dead_lists_dead_letters() -> None:
+    with EmbeddedValkey(appendonly=False) as server:
+        r = RedisEndpoint(server.url).sync_client()
+        keys = BufferKeys("run8")
+        r.xadd(keys.traj, {b"d": b"\x00\x01garbage"})
+        consumer = RedisTrajectoryConsumer(r, "run8", BufferConfig(), keepalive=False)
+        with pytest.raises(TimeoutError):
+            consumer.get_batch(1, timeout_s=0.3)
+        consumer.close()
+        base = ["buffer", "dead", "run.run_id=run8", f"redis.url={server.url}"]
+        out = cli(*base, "--json")
+        text = cli(*base)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["payload_bytes"] == 9 and "truncated" in row["reason"]
+    assert text.returncode == 0 and row["source_id"] in text.stdout
 
 
 def test_stats_errors_are_clear(tmp_path: Path) -> None:

@@ -122,23 +122,24 @@ def test_killed_consumer_entries_trained_exactly_once(tmp_path: Path, same_name:
 @pytest.mark.timeout(90)
 def test_live_slow_consumer_keeps_its_entries(tmp_path: Path) -> None:
     run_id = f"s{uuid.uuid4().hex[:8]}"
-    cfg = BufferConfig(reclaim_idle_ms=300)
+    # Keepalive every ~0.33 s: slack for a busy machine before entries look idle.
+    cfg = BufferConfig(reclaim_idle_ms=1000)
     with EmbeddedValkey(appendonly=False) as server:
         r = RedisEndpoint(server.url).sync_client()
         fill(r, run_id, 4)
         slow = RedisTrajectoryConsumer(r, run_id, cfg, name="trainer-0")
         other = RedisTrajectoryConsumer(r, run_id, cfg, name="trainer-1")
         batch = slow.get_batch(4, timeout_s=5)
-        # A step 4x longer than reclaim_idle_ms: the keepalive protects the entries.
+        # A step 2.5x longer than reclaim_idle_ms: the keepalive protects the entries.
         with pytest.raises(TimeoutError):
-            other.get_batch(1, timeout_s=1.2)
+            other.get_batch(1, timeout_s=2.5)
         slow.ack(batch.entry_ids)
         slow.close()
         # Without the keepalive the same situation hands the entries to the other consumer.
         fill(r, run_id, 2)
         careless = RedisTrajectoryConsumer(r, run_id, cfg, name="trainer-2", keepalive=False)
         careless.get_batch(2, timeout_s=5)
-        time.sleep(0.5)
+        time.sleep(1.3)
         stolen = other.get_batch(2, timeout_s=5)
         assert len(stolen.groups) == 2
         other.close()
@@ -197,9 +198,14 @@ async def test_version_watch_survives_a_server_restart(tmp_path: Path) -> None:
                     return
 
         task = asyncio.ensure_future(watch())
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while not seen:  # subscribed: the first item comes after that
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
         RedisWeightPublisher(ep.sync_client(), run_id, cfg).set_version(1, "/w/v1")
-        await asyncio.sleep(0.5)
+        while len(seen) < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
         server.kill()
         await asyncio.sleep(0.5)
         server.start()
