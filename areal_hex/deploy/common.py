@@ -38,6 +38,20 @@ DEFAULT_GPU_LABEL_KEY = "nvidia.com/gpu.product"
 CONFIG_DIR = "/etc/areal-hex"  # the ConfigMap (config.yaml, plan.yaml)
 SECRETS_DIR = "/run/secrets/areal-hex"  # the Secret's files (k8s); compose: /run/secrets
 RUNTIME_CONFIG = "/tmp/areal-hex/config.yaml"  # config + secrets, written by deploy.entry
+
+
+def entry_argv(secrets_dir: str) -> list[str]:
+    """The secret-injecting wrapper every container starts through; the service's layout
+    command follows after `--`. Only where the secrets are mounted differs by target."""
+    return [
+        "python3", "-m", "areal_hex.deploy.entry",
+        "--config", f"{CONFIG_DIR}/config.yaml",
+        "--secrets", secrets_dir,
+        "--out", RUNTIME_CONFIG,
+        "--",
+    ]  # fmt: skip
+
+
 SECRET_KEYS = ("redis-password", "api-token")
 
 

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from areal_hex.config.deploy import Resources
-from areal_hex.deploy.common import CONFIG_DIR, RUNTIME_CONFIG, Deployment
+from areal_hex.deploy.common import CONFIG_DIR, Deployment, entry_argv
 from areal_hex.layout import ServiceSpec
 
 COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
@@ -20,18 +20,7 @@ COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
 
 def entrypoint() -> list[str]:
     """The secret-injecting wrapper; the service's layout command follows as `command`."""
-    return [
-        "python3",
-        "-m",
-        "areal_hex.deploy.entry",
-        "--config",
-        f"{CONFIG_DIR}/config.yaml",
-        "--secrets",
-        COMPOSE_SECRETS_DIR,
-        "--out",
-        RUNTIME_CONFIG,
-        "--",
-    ]
+    return entry_argv(COMPOSE_SECRETS_DIR)
 
 
 def docker_size(quantity: str) -> str:

@@ -9,9 +9,9 @@ from typing import Any
 from areal_hex.config.deploy import Resources
 from areal_hex.deploy.common import (
     CONFIG_DIR,
-    RUNTIME_CONFIG,
     SECRETS_DIR,
     Deployment,
+    entry_argv,
     gpu_label_value,
     slug,
 )
@@ -39,18 +39,7 @@ def claim_name(d: Deployment) -> str:
 
 
 def entry_command() -> list[str]:
-    return [
-        "python3",
-        "-m",
-        "areal_hex.deploy.entry",
-        "--config",
-        f"{CONFIG_DIR}/config.yaml",
-        "--secrets",
-        SECRETS_DIR,
-        "--out",
-        RUNTIME_CONFIG,
-        "--",
-    ]
+    return entry_argv(SECRETS_DIR)
 
 
 def resources(res: Resources, gpus: int) -> Obj:
