@@ -46,6 +46,9 @@ class TrajectoryProducer(Protocol):
 
     async def version(self) -> int: ...
 
+    def set_serving_version(self, version: int) -> None:
+        """The version the servers generate with now; the gate never opens past it."""
+
 
 class TrajectoryConsumer(Protocol):
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:

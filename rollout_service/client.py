@@ -12,10 +12,12 @@ SGLANG_API.md, so the same code drives both. With an API key it sends
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import httpx
+import aiohttp
 
 from areal_hex.api import GenerateResult, SamplingParams
 
@@ -32,7 +34,23 @@ class GenerationError(RuntimeError):
         self.message = message
 
 
-def _message(resp: httpx.Response) -> str:
+@dataclass
+class Response:
+    """A read HTTP response (aiohttp's is only valid while its connection is held)."""
+
+    status_code: int
+    content: bytes
+    reason_phrase: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+def _message(resp: Response) -> str:
     try:
         body = resp.json()
     except ValueError:
@@ -77,17 +95,32 @@ class InferenceClient:
         api_key: str | None = None,
         timeout_s: float | None = 120.0,
         update_timeout_s: float | None = 600.0,
-        max_connections: int = 512,
+        max_inflight: int = 128,
     ) -> None:
+        """`max_inflight`: `/generate` calls sent at once; the rest wait here, in order.
+        A server runs at most its `max_running_requests` anyway. The transport is aiohttp:
+        with a few hundred open connections httpx's pool scans them all on every request
+        and cost the controller more CPU than the generation cost the server."""
+        if max_inflight <= 0:
+            raise ValueError(f"InferenceClient: max_inflight must be > 0, got {max_inflight}")
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self.update_timeout_s = update_timeout_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
-        )
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Room for every generate call plus the control calls (pause, abort, reload), so
+        # a pause is never queued behind the generate calls it is meant to stop.
+        self._max_connections = max_inflight + 8
+        self._session: aiohttp.ClientSession | None = None  # made on first use, in a loop
+        self._slots = asyncio.Semaphore(max_inflight)
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                json_serialize=json.dumps,
+            )
+        return self._session
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -101,31 +134,34 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     # ------------------------------------------------------------------ transport
     async def _call(
         self, method: str, path: str, body: Any = None, timeout: float | None | object = ...
-    ) -> httpx.Response:
-        kwargs: dict[str, Any] = {}
+    ) -> Response:
+        total = self.timeout_s if timeout is ... else timeout
+        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=total, connect=10.0)}
         if body is not None:
             kwargs["json"] = body
-        if timeout is not ...:
-            kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)  # type: ignore[arg-type]
+        url = self.base_url + path
         for attempt in range(2):
             try:
-                resp = await self._http.request(method, path, **kwargs)
+                async with self._http().request(method, url, **kwargs) as r:
+                    resp = Response(r.status, await r.read(), r.reason or "")
                 break
-            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            except aiohttp.ServerDisconnectedError as exc:
                 # A keep-alive connection the server closed just as it was reused: the
                 # request never ran (the server aborts requests whose client went away).
                 if attempt == 0:
                     continue
-                raise GenerationError(self.base_url + path, f"{type(exc).__name__}: {exc}") from exc
-            except httpx.HTTPError as exc:
-                raise GenerationError(self.base_url + path, f"{type(exc).__name__}: {exc}") from exc
+                raise GenerationError(url, f"{type(exc).__name__}: {exc}") from exc
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise GenerationError(url, f"{type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
-            raise GenerationError(self.base_url + path, _message(resp), resp.status_code)
+            raise GenerationError(url, _message(resp), resp.status_code)
         return resp
 
     async def _json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
@@ -145,7 +181,8 @@ class InferenceClient:
         }
         if rid is not None:
             payload["rid"] = rid
-        body = await self._json("POST", "/generate", payload)
+        async with self._slots:
+            body = await self._json("POST", "/generate", payload)
         try:
             return parse_generate(body)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -202,17 +239,17 @@ class InferenceClient:
     # ------------------------------------------------------------------ info
     async def health(self) -> bool:
         try:
-            resp = await self._http.get("/health", timeout=5.0)
-        except httpx.HTTPError:
+            await self._call("GET", "/health", timeout=5.0)
+        except GenerationError:
             return False
-        return resp.status_code == 200
+        return True
 
     async def health_generate(self, timeout_s: float = 30.0) -> bool:
         try:
-            resp = await self._http.get("/health_generate", timeout=timeout_s)
-        except httpx.HTTPError:
+            await self._call("GET", "/health_generate", timeout=timeout_s)
+        except GenerationError:
             return False
-        return resp.status_code == 200
+        return True
 
     async def wait_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.5) -> None:
         loop = asyncio.get_running_loop()

@@ -7,7 +7,9 @@ one `GroupRecord` to `producer.put()`. At most `max_concurrent_groups` prompts r
 Weight updates: a watcher follows the buffer's version notifications; on version N with
 path P it closes the update gate (no new requests), pauses every server, reloads P on
 each as version N (aborting what runs), continues them and reopens the gate. Aborted
-requests resume with their tokens so far (their later tokens carry version N).
+requests resume with their tokens so far (their later tokens carry version N). Once the
+servers serve N, the controller reports it to the gate (`set_serving_version`): the gate
+opens for version N only then, not when the trainer publishes N.
 
 Stopping (SIGTERM/SIGINT via `request_stop`, or `max_groups` reached): no new prompt is
 admitted; groups in flight get `stop_grace_s` to finish and be put; the rest are
@@ -133,6 +135,7 @@ class RolloutController:
             await self.rewards.start()
         await self.dispatcher.probe_all()
         self.dispatcher.start_probing()
+        self._serving(self.gate.version)
         background = [asyncio.create_task(self._metrics_loop())]
         if hasattr(self.producer, "watch_versions"):
             background.append(asyncio.create_task(self._watch_versions()))
@@ -344,6 +347,7 @@ class RolloutController:
             path = str(Path(self.weights_dir) / f"v{version}")
         if not path:
             log.warning("version %d has no weights path; not reloading", version)
+            self._serving(version)
             return
         async with self._weights_lock:
             t0 = time.monotonic()
@@ -360,10 +364,17 @@ class RolloutController:
                 self._weights = (version, path)
             finally:
                 self.gate.reopen(version)
+                self._serving(version)
             dt = time.monotonic() - t0
             self.stats["weight_updates_total"] += 1
             self.stats["weight_update_ms_total"] += int(dt * 1000)
             log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
+
+    def _serving(self, version: int) -> None:
+        """Tell the staleness gate which version the servers generate with now."""
+        report = getattr(self.producer, "set_serving_version", None)
+        if report is not None:
+            report(version)
 
     async def _phase(
         self,

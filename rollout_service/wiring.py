@@ -65,7 +65,13 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     if run_id is None:
         raise ValueError("run.run_id is not set (the launcher sets it; or pass run.run_id=...)")
     clients = [
-        InferenceClient(url, api_key=cfg.inference.api_key, timeout_s=None)
+        InferenceClient(
+            url,
+            api_key=cfg.inference.api_key,
+            timeout_s=None,
+            # enough queued at each server to refill its batch as requests finish
+            max_inflight=2 * cfg.inference.max_running_requests,
+        )
         for url in cfg.inference.urls()
     ]
     endpoint = open_redis(cfg.redis)

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 # Staleness gate + backpressure, checked and counted in one step so that concurrent
 # producers can never overshoot the bound.
-# KEYS: submitted, version, traj.  ARGV: n, eta, B, max_pending.
+# KEYS: submitted, version, traj.  ARGV: n, eta, B, max_pending, serving version ('' =
+# none: the published one counts). The gate counts from the older of the two: weights the
+# servers have not loaded yet do not open it.
 # Returns {status, submitted, version, backlog}: status 1 admitted (submitted already
 # includes n), 0 blocked by the gate, -1 blocked by backpressure.
 ADMIT = """
 local n = tonumber(ARGV[1])
 local sub = tonumber(redis.call('GET', KEYS[1]) or '0')
 local v = tonumber(redis.call('GET', KEYS[2]) or '0')
+if ARGV[5] ~= nil and ARGV[5] ~= '' then
+  v = math.min(v, tonumber(ARGV[5]))
+end
 local cap = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3])
 local backlog = redis.call('XLEN', KEYS[3])
 if sub + n > cap then

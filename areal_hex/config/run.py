@@ -25,6 +25,11 @@ class RunConfig(Section):
     start_timeout_s: float = Field(300.0, gt=0)
     # Share of the training split used for the tiny model's supervised warm start.
     warm_start_fraction: float = Field(0.5, gt=0, le=1)
+    # Share of those warm-start solutions that keep their final `#### answer` line (the
+    # others stop after the working). Below 1 the initial policy states its answer in the
+    # format the reward checks only some of the time, like a base model not yet tuned to
+    # the answer format; chosen by `run.seed`.
+    warm_start_answer_fraction: float = Field(1.0, ge=0, le=1)
     # Progress display: "auto" (live on a terminal, log lines otherwise), "live", "log".
     progress: Literal["auto", "live", "log"] = "auto"
     # Set by `areal-hex run` when it started the embedded Valkey that `redis.url` names
