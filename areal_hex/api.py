@@ -95,6 +95,9 @@ class GenerateResult:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: str
     prompt_tokens: int = 0
+    # The version of each output token, when the server reports it (ours does; SGLang
+    # reports one version per response). None: every token has `weight_version`.
+    token_versions: list[str] | None = None
 
 
 class GenerationClient(Protocol):
@@ -106,9 +109,11 @@ class GenerationClient(Protocol):
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
     ) -> GenerateResult: ...
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None: ...
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str, abort_all_requests: bool = True
+    ) -> None: ...
 
-    async def pause(self) -> None: ...
+    async def pause(self, mode: str = "abort") -> None: ...
 
     async def resume(self) -> None: ...
 

@@ -164,6 +164,7 @@ def _output(
         lps = req.logprobs[: len(ids)]
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
         meta["input_token_logprobs"] = []
+        meta["output_token_versions"] = req.versions[: len(ids)]
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
@@ -392,6 +393,8 @@ def _info_routes(app: FastAPI) -> None:
             "num_queue_reqs": s.waiting,
             "paused": s.paused,
             "last_error": s.last_error,
+            # responses carry meta_info.output_token_versions (SGLang's do not)
+            "output_token_versions": True,
             "time": time.time(),
         }
 

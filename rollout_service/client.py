@@ -79,12 +79,18 @@ def parse_generate(body: dict[str, Any]) -> GenerateResult:
         raise ValueError(f"{len(logprobs)} log-probs for {len(output_ids)} output tokens")
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    versions = meta.get("output_token_versions")
+    if versions is not None:
+        if len(versions) != len(output_ids):
+            raise ValueError(f"{len(versions)} token versions for {len(output_ids)} output tokens")
+        versions = [str(v) for v in versions]
     return GenerateResult(
         output_ids=output_ids,
         logprobs=logprobs,
         finish_reason=str(kind or "abort"),
         weight_version=str(meta.get("weight_version", "")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        token_versions=versions,
     )
 
 

@@ -109,6 +109,7 @@ class RolloutController:
         self._rid_prefix = uuid.uuid4().hex[:8]
         self._weights: tuple[int, str] | None = None  # last (version, path) applied
         self._weights_lock = asyncio.Lock()
+        self._pause_mode = "abort" if cfg.update_pause == "auto" else cfg.update_pause
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -136,6 +137,7 @@ class RolloutController:
         await self.dispatcher.probe_all()
         self.dispatcher.start_probing()
         self._serving(self.gate.version)
+        self._pause_mode = await self._resolve_pause_mode()
         background = [asyncio.create_task(self._metrics_loop())]
         if hasattr(self.producer, "watch_versions"):
             background.append(asyncio.create_task(self._watch_versions()))
@@ -354,12 +356,24 @@ class RolloutController:
             self.gate.close()
             try:
                 servers = [s for s in self.dispatcher.servers if s.healthy]
-                servers = await self._phase(servers, "pause", lambda s: s.client.pause())
-                servers = await self._phase(
-                    servers,
-                    "update",
-                    lambda s: s.client.update_weights_from_disk(path, str(version)),
-                )
+                if self._pause_mode == "retract":  # requests stay on the servers
+                    servers = await self._phase(
+                        servers, "pause", lambda s: s.client.pause("retract")
+                    )
+                    servers = await self._phase(
+                        servers,
+                        "update",
+                        lambda s: s.client.update_weights_from_disk(
+                            path, str(version), abort_all_requests=False
+                        ),
+                    )
+                else:
+                    servers = await self._phase(servers, "pause", lambda s: s.client.pause())
+                    servers = await self._phase(
+                        servers,
+                        "update",
+                        lambda s: s.client.update_weights_from_disk(path, str(version)),
+                    )
                 await self._phase(servers, "continue", lambda s: s.client.resume())
                 self._weights = (version, path)
             finally:
@@ -369,6 +383,36 @@ class RolloutController:
             self.stats["weight_updates_total"] += 1
             self.stats["weight_update_ms_total"] += int(dt * 1000)
             log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
+
+    async def _resolve_pause_mode(self) -> str:
+        """`rollout.update_pause`: "auto" retracts only when every server reports each
+        token's version (else a resumed request's older tokens would be mislabelled)."""
+        mode = self.cfg.update_pause
+        if mode == "abort":
+            return mode
+
+        async def reports_versions(s: ServerState) -> bool:
+            info = getattr(s.client, "server_info", None)
+            if info is None:
+                return False
+            try:
+                return bool((await info()).get("output_token_versions"))
+            except Exception:
+                return False
+
+        ok = await asyncio.gather(*[reports_versions(s) for s in self.dispatcher.servers])
+        if all(ok):
+            mode = "retract"
+        elif mode == "retract":
+            log.warning(
+                "rollout.update_pause=retract, but %d server(s) do not report per-token "
+                "versions: their tokens are tagged with the version of each response",
+                ok.count(False),
+            )
+        else:
+            mode = "abort"
+        log.info("weight updates: %s in-flight requests", mode)
+        return mode
 
     def _serving(self, version: int) -> None:
         """Tell the staleness gate which version the servers generate with now."""

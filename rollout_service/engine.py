@@ -9,7 +9,10 @@ and is woken through `loop.call_soon_threadsafe`.
 Pausing follows SGLang: while paused, new requests wait before they reach the engine
 (so an `abort_all_requests` weight update does not hit them); mode `abort` ends the
 in-flight ones with their partial output, `in_place`/`retract` keep them and stop
-stepping until `continue`.
+stepping until `continue`. A reload while paused keeps the held requests: `in_place`
+keeps their KV cache, `retract` recomputes it with the new weights (as if they had been
+aborted and resent, without the round trip). Every output token carries the weight
+version that sampled it (`meta_info.output_token_versions`, beyond SGLang's API).
 """
 
 from __future__ import annotations
@@ -223,7 +226,7 @@ class Engine:
         self._gate.clear()
         if mode == "abort":
             return await self.abort(None, "generation paused")
-        await self._control("hold")
+        await self._control("hold", mode=mode)
         return 0
 
     async def resume(self) -> None:

@@ -36,6 +36,7 @@ class GenRequest:
     sampling: Sampling
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # one per output token
+    versions: list[str] = field(default_factory=list)  # weight version of each output token
     finish: FinishReason | None = None
     weight_version: str = ""  # the server's version when the request finished
     created: float = field(default_factory=time.monotonic)

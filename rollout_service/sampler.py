@@ -94,11 +94,18 @@ class Sampler:
         self.counters = SamplerCounters()
         self._background: set[asyncio.Task[None]] = set()
 
-    def _version(self, res: GenerateResult) -> int:
+    def _version(self, version: str) -> int:
         try:
-            return int(res.weight_version)
+            return int(version)
         except (TypeError, ValueError):
             return self.gate.version
+
+    def _versions(self, res: GenerateResult) -> list[int]:
+        """Each output token's policy version: the server's per-token report if it sends
+        one, else the version of the response."""
+        if res.token_versions is not None:
+            return [self._version(v) for v in res.token_versions]
+        return [self._version(res.weight_version)] * len(res.output_ids)
 
     async def sample(self, prompt_ids: list[int], rid: str) -> Sample:
         out = Sample()
@@ -126,10 +133,9 @@ class Sampler:
                 self.counters.requests_retried_total += 1
                 log.info("request %s failed on %s (%s); retrying", rid, server.url, reason)
                 continue
-            v = self._version(res)
             out.token_ids += res.output_ids
             out.logprobs += res.logprobs
-            out.versions += [v] * len(res.output_ids)
+            out.versions += self._versions(res)
             out.segments += 1
             self.counters.tokens_total += len(res.output_ids)
             if res.finish_reason != "abort":

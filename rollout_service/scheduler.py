@@ -42,7 +42,8 @@ class Core:
         self.device = torch.device(engine.opts.device)
         self.batch: KVBatch | None = None
         self.rows: list[GenRequest] = []  # aligned with the batch's rows
-        self.held = False  # in-place pause
+        self.held = False  # paused with the running requests kept
+        self.retract = False  # ... and their KV cache recomputed if the weights change
         self.pending_reload: _Control | None = None
         self.eos = eos_ids(engine.model, engine.tokenizer)
         tok = engine.tokenizer
@@ -71,9 +72,11 @@ class Core:
                 ctl.result.set_result(self.abort(ctl.args["rid"], ctl.args["message"]))
             elif ctl.kind == "hold":
                 self.held = True
+                self.retract = ctl.args.get("mode") == "retract"
                 ctl.result.set_result(None)
             elif ctl.kind == "release":
                 self.held = False
+                self.retract = False
                 ctl.result.set_result(None)
             elif ctl.kind == "reload":
                 n = 0
@@ -129,9 +132,10 @@ class Core:
             if self.rows and not self.held:  # drain in-flight requests, admit nothing new
                 self._decode()
                 return
-            # Nothing running, or paused in place: held rows keep their KV cache and
-            # continue on the new weights after `continue` (as SGLang's in-place pause).
-            self._reload(self.pending_reload)
+            # Nothing running, or paused: held rows continue on the new weights after
+            # `continue`, with their KV cache kept (in_place) or recomputed (retract).
+            if self._reload(self.pending_reload) and self.rows and self.retract:
+                self._recompute()
             self.pending_reload = None
         if self.held:
             return
@@ -143,13 +147,13 @@ class Core:
         if self.rows:
             self._decode()
 
-    def _reload(self, ctl: _Control) -> None:
+    def _reload(self, ctl: _Control) -> bool:
         path, version = ctl.args["path"], ctl.args["version"]
         try:
             model = self.e.load_model(path)
         except Exception as exc:
             ctl.result.set_exception(EngineError(f"failed to load weights from {path}: {exc}"))
-            return
+            return False
         old = self.e.model
         self.e.model = model
         self.e.model_path = path
@@ -162,6 +166,20 @@ class Core:
         self.e.counters["updates"] += 1
         log.info("loaded weights from %s (version %s)", path, self.e.weight_version)
         ctl.result.set_result(ctl.args.get("aborted", 0))
+        return True
+
+    def _recompute(self) -> None:
+        """Rebuild the running batch's KV cache with the current weights: every row's
+        prompt and output so far but its last token, which the next decode step feeds."""
+        assert self.batch is not None
+        seqs = [r.prompt + r.output_ids[:-1] for r in self.rows]
+        try:
+            new, _ = batching.prefill(self.e.model, seqs, self.batch.params, self.pad_id)
+        except Exception as exc:
+            self.abort_running(f"engine error recomputing the KV cache: {exc}")
+            raise
+        new.last = self.batch.last
+        self.batch = new
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
         prompts = [r.prompt for r in reqs]
@@ -202,6 +220,7 @@ class Core:
         for i, (req, tok, lp) in enumerate(zip(reqs, tokens, logps, strict=True)):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
+            req.versions.append(self.e.weight_version)
             reason = check_stop(req, tok, self.eos, self._decode_tail)
             if reason is None:
                 keep.append(i)

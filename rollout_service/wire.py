@@ -157,6 +157,8 @@ class MetaInfo(BaseModel):
     # [[logprob, token_id, text|null], ...] one per output token
     output_token_logprobs: list[list[Any]] | None = None
     input_token_logprobs: list[list[Any]] | None = None
+    # ours, beyond SGLang: the weight version that sampled each output token
+    output_token_versions: list[str] | None = None
 
 
 class GenerateOutput(BaseModel):

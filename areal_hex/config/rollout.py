@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from areal_hex.config.base import Section
@@ -35,3 +37,9 @@ class RolloutConfig(Section):
     buffer_retry_s: float = Field(60.0, ge=0)
     # How long `areal-hex rollout` waits at start for the first healthy server.
     startup_timeout_s: float = Field(600.0, gt=0)
+    # What a weight update does to the requests in flight. "abort": they end with their
+    # partial output and are resent (SGLang's way; each token tagged with the version of
+    # the response that returned it). "retract": the servers keep them, recompute their
+    # KV cache with the new weights and go on; needs servers that report each token's
+    # version (the built-in engine). "auto": retract when every server does, else abort.
+    update_pause: Literal["auto", "abort", "retract"] = "auto"
