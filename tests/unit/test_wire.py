@@ -129,6 +129,21 @@ def test_parse_generate_reads_sglang_responses() -> None:
     bad = {**body, "output_ids": [4]}
     with pytest.raises(ValueError, match="2 log-probs for 1 output tokens"):
         parse_generate(bad)
+    assert res.token_versions is None  # SGLang: one version per response
+
+
+def test_parse_generate_reads_per_token_versions() -> None:
+    meta = {
+        "finish_reason": {"type": "stop", "matched": 5},
+        "weight_version": "3",
+        "output_token_logprobs": [[-0.5, 4, None], [-1.0, 5, None]],
+        "output_token_versions": ["2", 3],
+    }
+    res = parse_generate({"output_ids": [4, 5], "meta_info": meta})
+    assert res.token_versions == ["2", "3"] and res.weight_version == "3"
+    short = {**meta, "output_token_versions": ["3"]}
+    with pytest.raises(ValueError, match="1 token versions for 2 output tokens"):
+        parse_generate({"output_ids": [4, 5], "meta_info": short})
 
 
 def test_inference_config_urls() -> None:
