@@ -159,7 +159,25 @@ def prefill(
     model: Any, prompts: Sequence[Sequence[int]], params: RowParams, pad_id: int
 ) -> tuple[KVBatch, torch.Tensor]:
     """Run the prompts as one left-padded batch. Returns the batch (its `last` not yet
-    set) and the logits of each prompt's final position, (B, V)."""
+    set) and the logits of each prompt's final position, (B, V).
+
+    Identical prompts (a GRPO group's samples arrive together) are computed once and
+    their KV rows copied: the same numbers for a fraction of the work."""
+    first: dict[tuple[int, ...], int] = {}
+    rows = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    if len(first) == len(prompts):
+        return _prefill(model, prompts, params, pad_id)
+    uniq = [list(p) for p in first]
+    idx = torch.tensor([rows.index(i) for i in range(len(uniq))], device=params.temperature.device)
+    batch, logits = _prefill(model, uniq, params.select(idx), pad_id)
+    batch = select(batch, rows)
+    batch.params = params
+    return batch, logits[rows]
+
+
+def _prefill(
+    model: Any, prompts: Sequence[Sequence[int]], params: RowParams, pad_id: int
+) -> tuple[KVBatch, torch.Tensor]:
     from transformers import DynamicCache
 
     device = params.temperature.device

@@ -102,6 +102,20 @@ def test_prefill_merge_decode_select_match_full_forward(model: Any) -> None:
         torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
 
 
+def test_identical_prompts_are_prefilled_once_and_decode_apart(model: Any) -> None:
+    group = [[7, 8, 9, 10], [20, 21], [7, 8, 9, 10], [7, 8, 9, 10]]
+    temps = RowParams.cat(params(2, temperature=0.5), params(2, temperature=1.5))
+    batch, logits = batching.prefill(model, group, temps, pad_id=0)
+    assert batch.size == 4 and batch.params.temperature.tolist() == [0.5, 0.5, 1.5, 1.5]
+    for row, seq in enumerate(group):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+    # the copies are rows of their own: different next tokens decode correctly
+    batch.last = torch.tensor([40, 41, 42, 43])
+    out = batching.decode_step(model, batch)
+    for row, (seq, t) in enumerate(zip(group, [40, 41, 42, 43], strict=True)):
+        torch.testing.assert_close(out[row], last_logits(model, seq + [t]), atol=1e-4, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 async def test_engine_on_cuda() -> None:
