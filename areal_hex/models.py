@@ -181,6 +181,52 @@ def torch_dtype(name: str):  # -> torch.dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+# config.json keys that do not change what the weights compute
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+}
+
+
+def load_weights_in_place(model: PreTrainedModel, path: str | Path) -> bool:
+    """Copy the safetensors weights of the HF directory `path` into `model` when they fit
+    it exactly (same config, same names and shapes; tied weights may be absent). Returns
+    False, leaving `model` untouched, otherwise: the caller then loads the model anew.
+    Much faster than `from_pretrained` for a reload between decode steps."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors"))
+    try:
+        new_cfg = json.loads((root / "config.json").read_text())
+        if not files or not isinstance(new_cfg, dict):
+            return False
+        own_cfg = model.config.to_dict()
+        if any(own_cfg.get(k) != v for k, v in new_cfg.items() if k not in _VOLATILE_CONFIG_KEYS):
+            return False
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+    except Exception:  # unreadable or malformed: let the full load report it
+        return False
+    own = model.state_dict()
+    if any(k not in own or own[k].shape != v.shape for k, v in weights.items()):
+        return False
+    present = {own[k].data_ptr() for k in weights}
+    if any(own[k].data_ptr() not in present for k in own.keys() - weights.keys()):
+        return False  # a parameter the file does not set (and that is not tied to one it does)
+    with torch.no_grad():
+        for k, v in weights.items():
+            own[k].copy_(v)
+    return True
+
+
 def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") -> PreTrainedModel:
     """Load an HF causal LM in eval mode on `device`."""
     from transformers import AutoModelForCausalLM

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from areal_hex.models import load_weights_in_place
 from rollout_service import batching
 from rollout_service.batching import KVBatch, RowParams
 from rollout_service.requests import EngineError, GenRequest, check_stop
@@ -150,7 +151,9 @@ class Core:
     def _reload(self, ctl: _Control) -> bool:
         path, version = ctl.args["path"], ctl.args["version"]
         try:
-            model = self.e.load_model(path)
+            # Same architecture (the RL case): copy the tensors into the running model.
+            same = load_weights_in_place(self.e.model, path)
+            model = self.e.model if same else self.e.load_model(path)
         except Exception as exc:
             ctl.result.set_exception(EngineError(f"failed to load weights from {path}: {exc}"))
             return False

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from areal_hex.config import ModelConfig, TinyModelConfig
@@ -58,3 +60,33 @@ def test_supervised_warm_start_lowers_loss():
     losses = supervised_warm_start(model, tok, texts, cfg)
     assert len(losses) == 60
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:3]) / 3
+
+
+def test_reload_in_place_copies_matching_weights_only(tmp_path: Path) -> None:
+    import torch
+
+    from areal_hex.models import load_weights_in_place
+
+    tok = build_tokenizer()
+    cfg = TinyModelConfig()
+    running = build_tiny_model(cfg, tok, seed=0)
+    newer = build_tiny_model(cfg, tok, seed=1)
+    newer.save_pretrained(tmp_path / "v1", safe_serialization=True)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert load_weights_in_place(running, tmp_path / "v1")
+    with torch.no_grad():
+        torch.testing.assert_close(running(ids).logits, newer(ids).logits)
+    # tied embeddings stay tied
+    assert running.lm_head.weight.data_ptr() == running.model.embed_tokens.weight.data_ptr()
+    # another architecture, or a broken file: refused, the running model is untouched
+    wider = build_tiny_model(
+        cfg.model_copy(update={"hidden_size": 128, "intermediate_size": 256}), tok
+    )
+    wider.save_pretrained(tmp_path / "wide", safe_serialization=True)
+    before = {k: v.clone() for k, v in running.state_dict().items()}
+    assert not load_weights_in_place(running, tmp_path / "wide")
+    (tmp_path / "v1" / "model.safetensors").write_bytes(b"not a tensor file")
+    assert not load_weights_in_place(running, tmp_path / "v1")
+    assert not load_weights_in_place(running, tmp_path / "missing")
+    for k, v in running.state_dict().items():
+        assert torch.equal(v, before[k]), k
