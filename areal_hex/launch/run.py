@@ -40,8 +40,10 @@ class RunResult:
 
 # ---------------------------------------------------------------- process placement
 def core_groups(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(rollout cores, trainer cores): the first half of the usable cores serve Valkey,
-    the inference servers and the controller; the rest the trainer. None: no pinning."""
+    """(inference cores, trainer cores): the first half of the usable cores run the
+    inference servers, the rest the trainer, with Valkey and the controller beside it
+    (light CPU work that would otherwise take cycles from generation). None: no
+    pinning."""
     if not pin or not hasattr(os, "sched_getaffinity"):
         return None, None
     cores = sorted(os.sched_getaffinity(0))
@@ -74,16 +76,19 @@ def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
 
 def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> list[ProcessSpec]:
     run_dir = cfg.run.run_dir()
-    rollout_cores, trainer_cores = core_groups(cfg.run.pin_cores)
-    n_rollout = len([s for s in layout.services if s.role != "trainer"])
+    inference_cores, trainer_cores = core_groups(cfg.run.pin_cores)
+    n_servers = len(layout.by_role("inference"))
     assign_local_gpus(layout)
     specs = []
     for svc in layout.services:
-        cores = trainer_cores if svc.role == "trainer" else rollout_cores
+        cores = inference_cores if svc.role == "inference" else trainer_cores
         env = dict(svc.env)
         env["PYTHONUNBUFFERED"] = "1"
         if cores is not None:
-            share = len(cores) if svc.role == "trainer" else max(1, len(cores) // n_rollout)
+            share = {
+                "inference": max(1, len(cores) // max(1, n_servers)),
+                "trainer": len(cores),
+            }.get(svc.role, 1)
             env["OMP_NUM_THREADS"] = str(share)
         elif cfg.inference.device == "cpu" and svc.role == "inference":
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))

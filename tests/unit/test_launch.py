@@ -59,8 +59,10 @@ def test_process_specs_commands_policies_and_pinning(tmp_path: Path) -> None:
     if rollout is None:
         pytest.skip("fewer than 2 usable cores")
     assert specs["inference-0"].cpus == rollout and specs["trainer"].cpus == trainer
+    assert specs["controller"].cpus == trainer and specs["redis"].cpus == trainer
     assert not rollout & trainer
     assert specs["trainer"].env["OMP_NUM_THREADS"] == str(len(trainer))
+    assert specs["controller"].env["OMP_NUM_THREADS"] == "1"
 
 
 def test_local_gpus_are_handed_out_in_layout_order() -> None:
