@@ -156,7 +156,12 @@ class RewardPool:
         return 0.0
 
     async def score_many(self, completions: Sequence[str], gold: str) -> list[float]:
-        return list(await asyncio.gather(*[self.score(c, gold) for c in completions]))
+        """Rewards of a group's completions; identical texts are scored once (the reward
+        function is pure), which spares most calls when a policy grows confident."""
+        distinct = list(dict.fromkeys(completions))
+        scores = await asyncio.gather(*[self.score(c, gold) for c in distinct])
+        by_text = dict(zip(distinct, scores, strict=True))
+        return [by_text[c] for c in completions]
 
     async def aclose(self) -> None:
         if self._pool is not None:

@@ -84,7 +84,9 @@ async def test_pool_scores_and_survives_timeout_exception_crash() -> None:
     pool = RewardPool(workers=1, timeout_s=5.0, fn=raise_on_bad)
     await pool.start()
     try:
-        assert await pool.score_many(["bad #### 7", "#### 7"], "7") == [0.0, 1.0]
+        group = ["bad #### 7", "#### 7", "#### 7", "bad #### 7", "#### 7"]
+        assert await pool.score_many(group, "7") == [0.0, 1.0, 1.0, 0.0, 1.0]
+        assert pool.stats.calls == 2  # identical completions are scored once
         assert pool.stats.failures == 1 and pool.stats.timeouts == 0
         assert pool.stats.restarts == 0
     finally:
