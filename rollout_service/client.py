@@ -194,6 +194,26 @@ class InferenceClient:
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise GenerationError(self.base_url + "/generate", f"bad response: {exc}") from exc
 
+    async def generate_batch(
+        self, input_ids: list[list[int]], sampling: SamplingParams, rids: list[str]
+    ) -> list[GenerateResult]:
+        """Several requests in one `/generate` call (SGLang's batch form); each result as
+        `generate` returns it. Takes one in-flight slot."""
+        payload: dict[str, Any] = {
+            "input_ids": [list(x) for x in input_ids],
+            "sampling_params": sampling.to_wire(),
+            "return_logprob": True,
+            "rid": list(rids),
+        }
+        async with self._slots:
+            body = await self._json("POST", "/generate", payload)
+        try:
+            if not isinstance(body, list) or len(body) != len(input_ids):
+                raise ValueError(f"expected a list of {len(input_ids)} results")
+            return [parse_generate(b) for b in body]
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise GenerationError(self.base_url + "/generate", f"bad response: {exc}") from exc
+
     async def generate_raw(self, payload: dict[str, Any]) -> Any:
         """POST any `/generate` body; returns the decoded JSON (object or list)."""
         return await self._json("POST", "/generate", payload)

@@ -273,20 +273,7 @@ class RolloutController:
 
     async def _samples(self, prompt: Prompt, rid: str) -> list[Sample]:
         """All `group_size` samples, or SampleFailed (the others are cancelled)."""
-        tasks = [
-            asyncio.create_task(self.sampler.sample(list(prompt.input_ids), f"{rid}s{i}"))
-            for i in range(self.cfg.group_size)
-        ]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-            return [t.result() for t in tasks]
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await self.sampler.sample_group(list(prompt.input_ids), self.cfg.group_size, rid)
 
     async def _put(self, group: GroupRecord) -> None:
         await self._buffer_call(lambda: self.producer.put(group), "put")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from areal_hex.api import GenerateResult, SamplingParams
 from rollout_service.dispatch import Dispatcher, ServerState
@@ -107,8 +109,60 @@ class Sampler:
             return [self._version(v) for v in res.token_versions]
         return [self._version(res.weight_version)] * len(res.output_ids)
 
-    async def sample(self, prompt_ids: list[int], rid: str) -> Sample:
-        out = Sample()
+    async def sample_group(self, prompt_ids: list[int], n: int, rid: str) -> list[Sample]:
+        """`n` samples of one prompt. A server that takes batches (`generate_batch`) gets
+        them in one `/generate` call (one HTTP round trip instead of n; the server still
+        runs them as n requests); samples that come back aborted, or all of them if the
+        call fails, go on one by one through `sample`, from the tokens they have."""
+        rids = [f"{rid}s{i}" for i in range(n)]
+        await self.gate.wait_open()
+        server = await self.dispatcher.acquire()
+        if n < 2 or getattr(server.client, "generate_batch", None) is None:
+            return await _all([self.sample(prompt_ids, r) for r in rids])
+        outs = [Sample() for _ in range(n)]
+        seg = [f"{r}.0.{self.counters.requests_total}" for r in rids]
+        self.counters.requests_total += n
+        limit = self.sampling.max_new_tokens
+        try:
+            with self.dispatcher.lease(server, n * (len(prompt_ids) + limit)):
+                results = await asyncio.wait_for(
+                    server.client.generate_batch([prompt_ids] * n, self.sampling, seg),
+                    self.request_timeout_s,
+                )
+        except (asyncio.TimeoutError, Exception) as exc:
+            if isinstance(exc, asyncio.TimeoutError):
+                for r in seg:
+                    self._abort_quietly(server, r)
+            elif not _is_client_error(exc):
+                self.dispatcher.suspect(server, str(exc))
+            self.counters.requests_retried_total += n
+            log.info("group %s failed on %s (%s); sampling one by one", rid, server.url, exc)
+            results = [None] * n
+        todo = []
+        for out, res, r in zip(outs, results, rids, strict=True):
+            if res is not None:
+                self._take(out, res)
+                if res.finish_reason != "abort":
+                    out.finish_reason = res.finish_reason
+                    continue
+                self.counters.requests_aborted_total += 1
+                if len(out.token_ids) >= limit:
+                    out.finish_reason = "length"
+                    continue
+            todo.append(self.sample(prompt_ids, r, out))
+        await _all(todo)
+        return outs
+
+    def _take(self, out: Sample, res: GenerateResult) -> None:
+        out.token_ids += res.output_ids
+        out.logprobs += res.logprobs
+        out.versions += self._versions(res)
+        out.segments += 1
+        self.counters.tokens_total += len(res.output_ids)
+
+    async def sample(self, prompt_ids: list[int], rid: str, out: Sample | None = None) -> Sample:
+        """One sample to its end; `out`: the tokens it already has (they are kept)."""
+        out = out if out is not None else Sample()
         failures = 0
         exclude: set[int] = set()
         limit = self.sampling.max_new_tokens
@@ -133,11 +187,7 @@ class Sampler:
                 self.counters.requests_retried_total += 1
                 log.info("request %s failed on %s (%s); retrying", rid, server.url, reason)
                 continue
-            out.token_ids += res.output_ids
-            out.logprobs += res.logprobs
-            out.versions += self._versions(res)
-            out.segments += 1
-            self.counters.tokens_total += len(res.output_ids)
+            self._take(out, res)
             if res.finish_reason != "abort":
                 out.finish_reason = res.finish_reason
                 return out
@@ -179,3 +229,20 @@ class Sampler:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def _all(coros: list[Coroutine[Any, Any, Sample]]) -> list[Sample]:
+    """Run the coroutines; on the first SampleFailed (or other error) cancel the rest."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        done, _ = (
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION) if tasks else ((), ())
+        )
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
