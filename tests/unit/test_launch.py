@@ -11,7 +11,7 @@ import pytest
 
 from areal_hex.config import load_config
 from areal_hex.launch.evaluate import EvalError, pass_at_k, resolve_weights
-from areal_hex.launch.prepare import apply_mode, free_port_block
+from areal_hex.launch.prepare import apply_mode, free_port_block, sft_texts, without_answer_line
 from areal_hex.launch.run import assign_local_gpus, core_groups, process_specs
 from areal_hex.layout import build_layout
 
@@ -127,3 +127,27 @@ def test_bench_steady_rate_skips_the_head_start(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert steady_rate(tmp_path, 8, skip=3) == pytest.approx(8 * 8 / 4.0)
     assert steady_rate(tmp_path, 8, skip=1) == pytest.approx(16 * 8 / 4.2)
+
+
+def test_warm_start_keeps_the_answer_line_on_the_configured_share() -> None:
+    from areal_hex.models import build_tokenizer
+
+    tok = build_tokenizer()
+    over = ["data.arithmetic.max_value=19", "data.arithmetic.test_fraction=0.2"]
+    full = sft_texts(load_config(None, [*over, "run.warm_start_fraction=1.0"]), tok)
+    cfg = load_config(
+        None, [*over, "run.warm_start_fraction=1.0", "run.warm_start_answer_fraction=0.4"]
+    )
+    texts = sft_texts(cfg, tok)
+    assert len(texts) == len(full) == 322 and all("####" in t for t in full)
+    kept = [t for t in texts if "####" in t]
+    assert 0.3 < len(kept) / len(texts) < 0.5
+    assert set(kept) <= set(full)  # kept ones are untouched
+    for t in texts:
+        assert t.endswith(tok.eos_token)
+        if "####" not in t:  # the working is all there, ending with the sum
+            assert t.removesuffix(tok.eos_token).split("\n")[-1].count("=") == 1
+    assert sft_texts(cfg, tok) == texts  # chosen by run.seed: reproducible
+    assert without_answer_line("3 + 4 = 7\n#### 7") == "3 + 4 = 7"
+    assert without_answer_line("#### 7") == "#### 7"  # nothing would be left
+    assert without_answer_line("no answer line") == "no answer line"
