@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from areal_hex.api import GenerateResult, SamplingParams
+
+T = TypeVar("T")
 
 
 class GenerationError(RuntimeError):
@@ -180,37 +183,37 @@ class InferenceClient:
     ) -> GenerateResult:
         """One request with behaviour log-probs; an aborted request returns normally
         with `finish_reason == "abort"` and the tokens generated so far."""
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": sampling.to_wire(),
-            "return_logprob": True,
-        }
-        if rid is not None:
-            payload["rid"] = rid
-        async with self._slots:
-            body = await self._json("POST", "/generate", payload)
-        try:
-            return parse_generate(body)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise GenerationError(self.base_url + "/generate", f"bad response: {exc}") from exc
+        body = await self._generate(list(input_ids), sampling, rid)
+        return self._parsed(lambda: parse_generate(body))
 
     async def generate_batch(
         self, input_ids: list[list[int]], sampling: SamplingParams, rids: list[str]
     ) -> list[GenerateResult]:
         """Several requests in one `/generate` call (SGLang's batch form); each result as
         `generate` returns it. Takes one in-flight slot."""
-        payload: dict[str, Any] = {
-            "input_ids": [list(x) for x in input_ids],
-            "sampling_params": sampling.to_wire(),
-            "return_logprob": True,
-            "rid": list(rids),
-        }
-        async with self._slots:
-            body = await self._json("POST", "/generate", payload)
-        try:
+        body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
+
+        def parse() -> list[GenerateResult]:
             if not isinstance(body, list) or len(body) != len(input_ids):
                 raise ValueError(f"expected a list of {len(input_ids)} results")
             return [parse_generate(b) for b in body]
+
+        return self._parsed(parse)
+
+    async def _generate(self, input_ids: Any, sampling: SamplingParams, rid: Any) -> Any:
+        payload: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling.to_wire(),
+            "return_logprob": True,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        async with self._slots:
+            return await self._json("POST", "/generate", payload)
+
+    def _parsed(self, parse: Callable[[], T]) -> T:
+        try:
+            return parse()
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise GenerationError(self.base_url + "/generate", f"bad response: {exc}") from exc
 

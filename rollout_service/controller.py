@@ -37,6 +37,7 @@ from areal_hex.record import Completion, GroupRecord
 from areal_hex.rewards import RewardPool
 from rollout_service.dispatch import Dispatcher, ServerState
 from rollout_service.sampler import Sample, SampleFailed, Sampler, UpdateGate
+from rollout_service.update_pause import resolve_pause_mode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,7 +138,9 @@ class RolloutController:
         await self.dispatcher.probe_all()
         self.dispatcher.start_probing()
         self._serving(self.gate.version)
-        self._pause_mode = await self._resolve_pause_mode()
+        self._pause_mode = await resolve_pause_mode(
+            self.cfg.update_pause, [srv.client for srv in self.dispatcher.servers]
+        )
         background = [asyncio.create_task(self._metrics_loop())]
         if hasattr(self.producer, "watch_versions"):
             background.append(asyncio.create_task(self._watch_versions()))
@@ -343,24 +346,17 @@ class RolloutController:
             self.gate.close()
             try:
                 servers = [s for s in self.dispatcher.servers if s.healthy]
-                if self._pause_mode == "retract":  # requests stay on the servers
-                    servers = await self._phase(
-                        servers, "pause", lambda s: s.client.pause("retract")
-                    )
-                    servers = await self._phase(
-                        servers,
-                        "update",
-                        lambda s: s.client.update_weights_from_disk(
-                            path, str(version), abort_all_requests=False
-                        ),
-                    )
-                else:
-                    servers = await self._phase(servers, "pause", lambda s: s.client.pause())
-                    servers = await self._phase(
-                        servers,
-                        "update",
-                        lambda s: s.client.update_weights_from_disk(path, str(version)),
-                    )
+                # retract: the servers keep the requests in flight (and recompute them);
+                # abort (the fakes' and SGLang's default call): they end and are resent.
+                retract = self._pause_mode == "retract"
+                how = ("retract",) if retract else ()
+                keep = {"abort_all_requests": False} if retract else {}
+                servers = await self._phase(servers, "pause", lambda s: s.client.pause(*how))
+                servers = await self._phase(
+                    servers,
+                    "update",
+                    lambda s: s.client.update_weights_from_disk(path, str(version), **keep),
+                )
                 await self._phase(servers, "continue", lambda s: s.client.resume())
                 self._weights = (version, path)
             finally:
@@ -370,36 +366,6 @@ class RolloutController:
             self.stats["weight_updates_total"] += 1
             self.stats["weight_update_ms_total"] += int(dt * 1000)
             log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
-
-    async def _resolve_pause_mode(self) -> str:
-        """`rollout.update_pause`: "auto" retracts only when every server reports each
-        token's version (else a resumed request's older tokens would be mislabelled)."""
-        mode = self.cfg.update_pause
-        if mode == "abort":
-            return mode
-
-        async def reports_versions(s: ServerState) -> bool:
-            info = getattr(s.client, "server_info", None)
-            if info is None:
-                return False
-            try:
-                return bool((await info()).get("output_token_versions"))
-            except Exception:
-                return False
-
-        ok = await asyncio.gather(*[reports_versions(s) for s in self.dispatcher.servers])
-        if all(ok):
-            mode = "retract"
-        elif mode == "retract":
-            log.warning(
-                "rollout.update_pause=retract, but %d server(s) do not report per-token "
-                "versions: their tokens are tagged with the version of each response",
-                ok.count(False),
-            )
-        else:
-            mode = "abort"
-        log.info("weight updates: %s in-flight requests", mode)
-        return mode
 
     def _serving(self, version: int) -> None:
         """Tell the staleness gate which version the servers generate with now."""

@@ -120,8 +120,7 @@ class Sampler:
         if n < 2 or getattr(server.client, "generate_batch", None) is None:
             return await _all([self.sample(prompt_ids, r) for r in rids])
         outs = [Sample() for _ in range(n)]
-        seg = [f"{r}.0.{self.counters.requests_total}" for r in rids]
-        self.counters.requests_total += n
+        seg = [self._request_id(r, out) for r, out in zip(rids, outs, strict=True)]
         limit = self.sampling.max_new_tokens
         try:
             with self.dispatcher.lease(server, n * (len(prompt_ids) + limit)):
@@ -152,6 +151,11 @@ class Sampler:
             todo.append(self.sample(prompt_ids, r, out))
         await _all(todo)
         return outs
+
+    def _request_id(self, rid: str, out: Sample) -> str:
+        """A fresh rid per attempt (a server may still hold the previous one); counted."""
+        self.counters.requests_total += 1
+        return f"{rid}.{out.segments}.{self.counters.requests_total}"
 
     def _take(self, out: Sample, res: GenerateResult) -> None:
         out.token_ids += res.output_ids
@@ -209,8 +213,7 @@ class Sampler:
     ) -> GenerateResult:
         sampling = replace(self.sampling, max_new_tokens=remaining)
         # A fresh rid per attempt: a server may still hold the previous one.
-        seg_rid = f"{rid}.{out.segments}.{self.counters.requests_total}"
-        self.counters.requests_total += 1
+        seg_rid = self._request_id(rid, out)
         with self.dispatcher.lease(server, len(input_ids) + remaining):
             try:
                 return await asyncio.wait_for(
