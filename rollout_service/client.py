@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from areal_hex.api import GenerateResult, SamplingParams
+from areal_hex.net import async_wait_until
 
 T = TypeVar("T")
 
@@ -281,12 +282,8 @@ class InferenceClient:
         return True
 
     async def wait_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.5) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not await self.health():
-            if loop.time() > deadline:
-                raise GenerationError(self.base_url, f"not healthy after {timeout_s:.0f} s")
-            await asyncio.sleep(interval_s)
+        if not await async_wait_until(self.health, timeout_s, interval_s=interval_s):
+            raise GenerationError(self.base_url, f"not healthy after {timeout_s:.0f} s")
 
     async def model_info(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/get_model_info"))

@@ -35,7 +35,7 @@ def _device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        from areal_hex.cli import UsageError
+        from areal_hex.errors import UsageError
 
         raise UsageError("--device cuda: no CUDA device is visible here")
     return choice

@@ -13,7 +13,6 @@ import atexit
 import ctypes
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,16 +28,11 @@ import redis
 import redis.asyncio
 
 from areal_hex.config.redis import RedisConfig
+from areal_hex.net import free_port
 
 
 class EmbeddedServerError(RuntimeError):
     """The embedded Valkey server could not be started."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _death_signal_hook() -> Callable[[], None] | None:
@@ -132,7 +126,7 @@ class EmbeddedValkey:
         fixed = self.port is not None
         for attempt in range(3):  # a free port can be taken between choosing and binding
             if not fixed:
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
             try:
                 self._spawn(timeout_s)
                 atexit.register(self.stop)

@@ -4,11 +4,11 @@ and the resolved `config.yaml` every service reads (see docs/running.md)."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 from pathlib import Path
 
 from areal_hex.config import ExperimentConfig, save_config
+from areal_hex.net import free_port, free_port_block
 from areal_hex.plan import Plan
 
 
@@ -34,33 +34,6 @@ def apply_plan(cfg: ExperimentConfig, plan: Plan | None) -> ExperimentConfig:
     cfg.trainer.num_ranks = max(len(p.gpu_ids) for p in plan.trainer.placements)
     cfg.trainer.zero_stage = plan.trainer.zero_stage
     return cfg
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(n: int, start: int, host: str = "127.0.0.1") -> int:
-    """`start` if ports start..start+n-1 are free, else a block from the OS's free ports
-    (not the next numbers after `start`: two runs started together would both pick them)."""
-    if start + n < 65536 and all(_port_free(start + i, host) for i in range(n)):
-        return start
-    for _ in range(50):
-        base = free_port(host)
-        if base + n < 65536 and all(_port_free(base + i, host) for i in range(n)):
-            return base
-    raise RuntimeError(f"no block of {n} free ports found on {host}")
 
 
 def default_run_id(cfg: ExperimentConfig) -> str:

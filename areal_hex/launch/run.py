@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from areal_hex.config import ExperimentConfig
 from areal_hex.launch.supervisor import Outcome, ProcessSpec, Supervisor, tail_lines
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
+from areal_hex.net import WaitAborted, wait_until
 from areal_hex.plan import Plan
 
 
@@ -114,16 +115,15 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
 # ---------------------------------------------------------------- readiness
 def wait_ready(sup: Supervisor, name: str, probe: Any, timeout_s: float) -> None:
     """Poll `probe()` until True; fail early (with the log) if the process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not sup.running(name):
-            raise LaunchError(f"{name} exited while starting; last log lines:\n{sup.tail(name)}")
-        try:
-            if probe():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.25)
+    try:
+        # Any error from a probe means "not listening yet"; the process's own death is
+        # what ends the wait early.
+        if wait_until(probe, timeout_s, alive=lambda: sup.running(name), retry_on=(Exception,)):
+            return
+    except WaitAborted:
+        raise LaunchError(
+            f"{name} exited while starting; last log lines:\n{sup.tail(name)}"
+        ) from None
     raise LaunchError(
         f"{name} not ready after {timeout_s:.0f} s; last log lines:\n{sup.tail(name)}"
     )

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,18 +31,13 @@ from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config import BufferConfig, DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from areal_hex.data import build_prompts, generate_arithmetic
 from areal_hex.models import load_model, load_tokenizer, materialize
+from areal_hex.net import free_port
 from areal_hex.record import GroupRecord
 from rollout_service.client import InferenceClient
 from rollout_service.controller import RolloutController
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 from areal_hex.api import SamplingParams
 from areal_hex.config import ModelConfig, TinyModelConfig
 from areal_hex.models import materialize
+from areal_hex.net import free_port
 from rollout_service.client import GenerationError, InferenceClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,12 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(120)
