@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout_service.wire import FinishReason
 
@@ -41,10 +43,10 @@ class GenRequest:
     weight_version: str = ""  # the server's version when the request finished
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
-    submitted: bool = False  # handed to the scheduler thread
+    submitted: bool = False  # handed to the step-loop thread
     # Called once, from the thread that finishes the request.
     on_done: Callable[[GenRequest], None] | None = None
-    # Called after each new output token (scheduler thread), for streaming.
+    # Called after each new output token (step-loop thread), for streaming.
     on_token: Callable[[GenRequest], None] | None = None
 
     @property
@@ -74,3 +76,22 @@ def check_stop(
     if len(req.output_ids) >= s.max_new_tokens:
         return FinishReason(type="length", length=s.max_new_tokens)
     return None
+
+
+@dataclass
+class EngineOptions:
+    device: str = "cpu"
+    max_running_requests: int = 64
+    context_length: int = 512
+    max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
+    seed: int = 0
+    throughput_window_s: float = 5.0
+
+
+@dataclass
+class Control:
+    """A command for the step loop, run between two decode steps; `result` answers it."""
+
+    kind: str  # "abort" | "reload" | "hold" | "release"
+    args: dict[str, Any] = field(default_factory=dict)
+    result: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)

@@ -3,13 +3,13 @@ and the resolved `config.yaml` every service reads (see docs/running.md)."""
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
 from areal_hex.config import ExperimentConfig, save_config
 from areal_hex.net import free_port, free_port_block
 from areal_hex.plan import Plan
+from areal_hex.warm_start import sft_texts
 
 
 def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
@@ -38,37 +38,6 @@ def apply_plan(cfg: ExperimentConfig, plan: Plan | None) -> ExperimentConfig:
 
 def default_run_id(cfg: ExperimentConfig) -> str:
     return f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.mode}"
-
-
-def sft_texts(cfg: ExperimentConfig, tokenizer: object) -> list[str]:
-    """Prompt + reference solution + end-of-turn for the tiny model's warm start, from the
-    first `run.warm_start_fraction` of the training split (the rest is left for RL to
-    learn; the held-out split is never seen). A `run.warm_start_answer_fraction` share of
-    the solutions keeps the final `#### answer` line; the others end after the working."""
-    from areal_hex.data import DEFAULT_INSTRUCTIONS, load_problems, render_prompt
-
-    problems = load_problems(cfg.data, cfg.data.split)
-    problems = problems[: max(1, int(len(problems) * cfg.run.warm_start_fraction))]
-    instruction = cfg.data.instruction
-    if instruction is None:
-        instruction = DEFAULT_INSTRUCTIONS[cfg.data.dataset]
-    eos = str(getattr(tokenizer, "eos_token", "") or "")
-    keep = random.Random(cfg.run.seed)
-    out = []
-    for p in problems:
-        prompt = render_prompt(p.question, tokenizer, cfg.data.use_chat_template, instruction)
-        solution = p.solution or f"#### {p.answer}"
-        if keep.random() >= cfg.run.warm_start_answer_fraction:
-            solution = without_answer_line(solution)
-        out.append(prompt + solution + eos)
-    return out
-
-
-def without_answer_line(solution: str) -> str:
-    """A GSM8K-style solution without its final `#### answer` line (unchanged if it has
-    none, or if nothing would be left)."""
-    head, sep, _ = solution.rpartition("####")
-    return head.rstrip() if sep and head.strip() else solution
 
 
 def materialize_v0(cfg: ExperimentConfig, weights_dir: Path) -> Path:
