@@ -247,11 +247,3 @@ def policy_loss(
             raise ValueError("algo.kl_coef > 0 needs reference log-probs (ref_logp)")
         per_token = per_token + cfg.kl_coef * kl_estimate(logp, ref_logp, cfg.kl_estimator)
     return aggregate(per_token, mask, cfg.aggregation, counts), terms
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """(..., V) -> (...) entropy of the softmax, in nats."""
-    import torch
-
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)

@@ -11,7 +11,6 @@ from areal_hex.algorithms import (
     GlobalCounts,
     aggregate,
     decoupled_ppo_loss,
-    entropy_from_logits,
     grpo_advantages,
     kl_estimate,
     policy_loss,
@@ -176,11 +175,6 @@ def test_policy_loss_adds_kl_in_loss() -> None:
     assert loss.item() == pytest.approx(0.5 * math.log(2.0))
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(cfg, logp, logp, logp, T([[0.0]]), T([[1.0]]), GlobalCounts(1, 1))
-
-
-def test_entropy() -> None:
-    # uniform over 4 -> ln 4
-    assert entropy_from_logits(torch.zeros(1, 4)).item() == pytest.approx(math.log(4.0))
 
 
 def test_dual_clip_config_validated() -> None:
