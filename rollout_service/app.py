@@ -151,21 +151,21 @@ def _output(
     skip = item.params.skip_special_tokens
     text = tok.decode(ids, skip_special_tokens=skip) if tok is not None else ""
     assert req.finish is not None or not final
-    meta: dict[str, Any] = {
-        "id": req.rid,
-        "finish_reason": req.finish.to_wire() if final and req.finish else None,
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": len(ids),
-        "cached_tokens": 0,
-        "weight_version": req.weight_version if final else engine.weight_version,
-        "e2e_latency": req.latency(),
-    }
+    meta = wire.MetaInfo(
+        id=req.rid,
+        finish_reason=req.finish.to_wire() if final and req.finish else None,
+        prompt_tokens=len(req.prompt),
+        completion_tokens=len(ids),
+        cached_tokens=0,
+        weight_version=req.weight_version if final else engine.weight_version,
+        e2e_latency=req.latency(),
+    )
     if item.logprob:
         lps = req.logprobs[: len(ids)]
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-        meta["input_token_logprobs"] = []
-        meta["output_token_versions"] = req.versions[: len(ids)]
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+        meta.output_token_logprobs = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        meta.input_token_logprobs = []
+        meta.output_token_versions = list(req.versions[: len(ids)])
+    return wire.GenerateOutput(text=text, output_ids=ids, meta_info=meta).to_wire()
 
 
 def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_hex.api import Batch, TrajectoryConsumer
+from areal_hex.api import Batch, TrajectorySource
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.trainer import TrainerConfig
 from trainer_service import checkpoint
@@ -59,7 +59,7 @@ class Trainer:
         paths: TrainerPaths,
         ctx: StepContext,
         groups_per_step: int,
-        consumer: TrajectoryConsumer | None,
+        consumer: TrajectorySource | None,
         seed: int = 0,
     ) -> None:
         self.cfg, self.algo, self.paths, self.ctx = cfg, algo, paths, ctx
@@ -97,8 +97,8 @@ class Trainer:
         if self.consumer is not None:
             # the checkpoint holds these updates: make sure they are acknowledged
             self.consumer.ack(saved["ack_ids"])
-            if "replay_position" in saved and hasattr(self.consumer, "position"):
-                self.consumer.position = saved["replay_position"]
+            if saved.get("replay_position") is not None:
+                self.consumer.seek(saved["replay_position"])
         self._republish()
 
     def _republish(self) -> None:
@@ -114,13 +114,11 @@ class Trainer:
             if self.publisher is not None and tensors is not None:
                 self.publisher.publish_now(v, tensors, announce=False)
         if self.rank == 0 and self.consumer is not None:
-            if hasattr(self.consumer, "restore"):  # also restores the gate's admission count
-                self.consumer.restore(v, str(target.resolve()))
-            else:
-                self._announce(v, str(target.resolve()))
+            # also restores the gate's admission count
+            self.consumer.restore(v, str(target.resolve()))
 
     def _announce(self, version: int, path: str) -> None:
-        if self.consumer is not None and hasattr(self.consumer, "set_version"):
+        if self.consumer is not None:
             self.consumer.set_version(version, path)
 
     # ------------------------------------------------------------ one step
@@ -219,8 +217,8 @@ class Trainer:
             "totals": st.totals.__dict__,
             "ack_ids": list(st.unacked),
         }
-        if self.consumer is not None and hasattr(self.consumer, "position"):
-            saved["replay_position"] = self.consumer.position
+        if self.consumer is not None and self.consumer.position() is not None:
+            saved["replay_position"] = self.consumer.position()
         checkpoint.save(
             self.ctx.engine, self.paths.checkpoint_dir, st.step, saved, self.cfg.keep_checkpoints
         )

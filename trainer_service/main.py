@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = trainer.run()
     finally:
-        if trainer.consumer is not None and hasattr(trainer.consumer, "close"):
+        if trainer.consumer is not None:
             trainer.consumer.close()
     if rank == 0:
         print(f"trainer: done at step {state.step}, version {state.version}", flush=True)

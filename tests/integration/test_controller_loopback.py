@@ -174,7 +174,7 @@ async def test_weight_reload_interrupts_and_resumes(stack: Stack, pause: str) ->
         stack, run_id, buf, 8, max_new_tokens=300, max_concurrent_groups=8, update_pause=pause
     )
     for c in clients:  # the servers are shared by the module's tests: start from v0
-        await c.update_weights_from_disk(str(stack.weights / "v0"), "0")
+        await c.update_weights_from_disk(str(stack.weights / "v0"), 0)
     run = asyncio.create_task(ctl.run())
     try:
         await wait_for(lambda: ctl.dispatcher.in_flight >= 8)
@@ -189,10 +189,10 @@ async def test_weight_reload_interrupts_and_resumes(stack: Stack, pause: str) ->
     if pause == "abort":
         assert final["requests_aborted_total"] >= 1
     else:
-        assert ctl._pause_mode == "retract" and final["requests_aborted_total"] == 0
+        assert ctl.weights.pause_mode == "retract" and final["requests_aborted_total"] == 0
     for c in clients:
         async with InferenceClient(c.base_url) as fresh:
-            assert (await fresh.weight_version()) == "1"
+            assert (await fresh.weight_version()) == 1
     groups = read_groups(stack, run_id, buf, 8)
     prompts = {tuple(g.prompt_ids) for g in groups}
     assert len(groups) == 8 and len(prompts) == 8

@@ -45,11 +45,11 @@ async def test_serve_command_runs_the_builtin_server(tmp_path: Path) -> None:
             await c.wait_healthy(timeout_s=90, interval_s=0.2)
             res = await c.generate([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
             assert len(res.output_ids) == 4 and len(res.logprobs) == 4
-            assert res.weight_version == "0"
+            assert res.weight_version == 0
             await c.pause()
-            await c.update_weights_from_disk(str(weights / "v1"), "1")
+            await c.update_weights_from_disk(str(weights / "v1"), 1)
             await c.resume()
-            assert (await c.generate([5], SamplingParams(max_new_tokens=1))).weight_version == "1"
+            assert (await c.generate([5], SamplingParams(max_new_tokens=1))).weight_version == 1
             async with InferenceClient(c.base_url) as anonymous:
                 with pytest.raises(GenerationError) as err:
                     await anonymous.generate([5], SamplingParams(max_new_tokens=1))

@@ -120,7 +120,7 @@ def test_parse_generate_reads_sglang_responses() -> None:
     }
     res = parse_generate(body)
     assert res.output_ids == [4, 5] and res.logprobs == [-0.5, -1.25]
-    assert res.finish_reason == "abort" and res.weight_version == "2" and res.prompt_tokens == 3
+    assert res.finish_reason == "abort" and res.weight_version == 2 and res.prompt_tokens == 3
     # a server that omits output_ids: the ids come from the log-prob tuples
     no_ids = {**body, "output_ids": []}
     assert parse_generate(no_ids).output_ids == [4, 5]
@@ -140,7 +140,7 @@ def test_parse_generate_reads_per_token_versions() -> None:
         "output_token_versions": ["2", 3],
     }
     res = parse_generate({"output_ids": [4, 5], "meta_info": meta})
-    assert res.token_versions == ["2", "3"] and res.weight_version == "3"
+    assert res.token_versions == [2, 3] and res.weight_version == 3
     short = {**meta, "output_token_versions": ["3"]}
     with pytest.raises(ValueError, match="1 token versions for 2 output tokens"):
         parse_generate({"output_ids": [4, 5], "meta_info": short})
