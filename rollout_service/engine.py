@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.requests import Control, EngineError, EngineOptions, GenRequest, Sampling
+from rollout_service.requests import Control, EngineError, EngineOptions, GenRequest
 from rollout_service.step_loop import Core
-from rollout_service.wire import FinishReason
+from rollout_service.wire import FinishReason, SamplingParamsIn
 
 log = logging.getLogger(__name__)
 ModelLoader = Callable[[str], Any]  # weights directory -> model in eval mode on the device
@@ -109,7 +109,7 @@ class Engine:
         return self._gate is not None and not self._gate.is_set()
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt: list[int], sampling: Sampling) -> None:
+    def validate(self, prompt: list[int], sampling: SamplingParamsIn) -> None:
         if not prompt:
             raise EngineError("input_ids: the prompt is empty")
         vocab = int(self.model.config.vocab_size)
@@ -126,7 +126,7 @@ class Engine:
     async def generate(
         self,
         prompt: list[int],
-        sampling: Sampling,
+        sampling: SamplingParamsIn,
         rid: str,
         on_token: Callable[[int], None] | None = None,
     ) -> GenRequest:
@@ -138,7 +138,7 @@ class Engine:
     def open(
         self,
         prompt: list[int],
-        sampling: Sampling,
+        sampling: SamplingParamsIn,
         rid: str,
         on_token: Callable[[int], None] | None = None,
     ) -> tuple[GenRequest, asyncio.Future[GenRequest]]:

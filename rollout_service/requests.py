@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_service.wire import FinishReason
+from rollout_service.wire import FinishReason, SamplingParamsIn
 
 
 class EngineError(Exception):
@@ -19,23 +19,11 @@ class EngineError(Exception):
         self.status = status
 
 
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-
 @dataclass(eq=False)
 class GenRequest:
     rid: str
     prompt: list[int]
-    sampling: Sampling
+    sampling: SamplingParamsIn
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # one per output token
     versions: list[str] = field(default_factory=list)  # weight version of each output token
@@ -65,12 +53,12 @@ def check_stop(
 ) -> FinishReason | None:
     """The finish reason once `token` (already appended to req.output_ids) is out."""
     s = req.sampling
-    if token in s.stop_token_ids or (not s.ignore_eos and token in eos_ids):
+    if token in s.stop_ids or (not s.ignore_eos and token in eos_ids):
         return FinishReason(type="stop", matched=token)
-    if s.stop_strings and decode_tail is not None:
-        width = max(len(x) for x in s.stop_strings) + 1
+    if s.stop_texts and decode_tail is not None:
+        width = max(len(x) for x in s.stop_texts) + 1
         tail = decode_tail(req.output_ids[-width:])
-        for text in s.stop_strings:
+        for text in s.stop_texts:
             if text in tail:
                 return FinishReason(type="stop", matched=text)
     if len(req.output_ids) >= s.max_new_tokens:

@@ -15,7 +15,7 @@ import torch
 
 from areal_hex.models import load_weights_in_place
 from rollout_service import batching
-from rollout_service.batching import KVBatch, RowParams
+from rollout_service.batching import KVBatch, SamplingTensors
 from rollout_service.requests import (
     Control,
     EngineError,
@@ -216,7 +216,7 @@ class Core:
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
         prompts = [r.prompt for r in reqs]
-        params = RowParams.build([r.sampling for r in reqs], self.device)
+        params = SamplingTensors.build([r.sampling for r in reqs], self.device)
         try:
             new, logits = batching.prefill(self.e.model, prompts, params, self.pad_id)
         except Exception as exc:

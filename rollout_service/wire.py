@@ -11,6 +11,7 @@ Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "defaul
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -44,7 +45,9 @@ class Lenient(BaseModel):
 
 
 class SamplingParamsIn(Lenient):
-    """A null value means the default, as in SGLang."""
+    """The server's one sampling-parameter type: read from the request, kept on the
+    engine's request and read by the step loop. A null value means the default, as in
+    SGLang. (The client's is areal_hex.api.SamplingParams; `to_wire` writes this shape.)"""
 
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0)
@@ -72,9 +75,18 @@ class SamplingParamsIn(Lenient):
         return v
 
     def stop_strings(self) -> list[str]:
+        return list(self.stop_texts)
+
+    # Read once per generated token by the step loop: computed once per request.
+    @cached_property
+    def stop_texts(self) -> tuple[str, ...]:
         if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids or ())
 
 
 def _tagged(single: Any, batch: Any, how: Any = _one_or_many) -> Any:

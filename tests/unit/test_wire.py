@@ -151,3 +151,17 @@ def test_inference_config_urls() -> None:
     assert inf.urls() == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     given = InferenceConfig(server_urls=["http://a:1"])
     assert given.urls() == ["http://a:1"]
+
+
+def test_versions_are_ints_in_python_and_strings_on_the_wire() -> None:
+    from rollout_service import wire
+
+    assert wire.version_from_wire("12") == 12 and wire.version_from_wire(3) == 3
+    assert wire.version_from_wire("default") is None  # SGLang before any update
+    assert wire.version_from_wire(None) is None and wire.version_from_wire(True) is None
+    assert wire.version_to_wire(7) == "7"
+    body = {
+        "output_ids": [4],
+        "meta_info": {"weight_version": "default", "output_token_logprobs": [[-0.1, 4, None]]},
+    }
+    assert parse_generate(body).weight_version is None
