@@ -18,7 +18,6 @@ are those of groups that failed, so `<run>:submitted` counts exactly the groups 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -32,6 +31,7 @@ from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
 from areal_hex.record import Completion, GroupRecord
 from areal_hex.rewards import RewardPool
+from areal_hex.run_files import RolloutRow, append_row
 from rollout_service.dispatch import Dispatcher
 from rollout_service.sampler import Sample, SampleFailed, Sampler
 from rollout_service.weight_sync import UpdateGate, WeightSync
@@ -281,40 +281,39 @@ class RolloutController:
         await self.weights.update(version, path)
 
     # ------------------------------------------------------------ metrics
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RolloutRow:
         """Current metrics; rates and reward_mean over the time since the last line."""
         now = time.monotonic()
         c, rs = self.sampler.counters, self.rewards.stats if self.rewards else None
         dt = max(now - self._last.get("t", now), 1e-9)
         samples, tokens = self.stats["samples_total"], c.tokens_total
-        out: dict[str, Any] = {
-            "time": time.time(),
-            "elapsed_s": round(now - self._t0, 3),
-            "version": self.gate.version,
-            "groups_produced_total": self.stats["groups_produced_total"],
-            "groups_in_flight": len(self._tasks),
-            "groups_failed_total": self.stats["groups_failed_total"],
-            "groups_abandoned_total": self.stats["groups_abandoned_total"],
-            "samples_total": samples,
-            "samples_per_s": (samples - self._last.get("samples", 0)) / dt,
-            "tokens_total": tokens,
-            "tokens_per_s": (tokens - self._last.get("tokens", 0)) / dt,
-            "reward_mean": self._reward_sum / self._reward_n if self._reward_n else None,
-            "reward_mean_total": (
+        return RolloutRow(
+            time=time.time(),
+            elapsed_s=round(now - self._t0, 3),
+            version=self.gate.version,
+            groups_produced_total=self.stats["groups_produced_total"],
+            groups_in_flight=len(self._tasks),
+            groups_failed_total=self.stats["groups_failed_total"],
+            groups_abandoned_total=self.stats["groups_abandoned_total"],
+            samples_total=samples,
+            samples_per_s=(samples - self._last.get("samples", 0)) / dt,
+            tokens_total=tokens,
+            tokens_per_s=(tokens - self._last.get("tokens", 0)) / dt,
+            reward_mean=self._reward_sum / self._reward_n if self._reward_n else None,
+            reward_mean_total=(
                 self._reward_sum_total / self._reward_n_total if self._reward_n_total else None
             ),
-            "reward_failures_total": rs.failures if rs else 0,
-            "reward_timeouts_total": rs.timeouts if rs else 0,
-            "requests_total": c.requests_total,
-            "requests_retried_total": c.requests_retried_total,
-            "requests_aborted_total": c.requests_aborted_total,
-            "weight_updates_total": self.weights.updates_total,
-            "weight_update_s_total": round(self.weights.update_s_total, 3),
-            "gen_busy_s": round(self.dispatcher.busy_s, 3),
-            "servers_healthy": self.dispatcher.num_healthy,
-            "finish_reasons": dict(self.finish_reasons),
-        }
-        return out
+            reward_failures_total=rs.failures if rs else 0,
+            reward_timeouts_total=rs.timeouts if rs else 0,
+            requests_total=c.requests_total,
+            requests_retried_total=c.requests_retried_total,
+            requests_aborted_total=c.requests_aborted_total,
+            weight_updates_total=self.weights.updates_total,
+            weight_update_s_total=round(self.weights.update_s_total, 3),
+            gen_busy_s=round(self.dispatcher.busy_s, 3),
+            servers_healthy=self.dispatcher.num_healthy,
+            finish_reasons=dict(self.finish_reasons),
+        )
 
     def _start_interval(self) -> None:
         """Rates and reward_mean of the next metrics line count from now."""
@@ -326,17 +325,15 @@ class RolloutController:
         self._reward_sum = self._reward_n = 0.0
 
     def write_metrics(self, final: bool = False) -> dict[str, Any]:
-        snap = self.snapshot()
+        row = self.snapshot()
         self._start_interval()
         if final:
-            snap["final"] = True
-            snap["groups_in_flight"] = self.stats["groups_in_flight_at_stop"]
-            snap["admissions_released_total"] = self.stats["admissions_released_total"]
+            row.final = True
+            row.groups_in_flight = self.stats["groups_in_flight_at_stop"]
+            row.admissions_released_total = self.stats["admissions_released_total"]
         if self.metrics_path is not None:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(snap) + "\n")
-        return snap
+            append_row(self.metrics_path, row)
+        return row.model_dump()
 
     async def _metrics_loop(self) -> None:
         while True:

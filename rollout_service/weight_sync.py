@@ -34,10 +34,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from areal_hex.api import GenerationClient, TrajectoryProducer
+from areal_hex.run_files import version_dir
 from rollout_service.dispatch import SERVER_ERRORS, Dispatcher, ServerState
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class WeightSync:
     async def update(self, version: int, path: str) -> None:
         """(3)-(5) Pause every healthy server, load `path` as `version`, resume."""
         if not path and self.weights_dir:
-            path = str(Path(self.weights_dir) / f"v{version}")
+            path = str(version_dir(self.weights_dir, version))
         if not path:
             log.warning("version %d has no weights path; not reloading", version)
             self.producer.set_serving_version(version)

@@ -9,6 +9,7 @@ from pathlib import Path
 from areal_hex.config import ExperimentConfig, save_config
 from areal_hex.net import free_port, free_port_block
 from areal_hex.plan import Plan
+from areal_hex.run_files import RunPaths
 from areal_hex.warm_start import sft_texts
 
 
@@ -61,7 +62,7 @@ def prepare_run(
         cfg.run.run_id = default_run_id(cfg)
     run_dir = cfg.run.run_dir().resolve()
     cfg.run.output_dir = str(run_dir.parent)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    RunPaths.at(run_dir).logs.mkdir(parents=True, exist_ok=True)
     if cfg.redis.url is None:  # embedded Valkey: the `redis` service of the layout
         cfg.run.embedded_redis = True
         port = cfg.redis.port or free_port(cfg.redis.bind)
@@ -71,11 +72,11 @@ def prepare_run(
     inf = cfg.inference
     if not inf.server_urls:
         inf.base_port = free_port_block(inf.num_servers, inf.base_port)
-    weights = Path(inf.weights_dir or run_dir / "weights").resolve()
+    weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
     weights.mkdir(parents=True, exist_ok=True)
     inf.weights_dir = str(weights)
     v0 = materialize_v0(cfg, weights)
     cfg.model.path = str(v0)
     cfg.model.tokenizer_path = None
-    path = save_config(cfg, run_dir / "config.yaml")
+    path = save_config(cfg, RunPaths.at(run_dir).config)
     return cfg, path

@@ -22,6 +22,7 @@ from areal_hex.launch.supervisor import Outcome, ProcessSpec, Supervisor, tail_l
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.net import WaitAborted, wait_until
 from areal_hex.plan import Plan
+from areal_hex.run_files import RunPaths
 
 
 class LaunchError(RuntimeError):
@@ -102,7 +103,7 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
             ProcessSpec(
                 name=svc.name,
                 command=_command(svc, config_path),
-                log_path=run_dir / "logs" / f"{svc.name}.log",
+                log_path=RunPaths.at(run_dir).log(svc.name),
                 env=env,
                 on_exit={"inference": "restart", "trainer": "finish"}.get(svc.role, "fail"),
                 max_restarts=cfg.run.max_restarts,
@@ -219,7 +220,7 @@ def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float)
         "events": [{"time": t, "process": n, "event": e} for t, n, e in sup.events],
         "restarts": {n: m.restarts for n, m in sup.procs.items()},
     }
-    (run_dir / "events.json").write_text(json.dumps(data, indent=2))
+    RunPaths.at(run_dir).events.write_text(json.dumps(data, indent=2))
 
 
 def execute(
@@ -270,6 +271,6 @@ def failure_message(result: RunResult) -> str:
     o = result.outcome
     if o.name is None:
         return o.log_tail
-    log = result.run_dir / "logs" / f"{o.name}.log"
+    log = RunPaths.at(result.run_dir).log(o.name)
     tail = o.log_tail or tail_lines(log)
     return f"{o.name} exited with code {o.returncode}; last lines of {log}:\n{tail}"

@@ -207,7 +207,7 @@ async def test_gate_and_stop_abandons_in_flight(rewards, tmp_path: Path) -> None
     await producer.publish(1, "/w/v1")  # cap 6: two more groups admitted
     for _ in range(200):
         await asyncio.sleep(0.02)
-        if producer.submitted == 6 and ctl.snapshot()["groups_in_flight"] > 0:
+        if producer.submitted == 6 and ctl.snapshot().groups_in_flight > 0:
             break
     servers[0].delay_s = 5.0  # the in-flight ones will not finish in the grace period
     await asyncio.sleep(0.1)
