@@ -9,9 +9,14 @@ can no longer come (its process exited).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WaitAborted(Exception):
@@ -93,3 +98,29 @@ async def async_wait_until(
         if deadline is not None and loop.time() >= deadline:
             return False
         await asyncio.sleep(interval_s)
+
+
+async def async_retry(
+    call: Callable[[], Awaitable[T]],
+    *,
+    retry_if: Callable[[BaseException], bool],
+    within_s: float,
+    first_delay_s: float = 0.2,
+    max_delay_s: float = 5.0,
+    what: str = "call",
+) -> T:
+    """`await call()`, retried with doubling delays while it fails with an error for
+    which `retry_if` is true, for up to `within_s` seconds; then (or on any other error)
+    the error propagates."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    delay = first_delay_s
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not retry_if(exc) or loop.time() > deadline:
+                raise
+            log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)

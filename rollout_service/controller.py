@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from areal_hex.api import GenerationClient, SamplingParams, TrajectoryProducer
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
+from areal_hex.net import async_retry
 from areal_hex.record import Completion, GroupRecord
 from areal_hex.rewards import RewardPool
 from areal_hex.run_files import RolloutRow, append_row
@@ -263,17 +264,12 @@ class RolloutController:
     async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
         `rollout.buffer_retry_s`; then the error propagates."""
-        deadline = time.monotonic() + self.cfg.buffer_retry_s
-        delay = 0.2
-        while True:
-            try:
-                return await call()
-            except Exception as exc:
-                if not is_connection_error(exc) or time.monotonic() > deadline:
-                    raise
-                log.warning("buffer %s failed (%s); retrying in %.1f s", what, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return await async_retry(
+            call,
+            retry_if=is_connection_error,
+            within_s=self.cfg.buffer_retry_s,
+            what=f"buffer {what}",
+        )
 
     # ------------------------------------------------------------ weights
     async def update_weights(self, version: int, path: str) -> None:

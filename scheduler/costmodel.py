@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.cluster import Cluster, NodeGroup
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import CostConstants, Workload
 

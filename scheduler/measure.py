@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from scheduler.models import ModelShape, load_model
+from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.profile import DeviceRates, Profile
 
 TINY = dict(
@@ -114,7 +114,7 @@ def _shape(cfg, label: str) -> ModelShape:
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "config.json"
         p.write_text(json.dumps(cfg.to_dict()))
-        shape = load_model(str(p))
+        shape = load_model_shape(str(p))
     return ModelShape(**{**shape.__dict__, "name": label})
 
 

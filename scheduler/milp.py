@@ -30,7 +30,7 @@ import pulp
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
 from scheduler.costmodel import RolloutOption, TrainerOption, inflight_cap, weight_sync_s
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.workload import Workload
 
 

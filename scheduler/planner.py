@@ -17,7 +17,7 @@ from areal_hex.plan import (
 from scheduler.cluster import Cluster
 from scheduler.costmodel import RolloutOption, decode_step_s, rollout_configs, weight_sync_s
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, place
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate

@@ -18,7 +18,7 @@ from scheduler.costmodel import (
     train_flops_per_sample,
     train_memory_gb,
 )
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_hex.api import Batch, BufferStats
+from areal_hex.api import Batch, BufferStats, WeightPublisher
 from areal_hex.record import Completion, GroupRecord
 
 
@@ -142,7 +142,9 @@ class BufferSource:
             )
         self.endpoint = open_redis(redis_cfg)
         self.consumer = RedisTrajectoryConsumer(self.endpoint.sync_client(), run_id, buffer_cfg)
-        self.publisher = RedisWeightPublisher(self.endpoint.sync_client(), run_id, buffer_cfg)
+        self.publisher: WeightPublisher = RedisWeightPublisher(
+            self.endpoint.sync_client(), run_id, buffer_cfg
+        )
 
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
         return self.consumer.get_batch(n, timeout_s)
