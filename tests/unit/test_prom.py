@@ -156,3 +156,40 @@ def test_metrics_endpoint_requires_the_token() -> None:
         server.stop()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert fams["areal_hex_rollout_groups_produced"].samples[0].value == 5
+
+
+class _TrainerSide:
+    """What `serve_metrics` uses of the trainer: its row observers and rank 0's source."""
+
+    def __init__(self, consumer: object) -> None:
+        self.row_observers: list = []
+        self.consumer = consumer
+
+
+def test_trainer_service_serves_its_rows_and_the_buffer(valkey: redis.Redis) -> None:
+    from areal_hex.config import load_config
+    from trainer_service.main import serve_metrics
+    from trainer_service.sources import BufferSource
+
+    port = valkey.connection_pool.connection_kwargs["port"]
+    cfg = load_config(
+        None, ["run.run_id=r", f"redis.url=redis://127.0.0.1:{port}/0", "trainer.metrics_port=0"]
+    )
+    source = BufferSource(cfg.redis, cfg.buffer, "r")
+    valkey.xadd(BufferKeys("r").traj, {PAYLOAD_FIELD: b"x"})
+    side = _TrainerSide(source)
+    server = serve_metrics(cfg, side)  # type: ignore[arg-type]
+    assert server is not None
+    try:
+        for observe in side.row_observers:  # as Trainer.step does after writing the row
+            observe(TrainerRow(step=3, tokens_total=42))
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        server.stop()
+        source.close()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["areal_hex_trainer_step"] == 3
+    assert got["areal_hex_trainer_tokens_total"] == 42
+    assert got["areal_hex_buffer_stream_length"] == 1
+    assert serve_metrics(load_config(None, []), side) is None  # off by default
