@@ -13,12 +13,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 
 from areal_hex.errors import UsageError
 from areal_hex.run_files import TrainerRow
+
+if TYPE_CHECKING:
+    from areal_hex.config import ExperimentConfig
 
 
 class Tracker(Protocol):
@@ -181,3 +184,16 @@ def open_trackers(
                 f"run.trackers: unknown tracker {name!r} (expected one of {sorted(factories)})"
             )
     return Trackers([factories[name]() for name in names], source)
+
+
+def open_run_trackers(cfg: ExperimentConfig, source: str) -> Trackers | None:
+    """The trackers `run.trackers` names for one service of a run, the resolved config
+    logged as the run's config; None when no tracker is chosen."""
+    r = cfg.run
+    if not r.trackers or r.run_id is None:
+        return None
+    trackers = open_trackers(
+        r.trackers, r.run_dir(), r.run_id, source, r.wandb_project, r.wandb_mode
+    )
+    trackers.log_config(cfg.model_dump(mode="json"))
+    return trackers

@@ -122,3 +122,27 @@ def test_missing_package_names_the_extra(tmp_path: Path) -> None:
         _require("mlflow_not_installed_here", "mlflow")
     with pytest.raises(UsageError, match="unknown tracker 'neptune'"):
         open_trackers(["neptune"], tmp_path, "r", "trainer", "p", "offline")
+
+
+def test_run_trackers_from_the_config(tmp_path: Path) -> None:
+    from areal_hex.config import load_config
+    from areal_hex.trackers import open_run_trackers
+
+    assert open_run_trackers(load_config(None, ["run.run_id=r"]), "trainer") is None
+    cfg = load_config(
+        None, ["run.run_id=r", f"run.output_dir={tmp_path}", "run.trackers=[tensorboard]"]
+    )
+    trackers = open_run_trackers(cfg, "trainer")
+    assert trackers is not None
+    trackers.observe(TrainerRow(step=4, loss=2.0))
+    trackers.close()
+    tb = tensorboard_scalars(tmp_path / "r" / "tensorboard" / "trainer")
+    assert tb["trainer/loss"] == {4: 2.0}
+
+
+def test_unknown_tracker_in_the_config_names_the_field() -> None:
+    from areal_hex.config import load_config
+    from areal_hex.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match=r"run\.trackers\.0: Input should be 'tensorboard'"):
+        load_config(None, ["run.trackers=[neptune]"])
