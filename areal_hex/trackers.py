@@ -186,14 +186,15 @@ def open_trackers(
     return Trackers([factories[name]() for name in names], source)
 
 
-def open_run_trackers(cfg: ExperimentConfig, source: str) -> Trackers | None:
-    """The trackers `run.trackers` names for one service of a run, the resolved config
-    logged as the run's config; None when no tracker is chosen."""
+def open_run_trackers(
+    cfg: ExperimentConfig, source: str, run_dir: Path | None = None
+) -> Trackers | None:
+    """The trackers `run.trackers` names for one service of a run (in `run_dir`, default
+    the config's), the resolved config logged as the run's config; None when none."""
     r = cfg.run
     if not r.trackers or r.run_id is None:
         return None
-    trackers = open_trackers(
-        r.trackers, r.run_dir(), r.run_id, source, r.wandb_project, r.wandb_mode
-    )
+    where = run_dir if run_dir is not None else r.run_dir()
+    trackers = open_trackers(r.trackers, where, r.run_id, source, r.wandb_project, r.wandb_mode)
     trackers.log_config(cfg.model_dump(mode="json"))
     return trackers
