@@ -287,3 +287,22 @@ async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_pat
     final = await run
     assert server.updates == [("/w/v1", 1), ("/w/v3", 3)]
     assert final["version"] == 3 and final["weight_updates_total"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_bug_in_the_weight_update_fails_the_run(rewards, tmp_path: Path) -> None:
+    class Buggy(FakeServer):
+        async def update_weights_from_disk(
+            self, model_path: str, weight_version: int, abort_all_requests: bool = True
+        ) -> None:
+            raise TypeError("bad argument")  # not a server error: must not be swallowed
+
+    producer = MemoryProducer(groups_per_step=1000)
+    ctl = _controller(
+        [Buggy("a", delay_s=0.05)], producer, rewards, tmp_path, max_groups=10**6, stop_grace_s=1
+    )
+    run = asyncio.create_task(ctl.run())
+    await asyncio.sleep(0.2)
+    await producer.publish(1, "/w/v1")
+    with pytest.raises(TypeError, match="bad argument"):
+        await asyncio.wait_for(run, 30)
