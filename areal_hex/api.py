@@ -1,14 +1,19 @@
-"""Contracts between the parts: what a consumer needs, not how it is implemented.
+"""Contracts between the parts: everything a consumer calls, not how it is implemented.
 
-- The rollout controller is asyncio code: it uses `TrajectoryProducer` and
-  `GenerationClient`.
-- The trainer is a synchronous torch loop: it uses `TrajectoryConsumer` and
-  `WeightPublisher`.
+Each Protocol lists every method its user calls, so no caller has to probe an object
+with `hasattr`; tests/fakes.py holds one complete fake per Protocol.
+
+- The rollout controller is asyncio code: it uses `TrajectoryProducer` (the buffer's
+  write side and the staleness gate) and one `GenerationClient` per inference server.
+- The trainer is a synchronous torch loop: it uses a `TrajectorySource` (the buffer's
+  read side plus `WeightPublisher`, or a replay file) on rank 0.
+- Policy versions are `int` everywhere in Python; only the HTTP wire carries SGLang's
+  string form, converted in rollout_service/wire.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +41,14 @@ class Batch:
     staleness: list[int] = field(default_factory=list)  # v - group.version per group
 
 
+@dataclass(frozen=True)
+class VersionUpdate:
+    """A published policy version and its weights directory ("" when none was written)."""
+
+    version: int
+    path: str
+
+
 class TrajectoryProducer(Protocol):
     async def admit(self, n: int = 1) -> None:
         """Wait until the staleness gate and backpressure let `n` more groups be submitted,
@@ -48,6 +61,14 @@ class TrajectoryProducer(Protocol):
 
     def set_serving_version(self, version: int) -> None:
         """The version the servers generate with now; the gate never opens past it."""
+
+    async def release(self, n: int = 1) -> int:
+        """Give back `n` admissions of groups that will never be put (failed, abandoned);
+        returns the submitted count after."""
+
+    def watch_versions(self) -> AsyncIterator[VersionUpdate]:
+        """Each newer published policy version, increasing, the current one first; never
+        ends on its own (a lost connection is retried inside)."""
 
 
 class TrajectoryConsumer(Protocol):
@@ -65,6 +86,34 @@ class TrajectoryConsumer(Protocol):
 class WeightPublisher(Protocol):
     def set_version(self, version: int, weights_path: str) -> None:
         """Record the new policy version and notify subscribers (servers, controller)."""
+
+    def restore(self, version: int, weights_path: str) -> int:
+        """Resume at `version`: the version key and the gate's admission count go back to
+        the checkpoint's; returns the admission count."""
+
+
+class TrajectorySource(Protocol):
+    """What the trainer's rank 0 reads batches from and announces versions to: the buffer
+    (consumer + publisher) or a replay file."""
+
+    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch: ...
+
+    def ack(self, entry_ids: Sequence[str]) -> None: ...
+
+    def set_version(self, version: int, weights_path: str) -> None:
+        """A new version was published: tell the servers and the controller."""
+
+    def restore(self, version: int, weights_path: str) -> None:
+        """Resume from a checkpoint at `version` (the gate's count follows), then announce."""
+
+    def position(self) -> int | None:
+        """Where a replay source stands (saved in checkpoints); None for the buffer, whose
+        position is its acknowledged entries."""
+
+    def seek(self, position: int) -> None:
+        """Go back to a checkpointed `position()`; a no-op for the buffer."""
+
+    def close(self) -> None: ...
 
 
 # ---------------------------------------------------------------- generation
@@ -93,11 +142,13 @@ class GenerateResult:
     output_ids: list[int]
     logprobs: list[float]  # one behaviour log-prob per output token
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str
+    # The policy version of the response; None when the server's version is not an
+    # integer (SGLang's "default" before the first update): the caller's current one.
+    weight_version: int | None
     prompt_tokens: int = 0
     # The version of each output token, when the server reports it (ours does; SGLang
     # reports one version per response). None: every token has `weight_version`.
-    token_versions: list[str] | None = None
+    token_versions: list[int | None] | None = None
 
 
 class GenerationClient(Protocol):
@@ -107,10 +158,19 @@ class GenerationClient(Protocol):
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
-    ) -> GenerateResult: ...
+    ) -> GenerateResult:
+        """One request; an aborted one returns normally with finish_reason "abort"."""
+
+    async def generate_batch(
+        self, input_ids: list[list[int]], sampling: SamplingParams, rids: list[str]
+    ) -> list[GenerateResult]:
+        """Several requests in one call (SGLang's batch form), each as `generate`."""
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request by rid, or every request when `rid` is None."""
 
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: str, abort_all_requests: bool = True
+        self, model_path: str, weight_version: int, abort_all_requests: bool = True
     ) -> None: ...
 
     async def pause(self, mode: str = "abort") -> None: ...
@@ -118,3 +178,10 @@ class GenerationClient(Protocol):
     async def resume(self) -> None: ...
 
     async def health(self) -> bool: ...
+
+    async def server_info(self) -> dict[str, Any]:
+        """The server's `/get_server_info`; ours says `output_token_versions: true`."""
+
+    async def weight_version(self) -> int | None:
+        """The version the server holds now (None: not an integer, e.g. SGLang's
+        "default")."""

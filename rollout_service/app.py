@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from rollout_service import wire
 from rollout_service.engine import Engine
 from rollout_service.metrics import build_registry
-from rollout_service.requests import EngineError, GenRequest, Sampling
+from rollout_service.requests import EngineError, GenRequest
 
 M = TypeVar("M", bound=BaseModel)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
@@ -98,24 +98,10 @@ async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
 
 
 # ---------------------------------------------------------------------- /generate
-def _sampling(p: wire.SamplingParamsIn) -> Sampling:
-    return Sampling(
-        max_new_tokens=p.max_new_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        stop_token_ids=frozenset(p.stop_token_ids or ()),
-        stop_strings=tuple(p.stop_strings()),
-        ignore_eos=p.ignore_eos,
-    )
-
-
 @dataclass
 class _Item:
     prompt: list[int]
     params: wire.SamplingParamsIn
-    sampling: Sampling
     logprob: bool
     rid: str
 
@@ -131,9 +117,8 @@ def _items(engine: Engine, body: wire.GenerateReqInput) -> list[_Item]:
             if engine.tokenizer is None:
                 raise EngineError("text: this server has no tokenizer; send input_ids")
             prompt = list(engine.tokenizer.encode(prompt, add_special_tokens=False))
-        sampling = _sampling(params)
-        engine.validate(prompt, sampling)
-        items.append(_Item(prompt, params, sampling, logprob, rid or uuid.uuid4().hex))
+        engine.validate(prompt, params)
+        items.append(_Item(prompt, params, logprob, rid or uuid.uuid4().hex))
     rids = [it.rid for it in items]
     if len(set(rids)) != len(rids):
         raise EngineError("rid: the batch repeats a request id")
@@ -151,21 +136,21 @@ def _output(
     skip = item.params.skip_special_tokens
     text = tok.decode(ids, skip_special_tokens=skip) if tok is not None else ""
     assert req.finish is not None or not final
-    meta: dict[str, Any] = {
-        "id": req.rid,
-        "finish_reason": req.finish.to_wire() if final and req.finish else None,
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": len(ids),
-        "cached_tokens": 0,
-        "weight_version": req.weight_version if final else engine.weight_version,
-        "e2e_latency": req.latency(),
-    }
+    meta = wire.MetaInfo(
+        id=req.rid,
+        finish_reason=req.finish.to_wire() if final and req.finish else None,
+        prompt_tokens=len(req.prompt),
+        completion_tokens=len(ids),
+        cached_tokens=0,
+        weight_version=req.weight_version if final else engine.weight_version,
+        e2e_latency=req.latency(),
+    )
     if item.logprob:
         lps = req.logprobs[: len(ids)]
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-        meta["input_token_logprobs"] = []
-        meta["output_token_versions"] = req.versions[: len(ids)]
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+        meta.output_token_logprobs = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        meta.input_token_logprobs = []
+        meta.output_token_versions = list(req.versions[: len(ids)])
+    return wire.GenerateOutput(text=text, output_ids=ids, meta_info=meta).to_wire()
 
 
 def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]]:
@@ -173,7 +158,7 @@ def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]
     opened: list[tuple[GenRequest, Any]] = []
     try:
         for it in items:
-            opened.append(engine.open(it.prompt, it.sampling, it.rid))
+            opened.append(engine.open(it.prompt, it.params, it.rid))
     except EngineError:
         for req, _ in opened:
             engine.finish(req, wire.FinishReason(type="abort", message="batch refused"))
@@ -218,7 +203,7 @@ def _stream(engine: Engine, item: _Item) -> StreamingResponse:
     """Server-sent events: one cumulative response object per new token (coalesced when
     the client reads slower), the final one with its finish reason, then [DONE]."""
     progress: asyncio.Queue[int] = asyncio.Queue()
-    req, fut = engine.open(item.prompt, item.sampling, item.rid, on_token=progress.put_nowait)
+    req, fut = engine.open(item.prompt, item.params, item.rid, on_token=progress.put_nowait)
     task = asyncio.ensure_future(engine.run(req, fut))
     return StreamingResponse(
         _events(engine, item, req, task, progress), media_type="text/event-stream"
@@ -356,7 +341,7 @@ def _info_routes(app: FastAPI) -> None:
             return Response(status_code=503)
         if engine.paused:  # a weight update is in progress: healthy, not generating
             return Response(status_code=200)
-        probe = Sampling(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        probe = wire.SamplingParamsIn(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         rid = f"health-{uuid.uuid4().hex}"
         timeout = request.app.state.settings.health_generate_timeout_s
         try:

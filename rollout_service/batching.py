@@ -26,7 +26,7 @@ import torch
 
 
 @dataclass
-class RowParams:
+class SamplingTensors:
     """Per-row sampling parameters as tensors on the model's device, shape (B,)."""
 
     temperature: torch.Tensor  # float32
@@ -35,21 +35,23 @@ class RowParams:
     min_p: torch.Tensor  # float32
 
     @staticmethod
-    def build(rows: Sequence[Any], device: torch.device) -> RowParams:
+    def build(rows: Sequence[Any], device: torch.device) -> SamplingTensors:
         """`rows`: objects with temperature, top_p, top_k, min_p attributes."""
-        return RowParams(
+        return SamplingTensors(
             temperature=torch.tensor([r.temperature for r in rows], device=device),
             top_p=torch.tensor([r.top_p for r in rows], device=device),
             top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
             min_p=torch.tensor([r.min_p for r in rows], device=device),
         )
 
-    def select(self, idx: torch.Tensor) -> RowParams:
-        return RowParams(self.temperature[idx], self.top_p[idx], self.top_k[idx], self.min_p[idx])
+    def select(self, idx: torch.Tensor) -> SamplingTensors:
+        return SamplingTensors(
+            self.temperature[idx], self.top_p[idx], self.top_k[idx], self.min_p[idx]
+        )
 
     @staticmethod
-    def cat(a: RowParams, b: RowParams) -> RowParams:
-        return RowParams(
+    def cat(a: SamplingTensors, b: SamplingTensors) -> SamplingTensors:
+        return SamplingTensors(
             torch.cat([a.temperature, b.temperature]),
             torch.cat([a.top_p, b.top_p]),
             torch.cat([a.top_k, b.top_k]),
@@ -58,7 +60,7 @@ class RowParams:
 
 
 def sample(
-    logits: torch.Tensor, p: RowParams, generator: torch.Generator | None
+    logits: torch.Tensor, p: SamplingTensors, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V). Returns tokens (B,) int64 and their
     log-probs (B,) float32 under log_softmax(logits / T) (T = 1 for greedy rows)."""
@@ -75,7 +77,7 @@ def sample(
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _restrict(probs: torch.Tensor, p: RowParams) -> torch.Tensor:
+def _restrict(probs: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """Zero out tokens outside top-k / top-p / min-p, row by row. probs: (B, V)."""
     need_k = bool((p.top_k > 0).any())
     need_p = bool((p.top_p < 1).any())
@@ -113,7 +115,7 @@ class KVBatch:
     mask: torch.Tensor
     pos: torch.Tensor
     last: torch.Tensor
-    params: RowParams
+    params: SamplingTensors
 
     @property
     def size(self) -> int:
@@ -156,7 +158,7 @@ def _attention(model: Any, mask: torch.Tensor, queries: int) -> Any:
 
 @torch.no_grad()
 def prefill(
-    model: Any, prompts: Sequence[Sequence[int]], params: RowParams, pad_id: int
+    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int
 ) -> tuple[KVBatch, torch.Tensor]:
     """Run the prompts as one left-padded batch. Returns the batch (its `last` not yet
     set) and the logits of each prompt's final position, (B, V).
@@ -176,7 +178,7 @@ def prefill(
 
 
 def _prefill(
-    model: Any, prompts: Sequence[Sequence[int]], params: RowParams, pad_id: int
+    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int
 ) -> tuple[KVBatch, torch.Tensor]:
     from transformers import DynamicCache
 
@@ -243,7 +245,7 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
         mask=torch.cat([_left_pad(a.mask, width, 1), _left_pad(b.mask, width, 1)]),
         pos=torch.cat([a.pos, b.pos]),
         last=torch.cat([a.last, b.last]),
-        params=RowParams.cat(a.params, b.params),
+        params=SamplingTensors.cat(a.params, b.params),
     )
 
 

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from areal_hex.net import WaitAborted, async_wait_until, free_port
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {},  # TinyModelConfig defaults
@@ -83,7 +84,7 @@ def _model_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from areal_hex.cli import UsageError
+    from areal_hex.errors import UsageError
 
     if args.device.startswith("cuda"):
         import torch
@@ -125,12 +126,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _StartFailed(RuntimeError):
     """The server process exited before it answered /health (e.g. its port was taken)."""
 
@@ -161,7 +156,7 @@ def _server_rounds(
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(cfg))
         for attempt in range(3):  # a free port can be taken before the server binds it
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(path), "--port", str(port)]
             with open(Path(tmp) / f"server{attempt}.log", "w+b") as log:
                 proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -202,11 +197,14 @@ async def _drive(
     from rollout_service.client import InferenceClient
 
     async with InferenceClient(url, timeout_s=None) as client:
-        deadline = time.monotonic() + 120
-        while not await client.health():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise _StartFailed()
-            await asyncio.sleep(0.2)
+        try:
+            up = await async_wait_until(
+                client.health, 120, interval_s=0.2, alive=lambda: proc.poll() is None
+            )
+        except WaitAborted:
+            up = False
+        if not up:
+            raise _StartFailed()
         # warm-up: one short request (first-call allocations, lazy imports)
         await client.generate(work[0][0], SamplingParams(max_new_tokens=4, ignore_eos=True))
 

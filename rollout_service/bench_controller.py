@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from areal_hex.net import free_port
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=int, default=2, help="inference server processes")
@@ -36,12 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new", type=int, default=64, help="max new tokens per sample")
     p.add_argument("--reloads", type=int, default=1, help="weight reloads during the run")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; best is kept")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +54,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "inference": {"weights_dir": str(weights)},
         }
         config.write_text(yaml.safe_dump(serve_cfg))
-        ports = [_free_port() for _ in range(args.servers)]
+        ports = [free_port() for _ in range(args.servers)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs = [
             subprocess.Popen(

@@ -19,8 +19,11 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import aiohttp
+import pydantic
 
 from areal_hex.api import GenerateResult, SamplingParams
+from areal_hex.net import async_wait_until
+from rollout_service import wire
 
 T = TypeVar("T")
 
@@ -68,32 +71,29 @@ def _message(resp: Response) -> str:
     return str(body)[:500]
 
 
-def parse_generate(body: dict[str, Any]) -> GenerateResult:
+def parse_generate(body: Any) -> GenerateResult:
     """A `/generate` response (one request, `return_logprob: true`) as a GenerateResult."""
-    meta = body.get("meta_info") or {}
-    output_ids = [int(t) for t in body.get("output_ids") or []]
-    pairs = meta.get("output_token_logprobs")
+    out = wire.GenerateOutput.model_validate(body)
+    meta = out.meta_info
+    pairs = meta.output_token_logprobs
     if pairs is None:
         raise ValueError("response has no meta_info.output_token_logprobs (return_logprob?)")
     logprobs = [float(p[0]) for p in pairs]
-    if not output_ids:  # some servers omit output_ids: the ids are in the log-prob tuples
-        output_ids = [int(p[1]) for p in pairs]
+    # some servers omit output_ids: the ids are in the log-prob tuples
+    output_ids = out.output_ids or [int(p[1]) for p in pairs]
     if len(logprobs) != len(output_ids):
         raise ValueError(f"{len(logprobs)} log-probs for {len(output_ids)} output tokens")
-    finish = meta.get("finish_reason") or {}
-    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-    versions = meta.get("output_token_versions")
-    if versions is not None:
-        if len(versions) != len(output_ids):
-            raise ValueError(f"{len(versions)} token versions for {len(output_ids)} output tokens")
-        versions = [str(v) for v in versions]
+    finish = meta.finish_reason or {}
+    versions = meta.output_token_versions
+    if versions is not None and len(versions) != len(output_ids):
+        raise ValueError(f"{len(versions)} token versions for {len(output_ids)} output tokens")
     return GenerateResult(
         output_ids=output_ids,
         logprobs=logprobs,
-        finish_reason=str(kind or "abort"),
-        weight_version=str(meta.get("weight_version", "")),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        token_versions=versions,
+        finish_reason=str(finish.get("type") or "abort"),
+        weight_version=wire.version_from_wire(meta.weight_version),
+        prompt_tokens=meta.prompt_tokens,
+        token_versions=None if versions is None else [wire.version_from_wire(v) for v in versions],
     )
 
 
@@ -214,7 +214,7 @@ class InferenceClient:
     def _parsed(self, parse: Callable[[], T]) -> T:
         try:
             return parse()
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, pydantic.ValidationError) as exc:
             raise GenerationError(self.base_url + "/generate", f"bad response: {exc}") from exc
 
     async def generate_raw(self, payload: dict[str, Any]) -> Any:
@@ -228,11 +228,11 @@ class InferenceClient:
 
     # ------------------------------------------------------------------ weights, control
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: str, abort_all_requests: bool = True
+        self, model_path: str, weight_version: int, abort_all_requests: bool = True
     ) -> None:
         body = {
             "model_path": model_path,
-            "weight_version": str(weight_version),
+            "weight_version": wire.version_to_wire(weight_version),
             "abort_all_requests": abort_all_requests,
         }
         out = await self._json(
@@ -243,8 +243,11 @@ class InferenceClient:
                 self.base_url + "/update_weights_from_disk", str(out.get("message"))
             )
 
-    async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
-        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+    async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
+        body = {
+            "new_version": wire.version_to_wire(version),
+            "abort_all_requests": abort_all_requests,
+        }
         await self._json("POST", "/update_weight_version", body)
 
     async def pause(self, mode: str = "abort") -> None:
@@ -281,12 +284,8 @@ class InferenceClient:
         return True
 
     async def wait_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.5) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not await self.health():
-            if loop.time() > deadline:
-                raise GenerationError(self.base_url, f"not healthy after {timeout_s:.0f} s")
-            await asyncio.sleep(interval_s)
+        if not await async_wait_until(self.health, timeout_s, interval_s=interval_s):
+            raise GenerationError(self.base_url, f"not healthy after {timeout_s:.0f} s")
 
     async def model_info(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/get_model_info"))
@@ -294,8 +293,8 @@ class InferenceClient:
     async def server_info(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/get_server_info"))
 
-    async def weight_version(self) -> str:
-        return str((await self.model_info()).get("weight_version", ""))
+    async def weight_version(self) -> int | None:
+        return wire.version_from_wire((await self.model_info()).get("weight_version"))
 
     async def metrics_text(self) -> str:
         return (await self._call("GET", "/metrics")).text

@@ -4,12 +4,9 @@ Per prompt: `await producer.admit()` (the staleness gate), then `group_size` sam
 spread over the servers (see `sampler.py`, `dispatch.py`), rewards in a process pool,
 one `GroupRecord` to `producer.put()`. At most `max_concurrent_groups` prompts run.
 
-Weight updates: a watcher follows the buffer's version notifications; on version N with
-path P it closes the update gate (no new requests), pauses every server, reloads P on
-each as version N (aborting what runs), continues them and reopens the gate. Aborted
-requests resume with their tokens so far (their later tokens carry version N). Once the
-servers serve N, the controller reports it to the gate (`set_serving_version`): the gate
-opens for version N only then, not when the trainer publishes N.
+Weight updates follow the buffer's version notifications through `WeightSync`
+(rollout_service/weight_sync.py, where the whole protocol reads top to bottom): pause,
+load, resume, then the staleness gate learns that the servers serve the new version.
 
 Stopping (SIGTERM/SIGINT via `request_stop`, or `max_groups` reached): no new prompt is
 admitted; groups in flight get `stop_grace_s` to finish and be put; the rest are
@@ -21,39 +18,27 @@ are those of groups that failed, so `<run>:submitted` counts exactly the groups 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from areal_hex.api import GenerationClient, SamplingParams, TrajectoryProducer
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
+from areal_hex.net import async_retry
 from areal_hex.record import Completion, GroupRecord
 from areal_hex.rewards import RewardPool
-from rollout_service.dispatch import Dispatcher, ServerState
-from rollout_service.sampler import Sample, SampleFailed, Sampler, UpdateGate
-from rollout_service.update_pause import resolve_pause_mode
+from areal_hex.run_files import RolloutRow, append_row
+from rollout_service.dispatch import Dispatcher
+from rollout_service.sampler import Sample, SampleFailed, Sampler
+from rollout_service.weight_sync import UpdateGate, WeightSync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class VersionUpdate(Protocol):
-    version: int
-    path: str
-
-
-class WatchesVersions(Protocol):
-    """What the buffer's producer offers beyond `TrajectoryProducer`."""
-
-    def watch_versions(self) -> AsyncIterator[VersionUpdate]: ...
-
-    async def release(self, n: int = 1) -> int: ...
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -96,7 +81,9 @@ class RolloutController:
         self.rewards = rewards
         self._owns_rewards = rewards is None
         self.gate = UpdateGate()
-        self.dispatcher = Dispatcher(clients, cfg.probe_interval_s, on_recover=self._recover)
+        self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
+        self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir)
+        self.dispatcher.on_recover = self.weights.recover
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
@@ -108,9 +95,7 @@ class RolloutController:
             self.dispatcher, self.gate, sampling, cfg.request_timeout_s, cfg.max_retries
         )
         self._rid_prefix = uuid.uuid4().hex[:8]
-        self._weights: tuple[int, str] | None = None  # last (version, path) applied
-        self._weights_lock = asyncio.Lock()
-        self._pause_mode = "abort" if cfg.update_pause == "auto" else cfg.update_pause
+        self._t0 = time.monotonic()
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -137,15 +122,11 @@ class RolloutController:
             await self.rewards.start()
         await self.dispatcher.probe_all()
         self.dispatcher.start_probing()
-        self._serving(self.gate.version)
-        self._pause_mode = await resolve_pause_mode(
-            self.cfg.update_pause, [srv.client for srv in self.dispatcher.servers]
-        )
-        background = [asyncio.create_task(self._metrics_loop())]
-        if hasattr(self.producer, "watch_versions"):
-            background.append(asyncio.create_task(self._watch_versions()))
-        else:
-            log.warning("producer has no watch_versions(): weights will not be reloaded")
+        await self.weights.start(self.cfg.update_pause)
+        background = [
+            asyncio.create_task(self._metrics_loop()),
+            asyncio.create_task(self.weights.follow()),
+        ]
         try:
             await self._produce()
         finally:
@@ -220,11 +201,10 @@ class RolloutController:
             await self._release(len(pending))
 
     async def _release(self, n: int) -> None:
-        release = getattr(self.producer, "release", None)
-        if release is None or n <= 0:
+        if n <= 0:
             return
         try:
-            await release(n)
+            await self.producer.release(n)
             self.stats["admissions_released_total"] += n
         except Exception as exc:
             log.error("could not give back %d admission(s) to the gate: %s", n, exc)
@@ -284,162 +264,52 @@ class RolloutController:
     async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
         `rollout.buffer_retry_s`; then the error propagates."""
-        deadline = time.monotonic() + self.cfg.buffer_retry_s
-        delay = 0.2
-        while True:
-            try:
-                return await call()
-            except Exception as exc:
-                if not is_connection_error(exc) or time.monotonic() > deadline:
-                    raise
-                log.warning("buffer %s failed (%s); retrying in %.1f s", what, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        return await async_retry(
+            call,
+            retry_if=is_connection_error,
+            within_s=self.cfg.buffer_retry_s,
+            what=f"buffer {what}",
+        )
 
     # ------------------------------------------------------------ weights
-    async def _watch_versions(self) -> None:
-        """Follow version notifications; reload to the newest one. Versions published
-        while a reload runs are coalesced: only the latest is loaded next."""
-        watcher: WatchesVersions = self.producer  # type: ignore[assignment]
-        latest: list[tuple[int, str]] = []  # at most one pending (version, path)
-        wake = asyncio.Event()
-
-        async def apply() -> None:
-            while True:
-                await wake.wait()
-                wake.clear()
-                version, path = latest.pop()
-                if version > self.gate.version:
-                    try:
-                        await self.update_weights(version, path)
-                    except Exception:  # keep following versions; the next one retries
-                        log.exception("weight update to v%d failed", version)
-
-        applier = asyncio.create_task(apply())
-        try:
-            while True:
-                try:
-                    async for upd in watcher.watch_versions():
-                        newest = latest[0][0] if latest else self.gate.version
-                        if upd.version > newest:
-                            latest[:] = [(upd.version, upd.path)]
-                            wake.set()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a lost Redis connection: resubscribe
-                    log.warning("version watch failed (%s); resubscribing", exc)
-                    await asyncio.sleep(1.0)
-        finally:
-            applier.cancel()
-            await asyncio.gather(applier, return_exceptions=True)
-
     async def update_weights(self, version: int, path: str) -> None:
-        """Pause every healthy server, reload `path` as `version`, continue."""
-        if not path and self.weights_dir:
-            path = str(Path(self.weights_dir) / f"v{version}")
-        if not path:
-            log.warning("version %d has no weights path; not reloading", version)
-            self._serving(version)
-            return
-        async with self._weights_lock:
-            t0 = time.monotonic()
-            self.gate.close()
-            try:
-                servers = [s for s in self.dispatcher.servers if s.healthy]
-                # retract: the servers keep the requests in flight (and recompute them);
-                # abort (the fakes' and SGLang's default call): they end and are resent.
-                retract = self._pause_mode == "retract"
-                how = ("retract",) if retract else ()
-                keep = {"abort_all_requests": False} if retract else {}
-                servers = await self._phase(servers, "pause", lambda s: s.client.pause(*how))
-                servers = await self._phase(
-                    servers,
-                    "update",
-                    lambda s: s.client.update_weights_from_disk(path, str(version), **keep),
-                )
-                await self._phase(servers, "continue", lambda s: s.client.resume())
-                self._weights = (version, path)
-            finally:
-                self.gate.reopen(version)
-                self._serving(version)
-            dt = time.monotonic() - t0
-            self.stats["weight_updates_total"] += 1
-            self.stats["weight_update_ms_total"] += int(dt * 1000)
-            log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
-
-    def _serving(self, version: int) -> None:
-        """Tell the staleness gate which version the servers generate with now."""
-        report = getattr(self.producer, "set_serving_version", None)
-        if report is not None:
-            report(version)
-
-    async def _phase(
-        self,
-        servers: list[ServerState],
-        name: str,
-        call: Callable[[ServerState], Awaitable[Any]],
-    ) -> list[ServerState]:
-        """Run one step of the update on each server; failures are marked unhealthy (they
-        reload on recovery) and left out of the next steps."""
-
-        async def one(s: ServerState) -> bool:
-            try:
-                await call(s)
-                return True
-            except Exception as exc:
-                self.dispatcher.mark_unhealthy(s, f"weight update ({name}) failed: {exc}")
-                return False
-
-        ok = await asyncio.gather(*[one(s) for s in servers])
-        return [s for s, good in zip(servers, ok, strict=True) if good]
-
-    async def _recover(self, server: ServerState) -> None:
-        """A server back from the dead may hold old weights (or still be paused)."""
-        async with self._weights_lock:
-            if self._weights is not None:
-                version, path = self._weights
-                # Our client can tell the server's version (SGLang's /get_model_info); skip
-                # the reload when a transient error did not cost the server its weights.
-                current = getattr(server.client, "weight_version", None)
-                if current is None or await current() != str(version):
-                    await server.client.update_weights_from_disk(path, str(version))
-            await server.client.resume()
+        """Pause every healthy server, load `path` as `version`, resume (WeightSync)."""
+        await self.weights.update(version, path)
 
     # ------------------------------------------------------------ metrics
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RolloutRow:
         """Current metrics; rates and reward_mean over the time since the last line."""
         now = time.monotonic()
         c, rs = self.sampler.counters, self.rewards.stats if self.rewards else None
         dt = max(now - self._last.get("t", now), 1e-9)
         samples, tokens = self.stats["samples_total"], c.tokens_total
-        out: dict[str, Any] = {
-            "time": time.time(),
-            "elapsed_s": round(now - getattr(self, "_t0", now), 3),
-            "version": self.gate.version,
-            "groups_produced_total": self.stats["groups_produced_total"],
-            "groups_in_flight": len(self._tasks),
-            "groups_failed_total": self.stats["groups_failed_total"],
-            "groups_abandoned_total": self.stats["groups_abandoned_total"],
-            "samples_total": samples,
-            "samples_per_s": (samples - self._last.get("samples", 0)) / dt,
-            "tokens_total": tokens,
-            "tokens_per_s": (tokens - self._last.get("tokens", 0)) / dt,
-            "reward_mean": self._reward_sum / self._reward_n if self._reward_n else None,
-            "reward_mean_total": (
+        return RolloutRow(
+            time=time.time(),
+            elapsed_s=round(now - self._t0, 3),
+            version=self.gate.version,
+            groups_produced_total=self.stats["groups_produced_total"],
+            groups_in_flight=len(self._tasks),
+            groups_failed_total=self.stats["groups_failed_total"],
+            groups_abandoned_total=self.stats["groups_abandoned_total"],
+            samples_total=samples,
+            samples_per_s=(samples - self._last.get("samples", 0)) / dt,
+            tokens_total=tokens,
+            tokens_per_s=(tokens - self._last.get("tokens", 0)) / dt,
+            reward_mean=self._reward_sum / self._reward_n if self._reward_n else None,
+            reward_mean_total=(
                 self._reward_sum_total / self._reward_n_total if self._reward_n_total else None
             ),
-            "reward_failures_total": rs.failures if rs else 0,
-            "reward_timeouts_total": rs.timeouts if rs else 0,
-            "requests_total": c.requests_total,
-            "requests_retried_total": c.requests_retried_total,
-            "requests_aborted_total": c.requests_aborted_total,
-            "weight_updates_total": self.stats["weight_updates_total"],
-            "weight_update_s_total": self.stats["weight_update_ms_total"] / 1000,
-            "gen_busy_s": round(self.dispatcher.busy_s, 3),
-            "servers_healthy": self.dispatcher.num_healthy,
-            "finish_reasons": dict(self.finish_reasons),
-        }
-        return out
+            reward_failures_total=rs.failures if rs else 0,
+            reward_timeouts_total=rs.timeouts if rs else 0,
+            requests_total=c.requests_total,
+            requests_retried_total=c.requests_retried_total,
+            requests_aborted_total=c.requests_aborted_total,
+            weight_updates_total=self.weights.updates_total,
+            weight_update_s_total=round(self.weights.update_s_total, 3),
+            gen_busy_s=round(self.dispatcher.busy_s, 3),
+            servers_healthy=self.dispatcher.num_healthy,
+            finish_reasons=dict(self.finish_reasons),
+        )
 
     def _start_interval(self) -> None:
         """Rates and reward_mean of the next metrics line count from now."""
@@ -451,17 +321,15 @@ class RolloutController:
         self._reward_sum = self._reward_n = 0.0
 
     def write_metrics(self, final: bool = False) -> dict[str, Any]:
-        snap = self.snapshot()
+        row = self.snapshot()
         self._start_interval()
         if final:
-            snap["final"] = True
-            snap["groups_in_flight"] = self.stats["groups_in_flight_at_stop"]
-            snap["admissions_released_total"] = self.stats["admissions_released_total"]
+            row.final = True
+            row.groups_in_flight = self.stats["groups_in_flight_at_stop"]
+            row.admissions_released_total = self.stats["admissions_released_total"]
         if self.metrics_path is not None:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(snap) + "\n")
-        return snap
+            append_row(self.metrics_path, row)
+        return row.model_dump()
 
     async def _metrics_loop(self) -> None:
         while True:

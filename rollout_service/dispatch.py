@@ -17,8 +17,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from areal_hex.api import GenerationClient
+from areal_hex.net import async_wait_until
+from rollout_service.client import GenerationError
 
 log = logging.getLogger(__name__)
+
+# What a failed call to a server may raise: the client's error (an HTTP status, or the
+# server unreachable), a connection error or a timeout. A programming error is not among
+# them: it surfaces instead of marking a server unhealthy.
+SERVER_ERRORS: tuple[type[BaseException], ...] = (
+    GenerationError,
+    ConnectionError,
+    OSError,
+    asyncio.TimeoutError,
+)
 
 
 @dataclass
@@ -34,7 +46,7 @@ class ServerState:
 
     @property
     def url(self) -> str:
-        return str(getattr(self.client, "base_url", f"server-{self.index}"))
+        return self.client.base_url
 
 
 class Dispatcher:
@@ -139,14 +151,14 @@ class Dispatcher:
         """Check one unhealthy server; on success run `on_recover`, then mark it healthy."""
         try:
             ok = await asyncio.wait_for(server.client.health(), timeout=10.0)
-        except Exception:  # a probe never raises: the server just stays unhealthy
+        except SERVER_ERRORS:  # the server just stays unhealthy
             ok = False
         if not ok:
             return False
         if self.on_recover is not None:
             try:
                 await self.on_recover(server)
-            except Exception as exc:
+            except SERVER_ERRORS as exc:
                 server.last_error = f"recovery failed: {exc}"
                 log.warning("server %s is up but could not recover: %s", server.url, exc)
                 return False
@@ -159,19 +171,19 @@ class Dispatcher:
 
     async def wait_healthy(self, timeout_s: float, min_servers: int = 1) -> int:
         """Probe until `min_servers` are healthy; raises TimeoutError naming the others."""
-        deadline = time.monotonic() + timeout_s
-        while await self.probe_all() < min_servers:
-            if time.monotonic() > deadline:
-                down = ", ".join(
-                    f"{s.url} ({s.last_error or 'not healthy'})"
-                    for s in self.servers
-                    if not s.healthy
-                )
-                raise TimeoutError(
-                    f"{self.num_healthy} of {len(self.servers)} inference servers healthy "
-                    f"after {timeout_s:.0f} s (need {min_servers}); down: {down}"
-                )
-            await asyncio.sleep(min(self.probe_interval_s, 0.5))
+
+        async def enough() -> bool:
+            return await self.probe_all() >= min_servers
+
+        interval = min(self.probe_interval_s, 0.5)
+        if not await async_wait_until(enough, timeout_s, interval_s=interval):
+            down = ", ".join(
+                f"{s.url} ({s.last_error or 'not healthy'})" for s in self.servers if not s.healthy
+            )
+            raise TimeoutError(
+                f"{self.num_healthy} of {len(self.servers)} inference servers healthy "
+                f"after {timeout_s:.0f} s (need {min_servers}); down: {down}"
+            )
         return self.num_healthy
 
     def start_probing(self) -> None:

@@ -1,6 +1,6 @@
 """The built-in inference engine: HF transformers with continuous batching.
 
-One scheduler thread owns the model and the running batch. Between two decode steps it
+One step-loop thread owns the model and the running batch. Between two decode steps it
 applies control commands (abort, weight reload, in-place pause), prefills newly arrived
 requests and merges them into the running batch; finished rows leave at once. The
 asyncio side (`generate`, `pause`, ...) talks to it through a condition-guarded queue
@@ -18,30 +18,20 @@ version that sampled it (`meta_info.output_token_versions`, beyond SGLang's API)
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.requests import EngineError, GenRequest, Sampling
-from rollout_service.wire import FinishReason
+from rollout_service.requests import Control, EngineError, EngineOptions, GenRequest
+from rollout_service.step_loop import Core
+from rollout_service.wire import FinishReason, SamplingParamsIn
 
 log = logging.getLogger(__name__)
 ModelLoader = Callable[[str], Any]  # weights directory -> model in eval mode on the device
-
-
-@dataclass
-class EngineOptions:
-    device: str = "cpu"
-    max_running_requests: int = 64
-    context_length: int = 512
-    max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
-    seed: int = 0
-    throughput_window_s: float = 5.0
 
 
 @dataclass
@@ -59,13 +49,6 @@ class EngineStats:
     prefill_batches_total: int
     decode_steps_total: int
     last_error: str | None
-
-
-@dataclass
-class _Control:
-    kind: str  # "abort" | "reload" | "hold" | "release"
-    args: dict[str, Any] = field(default_factory=dict)
-    result: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
 class Engine:
@@ -86,13 +69,13 @@ class Engine:
         self.load_model = load_model
         self._cv = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
-        self._controls: deque[_Control] = deque()
+        self._controls: deque[Control] = deque()
         self._inflight: dict[str, GenRequest] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None  # set = not paused
-        self._core: Any = None  # the scheduler's state (rollout_service.scheduler.Core)
+        self._core: Any = None  # the scheduler's state (rollout_service.step_loop.Core)
         self.counters = dict.fromkeys(
             ("gen", "prompt", "requests", "aborted", "updates", "prefills", "steps"), 0
         )
@@ -102,8 +85,7 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the scheduler thread; call from the event loop that serves requests."""
-        from rollout_service.scheduler import Core
+        """Start the step-loop thread; call from the event loop that serves requests."""
 
         self._loop = asyncio.get_running_loop()
         self._gate = asyncio.Event()
@@ -127,7 +109,7 @@ class Engine:
         return self._gate is not None and not self._gate.is_set()
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt: list[int], sampling: Sampling) -> None:
+    def validate(self, prompt: list[int], sampling: SamplingParamsIn) -> None:
         if not prompt:
             raise EngineError("input_ids: the prompt is empty")
         vocab = int(self.model.config.vocab_size)
@@ -144,7 +126,7 @@ class Engine:
     async def generate(
         self,
         prompt: list[int],
-        sampling: Sampling,
+        sampling: SamplingParamsIn,
         rid: str,
         on_token: Callable[[int], None] | None = None,
     ) -> GenRequest:
@@ -156,7 +138,7 @@ class Engine:
     def open(
         self,
         prompt: list[int],
-        sampling: Sampling,
+        sampling: SamplingParamsIn,
         rid: str,
         on_token: Callable[[int], None] | None = None,
     ) -> tuple[GenRequest, asyncio.Future[GenRequest]]:
@@ -188,7 +170,7 @@ class Engine:
                     self._cv.notify_all()
             return await fut
         except asyncio.CancelledError:  # the client went away: free the slot
-            self._submit(_Control("abort", {"rid": req.rid, "message": "client disconnected"}))
+            self._submit(Control("abort", {"rid": req.rid, "message": "client disconnected"}))
             raise
 
     async def _wait_open(self, fut: asyncio.Future[GenRequest]) -> None:
@@ -283,11 +265,11 @@ class Engine:
                 self._rate.popleft()
 
     async def _control(self, kind: str, **args: Any) -> Any:
-        ctl = _Control(kind, args)
+        ctl = Control(kind, args)
         self._submit(ctl)
         return await asyncio.wrap_future(ctl.result)
 
-    def _submit(self, ctl: _Control) -> None:
+    def _submit(self, ctl: Control) -> None:
         with self._cv:
             if self._stopping:
                 ctl.result.set_exception(EngineError("server is shutting down", 503))
@@ -295,7 +277,7 @@ class Engine:
             self._controls.append(ctl)
             self._cv.notify_all()
 
-    # ------------------------------------------------------------------ scheduler thread
+    # ------------------------------------------------------------------ step-loop thread
     def take_waiting(self, limit: int, token_budget: int) -> list[GenRequest]:
         """Pop up to `limit` queued requests whose padded prefill fits `token_budget`."""
         out: list[GenRequest] = []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from rollout_service.wire import FinishReason
+from rollout_service.wire import FinishReason, SamplingParamsIn
 
 
 class EngineError(Exception):
@@ -17,23 +19,11 @@ class EngineError(Exception):
         self.status = status
 
 
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-
 @dataclass(eq=False)
 class GenRequest:
     rid: str
     prompt: list[int]
-    sampling: Sampling
+    sampling: SamplingParamsIn
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # one per output token
     versions: list[str] = field(default_factory=list)  # weight version of each output token
@@ -41,10 +31,10 @@ class GenRequest:
     weight_version: str = ""  # the server's version when the request finished
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
-    submitted: bool = False  # handed to the scheduler thread
+    submitted: bool = False  # handed to the step-loop thread
     # Called once, from the thread that finishes the request.
     on_done: Callable[[GenRequest], None] | None = None
-    # Called after each new output token (scheduler thread), for streaming.
+    # Called after each new output token (step-loop thread), for streaming.
     on_token: Callable[[GenRequest], None] | None = None
 
     @property
@@ -63,14 +53,33 @@ def check_stop(
 ) -> FinishReason | None:
     """The finish reason once `token` (already appended to req.output_ids) is out."""
     s = req.sampling
-    if token in s.stop_token_ids or (not s.ignore_eos and token in eos_ids):
+    if token in s.stop_ids or (not s.ignore_eos and token in eos_ids):
         return FinishReason(type="stop", matched=token)
-    if s.stop_strings and decode_tail is not None:
-        width = max(len(x) for x in s.stop_strings) + 1
+    if s.stop_texts and decode_tail is not None:
+        width = max(len(x) for x in s.stop_texts) + 1
         tail = decode_tail(req.output_ids[-width:])
-        for text in s.stop_strings:
+        for text in s.stop_texts:
             if text in tail:
                 return FinishReason(type="stop", matched=text)
     if len(req.output_ids) >= s.max_new_tokens:
         return FinishReason(type="length", length=s.max_new_tokens)
     return None
+
+
+@dataclass
+class EngineOptions:
+    device: str = "cpu"
+    max_running_requests: int = 64
+    context_length: int = 512
+    max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
+    seed: int = 0
+    throughput_window_s: float = 5.0
+
+
+@dataclass
+class Control:
+    """A command for the step loop, run between two decode steps; `result` answers it."""
+
+    kind: str  # "abort" | "reload" | "hold" | "release"
+    args: dict[str, Any] = field(default_factory=dict)
+    result: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)

@@ -6,9 +6,13 @@
 - error or `request_timeout_s`: the server is marked unhealthy and the request goes to
   another server with the tokens so far, at most `max_retries` times.
 
-Each token is tagged with the `weight_version` of the response that carried it; a
-version that is not an integer (e.g. SGLang's "default") means the version the
-controller last applied.
+Each token is tagged with its version: the server's per-token report, else the
+`weight_version` of the response that carried it; a version the server could not state
+as an integer (None, e.g. SGLang's "default") means the version the controller last
+applied.
+
+Only a server's own failures (rollout_service.dispatch.SERVER_ERRORS) are retried
+elsewhere; anything else is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -20,40 +24,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from areal_hex.api import GenerateResult, SamplingParams
-from rollout_service.dispatch import Dispatcher, ServerState
+from rollout_service.client import GenerationError
+from rollout_service.dispatch import SERVER_ERRORS, Dispatcher, ServerState
+from rollout_service.weight_sync import UpdateGate
 
 log = logging.getLogger(__name__)
 
 
 class SampleFailed(RuntimeError):
     """A sample ran out of retries; its group cannot be completed."""
-
-
-class UpdateGate:
-    """Whether new requests may start (closed during a weight update) and which update
-    epoch is current, so an abort caused by our own update is told from a stray one."""
-
-    def __init__(self, version: int = 0) -> None:
-        self.version = version  # last policy version applied to the servers
-        self.epoch = 0  # incremented when an update starts
-        self._open = asyncio.Event()
-        self._open.set()
-
-    def close(self) -> None:
-        self.epoch += 1
-        self._open.clear()
-
-    def reopen(self, version: int | None = None) -> None:
-        if version is not None:
-            self.version = version
-        self._open.set()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    async def wait_open(self) -> None:
-        await self._open.wait()
 
 
 @dataclass
@@ -75,8 +54,8 @@ class SamplerCounters:
 
 def _is_client_error(exc: BaseException) -> bool:
     """A 4xx says the request was refused, not that the server is down."""
-    status = getattr(exc, "status", None)
-    return isinstance(status, int) and 400 <= status < 500
+    status = exc.status if isinstance(exc, GenerationError) else None
+    return status is not None and 400 <= status < 500
 
 
 class Sampler:
@@ -96,11 +75,8 @@ class Sampler:
         self.counters = SamplerCounters()
         self._background: set[asyncio.Task[None]] = set()
 
-    def _version(self, version: str) -> int:
-        try:
-            return int(version)
-        except (TypeError, ValueError):
-            return self.gate.version
+    def _version(self, version: int | None) -> int:
+        return self.gate.version if version is None else version
 
     def _versions(self, res: GenerateResult) -> list[int]:
         """Each output token's policy version: the server's per-token report if it sends
@@ -110,14 +86,14 @@ class Sampler:
         return [self._version(res.weight_version)] * len(res.output_ids)
 
     async def sample_group(self, prompt_ids: list[int], n: int, rid: str) -> list[Sample]:
-        """`n` samples of one prompt. A server that takes batches (`generate_batch`) gets
-        them in one `/generate` call (one HTTP round trip instead of n; the server still
-        runs them as n requests); samples that come back aborted, or all of them if the
-        call fails, go on one by one through `sample`, from the tokens they have."""
+        """`n` samples of one prompt, in one batched `/generate` call (one HTTP round trip
+        instead of n; the server still runs them as n requests); samples that come back
+        aborted, or all of them if the call fails, go on one by one through `sample`,
+        from the tokens they have."""
         rids = [f"{rid}s{i}" for i in range(n)]
         await self.gate.wait_open()
         server = await self.dispatcher.acquire()
-        if n < 2 or getattr(server.client, "generate_batch", None) is None:
+        if n < 2:
             return await _all([self.sample(prompt_ids, r) for r in rids])
         outs = [Sample() for _ in range(n)]
         seg = [self._request_id(r, out) for r, out in zip(rids, outs, strict=True)]
@@ -128,7 +104,7 @@ class Sampler:
                     server.client.generate_batch([prompt_ids] * n, self.sampling, seg),
                     self.request_timeout_s,
                 )
-        except (asyncio.TimeoutError, Exception) as exc:
+        except SERVER_ERRORS as exc:
             if isinstance(exc, asyncio.TimeoutError):
                 for r in seg:
                     self._abort_quietly(server, r)
@@ -177,7 +153,7 @@ class Sampler:
             epoch = self.gate.epoch
             try:
                 res = await self._send(server, prompt_ids + out.token_ids, remaining, rid, out)
-            except (asyncio.TimeoutError, Exception) as exc:
+            except SERVER_ERRORS as exc:
                 failures += 1
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else str(exc)
                 if not _is_client_error(exc):
@@ -225,10 +201,7 @@ class Sampler:
 
     def _abort_quietly(self, server: ServerState, rid: str) -> None:
         """Best effort: tell a slow server to drop the request we gave up on."""
-        abort = getattr(server.client, "abort", None)
-        if abort is None:
-            return
-        task = asyncio.get_running_loop().create_task(abort(rid))
+        task = asyncio.get_running_loop().create_task(server.client.abort(rid))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from areal_hex.config import InferenceConfig, ModelConfig
+from areal_hex.net import WaitAborted, wait_until
 from rollout_service.app import ServerSettings, create_app
 from rollout_service.engine import Engine, EngineOptions
 
@@ -137,11 +137,17 @@ class ServerThread:
 
     def __enter__(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server thread did not start")
-            time.sleep(0.02)
+        try:
+            started = wait_until(
+                lambda: self.server.started,
+                self.start_timeout_s,
+                interval_s=0.02,
+                alive=self.thread.is_alive,
+            )
+        except WaitAborted:
+            started = False
+        if not started:
+            raise RuntimeError("the server thread did not start")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
         return self.url

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from types import FrameType
 from typing import TextIO
 
 from areal_hex.config import InferenceConfig, ModelConfig
+from areal_hex.net import WaitAborted, wait_until
 
 
 class SGLangLaunchError(RuntimeError):
@@ -118,23 +118,25 @@ class SGLangProcess:
         """Poll `url` (…/health) until it answers 200; raise SGLangLaunchError when the
         process exits first or `timeout_s` passes."""
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise SGLangLaunchError(
-                    f"SGLang server exited with code {code} before {url} was healthy; "
-                    f"command: {redacted(self.cmd)}\nlast output:\n{self.last_lines()}"
-                )
-            if _http_ok(url):
+        proc = self.proc
+        try:
+            if wait_until(
+                lambda: _http_ok(url),
+                timeout_s,
+                interval_s=interval_s,
+                alive=lambda: proc.poll() is None,
+            ):
                 return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SGLangLaunchError(
-                    f"SGLang server not healthy at {url} after {timeout_s:.0f} s (stopped it); "
-                    f"command: {redacted(self.cmd)}\nlast output:\n{self.last_lines()}"
-                )
-            time.sleep(interval_s)
+        except WaitAborted:
+            raise SGLangLaunchError(
+                f"SGLang server exited with code {proc.poll()} before {url} was healthy; "
+                f"command: {redacted(self.cmd)}\nlast output:\n{self.last_lines()}"
+            ) from None
+        self.stop()
+        raise SGLangLaunchError(
+            f"SGLang server not healthy at {url} after {timeout_s:.0f} s (stopped it); "
+            f"command: {redacted(self.cmd)}\nlast output:\n{self.last_lines()}"
+        )
 
     def wait(self) -> int:
         assert self.proc is not None

@@ -1,12 +1,17 @@
 """Request and response shapes of the inference server: the SGLang native HTTP subset.
 
-Plain pydantic models, one per endpoint body. Like SGLang, requests ignore unknown keys
-(clients send more than we use); values we do read are validated and a bad one fails
-with the field's path (422).
+Plain pydantic models, one per endpoint body, used by the server (rollout_service/app.py)
+to read requests and write responses and by the client (rollout_service/client.py) to
+read responses. Like SGLang, requests ignore unknown keys (clients send more than we
+use); values we do read are validated and a bad one fails with the field's path (422).
+
+Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "default") and
+`int` in Python: `version_from_wire` / `version_to_wire` are the only conversion.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -40,7 +45,9 @@ class Lenient(BaseModel):
 
 
 class SamplingParamsIn(Lenient):
-    """A null value means the default, as in SGLang."""
+    """The server's one sampling-parameter type: read from the request, kept on the
+    engine's request and read by the step loop. A null value means the default, as in
+    SGLang. (The client's is areal_hex.api.SamplingParams; `to_wire` writes this shape.)"""
 
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0)
@@ -68,9 +75,18 @@ class SamplingParamsIn(Lenient):
         return v
 
     def stop_strings(self) -> list[str]:
+        return list(self.stop_texts)
+
+    # Read once per generated token by the step loop: computed once per request.
+    @cached_property
+    def stop_texts(self) -> tuple[str, ...]:
         if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids or ())
 
 
 def _tagged(single: Any, batch: Any, how: Any = _one_or_many) -> Any:
@@ -146,25 +162,50 @@ class FinishReason(BaseModel):
         return out
 
 
-class MetaInfo(BaseModel):
-    id: str
-    finish_reason: dict[str, Any]
-    prompt_tokens: int
-    completion_tokens: int
+def version_from_wire(value: Any) -> int | None:
+    """A wire version as an int; None when it is not one (SGLang's "default")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except ValueError:
+        return None
+
+
+def version_to_wire(version: int) -> str:
+    return str(int(version))
+
+
+class MetaInfo(Lenient):
+    """`meta_info` of a /generate response. Defaults let the client read SGLang versions
+    that omit a field; our server always sets every field it has."""
+
+    id: str = ""
+    # None only in a streaming chunk of a request that still runs
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     cached_tokens: int = 0
-    weight_version: str
-    e2e_latency: float
+    weight_version: str | int | None = None
+    e2e_latency: float = 0.0
     # [[logprob, token_id, text|null], ...] one per output token
     output_token_logprobs: list[list[Any]] | None = None
     input_token_logprobs: list[list[Any]] | None = None
     # ours, beyond SGLang: the weight version that sampled each output token
-    output_token_versions: list[str] | None = None
+    output_token_versions: list[str | int] | None = None
 
 
-class GenerateOutput(BaseModel):
-    text: str
-    output_ids: list[int]
+class GenerateOutput(Lenient):
+    text: str = ""
+    output_ids: list[int] | None = None  # some servers leave them to the log-prob tuples
     meta_info: MetaInfo
+
+    def to_wire(self) -> dict[str, Any]:
+        """The response body: the fields that were set (a request without log-probs has
+        no log-prob keys, as in SGLang)."""
+        return self.model_dump(exclude_unset=True)
 
 
 class UpdateWeightsFromDiskReq(Lenient):

@@ -13,6 +13,7 @@ from typing import Any
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.data import PromptSet, build_prompts, load_problems
+from areal_hex.run_files import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cfg.rollout,
         max_groups=target_groups(cfg),
-        metrics_path=cfg.run.run_dir() / "rollout.jsonl",
+        metrics_path=RunPaths.of(cfg).rollout,
         stop_token_ids=[eos] if eos is not None else [],
         weights_dir=cfg.inference.weights_dir,
         seed=cfg.data.seed,

@@ -17,7 +17,7 @@ from pathlib import Path
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
 from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
-from scheduler.models import load_model
+from scheduler.model_shape import load_model_shape
 from scheduler.partition import place
 from scheduler.planner import make_plan, problem_for
 from scheduler.workload import Workload, load_workload
@@ -122,7 +122,7 @@ SMALL_WORKLOAD = Workload(
 
 
 def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int]:
-    m, worst, n = load_model(model), 0.0, 0
+    m, worst, n = load_model_shape(model), 0.0, 0
     for s in range(seeds):
         cl, budget = random_small_cluster(s)
         p = problem_for(cl, m, SMALL_WORKLOAD)
@@ -136,7 +136,7 @@ def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int
 
 
 def run(args: argparse.Namespace) -> dict:
-    m = load_model(args.model)
+    m = load_model_shape(args.model)
     w = Workload()
     solve_s, gaps = {}, {}
     for size in [int(s) for s in args.sizes.split(",")]:

@@ -87,9 +87,6 @@ class Cluster:
             return LinkInfo(z.inter_node_bandwidth_gbs, z.inter_node_latency_ms)
         return self.pair_links[tuple(sorted((za, zb)))]
 
-    def total_gpus(self) -> int:
-        return sum(g.gpus_per_node * g.nodes for g in self.spec.node_groups)
-
 
 def load_cluster(path: str | Path) -> Cluster:
     spec = build(ClusterSpec, read_yaml(path), str(path))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.cluster import Cluster, NodeGroup
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import CostConstants, Workload
 
@@ -21,7 +21,7 @@ BATCH_DIVISORS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
+class RolloutOption:
     group: str  # node-group name
     kind: str
     zone: str
@@ -35,7 +35,7 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
+class TrainerOption:
     kind: str
     parts: tuple[tuple[str, int], ...]  # (node group, GPUs taken) in rank order
     per_node: int  # ranks per node (equal on every node)
@@ -82,7 +82,7 @@ def rollout_config(
     w: Workload,
     prof: Profile | None,
     batch_div: int = 1,
-) -> RolloutConfig | None:
+) -> RolloutOption | None:
     """The instance's throughput, or None when the weights or one request do not fit."""
     k, kind = w.constants, cl.kinds[g.name]
     usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
@@ -112,7 +112,7 @@ def rollout_config(
     # Continuous batching: `batch` sequences advance one token per step; prefill steals
     # compute from the same GPUs, so per sample it adds serially.
     per_sample = w.response_tokens * step / batch + prefill
-    return RolloutConfig(
+    return RolloutOption(
         group=g.name,
         kind=kind.name,
         zone=g.zone,
@@ -144,8 +144,8 @@ def tp_degrees(g: NodeGroup, m: ModelShape) -> list[int]:
 
 def rollout_configs(
     cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None
-) -> list[RolloutConfig]:
-    out: list[RolloutConfig] = []
+) -> list[RolloutOption]:
+    out: list[RolloutOption] = []
     for g in cl.spec.node_groups:
         for tp in tp_degrees(g, m):
             if w.rollout_tp is not None and tp != w.rollout_tp:

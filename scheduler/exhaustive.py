@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 
-from scheduler.milp import Problem, gen_rate
+from scheduler.milp import PlanSpace, gen_rate
 
 
-def fits(p: Problem, c_idx: int, reps: dict[int, int]) -> bool:
+def fits(p: PlanSpace, c_idx: int, reps: dict[int, int]) -> bool:
     """Place the trainer, then instances largest-TP first (first fit) on real machines."""
     c = p.trainers[c_idx]
     free: dict[str, list[int]] = {g: [p.gpn[g]] * (n // p.gpn[g]) for g, n in p.gpus.items()}
@@ -32,7 +32,7 @@ def fits(p: Problem, c_idx: int, reps: dict[int, int]) -> bool:
     return True
 
 
-def _group_vectors(p: Problem, idx: list[int], cap: int) -> list[dict[int, int]]:
+def _group_vectors(p: PlanSpace, idx: list[int], cap: int) -> list[dict[int, int]]:
     """Every replica vector over configs `idx` (one node group) using at most `cap` GPUs."""
     if not idx:
         return [{}]
@@ -44,7 +44,7 @@ def _group_vectors(p: Problem, idx: list[int], cap: int) -> list[dict[int, int]]
     return out
 
 
-def exhaustive(p: Problem, budget: float) -> tuple[float, float]:
+def exhaustive(p: PlanSpace, budget: float) -> tuple[float, float]:
     """(best rate, its cheapest cost) over every trainer and replica vector."""
     best = (0.0, float("inf"))
     per_group = [
@@ -66,7 +66,7 @@ def exhaustive(p: Problem, budget: float) -> tuple[float, float]:
     return best
 
 
-def exhaustive_min_cost(p: Problem, target: float) -> float:
+def exhaustive_min_cost(p: PlanSpace, target: float) -> float:
     """Cheapest cost over every trainer and replica vector whose rate reaches `target`."""
     best = float("inf")
     per_group = [

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from scheduler.models import ModelShape, load_model
+from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.profile import DeviceRates, Profile
 
 TINY = dict(
@@ -35,7 +35,7 @@ def _device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        from areal_hex.cli import UsageError
+        from areal_hex.errors import UsageError
 
         raise UsageError("--device cuda: no CUDA device is visible here")
     return choice
@@ -114,7 +114,7 @@ def _shape(cfg, label: str) -> ModelShape:
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "config.json"
         p.write_text(json.dumps(cfg.to_dict()))
-        shape = load_model(str(p))
+        shape = load_model_shape(str(p))
     return ModelShape(**{**shape.__dict__, "name": label})
 
 

@@ -29,8 +29,8 @@ import pulp
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutConfig, TrainerConfig, inflight_cap, weight_sync_s
-from scheduler.models import ModelShape
+from scheduler.costmodel import RolloutOption, TrainerOption, inflight_cap, weight_sync_s
+from scheduler.model_shape import ModelShape
 from scheduler.workload import Workload
 
 
@@ -40,11 +40,11 @@ class SolveTimeout(ConfigError):
 
 
 @dataclass
-class Problem:
+class PlanSpace:
     """Everything the MILP (and the exhaustive check) needs, with the cluster folded in."""
 
-    rollouts: list[RolloutConfig]
-    trainers: list[TrainerConfig]
+    rollouts: list[RolloutOption]
+    trainers: list[TrainerOption]
     pause: dict[tuple[str, int], float]  # (zone, trainer index) -> f_zc
     gpus: dict[str, int]  # node group -> GPUs
     gpn: dict[str, int]  # node group -> GPUs per node
@@ -60,7 +60,7 @@ class Solution:
     gen_rate: float
     train_rate: float
     cost: float
-    trainer: TrainerConfig
+    trainer: TrainerOption
     replicas: dict[int, int]  # rollout index -> count
     status: str
     gap: float
@@ -74,9 +74,9 @@ def build_problem(
     cl: Cluster,
     m: ModelShape,
     w: Workload,
-    rollouts: list[RolloutConfig],
-    trainers: list[TrainerConfig],
-) -> Problem:
+    rollouts: list[RolloutOption],
+    trainers: list[TrainerOption],
+) -> PlanSpace:
     zones = sorted({r.zone for r in rollouts})
     pause: dict[tuple[str, int], float] = {}
     sync: dict[tuple[str, int], float] = {}
@@ -87,7 +87,7 @@ def build_problem(
             pause[(z, i)] = min(1.0, sync[(z, i)] / period)
     groups = cl.spec.node_groups
     tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
-    return Problem(
+    return PlanSpace(
         rollouts,
         trainers,
         pause,
@@ -100,7 +100,7 @@ def build_problem(
     )
 
 
-def lost_blocks(c: TrainerConfig, group: str, gpn: int, t: int) -> int:
+def lost_blocks(c: TrainerOption, group: str, gpn: int, t: int) -> int:
     """GPUs' worth of t-sized blocks trainer c makes unusable in `group`."""
     n = sum(k for g, k in c.parts if g == group)
     if n == 0 or n % gpn == 0:
@@ -108,14 +108,14 @@ def lost_blocks(c: TrainerConfig, group: str, gpn: int, t: int) -> int:
     return t * (gpn // t - (gpn - n) // t)  # part of one machine
 
 
-def gen_rate(p: Problem, c_idx: int, y: dict[int, int]) -> float:
+def gen_rate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> float:
     return sum(
         n * p.rollouts[i].samples_per_s * (1 - p.pause[(p.rollouts[i].zone, c_idx)])
         for i, n in y.items()
     )
 
 
-def evaluate(p: Problem, c_idx: int, y: dict[int, int]) -> tuple[float, float]:
+def evaluate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> tuple[float, float]:
     """(rate, generation rate) of a fixed plan with pauses at the rate it reaches.
 
     Publishes come every k·B·G trained samples, so at rate R an instance in zone z pauses
@@ -144,7 +144,7 @@ def evaluate(p: Problem, c_idx: int, y: dict[int, int]) -> tuple[float, float]:
 
 
 def solve(
-    p: Problem,
+    p: PlanSpace,
     budget: float | None = None,
     target: float | None = None,
     time_limit_s: float = 60.0,
@@ -179,7 +179,9 @@ def solve(
     return _solution(p, c_idx, reps, status, gap, time.perf_counter() - t0)
 
 
-def _model(p: Problem, ris: list[int], cis: list[int], budget: float | None, target: float | None):
+def _model(
+    p: PlanSpace, ris: list[int], cis: list[int], budget: float | None, target: float | None
+):
     prob = pulp.LpProblem("areal_hex_phase1")
     y = {i: prob.add_variable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
     x = {i: prob.add_variable(f"x{i}", lowBound=0, upBound=1, cat="Integer") for i in cis}
@@ -253,7 +255,7 @@ def _read(x: dict, y: dict, cis: list[int], ris: list[int]) -> tuple[int, dict[i
 
 
 def _solution(
-    p: Problem, c_idx: int, reps: dict[int, int], status: str, gap: float, solve_s: float
+    p: PlanSpace, c_idx: int, reps: dict[int, int], status: str, gap: float, solve_s: float
 ) -> Solution:
     c = p.trainers[c_idx]
     gen = gen_rate(p, c_idx, reps)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pymetis
 
 from scheduler.cluster import Cluster, NodeGroup
-from scheduler.costmodel import RolloutConfig, TrainerConfig
+from scheduler.costmodel import RolloutOption, TrainerOption
 
 MAX_CLIQUE = 48  # machines per zone beyond which the zone is a ring of k neighbours
 RING_K = 8
@@ -25,7 +25,7 @@ RING_K = 8
 @dataclass
 class Placement:
     trainer: list[tuple[str, list[int]]]  # (node, gpu ids) in rank order
-    rollout: list[tuple[RolloutConfig, str, list[int]]]  # (config, node, gpu ids)
+    rollout: list[tuple[RolloutOption, str, list[int]]]  # (config, node, gpu ids)
     cut_gbs: float  # bandwidth METIS cut between the trainer's island and the rest
 
 
@@ -72,7 +72,7 @@ def _graph(cl: Cluster, groups: list[NodeGroup]):
     return verts, xadj, adjncy, ew
 
 
-def _trainer_nodes(cl: Cluster, c: TrainerConfig) -> tuple[list[tuple[str, list[int]]], float]:
+def _trainer_nodes(cl: Cluster, c: TrainerOption) -> tuple[list[tuple[str, list[int]]], float]:
     gmap = {g.name: g for g in cl.spec.node_groups}
     kind_groups = [g for g in cl.spec.node_groups if cl.kinds[g.name].name == c.kind]
     verts, xadj, adjncy, ew = _graph(cl, kind_groups)
@@ -102,10 +102,10 @@ def _trainer_nodes(cl: Cluster, c: TrainerConfig) -> tuple[list[tuple[str, list[
     return out, cut
 
 
-def place(cl: Cluster, c: TrainerConfig, replicas: list[tuple[RolloutConfig, int]]) -> Placement:
+def place(cl: Cluster, c: TrainerOption, replicas: list[tuple[RolloutOption, int]]) -> Placement:
     trainer, cut = _trainer_nodes(cl, c)
     used = {node: set(ids) for node, ids in trainer}
-    rollout: list[tuple[RolloutConfig, str, list[int]]] = []
+    rollout: list[tuple[RolloutOption, str, list[int]]] = []
     gmap = {g.name: g for g in cl.spec.node_groups}
     items = sorted(((rc, k) for rc, k in replicas), key=lambda t: (t[0].group, -t[0].tp))
     for rc, k in items:

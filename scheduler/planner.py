@@ -15,9 +15,9 @@ from areal_hex.plan import (
     TrainerPlacement,
 )
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutConfig, decode_step_s, rollout_configs, weight_sync_s
-from scheduler.milp import Problem, Solution, build_problem, solve
-from scheduler.models import ModelShape
+from scheduler.costmodel import RolloutOption, decode_step_s, rollout_configs, weight_sync_s
+from scheduler.milp import PlanSpace, Solution, build_problem, solve
+from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, place
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
@@ -30,13 +30,13 @@ class PlanResult:
     plan: Plan
     solution: Solution
     placement: Placement
-    problem: Problem
+    problem: PlanSpace
     sim: SimResult | None
     homogeneous: dict[str, float] = field(default_factory=dict)  # kind -> best rate
     synchronous: float = 0.0
 
 
-def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> Problem:
+def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> PlanSpace:
     rollouts = rollout_configs(cl, m, w, prof)
     trainers = trainer_configs(cl, m, w, prof)
     if not rollouts and w.rollout_tp is not None:
@@ -61,7 +61,7 @@ def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = 
     return build_problem(cl, m, w, rollouts, trainers)
 
 
-def cheapest_cost(p: Problem, time_limit_s: float) -> float | None:
+def cheapest_cost(p: PlanSpace, time_limit_s: float) -> float | None:
     sol = solve(p, target=1e-9, time_limit_s=time_limit_s)
     return None if sol is None else sol.cost
 
@@ -100,7 +100,7 @@ def make_plan(
 
 
 def _infeasible_message(
-    p: Problem, budget: float | None, target: float | None, time_limit_s: float
+    p: PlanSpace, budget: float | None, target: float | None, time_limit_s: float
 ) -> str:
     if budget is not None:
         low = cheapest_cost(p, time_limit_s)
@@ -118,7 +118,7 @@ def _infeasible_message(
     )
 
 
-def synchronous_rate(p: Problem, w: Workload, budget: float) -> float:
+def synchronous_rate(p: PlanSpace, w: Workload, budget: float) -> float:
     """Best colocated synchronous plan (η = 0, the trainer's GPUs also generate, each phase
     waits for the other): step = generation of B·G samples (at least the longest answer's
     decode) + the training step. Searched over the same trainer configurations."""
@@ -157,7 +157,7 @@ def simulate_solution(
     for rc, node, _ in placement.rollout:
         g, kind = gmap[rc.group], cl.kinds[rc.group]
 
-        def step_fn(n: int, rc: RolloutConfig = rc, g=g, kind=kind) -> float:
+        def step_fn(n: int, rc: RolloutOption = rc, g=g, kind=kind) -> float:
             def at(b: int) -> float:
                 return decode_step_s(
                     m,

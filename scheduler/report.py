@@ -6,7 +6,7 @@ from collections import Counter
 
 from scheduler.cluster import Cluster
 from scheduler.milp import solve
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.planner import PlanResult, cheapest_cost, synchronous_rate
 from scheduler.profile import Profile
 from scheduler.workload import Workload

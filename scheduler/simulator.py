@@ -60,6 +60,154 @@ class SimResult:
     dropped: int = 0
 
 
+@dataclass
+class _Workload:
+    batch_groups: int
+    group_size: int
+    staleness: int
+    publish_interval: int
+    train_step_s: float
+    mean_len: int
+    max_len: int
+    steps: int
+    warmup: int
+
+
+class Simulation:
+    """One replay. State: the event queue, the gate's counters, the samples waiting for a
+    slot, finished groups (oldest first) and the trainer. Events: "done" (an instance's
+    earliest request finished; stale if the instance was rescheduled since) and "step"
+    (the trainer finished an optimizer step)."""
+
+    def __init__(self, instances: list[SimInstance], w: _Workload, seed: int) -> None:
+        self.inst, self.w = instances, w
+        self.rng = random.Random(seed)
+        self.events: list[tuple[float, int, str, int, int]] = []  # (t, seq, kind, arg, stamp)
+        self.seq = 0
+        self.now, self.version, self.submitted, self.trained = 0.0, 0, 0, 0
+        self.pending: deque[tuple[int, int]] = deque()  # (group, length) to dispatch
+        self.group_left: dict[int, int] = {}  # samples still generating, per group
+        self.group_ver: dict[int, int] = {}  # policy version at admission
+        self.req_group: dict[int, int] = {}
+        self.finished: deque[int] = deque()  # groups, oldest first
+        self.trainer_busy, self.trainer_idle, self.idle_since = False, 0.0, 0.0
+        self.hist: dict[int, int] = {}
+        self.t_warm: float | None = None
+        self.gen_done = self.gen_warm = self.rid = 0
+
+    # ------------------------------------------------------------ events
+    def push(self, t: float, kind: str, arg: int, stamp: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, arg, stamp))
+
+    def reschedule(self, i: int) -> None:
+        inst = self.inst[i]
+        inst.stamp += 1
+        nf = inst.next_finish()
+        if nf is not None:
+            self.push(nf, "done", i, inst.stamp)
+
+    # ------------------------------------------------------------ controller
+    def admit(self) -> None:
+        """The gate admits one more group while submitted < (v + η + 1)·B."""
+        w = self.w
+        if self.submitted >= (self.version + w.staleness + 1) * w.batch_groups:
+            return
+        g = self.submitted
+        self.submitted += 1
+        self.group_left[g], self.group_ver[g] = w.group_size, self.version
+        for _ in range(w.group_size):
+            length = min(w.max_len, max(1, int(w.mean_len * self.rng.uniform(0.5, 1.5))))
+            self.pending.append((g, length))
+
+    def dispatch(self) -> None:
+        """Admit groups and hand their samples to the least loaded instance with a slot."""
+        while True:
+            if not self.pending:
+                self.admit()
+            free = [i for i, x in enumerate(self.inst) if len(x.active) < x.slots]
+            if not self.pending or not free:
+                return
+            i = min(free, key=lambda j: len(self.inst[j].active) / self.inst[j].slots)
+            g, length = self.pending.popleft()
+            inst = self.inst[i]
+            inst.advance(self.now)
+            inst.stall_until = max(inst.stall_until, self.now) + inst.prefill_s
+            self.rid += 1
+            self.req_group[self.rid] = g
+            heapq.heappush(inst.active, (inst.tok + length, self.rid))
+            self.reschedule(i)
+
+    def on_done(self, i: int) -> None:
+        inst = self.inst[i]
+        inst.advance(self.now)
+        while inst.active and inst.active[0][0] <= inst.tok + 1e-9:
+            _, r = heapq.heappop(inst.active)
+            g = self.req_group.pop(r)
+            self.gen_done += 1
+            self.group_left[g] -= 1
+            if self.group_left[g] == 0:
+                del self.group_left[g]
+                self.finished.append(g)
+        self.reschedule(i)
+
+    # ------------------------------------------------------------ trainer
+    def try_train(self) -> None:
+        """Start a step on the B oldest finished groups when the trainer is free."""
+        b = self.w.batch_groups
+        if self.trainer_busy or len(self.finished) < b:
+            return
+        for g in [self.finished.popleft() for _ in range(b)]:
+            lag = self.version - self.group_ver.pop(g)
+            self.hist[lag] = self.hist.get(lag, 0) + 1
+        self.trainer_busy = True
+        self.trainer_idle += self.now - self.idle_since
+        self.push(self.now + self.w.train_step_s, "step", 0)
+
+    def on_step(self) -> None:
+        """A step committed: the version moves on; every k steps the instances sync."""
+        self.trainer_busy, self.idle_since = False, self.now
+        self.trained += 1
+        self.version += 1
+        if self.trained == self.w.warmup:
+            self.t_warm, self.gen_warm, self.trainer_idle = self.now, self.gen_done, 0.0
+        if self.version % self.w.publish_interval == 0:
+            for i, inst in enumerate(self.inst):
+                inst.advance(self.now)
+                inst.stall_until = max(inst.stall_until, self.now) + inst.sync_s
+                self.reschedule(i)
+
+    # ------------------------------------------------------------ run
+    def run(self) -> SimResult:
+        self.dispatch()
+        while self.events and self.trained < self.w.steps:
+            self.now, _, kind, arg, stamp = heapq.heappop(self.events)
+            if kind == "done":
+                if stamp != self.inst[arg].stamp:
+                    continue
+                self.on_done(arg)
+            else:
+                self.on_step()
+            self.dispatch()
+            self.try_train()
+        return self.result()
+
+    def result(self) -> SimResult:
+        w, now = self.w, self.now
+        span = max(1e-9, now - (self.t_warm or 0.0))
+        measured = self.trained - w.warmup
+        busy = sum(x.busy_s for x in self.inst) / max(1e-9, now * len(self.inst))
+        return SimResult(
+            samples_per_s=measured * w.batch_groups * w.group_size / span,
+            generation_samples_per_s=(self.gen_done - self.gen_warm) / span,
+            steps=self.trained,
+            max_staleness=max(self.hist, default=0),
+            staleness_hist=dict(sorted(self.hist.items())),
+            trainer_idle_frac=self.trainer_idle / span,
+            rollout_busy_frac=busy,
+        )
+
+
 def simulate(
     instances: list[SimInstance],
     *,
@@ -74,107 +222,15 @@ def simulate(
     warmup: int = 3,
     seed: int = 0,
 ) -> SimResult:
-    rng = random.Random(seed)
-    events: list[tuple[float, int, str, int, int]] = []  # (time, seq, kind, arg, stamp)
-    seq = 0
-
-    def push(t: float, kind: str, arg: int, stamp: int = 0) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, arg, stamp))
-
-    def reschedule(i: int) -> None:
-        inst = instances[i]
-        inst.stamp += 1
-        nf = inst.next_finish()
-        if nf is not None:
-            push(nf, "done", i, inst.stamp)
-
-    now, version, submitted, trained = 0.0, 0, 0, 0
-    pending: deque[tuple[int, int]] = deque()  # (group, length) samples to dispatch
-    group_left: dict[int, int] = {}
-    group_ver: dict[int, int] = {}
-    req_group: dict[int, int] = {}
-    finished: deque[int] = deque()  # groups, oldest first
-    trainer_busy, trainer_idle, hist = False, 0.0, {}
-    idle_since, t_warm, gen_done, gen_warm = 0.0, None, 0, 0
-    rid = 0
-
-    def dispatch() -> None:
-        nonlocal submitted, rid
-        while True:
-            if not pending and submitted < (version + staleness + 1) * batch_groups:
-                g = submitted  # the gate admits one more group
-                submitted += 1
-                group_left[g], group_ver[g] = group_size, version
-                for _ in range(group_size):
-                    length = min(max_len, max(1, int(mean_len * rng.uniform(0.5, 1.5))))
-                    pending.append((g, length))
-            free = [i for i, x in enumerate(instances) if len(x.active) < x.slots]
-            if not pending or not free:
-                return
-            i = min(free, key=lambda j: len(instances[j].active) / instances[j].slots)
-            g, length = pending.popleft()
-            inst = instances[i]
-            inst.advance(now)
-            inst.stall_until = max(inst.stall_until, now) + inst.prefill_s
-            rid += 1
-            req_group[rid] = g
-            heapq.heappush(inst.active, (inst.tok + length, rid))
-            reschedule(i)
-
-    def try_train() -> None:
-        nonlocal trainer_busy, trainer_idle
-        if not trainer_busy and len(finished) >= batch_groups:
-            batch = [finished.popleft() for _ in range(batch_groups)]
-            for g in batch:
-                lag = version - group_ver.pop(g)
-                hist[lag] = hist.get(lag, 0) + 1
-            trainer_busy = True
-            trainer_idle += now - idle_since
-            push(now + train_step_s, "step", 0)
-
-    dispatch()
-    while events and trained < steps:
-        now, _, kind, arg, stamp = heapq.heappop(events)
-        if kind == "done":
-            inst = instances[arg]
-            if stamp != inst.stamp:
-                continue
-            inst.advance(now)
-            while inst.active and inst.active[0][0] <= inst.tok + 1e-9:
-                _, r = heapq.heappop(inst.active)
-                g = req_group.pop(r)
-                gen_done += 1
-                group_left[g] -= 1
-                if group_left[g] == 0:
-                    del group_left[g]
-                    finished.append(g)
-            reschedule(arg)
-            dispatch()
-            try_train()
-        elif kind == "step":
-            trainer_busy, idle_since = False, now
-            trained += 1
-            version += 1
-            if trained == warmup:
-                t_warm, gen_warm, trainer_idle = now, gen_done, 0.0
-            if version % publish_interval == 0:
-                for i, inst in enumerate(instances):
-                    inst.advance(now)
-                    inst.stall_until = max(inst.stall_until, now) + inst.sync_s
-                    reschedule(i)
-            dispatch()
-            try_train()
-    span = max(1e-9, now - (t_warm or 0.0))
-    measured = trained - warmup
-    busy = sum(x.busy_s for x in instances) / max(1e-9, now * len(instances))
-    return SimResult(
-        samples_per_s=measured * batch_groups * group_size / span,
-        generation_samples_per_s=(gen_done - gen_warm) / span,
-        steps=trained,
-        max_staleness=max(hist, default=0),
-        staleness_hist=dict(sorted(hist.items())),
-        trainer_idle_frac=trainer_idle / span,
-        rollout_busy_frac=busy,
+    w = _Workload(
+        batch_groups,
+        group_size,
+        staleness,
+        publish_interval,
+        train_step_s,
+        mean_len,
+        max_len,
+        steps,
+        warmup,
     )
+    return Simulation(instances, w, seed).run()

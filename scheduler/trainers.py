@@ -13,12 +13,12 @@ import math
 from scheduler.cluster import Cluster, NodeGroup
 from scheduler.costmodel import (
     GB,
-    TrainerConfig,
+    TrainerOption,
     allreduce_s,
     train_flops_per_sample,
     train_memory_gb,
 )
-from scheduler.models import ModelShape
+from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 
@@ -71,7 +71,7 @@ def cost_trainer(
     parts: tuple[tuple[str, int], ...],
     per_node: int,
     prof: Profile | None,
-) -> TrainerConfig | None:
+) -> TrainerOption | None:
     k = w.constants
     gmap = {g.name: g for g in cl.spec.node_groups}
     groups = [gmap[p[0]] for p in parts]
@@ -89,7 +89,7 @@ def cost_trainer(
     else:
         compute = per_rank * train_flops_per_sample(m, w) / (kind.bf16_tflops * 1e12 * k.train_mfu)
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
-    best: TrainerConfig | None = None
+    best: TrainerOption | None = None
     stages = (0, 1, 2, 3) if dp > 1 else (0,)
     if w.zero_stage is not None:
         stages = (w.zero_stage,)  # pinned: DeepSpeed runs any stage on one rank too
@@ -99,7 +99,7 @@ def cost_trainer(
             continue
         comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat)
         step = compute + (1 - k.comm_overlap) * comm + publish
-        cand = TrainerConfig(
+        cand = TrainerOption(
             kind=kind.name,
             parts=parts,
             per_node=per_node,
@@ -122,11 +122,11 @@ def cost_trainer(
 
 def trainer_configs(
     cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None
-) -> list[TrainerConfig]:
+) -> list[TrainerOption]:
     by_kind: dict[str, list[NodeGroup]] = {}
     for g in cl.spec.node_groups:
         by_kind.setdefault(cl.kinds[g.name].name, []).append(g)
-    out: list[TrainerConfig] = []
+    out: list[TrainerOption] = []
     for groups in by_kind.values():
         for parts, per_node in _layouts(groups) + _multi_group_layouts(cl, groups):
             c = cost_trainer(cl, m, w, parts, per_node, prof)

@@ -11,16 +11,16 @@ second time (reclaimed while waiting for the next commit) is skipped.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_hex.api import Batch, TrajectoryConsumer
+from areal_hex.api import Batch, TrajectorySource
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.trainer import TrainerConfig
+from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
 from trainer_service.publish import AsyncPublisher, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
@@ -59,7 +59,7 @@ class Trainer:
         paths: TrainerPaths,
         ctx: StepContext,
         groups_per_step: int,
-        consumer: TrajectoryConsumer | None,
+        consumer: TrajectorySource | None,
         seed: int = 0,
     ) -> None:
         self.cfg, self.algo, self.paths, self.ctx = cfg, algo, paths, ctx
@@ -74,7 +74,7 @@ class Trainer:
             self.publisher = AsyncPublisher(
                 paths.weights_dir, paths.model_dir, cfg.keep_versions, self._announce
             )
-        self.metrics_path = paths.run_dir / "metrics.jsonl"
+        self.metrics_path = RunPaths.at(paths.run_dir).metrics
         if self.publisher is not None:
             ctx.before_update = self.publisher.wait
 
@@ -97,8 +97,8 @@ class Trainer:
         if self.consumer is not None:
             # the checkpoint holds these updates: make sure they are acknowledged
             self.consumer.ack(saved["ack_ids"])
-            if "replay_position" in saved and hasattr(self.consumer, "position"):
-                self.consumer.position = saved["replay_position"]
+            if saved.get("replay_position") is not None:
+                self.consumer.seek(saved["replay_position"])
         self._republish()
 
     def _republish(self) -> None:
@@ -106,7 +106,7 @@ class Trainer:
         import torch.distributed as dist
 
         v = self.state.version
-        target = self.paths.weights_dir / f"v{v}"
+        target = version_dir(self.paths.weights_dir, v)
         missing = [not (target / "config.json").is_file()]
         dist.broadcast_object_list(missing, src=0)
         if missing[0]:
@@ -114,13 +114,11 @@ class Trainer:
             if self.publisher is not None and tensors is not None:
                 self.publisher.publish_now(v, tensors, announce=False)
         if self.rank == 0 and self.consumer is not None:
-            if hasattr(self.consumer, "restore"):  # also restores the gate's admission count
-                self.consumer.restore(v, str(target.resolve()))
-            else:
-                self._announce(v, str(target.resolve()))
+            # also restores the gate's admission count
+            self.consumer.restore(v, str(target.resolve()))
 
     def _announce(self, version: int, path: str) -> None:
-        if self.consumer is not None and hasattr(self.consumer, "set_version"):
+        if self.consumer is not None:
             self.consumer.set_version(version, path)
 
     # ------------------------------------------------------------ one step
@@ -145,12 +143,11 @@ class Trainer:
         ckpt_s = self._maybe_checkpoint()
         row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=t2 - t1, publish_s=t3 - t2)
         # time the step waited for the previous weight write (before its optimizer step)
-        row["publish_wait_s"] = publish_s + result.extra.get("publish_fence_s", 0.0)
-        row["checkpoint_s"] = ckpt_s
+        row.publish_wait_s = publish_s + result.extra.get("publish_fence_s", 0.0)
+        row.checkpoint_s = ckpt_s
         if self.rank == 0:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        return row
+            append_row(self.metrics_path, row)
+        return row.model_dump()
 
     def _fetch(self) -> Batch:
         """Rank 0 takes B fresh groups from the consumer; every rank gets the batch."""
@@ -219,8 +216,8 @@ class Trainer:
             "totals": st.totals.__dict__,
             "ack_ids": list(st.unacked),
         }
-        if self.consumer is not None and hasattr(self.consumer, "position"):
-            saved["replay_position"] = self.consumer.position
+        if self.consumer is not None and self.consumer.position() is not None:
+            saved["replay_position"] = self.consumer.position()
         checkpoint.save(
             self.ctx.engine, self.paths.checkpoint_dir, st.step, saved, self.cfg.keep_checkpoints
         )
@@ -232,38 +229,38 @@ class Trainer:
     # ------------------------------------------------------------ metrics
     def _metrics(
         self, batch: Batch, r: StepResult, wait_s: float, compute_s: float, publish_s: float
-    ) -> dict[str, Any]:
+    ) -> TrainerRow:
         import numpy as np
 
         rewards = np.concatenate([g.rewards for g in batch.groups]) if batch.groups else []
         tokens = max(r.sums["tokens"], 1.0)
         hist = Counter(str(s) for s in batch.staleness)
-        return {
-            "step": self.state.step,
-            "version": self.state.version,
-            "time": time.time(),
-            "loss": r.sums["loss"],
-            "reward_mean": float(np.mean(rewards)) if len(rewards) else 0.0,
-            "adv_mean": float(r.advantages.mean()) if r.advantages.size else 0.0,
-            "adv_std": float(r.advantages.std()) if r.advantages.size else 0.0,
-            "clip_frac": r.sums["clipped"] / tokens,
-            "dual_clip_frac": r.sums["dual_clipped"] / tokens,
-            "behav_weight_mean": r.sums["behav_w"] / tokens,
-            "behav_weight_max": r.maxima["behav_w_max"],
-            "behav_masked_frac": r.sums["behav_masked"] / tokens,
-            "entropy": r.sums["entropy"] / tokens,
-            "kl": r.sums["kl"] / tokens,
-            "grad_norm": r.grad_norm,
-            "lr": float(self.ctx.engine.get_lr()[0]),
-            "staleness_hist": dict(hist),
-            "max_staleness": max(batch.staleness, default=0),
-            "degenerate_groups": r.degenerate_groups,
-            "sequences": r.num_sequences,
-            "completion_tokens": int(r.sums["tokens"]),
-            "tokens": r.num_tokens,
-            "tokens_per_s": r.num_tokens / max(compute_s, 1e-9),
-            "wait_s": wait_s,
-            "compute_s": compute_s,
-            "publish_s": publish_s,
+        return TrainerRow(
+            step=self.state.step,
+            version=self.state.version,
+            time=time.time(),
+            loss=r.sums["loss"],
+            reward_mean=float(np.mean(rewards)) if len(rewards) else 0.0,
+            adv_mean=float(r.advantages.mean()) if r.advantages.size else 0.0,
+            adv_std=float(r.advantages.std()) if r.advantages.size else 0.0,
+            clip_frac=r.sums["clipped"] / tokens,
+            dual_clip_frac=r.sums["dual_clipped"] / tokens,
+            behav_weight_mean=r.sums["behav_w"] / tokens,
+            behav_weight_max=r.maxima["behav_w_max"],
+            behav_masked_frac=r.sums["behav_masked"] / tokens,
+            entropy=r.sums["entropy"] / tokens,
+            kl=r.sums["kl"] / tokens,
+            grad_norm=r.grad_norm,
+            lr=float(self.ctx.engine.get_lr()[0]),
+            staleness_hist=dict(hist),
+            max_staleness=max(batch.staleness, default=0),
+            degenerate_groups=r.degenerate_groups,
+            sequences=r.num_sequences,
+            completion_tokens=int(r.sums["tokens"]),
+            tokens=r.num_tokens,
+            tokens_per_s=r.num_tokens / max(compute_s, 1e-9),
+            wait_s=wait_s,
+            compute_s=compute_s,
+            publish_s=publish_s,
             **self.state.totals.__dict__,
-        }
+        )

@@ -13,17 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
+from areal_hex.run_files import RunPaths
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.step import StepContext
 
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
-    run_dir = cfg.run.run_dir()
-    weights = Path(cfg.inference.weights_dir or run_dir / "weights")
-    model_dir = Path(cfg.model.path) if cfg.model.path else weights / "v0"
-    ckpt = Path(cfg.trainer.checkpoint_dir or run_dir / "checkpoints")
+    run = RunPaths.of(cfg)
+    model_dir = Path(cfg.model.path) if cfg.model.path else run.version_dir(0)
     return TrainerPaths(
-        model_dir=model_dir, run_dir=run_dir, weights_dir=weights, checkpoint_dir=ckpt
+        model_dir=model_dir,
+        run_dir=run.root,
+        weights_dir=run.weights_dir,
+        checkpoint_dir=run.checkpoint_dir,
     )
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = trainer.run()
     finally:
-        if trainer.consumer is not None and hasattr(trainer.consumer, "close"):
+        if trainer.consumer is not None:
             trainer.consumer.close()
     if rank == 0:
         print(f"trainer: done at step {state.step}, version {state.version}", flush=True)

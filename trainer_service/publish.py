@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from areal_hex.run_files import version_dir
+
 if TYPE_CHECKING:
     import torch
 
@@ -152,7 +154,7 @@ class AsyncPublisher:
     def _write(self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True) -> None:
         try:
             t0 = time.perf_counter()
-            path = write_model_dir(tensors, self.src_dir, self.weights_dir / f"v{version}")
+            path = write_model_dir(tensors, self.src_dir, version_dir(self.weights_dir, version))
             self.last_write_s = time.perf_counter() - t0
             if announce:
                 self.announce(version, str(path.resolve()))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_hex.api import Batch, BufferStats
+from areal_hex.api import Batch, BufferStats, WeightPublisher
 from areal_hex.record import Completion, GroupRecord
 
 
@@ -80,7 +80,7 @@ class ReplayConsumer:
         ]
         if not self.groups:
             raise ValueError(f"trainer.replay_path: {p} holds no group records")
-        self.position = 0
+        self._position = 0
         self.acked: list[str] = []
         self._version = 0
         self.published: list[tuple[int, str]] = []
@@ -88,10 +88,10 @@ class ReplayConsumer:
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
         ids, groups = [], []
         for _ in range(n):
-            k = self.position % len(self.groups)
-            ids.append(f"{self.position // len(self.groups)}-{k}")
+            k = self._position % len(self.groups)
+            ids.append(f"{self._position // len(self.groups)}-{k}")
             groups.append(self.groups[k])
-            self.position += 1
+            self._position += 1
         stal = [max(self._version - g.version, 0) for g in groups]
         return Batch(entry_ids=ids, groups=groups, staleness=stal)
 
@@ -105,12 +105,24 @@ class ReplayConsumer:
         self._version = version
         self.published.append((version, weights_path))
 
+    def restore(self, version: int, weights_path: str) -> None:
+        self.set_version(version, weights_path)  # no gate to restore
+
+    def position(self) -> int | None:
+        return self._position
+
+    def seek(self, position: int) -> None:
+        self._position = position
+
+    def close(self) -> None:
+        pass
+
     def stats(self) -> BufferStats:
         return BufferStats(
             stream_length=len(self.groups),
             pending=0,
             unconsumed=0,
-            submitted=self.position,
+            submitted=self._position,
             dropped_stale=0,
             dead_letter=0,
             version=self._version,
@@ -130,7 +142,9 @@ class BufferSource:
             )
         self.endpoint = open_redis(redis_cfg)
         self.consumer = RedisTrajectoryConsumer(self.endpoint.sync_client(), run_id, buffer_cfg)
-        self.publisher = RedisWeightPublisher(self.endpoint.sync_client(), run_id, buffer_cfg)
+        self.publisher: WeightPublisher = RedisWeightPublisher(
+            self.endpoint.sync_client(), run_id, buffer_cfg
+        )
 
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
         return self.consumer.get_batch(n, timeout_s)
@@ -152,6 +166,12 @@ class BufferSource:
         admits no more than (v + eta + 1) * B), then tell servers to load these weights."""
         self.publisher.restore(version, weights_path)
         self.publisher.set_version(version, weights_path)
+
+    def position(self) -> int | None:
+        return None  # the buffer's position is what it has acknowledged
+
+    def seek(self, position: int) -> None:
+        pass
 
     def close(self) -> None:
         self.consumer.close()

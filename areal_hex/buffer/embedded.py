@@ -13,12 +13,10 @@ import atexit
 import ctypes
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,16 +27,11 @@ import redis
 import redis.asyncio
 
 from areal_hex.config.redis import RedisConfig
+from areal_hex.net import WaitAborted, free_port, wait_until
 
 
 class EmbeddedServerError(RuntimeError):
     """The embedded Valkey server could not be started."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _death_signal_hook() -> Callable[[], None] | None:
@@ -132,7 +125,7 @@ class EmbeddedValkey:
         fixed = self.port is not None
         for attempt in range(3):  # a free port can be taken between choosing and binding
             if not fixed:
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
             try:
                 self._spawn(timeout_s)
                 atexit.register(self.stop)
@@ -155,22 +148,24 @@ class EmbeddedValkey:
             stderr=subprocess.DEVNULL,
             preexec_fn=_death_signal_hook() if self.die_with_parent else None,
         )
-        deadline = time.monotonic() + timeout_s
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        proc = self._proc
         try:
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise EmbeddedServerError(self._failure(f"exited ({self._proc.returncode})"))
-                try:
-                    # PING answers LOADING while the append-only file is replayed.
-                    if client.ping():
-                        return
-                except (redis.ConnectionError, redis.BusyLoadingError):
-                    time.sleep(0.05)
-            self.kill()
-            raise EmbeddedServerError(self._failure(f"not ready after {timeout_s:.0f} s"))
+            # PING answers LOADING while the append-only file is replayed.
+            ready = wait_until(
+                client.ping,
+                timeout_s,
+                interval_s=0.05,
+                alive=lambda: proc.poll() is None,
+                retry_on=(redis.ConnectionError, redis.BusyLoadingError),
+            )
+        except WaitAborted:
+            raise EmbeddedServerError(self._failure(f"exited ({proc.returncode})")) from None
         finally:
             client.close()
+        if not ready:
+            self.kill()
+            raise EmbeddedServerError(self._failure(f"not ready after {timeout_s:.0f} s"))
 
     def _failure(self, what: str) -> str:
         log = self.dir / "valkey.log"

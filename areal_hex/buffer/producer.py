@@ -19,22 +19,16 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import redis
 import redis.asyncio
 
+from areal_hex.api import VersionUpdate
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import encode_group
 from areal_hex.buffer.keys import GROUP, PAYLOAD_FIELD, BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import GroupRecord
-
-
-@dataclass(frozen=True)
-class VersionUpdate:
-    version: int
-    path: str  # weights directory of this version ("" when none was published)
 
 
 def _parse_update(data: bytes | str) -> VersionUpdate | None:

@@ -11,6 +11,9 @@ import importlib
 import sys
 
 from areal_hex.config import ConfigError
+from areal_hex.errors import UsageError
+
+__all__ = ["UsageError", "build_parser", "command_modules", "main"]
 
 
 # Every `areal_hex/cli/*_cmd.py` module defines `register(subparsers)`; its parser sets
@@ -22,10 +25,6 @@ def command_modules() -> list[str]:
 
     names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.endswith("_cmd")]
     return [f"areal_hex.cli.{n}" for n in sorted(names)] + ["areal_hex.cli.bench"]
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed without a traceback, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,7 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     from areal_hex.cli import UsageError
     from areal_hex.plan import save_plan
     from scheduler.cluster import load_cluster
-    from scheduler.models import load_model
+    from scheduler.model_shape import load_model_shape
     from scheduler.planner import make_plan
     from scheduler.profile import load_profile
     from scheduler.report import sweep_budgets, table
@@ -77,7 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.time_limit <= 0:
         raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
     cl = load_cluster(args.cluster)
-    m = load_model(args.model)
+    m = load_model_shape(args.model)
     w = load_workload(args.workload)
     if args.tp is not None:
         if args.tp < 1:

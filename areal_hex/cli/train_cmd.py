@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import socket
 import sys
+
+from areal_hex.net import free_port
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,17 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launcher_command(cfg, config: str, overrides: list[str]) -> list[str]:  # cfg: ExperimentConfig
     """The launcher command line that starts `trainer.num_ranks` ranks of
     `trainer_service.main` with the same config and overrides."""
     t = cfg.trainer
-    port = str(t.master_port or _free_port())
+    port = str(t.master_port or free_port())
     tail = ["trainer_service.main", config, *overrides]
     if t.launcher == "deepspeed":
         head = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.num_ranks)]

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     texts = None
     if source.path is None and source.tiny is not None and source.tiny.sft_steps > 0:
-        from areal_hex.launch.prepare import sft_texts
         from areal_hex.models import build_tokenizer
+        from areal_hex.warm_start import sft_texts
 
         texts = sft_texts(cfg, build_tokenizer())  # the same warm start as `areal-hex run`
     out = materialize(source, cfg.model.path, sft_texts=texts)

@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from areal_hex.net import wait_until
+
 
 def http_ok(url: str, timeout: float = 5.0) -> bool:
     try:
@@ -37,12 +39,7 @@ def file_fresh(path: Path, max_age_s: float, now: float | None = None) -> bool:
 
 
 def wait_for_file(path: Path, timeout_s: float, poll_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
-    return True
+    return wait_until(path.exists, timeout_s, interval_s=poll_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,15 +39,15 @@ def out_dir_of(summary: dict[str, Any], out: str) -> str:
 
 def steady_rate(run_dir: Path, group_size: int, skip: int) -> float:
     """Trained samples/s between step `skip` and the last step (from metrics.jsonl)."""
-    from areal_hex.launch.progress import read_jsonl
+    from areal_hex.run_files import RunPaths, TrainerRow, read_rows
 
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_rows(RunPaths.at(run_dir).metrics, TrainerRow)
     if len(rows) < 2:
         return 0.0
     first = rows[min(max(skip, 1), len(rows) - 1) - 1]
     last = rows[-1]
-    dt = last["time"] - first["time"]
-    groups = last["groups_trained_total"] - first["groups_trained_total"]
+    dt = last.time - first.time
+    groups = last.groups_trained_total - first.groups_trained_total
     return groups * group_size / dt if dt > 0 else 0.0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.run_files import RunPaths, version_dir, versions_in
 
 
 class EvalError(ValueError):
@@ -41,15 +42,7 @@ def weights_root(cfg: ExperimentConfig) -> Path:
             "--weights names a version but the config has no run (pass the run directory's "
             "config.yaml, or a weights directory)"
         )
-    return cfg.run.run_dir() / "weights"
-
-
-def versions_in(root: Path) -> list[int]:
-    return sorted(
-        int(p.name[1:])
-        for p in root.glob("v*")
-        if p.name[1:].isdigit() and (p / "config.json").is_file()
-    )
+    return RunPaths.of(cfg).weights_dir
 
 
 def resolve_weights(cfg: ExperimentConfig, spec: str) -> tuple[Path, str]:
@@ -61,7 +54,7 @@ def resolve_weights(cfg: ExperimentConfig, spec: str) -> tuple[Path, str]:
         label = p.name[1:] if p.name[:1] == "v" and p.name[1:].isdigit() else p.name
         return p, label
     root = weights_root(cfg)
-    have = versions_in(root)
+    have = versions_in(root, complete_only=True)
     if spec == "latest":
         if not have:
             raise EvalError(f"--weights latest: no published versions in {root}")
@@ -75,7 +68,7 @@ def resolve_weights(cfg: ExperimentConfig, spec: str) -> tuple[Path, str]:
         v = int(digits)
         if v not in have:
             raise EvalError(f"--weights {spec}: version {v} not in {root} (have {have or 'none'})")
-    return root / f"v{v}", str(v)
+    return version_dir(root, v), str(v)
 
 
 def pass_at_k(correct: list[list[bool]]) -> float:

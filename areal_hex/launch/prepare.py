@@ -3,13 +3,14 @@ and the resolved `config.yaml` every service reads (see docs/running.md)."""
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 from pathlib import Path
 
 from areal_hex.config import ExperimentConfig, save_config
+from areal_hex.net import free_port, free_port_block
 from areal_hex.plan import Plan
+from areal_hex.run_files import RunPaths
+from areal_hex.warm_start import sft_texts
 
 
 def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
@@ -36,66 +37,8 @@ def apply_plan(cfg: ExperimentConfig, plan: Plan | None) -> ExperimentConfig:
     return cfg
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(n: int, start: int, host: str = "127.0.0.1") -> int:
-    """`start` if ports start..start+n-1 are free, else a block from the OS's free ports
-    (not the next numbers after `start`: two runs started together would both pick them)."""
-    if start + n < 65536 and all(_port_free(start + i, host) for i in range(n)):
-        return start
-    for _ in range(50):
-        base = free_port(host)
-        if base + n < 65536 and all(_port_free(base + i, host) for i in range(n)):
-            return base
-    raise RuntimeError(f"no block of {n} free ports found on {host}")
-
-
 def default_run_id(cfg: ExperimentConfig) -> str:
     return f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.mode}"
-
-
-def sft_texts(cfg: ExperimentConfig, tokenizer: object) -> list[str]:
-    """Prompt + reference solution + end-of-turn for the tiny model's warm start, from the
-    first `run.warm_start_fraction` of the training split (the rest is left for RL to
-    learn; the held-out split is never seen). A `run.warm_start_answer_fraction` share of
-    the solutions keeps the final `#### answer` line; the others end after the working."""
-    from areal_hex.data import DEFAULT_INSTRUCTIONS, load_problems, render_prompt
-
-    problems = load_problems(cfg.data, cfg.data.split)
-    problems = problems[: max(1, int(len(problems) * cfg.run.warm_start_fraction))]
-    instruction = cfg.data.instruction
-    if instruction is None:
-        instruction = DEFAULT_INSTRUCTIONS[cfg.data.dataset]
-    eos = str(getattr(tokenizer, "eos_token", "") or "")
-    keep = random.Random(cfg.run.seed)
-    out = []
-    for p in problems:
-        prompt = render_prompt(p.question, tokenizer, cfg.data.use_chat_template, instruction)
-        solution = p.solution or f"#### {p.answer}"
-        if keep.random() >= cfg.run.warm_start_answer_fraction:
-            solution = without_answer_line(solution)
-        out.append(prompt + solution + eos)
-    return out
-
-
-def without_answer_line(solution: str) -> str:
-    """A GSM8K-style solution without its final `#### answer` line (unchanged if it has
-    none, or if nothing would be left)."""
-    head, sep, _ = solution.rpartition("####")
-    return head.rstrip() if sep and head.strip() else solution
 
 
 def materialize_v0(cfg: ExperimentConfig, weights_dir: Path) -> Path:
@@ -119,7 +62,7 @@ def prepare_run(
         cfg.run.run_id = default_run_id(cfg)
     run_dir = cfg.run.run_dir().resolve()
     cfg.run.output_dir = str(run_dir.parent)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    RunPaths.at(run_dir).logs.mkdir(parents=True, exist_ok=True)
     if cfg.redis.url is None:  # embedded Valkey: the `redis` service of the layout
         cfg.run.embedded_redis = True
         port = cfg.redis.port or free_port(cfg.redis.bind)
@@ -129,11 +72,11 @@ def prepare_run(
     inf = cfg.inference
     if not inf.server_urls:
         inf.base_port = free_port_block(inf.num_servers, inf.base_port)
-    weights = Path(inf.weights_dir or run_dir / "weights").resolve()
+    weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
     weights.mkdir(parents=True, exist_ok=True)
     inf.weights_dir = str(weights)
     v0 = materialize_v0(cfg, weights)
     cfg.model.path = str(v0)
     cfg.model.tokenizer_path = None
-    path = save_config(cfg, run_dir / "config.yaml")
+    path = save_config(cfg, RunPaths.at(run_dir).config)
     return cfg, path

@@ -3,43 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
-
-class JsonlTail:
-    """Reads the complete lines appended to a JSONL file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        lines = data.split(b"\n")
-        self.partial = lines.pop()  # an incomplete last line waits for the next read
-        rows = []
-        for line in lines:
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return rows
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return JsonlTail(path).read() if path.exists() else []
+from areal_hex.run_files import RolloutRow, RowTail, RunPaths, TrainerRow
 
 
 def _fmt_duration(s: float | None) -> str:
@@ -86,8 +54,9 @@ class Progress:
         log_interval_s: float = 15.0,
         mode: str = "auto",
     ) -> None:
-        self.metrics = JsonlTail(run_dir / "metrics.jsonl")
-        self.rollout = JsonlTail(run_dir / "rollout.jsonl")
+        paths = RunPaths.at(run_dir)
+        self.metrics = RowTail(paths.metrics, TrainerRow)
+        self.rollout = RowTail(paths.rollout, RolloutRow)
         self.total_steps = total_steps
         self.stream = stream
         self.enabled = enabled
@@ -107,18 +76,16 @@ class Progress:
         changed = False
         for row in self.metrics.read():
             changed = True
-            if "step" in row and self.state.get("step", 0) == 0:
+            if self.state.get("step", 0) == 0:
                 self.state["t_first_step_elapsed"] = time.monotonic() - self.t0
-            self.state["step"] = row.get("step", self.state.get("step", 0))
-            self.state["reward_mean"] = row.get("reward_mean")
-            self.state["staleness"] = row.get("max_staleness", 0)
-            self.state["max_staleness"] = max(
-                self.state.get("max_staleness", 0), int(row.get("max_staleness", 0))
-            )
-        for row in self.rollout.read():
+            self.state["step"] = row.step
+            self.state["reward_mean"] = row.reward_mean
+            self.state["staleness"] = row.max_staleness
+            self.state["max_staleness"] = max(self.state.get("max_staleness", 0), row.max_staleness)
+        for r in self.rollout.read():
             changed = True
-            self.state["samples_per_s"] = row.get("samples_per_s")
-            self.state["groups_produced_total"] = row.get("groups_produced_total", 0)
+            self.state["samples_per_s"] = r.samples_per_s
+            self.state["groups_produced_total"] = r.groups_produced_total
         return changed
 
     def tick(self) -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
-from areal_hex.launch.progress import read_jsonl
+from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 
 
-def _final_reward(rows: list[dict[str, Any]], frac: float = 0.2) -> float | None:
+def _final_reward(rows: list[TrainerRow], frac: float = 0.2) -> float | None:
     """Mean reward of the last `frac` of steps (at least 1): one step is noisy."""
-    vals = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+    vals = [r.reward_mean for r in rows if r.reward_mean is not None]
     if not vals:
         return None
     k = max(1, int(len(vals) * frac))
@@ -28,38 +28,38 @@ def _final_reward(rows: list[dict[str, Any]], frac: float = 0.2) -> float | None
 
 
 def _throughput(
-    rows: list[dict[str, Any]], group_size: int, t_ready: float | None
+    rows: list[TrainerRow], group_size: int, t_ready: float | None
 ) -> dict[str, float | None]:
     """Trained samples per second: steady state (first to last step) and wall (services
     ready to last step)."""
     if not rows:
         return {"samples_per_s": None, "samples_per_s_wall": None}
     first, last = rows[0], rows[-1]
-    trained = last.get("groups_trained_total", 0) * group_size
+    trained = last.groups_trained_total * group_size
     steady = None
-    if len(rows) > 1 and last["time"] > first["time"]:
-        between = trained - first.get("groups_trained_total", 0) * group_size
-        steady = between / (last["time"] - first["time"])
-    wall = trained / (last["time"] - t_ready) if t_ready and last["time"] > t_ready else None
+    if len(rows) > 1 and last.time > first.time:
+        between = trained - first.groups_trained_total * group_size
+        steady = between / (last.time - first.time)
+    wall = trained / (last.time - t_ready) if t_ready and last.time > t_ready else None
     return {"samples_per_s": steady, "samples_per_s_wall": wall}
 
 
 def accounting(
-    metrics: list[dict[str, Any]], rollout: list[dict[str, Any]], buffer: dict[str, Any] | None
+    metrics: list[TrainerRow], rollout: list[RolloutRow], buffer: dict[str, Any] | None
 ) -> dict[str, Any]:
-    last_m = metrics[-1] if metrics else {}
-    finals = [r for r in rollout if r.get("final")] or rollout[-1:]
-    last_r = finals[-1] if finals else {}
-    produced = int(last_r.get("groups_produced_total", 0))
-    trained = int(last_m.get("groups_trained_total", 0))
-    dropped = int(last_m.get("dropped_stale_total", 0))
-    dead = int(last_m.get("dead_letter_total", 0))
+    last_m = metrics[-1] if metrics else TrainerRow()
+    finals = [r for r in rollout if r.final] or rollout[-1:]
+    last_r = finals[-1] if finals else RolloutRow()
+    produced = last_r.groups_produced_total
+    trained = last_m.groups_trained_total
+    dropped = last_m.dropped_stale_total
+    dead = last_m.dead_letter_total
     out: dict[str, Any] = {
         "groups_produced": produced,
         "groups_trained": trained,
         "groups_dropped_stale": dropped,
         "groups_dead_letter": dead,
-        "in_flight_controller": int(last_r.get("groups_in_flight", 0)),
+        "in_flight_controller": last_r.groups_in_flight,
     }
     if buffer is not None:
         out["groups_dropped_stale"] = dropped = max(dropped, int(buffer["dropped_stale"]))
@@ -77,19 +77,16 @@ def summarize(
     buffer: dict[str, Any] | None = None,
     outcome: str = "finished",
 ) -> dict[str, Any]:
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    rollout = read_jsonl(run_dir / "rollout.jsonl")
-    events_path = run_dir / "events.json"
-    events = json.loads(events_path.read_text()) if events_path.exists() else {}
+    paths = RunPaths.at(run_dir, cfg.inference.weights_dir)
+    metrics = read_rows(paths.metrics, TrainerRow)
+    rollout = read_rows(paths.rollout, RolloutRow)
+    events = json.loads(paths.events.read_text()) if paths.events.exists() else {}
     t_ready = events.get("t_services_ready")
     wall = (events["t_end"] - events["t_start"]) if "t_end" in events else None
     hist: Counter[str] = Counter()
     for r in metrics:
-        hist.update({str(k): int(v) for k, v in (r.get("staleness_hist") or {}).items()})
-    weights = run_dir / "weights"
-    published = sorted(
-        int(p.name[1:]) for p in weights.glob("v*") if p.name[1:].isdigit() and p.is_dir()
-    )
+        hist.update({str(k): int(v) for k, v in r.staleness_hist.items()})
+    published = paths.versions_on_disk()
     return {
         "run_id": cfg.run.run_id,
         "mode": cfg.run.mode,
@@ -97,17 +94,17 @@ def summarize(
         "eta": cfg.buffer.max_staleness,
         "groups_per_step": cfg.buffer.groups_per_step,
         "group_size": cfg.rollout.group_size,
-        "steps": int(metrics[-1]["step"]) if metrics else 0,
+        "steps": metrics[-1].step if metrics else 0,
         "total_steps": cfg.trainer.total_steps,
         "final_reward": _final_reward(metrics),
-        "first_reward": metrics[0].get("reward_mean") if metrics else None,
-        "max_staleness": max((int(r.get("max_staleness", 0)) for r in metrics), default=0),
+        "first_reward": metrics[0].reward_mean if metrics else None,
+        "max_staleness": max((r.max_staleness for r in metrics), default=0),
         "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
         **_throughput(metrics, cfg.rollout.group_size, t_ready),
         "wall_time_s": wall,
         **accounting(metrics, rollout, buffer),
-        "versions": [int(r["version"]) for r in metrics],
-        "final_version": int(metrics[-1]["version"]) if metrics else 0,
+        "versions": [r.version for r in metrics],
+        "final_version": metrics[-1].version if metrics else 0,
         "versions_on_disk": published,
         "restarts": events.get("restarts", {}),
         "buffer": buffer,
@@ -115,10 +112,10 @@ def summarize(
 
 
 # ---------------------------------------------------------------- plots
-def _plot_reward(plt: Any, metrics: list[dict], rollout: list[dict], out: Path) -> None:
+def _plot_reward(plt: Any, metrics: list[TrainerRow], rollout: list[RolloutRow], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["step"] for r in metrics]
-    rew = [r.get("reward_mean", 0.0) for r in metrics]
+    steps = [r.step for r in metrics]
+    rew = [r.reward_mean or 0.0 for r in metrics]
     ax.plot(steps, rew, ".", alpha=0.4, label="batch reward (= accuracy: reward is 0/1)")
     k = max(1, len(rew) // 10)
     smooth = [
@@ -151,25 +148,25 @@ def _plot_staleness(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None
 
 
 def _plot_throughput(
-    plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float
+    plt: Any, metrics: list[TrainerRow], rollout: list[RolloutRow], out: Path, t0: float
 ) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    rows = [r for r in rollout if not r.get("final")]
+    rows = [r for r in rollout if not r.final]
     ax.plot(
-        [r["time"] - t0 for r in rows],
-        [r.get("samples_per_s", 0) for r in rows],
+        [r.time - t0 for r in rows],
+        [r.samples_per_s for r in rows],
         "-o",
         ms=3,
         label="generated samples/s (controller)",
     )
     if len(metrics) > 1:
-        g = metrics[0].get("sequences", 0) or 0
+        g = metrics[0].sequences
         xs, ys = [], []
         for a, b in zip(metrics, metrics[1:], strict=False):
-            dt = b["time"] - a["time"]
+            dt = b.time - a.time
             if dt > 0:
-                xs.append(b["time"] - t0)
-                ys.append((b.get("sequences", g) or g) / dt)
+                xs.append(b.time - t0)
+                ys.append((b.sequences or g) / dt)
         ax.plot(xs, ys, "-s", ms=3, label="trained samples/s (trainer)")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("samples/s")
@@ -181,23 +178,16 @@ def _plot_throughput(
 
 
 def _plot_timeline(
-    plt: Any, metrics: list[dict], rollout: list[dict], out: Path, t0: float
+    plt: Any, metrics: list[TrainerRow], rollout: list[RolloutRow], out: Path, t0: float
 ) -> None:
     """Trainer: one bar per step's compute (+ publish) time; generation: the fraction of
     each metrics interval the servers were busy, as bar opacity."""
     fig, ax = plt.subplots(figsize=(9, 2.8))
-    train = [
-        (
-            r["time"] - t0 - r.get("compute_s", 0) - r.get("publish_s", 0),
-            r.get("compute_s", 0) + r.get("publish_s", 0),
-        )
-        for r in metrics
-    ]
+    train = [(r.time - t0 - r.compute_s - r.publish_s, r.compute_s + r.publish_s) for r in metrics]
     ax.broken_barh(train, (0.6, 0.8), color="tab:orange")
-    rows = [r for r in rollout if "gen_busy_s" in r]
     prev_t, prev_busy = None, 0.0
-    for r in rows:
-        t, busy = r["time"] - t0, float(r["gen_busy_s"])
+    for r in rollout:
+        t, busy = r.time - t0, r.gen_busy_s
         if prev_t is not None and t > prev_t:
             frac = min(1.0, max(0.0, (busy - prev_busy) / (t - prev_t)))
             ax.broken_barh(
@@ -218,11 +208,12 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = run_dir / "report"
+    paths = RunPaths.at(run_dir)
+    out = paths.report
     out.mkdir(parents=True, exist_ok=True)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    rollout = read_jsonl(run_dir / "rollout.jsonl")
-    times = [r["time"] for r in metrics + rollout if "time" in r]
+    metrics = read_rows(paths.metrics, TrainerRow)
+    rollout = read_rows(paths.rollout, RolloutRow)
+    times = [r.time for r in [*metrics, *rollout] if r.time]
     t0 = min(times) if times else 0.0
     _plot_reward(plt, metrics, rollout, out)
     _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
@@ -240,5 +231,5 @@ def write_report(
     """Write `summary.json` and `report/*.png`; returns the summary."""
     summary = summarize(run_dir, cfg, buffer, outcome)
     summary["plots"] = [str(p.relative_to(run_dir)) for p in write_plots(run_dir, summary)]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    RunPaths.at(run_dir).summary.write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary

@@ -20,7 +20,9 @@ from typing import Any, TextIO
 from areal_hex.config import ExperimentConfig
 from areal_hex.launch.supervisor import Outcome, ProcessSpec, Supervisor, tail_lines
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
+from areal_hex.net import WaitAborted, wait_until
 from areal_hex.plan import Plan
+from areal_hex.run_files import RunPaths
 
 
 class LaunchError(RuntimeError):
@@ -101,7 +103,7 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
             ProcessSpec(
                 name=svc.name,
                 command=_command(svc, config_path),
-                log_path=run_dir / "logs" / f"{svc.name}.log",
+                log_path=RunPaths.at(run_dir).log(svc.name),
                 env=env,
                 on_exit={"inference": "restart", "trainer": "finish"}.get(svc.role, "fail"),
                 max_restarts=cfg.run.max_restarts,
@@ -114,16 +116,15 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
 # ---------------------------------------------------------------- readiness
 def wait_ready(sup: Supervisor, name: str, probe: Any, timeout_s: float) -> None:
     """Poll `probe()` until True; fail early (with the log) if the process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not sup.running(name):
-            raise LaunchError(f"{name} exited while starting; last log lines:\n{sup.tail(name)}")
-        try:
-            if probe():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.25)
+    try:
+        # Any error from a probe means "not listening yet"; the process's own death is
+        # what ends the wait early.
+        if wait_until(probe, timeout_s, alive=lambda: sup.running(name), retry_on=(Exception,)):
+            return
+    except WaitAborted:
+        raise LaunchError(
+            f"{name} exited while starting; last log lines:\n{sup.tail(name)}"
+        ) from None
     raise LaunchError(
         f"{name} not ready after {timeout_s:.0f} s; last log lines:\n{sup.tail(name)}"
     )
@@ -219,7 +220,7 @@ def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float)
         "events": [{"time": t, "process": n, "event": e} for t, n, e in sup.events],
         "restarts": {n: m.restarts for n, m in sup.procs.items()},
     }
-    (run_dir / "events.json").write_text(json.dumps(data, indent=2))
+    RunPaths.at(run_dir).events.write_text(json.dumps(data, indent=2))
 
 
 def execute(
@@ -270,6 +271,6 @@ def failure_message(result: RunResult) -> str:
     o = result.outcome
     if o.name is None:
         return o.log_tail
-    log = result.run_dir / "logs" / f"{o.name}.log"
+    log = RunPaths.at(result.run_dir).log(o.name)
     tail = o.log_tail or tail_lines(log)
     return f"{o.name} exited with code {o.returncode}; last lines of {log}:\n{tail}"

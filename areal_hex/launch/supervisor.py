@@ -60,12 +60,6 @@ class Outcome:
         return self.status in ("finished", "stopped")
 
 
-class ProcessFailed(RuntimeError):
-    def __init__(self, name: str, returncode: int | None, log_tail: str) -> None:
-        super().__init__(f"{name} exited with code {returncode}")
-        self.name, self.returncode, self.log_tail = name, returncode, log_tail
-
-
 def tail_lines(path: Path, n: int = 30, max_bytes: int = 64_000) -> str:
     """The last `n` lines of a log file (reads at most `max_bytes` from its end)."""
     try:

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from areal_hex.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 ETA = 1
@@ -53,12 +55,6 @@ def kill_server_after_first_steps(run_dir: Path, proc: subprocess.Popen[str]) ->
 
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def port_open(url: str) -> bool:

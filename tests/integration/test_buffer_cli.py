@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from areal_hex.buffer import (
 from areal_hex.buffer.embedded import redact
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config.redis import BufferConfig, RedisConfig
+from areal_hex.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -39,12 +39,6 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=timeout,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_stats_reports_the_run(tmp_path: Path) -> None:

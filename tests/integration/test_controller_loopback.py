@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,18 +31,13 @@ from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config import BufferConfig, DataConfig, ModelConfig, RolloutConfig, TinyModelConfig
 from areal_hex.data import build_prompts, generate_arithmetic
 from areal_hex.models import load_model, load_tokenizer, materialize
+from areal_hex.net import free_port
 from areal_hex.record import GroupRecord
 from rollout_service.client import InferenceClient
 from rollout_service.controller import RolloutController
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -180,7 +174,7 @@ async def test_weight_reload_interrupts_and_resumes(stack: Stack, pause: str) ->
         stack, run_id, buf, 8, max_new_tokens=300, max_concurrent_groups=8, update_pause=pause
     )
     for c in clients:  # the servers are shared by the module's tests: start from v0
-        await c.update_weights_from_disk(str(stack.weights / "v0"), "0")
+        await c.update_weights_from_disk(str(stack.weights / "v0"), 0)
     run = asyncio.create_task(ctl.run())
     try:
         await wait_for(lambda: ctl.dispatcher.in_flight >= 8)
@@ -195,10 +189,10 @@ async def test_weight_reload_interrupts_and_resumes(stack: Stack, pause: str) ->
     if pause == "abort":
         assert final["requests_aborted_total"] >= 1
     else:
-        assert ctl._pause_mode == "retract" and final["requests_aborted_total"] == 0
+        assert ctl.weights.pause_mode == "retract" and final["requests_aborted_total"] == 0
     for c in clients:
         async with InferenceClient(c.base_url) as fresh:
-            assert (await fresh.weight_version()) == "1"
+            assert (await fresh.weight_version()) == 1
     groups = read_groups(stack, run_id, buf, 8)
     prompts = {tuple(g.prompt_ids) for g in groups}
     assert len(groups) == 8 and len(prompts) == 8

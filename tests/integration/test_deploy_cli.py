@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from areal_hex.deploy.probe import file_fresh, http_ok
+from areal_hex.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -185,14 +186,6 @@ def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch)
     assert int(args.nproc_per_node) * int(args.nnodes) == 16  # plan.trainer.world_size
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", ["k8s", "compose"])
 def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
@@ -223,7 +216,7 @@ def test_rendered_redis_start_command_on_a_real_server(tmp_path, target):
         svc = yaml.safe_load((out / "docker-compose.yaml").read_text())["services"]["redis"]
         script = svc["command"][0].replace("$$", "$")  # compose's escape of `$`
         secret_path = "/run/secrets/redis-password"
-    port, data = _free_port(), tmp_path / "data"
+    port, data = free_port(), tmp_path / "data"
     data.mkdir()
     script = (
         script.replace(secret_path, str(out / "secrets/redis-password"))
@@ -309,7 +302,7 @@ def test_rendered_inference_service_runs_with_its_secrets(tmp_path):
     svc = yaml.safe_load((out / "docker-compose.yaml").read_text())["services"]["rollout-l4-0"]
     # What this machine lacks stands in: the CPU, the tiny model, a free port, a temp dir.
     cfg = yaml.safe_load((out / "config.yaml").read_text())
-    port, weights = _free_port(), tmp_path / "weights"
+    port, weights = free_port(), tmp_path / "weights"
     index = int(svc["command"][-1])
     # (no v0 here: the server builds the tiny model itself; test_prepare_writes_v0_once)
     cfg["model"].update(path=None, tiny={"num_layers": 1}, dtype="float32")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import yaml
 from areal_hex.api import SamplingParams
 from areal_hex.config import ModelConfig, TinyModelConfig
 from areal_hex.models import materialize
+from areal_hex.net import free_port
 from rollout_service.client import GenerationError, InferenceClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,12 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(120)
@@ -51,11 +45,11 @@ async def test_serve_command_runs_the_builtin_server(tmp_path: Path) -> None:
             await c.wait_healthy(timeout_s=90, interval_s=0.2)
             res = await c.generate([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
             assert len(res.output_ids) == 4 and len(res.logprobs) == 4
-            assert res.weight_version == "0"
+            assert res.weight_version == 0
             await c.pause()
-            await c.update_weights_from_disk(str(weights / "v1"), "1")
+            await c.update_weights_from_disk(str(weights / "v1"), 1)
             await c.resume()
-            assert (await c.generate([5], SamplingParams(max_new_tokens=1))).weight_version == "1"
+            assert (await c.generate([5], SamplingParams(max_new_tokens=1))).weight_version == 1
             async with InferenceClient(c.base_url) as anonymous:
                 with pytest.raises(GenerationError) as err:
                     await anonymous.generate([5], SamplingParams(max_new_tokens=1))

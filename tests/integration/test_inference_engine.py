@@ -13,7 +13,7 @@ import torch
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import build_tiny_model, build_tokenizer
 from rollout_service import batching
-from rollout_service.batching import RowParams
+from rollout_service.batching import SamplingTensors
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +21,10 @@ def model() -> Any:
     return build_tiny_model(TinyModelConfig(), build_tokenizer(), seed=0).eval()
 
 
-def params(n: int, **kw: Any) -> RowParams:
+def params(n: int, **kw: Any) -> SamplingTensors:
     row = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0)
     rows = [SimpleNamespace(**{**vars(row), **kw}) for _ in range(n)]
-    return RowParams.build(rows, torch.device("cpu"))
+    return SamplingTensors.build(rows, torch.device("cpu"))
 
 
 def last_logits(model: Any, seq: list[int]) -> torch.Tensor:
@@ -48,7 +48,7 @@ def test_sampling_rules() -> None:
     want = torch.log_softmax(many / 2.0, -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(lp, want)
     # greedy rows report log_softmax of the raw logits
-    mixed = RowParams.cat(params(2, temperature=0.0), params(2, temperature=0.5))
+    mixed = SamplingTensors.cat(params(2, temperature=0.0), params(2, temperature=0.5))
     tokens, lp = batching.sample(logits, mixed, gen)
     assert tokens[:2].tolist() == best[:2].tolist()
     torch.testing.assert_close(lp[:2], torch.log_softmax(logits[:2], -1).max(-1).values)
@@ -104,7 +104,7 @@ def test_prefill_merge_decode_select_match_full_forward(model: Any) -> None:
 
 def test_identical_prompts_are_prefilled_once_and_decode_apart(model: Any) -> None:
     group = [[7, 8, 9, 10], [20, 21], [7, 8, 9, 10], [7, 8, 9, 10]]
-    temps = RowParams.cat(params(2, temperature=0.5), params(2, temperature=1.5))
+    temps = SamplingTensors.cat(params(2, temperature=0.5), params(2, temperature=1.5))
     batch, logits = batching.prefill(model, group, temps, pad_id=0)
     assert batch.size == 4 and batch.params.temperature.tolist() == [0.5, 0.5, 1.5, 1.5]
     for row, seq in enumerate(group):

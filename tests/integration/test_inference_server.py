@@ -191,14 +191,14 @@ async def test_reload_during_generation_aborts_with_partial_output(
             ]
             while await tokens_generated(c) < 30:
                 await asyncio.sleep(0.02)
-            await c.update_weights_from_disk(str(weights / "v1"), "1", abort_all_requests=True)
+            await c.update_weights_from_disk(str(weights / "v1"), 1, abort_all_requests=True)
             results = await asyncio.gather(*tasks)
             for prompt, res in zip(prompts, results, strict=True):
-                assert res.finish_reason == "abort" and res.weight_version == "0"
+                assert res.finish_reason == "abort" and res.weight_version == 0
                 assert 0 < len(res.output_ids) < 450
                 want = recompute(models["0"], prompt, res.output_ids, 1.0)  # old weights
                 torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
-            assert await c.weight_version() == "1"
+            assert await c.weight_version() == 1
             info = await c.model_info()
             assert info["model_path"] == str((weights / "v1").resolve())
 
@@ -206,7 +206,7 @@ async def test_reload_during_generation_aborts_with_partial_output(
             prompt = prompts[0] + results[0].output_ids
             rest = SamplingParams(max_new_tokens=10, ignore_eos=True)
             after = await c.generate(prompt, rest)
-            assert after.weight_version == "1" and len(after.output_ids) == 10
+            assert after.weight_version == 1 and len(after.output_ids) == 10
             want = recompute(models["1"], prompt, after.output_ids, 1.0)  # new weights
             torch.testing.assert_close(torch.tensor(after.logprobs), want, atol=1e-4, rtol=0)
 
@@ -218,11 +218,11 @@ async def test_reload_without_abort_waits_for_in_flight(weights: Path) -> None:
             task = asyncio.create_task(c.generate([40, 41], sp))
             while await tokens_generated(c) < 5:
                 await asyncio.sleep(0.02)
-            await c.update_weights_from_disk(str(weights / "v1"), "v1", abort_all_requests=False)
+            await c.update_weights_from_disk(str(weights / "v1"), 5, abort_all_requests=False)
             assert task.done()  # the reload returned only after the request ended
             res = task.result()
             assert res.finish_reason == "length" and len(res.output_ids) == 120
-            assert res.weight_version == "0" and await c.weight_version() == "v1"
+            assert res.weight_version == 0 and await c.weight_version() == 5
 
 
 async def test_pause_continue(weights: Path) -> None:
@@ -242,11 +242,11 @@ async def test_pause_continue(weights: Path) -> None:
             )
             await asyncio.sleep(0.5)
             assert not waiting.done()
-            await c.update_weights_from_disk(str(weights / "v1"), "1", abort_all_requests=True)
+            await c.update_weights_from_disk(str(weights / "v1"), 1, abort_all_requests=True)
             assert not waiting.done()
             await c.resume()
             late = await asyncio.wait_for(waiting, 10)
-            assert late.finish_reason == "length" and late.weight_version == "1"
+            assert late.finish_reason == "length" and late.weight_version == 1
 
             # in-place pause keeps the request and its progress
             task = asyncio.create_task(
@@ -260,13 +260,13 @@ async def test_pause_continue(weights: Path) -> None:
             assert await tokens_generated(c) == held and not task.done()
             # a reload while paused in place does not wait for the held request
             await asyncio.wait_for(
-                c.update_weights_from_disk(str(weights / "v0"), "2", abort_all_requests=False), 10
+                c.update_weights_from_disk(str(weights / "v0"), 2, abort_all_requests=False), 10
             )
             assert not task.done()
             await c.resume()
             res = await asyncio.wait_for(task, 30)
             assert res.finish_reason == "length" and len(res.output_ids) == 200
-            assert res.weight_version == "2"
+            assert res.weight_version == 2
 
 
 async def test_abort_by_rid_and_all(weights: Path) -> None:
@@ -306,7 +306,7 @@ async def test_metrics_health_and_info(weights: Path) -> None:
             assert "api_key" not in info
             await c.flush_cache()
             await c.update_weight_version("7")
-            assert await c.weight_version() == "7"
+            assert await c.weight_version() == 7
             with pytest.raises(GenerationError) as err:
                 await c._json("POST", "/update_weights_from_distributed", {"names": []})
             assert err.value.status == 400

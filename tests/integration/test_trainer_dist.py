@@ -229,8 +229,8 @@ def test_published_weights_serve_the_trainers_log_probs(assets: dict[str, Path])
 
     from areal_hex.config import InferenceConfig, ModelConfig
     from areal_hex.models import load_model
-    from rollout_service.requests import Sampling
     from rollout_service.server import build_engine
+    from rollout_service.wire import SamplingParamsIn
     from trainer_service.batching import collate, flatten_groups
     from trainer_service.engine import token_logprobs
     from trainer_service.sources import ReplayConsumer
@@ -245,7 +245,9 @@ def test_published_weights_serve_the_trainers_log_probs(assets: dict[str, Path])
         engine.start()
         try:
             await engine.update_weights(str(v2), "2", abort_all=False)
-            req = await engine.generate(prompt, Sampling(max_new_tokens=12, temperature=0.7), "r")
+            req = await engine.generate(
+                prompt, SamplingParamsIn(max_new_tokens=12, temperature=0.7), "r"
+            )
             return req.output_ids, req.logprobs, req.weight_version
         finally:
             engine.stop()

@@ -5,159 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fakes import ANSWER, TOK, FakeServer, MemoryProducer
 
-from areal_hex.api import GenerateResult, SamplingParams
 from areal_hex.config import DataConfig, RolloutConfig
 from areal_hex.data import build_prompts, generate_arithmetic
-from areal_hex.models import build_tokenizer
 from areal_hex.record import GroupRecord
 from areal_hex.rewards import RewardPool
 from rollout_service.controller import RolloutController
 from rollout_service.dispatch import Dispatcher
-
-TOK = build_tokenizer()
-ANSWER = TOK("#### 7", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
-
-
-class ServerDown(ConnectionError):
-    pass
-
-
-class LoopbackServer:
-    """Emits the tokens of "#### 7<eos>" one per `delay_s`, continuing where the input's
-    tail left off; pause aborts what runs (partial tokens returned) like SGLang's."""
-
-    def __init__(self, name: str, delay_s: float = 0.01, target: list[int] = ANSWER) -> None:
-        self.base_url = name
-        self.delay_s = delay_s
-        self.target = target
-        self.version = "0"
-        self.down = False
-        self.hang = False
-        self.paused = asyncio.Event()
-        self.running = asyncio.Event()
-        self.running.set()
-        self.in_flight = 0
-        self.calls: list[tuple[int, int]] = []  # (input length, max_new_tokens)
-        self.updates: list[tuple[str, str]] = []
-
-    def _start(self, input_ids: list[int]) -> int:
-        for k in range(min(len(self.target), len(input_ids)), 0, -1):
-            if input_ids[-k:] == self.target[:k]:
-                return k
-        return 0
-
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
-    ) -> GenerateResult:
-        if self.down:
-            raise ServerDown(f"{self.base_url}: connection refused")
-        await self.running.wait()
-        self.calls.append((len(input_ids), sampling.max_new_tokens))
-        self.in_flight += 1
-        out: list[int] = []
-        try:
-            pos = self._start(input_ids)
-            while True:
-                if self.hang:
-                    await asyncio.sleep(3600)
-                if self.paused.is_set():
-                    return self._result(out, "abort")
-                if len(out) >= sampling.max_new_tokens:
-                    return self._result(out, "length")
-                await asyncio.sleep(self.delay_s)
-                if self.paused.is_set():
-                    return self._result(out, "abort")
-                out.append(self.target[pos])
-                pos += 1
-                if out[-1] == TOK.eos_token_id:
-                    return self._result(out, "stop")
-        finally:
-            self.in_flight -= 1
-
-    def _result(self, out: list[int], reason: str) -> GenerateResult:
-        lp = -0.5 - int(self.version)  # log-probs tell versions apart
-        return GenerateResult(list(out), [lp] * len(out), reason, self.version)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        if self.down:
-            raise ServerDown(self.base_url)
-        self.updates.append((model_path, weight_version))
-        await asyncio.sleep(0.05)
-        self.version = weight_version
-
-    async def pause(self) -> None:
-        if self.down:
-            raise ServerDown(self.base_url)
-        self.running.clear()
-        self.paused.set()
-        while self.in_flight:
-            await asyncio.sleep(0.001)
-
-    async def resume(self) -> None:
-        self.paused.clear()
-        self.running.set()
-
-    async def health(self) -> bool:
-        return not self.down
-
-
-@dataclass
-class Update:
-    version: int
-    path: str
-
-
-class MemoryProducer:
-    """The buffer's gate rule in memory: admit while submitted < (v + eta + 1) * B."""
-
-    def __init__(self, groups_per_step: int = 2, eta: int = 0) -> None:
-        self.b, self.eta = groups_per_step, eta
-        self.v = 0
-        self.submitted = 0
-        self.groups: list[GroupRecord] = []
-        self.released = 0
-        self.max_over: int = 0  # most groups ever admitted beyond the bound (must stay 0)
-        self._changed = asyncio.Condition()
-        self._updates: asyncio.Queue[Update] = asyncio.Queue()
-
-    async def admit(self, n: int = 1) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.submitted + n <= self.cap)
-            self.submitted += n
-            self.max_over = max(self.max_over, self.submitted - self.cap)
-
-    @property
-    def cap(self) -> int:
-        return (self.v + self.eta + 1) * self.b
-
-    async def put(self, group: GroupRecord) -> str:
-        self.groups.append(group)
-        return f"{len(self.groups)}-0"
-
-    async def version(self) -> int:
-        return self.v
-
-    async def release(self, n: int = 1) -> int:
-        self.released += n
-        self.submitted -= n
-        return self.submitted
-
-    async def publish(self, version: int, path: str) -> None:
-        async with self._changed:
-            self.v = version
-            self._changed.notify_all()
-        self._updates.put_nowait(Update(version, path))
-
-    async def watch_versions(self) -> AsyncIterator[Update]:
-        yield Update(self.v, "")
-        while True:
-            yield await self._updates.get()
 
 
 def _prompts(n: int = 8):
@@ -192,7 +50,7 @@ def _controller(servers, producer, rewards, tmp_path: Path, max_groups: int, **c
 
 # ---------------------------------------------------------------- dispatch
 async def test_dispatch_least_outstanding_work() -> None:
-    servers = [LoopbackServer(f"s{i}") for i in range(3)]
+    servers = [FakeServer(f"s{i}") for i in range(3)]
     d = Dispatcher(servers)
     assert d.pick() is None  # nothing probed yet
     assert await d.probe_all() == 3
@@ -215,7 +73,7 @@ async def test_dispatch_least_outstanding_work() -> None:
 
 
 async def test_dispatch_spreads_a_burst_evenly() -> None:
-    d = Dispatcher([LoopbackServer(f"s{i}") for i in range(4)])
+    d = Dispatcher([FakeServer(f"s{i}") for i in range(4)])
     await d.probe_all()
     leases = []
     for _ in range(12):
@@ -232,7 +90,7 @@ async def test_dispatch_spreads_a_burst_evenly() -> None:
 # ---------------------------------------------------------------- controller
 @pytest.mark.timeout(60)
 async def test_groups_shapes_rewards_and_metrics(rewards, tmp_path: Path) -> None:
-    servers = [LoopbackServer("a"), LoopbackServer("b")]
+    servers = [FakeServer("a"), FakeServer("b")]
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller(servers, producer, rewards, tmp_path, max_groups=6)
     final = await ctl.run()
@@ -258,14 +116,14 @@ async def test_groups_shapes_rewards_and_metrics(rewards, tmp_path: Path) -> Non
 
 @pytest.mark.timeout(60)
 async def test_weight_update_interrupts_and_resumes(rewards, tmp_path: Path) -> None:
-    servers = [LoopbackServer("a", delay_s=0.05), LoopbackServer("b", delay_s=0.05)]
+    servers = [FakeServer("a", delay_s=0.05), FakeServer("b", delay_s=0.05)]
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller(servers, producer, rewards, tmp_path, max_groups=2)
     run = asyncio.create_task(ctl.run())
     await asyncio.sleep(0.18)  # a few tokens into every sample
     await producer.publish(1, "/weights/v1")
     final = await run
-    assert [s.updates for s in servers] == [[("/weights/v1", "1")]] * 2
+    assert [s.updates for s in servers] == [[("/weights/v1", 1)]] * 2
     assert final["version"] == 1 and final["weight_updates_total"] == 1
     assert final["requests_aborted_total"] == 6
     for g in producer.groups:
@@ -284,7 +142,7 @@ async def test_weight_update_interrupts_and_resumes(rewards, tmp_path: Path) -> 
 
 @pytest.mark.timeout(60)
 async def test_dead_and_hung_servers_requests_finish_elsewhere(rewards, tmp_path: Path) -> None:
-    dead, hung, good = LoopbackServer("dead"), LoopbackServer("hung"), LoopbackServer("good")
+    dead, hung, good = FakeServer("dead"), FakeServer("hung"), FakeServer("good")
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller(
         [dead, hung, good], producer, rewards, tmp_path, max_groups=4, request_timeout_s=0.5
@@ -302,21 +160,21 @@ async def test_dead_and_hung_servers_requests_finish_elsewhere(rewards, tmp_path
 
 @pytest.mark.timeout(60)
 async def test_recovered_server_gets_current_weights(rewards, tmp_path: Path) -> None:
-    a, b = LoopbackServer("a"), LoopbackServer("b")
+    a, b = FakeServer("a"), FakeServer("b")
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller([a, b], producer, rewards, tmp_path, max_groups=3)
     await ctl.dispatcher.probe_all()
     b.down = True
     await ctl.update_weights(4, "/w/v4")  # b fails the pause: unhealthy, not updated
-    assert a.updates == [("/w/v4", "4")] and b.updates == []
+    assert a.updates == [("/w/v4", 4)] and b.updates == []
     b.down = False
     await ctl.dispatcher.probe_all()
-    assert b.updates == [("/w/v4", "4")] and b.version == "4"
+    assert b.updates == [("/w/v4", 4)] and b.version == 4
 
 
 @pytest.mark.timeout(60)
 async def test_exhausted_retries_fail_group_and_release(rewards, tmp_path: Path) -> None:
-    s = LoopbackServer("only")
+    s = FakeServer("only")
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller([s], producer, rewards, tmp_path, max_groups=2, max_retries=1)
     await ctl.dispatcher.probe_all()
@@ -336,7 +194,7 @@ async def test_exhausted_retries_fail_group_and_release(rewards, tmp_path: Path)
 
 @pytest.mark.timeout(60)
 async def test_gate_and_stop_abandons_in_flight(rewards, tmp_path: Path) -> None:
-    servers = [LoopbackServer("a", delay_s=0.02)]
+    servers = [FakeServer("a", delay_s=0.02)]
     producer = MemoryProducer(groups_per_step=2, eta=1)  # cap (0 + 1 + 1) * 2 = 4
     ctl = _controller(servers, producer, rewards, tmp_path, max_groups=None, stop_grace_s=0.0)
     run = asyncio.create_task(ctl.run())
@@ -349,7 +207,7 @@ async def test_gate_and_stop_abandons_in_flight(rewards, tmp_path: Path) -> None
     await producer.publish(1, "/w/v1")  # cap 6: two more groups admitted
     for _ in range(200):
         await asyncio.sleep(0.02)
-        if producer.submitted == 6 and ctl.snapshot()["groups_in_flight"] > 0:
+        if producer.submitted == 6 and ctl.snapshot().groups_in_flight > 0:
             break
     servers[0].delay_s = 5.0  # the in-flight ones will not finish in the grace period
     await asyncio.sleep(0.1)
@@ -372,7 +230,7 @@ async def test_gate_timeout_ends_cleanly_and_raises(rewards, tmp_path: Path) -> 
             await super().admit(n)
 
     producer = StuckGate(groups_per_step=100)
-    ctl = _controller([LoopbackServer("a")], producer, rewards, tmp_path, max_groups=None)
+    ctl = _controller([FakeServer("a")], producer, rewards, tmp_path, max_groups=None)
     with pytest.raises(TimeoutError, match="waited too long"):
         await ctl.run()
     assert len(producer.groups) == 2 and producer.submitted == 2  # admitted ones finished
@@ -400,7 +258,7 @@ async def test_buffer_outage_is_ridden_out(rewards, tmp_path: Path) -> None:
             return await super().put(group)
 
     producer = Flaky(groups_per_step=100)
-    ctl = _controller([LoopbackServer("a")], producer, rewards, tmp_path, max_groups=3)
+    ctl = _controller([FakeServer("a")], producer, rewards, tmp_path, max_groups=3)
     final = await ctl.run()
     assert len(producer.groups) == 3 and final["groups_failed_total"] == 0
     assert producer.fails == {"admit": 0, "put": 0}
@@ -410,7 +268,7 @@ async def test_buffer_outage_is_ridden_out(rewards, tmp_path: Path) -> None:
             raise redis.exceptions.ConnectionError("Error 111 connecting")
 
     ctl = _controller(
-        [LoopbackServer("a")], Down(), rewards, tmp_path, max_groups=3, buffer_retry_s=0.5
+        [FakeServer("a")], Down(), rewards, tmp_path, max_groups=3, buffer_retry_s=0.5
     )
     with pytest.raises(redis.exceptions.ConnectionError):
         await ctl.run()
@@ -418,7 +276,7 @@ async def test_buffer_outage_is_ridden_out(rewards, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_path: Path) -> None:
-    server = LoopbackServer("a", delay_s=0.05)
+    server = FakeServer("a", delay_s=0.05)
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller([server], producer, rewards, tmp_path, max_groups=2)
     run = asyncio.create_task(ctl.run())
@@ -427,5 +285,5 @@ async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_pat
         await producer.publish(v, f"/w/v{v}")
         await asyncio.sleep(0.01)
     final = await run
-    assert server.updates == [("/w/v1", "1"), ("/w/v3", "3")]
+    assert server.updates == [("/w/v1", 1), ("/w/v3", 3)]
     assert final["version"] == 3 and final["weight_updates_total"] == 2

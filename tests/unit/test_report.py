@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import load_config
-from areal_hex.launch.progress import JsonlTail, Progress, format_line
+from areal_hex.launch.progress import Progress, format_line
 from areal_hex.launch.report import accounting, summarize, write_report
+from areal_hex.run_files import RolloutRow, RowTail, TrainerRow
 
 
 def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
@@ -69,8 +70,8 @@ def test_summary_numbers_and_plots(tmp_path: Path) -> None:
 
 
 def test_accounting_finds_a_lost_group() -> None:
-    metrics = [{"groups_trained_total": 8, "dropped_stale_total": 0, "dead_letter_total": 0}]
-    rollout = [{"groups_produced_total": 11, "final": True, "groups_in_flight": 0}]
+    metrics = [TrainerRow(groups_trained_total=8, dropped_stale_total=0, dead_letter_total=0)]
+    rollout = [RolloutRow(groups_produced_total=11, final=True, groups_in_flight=0)]
     buffer = {"unconsumed": 2, "pending": 0, "submitted": 11, "dropped_stale": 0, "dead_letter": 0}
     assert accounting(metrics, rollout, buffer)["groups_lost"] == 1
 
@@ -83,14 +84,14 @@ def test_summary_of_an_empty_run(tmp_path: Path) -> None:
 
 def test_jsonl_tail_waits_for_complete_lines(tmp_path: Path) -> None:
     p = tmp_path / "m.jsonl"
-    tail = JsonlTail(p)
+    tail = RowTail(p, TrainerRow)
     assert tail.read() == []
     with open(p, "w") as f:
         f.write('{"step": 1}\n{"step"')
-    assert tail.read() == [{"step": 1}]
+    assert tail.read() == [TrainerRow(step=1)]
     with open(p, "a") as f:
         f.write(": 2}\n")
-    assert tail.read() == [{"step": 2}]
+    assert tail.read() == [TrainerRow(step=2)]
     assert tail.read() == []
 
 
@@ -139,3 +140,17 @@ def test_progress_redraws_in_place_on_a_tty(tmp_path: Path) -> None:
     view.close()
     text = out.getvalue()
     assert text.startswith("\rstep 2/3") and text.endswith("\n") and text.count("\r") == 2
+
+
+def test_metric_rows_refuse_unknown_keys(tmp_path: Path) -> None:
+    import pydantic
+
+    from areal_hex.run_files import append_row, read_rows
+
+    with pytest.raises(pydantic.ValidationError, match="reward_avg"):
+        TrainerRow(step=1, reward_avg=0.5)  # a renamed field fails where it is written
+    p = tmp_path / "metrics.jsonl"
+    append_row(p, TrainerRow(step=3, reward_mean=0.25))
+    p.open("a").write('{"step": 4, "rewrd_mean": 1.0}\n')
+    with pytest.raises(pydantic.ValidationError, match="rewrd_mean"):
+        read_rows(p, TrainerRow)  # ... and where it is read

@@ -5,7 +5,6 @@ SGLang itself cannot run here; the process tests start small Python stand-ins.""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import InferenceConfig, ModelConfig, SGLangConfig, TinyModelConfig
+from areal_hex.net import free_port
 from rollout_service.sglang_launcher import (
     SGLangLaunchError,
     SGLangProcess,
@@ -100,16 +100,10 @@ def test_exit_before_healthy_reports_last_lines() -> None:
     assert "line 5\n" not in msg  # only the tail
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 def test_waits_for_health_then_times_out_or_succeeds() -> None:
     # a stand-in server that answers /health only after a delay
-    port = _free_port()
+    port = free_port()
     script = textwrap.dedent(f"""
         import http.server, time
         print('loading weights', flush=True)
@@ -135,6 +129,6 @@ def test_waits_for_health_then_times_out_or_succeeds() -> None:
     )
     hang.start()
     with pytest.raises(SGLangLaunchError) as err:
-        hang.wait_healthy(f"http://127.0.0.1:{_free_port()}/health", timeout_s=1.0, interval_s=0.1)
+        hang.wait_healthy(f"http://127.0.0.1:{free_port()}/health", timeout_s=1.0, interval_s=0.1)
     assert "not healthy" in str(err.value) and "stuck" in str(err.value)
     assert hang.proc is not None and hang.proc.poll() is not None  # stopped on timeout

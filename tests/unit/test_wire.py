@@ -120,7 +120,7 @@ def test_parse_generate_reads_sglang_responses() -> None:
     }
     res = parse_generate(body)
     assert res.output_ids == [4, 5] and res.logprobs == [-0.5, -1.25]
-    assert res.finish_reason == "abort" and res.weight_version == "2" and res.prompt_tokens == 3
+    assert res.finish_reason == "abort" and res.weight_version == 2 and res.prompt_tokens == 3
     # a server that omits output_ids: the ids come from the log-prob tuples
     no_ids = {**body, "output_ids": []}
     assert parse_generate(no_ids).output_ids == [4, 5]
@@ -140,7 +140,7 @@ def test_parse_generate_reads_per_token_versions() -> None:
         "output_token_versions": ["2", 3],
     }
     res = parse_generate({"output_ids": [4, 5], "meta_info": meta})
-    assert res.token_versions == ["2", "3"] and res.weight_version == "3"
+    assert res.token_versions == [2, 3] and res.weight_version == 3
     short = {**meta, "output_token_versions": ["3"]}
     with pytest.raises(ValueError, match="1 token versions for 2 output tokens"):
         parse_generate({"output_ids": [4, 5], "meta_info": short})
@@ -151,3 +151,17 @@ def test_inference_config_urls() -> None:
     assert inf.urls() == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     given = InferenceConfig(server_urls=["http://a:1"])
     assert given.urls() == ["http://a:1"]
+
+
+def test_versions_are_ints_in_python_and_strings_on_the_wire() -> None:
+    from rollout_service import wire
+
+    assert wire.version_from_wire("12") == 12 and wire.version_from_wire(3) == 3
+    assert wire.version_from_wire("default") is None  # SGLang before any update
+    assert wire.version_from_wire(None) is None and wire.version_from_wire(True) is None
+    assert wire.version_to_wire(7) == "7"
+    body = {
+        "output_ids": [4],
+        "meta_info": {"weight_version": "default", "output_token_logprobs": [[-0.1, 4, None]]},
+    }
+    assert parse_generate(body).weight_version is None

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.cluster import load_cluster
-from scheduler.models import load_model
+from scheduler.model_shape import load_model_shape
 from scheduler.partition import _graph, place
 from scheduler.planner import make_plan
 from scheduler.simulator import SimInstance, simulate
@@ -85,7 +85,7 @@ def test_device_graph_weights_fast_links_higher() -> None:
 
 def test_placement_keeps_tp_in_machines_and_trainer_whole() -> None:
     cl = load_cluster(EX / "clusters" / "hetrl_a100_l40s_l4.yaml")
-    m, w = load_model("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
+    m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
     res = make_plan(cl, m, w, budget=60, simulate_plan=False, baselines=False)
     gpn = {f"{g.name}-{i}": g.gpus_per_node for g in cl.spec.node_groups for i in range(g.nodes)}
     for inst in res.plan.rollout:
@@ -105,7 +105,7 @@ def test_trainer_across_zones_pays_the_slow_link() -> None:
     from scheduler.trainers import cost_trainer
 
     cl = load_cluster(EX / "clusters" / "multi_region.yaml")
-    m, w = load_model("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
+    m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
     # 16 H100 in one zone vs 8 H100 + 8 A100-80GB is not allowed (one kind); compare two
     # machines in one zone with the same two machines split over zones via a spec edit.
     one = cost_trainer(cl, m, w, (("h100", 16),), 8, None)

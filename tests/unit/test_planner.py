@@ -11,7 +11,7 @@ from scheduler.cluster import load_cluster
 from scheduler.costmodel import allreduce_s, train_memory_gb
 from scheduler.exhaustive import exhaustive, exhaustive_min_cost, fits
 from scheduler.milp import solve
-from scheduler.models import PRESETS, load_model
+from scheduler.model_shape import PRESETS, load_model_shape
 from scheduler.planner import make_plan, problem_for
 from scheduler.workload import Workload, load_workload
 
@@ -32,14 +32,14 @@ def test_catalogue_datasheet_figures() -> None:
 def test_presets_parameter_counts() -> None:
     # Published sizes: Qwen3-8B 8.19B, Llama-3-70B 70.6B, Qwen3-0.6B 0.60B.
     assert abs(PRESETS["Qwen/Qwen3-8B"].params / 1e9 - 8.19) < 0.01
-    assert abs(load_model("llama-3-70b").params / 1e9 - 70.55) < 0.01
-    assert abs(load_model("qwen3-0.6b").params / 1e9 - 0.596) < 0.005
+    assert abs(load_model_shape("llama-3-70b").params / 1e9 - 70.55) < 0.01
+    assert abs(load_model_shape("qwen3-0.6b").params / 1e9 - 0.596) < 0.005
     with pytest.raises(ConfigError, match="not a preset"):
-        load_model("qwen9-1b")
+        load_model_shape("qwen9-1b")
 
 
 def test_zero_memory_and_allreduce_formulas() -> None:
-    m, w = load_model("qwen3-8b"), Workload()
+    m, w = load_model_shape("qwen3-8b"), Workload()
     # ZeRO-3 shards all 16 bytes/param; ZeRO-0 keeps them whole.
     diff = train_memory_gb(m, w, 1, 0) - train_memory_gb(m, w, 8, 3)
     assert abs(diff - 16 * m.params * (1 - 1 / 8) / 1e9) < 1e-6
@@ -52,7 +52,7 @@ def test_zero_memory_and_allreduce_formulas() -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_milp_matches_exhaustive_search(seed: int) -> None:
     cl, budget = random_small_cluster(seed)
-    p = problem_for(cl, load_model("qwen3-1.7b"), SMALL_WORKLOAD)
+    p = problem_for(cl, load_model_shape("qwen3-1.7b"), SMALL_WORKLOAD)
     sol = solve(p, budget=budget)
     best, _ = exhaustive(p, budget)
     assert best > 0
@@ -65,7 +65,7 @@ def test_milp_matches_exhaustive_search(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_min_cost_matches_exhaustive_search(seed: int) -> None:
     cl, budget = random_small_cluster(seed)
-    p = problem_for(cl, load_model("qwen3-1.7b"), SMALL_WORKLOAD)
+    p = problem_for(cl, load_model_shape("qwen3-1.7b"), SMALL_WORKLOAD)
     best, _ = exhaustive(p, budget)
     target = 0.5 * best
     sol = solve(p, target=target)
@@ -76,7 +76,7 @@ def test_min_cost_matches_exhaustive_search(seed: int) -> None:
 @pytest.mark.parametrize("name", ["hetrl_a100_l40s_l4", "h800_h20", "multi_region"])
 def test_plans_respect_budget_memory_and_devices(name: str) -> None:
     cl = load_cluster(EX / "clusters" / f"{name}.yaml")
-    m, w = load_model("qwen3-8b"), load_workload(EX / "workloads" / "long_cot.yaml")
+    m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "long_cot.yaml")
     for budget in (30.0, 90.0):
         res = make_plan(cl, m, w, budget=budget, simulate_plan=False, baselines=False)
         plan = res.plan
@@ -99,7 +99,7 @@ def test_plans_respect_budget_memory_and_devices(name: str) -> None:
 @pytest.mark.parametrize("name", ["hetrl_a100_l40s_l4", "h800_h20", "multi_region"])
 def test_simulator_agrees_with_milp(name: str, workload: str) -> None:
     cl = load_cluster(EX / "clusters" / f"{name}.yaml")
-    m, w = load_model("qwen3-8b"), load_workload(EX / "workloads" / f"{workload}.yaml")
+    m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / f"{workload}.yaml")
     price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
     res = make_plan(cl, m, w, budget=0.6 * price, baselines=False)
     pred = res.plan.predicted.samples_per_s
@@ -113,4 +113,4 @@ def test_simulator_agrees_with_milp(name: str, workload: str) -> None:
 def test_budget_below_minimum_states_it() -> None:
     cl = load_cluster(EX / "clusters" / "h800_h20.yaml")
     with pytest.raises(ConfigError, match=r"below the cheapest feasible plan, \$3\.70/h"):
-        make_plan(cl, load_model("qwen3-8b"), Workload(), budget=2.0)
+        make_plan(cl, load_model_shape("qwen3-8b"), Workload(), budget=2.0)

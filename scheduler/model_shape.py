@@ -66,7 +66,7 @@ def _short(name: str) -> str:
     return name.split("/")[-1].lower().replace("meta-", "").replace("-instruct", "")
 
 
-def load_model(name_or_path: str) -> ModelShape:
+def load_model_shape(name_or_path: str) -> ModelShape:
     """A preset (full HF name or short form like `qwen3-8b`, `llama-3-70b`) or a path to
     an HF `config.json` (or the directory holding it)."""
     p = Path(name_or_path)

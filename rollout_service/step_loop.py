@@ -1,6 +1,6 @@
-"""The scheduler thread's state: the running batch, control commands and one tick.
+"""The engine's step loop: the running batch, control commands and one tick.
 
-Everything here runs on the engine's scheduler thread only; `Engine` is the thread-safe
+Everything here runs on the engine's step-loop thread only; `Engine` is the thread-safe
 front. A tick = (reload if one is due) → prefill and merge newly admitted requests →
 one decode step for the whole running batch.
 """
@@ -8,18 +8,48 @@ one decode step for the whole running batch.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from areal_hex.models import load_weights_in_place
 from rollout_service import batching
-from rollout_service.batching import KVBatch, RowParams
-from rollout_service.requests import EngineError, GenRequest, check_stop
+from rollout_service.batching import KVBatch, SamplingTensors
+from rollout_service.requests import (
+    Control,
+    EngineError,
+    EngineOptions,
+    GenRequest,
+    check_stop,
+)
 from rollout_service.wire import FinishReason
 
-if TYPE_CHECKING:
-    from rollout_service.engine import Engine, _Control
+
+class EngineSide(Protocol):
+    """What the step loop uses of its engine (rollout_service.engine.Engine): the model,
+    the waiting queue, and the calls that finish requests and count tokens."""
+
+    opts: EngineOptions
+    model: Any
+    tokenizer: Any
+    model_path: str
+    weight_version: str
+    counters: dict[str, int]
+    load_model: Callable[[str], Any]
+
+    def take_waiting(self, limit: int, token_budget: int) -> list[GenRequest]: ...
+
+    def find(self, rid: str) -> GenRequest | None: ...
+
+    def unqueue(self, req: GenRequest) -> None: ...
+
+    def drain_waiting(self) -> list[GenRequest]: ...
+
+    def finish(self, req: GenRequest, reason: FinishReason) -> None: ...
+
+    def note_tokens(self, generated: int, prompt: int = 0) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +68,14 @@ def eos_ids(model: Any, tokenizer: Any | None) -> frozenset[int]:
 
 
 class Core:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineSide) -> None:
         self.e = engine
         self.device = torch.device(engine.opts.device)
         self.batch: KVBatch | None = None
         self.rows: list[GenRequest] = []  # aligned with the batch's rows
         self.held = False  # paused with the running requests kept
         self.retract = False  # ... and their KV cache recomputed if the weights change
-        self.pending_reload: _Control | None = None
+        self.pending_reload: Control | None = None
         self.eos = eos_ids(engine.model, engine.tokenizer)
         tok = engine.tokenizer
         self.pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id else 0
@@ -67,7 +97,7 @@ class Core:
         return bool(self.rows) or waiting
 
     # ------------------------------------------------------------------ controls
-    def apply(self, ctl: _Control) -> None:
+    def apply(self, ctl: Control) -> None:
         try:
             if ctl.kind == "abort":
                 ctl.result.set_result(self.abort(ctl.args["rid"], ctl.args["message"]))
@@ -148,7 +178,7 @@ class Core:
         if self.rows:
             self._decode()
 
-    def _reload(self, ctl: _Control) -> bool:
+    def _reload(self, ctl: Control) -> bool:
         path, version = ctl.args["path"], ctl.args["version"]
         try:
             # Same architecture (the RL case): copy the tensors into the running model.
@@ -186,7 +216,7 @@ class Core:
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
         prompts = [r.prompt for r in reqs]
-        params = RowParams.build([r.sampling for r in reqs], self.device)
+        params = SamplingTensors.build([r.sampling for r in reqs], self.device)
         try:
             new, logits = batching.prefill(self.e.model, prompts, params, self.pad_id)
         except Exception as exc:
