@@ -96,6 +96,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         world=world,
         ref_model=ref,
         device=device,
+        max_new_tokens=cfg.rollout.max_new_tokens,
     )
     consumer = make_consumer(cfg) if rank == 0 else None
     return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)

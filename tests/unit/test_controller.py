@@ -290,6 +290,25 @@ async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_pat
 
 
 @pytest.mark.timeout(60)
+async def test_a_bug_in_the_weight_update_fails_the_run(rewards, tmp_path: Path) -> None:
+    class Buggy(FakeServer):
+        async def update_weights_from_disk(
+            self, model_path: str, weight_version: int, abort_all_requests: bool = True
+        ) -> None:
+            raise TypeError("bad argument")  # not a server error: must not be swallowed
+
+    producer = MemoryProducer(groups_per_step=1000)
+    ctl = _controller(
+        [Buggy("a", delay_s=0.05)], producer, rewards, tmp_path, max_groups=10**6, stop_grace_s=1
+    )
+    run = asyncio.create_task(ctl.run())
+    await asyncio.sleep(0.2)
+    await producer.publish(1, "/w/v1")
+    with pytest.raises(TypeError, match="bad argument"):
+        await asyncio.wait_for(run, 30)
+
+
+@pytest.mark.timeout(60)
 async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> None:
     import urllib.request
 
