@@ -3,6 +3,7 @@ offline run directory are read back and compared with the rows written to metric
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -54,8 +55,13 @@ def wandb_history(run_file: Path) -> list[dict[str, float]]:
             rec.ParseFromString(buf)
             buf = b""
             if rec.WhichOneof("record_type") == "history":
-                out.append({_key(i): float(i.value_json) for i in rec.history.item})
+                values = {_key(i): json.loads(i.value_json) for i in rec.history.item}
+                out.append({k: float(v) for k, v in values.items() if _number(v)})
     return out
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _key(item: object) -> str:
