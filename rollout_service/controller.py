@@ -74,6 +74,8 @@ class RolloutController:
         self.decode = decode
         self.max_groups = max_groups
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
+        # called with every metrics row (e.g. the Prometheus collector)
+        self.row_observers: list[Callable[[RolloutRow], None]] = []
         self.weights_dir = weights_dir
         self.seed = seed
         self.rewards = rewards
@@ -339,6 +341,8 @@ class RolloutController:
             row.admissions_released_total = self.stats["admissions_released_total"]
         if self.metrics_path is not None:
             append_row(self.metrics_path, row)
+        for observe in self.row_observers:
+            observe(row)
         return row.model_dump()
 
     async def _metrics_loop(self) -> None:

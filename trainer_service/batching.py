@@ -28,19 +28,21 @@ class SeqItem:
     prompt_len: int  # P
     behav_logp: np.ndarray  # (T,) float32
     temperature: float
+    completion: int = 0  # index of the completion inside its group
 
     @property
     def num_completion_tokens(self) -> int:
         return len(self.tokens) - self.prompt_len
 
 
-def flatten_groups(groups: Sequence[GroupRecord]) -> list[SeqItem]:
+def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) -> list[SeqItem]:
     """Completions with at least one token, in batch order (empty ones carry no loss;
-    they still count in their group's reward baseline)."""
+    they still count in their group's reward baseline). With `drop_truncated`,
+    completions cut at the length limit are left out of the loss the same way."""
     items: list[SeqItem] = []
     for gi, g in enumerate(groups):
-        for c in g.completions:
-            if len(c.token_ids) == 0:
+        for ci, c in enumerate(g.completions):
+            if len(c.token_ids) == 0 or (drop_truncated and c.finish_reason == "length"):
                 continue
             tokens = np.concatenate([g.prompt_ids, c.token_ids]).astype(np.int64)
             items.append(
@@ -51,6 +53,7 @@ def flatten_groups(groups: Sequence[GroupRecord]) -> list[SeqItem]:
                     prompt_len=len(g.prompt_ids),
                     behav_logp=c.logprobs.astype(np.float32),
                     temperature=float(g.temperature) if g.temperature > 0 else 1.0,
+                    completion=ci,
                 )
             )
     return items
@@ -159,6 +162,42 @@ def group_rewards(groups: Sequence[GroupRecord]) -> list[np.ndarray]:
     return [g.rewards.astype(np.float64) for g in groups]
 
 
+@dataclass
+class Shaping:
+    """Reward and advantage shaping applied before/after the group baseline."""
+
+    overlong_max: int = 0  # max_new_tokens (used with overlong_buffer)
+    overlong_buffer: int | None = None  # DAPO soft overlong penalty (None: off)
+    overlong_factor: float = 1.0
+    batch_normalize: bool = False  # A <- (A - mean) / std over the batch
+    eps: float = 1e-6
+
+
+def _shaped_rewards(
+    groups: Sequence[GroupRecord],
+    items: Sequence[SeqItem],
+    reward_penalty: np.ndarray | None,
+    shaping: Shaping,
+) -> list[np.ndarray]:
+    """Rewards per group after the KL-in-reward and overlong penalties."""
+    import torch
+
+    from areal_hex.algorithms import overlong_penalty
+
+    rewards = [r.copy() for r in group_rewards(groups)]
+    if reward_penalty is not None:
+        for it, pen in zip(items, reward_penalty, strict=True):
+            rewards[it.group][it.completion] -= float(pen)
+    if shaping.overlong_buffer is not None:
+        for gi, g in enumerate(groups):
+            lens = torch.tensor([len(c.token_ids) for c in g.completions])
+            pen = overlong_penalty(
+                lens, shaping.overlong_max, shaping.overlong_buffer, shaping.overlong_factor
+            )
+            rewards[gi] += pen.double().numpy()
+    return rewards
+
+
 def sequence_advantages(
     groups: Sequence[GroupRecord],
     items: Sequence[SeqItem],
@@ -166,37 +205,35 @@ def sequence_advantages(
     std_normalize: bool,
     eps: float,
     reward_penalty: np.ndarray | None = None,
+    shaping: Shaping | None = None,
 ) -> tuple[np.ndarray, int, np.ndarray]:
     """Advantages per trained sequence (N,), the number of degenerate groups, and every
     completion's advantage in batch order (for statistics). `reward_penalty` (N,) is
     subtracted from the trained sequences' rewards first (KL in the reward)."""
     import torch
 
-    from areal_hex.algorithms import grpo_advantages
+    from areal_hex.algorithms import batch_normalize, grpo_advantages
 
-    rewards = [r.copy() for r in group_rewards(groups)]
-    if reward_penalty is not None:
-        # map trained sequences back to (group, completion) slots: non-empty ones in order
-        slots = [
-            (gi, ci)
-            for gi, g in enumerate(groups)
-            for ci, c in enumerate(g.completions)
-            if len(c.token_ids)
-        ]
-        for (gi, ci), pen in zip(slots, reward_penalty, strict=True):
-            rewards[gi][ci] -= float(pen)
+    shaping = shaping or Shaping()
+    rewards = _shaped_rewards(groups, items, reward_penalty, shaping)
     per_group: list[np.ndarray] = []
+    informative: list[np.ndarray] = []
     degenerate = 0
     for r in rewards:
         adv, flat = grpo_advantages(torch.tensor(r[None, :]), kind, std_normalize, eps)
         per_group.append(adv[0].numpy())
+        informative.append(np.full(len(r), not flat))
         degenerate += flat
+    if shaping.batch_normalize and per_group:
+        flat_adv = batch_normalize(
+            torch.tensor(np.concatenate(per_group)),
+            torch.tensor(np.concatenate(informative)),
+            shaping.eps,
+        ).numpy()
+        splits = np.cumsum([len(a) for a in per_group])[:-1]
+        per_group = list(np.split(flat_adv, splits))
     seq_adv = np.zeros(len(items), dtype=np.float32)
-    cursor = [0] * len(groups)
-    nonempty = [[ci for ci, c in enumerate(g.completions) if len(c.token_ids)] for g in groups]
     for it in items:
-        ci = nonempty[it.group][cursor[it.group]]
-        cursor[it.group] += 1
-        seq_adv[it.index] = per_group[it.group][ci]
+        seq_adv[it.index] = per_group[it.group][it.completion]
     all_adv = np.concatenate(per_group) if per_group else np.zeros(0)
     return seq_adv, degenerate, all_adv.astype(np.float32)

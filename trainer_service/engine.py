@@ -92,13 +92,19 @@ def build_engine(
 
 
 def token_logprobs(
-    model: Callable[..., Any], mb: MicroBatch, with_entropy: bool = False
+    model: Callable[..., Any],
+    mb: MicroBatch,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token under softmax(logits / T), as the server sampled it.
 
-    Returns (B, L - 1) log-probs and, if asked, the (B, L - 1) entropy (detached).
+    Returns (B, L - 1) log-probs and, if asked, the (B, L - 1) entropy (with its graph
+    only when `entropy_grad`, for the entropy bonus: it costs a (B, L, V) tensor).
     """
     import torch
+
+    from areal_hex.algorithms import entropy_from_logp
 
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
     logits = out.logits[:, :-1].float() / mb.temperature  # (B, L - 1, V)
@@ -106,6 +112,6 @@ def token_logprobs(
     logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)  # (B, L - 1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logp(logp_all)
     return logp, entropy

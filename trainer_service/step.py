@@ -20,6 +20,7 @@ from areal_hex.config.algo import AlgoConfig
 from areal_hex.record import GroupRecord
 from trainer_service.batching import (
     MicroBatch,
+    Shaping,
     assign_to_ranks,
     collate,
     dummy_batch,
@@ -66,6 +67,7 @@ class StepContext:
     world: int
     ref_model: Any | None = None  # frozen reference policy (KL), or None
     device: str = "cpu"
+    max_new_tokens: int = 0  # the generation budget (overlong penalty)
     # Called right before the optimizer step changes the weights: waits for a weight
     # write still reading them (returns the seconds waited).
     before_update: Callable[[], float] | None = None
@@ -86,7 +88,7 @@ def plan_micro_batches(
 ) -> tuple[list[MicroBatch], list, GlobalCounts]:
     """This rank's micro-batches (padded with zero-weight ones to the ranks' maximum
     count), every sequence of the step, and the step's global counts."""
-    items = flatten_groups(groups)
+    items = flatten_groups(groups, drop_truncated=ctx.algo.overlong_mask)
     lengths = [len(it.tokens) for it in items]
     share = assign_to_ranks(lengths, ctx.world)[ctx.rank]
     packs = pack_micro_batches(share, lengths, ctx.micro_batch_tokens)
@@ -125,7 +127,8 @@ def _kl_penalty(
     """(n,) per-sequence sum of kl_coef x KL, gathered from all ranks (KL in the reward)."""
     local = np.zeros(n)
     for mb, p, r in zip(mbs, prox, ref, strict=True):
-        kl = (kl_estimate(p, r, ctx.algo.kl_estimator) * mb.loss_mask).sum(dim=1)
+        kl = kl_estimate(p, r, ctx.algo.kl_estimator, ctx.algo.kl_clamp)
+        kl = (kl * mb.loss_mask).sum(dim=1)
         for row, idx in enumerate(mb.seq_index.tolist()):
             if idx >= 0:
                 local[idx] = float(kl[row]) * ctx.algo.kl_coef
@@ -156,8 +159,15 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
     penalty = None
     if a.kl_coef > 0 and a.kl_in_reward:
         penalty = _kl_penalty(ctx, mbs, prox, ref, len(items))
+    shaping = Shaping(
+        overlong_max=ctx.max_new_tokens,
+        overlong_buffer=a.overlong_buffer,
+        overlong_factor=a.overlong_penalty,
+        batch_normalize=a.batch_normalize,
+        eps=a.std_eps,
+    )
     seq_adv, degenerate, all_adv = sequence_advantages(
-        groups, items, a.advantage, a.std_normalize, a.std_eps, penalty
+        groups, items, a.advantage, a.std_normalize, a.std_eps, penalty, shaping
     )
     adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
     return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
@@ -169,7 +179,9 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
     a = ctx.algo
     w_max = 0.0
     for mb, p, r in zip(mb_set.mbs, mb_set.prox, mb_set.ref, strict=True):
-        logp, ent = token_logprobs(ctx.engine, mb, with_entropy=True)
+        logp, ent = token_logprobs(
+            ctx.engine, mb, with_entropy=True, entropy_grad=a.entropy_coeff > 0
+        )
         adv = mb_set.adv[mb.seq_index].view(-1, 1)  # index -1 (dummy rows) -> the final 0
         behav = mb.behav_logp
         loss, terms = policy_loss(
@@ -181,6 +193,7 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
             mb.loss_mask,
             mb_set.counts,
             ref_logp=r if not a.kl_in_reward else None,
+            entropy=ent,
         )
         ctx.engine.backward(loss * ctx.world)
         m = mb.loss_mask
@@ -190,9 +203,10 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
         sums["dual_clipped"] += float((terms.dual_clipped * m).sum())
         sums["behav_w"] += float((terms.behav_weight * m).sum())
         sums["behav_masked"] += float((terms.behav_masked * m).sum())
-        sums["entropy"] += float((ent * m).sum())
+        sums["entropy"] += float((ent.detach() * m).sum())
         if r is not None:
-            sums["kl"] += float((kl_estimate(logp.detach(), r, a.kl_estimator) * m).sum())
+            kl = kl_estimate(logp.detach(), r, a.kl_estimator, a.kl_clamp)
+            sums["kl"] += float((kl * m).sum())
         if m.sum() > 0:
             w_max = max(w_max, float(terms.behav_weight[m > 0].max()))
     return w_max

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import model_validator
+
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.base import (
     ConfigError,
@@ -55,6 +57,16 @@ class ExperimentConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _overlong_within_budget(self) -> ExperimentConfig:
+        buf, budget = self.algo.overlong_buffer, self.rollout.max_new_tokens
+        if buf is not None and buf > budget:
+            raise ValueError(
+                f"algo.overlong_buffer {buf} exceeds rollout.max_new_tokens {budget}: "
+                "expected a buffer inside the generation budget"
+            )
+        return self
 
 
 def load_config(

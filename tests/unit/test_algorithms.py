@@ -11,6 +11,7 @@ from areal_hex.algorithms import (
     GlobalCounts,
     aggregate,
     decoupled_ppo_loss,
+    entropy_from_logp,
     grpo_advantages,
     kl_estimate,
     policy_loss,
@@ -175,6 +176,12 @@ def test_policy_loss_adds_kl_in_loss() -> None:
     assert loss.item() == pytest.approx(0.5 * math.log(2.0))
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(cfg, logp, logp, logp, T([[0.0]]), T([[1.0]]), GlobalCounts(1, 1))
+
+
+def test_entropy() -> None:
+    # uniform over 4 -> ln 4
+    uniform = torch.log_softmax(torch.zeros(1, 4), dim=-1)
+    assert entropy_from_logp(uniform).item() == pytest.approx(math.log(4.0))
 
 
 def test_dual_clip_config_validated() -> None:

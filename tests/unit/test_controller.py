@@ -306,3 +306,30 @@ async def test_a_bug_in_the_weight_update_fails_the_run(rewards, tmp_path: Path)
     await producer.publish(1, "/w/v1")
     with pytest.raises(TypeError, match="bad argument"):
         await asyncio.wait_for(run, 30)
+
+
+@pytest.mark.timeout(60)
+async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from areal_hex.config import load_config
+    from rollout_service.wiring import serve_metrics
+
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([FakeServer("a")], producer, rewards, tmp_path, max_groups=4)
+    server = serve_metrics(load_config(None, ["rollout.metrics_port=0"]), ctl)
+    assert server is not None
+    try:
+        final = await ctl.run()
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    finally:
+        server.stop()
+    got = {
+        s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples
+    }
+    assert got["areal_hex_rollout_groups_produced_total"] == final["groups_produced_total"] == 4
+    assert got["areal_hex_rollout_samples_total"] == final["samples_total"]
+    assert got["areal_hex_rollout_generation_busy_seconds_total"] == final["gen_busy_s"]

@@ -61,3 +61,26 @@ def test_micro_batches_equal_whole_batch(model_and_groups: tuple, aggregation: s
     assert loss_whole != 0.0
     for k, g in g_whole.items():
         torch.testing.assert_close(g_micro[k], g, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"objective": "gspo", "clip_low": 3e-4, "clip_high": 4e-4},
+        {"objective": "cispo"},
+        {"entropy_coeff": 0.01},
+        # synthetic behaviour log-probs give w in [0.01, 0.23]: the band masks part
+        {"behav_cap_mode": "mask", "behav_floor": 0.05, "batch_normalize": True},
+    ],
+    ids=["gspo", "cispo", "entropy", "icepop_batchnorm"],
+)
+def test_objectives_split_like_the_whole_batch(model_and_groups: tuple, extra: dict) -> None:
+    model, groups = model_and_groups
+    algo = AlgoConfig(aggregation="seq_mean_token_mean", behav_cap=2.0, **extra)
+    loss_whole, g_whole, _ = grads(model, groups, algo, budget=4096)
+    loss_micro, g_micro, n_micro = grads(model, groups, algo, budget=40)
+    assert n_micro >= 4
+    assert loss_micro == pytest.approx(loss_whole, abs=1e-6)
+    assert any(g.abs().sum() > 0 for g in g_whole.values())
+    for k, g in g_whole.items():
+        torch.testing.assert_close(g_micro[k], g, atol=1e-6, rtol=1e-5)
