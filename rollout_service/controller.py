@@ -69,8 +69,10 @@ class RolloutController:
         weights_dir: str | None = None,
         seed: int = 0,
         rewards: RewardPool | None = None,
+        gpu_kinds: Sequence[str] = (),
     ) -> None:
         self.cfg = cfg
+        self.gpu_kinds = list(gpu_kinds)  # GPU kind of server i (per-kind mismatch)
         self.producer = producer
         self.prompts = list(prompts)
         self.decode = decode
@@ -227,7 +229,12 @@ class RolloutController:
                 temperature=self.cfg.temperature,
                 created_at=created,
                 finished_at=time.time(),
-                metadata={"seq": str(seq), "epoch": str(epoch), "answer": prompt.answer},
+                metadata={
+                    "seq": str(seq),
+                    "epoch": str(epoch),
+                    "answer": prompt.answer,
+                    **self._origin(samples),
+                },
             )
             await self._put(group)
         except asyncio.CancelledError:
@@ -253,6 +260,17 @@ class RolloutController:
         self._reward_n += len(rewards)
         self._reward_sum_total += float(sum(rewards))
         self._reward_n_total += len(rewards)
+
+    def _origin(self, samples: Sequence[Sample]) -> dict[str, str]:
+        """Per completion, the server (and its GPU kind) that produced its last tokens:
+        the trainer reports the train-inference mismatch by server and by kind."""
+        servers = self.dispatcher.servers
+        idx = [s.server for s in samples]
+        out = {"servers": ",".join(servers[i].url if i >= 0 else "" for i in idx)}
+        if self.gpu_kinds:
+            kinds = self.gpu_kinds
+            out["gpu_kinds"] = ",".join(kinds[i] if 0 <= i < len(kinds) else "" for i in idx)
+        return out
 
     async def _samples(self, prompt: Prompt, rid: str) -> list[Sample]:
         """All `group_size` samples, or SampleFailed (the others are cancelled)."""

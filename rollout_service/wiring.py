@@ -90,6 +90,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         stop_token_ids=[eos] if eos is not None else [],
         weights_dir=cfg.inference.weights_dir,
         seed=cfg.data.seed,
+        gpu_kinds=cfg.inference.gpu_kinds,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_hex.algorithms import GlobalCounts, kl_estimate, policy_loss
+from areal_hex.algorithms import GlobalCounts, kl_estimate, mismatch_sums, policy_loss
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.record import GroupRecord
 from trainer_service.batching import (
@@ -68,6 +68,7 @@ class StepContext:
     ref_model: Any | None = None  # frozen reference policy (KL), or None
     device: str = "cpu"
     max_new_tokens: int = 0  # the generation budget (overlong penalty)
+    version: int = 0  # version of the weights being trained (set by the loop each step)
     # Called right before the optimizer step changes the weights: waits for a weight
     # write still reading them (returns the seconds waited).
     before_update: Callable[[], float] | None = None
@@ -173,6 +174,40 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
     return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
 
 
+def train_inference_mismatch(ctx: StepContext, prepared: Sequence[_Minibatch]) -> dict:
+    """Mean |log pi_train - log pi_infer| and k3 KL(pi_infer || pi_train) over the tokens
+    that the version being trained generated, by inference server and by GPU kind.
+    Collective: every rank knows every sequence, so the keys agree across ranks."""
+    keys = sorted(
+        {("server", it.server or "unknown") for p in prepared for it in p.items}
+        | {("gpu_kind", it.gpu_kind or "unknown") for p in prepared for it in p.items}
+    )
+    if not keys or not ctx.algo.decoupled:  # no proximal recompute without decoupling
+        return {}
+    slot = {k: i for i, k in enumerate(keys)}
+    sums = np.zeros((len(keys), 3))  # |dlogp|, k3, tokens
+    for p in prepared:
+        for mb, prox in zip(p.mbs, p.prox, strict=True):
+            own = mb.loss_mask * (mb.versions == ctx.version)  # tokens of this version
+            abs_d, k3 = mismatch_sums(prox, mb.behav_logp, own)
+            n = own.sum(dim=1)
+            for row, idx in enumerate(mb.seq_index.tolist()):
+                if idx < 0:
+                    continue
+                it = p.items[idx]
+                for key in (
+                    ("server", it.server or "unknown"),
+                    ("gpu_kind", it.gpu_kind or "unknown"),
+                ):
+                    sums[slot[key]] += (float(abs_d[row]), float(k3[row]), float(n[row]))
+    total = np.asarray(_all_reduce(sums.ravel().tolist(), "sum", ctx.device)).reshape(-1, 3)
+    out: dict[str, dict[str, dict[str, float]]] = {"server": {}, "gpu_kind": {}}
+    for (kind, name), (a, k, n) in zip(keys, total, strict=True):
+        if n > 0:
+            out[kind][name] = {"abs_dlogp": a / n, "k3": k / n, "tokens": int(n)}
+    return out
+
+
 def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) -> float:
     """Forward + backward of every micro-batch of one minibatch; adds statistics to
     `sums` and returns the largest behaviour weight seen."""
@@ -225,6 +260,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     each accumulating gradients over its micro-batches. Collective: every rank calls it.
     The reported loss is the mean over minibatches."""
     prepared = [_prepare(ctx, g) for g in split_groups(groups, ctx.algo.ppo_minibatches)]
+    mismatch = train_inference_mismatch(ctx, prepared)
     sums = dict.fromkeys(_SUM_KEYS, 0.0)
     w_max, fence_s = 0.0, 0.0
     for i, mb_set in enumerate(prepared):
@@ -244,5 +280,5 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         degenerate_groups=sum(p.degenerate for p in prepared),
         advantages=np.concatenate([p.all_adv for p in prepared]),
         grad_norm=float(norm) if norm is not None else None,
-        extra={"publish_fence_s": fence_s},
+        extra={"publish_fence_s": fence_s, "mismatch": mismatch},
     )

@@ -71,6 +71,28 @@ def accounting(
     return out
 
 
+def mismatch_totals(rows: list[TrainerRow]) -> dict[str, dict[str, dict[str, float]]]:
+    """Token-weighted means over the run of each step's train-inference mismatch, by
+    server and by GPU kind (see TrainerRow.mismatch)."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        for kind, by_name in r.mismatch.items():
+            for name, m in by_name.items():
+                a = acc.setdefault(kind, {}).setdefault(name, [0.0, 0.0, 0.0])
+                n = m["tokens"]
+                a[0] += m["abs_dlogp"] * n
+                a[1] += m["k3"] * n
+                a[2] += n
+    return {
+        kind: {
+            name: {"abs_dlogp": a / n, "k3": k / n, "tokens": int(n)}
+            for name, (a, k, n) in by_name.items()
+            if n > 0
+        }
+        for kind, by_name in acc.items()
+    }
+
+
 def summarize(
     run_dir: Path,
     cfg: ExperimentConfig,
@@ -100,6 +122,7 @@ def summarize(
         "first_reward": metrics[0].reward_mean if metrics else None,
         "max_staleness": max((r.max_staleness for r in metrics), default=0),
         "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "mismatch": mismatch_totals(metrics),
         **_throughput(metrics, cfg.rollout.group_size, t_ready),
         "wall_time_s": wall,
         **accounting(metrics, rollout, buffer),
