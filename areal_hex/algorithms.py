@@ -279,9 +279,7 @@ def decoupled_ppo_loss(
     prox_logp = prox_logp.detach()
     mask = torch.ones_like(logp) if mask is None else mask.float()
     adv = advantages.detach().expand_as(logp)
-    pg, ratio, clipped = SURROGATES[objective](
-        logp, prox_logp, adv, mask, clip_low, clip_high
-    )
+    pg, ratio, clipped = SURROGATES[objective](logp, prox_logp, adv, mask, clip_low, clip_high)
     dual_clipped = torch.zeros_like(clipped)
     if dual_clip is not None:
         if dual_clip <= 1.0:

@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import redis.exceptions
+
 from areal_hex.api import GenerationClient, SamplingParams, TrajectoryProducer
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
@@ -47,10 +49,6 @@ def is_connection_error(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (ConnectionError, OSError)):
         return True
-    try:
-        import redis.exceptions
-    except ImportError:  # pragma: no cover - redis is a dependency
-        return False
     return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
 
 
@@ -78,6 +76,8 @@ class RolloutController:
         self.decode = decode
         self.max_groups = max_groups
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
+        # called with every metrics row (e.g. the Prometheus collector)
+        self.row_observers: list[Callable[[RolloutRow], None]] = []
         self.weights_dir = weights_dir
         self.seed = seed
         self.rewards = rewards
@@ -129,6 +129,8 @@ class RolloutController:
             asyncio.create_task(self._metrics_loop()),
             asyncio.create_task(self.weights.follow()),
         ]
+        for t in background:
+            t.add_done_callback(self._background_done)
         try:
             await self._produce()
         finally:
@@ -170,6 +172,16 @@ class RolloutController:
             raise
         await self._drain()
 
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        """A background loop that dies of an error stops the run and fails it."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("background task failed: %r", exc, exc_info=exc)
+        if self._fatal is None:
+            self._fatal = exc
+        self.request_stop()
+
     async def _until_stop(self, aw: Awaitable[T]) -> bool:
         """Await `aw` unless a stop comes first (then cancel it); True if it completed."""
         if self._stop.is_set():
@@ -208,7 +220,7 @@ class RolloutController:
         try:
             await self.producer.release(n)
             self.stats["admissions_released_total"] += n
-        except Exception as exc:
+        except (redis.exceptions.RedisError, OSError) as exc:  # the buffer is gone
             log.error("could not give back %d admission(s) to the gate: %s", n, exc)
 
     # ------------------------------------------------------------ groups
@@ -347,6 +359,8 @@ class RolloutController:
             row.admissions_released_total = self.stats["admissions_released_total"]
         if self.metrics_path is not None:
             append_row(self.metrics_path, row)
+        for observe in self.row_observers:
+            observe(row)
         return row.model_dump()
 
     async def _metrics_loop(self) -> None:

@@ -135,26 +135,31 @@ class WeightSync:
         wake = asyncio.Event()
 
         async def apply() -> None:
+            # A server that fails a step is handled inside `update` (unhealthy, reloaded
+            # on recovery); anything else raised here is a bug and ends `follow`.
             while True:
                 await wake.wait()
                 wake.clear()
                 version, path = latest.pop()
                 if version > self.gate.version:
-                    try:
-                        await self.update(version, path)
-                    except Exception:  # keep following versions; the next one retries
-                        log.exception("weight update to v%d failed", version)
+                    await self.update(version, path)
 
-        applier = asyncio.create_task(apply())
-        try:
+        async def watch() -> None:
             async for upd in self.producer.watch_versions():
                 newest = latest[0][0] if latest else self.gate.version
                 if upd.version > newest:
                     latest[:] = [(upd.version, upd.path)]
                     wake.set()
+
+        tasks = {asyncio.create_task(apply()), asyncio.create_task(watch())}
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # re-raises the applier's or the watcher's error
         finally:
-            applier.cancel()
-            await asyncio.gather(applier, return_exceptions=True)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def update(self, version: int, path: str) -> None:
         """(3)-(5) Pause every healthy server, load `path` as `version`, resume."""

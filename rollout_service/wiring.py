@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.data import PromptSet, build_prompts, load_problems
+from areal_hex.prom import MetricsServer, RolloutCollector, registry_with
 from areal_hex.run_files import RunPaths
+
+if TYPE_CHECKING:
+    from rollout_service.controller import RolloutController
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,19 @@ def target_groups(cfg: ExperimentConfig) -> int:
         return cfg.rollout.max_groups
     b = cfg.buffer
     return (cfg.trainer.total_steps + b.max_staleness + 1) * b.groups_per_step
+
+
+def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServer | None:
+    """The controller's /metrics (`rollout.metrics_port`), behind the service token."""
+    if cfg.rollout.metrics_port is None:
+        return None
+    rows = RolloutCollector()
+    ctl.row_observers.append(rows.observe)
+    server = MetricsServer(
+        registry_with(rows), cfg.rollout.metrics_port, token=cfg.inference.api_key
+    )
+    log.info("controller metrics on port %d", server.port)
+    return server
 
 
 async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -92,6 +109,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         seed=cfg.data.seed,
         gpu_kinds=cfg.inference.gpu_kinds,
     )
+    metrics = serve_metrics(cfg, ctl)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
@@ -108,6 +126,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if metrics is not None:
+            metrics.stop()
         await producer.aclose()
         await redis_client.aclose()
         endpoint.close()

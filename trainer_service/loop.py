@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ class Trainer:
                 paths.weights_dir, paths.model_dir, cfg.keep_versions, self._announce
             )
         self.metrics_path = RunPaths.at(paths.run_dir).metrics
+        # called with every step row rank 0 writes (e.g. the Prometheus collector)
+        self.row_observers: list[Callable[[TrainerRow], None]] = []
         if self.publisher is not None:
             ctx.before_update = self.publisher.wait
 
@@ -148,6 +151,8 @@ class Trainer:
         row.checkpoint_s = ckpt_s
         if self.rank == 0:
             append_row(self.metrics_path, row)
+            for observe in self.row_observers:
+                observe(row)
         return row.model_dump()
 
     def _fetch(self) -> Batch:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
+from areal_hex.prom import BufferCollector, MetricsServer, TrainerCollector, registry_with
 from areal_hex.run_files import RunPaths
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.step import StepContext
@@ -100,6 +101,23 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
     return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
 
 
+def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | None:
+    """Rank 0's /metrics (`trainer.metrics_port`): its step rows and the buffer's state,
+    behind the service token when one is set."""
+    if cfg.trainer.metrics_port is None:
+        return None
+    rows = TrainerCollector()
+    trainer.row_observers.append(rows.observe)
+    collectors: list[Any] = [rows]
+    if trainer.consumer is not None:
+        collectors.append(BufferCollector(trainer.consumer.stats))
+    server = MetricsServer(
+        registry_with(*collectors), cfg.trainer.metrics_port, token=cfg.inference.api_key
+    )
+    print(f"trainer: metrics on port {server.port}", flush=True)
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainer_service.main")
     parser.add_argument("config")
@@ -109,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     rank, world = init_distributed(cfg.trainer.device)
     trainer = build_trainer(cfg, rank, world)
+    metrics = serve_metrics(cfg, trainer) if rank == 0 else None
     try:
         state = trainer.run()
     finally:
+        if metrics is not None:
+            metrics.stop()
         if trainer.consumer is not None:
             trainer.consumer.close()
     if rank == 0:

@@ -31,6 +31,9 @@ class RolloutConfig(Section):
     stop_grace_s: float = Field(30.0, ge=0)
     # Seconds between lines of <run_dir>/rollout.jsonl (and progress logs).
     metrics_interval_s: float = Field(5.0, gt=0)
+    # Prometheus /metrics port of the controller (None: off, 0: a free port); the rows
+    # above, refreshed every metrics_interval_s.
+    metrics_port: int | None = Field(None, ge=0, lt=65536)
     # Seconds between health probes of unhealthy servers.
     probe_interval_s: float = Field(2.0, gt=0)
     # Buffer calls (admit, put) are retried this long while Redis is unreachable.

@@ -15,6 +15,8 @@ class TrainerConfig(Section):
     launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
     # Rendezvous port for the launcher (None: a free port).
     master_port: int | None = Field(None, gt=0, lt=65536)
+    # Prometheus /metrics port of rank 0 (trainer and buffer metrics; None: off, 0: free).
+    metrics_port: int | None = Field(None, ge=0, lt=65536)
     zero_stage: int = Field(0, ge=0, le=3)
     # cpu: fp32 with gloo (DS_ACCELERATOR=cpu); cuda: bf16 with NCCL.
     device: Literal["cpu", "cuda"] = "cpu"

@@ -287,3 +287,49 @@ async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_pat
     final = await run
     assert server.updates == [("/w/v1", 1), ("/w/v3", 3)]
     assert final["version"] == 3 and final["weight_updates_total"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_bug_in_the_weight_update_fails_the_run(rewards, tmp_path: Path) -> None:
+    class Buggy(FakeServer):
+        async def update_weights_from_disk(
+            self, model_path: str, weight_version: int, abort_all_requests: bool = True
+        ) -> None:
+            raise TypeError("bad argument")  # not a server error: must not be swallowed
+
+    producer = MemoryProducer(groups_per_step=1000)
+    ctl = _controller(
+        [Buggy("a", delay_s=0.05)], producer, rewards, tmp_path, max_groups=10**6, stop_grace_s=1
+    )
+    run = asyncio.create_task(ctl.run())
+    await asyncio.sleep(0.2)
+    await producer.publish(1, "/w/v1")
+    with pytest.raises(TypeError, match="bad argument"):
+        await asyncio.wait_for(run, 30)
+
+
+@pytest.mark.timeout(60)
+async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from areal_hex.config import load_config
+    from rollout_service.wiring import serve_metrics
+
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([FakeServer("a")], producer, rewards, tmp_path, max_groups=4)
+    server = serve_metrics(load_config(None, ["rollout.metrics_port=0"]), ctl)
+    assert server is not None
+    try:
+        final = await ctl.run()
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+    finally:
+        server.stop()
+    got = {
+        s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples
+    }
+    assert got["areal_hex_rollout_groups_produced_total"] == final["groups_produced_total"] == 4
+    assert got["areal_hex_rollout_samples_total"] == final["samples_total"]
+    assert got["areal_hex_rollout_generation_busy_seconds_total"] == final["gen_busy_s"]
