@@ -170,6 +170,7 @@ class RolloutRow(_Row):
     elapsed_s: float = 0.0
     version: int = 0
     groups_produced_total: int = 0
+    groups_filtered_total: int = 0  # dynamic sampling: all-equal rewards, never buffered
     groups_in_flight: int = 0
     groups_failed_total: int = 0
     groups_abandoned_total: int = 0

@@ -54,8 +54,10 @@ def accounting(
     trained = last_m.groups_trained_total
     dropped = last_m.dropped_stale_total
     dead = last_m.dead_letter_total
+    filtered = last_r.groups_filtered_total
     out: dict[str, Any] = {
         "groups_produced": produced,
+        "groups_filtered": filtered,
         "groups_trained": trained,
         "groups_dropped_stale": dropped,
         "groups_dead_letter": dead,
@@ -67,7 +69,7 @@ def accounting(
         in_buffer = int(buffer["unconsumed"]) + int(buffer["pending"])
         out["in_buffer_at_stop"] = in_buffer
         out["groups_admitted"] = int(buffer["submitted"])
-        out["groups_lost"] = produced - trained - dropped - dead - in_buffer
+        out["groups_lost"] = produced - filtered - trained - dropped - dead - in_buffer
     return out
 
 
