@@ -10,7 +10,7 @@ averages gradients over ranks, hence the factor `world` on each backward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -171,7 +171,25 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
         groups, items, a.advantage, a.std_normalize, a.std_eps, penalty, shaping
     )
     adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
+    if a.denominator == "informative":
+        counts = informative_counts(groups, items, all_adv, counts)
     return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
+
+
+def informative_counts(
+    groups: Sequence[GroupRecord], items: Sequence, all_adv: np.ndarray, counts: GlobalCounts
+) -> GlobalCounts:
+    """The step's counts over the sequences of groups with any non-zero advantage (the
+    degenerate groups' tokens still run, with weight x advantage 0)."""
+    sizes = [len(g.completions) for g in groups]
+    per_group = np.split(all_adv, np.cumsum(sizes)[:-1]) if groups else []
+    live = {gi for gi, a in enumerate(per_group) if np.any(a != 0)}
+    kept = [it for it in items if it.group in live]
+    return replace(
+        counts,
+        tokens=sum(it.num_completion_tokens for it in kept),
+        sequences=len(kept),
+    )
 
 
 def train_inference_mismatch(ctx: StepContext, prepared: Sequence[_Minibatch]) -> dict:

@@ -123,3 +123,25 @@ def test_train_inference_mismatch_by_server_and_kind(model_and_groups: tuple) ->
         assert got[key]["tokens"] == n
         assert got[key]["abs_dlogp"] == pytest.approx(a / n, rel=1e-4)
         assert got[key]["k3"] == pytest.approx(k3 / n, rel=1e-4)
+
+
+def test_informative_denominator_leaves_out_degenerate_groups(model_and_groups: tuple) -> None:
+    from trainer_service.synthetic import synthetic_groups
+
+    model, _ = model_and_groups
+    groups = synthetic_groups(3, 4, model.config.vocab_size, seed=2, temperature=0.8)
+    for c in groups[1].completions:  # group 1: all rewards equal -> advantage 0
+        c.reward = 1.0
+    groups[0].completions[0].reward, groups[0].completions[1].reward = 1.0, 0.0
+    groups[2].completions[0].reward, groups[2].completions[1].reward = 1.0, 0.0
+    ctx = StepContext(PlainEngine(model), AlgoConfig(), 4096, 16, 0, rank=0, world=1)
+    every = _prepare(ctx, groups).counts
+    ctx.algo = AlgoConfig(denominator="informative")
+    informative = _prepare(ctx, groups).counts
+    dropped = sum(len(c.token_ids) for c in groups[1].completions)
+    assert informative.tokens == every.tokens - dropped
+    assert informative.sequences == every.sequences - 4
+    # the token-mean loss is the same sum over fewer tokens: larger by that ratio
+    loss_all, _, _ = grads(model, groups, AlgoConfig(), 4096)
+    loss_inf, _, _ = grads(model, groups, AlgoConfig(denominator="informative"), 4096)
+    assert loss_inf == pytest.approx(loss_all * every.tokens / informative.tokens, rel=1e-5)
