@@ -141,6 +141,16 @@ def kl_estimate(
     raise ValueError(f"algo.kl_estimator {kind!r}: expected one of {KL_ESTIMATORS}")
 
 
+def mismatch_sums(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Train-inference mismatch per row over the tokens in `mask`: sum |log pi_train -
+    log pi_infer| and the k3 estimate of KL(pi_infer || pi_train) from the inference
+    samples. (N, T) each -> ((N,), (N,)); divide by the token count for means."""
+    mask = mask.float()
+    abs_d = ((prox_logp - behav_logp).abs() * mask).sum(dim=1)
+    k3 = (kl_estimate(behav_logp, prox_logp, "k3") * mask).sum(dim=1)
+    return abs_d, k3
+
+
 # ---------------------------------------------------------------- objectives
 @dataclass
 class PPOTerms:

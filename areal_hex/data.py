@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import random
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,6 +277,41 @@ def _arith_problem(nums: Sequence[int], opseq: Sequence[str], split: str) -> Pro
     return Problem(f"arith/{expr.replace(' ', '')}", f"What is {expr}?", str(acc), solution)
 
 
+def _split_tokens(name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", name.lower()))
+
+
+def _one_file_split(cfg: DataConfig, split: str, problems: list[Problem]) -> list[Problem]:
+    """Apply `data.file_split` when data.path is one file: without a rule, every split
+    would read the same rows, and a run would train on its test set without a word."""
+    path = Path(cfg.path) if cfg.path is not None else None
+    if path is None or not path.is_file() or cfg.file_split == "as_is":
+        return problems
+    if cfg.file_split == "hash":
+        if split not in ("train", "test"):
+            raise DataError(f"data.file_split=hash: split {split!r} must be 'train' or 'test'")
+        want_test = split == "test"
+        return [
+            p
+            for p in problems
+            if (_hash_fraction(p.question) < cfg.file_test_fraction) == want_test
+        ]
+    if split.lower() not in _split_tokens(path.stem):
+        raise DataError(
+            f"data.path {path} is one file and its name does not name split {split!r}: it "
+            "would serve every split alike (train and test from the same rows). Point "
+            "data.path at a directory of <split> files, or set data.file_split=hash (hold "
+            "out data.file_test_fraction by a hash of each question) or data.file_split="
+            "as_is (use this file for any split)"
+        )
+    return problems
+
+
+def _hash_fraction(text: str) -> float:
+    digest = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 def load_problems(cfg: DataConfig, split: str | None = None) -> list[Problem]:
     """The configured dataset's problems of `split` (default `data.split`), limited."""
     split = split or cfg.split
@@ -288,6 +324,7 @@ def load_problems(cfg: DataConfig, split: str | None = None) -> list[Problem]:
         problems = load_gsm8k(cfg.path, split)
     else:
         problems = load_math500(cfg.path, split)
+    problems = _one_file_split(cfg, split, problems)
     if cfg.limit is not None:
         problems = problems[: cfg.limit]
     if not problems:

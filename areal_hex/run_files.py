@@ -141,6 +141,9 @@ class TrainerRow(_Row):
     grad_norm: float | None = None  # None when the engine does not report it
     lr: float = 0.0
     staleness_hist: dict[str, int] = {}  # versions behind -> groups in this batch
+    # train-inference mismatch on tokens of the trained version: {"server"|"gpu_kind":
+    # {name: {"abs_dlogp": mean |dlog p|, "k3": mean KL(infer || train), "tokens": n}}}
+    mismatch: dict[str, dict[str, dict[str, float]]] = {}
     max_staleness: int = 0
     degenerate_groups: int = 0
     sequences: int = 0
@@ -167,6 +170,7 @@ class RolloutRow(_Row):
     elapsed_s: float = 0.0
     version: int = 0
     groups_produced_total: int = 0
+    groups_filtered_total: int = 0  # dynamic sampling: all-equal rewards, never buffered
     groups_in_flight: int = 0
     groups_failed_total: int = 0
     groups_abandoned_total: int = 0

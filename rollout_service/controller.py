@@ -67,8 +67,10 @@ class RolloutController:
         weights_dir: str | None = None,
         seed: int = 0,
         rewards: RewardPool | None = None,
+        gpu_kinds: Sequence[str] = (),
     ) -> None:
         self.cfg = cfg
+        self.gpu_kinds = list(gpu_kinds)  # GPU kind of server i (per-kind mismatch)
         self.producer = producer
         self.prompts = list(prompts)
         self.decode = decode
@@ -148,7 +150,7 @@ class RolloutController:
         slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
         seq = 0
         try:
-            while self.max_groups is None or seq < self.max_groups:
+            while await self._want_more(seq):
                 if not await self._until_stop(slots.acquire()):
                     break
                 if not await self._until_stop(self._buffer_call(self.producer.admit, "admit")):
@@ -169,6 +171,30 @@ class RolloutController:
             await self._drain()
             raise
         await self._drain()
+
+    async def _want_more(self, seq: int) -> bool:
+        """Another group? Up to `max_groups` kept groups; with dynamic sampling, filtered
+        groups do not count, so wait for in-flight ones to learn whether they were kept,
+        up to `dynamic_sampling_max_factor` x `max_groups` produced."""
+        if self.max_groups is None:
+            return True
+        if not self.cfg.dynamic_sampling:
+            return seq < self.max_groups
+        if seq >= self.max_groups * self.cfg.dynamic_sampling_max_factor:
+            log.error(
+                "dynamic sampling: %d groups produced, %d filtered (all rewards equal); "
+                "stopping at rollout.dynamic_sampling_max_factor=%d",
+                seq,
+                self.stats["groups_filtered_total"],
+                self.cfg.dynamic_sampling_max_factor,
+            )
+            return False
+        while seq - self.stats["groups_filtered_total"] >= self.max_groups:
+            if not self._tasks or not await self._until_stop(
+                asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+            ):
+                return False
+        return True
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         """A background loop that dies of an error stops the run and fails it."""
@@ -239,9 +265,18 @@ class RolloutController:
                 temperature=self.cfg.temperature,
                 created_at=created,
                 finished_at=time.time(),
-                metadata={"seq": str(seq), "epoch": str(epoch), "answer": prompt.answer},
+                metadata={
+                    "seq": str(seq),
+                    "epoch": str(epoch),
+                    "answer": prompt.answer,
+                    **self._origin(samples),
+                },
             )
-            await self._put(group)
+            filtered = self.cfg.dynamic_sampling and len(set(rewards)) == 1
+            if filtered:  # no gradient: give its gate slot back before it takes a buffer one
+                await self._release(1)
+            else:
+                await self._put(group)
         except asyncio.CancelledError:
             self.stats["groups_abandoned_total"] += 1
             raise
@@ -259,12 +294,24 @@ class RolloutController:
             self.request_stop()
             return
         self.stats["groups_produced_total"] += 1
+        self.stats["groups_filtered_total"] += int(filtered)
         self.stats["samples_total"] += len(samples)
         self.finish_reasons.update(s.finish_reason for s in samples)
         self._reward_sum += float(sum(rewards))
         self._reward_n += len(rewards)
         self._reward_sum_total += float(sum(rewards))
         self._reward_n_total += len(rewards)
+
+    def _origin(self, samples: Sequence[Sample]) -> dict[str, str]:
+        """Per completion, the server (and its GPU kind) that produced its last tokens:
+        the trainer reports the train-inference mismatch by server and by kind."""
+        servers = self.dispatcher.servers
+        idx = [s.server for s in samples]
+        out = {"servers": ",".join(servers[i].url if i >= 0 else "" for i in idx)}
+        if self.gpu_kinds:
+            kinds = self.gpu_kinds
+            out["gpu_kinds"] = ",".join(kinds[i] if 0 <= i < len(kinds) else "" for i in idx)
+        return out
 
     async def _samples(self, prompt: Prompt, rid: str) -> list[Sample]:
         """All `group_size` samples, or SampleFailed (the others are cancelled)."""
@@ -300,6 +347,7 @@ class RolloutController:
             elapsed_s=round(now - self._t0, 3),
             version=self.gate.version,
             groups_produced_total=self.stats["groups_produced_total"],
+            groups_filtered_total=self.stats["groups_filtered_total"],
             groups_in_flight=len(self._tasks),
             groups_failed_total=self.stats["groups_failed_total"],
             groups_abandoned_total=self.stats["groups_abandoned_total"],

@@ -42,6 +42,7 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     segments: int = 0  # /generate responses that contributed (1 without aborts)
+    server: int = -1  # index of the server that produced the last segment
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Sampler:
         for out, res, r in zip(outs, results, rids, strict=True):
             if res is not None:
                 self._take(out, res)
+                out.server = server.index
                 if res.finish_reason != "abort":
                     out.finish_reason = res.finish_reason
                     continue
@@ -168,6 +170,7 @@ class Sampler:
                 log.info("request %s failed on %s (%s); retrying", rid, server.url, reason)
                 continue
             self._take(out, res)
+            out.server = server.index
             if res.finish_reason != "abort":
                 out.finish_reason = res.finish_reason
                 return out

@@ -108,6 +108,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         stop_token_ids=[eos] if eos is not None else [],
         weights_dir=cfg.inference.weights_dir,
         seed=cfg.data.seed,
+        gpu_kinds=cfg.inference.gpu_kinds,
     )
     metrics = serve_metrics(cfg, ctl)
     trackers = open_run_trackers(cfg, "rollout")

@@ -29,6 +29,9 @@ class SeqItem:
     behav_logp: np.ndarray  # (T,) float32
     temperature: float
     completion: int = 0  # index of the completion inside its group
+    versions: np.ndarray | None = None  # (T,) policy version of each token
+    server: str = ""  # inference server that produced it ("" when not recorded)
+    gpu_kind: str = ""
 
     @property
     def num_completion_tokens(self) -> int:
@@ -41,6 +44,8 @@ def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) 
     completions cut at the length limit are left out of the loss the same way."""
     items: list[SeqItem] = []
     for gi, g in enumerate(groups):
+        servers = _per_completion(g, "servers")
+        kinds = _per_completion(g, "gpu_kinds")
         for ci, c in enumerate(g.completions):
             if len(c.token_ids) == 0 or (drop_truncated and c.finish_reason == "length"):
                 continue
@@ -54,9 +59,18 @@ def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) 
                     behav_logp=c.logprobs.astype(np.float32),
                     temperature=float(g.temperature) if g.temperature > 0 else 1.0,
                     completion=ci,
+                    versions=c.versions,
+                    server=servers[ci],
+                    gpu_kind=kinds[ci],
                 )
             )
     return items
+
+
+def _per_completion(g: GroupRecord, key: str) -> list[str]:
+    """A comma-separated per-completion metadata field, or "" for each completion."""
+    values = g.metadata.get(key, "").split(",")
+    return values if len(values) == len(g.completions) else [""] * len(g.completions)
 
 
 def assign_to_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
@@ -105,6 +119,7 @@ class MicroBatch:
     behav_logp: torch.Tensor  # (B, L - 1) float
     temperature: torch.Tensor  # (B, 1, 1) float
     targets: torch.Tensor  # (B, L - 1) int64, input_ids shifted left
+    versions: torch.Tensor  # (B, L - 1) int64, each token's policy version; -1 elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +138,7 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
     attn = torch.zeros((rows, width), dtype=torch.long)
     mask = torch.zeros((rows, width - 1))
     behav = torch.zeros((rows, width - 1))
+    versions = torch.full((rows, width - 1), -1, dtype=torch.long)
     for r, it in enumerate(items):
         n, p = len(it.tokens), it.prompt_len
         ids[r, :n] = torch.from_numpy(it.tokens)
@@ -130,6 +146,8 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
         # completion token t (absolute position p + t) is predicted at position p + t - 1
         mask[r, p - 1 : n - 1] = 1.0
         behav[r, p - 1 : n - 1] = torch.from_numpy(it.behav_logp)
+        if it.versions is not None:
+            versions[r, p - 1 : n - 1] = torch.from_numpy(it.versions.astype(np.int64))
     temps = torch.tensor([it.temperature for it in items], dtype=torch.float32)
     return MicroBatch(
         seq_index=torch.tensor([it.index for it in items], dtype=torch.long),
@@ -139,6 +157,7 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
         behav_logp=behav,
         temperature=temps.view(rows, 1, 1),
         targets=ids[:, 1:].clone(),
+        versions=versions,
     )
 
 
@@ -155,6 +174,7 @@ def dummy_batch(pad_id: int) -> MicroBatch:
         behav_logp=torch.zeros((1, 1)),
         temperature=torch.ones((1, 1, 1)),
         targets=torch.full((1, 1), pad_id, dtype=torch.long),
+        versions=torch.full((1, 1), -1, dtype=torch.long),
     )
 
 

@@ -129,6 +129,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self._fetch()
         t1 = time.perf_counter()
+        self.ctx.version = self.state.version
         result = optimize(self.ctx, batch.groups)
         t2 = time.perf_counter()
         st = self.state
@@ -258,6 +259,7 @@ class Trainer:
             grad_norm=r.grad_norm,
             lr=float(self.ctx.engine.get_lr()[0]),
             staleness_hist=dict(hist),
+            mismatch=r.extra.get("mismatch", {}),
             max_staleness=max(batch.staleness, default=0),
             degenerate_groups=r.degenerate_groups,
             sequences=r.num_sequences,

@@ -10,12 +10,12 @@ averages gradients over ranks, hence the factor `world` on each backward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from areal_hex.algorithms import GlobalCounts, kl_estimate, policy_loss
+from areal_hex.algorithms import GlobalCounts, kl_estimate, mismatch_sums, policy_loss
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.record import GroupRecord
 from trainer_service.batching import (
@@ -68,6 +68,7 @@ class StepContext:
     ref_model: Any | None = None  # frozen reference policy (KL), or None
     device: str = "cpu"
     max_new_tokens: int = 0  # the generation budget (overlong penalty)
+    version: int = 0  # version of the weights being trained (set by the loop each step)
     # Called right before the optimizer step changes the weights: waits for a weight
     # write still reading them (returns the seconds waited).
     before_update: Callable[[], float] | None = None
@@ -170,7 +171,59 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
         groups, items, a.advantage, a.std_normalize, a.std_eps, penalty, shaping
     )
     adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
+    if a.denominator == "informative":
+        counts = informative_counts(groups, items, all_adv, counts)
     return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
+
+
+def informative_counts(
+    groups: Sequence[GroupRecord], items: Sequence, all_adv: np.ndarray, counts: GlobalCounts
+) -> GlobalCounts:
+    """The step's counts over the sequences of groups with any non-zero advantage (the
+    degenerate groups' tokens still run, with weight x advantage 0)."""
+    sizes = [len(g.completions) for g in groups]
+    per_group = np.split(all_adv, np.cumsum(sizes)[:-1]) if groups else []
+    live = {gi for gi, a in enumerate(per_group) if np.any(a != 0)}
+    kept = [it for it in items if it.group in live]
+    return replace(
+        counts,
+        tokens=sum(it.num_completion_tokens for it in kept),
+        sequences=len(kept),
+    )
+
+
+def train_inference_mismatch(ctx: StepContext, prepared: Sequence[_Minibatch]) -> dict:
+    """Mean |log pi_train - log pi_infer| and k3 KL(pi_infer || pi_train) over the tokens
+    that the version being trained generated, by inference server and by GPU kind.
+    Collective: every rank knows every sequence, so the keys agree across ranks."""
+    keys = sorted(
+        {("server", it.server or "unknown") for p in prepared for it in p.items}
+        | {("gpu_kind", it.gpu_kind or "unknown") for p in prepared for it in p.items}
+    )
+    if not keys or not ctx.algo.decoupled:  # no proximal recompute without decoupling
+        return {}
+    slot = {k: i for i, k in enumerate(keys)}
+    sums = np.zeros((len(keys), 3))  # |dlogp|, k3, tokens
+    for p in prepared:
+        for mb, prox in zip(p.mbs, p.prox, strict=True):
+            own = mb.loss_mask * (mb.versions == ctx.version)  # tokens of this version
+            abs_d, k3 = mismatch_sums(prox, mb.behav_logp, own)
+            n = own.sum(dim=1)
+            for row, idx in enumerate(mb.seq_index.tolist()):
+                if idx < 0:
+                    continue
+                it = p.items[idx]
+                for key in (
+                    ("server", it.server or "unknown"),
+                    ("gpu_kind", it.gpu_kind or "unknown"),
+                ):
+                    sums[slot[key]] += (float(abs_d[row]), float(k3[row]), float(n[row]))
+    total = np.asarray(_all_reduce(sums.ravel().tolist(), "sum", ctx.device)).reshape(-1, 3)
+    out: dict[str, dict[str, dict[str, float]]] = {"server": {}, "gpu_kind": {}}
+    for (kind, name), (a, k, n) in zip(keys, total, strict=True):
+        if n > 0:
+            out[kind][name] = {"abs_dlogp": a / n, "k3": k / n, "tokens": int(n)}
+    return out
 
 
 def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) -> float:
@@ -225,6 +278,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     each accumulating gradients over its micro-batches. Collective: every rank calls it.
     The reported loss is the mean over minibatches."""
     prepared = [_prepare(ctx, g) for g in split_groups(groups, ctx.algo.ppo_minibatches)]
+    mismatch = train_inference_mismatch(ctx, prepared)
     sums = dict.fromkeys(_SUM_KEYS, 0.0)
     w_max, fence_s = 0.0, 0.0
     for i, mb_set in enumerate(prepared):
@@ -244,5 +298,5 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         degenerate_groups=sum(p.degenerate for p in prepared),
         advantages=np.concatenate([p.all_adv for p in prepared]),
         grad_norm=float(norm) if norm is not None else None,
-        extra={"publish_fence_s": fence_s},
+        extra={"publish_fence_s": fence_s, "mismatch": mismatch},
     )

@@ -59,6 +59,23 @@ class ExperimentConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
 
     @model_validator(mode="after")
+    def _prompt_and_answer_fit_the_context(self) -> ExperimentConfig:
+        # A request of prompt + max_new_tokens over the context is refused by the server
+        # (HTTP 400) at run or eval time; say so when the config is read instead.
+        need = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        limits = {"inference.context_length": self.inference.context_length}
+        if self.model.tiny is not None and self.model.path is None:
+            limits["model.tiny.max_position_embeddings"] = self.model.tiny.max_position_embeddings
+        for name, limit in limits.items():
+            if need > limit:
+                raise ValueError(
+                    f"data.max_prompt_tokens {self.data.max_prompt_tokens} + "
+                    f"rollout.max_new_tokens {self.rollout.max_new_tokens} = {need} exceeds "
+                    f"{name} {limit}: expected prompt + answer to fit the context"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _overlong_within_budget(self) -> ExperimentConfig:
         buf, budget = self.algo.overlong_buffer, self.rollout.max_new_tokens
         if buf is not None and buf > budget:

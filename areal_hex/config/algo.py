@@ -47,6 +47,10 @@ class AlgoConfig(Section):
     # Optimizer updates per trainer step: the batch is split into this many minibatches
     # (by group), all scored by the same proximal policy (the weights at the step start).
     ppo_minibatches: int = Field(1, gt=0)
+    # Denominators (tokens, sequences) of the aggregation: "all" completions of the step,
+    # or only those of "informative" groups (rewards not all equal), so that groups
+    # without signal do not scale the step down when dynamic sampling is off.
+    denominator: Literal["all", "informative"] = "all"
     # Dr. GRPO's constant length for aggregation "fixed_len" (None: rollout.max_new_tokens).
     fixed_len: int | None = Field(None, gt=0)
 

@@ -45,6 +45,11 @@ class DataConfig(Section):
     # Appended to each question; None: the dataset's default (none for arithmetic,
     # "#### N" instruction for gsm8k, \boxed{} instruction for math500).
     instruction: str | None = None
+    # How a single file (data.path not a directory) serves a split: "by_name" only the
+    # split its file name names (test.jsonl serves "test"); "hash" train/test by a hash of
+    # each question (file_test_fraction to test); "as_is" the whole file for any split.
+    file_split: Literal["by_name", "hash", "as_is"] = "by_name"
+    file_test_fraction: float = Field(0.1, gt=0, lt=1)
     # Use at most this many problems of the split (None: all).
     limit: int | None = Field(None, gt=0)
     shuffle: bool = True

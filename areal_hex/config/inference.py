@@ -27,6 +27,8 @@ class InferenceConfig(Section):
     base_port: int = Field(30000, gt=0, lt=65536)
     # Where the controller reaches server i; empty: http://<host>:<base_port + i>.
     server_urls: list[str] = []
+    # GPU kind of server i (e.g. ["H800", "H20"]), for per-kind metrics; empty: unknown.
+    gpu_kinds: list[str] = []
     device: str = "cpu"
     max_running_requests: int = Field(64, gt=0)
     context_length: int = Field(512, gt=0)

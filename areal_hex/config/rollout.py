@@ -27,6 +27,12 @@ class RolloutConfig(Section):
     # Groups to produce; None: (trainer.total_steps + buffer.max_staleness + 1) *
     # buffer.groups_per_step, the most the staleness gate admits by the last step.
     max_groups: int | None = Field(None, gt=0)
+    # DAPO dynamic sampling: a group whose rewards are all equal (no gradient) is dropped
+    # at the controller, its gate admission given back, and counted (groups_filtered);
+    # the controller samples on until max_groups informative groups, producing at most
+    # max_groups x dynamic_sampling_max_factor groups in all.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_factor: int = Field(8, ge=1)
     # On SIGTERM/SIGINT, in-flight groups get this long to finish before they are dropped.
     stop_grace_s: float = Field(30.0, ge=0)
     # Seconds between lines of <run_dir>/rollout.jsonl (and progress logs).

@@ -1,10 +1,14 @@
 """`areal-hex eval`: score a published weights version on a dataset split.
 
 pass@1 is greedy decoding (one answer per problem); pass@k draws k samples per problem at
-`rollout.temperature` and counts a problem solved if any of them is right. Prompts come
-from the controller's data module and answers are checked by its reward function, served
-by the same inference server code the run uses (a built-in server started here with the
-weights, or a running server given by URL).
+`rollout.temperature` and counts a problem solved if any of them is right. Every problem
+of the split is in the denominator: a prompt over `data.max_prompt_tokens`
+(`skipped_overlong`) or one the server refuses as too long for its context
+(`refused`, HTTP 400) scores 0 and is counted, so `problems` is always the split's size.
+Prompts come from the controller's data module and answers are checked by its reward
+function in `rollout.reward_workers` processes, served by the same inference server code
+the run uses (a built-in server started here with the weights, or a running server given
+by URL).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ class EvalOptions:
     n: int | None = None  # at most this many problems
     server_url: str | None = None
     concurrency: int = 64
+    skipped: int = 0  # problems of the split never sent (prompt too long): scored 0
 
 
 def weights_root(cfg: ExperimentConfig) -> Path:
@@ -86,7 +91,7 @@ async def _score_all(
 ) -> dict[str, Any]:
     from areal_hex.api import SamplingParams
     from areal_hex.rewards import RewardPool
-    from rollout_service.client import InferenceClient
+    from rollout_service.client import GenerationError, InferenceClient
 
     ro = cfg.rollout
     greedy = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=0.0)
@@ -94,13 +99,20 @@ async def _score_all(
         max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k
     )
     sem = asyncio.Semaphore(opts.concurrency)
-    rewards = RewardPool(1, ro.reward_timeout_s)
+    rewards = RewardPool(ro.reward_workers, ro.reward_timeout_s)
     await rewards.start()
+    refused: set[str] = set()
     async with InferenceClient(url, api_key=api_key, timeout_s=ro.request_timeout_s) as client:
 
         async def one(prompt: Any, sp: SamplingParams, rid: str) -> float:
             async with sem:
-                res = await client.generate(prompt.input_ids, sp, rid=rid)
+                try:
+                    res = await client.generate(prompt.input_ids, sp, rid=rid)
+                except GenerationError as exc:
+                    if exc.status != 400:  # only a refusal is an answer; outages surface
+                        raise
+                    refused.add(prompt.id)
+                    return 0.0
             return await rewards.score(decode(res.output_ids), prompt.answer)
 
         try:
@@ -120,10 +132,17 @@ async def _score_all(
             version = await client.weight_version()
         finally:
             await rewards.aclose()
-    out: dict[str, Any] = {"pass@1": sum(first) / max(len(first), 1), "weight_version": version}
+    # problems skipped before generation count as wrong: the denominator is the split
+    total = len(prompts) + opts.skipped
+    out: dict[str, Any] = {
+        "pass@1": sum(first) / max(total, 1),
+        "weight_version": version,
+        "refused": len(refused),
+    }
     if samples:
-        out[f"pass@{opts.k}"] = pass_at_k([[s > 0 for s in row] for row in samples])
-        out["sampled_accuracy"] = sum(map(sum, samples)) / (len(prompts) * opts.k)
+        rows = [[s > 0 for s in row] for row in samples] + [[False]] * opts.skipped
+        out[f"pass@{opts.k}"] = pass_at_k(rows)
+        out["sampled_accuracy"] = sum(map(sum, samples)) / (total * opts.k)
     return out
 
 
@@ -145,7 +164,9 @@ def evaluate(cfg: ExperimentConfig, opts: EvalOptions) -> dict[str, Any]:
     problems = load_problems(cfg.data, split)
     if opts.n is not None:
         problems = problems[: opts.n]
-    prompts = build_prompts(problems, tokenizer, cfg.data).prompts
+    built = build_prompts(problems, tokenizer, cfg.data)
+    prompts = built.prompts
+    opts = replace(opts, skipped=built.skipped_overlong)
     t0 = time.perf_counter()
     with _server(cfg, weights_dir, label, opts.server_url) as url:
         scores = asyncio.run(
@@ -163,7 +184,8 @@ def evaluate(cfg: ExperimentConfig, opts: EvalOptions) -> dict[str, Any]:
         "version": label if label is not None else scores["weight_version"],
         "dataset": cfg.data.dataset,
         "split": split,
-        "problems": len(prompts),
+        "problems": len(problems),
+        "skipped_overlong": built.skipped_overlong,
         "k": opts.k,
         **{k: v for k, v in scores.items() if k != "weight_version"},
         "seconds": round(time.perf_counter() - t0, 2),

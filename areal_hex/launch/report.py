@@ -55,8 +55,10 @@ def accounting(
     trained = last_m.groups_trained_total
     dropped = last_m.dropped_stale_total
     dead = last_m.dead_letter_total
+    filtered = last_r.groups_filtered_total
     out: dict[str, Any] = {
         "groups_produced": produced,
+        "groups_filtered": filtered,
         "groups_trained": trained,
         "groups_dropped_stale": dropped,
         "groups_dead_letter": dead,
@@ -68,8 +70,30 @@ def accounting(
         in_buffer = int(buffer["unconsumed"]) + int(buffer["pending"])
         out["in_buffer_at_stop"] = in_buffer
         out["groups_admitted"] = int(buffer["submitted"])
-        out["groups_lost"] = produced - trained - dropped - dead - in_buffer
+        out["groups_lost"] = produced - filtered - trained - dropped - dead - in_buffer
     return out
+
+
+def mismatch_totals(rows: list[TrainerRow]) -> dict[str, dict[str, dict[str, float]]]:
+    """Token-weighted means over the run of each step's train-inference mismatch, by
+    server and by GPU kind (see TrainerRow.mismatch)."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        for kind, by_name in r.mismatch.items():
+            for name, m in by_name.items():
+                a = acc.setdefault(kind, {}).setdefault(name, [0.0, 0.0, 0.0])
+                n = m["tokens"]
+                a[0] += m["abs_dlogp"] * n
+                a[1] += m["k3"] * n
+                a[2] += n
+    return {
+        kind: {
+            name: {"abs_dlogp": a / n, "k3": k / n, "tokens": int(n)}
+            for name, (a, k, n) in by_name.items()
+            if n > 0
+        }
+        for kind, by_name in acc.items()
+    }
 
 
 def summarize(
@@ -101,6 +125,7 @@ def summarize(
         "first_reward": metrics[0].reward_mean if metrics else None,
         "max_staleness": max((r.max_staleness for r in metrics), default=0),
         "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "mismatch": mismatch_totals(metrics),
         **_throughput(metrics, cfg.rollout.group_size, t_ready),
         "wall_time_s": wall,
         **accounting(metrics, rollout, buffer),

@@ -84,3 +84,64 @@ def test_objectives_split_like_the_whole_batch(model_and_groups: tuple, extra: d
     assert any(g.abs().sum() > 0 for g in g_whole.values())
     for k, g in g_whole.items():
         torch.testing.assert_close(g_micro[k], g, atol=1e-6, rtol=1e-5)
+
+
+def test_train_inference_mismatch_by_server_and_kind(model_and_groups: tuple) -> None:
+    import numpy as np
+
+    from trainer_service.step import train_inference_mismatch
+    from trainer_service.synthetic import _model_logprobs, synthetic_groups
+
+    model, _ = model_and_groups
+    groups = synthetic_groups(3, 2, model.config.vocab_size, seed=5, temperature=0.8)
+    origin = [("http://a,http://a", "H20,H20"), ("http://a,http://b", "H20,H800")]
+    origin.append(("http://b,http://b", "H800,H800"))
+    for g, (servers, kinds) in zip(groups, origin, strict=True):
+        g.metadata.update({"servers": servers, "gpu_kinds": kinds})
+    groups[2].completions[1].versions[:] = 1  # another version's tokens: not counted
+    ctx = StepContext(PlainEngine(model), AlgoConfig(), 4096, 16, 0, rank=0, world=1)
+    out = train_inference_mismatch(ctx, [_prepare(ctx, groups)])
+
+    # closed form: the HF model's own log-probs at the sampling temperature
+    expected: dict[str, list[float]] = {}
+    for g in groups:
+        servers = g.metadata["servers"].split(",")
+        kinds = g.metadata["gpu_kinds"].split(",")
+        for c, server, kind in zip(g.completions, servers, kinds, strict=True):
+            own = c.versions == 0
+            prox = _model_logprobs(model, g.prompt_ids, c.token_ids, 0.8)
+            d = prox[own] - c.logprobs[own]
+            k3 = np.exp(d) - 1 - d
+            for key in (f"server/{server}", f"gpu_kind/{kind}"):
+                acc = expected.setdefault(key, [0.0, 0.0, 0.0])
+                acc[0] += float(np.abs(d).sum())
+                acc[1] += float(k3.sum())
+                acc[2] += int(own.sum())
+    got = {f"{k}/{n}": v for k, by in out.items() for n, v in by.items()}
+    assert set(got) == set(expected)
+    for key, (a, k3, n) in expected.items():
+        assert got[key]["tokens"] == n
+        assert got[key]["abs_dlogp"] == pytest.approx(a / n, rel=1e-4)
+        assert got[key]["k3"] == pytest.approx(k3 / n, rel=1e-4)
+
+
+def test_informative_denominator_leaves_out_degenerate_groups(model_and_groups: tuple) -> None:
+    from trainer_service.synthetic import synthetic_groups
+
+    model, _ = model_and_groups
+    groups = synthetic_groups(3, 4, model.config.vocab_size, seed=2, temperature=0.8)
+    for c in groups[1].completions:  # group 1: all rewards equal -> advantage 0
+        c.reward = 1.0
+    groups[0].completions[0].reward, groups[0].completions[1].reward = 1.0, 0.0
+    groups[2].completions[0].reward, groups[2].completions[1].reward = 1.0, 0.0
+    ctx = StepContext(PlainEngine(model), AlgoConfig(), 4096, 16, 0, rank=0, world=1)
+    every = _prepare(ctx, groups).counts
+    ctx.algo = AlgoConfig(denominator="informative")
+    informative = _prepare(ctx, groups).counts
+    dropped = sum(len(c.token_ids) for c in groups[1].completions)
+    assert informative.tokens == every.tokens - dropped
+    assert informative.sequences == every.sequences - 4
+    # the token-mean loss is the same sum over fewer tokens: larger by that ratio
+    loss_all, _, _ = grads(model, groups, AlgoConfig(), 4096)
+    loss_inf, _, _ = grads(model, groups, AlgoConfig(denominator="informative"), 4096)
+    assert loss_inf == pytest.approx(loss_all * every.tokens / informative.tokens, rel=1e-5)
