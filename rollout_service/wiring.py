@@ -15,6 +15,7 @@ from areal_hex.config import ExperimentConfig
 from areal_hex.data import PromptSet, build_prompts, load_problems
 from areal_hex.prom import MetricsServer, RolloutCollector, registry_with
 from areal_hex.run_files import RunPaths
+from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
     from rollout_service.controller import RolloutController
@@ -110,6 +111,9 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         gpu_kinds=cfg.inference.gpu_kinds,
     )
     metrics = serve_metrics(cfg, ctl)
+    trackers = open_run_trackers(cfg, "rollout")
+    if trackers is not None:
+        ctl.row_observers.append(trackers.observe)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
@@ -128,6 +132,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             loop.remove_signal_handler(sig)
         if metrics is not None:
             metrics.stop()
+        if trackers is not None:
+            trackers.close()
         await producer.aclose()
         await redis_client.aclose()
         endpoint.close()

@@ -90,7 +90,8 @@ def rollout_config(
     per_req = (w.prompt_tokens + w.max_response_tokens) * m.kv_bytes_per_token / min(tp, m.kv_heads)
     if free < per_req:
         return None
-    batch = int(min(k.max_running_requests, free // per_req)) // batch_div
+    # no instance ever holds more requests than the staleness gate lets run in all
+    batch = int(min(k.max_running_requests, free // per_req, inflight_cap(w))) // batch_div
     if batch < 1:
         return None
     ctx = w.prompt_tokens + w.response_tokens / 2  # mean context over a response
@@ -127,9 +128,23 @@ def rollout_config(
 
 
 def inflight_cap(w: Workload) -> int:
-    """Requests the staleness gate lets run at once while the trainer holds a batch:
-    submitted ≤ (v + η + 1)·B and B groups are in the step, so η·B groups (≥ B)."""
-    return max(1, w.staleness) * w.samples_per_step
+    """Requests the staleness gate lets run at once. submitted ≤ (v + η + 1)·B with B groups
+    in the trainer's step leaves η·B groups admitted; about B of them have finished and wait
+    for the next step (the trainer takes B at a time), so (η - 1)·B generate (at least B/2).
+    A generating group holds its admission until its longest answer ends while its shorter
+    answers have already freed their slots: mean length / expected longest of G run."""
+    groups = max(0.5, max(1, w.staleness) - 1) * w.groups_per_step
+    return max(1, int(groups * w.group_size * _group_occupancy(w)))
+
+
+def _group_occupancy(w: Workload, points: int = 400) -> float:
+    """E[length] / E[max of G lengths], lengths L·U(0.5, 1.5) capped at the maximum (the
+    simulator's spread); the max of G uniforms has density G·u^(G-1)."""
+    cap, mean, g = w.max_response_tokens, w.response_tokens, w.group_size
+    us = [(j + 0.5) / points for j in range(points)]
+    one = sum(min(cap, mean * (0.5 + u)) for u in us) / points
+    top = sum(min(cap, mean * (0.5 + u)) * g * u ** (g - 1) for u in us) / points
+    return one / max(1e-9, top)
 
 
 def tp_degrees(g: NodeGroup, m: ModelShape) -> list[int]:

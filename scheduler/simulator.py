@@ -4,9 +4,13 @@ staleness gate, the buffer, trainer steps and weight syncs.
 Each instance decodes its active requests in lock-step; a step with n active requests
 takes step_fn(n) seconds (the cost model's decode step at batch n), a new request first
 stalls the instance for its prefill, and a weight sync stalls it for its sync time. The
-controller admits a group only while submitted ≤ (v + η + 1)·B, spreads samples over
-instances with free slots (least loaded first); the trainer takes the B oldest finished
-groups, steps, and publishes every k steps.
+controller admits a group only while submitted ≤ (v + η + 1)·B (and, if set, fewer than
+`max_inflight_groups` admitted groups are unfinished, the controller's cap), spreads
+samples over instances with free slots (least loaded first). A group's version is that of
+the weights the instances held when it was admitted. The trainer drops, and counts,
+finished groups older than v − η (as `areal_hex/buffer/consumer.py` does), takes the B
+oldest of the rest, steps, and every k steps publishes: every instance pauses for its sync
+time and serves the new version afterwards.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ class SimResult:
     generation_samples_per_s: float
     steps: int
     max_staleness: int
-    staleness_hist: dict[int, int]
+    staleness_hist: dict[int, int]  # versions behind the trainer -> groups trained
     trainer_idle_frac: float
     rollout_busy_frac: float
-    dropped: int = 0
+    dropped: int = 0  # finished groups older than v - eta, dropped unused
 
 
 @dataclass
@@ -71,6 +75,7 @@ class _Workload:
     max_len: int
     steps: int
     warmup: int
+    max_inflight_groups: int | None = None  # admitted, unfinished groups at most
 
 
 class Simulation:
@@ -85,9 +90,11 @@ class Simulation:
         self.events: list[tuple[float, int, str, int, int]] = []  # (t, seq, kind, arg, stamp)
         self.seq = 0
         self.now, self.version, self.submitted, self.trained = 0.0, 0, 0, 0
+        self.served = 0  # version of the weights the instances hold (the last publish)
+        self.dropped = 0
         self.pending: deque[tuple[int, int]] = deque()  # (group, length) to dispatch
         self.group_left: dict[int, int] = {}  # samples still generating, per group
-        self.group_ver: dict[int, int] = {}  # policy version at admission
+        self.group_ver: dict[int, int] = {}  # version of the weights that generate it
         self.req_group: dict[int, int] = {}
         self.finished: deque[int] = deque()  # groups, oldest first
         self.trainer_busy, self.trainer_idle, self.idle_since = False, 0.0, 0.0
@@ -109,13 +116,16 @@ class Simulation:
 
     # ------------------------------------------------------------ controller
     def admit(self) -> None:
-        """The gate admits one more group while submitted < (v + η + 1)·B."""
+        """The gate admits one more group while submitted < (v + η + 1)·B and the
+        controller's cap on unfinished groups, if any, has room."""
         w = self.w
         if self.submitted >= (self.version + w.staleness + 1) * w.batch_groups:
             return
+        if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
+            return
         g = self.submitted
         self.submitted += 1
-        self.group_left[g], self.group_ver[g] = w.group_size, self.version
+        self.group_left[g], self.group_ver[g] = w.group_size, self.served
         for _ in range(w.group_size):
             length = min(w.max_len, max(1, int(w.mean_len * self.rng.uniform(0.5, 1.5))))
             self.pending.append((g, length))
@@ -152,10 +162,25 @@ class Simulation:
         self.reschedule(i)
 
     # ------------------------------------------------------------ trainer
+    def drop_stale(self) -> None:
+        """The consumer's rule: a group older than v − η is dropped and counted."""
+        floor = self.version - self.w.staleness
+        keep: deque[int] = deque()
+        for g in self.finished:
+            if self.group_ver[g] >= floor:
+                keep.append(g)
+            else:
+                del self.group_ver[g]
+                self.dropped += 1
+        self.finished = keep
+
     def try_train(self) -> None:
-        """Start a step on the B oldest finished groups when the trainer is free."""
+        """Start a step on the B oldest fresh finished groups when the trainer is free."""
         b = self.w.batch_groups
-        if self.trainer_busy or len(self.finished) < b:
+        if self.trainer_busy:
+            return
+        self.drop_stale()
+        if len(self.finished) < b:
             return
         for g in [self.finished.popleft() for _ in range(b)]:
             lag = self.version - self.group_ver.pop(g)
@@ -172,6 +197,7 @@ class Simulation:
         if self.trained == self.w.warmup:
             self.t_warm, self.gen_warm, self.trainer_idle = self.now, self.gen_done, 0.0
         if self.version % self.w.publish_interval == 0:
+            self.served = self.version
             for i, inst in enumerate(self.inst):
                 inst.advance(self.now)
                 inst.stall_until = max(inst.stall_until, self.now) + inst.sync_s
@@ -205,6 +231,7 @@ class Simulation:
             staleness_hist=dict(sorted(self.hist.items())),
             trainer_idle_frac=self.trainer_idle / span,
             rollout_busy_frac=busy,
+            dropped=self.dropped,
         )
 
 
@@ -221,6 +248,7 @@ def simulate(
     steps: int = 16,
     warmup: int = 3,
     seed: int = 0,
+    max_inflight_groups: int | None = None,
 ) -> SimResult:
     w = _Workload(
         batch_groups,
@@ -232,5 +260,6 @@ def simulate(
         max_len,
         steps,
         warmup,
+        max_inflight_groups,
     )
     return Simulation(instances, w, seed).run()

@@ -15,6 +15,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.prom import BufferCollector, MetricsServer, TrainerCollector, registry_with
 from areal_hex.run_files import RunPaths
+from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.step import StepContext
 
@@ -128,11 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = init_distributed(cfg.trainer.device)
     trainer = build_trainer(cfg, rank, world)
     metrics = serve_metrics(cfg, trainer) if rank == 0 else None
+    trackers = open_run_trackers(cfg, "trainer") if rank == 0 else None
+    if trackers is not None:
+        trainer.row_observers.append(trackers.observe)
     try:
         state = trainer.run()
     finally:
         if metrics is not None:
             metrics.stop()
+        if trackers is not None:
+            trackers.close()
         if trainer.consumer is not None:
             trainer.consumer.close()
     if rank == 0:

@@ -32,6 +32,13 @@ class BufferKeys:
         return self._k("submitted")
 
     @property
+    def leases(self) -> str:  # hash: holder -> admissions it holds (admitted, not yet put)
+        return self._k("leases")
+
+    def lease(self, holder: str) -> str:  # the holder's heartbeat (expires when it dies)
+        return self._k(f"lease:{holder}")
+
+    @property
     def dead(self) -> str:  # dead-letter stream: malformed entries with the reason
         return self._k("dead")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import redis
@@ -53,6 +54,9 @@ class RedisTrajectoryProducer:
         self._bump = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
         self.serving_version: int | None = None
+        # This incarnation's admissions are held under `holder` while its heartbeat lives.
+        self.holder = uuid.uuid4().hex
+        self._heartbeat: asyncio.Task[None] | None = None
 
     def set_serving_version(self, version: int) -> None:
         """The version the servers now generate with; wakes admits waiting on it."""
@@ -84,10 +88,12 @@ class RedisTrajectoryProducer:
         while True:
             serving = "" if self.serving_version is None else self.serving_version
             args = [n, c.max_staleness, c.groups_per_step, c.max_pending, serving]
-            status, sub, v, backlog = await self._admit(
-                keys=[self.keys.submitted, self.keys.version, self.keys.traj], args=args
-            )
+            args += [self.holder, self._ttl_ms, self.keys.lease("")]
+            keys = [self.keys.submitted, self.keys.version, self.keys.traj]
+            keys += [self.keys.leases, self.keys.lease(self.holder)]
+            status, sub, v, backlog = await self._admit(keys=keys, args=args)
             if status == 1:
+                self._start_heartbeat()
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -127,7 +133,31 @@ class RedisTrajectoryProducer:
     async def release(self, n: int = 1) -> int:
         """Give back `n` admissions whose groups will not be put (e.g. a prompt failed), so
         the trainer is not left waiting for groups that never come. Returns submitted."""
-        return int(await self._release(keys=[self.keys.submitted], args=[n]))
+        keys = [self.keys.submitted, self.keys.leases]
+        return int(await self._release(keys=keys, args=[n, self.holder, 1]))
+
+    # ------------------------------------------------------------ lease
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.cfg.lease_ttl_s * 1000))
+
+    async def held(self) -> int:
+        """Admissions this producer holds: admitted, neither put nor released."""
+        return int(await self.r.hget(self.keys.leases, self.holder) or 0)
+
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        """Keep the lease alive: three beats per TTL, so one late beat does not lose it."""
+        key = self.keys.lease(self.holder)
+        while True:
+            try:
+                await self.r.set(key, "1", px=self._ttl_ms)
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                pass  # Valkey restarting: the next beat (or admit) renews the lease
+            await asyncio.sleep(self.cfg.lease_ttl_s / 3)
 
     def _start_listener(self) -> None:
         if self._listener is None or self._listener.done():
@@ -148,17 +178,19 @@ class RedisTrajectoryProducer:
     # ------------------------------------------------------------ data
     async def put(self, group: GroupRecord) -> str:
         """Append an admitted group; returns its stream entry id."""
-        await self._ensure_group()
-        entry_id = await self.r.xadd(self.keys.traj, {PAYLOAD_FIELD: encode_group(group)})
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return (await self.put_many([group]))[0]
 
     async def put_many(self, groups: Sequence[GroupRecord]) -> list[str]:
         """Append several admitted groups in one round trip (in order)."""
         await self._ensure_group()
-        pipe = self.r.pipeline(transaction=False)
+        # One transaction: the groups enter the stream and leave this holder's lease
+        # together, so a crash can neither reclaim a put group nor keep an unput one.
+        pipe = self.r.pipeline(transaction=True)
         for g in groups:
             pipe.xadd(self.keys.traj, {PAYLOAD_FIELD: encode_group(g)})
-        ids = await pipe.execute()
+        keys = [self.keys.submitted, self.keys.leases]
+        await self._release(keys=keys, args=[len(groups), self.holder, 0], client=pipe)
+        ids = (await pipe.execute())[: len(groups)]
         return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
     async def version(self) -> int:
@@ -205,10 +237,8 @@ class RedisTrajectoryProducer:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
 
     async def aclose(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            try:
-                await self._listener
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._listener = None
+        for task in (self._listener, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._listener = self._heartbeat = None

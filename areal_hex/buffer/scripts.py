@@ -6,13 +6,26 @@ Each is run with EVALSHA (redis-py's `register_script`), so the source travels o
 from __future__ import annotations
 
 # Staleness gate + backpressure, checked and counted in one step so that concurrent
-# producers can never overshoot the bound.
-# KEYS: submitted, version, traj.  ARGV: n, eta, B, max_pending, serving version ('' =
-# none: the published one counts). The gate counts from the older of the two: weights the
-# servers have not loaded yet do not open it.
+# producers can never overshoot the bound. Admissions are held by a holder (one producer
+# incarnation) until put or released; a holder whose heartbeat key has expired died with
+# them, so they are first given back (reclaimed): a crash cannot leak the gate.
+# KEYS: submitted, version, traj, leases, this holder's heartbeat.  ARGV: n, eta, B,
+# max_pending, serving version ('' = none: the published one counts), holder, lease TTL
+# in ms, heartbeat key prefix. The gate counts from the older of the two versions: weights
+# the servers have not loaded yet do not open it.
 # Returns {status, submitted, version, backlog}: status 1 admitted (submitted already
 # includes n), 0 blocked by the gate, -1 blocked by backpressure.
 ADMIT = """
+local held = redis.call('HGETALL', KEYS[4])
+for i = 1, #held, 2 do
+  local who = held[i]
+  if who ~= ARGV[6] and redis.call('EXISTS', ARGV[8] .. who) == 0 then
+    local sub0 = tonumber(redis.call('GET', KEYS[1]) or '0')
+    redis.call('DECRBY', KEYS[1], math.min(tonumber(held[i + 1]), sub0))
+    redis.call('HDEL', KEYS[4], who)
+  end
+end
+redis.call('SET', KEYS[5], '1', 'PX', ARGV[7])
 local n = tonumber(ARGV[1])
 local sub = tonumber(redis.call('GET', KEYS[1]) or '0')
 local v = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -28,15 +41,26 @@ if backlog >= tonumber(ARGV[4]) then
   return {-1, sub, v, backlog}
 end
 sub = redis.call('INCRBY', KEYS[1], n)
+redis.call('HINCRBY', KEYS[4], ARGV[6], n)
 return {1, sub, v, backlog}
 """
 
-# Give back admissions whose groups will never be put (never below zero).
-# KEYS: submitted.  ARGV: n.  Returns the new count.
+# The holder no longer holds n admissions (never below zero): `give_back` 1 also takes
+# them off the count (their groups will never be put), 0 only ends the hold (put).
+# KEYS: submitted, leases.  ARGV: n, holder, give_back.  Returns the new count.
 RELEASE = """
+local n = tonumber(ARGV[1])
+local held = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
+if held <= n then
+  redis.call('HDEL', KEYS[2], ARGV[2])
+else
+  redis.call('HINCRBY', KEYS[2], ARGV[2], -n)
+end
 local sub = tonumber(redis.call('GET', KEYS[1]) or '0')
-local n = math.min(tonumber(ARGV[1]), sub)
-return redis.call('DECRBY', KEYS[1], n)
+if ARGV[3] == '1' then
+  sub = redis.call('DECRBY', KEYS[1], math.min(n, sub))
+end
+return sub
 """
 
 # Acknowledge and delete trained entries (acked data is never read again, so the stream

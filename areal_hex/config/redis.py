@@ -49,6 +49,9 @@ class BufferConfig(Section):
     consumer_name: str = Field("trainer-0", pattern=r"^[A-Za-z0-9_.:-]+$")
     # Poll interval of waiters (gate, consumer) besides pub/sub wake-ups.
     poll_interval_s: float = Field(0.1, gt=0)
+    # A producer's admissions live as long as its heartbeat: one dead for this long gives
+    # them back to the gate (the next admit of any producer reclaims them).
+    lease_ttl_s: float = Field(10.0, gt=0)
     # The consumer reads up to this many entries per round trip; the surplus stays pending
     # to it (and is checked for staleness again) until a later get_batch hands it out.
     prefetch: int = Field(16, ge=1)

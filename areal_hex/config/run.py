@@ -35,6 +35,12 @@ class RunConfig(Section):
     # Set by `areal-hex run` when it started the embedded Valkey that `redis.url` names
     # (so the resolved config still lays out a `redis` service).
     embedded_redis: bool = False
+    # Experiment trackers the trainer and the controller log their metric rows to (any
+    # subset; each needs its extra: pip install areal-hex[tensorboard|wandb|mlflow]).
+    # TensorBoard and MLflow write under the run directory; W&B offline unless told.
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    wandb_project: str = "areal-hex"
+    wandb_mode: Literal["online", "offline"] = "offline"
 
     def run_dir(self) -> Path:
         """`output_dir/run_id`; the launcher fills in `run_id` before any process starts."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
+from areal_hex.trackers import open_run_trackers
 
 
 def _final_reward(rows: list[TrainerRow], frac: float = 0.2) -> float | None:
@@ -255,6 +256,11 @@ def write_report(
 ) -> dict[str, Any]:
     """Write `summary.json` and `report/*.png`; returns the summary."""
     summary = summarize(run_dir, cfg, buffer, outcome)
-    summary["plots"] = [str(p.relative_to(run_dir)) for p in write_plots(run_dir, summary)]
+    plots = write_plots(run_dir, summary)
+    summary["plots"] = [str(p.relative_to(run_dir)) for p in plots]
     RunPaths.at(run_dir).summary.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    trackers = open_run_trackers(cfg, "report", run_dir)
+    if trackers is not None:  # the plots as images, in the run's tracker group
+        trackers.log_images(plots)
+        trackers.close()
     return summary

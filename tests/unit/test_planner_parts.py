@@ -120,3 +120,62 @@ def test_trainer_across_zones_pays_the_slow_link() -> None:
     assert one is not None and two is not None
     assert two.comm_s > one.comm_s  # 6.25 GB/s zone link vs 50 GB/s inside use1-a
     assert two.compute_s == pytest.approx(one.compute_s)
+
+
+def _sim_kw(**over: object) -> dict[str, object]:
+    kw: dict[str, object] = dict(
+        batch_groups=1,
+        group_size=2,
+        staleness=4,
+        publish_interval=1,
+        train_step_s=0.1,
+        mean_len=100,
+        max_len=50,
+        steps=12,
+    )
+    return {**kw, **over}
+
+
+def test_simulator_drops_groups_older_than_eta_and_counts_them() -> None:
+    # Two instances: one decodes 100x slower, so its groups finish long after the fast
+    # instance's groups have carried the trainer past v - eta; the consumer drops them.
+    # One-sample groups, so each group lives on one instance.
+    fast = SimInstance("fast", slots=1, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)
+    slow = SimInstance("slow", slots=1, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.1)
+    kw = _sim_kw(group_size=1, staleness=1, steps=60)
+    r = simulate([fast, slow], **kw)  # type: ignore[arg-type]
+    assert r.dropped > 0
+    assert r.max_staleness <= 1  # nothing older than eta is ever trained
+    assert sum(r.staleness_hist.values()) == r.steps
+
+
+def test_simulator_inflight_cap_limits_admitted_groups() -> None:
+    # One group at a time on 4 slots: 2-sample groups of 0.5 s each -> 4 samples/s.
+    inst = [SimInstance("n0", slots=4, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)]
+    free = simulate(inst, **_sim_kw(train_step_s=0.01))  # type: ignore[arg-type]
+    inst = [SimInstance("n0", slots=4, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)]
+    capped = simulate(inst, **_sim_kw(train_step_s=0.01, max_inflight_groups=1))  # type: ignore[arg-type]
+    assert capped.samples_per_s == pytest.approx(4.0, rel=1e-6)
+    assert free.samples_per_s > 1.5 * capped.samples_per_s  # two groups share the 4 slots
+
+
+def test_simulator_publishes_every_k_steps() -> None:
+    # A 0.25 s sync every step costs 2/0.75 samples/s (see above); every 3 steps, a third.
+    inst = _one_instance()
+    inst[0].sync_s = 0.25
+    r = simulate(inst, **_sim_kw(publish_interval=3, steps=15))  # type: ignore[arg-type]
+    assert r.samples_per_s == pytest.approx(2 / (0.5 + 0.25 / 3), rel=0.05)
+    assert r.dropped == 0
+
+
+@pytest.mark.parametrize("workload", ["math_grpo", "long_cot"])
+@pytest.mark.parametrize("name", ["h800_h20", "hetrl_a100_l40s_l4", "multi_region"])
+def test_simulator_within_five_percent_of_prediction(name: str, workload: str) -> None:
+    cl = load_cluster(EX / "clusters" / f"{name}.yaml")
+    m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / f"{workload}.yaml")
+    price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+    res = make_plan(cl, m, w, budget=0.6 * price, baselines=False)
+    pred = res.plan.predicted.samples_per_s
+    assert res.sim is not None
+    assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
+    assert res.sim.max_staleness <= w.staleness

@@ -154,3 +154,15 @@ def test_metric_rows_refuse_unknown_keys(tmp_path: Path) -> None:
     p.open("a").write('{"step": 4, "rewrd_mean": 1.0}\n')
     with pytest.raises(pydantic.ValidationError, match="rewrd_mean"):
         read_rows(p, TrainerRow)  # ... and where it is read
+
+
+def test_report_plots_go_to_the_trackers_as_images(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    write_run(tmp_path)
+    cfg = load_config(None, ["run.run_id=r", "run.trackers=[tensorboard]"])
+    s = write_report(tmp_path, cfg)
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "report"))
+    acc.Reload()
+    images = set(acc.Tags()["images"])
+    assert images == {f"report/{Path(p).stem}" for p in s["plots"]} and images

@@ -1,0 +1,49 @@
+"""The shipped Grafana dashboard loads and queries only metrics the services export."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from areal_hex.prom import METRIC_NAMES
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "areal-hex.json"
+# PromQL words the dashboard uses that are not metric names: functions, `by`, label names.
+PROMQL_WORDS = {"rate", "deriv", "sum", "by", "histogram_quantile", "le", "phase", "instance"}
+
+
+def metric_names(expr: str) -> set[str]:
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", "", expr)  # selectors, ranges, strings
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", bare))
+    return words - PROMQL_WORDS
+
+
+def test_dashboard_references_only_exported_metrics() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["panels"], "no panels"
+    used: set[str] = set()
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = metric_names(target["expr"])
+            assert names, target["expr"]
+            used |= names
+    assert used <= set(METRIC_NAMES), sorted(used - set(METRIC_NAMES))
+    # the panels an operator needs: staleness, drops, weight sync, busy time, tokens/s
+    for needed in (
+        "areal_hex_trainer_staleness_versions_bucket",
+        "areal_hex_trainer_dropped_stale_total",
+        "areal_hex_trainer_dead_letters_total",
+        "areal_hex_rollout_weight_update_seconds_total",
+        "areal_hex_rollout_generation_busy_seconds_total",
+        "areal_hex_trainer_step_phase_seconds_total",
+        "areal_hex_rollout_tokens_total",
+    ):
+        assert needed in used, needed
+
+
+def test_the_check_catches_a_misspelt_metric() -> None:
+    assert metric_names('rate(areal_hex_trainer_tokenz_total{phase="x"}[5m])') == {
+        "areal_hex_trainer_tokenz_total"
+    }
