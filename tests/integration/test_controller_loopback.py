@@ -163,6 +163,30 @@ async def test_gate_respected_and_stop_consistent(stack: Stack) -> None:
     groups = read_groups(stack, run_id, buf, 2)
     assert all(len(g.completions) == 4 for g in groups)
 
+async def test_dynamic_sampling_ledger_with_real_buffer(stack: Stack) -> None:
+    """Filtered groups never reach the stream and give their admission back: the stream
+    and the gate hold exactly produced - filtered groups, each with its servers."""
+    run_id = f"d{uuid.uuid4().hex[:8]}"
+    buf = BufferConfig(groups_per_step=2, max_staleness=50, gate_timeout_s=60)
+    ctl, clients, producer = await make_controller(
+        stack, run_id, buf, 3, max_new_tokens=8, dynamic_sampling=True,
+        dynamic_sampling_max_factor=2,
+    )  # fmt: skip
+    try:
+        final = await asyncio.wait_for(ctl.run(), 120)
+    finally:
+        await close(clients, producer)
+    produced, filtered = final["groups_produced_total"], ctl.stats["groups_filtered_total"]
+    kept = produced - filtered
+    assert 3 <= produced <= 6 and kept <= 3
+    assert kept == 3 or produced == 6  # enough informative groups, or the bound was hit
+    stats = read_stats(stack.endpoint.sync_client(), BufferKeys(run_id))
+    assert stats.stream_length == kept and stats.submitted == kept
+    for g in read_groups(stack, run_id, buf, kept) if kept else []:
+        assert len(set(g.rewards.tolist())) > 1
+        assert set(g.metadata["servers"].split(",")) <= set(stack.urls())
+
+
 
 @pytest.mark.parametrize("pause", ["abort", "auto"])
 async def test_weight_reload_interrupts_and_resumes(stack: Stack, pause: str) -> None:
@@ -305,26 +329,3 @@ def test_rollout_cli_usage_errors(tmp_path: Path) -> None:
         assert out.returncode == 2, out.stderr[-2000:]
         assert message in out.stderr and "Traceback" not in out.stderr
 
-
-async def test_dynamic_sampling_ledger_with_real_buffer(stack: Stack) -> None:
-    """Filtered groups never reach the stream and give their admission back: the stream
-    and the gate hold exactly produced - filtered groups, each with its servers."""
-    run_id = f"d{uuid.uuid4().hex[:8]}"
-    buf = BufferConfig(groups_per_step=2, max_staleness=50, gate_timeout_s=60)
-    ctl, clients, producer = await make_controller(
-        stack, run_id, buf, 3, max_new_tokens=8, dynamic_sampling=True,
-        dynamic_sampling_max_factor=2,
-    )  # fmt: skip
-    try:
-        final = await asyncio.wait_for(ctl.run(), 120)
-    finally:
-        await close(clients, producer)
-    produced, filtered = final["groups_produced_total"], ctl.stats["groups_filtered_total"]
-    kept = produced - filtered
-    assert 3 <= produced <= 6 and kept <= 3
-    assert kept == 3 or produced == 6  # enough informative groups, or the bound was hit
-    stats = read_stats(stack.endpoint.sync_client(), BufferKeys(run_id))
-    assert stats.stream_length == kept and stats.submitted == kept
-    for g in read_groups(stack, run_id, buf, kept) if kept else []:
-        assert len(set(g.rewards.tolist())) > 1
-        assert set(g.metadata["servers"].split(",")) <= set(stack.urls())
