@@ -57,6 +57,7 @@ class RedisTrajectoryProducer:
         # This incarnation's admissions are held under `holder` while its heartbeat lives.
         self.holder = uuid.uuid4().hex
         self._heartbeat: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
 
     def set_serving_version(self, version: int) -> None:
         """The version the servers now generate with; wakes admits waiting on it."""
@@ -152,12 +153,17 @@ class RedisTrajectoryProducer:
     async def _beat(self) -> None:
         """Keep the lease alive: three beats per TTL, so one late beat does not lose it."""
         key = self.keys.lease(self.holder)
-        while True:
+        while not self._closing.is_set():
             try:
                 await self.r.set(key, "1", px=self._ttl_ms)
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 pass  # Valkey restarting: the next beat (or admit) renews the lease
-            await asyncio.sleep(self.cfg.lease_ttl_s / 3)
+            # Stopped by an event, not cancelled: a command cancelled mid-flight can
+            # leave redis-py's connection waiting forever.
+            try:
+                await asyncio.wait_for(self._closing.wait(), self.cfg.lease_ttl_s / 3)
+            except asyncio.TimeoutError:
+                pass
 
     def _start_listener(self) -> None:
         if self._listener is None or self._listener.done():
@@ -237,8 +243,10 @@ class RedisTrajectoryProducer:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
 
     async def aclose(self) -> None:
-        for task in (self._listener, self._heartbeat):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        self._closing.set()
+        if self._heartbeat is not None:
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
         self._listener = self._heartbeat = None
