@@ -147,6 +147,10 @@ def _server_rounds(
             "seed": args.seed,
             "num_threads": args.threads,
         },
+        # Only the server runs: the controller's prompt + answer budget just has to fit
+        # the context the config checks it against.
+        "data": {"max_prompt_tokens": context // 2},
+        "rollout": {"max_new_tokens": context - context // 2},
     }
     env = dict(
         os.environ,

@@ -305,7 +305,8 @@ def test_rendered_inference_service_runs_with_its_secrets(tmp_path):
     port, weights = free_port(), tmp_path / "weights"
     index = int(svc["command"][-1])
     # (no v0 here: the server builds the tiny model itself; test_prepare_writes_v0_once)
-    cfg["model"].update(path=None, tiny={"num_layers": 1}, dtype="float32")
+    tiny = {"num_layers": 1, "max_position_embeddings": 4096}  # the real model's context
+    cfg["model"].update(path=None, tiny=tiny, dtype="float32")
     cfg["inference"].update(device="cpu", base_port=port - index, weights_dir=str(weights))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     entry = svc["entrypoint"]
