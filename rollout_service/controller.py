@@ -134,6 +134,9 @@ class RolloutController:
         try:
             await self._produce()
         finally:
+            # A weight update under way finishes first: cancelled halfway, it would leave
+            # the servers paused.
+            await self.weights.settle(self.cfg.stop_grace_s)
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)

@@ -161,6 +161,19 @@ class WeightSync:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait (up to `timeout_s`) until no update is under way; True if none is."""
+
+        async def idle() -> None:
+            async with self._lock:
+                pass
+
+        try:
+            await asyncio.wait_for(idle(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     async def update(self, version: int, path: str) -> None:
         """(3)-(5) Pause every healthy server, load `path` as `version`, resume."""
         if not path and self.weights_dir:

@@ -16,6 +16,7 @@ from areal_hex.record import GroupRecord
 from areal_hex.rewards import RewardPool
 from rollout_service.controller import RolloutController
 from rollout_service.dispatch import Dispatcher
+from rollout_service.weight_sync import UpdateGate, WeightSync
 
 
 def _prompts(n: int = 8):
@@ -333,3 +334,27 @@ async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> Non
     assert got["areal_hex_rollout_groups_produced_total"] == final["groups_produced_total"] == 4
     assert got["areal_hex_rollout_samples_total"] == final["samples_total"]
     assert got["areal_hex_rollout_generation_busy_seconds_total"] == final["gen_busy_s"]
+
+
+@pytest.mark.timeout(60)
+async def test_stopping_waits_for_a_weight_update_under_way() -> None:
+    class SlowReload(FakeServer):
+        async def update_weights_from_disk(
+            self, model_path: str, weight_version: int, abort_all_requests: bool = True
+        ) -> None:
+            await asyncio.sleep(0.3)
+            await super().update_weights_from_disk(model_path, weight_version)
+
+    server = SlowReload("a")
+    d = Dispatcher([server])
+    await d.probe_all()
+    ws = WeightSync(d, MemoryProducer(), UpdateGate())
+    assert await ws.settle(0.01)  # nothing under way
+    task = asyncio.create_task(ws.update(1, "/w/v1"))
+    await asyncio.sleep(0.05)
+    assert not await ws.settle(0.01)  # paused, reloading
+    assert not server.running.is_set()
+    assert await ws.settle(5.0)
+    # what the controller's stop waits for: loaded, counted, the server running again
+    assert ws.updates_total == 1 and server.version == 1 and server.running.is_set()
+    await task
