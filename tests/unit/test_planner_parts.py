@@ -18,11 +18,8 @@ def _one_instance() -> list[SimInstance]:
     return [SimInstance("n0", slots=2, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)]
 
 
-def test_simulator_async_rate_is_generation_bound() -> None:
-    # Every answer is 50 tokens (max_len caps U[0.5,1.5]*100): a 2-sample group takes
-    # 50 steps * 10 ms = 0.5 s; the 0.1 s trainer keeps up -> 2 samples / 0.5 s.
-    r = simulate(
-        _one_instance(),
+def _sim_kw(**over: object) -> dict[str, object]:
+    kw: dict[str, object] = dict(
         batch_groups=1,
         group_size=2,
         staleness=4,
@@ -32,23 +29,20 @@ def test_simulator_async_rate_is_generation_bound() -> None:
         max_len=50,
         steps=12,
     )
+    return {**kw, **over}
+
+
+def test_simulator_async_rate_is_generation_bound() -> None:
+    # Every answer is 50 tokens (max_len caps U[0.5,1.5]*100): a 2-sample group takes
+    # 50 steps * 10 ms = 0.5 s; the 0.1 s trainer keeps up -> 2 samples / 0.5 s.
+    r = simulate(_one_instance(), **_sim_kw())  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(4.0, rel=1e-6)
     assert r.trainer_idle_frac == pytest.approx(0.8, rel=1e-6)
 
 
 def test_simulator_synchronous_gate_serialises() -> None:
     # eta = 0: the next group is admitted only after the step, 0.5 s + 0.1 s per group.
-    r = simulate(
-        _one_instance(),
-        batch_groups=1,
-        group_size=2,
-        staleness=0,
-        publish_interval=1,
-        train_step_s=0.1,
-        mean_len=100,
-        max_len=50,
-        steps=12,
-    )
+    r = simulate(_one_instance(), **_sim_kw(staleness=0))  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(2 / 0.6, rel=1e-6)
     assert r.max_staleness == 0
 
@@ -56,17 +50,7 @@ def test_simulator_synchronous_gate_serialises() -> None:
 def test_simulator_weight_sync_pause_costs_generation() -> None:
     inst = _one_instance()
     inst[0].sync_s = 0.25  # every publish stalls decoding 0.25 s
-    r = simulate(
-        inst,
-        batch_groups=1,
-        group_size=2,
-        staleness=4,
-        publish_interval=1,
-        train_step_s=0.1,
-        mean_len=100,
-        max_len=50,
-        steps=12,
-    )
+    r = simulate(inst, **_sim_kw())  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(2 / 0.75, rel=1e-3)
 
 
@@ -120,20 +104,6 @@ def test_trainer_across_zones_pays_the_slow_link() -> None:
     assert one is not None and two is not None
     assert two.comm_s > one.comm_s  # 6.25 GB/s zone link vs 50 GB/s inside use1-a
     assert two.compute_s == pytest.approx(one.compute_s)
-
-
-def _sim_kw(**over: object) -> dict[str, object]:
-    kw: dict[str, object] = dict(
-        batch_groups=1,
-        group_size=2,
-        staleness=4,
-        publish_interval=1,
-        train_step_s=0.1,
-        mean_len=100,
-        max_len=50,
-        steps=12,
-    )
-    return {**kw, **over}
 
 
 def test_simulator_drops_groups_older_than_eta_and_counts_them() -> None:
