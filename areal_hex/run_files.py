@@ -5,6 +5,7 @@
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
       events.json          launcher: start/ready/end times, restarts
+      prediction.json      the cost model's rates for the run's layout (launcher)
       summary.json         the report's summary
       report/*.png         the report's plots
       logs/<service>.log   one log per process
@@ -69,6 +70,10 @@ class RunPaths:
     @property
     def events(self) -> Path:
         return self.root / "events.json"
+
+    @property
+    def prediction(self) -> Path:
+        return self.root / "prediction.json"
 
     @property
     def summary(self) -> Path:
