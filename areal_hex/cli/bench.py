@@ -18,6 +18,8 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "areal_hex.launch.bench",
     "algos": "areal_hex.launch.bench_algos",
     "plan": "scheduler.bench",
+    "fidelity": "areal_hex.launch.bench_fidelity",
+    "gpu": "areal_hex.launch.bench_gpu",
 }
 
 

@@ -61,6 +61,12 @@ def _run(args: argparse.Namespace) -> int:
             f"pending, more than buffer.max_pending ({cfg.buffer.max_pending}): lower "
             "checkpoint_every or raise max_pending"
         )
+    speeds = cfg.trainer.rank_speeds
+    if speeds is not None and len(speeds) != cfg.trainer.num_ranks:
+        raise UsageError(
+            f"trainer.rank_speeds has {len(speeds)} values for trainer.num_ranks = "
+            f"{cfg.trainer.num_ranks}: expected one speed per rank"
+        )
     cmd = launcher_command(cfg, args.config, list(args.overrides))
     if args.print_command:
         print(shlex.join(cmd))

@@ -29,7 +29,9 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,33 +140,73 @@ class GenerationRates:
     prefill_tokens_per_s: float
     prompt_tokens: float  # mean over the dataset's prompts
     response_tokens: float  # mean answer length of the initial policy
-    reload_s: float  # engine reload of a published weights directory
+    reload_s: float  # pause -> load -> resume of a server with requests in flight
 
 
 def measure_generation(
     cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, batches: list[int]
 ) -> GenerationRates:
-    from rollout_service.server import build_engine
+    """An `areal-hex serve` process on the inference cores, driven over HTTP from this
+    process on the trainer cores, where `run` puts the controller: the server's HTTP
+    handling and the client's work are in the figures, as they are in a run."""
     from rollout_service.wiring import load_prompt_set, load_rollout_tokenizer
 
     cfg = cfg.model_copy(deep=True)
     cfg.model.path = str(model_dir)
     cfg.model.tokenizer_path = None
-    inf = cfg.inference.model_copy(
-        update={
-            "num_threads": dev.inference_threads,
-            "max_running_requests": max([*batches, cfg.inference.max_running_requests]),
-        }
-    )
     tok = load_rollout_tokenizer(cfg)
     prompts = [p.input_ids for p in load_prompt_set(cfg, tok).prompts]
-    with pinned(dev.inference_cores, dev.inference_threads):
-        engine = build_engine(cfg.model, inf)
-        return asyncio.run(_generation(engine, cfg, prompts, tok.eos_token_id, batches, model_dir))
+    serve = {
+        "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
+        "inference": {
+            "device": cfg.inference.device,
+            "num_threads": dev.inference_threads,
+            "max_running_requests": cfg.inference.max_running_requests,
+            "context_length": cfg.inference.context_length,
+            "weights_dir": str(model_dir.parent),
+        },
+        "data": {"max_prompt_tokens": cfg.data.max_prompt_tokens},
+        "rollout": {"max_new_tokens": cfg.rollout.max_new_tokens},
+    }
+    with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
+        path = Path(tmp) / "serve.yaml"
+        path.write_text(yaml.safe_dump(serve))
+        with _server(path, dev, Path(tmp) / "serve.log") as url, pinned(dev.trainer_cores, 1):
+            eos = tok.eos_token_id
+            return asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+
+
+@contextlib.contextmanager
+def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[str]:
+    from areal_hex.net import free_port
+
+    port = free_port()
+    cores = dev.inference_cores
+    env = dict(os.environ, OMP_NUM_THREADS=str(dev.inference_threads))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(config), "--port", str(port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+        )
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 async def _generation(
-    engine: Any,
+    url: str,
     cfg: ExperimentConfig,
     prompts: list[list[int]],
     eos: int | None,
@@ -173,66 +215,94 @@ async def _generation(
 ) -> GenerationRates:
     import random
 
-    from rollout_service.wire import SamplingParamsIn
+    from areal_hex.api import SamplingParams
+    from rollout_service.client import InferenceClient
 
     rng = random.Random(0)
     r = cfg.rollout
-    engine.start()
-    try:
+    g = r.group_size
+    async with InferenceClient(url, timeout_s=None) as client:
+        await client.wait_healthy(timeout_s=180, interval_s=0.2)
 
-        async def wave(items: list[tuple[list[int], SamplingParamsIn]]) -> tuple[float, list]:
+        async def wave(work: list[list[int]], sp: SamplingParams) -> tuple[float, list]:
+            """`work` as the controller sends it: one batched call per G samples."""
             t0 = time.perf_counter()
+            chunks = [work[i : i + g] for i in range(0, len(work), g)]
             outs = await asyncio.gather(
-                *(engine.generate(p, sp, f"profile-{i}-{t0}") for i, (p, sp) in enumerate(items))
+                *(
+                    client.generate_batch(c, sp, [f"p{t0}-{i}-{j}" for j in range(len(c))])
+                    for i, c in enumerate(chunks)
+                )
             )
-            return time.perf_counter() - t0, outs
+            return time.perf_counter() - t0, [o for out in outs for o in out]
 
-        def fixed(n: int) -> SamplingParamsIn:
-            return SamplingParamsIn(max_new_tokens=n, temperature=r.temperature, ignore_eos=True)
+        def fixed(n: int) -> SamplingParams:
+            return SamplingParams(max_new_tokens=n, temperature=r.temperature, ignore_eos=True)
 
-        await wave([(prompts[0], fixed(4))])  # warm-up: first-call allocations
-        # the run's own answers: G samples of a few prompts, as the controller asks for them
-        sampling = SamplingParamsIn(
+        await wave([prompts[0]], fixed(4))  # warm-up: first-call allocations
+        # the run's own answers: G samples of a few prompts, sampled as the run samples
+        sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
-            stop_token_ids=[eos] if eos is not None else None,
+            stop_token_ids=[eos] if eos is not None else [],
         )
-        asked = [p for p in rng.sample(prompts, min(8, len(prompts))) for _ in range(r.group_size)]
-        _, outs = await wave([(p, sampling) for p in asked])
+        asked = [p for p in rng.sample(prompts, min(8, len(prompts))) for _ in range(g)]
+        _, outs = await wave(asked, sampling)
         response = statistics.fmean(len(o.output_ids) for o in outs)
-        prompt_len = round(statistics.fmean(len(p) for p in prompts))
         long_n = max(8, r.max_new_tokens)
         short_n = max(2, long_n // 4)
         steps: dict[int, float] = {}
         for b in batches:
-            work = [rng.choice(prompts) for _ in range(b)]
             diffs = []
             for _ in range(REPEATS):
-                t_long, _ = await wave([(p, fixed(long_n)) for p in work])
-                t_short, _ = await wave([(p, fixed(short_n)) for p in work])
+                work = _groups(rng, prompts, b, g)
+                t_long, _ = await wave(work, fixed(long_n))
+                t_short, _ = await wave(work, fixed(short_n))
                 diffs.append(max(1e-6, (t_long - t_short) / (long_n - short_n)))
             steps[b] = statistics.median(diffs)
+        top = max(batches)
         pre = []
-        work = [rng.choice(prompts) for _ in range(max(batches))]
         for _ in range(REPEATS):
-            t, _ = await wave([(p, fixed(1)) for p in work])
-            pre.append(sum(len(p) for p in work) / max(1e-9, t - steps[max(batches)]))
-        reload = []
-        for i in range(REPEATS):
-            t0 = time.perf_counter()
-            await engine.update_weights(str(model_dir), str(i + 1), abort_all=False)
-            reload.append(time.perf_counter() - t0)
-    finally:
-        engine.stop()
+            work = _groups(rng, prompts, top, g)
+            t, _ = await wave(work, fixed(1))
+            # a group's prompt is prefilled once: count one prompt per group
+            toks = sum(len(p) for p in work[::g])
+            pre.append(toks / max(1e-9, t - steps[top]))
+        reload = [await _reload(client, wave, _groups(rng, prompts, top, g), fixed(long_n),
+                                model_dir, v) for v in range(1, REPEATS + 1)]  # fmt: skip
     return GenerationRates(
         decode_step_s=steps,
         prefill_tokens_per_s=statistics.median(pre),
-        prompt_tokens=prompt_len,
+        prompt_tokens=statistics.fmean(len(p) for p in prompts),
         response_tokens=response,
         reload_s=statistics.median(reload),
     )
+
+
+def _groups(rng: Any, prompts: list[list[int]], n: int, g: int) -> list[list[int]]:
+    """`n` samples in groups of `g` sharing a prompt."""
+    out: list[list[int]] = []
+    while len(out) < n:
+        out += [rng.choice(prompts)] * min(g, n - len(out))
+    return out
+
+
+async def _reload(
+    client: Any, wave: Any, work: list[list[int]], sp: Any, model_dir: Path, version: int
+) -> float:
+    """One weight update as the controller makes it (pause with retract, load, resume)
+    while a full batch is generating; returns the pause's length."""
+    task = asyncio.create_task(wave(work, sp))
+    await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    await client.pause("retract")
+    await client.update_weights_from_disk(str(model_dir), version, abort_all_requests=False)
+    await client.resume()
+    took = time.perf_counter() - t0
+    await task
+    return took
 
 
 # ---------------------------------------------------------------- training
@@ -243,14 +313,14 @@ def measure_training(
     import torch.distributed as dist
 
     with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
-        _init_single_rank(dev.device)
+        init_single_rank(dev.device)
         try:
             return _train_rate(cfg, model_dir, dev, prompt_len, response)
         finally:
             dist.destroy_process_group()
 
 
-def _init_single_rank(device: str) -> None:
+def init_single_rank(device: str) -> None:
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with socket.socket() as s:
