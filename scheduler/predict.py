@@ -117,7 +117,7 @@ def predict_layout(
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     asyn = _asynchronous(cl, m, w, opts, tr, host)
     sync_w = w.model_copy(update={"staleness": 0, "publish_interval": 1})
-    syn = _synchronous(cl, m, sync_w, opts, tr, host, max_inflight_groups)
+    syn = _synchronous(cl, m, sync_w, prof, opts, tr, host, max_inflight_groups)
     return LayoutPrediction(asyn, syn)
 
 
@@ -141,15 +141,18 @@ def _asynchronous(
     scale = gen / sum(o.samples_per_s for o in opts)
     scaled = [replace(o, samples_per_s=o.samples_per_s * scale) for o in opts]
     p = build_problem(cl, m, w, scaled, [tr_eff])
-    rate, _ = evaluate(p, 0, dict.fromkeys(range(len(scaled)), 1))
+    # generation with the weight-sync pauses at the rate reached: a pause holds requests
+    # in flight, so it counts as time the servers have work
+    rate, gen_at = evaluate(p, 0, dict.fromkeys(range(len(scaled)), 1))
     sync_s = max(p.sync_s.values(), default=0.0)
-    return LayoutRates(rate, gen, bg / step, sync_s)
+    return LayoutRates(rate, gen_at, bg / step, sync_s)
 
 
 def _synchronous(
     cl: Cluster,
     m: ModelShape,
     w: Workload,
+    prof: Profile | None,
     opts: list[RolloutOption],
     tr: TrainerOption,
     host: HostLoad,
@@ -173,6 +176,9 @@ def _synchronous(
             return at(n) * o.step_s / at(o.batch)
 
         sync = weight_sync_s(cl, m, w, tr.zones[0], o.zone)
+        idle = prof.reload_idle_s(o.kind) if prof is not None else None
+        if idle is not None:  # measured: nothing is generating when a sync run reloads
+            sync = idle
         syncs.append(sync)
         prefill = o.prefill_s
         if host.side == "rollout":

@@ -98,6 +98,12 @@ def throttle_factor(rank: int) -> float:
         raise ValueError(f"{THROTTLE_ENV}={value!r}: expected RANK:FACTOR, e.g. 1:3") from None
 
 
+def _throttled(ctx: StepContext, t0: float) -> None:
+    """Test-only: stretch the work since `t0` by the rank's throttle factor."""
+    if ctx.throttle > 1.0:
+        time.sleep((ctx.throttle - 1.0) * (time.perf_counter() - t0))
+
+
 def _all_reduce(values: list[float], op: str, device: str) -> list[float]:
     import torch
     import torch.distributed as dist
@@ -140,9 +146,11 @@ def _reference_pass(
     ref: list[Any | None] = []
     with torch.no_grad():
         for mb in mbs:
+            t0 = time.perf_counter()
             prox.append(token_logprobs(ctx.engine, mb)[0] if need_prox else None)
             use_ref = ctx.ref_model is not None and ctx.algo.kl_coef > 0
             ref.append(token_logprobs(ctx.ref_model, mb)[0] if use_ref else None)
+            _throttled(ctx, t0)
     return prox, ref
 
 
@@ -172,6 +180,7 @@ class _Minibatch:
     adv: Any  # (N + 1,) advantages of the sequences, then a 0 for dummy rows
     degenerate: int
     all_adv: np.ndarray
+    forward_s: float = 0.0  # the no-grad passes: this rank's compute, no collective in it
 
 
 def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
@@ -180,7 +189,9 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
 
     a = ctx.algo
     mbs, items, counts = plan_micro_batches(ctx, groups)
+    t0 = time.perf_counter()
     prox, ref = _reference_pass(ctx, mbs)
+    forward_s = time.perf_counter() - t0
     penalty = None
     if a.kl_coef > 0 and a.kl_in_reward:
         penalty = _kl_penalty(ctx, mbs, prox, ref, len(items))
@@ -197,7 +208,7 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
     adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
     if a.denominator == "informative":
         counts = informative_counts(groups, items, all_adv, counts)
-    return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
+    return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv, forward_s)
 
 
 def informative_counts(
@@ -274,8 +285,7 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
             entropy=ent,
         )
         ctx.engine.backward(loss * ctx.world)
-        if ctx.throttle > 1.0:
-            time.sleep((ctx.throttle - 1.0) * (time.perf_counter() - t0))
+        _throttled(ctx, t0)
         m = mb.loss_mask
         sums["loss"] += float(loss.detach())
         sums["tokens"] += float(m.sum())
@@ -315,8 +325,11 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         if i == 0 and ctx.before_update is not None:
             fence_s = ctx.before_update()
         ctx.engine.step()
+    # this rank's speed: its no-grad forward passes where the step makes them (a backward
+    # may wait for the other ranks' gradients), else forward + backward
+    forward_s = sum(p.forward_s for p in prepared)
     own = sum(int(mb.attention_mask.sum()) for p in prepared for mb in p.mbs)
-    speeds = rebalance(ctx, own, busy_s)
+    speeds = rebalance(ctx, own, forward_s if forward_s > 0 else busy_s)
     sums["loss"] /= len(prepared)
     reduced = _all_reduce([sums[k] for k in _SUM_KEYS], "sum", ctx.device)
     (w_max,) = _all_reduce([w_max], "max", ctx.device)
@@ -334,7 +347,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
 
 
 def rebalance(ctx: StepContext, tokens: int, busy_s: float) -> list[float] | None:
-    """Every rank's tokens/s of forward + backward this step (collective when
+    """Every rank's tokens per second of its own compute this step (collective when
     `balance_measured`); the next step's shares follow their running mean."""
     if not ctx.balance_measured or ctx.world == 1:
         return ctx.speeds

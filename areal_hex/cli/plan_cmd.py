@@ -185,11 +185,12 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
     gen = measured["generation"]
     steps = ", ".join(f"b={b}: {s * 1e3:.2f} ms" for b, s in gen["decode_step_s"].items())
     dev = measured["devices"]
+    reload = f"reload {gen['reload_s'] * 1e3:.1f} ms (idle {gen['reload_idle_s'] * 1e3:.1f})"
     print(
         f"{dev['kind']} x {dev['count']} ({dev['device']}): decode step {steps}; prefill "
         f"{gen['prefill_tokens_per_s']:,.0f} tok/s; train {measured['train_tokens_per_s']:,.0f} "
-        f"tok/s; reload {gen['reload_s'] * 1e3:.1f} ms; prompt {gen['prompt_tokens']:.0f} and "
-        f"answer {gen['response_tokens']:.1f} tokens on average"
+        f"tok/s; {reload}; prompt {gen['prompt_tokens']:.0f} and answer "
+        f"{gen['response_tokens']:.1f} tokens on average"
     )
     print(
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "

@@ -45,6 +45,7 @@ from areal_hex.config import ExperimentConfig
 LOCAL_GROUP = "local"
 LOCAL_ZONE = "local"
 REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
+TRAIN_STEPS = 5
 
 
 @dataclass
@@ -141,6 +142,7 @@ class GenerationRates:
     prompt_tokens: float  # mean over the dataset's prompts
     response_tokens: float  # mean answer length of the initial policy
     reload_s: float  # pause -> load -> resume of a server with requests in flight
+    reload_idle_s: float  # the same with nothing in flight (a synchronous run's case)
 
 
 def measure_generation(
@@ -270,14 +272,18 @@ async def _generation(
             # a group's prompt is prefilled once: count one prompt per group
             toks = sum(len(p) for p in work[::g])
             pre.append(toks / max(1e-9, t - steps[top]))
-        reload = [await _reload(client, wave, _groups(rng, prompts, top, g), fixed(long_n),
-                                model_dir, v) for v in range(1, REPEATS + 1)]  # fmt: skip
+        reload, idle = [], []
+        for v in range(1, REPEATS + 1):
+            work = _groups(rng, prompts, top, g)
+            reload.append(await _reload(client, wave, work, fixed(long_n), model_dir, 2 * v))
+            idle.append(await _reload(client, None, [], None, model_dir, 2 * v + 1))
     return GenerationRates(
         decode_step_s=steps,
         prefill_tokens_per_s=statistics.median(pre),
         prompt_tokens=statistics.fmean(len(p) for p in prompts),
         response_tokens=response,
         reload_s=statistics.median(reload),
+        reload_idle_s=statistics.median(idle),
     )
 
 
@@ -292,16 +298,17 @@ def _groups(rng: Any, prompts: list[list[int]], n: int, g: int) -> list[list[int
 async def _reload(
     client: Any, wave: Any, work: list[list[int]], sp: Any, model_dir: Path, version: int
 ) -> float:
-    """One weight update as the controller makes it (pause with retract, load, resume)
-    while a full batch is generating; returns the pause's length."""
-    task = asyncio.create_task(wave(work, sp))
+    """One weight update as the controller makes it (pause with retract, load, resume),
+    while `work` generates (none: an idle server); returns the pause's length."""
+    task = asyncio.create_task(wave(work, sp)) if work else None
     await asyncio.sleep(0.05)
     t0 = time.perf_counter()
     await client.pause("retract")
     await client.update_weights_from_disk(str(model_dir), version, abort_all_requests=False)
     await client.resume()
     took = time.perf_counter() - t0
-    await task
+    if task is not None:
+        await task
     return took
 
 
@@ -361,7 +368,7 @@ def _train_rate(
     hi = max(lo, min(cfg.rollout.max_new_tokens, round(response * 1.5)))
     times, tokens = [], []
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
-    for step in range(REPEATS + 1):  # step 0 warms up
+    for step in range(TRAIN_STEPS + 1):  # step 0 warms up
         groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=step)
         t0 = time.perf_counter()
         res = optimize(ctx, groups)
@@ -397,6 +404,7 @@ def profile_local(
         decode_context=int(gen.prompt_tokens + gen.response_tokens / 2),
         prefill_tokens_per_s=gen.prefill_tokens_per_s,
         train_tokens_per_s=train,
+        reload_idle_s=gen.reload_idle_s,
     )
     prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
     save_profile(prof, files.profile)

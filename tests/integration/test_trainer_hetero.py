@@ -43,7 +43,7 @@ def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | Non
         "buffer": {"groups_per_step": 8},
         "algo": {"aggregation": "seq_mean_token_mean"},
         "trainer": {
-            "total_steps": 3,
+            "total_steps": 4,
             "lr": 1e-3,
             "adam_eps": 1e-6,  # see test_trainer_dist: bounds summation-order noise
             "replay_path": str(assets["replay"]),
@@ -85,7 +85,7 @@ def step_seconds(run_dir: Path) -> float:
 def weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "weights" / "v3" / "model.safetensors"))
+    return load_file(str(run_dir / "weights" / "v4" / "model.safetensors"))
 
 
 @pytest.mark.timeout(1200)
