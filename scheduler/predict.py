@@ -11,18 +11,11 @@ held against a prediction made with the same cost model:
   at the rate reached), the figure a plan reports;
 - pipeline, synchronous (η = 0): the discrete-event replay, because a synchronous step is
   generation of one batch (down to its longest answer) + training + sync, never overlapped.
-
-Host CPU (`HostLoad`): the controller, reward scoring and Valkey do CPU work per sample.
-Where they share a device with the trainer they take that time from every training step
-while generation runs beside it (asynchronous mode); where they share the rollout device
-they slow generation instead. In synchronous mode the two sides take turns, so the host
-work on one side overlaps the other side's phase.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
 
 from scheduler.cluster import Cluster
 from scheduler.costmodel import (
@@ -38,17 +31,6 @@ from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
 from scheduler.trainers import cost_trainer
 from scheduler.workload import Workload
-
-HostSide = Literal["trainer", "rollout"]
-
-
-@dataclass(frozen=True)
-class HostLoad:
-    """CPU seconds per generated sample of the controller, rewards and Valkey, and the
-    device whose cores they share."""
-
-    cpu_s_per_sample: float = 0.0
-    side: HostSide = "trainer"
 
 
 @dataclass(frozen=True)
@@ -103,21 +85,19 @@ def predict_layout(
     prof: Profile | None,
     instances: list[tuple[str, int]],
     trainer: TrainerLayout,
-    host: HostLoad | None = None,
     max_inflight_groups: int | None = None,
 ) -> LayoutPrediction:
     """Rates of `instances` ((node group, TP) each) and `trainer` in both modes; `w` holds
     the asynchronous run's η (the synchronous one runs at η = 0, publishing every step)."""
     if not instances:
         raise LayoutError("a layout needs at least one rollout instance")
-    host = host or HostLoad()
     opts = _rollouts(cl, m, w, prof, instances)
     tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
-    asyn = _asynchronous(cl, m, w, opts, tr, host)
+    asyn = _asynchronous(cl, m, w, opts, tr)
     sync_w = w.model_copy(update={"staleness": 0, "publish_interval": 1})
-    syn = _synchronous(cl, m, sync_w, prof, opts, tr, host, max_inflight_groups)
+    syn = _synchronous(cl, m, sync_w, prof, opts, tr, max_inflight_groups)
     return LayoutPrediction(asyn, syn)
 
 
@@ -127,25 +107,13 @@ def _asynchronous(
     w: Workload,
     opts: list[RolloutOption],
     tr: TrainerOption,
-    host: HostLoad,
 ) -> LayoutRates:
-    bg = w.samples_per_step
-    gen = sum(o.samples_per_s for o in opts)
-    step = tr.step_s
-    if host.side == "trainer":
-        # every step, the host processes the B·G samples of a step on the trainer's cores
-        step += host.cpu_s_per_sample * bg
-    else:
-        gen = 1.0 / (1.0 / gen + host.cpu_s_per_sample)
-    tr_eff = replace(tr, step_s=step, samples_per_s=bg / step)
-    scale = gen / sum(o.samples_per_s for o in opts)
-    scaled = [replace(o, samples_per_s=o.samples_per_s * scale) for o in opts]
-    p = build_problem(cl, m, w, scaled, [tr_eff])
+    p = build_problem(cl, m, w, opts, [tr])
     # generation with the weight-sync pauses at the rate reached: a pause holds requests
     # in flight, so it counts as time the servers have work
-    rate, gen_at = evaluate(p, 0, dict.fromkeys(range(len(scaled)), 1))
+    rate, gen_at = evaluate(p, 0, dict.fromkeys(range(len(opts)), 1))
     sync_s = max(p.sync_s.values(), default=0.0)
-    return LayoutRates(rate, gen_at, bg / step, sync_s)
+    return LayoutRates(rate, gen_at, w.samples_per_step / tr.step_s, sync_s)
 
 
 def _synchronous(
@@ -155,7 +123,6 @@ def _synchronous(
     prof: Profile | None,
     opts: list[RolloutOption],
     tr: TrainerOption,
-    host: HostLoad,
     max_inflight: int | None,
 ) -> LayoutRates:
     bg = w.samples_per_step
@@ -180,10 +147,7 @@ def _synchronous(
         if idle is not None:  # measured: nothing is generating when a sync run reloads
             sync = idle
         syncs.append(sync)
-        prefill = o.prefill_s
-        if host.side == "rollout":
-            prefill += host.cpu_s_per_sample  # the host's work per sample on these cores
-        sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, prefill, sync, step_fn))
+        sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
     res = simulate(
         sim_insts,
         batch_groups=w.groups_per_step,

@@ -86,8 +86,8 @@ THROTTLE_ENV = "AREAL_HEX_TEST_THROTTLE"
 
 def throttle_factor(rank: int) -> float:
     """Test-only stand-in for a slower device: `AREAL_HEX_TEST_THROTTLE=RANK:FACTOR` makes
-    rank RANK take FACTOR times as long over each micro-batch's forward and backward (it
-    sleeps the difference). The heterogeneous-share tests set it; runs leave it unset."""
+    rank RANK take FACTOR times as long over each micro-batch's passes (it sleeps the
+    difference). The heterogeneous-share tests set it; runs leave it unset."""
     value = os.environ.get(THROTTLE_ENV, "")
     if not value:
         return 1.0

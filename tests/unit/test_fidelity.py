@@ -17,15 +17,21 @@ def rows() -> tuple[list[TrainerRow], list[RolloutRow]]:
     # 6 steps of B = 2 groups (G = 4: 8 samples), one per 0.5 s from t = 100; each step
     # computes 0.3 s and publishes 0.05 s
     metrics = [
-        TrainerRow(step=s, time=100 + 0.5 * s, groups_trained_total=2 * s, compute_s=0.3,
-                   publish_s=0.05)  # fmt: skip
+        TrainerRow(
+            step=s, time=100 + 0.5 * s, groups_trained_total=2 * s, compute_s=0.3, publish_s=0.05
+        )  # fmt: skip
         for s in range(1, 7)
     ]
     # the controller: 20 samples per second of wall, busy 80 % of it, one update per
     # second taking 0.1 s
     rollout = [
-        RolloutRow(time=100 + t, samples_total=20 * t, gen_busy_s=0.8 * t,
-                   weight_updates_total=t, weight_update_s_total=0.1 * t)  # fmt: skip
+        RolloutRow(
+            time=100 + t,
+            samples_total=20 * t,
+            gen_busy_s=0.8 * t,
+            weight_updates_total=t,
+            weight_update_s_total=0.1 * t,
+        )  # fmt: skip
         for t in range(0, 6)
     ]
     return metrics, rollout
@@ -97,7 +103,7 @@ def _local_cluster(tmp_path: Path) -> tuple:
 
 
 def test_layout_prediction_in_both_modes(tmp_path: Path) -> None:
-    from scheduler.predict import HostLoad, LayoutError, TrainerLayout, predict_layout
+    from scheduler.predict import LayoutError, TrainerLayout, predict_layout
 
     cl, m, w, prof = _local_cluster(tmp_path)
     trainer = TrainerLayout((("local", 1),), 1)
@@ -122,10 +128,5 @@ def test_layout_prediction_in_both_modes(tmp_path: Path) -> None:
     phases = 128 / s.generation_samples_per_s + 128 / s.training_samples_per_s
     assert s.pipeline_samples_per_s < a.pipeline_samples_per_s
     assert s.pipeline_samples_per_s == pytest.approx(128 / (phases + 0.02), rel=0.15)
-    # the controller's CPU on the trainer's cores slows the trainer, not generation
-    busy = predict_layout(cl, m, w, prof, [("local", 1)], trainer, HostLoad(0.002, "trainer"))
-    assert busy.asynchronous.training_samples_per_s < a.training_samples_per_s
-    # (generation loses less to pauses at the lower rate: fewer publishes per second)
-    assert busy.asynchronous.generation_samples_per_s >= a.generation_samples_per_s
     with pytest.raises(LayoutError, match="not in"):
         predict_layout(cl, m, w, prof, [("gpu", 1)], trainer)
