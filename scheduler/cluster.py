@@ -70,6 +70,9 @@ class GpuOverride(Section):
     bf16_tflops: float | None = Field(None, gt=0)
     hbm_gb: float | None = Field(None, gt=0)
     hbm_gbs: float | None = Field(None, gt=0)
+    train_mfu: float | None = Field(None, gt=0, le=1)
+    prefill_mfu: float | None = Field(None, gt=0, le=1)
+    decode_bw_efficiency: float | None = Field(None, gt=0, le=1)
 
 
 class ClusterSpec(Section):

@@ -15,7 +15,12 @@ from areal_hex.plan import (
     TrainerPlacement,
 )
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, decode_step_s, rollout_configs
+from scheduler.costmodel import (
+    RolloutOption,
+    decode_step_s,
+    kind_constants,
+    rollout_configs,
+)
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
@@ -267,7 +272,7 @@ def simulate_solution(
                     b,
                     ctx,
                     g.intra_node.bandwidth_gbs,
-                    w.constants,
+                    kind_constants(w.constants, kind),
                 )
 
             return at(n) * rc.step_s / at(rc.batch)  # keeps a profile's calibration

@@ -145,3 +145,25 @@ def test_two_machine_trainer_stays_in_one_rack() -> None:
         [(res.problem.rollouts[i], n) for i, n in res.solution.replicas.items()],
     )
     assert pl.method == "metis"
+
+
+def test_catalogue_board_variants_and_kind_efficiency_override() -> None:
+    from scheduler.catalogue import CATALOGUE, canonical_kind
+
+    for name in ("H800-PCIe", "H100-PCIe", "H100-NVL", "H200", "B200", "H20", "L20", "MI300X"):
+        assert CATALOGUE[name].source  # every figure names its document
+    assert canonical_kind("h800-sxm") == "H800"
+    assert CATALOGUE["H800"].bf16_tflops == CATALOGUE["H100"].bf16_tflops == 989
+    assert CATALOGUE["H800-PCIe"].hbm_gbs == 2000
+    data = yaml.safe_load((EX / "clusters" / "h800_h20.yaml").read_text())
+    cl = make_cluster(ClusterSpec.model_validate(data))
+    assert cl.kinds["h800"].bf16_tflops == 756  # the paper's figures, by override
+    m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
+    from scheduler.trainers import cost_trainer
+
+    base = cost_trainer(cl, m, w, (("h800", 8),), 8, None)
+    data["gpu_overrides"]["H800"]["train_mfu"] = 0.7  # twice the default 0.35
+    fast = cost_trainer(
+        make_cluster(ClusterSpec.model_validate(data)), m, w, (("h800", 8),), 8, None
+    )
+    assert fast.compute_s == pytest.approx(base.compute_s / 2)
