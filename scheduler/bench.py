@@ -26,7 +26,7 @@ from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
 from scheduler.model_shape import load_model_shape
 from scheduler.partition import place
-from scheduler.planner import make_plan, problem_for
+from scheduler.planner import TARGET_TOLERANCE, make_plan, problem_for
 from scheduler.workload import Workload, load_workload
 
 KINDS = [
@@ -217,7 +217,7 @@ def _target_ok(cl, m, w, target: float, args: argparse.Namespace) -> bool:
         )
     except ConfigError:
         return False
-    return res.plan.predicted.samples_per_s >= target * (1 - 1e-6)
+    return res.plan.predicted.samples_per_s >= target * (1 - TARGET_TOLERANCE)
 
 
 def metis_gain(m, time_limit_s: float) -> float:
