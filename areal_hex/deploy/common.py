@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig
+import yaml
+
+from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig, dump_yaml
 from areal_hex.config.deploy import DeployConfig
+from areal_hex.deploy.output import SECRETS
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.plan import Plan
 
@@ -87,6 +90,24 @@ class Deployment:
 
     def initial_weights_marker(self) -> str:
         return f"{self.cfg.model.path}/config.json"
+
+
+@dataclass
+class Bundle:
+    """What a target writes: relative path -> text; `private` ones are written 0600."""
+
+    files: dict[str, str]
+    private: set[str] = field(default_factory=set)
+
+
+def resolved_files(d: Deployment, folder: str) -> dict[str, str]:
+    """Plain copies of the config the services load and of the plan."""
+    plan_yaml = yaml.safe_dump(d.plan.model_dump(mode="json"), sort_keys=False)
+    return {f"{folder}config.yaml": dump_yaml(d.cfg), f"{folder}plan.yaml": plan_yaml}
+
+
+def secret_files(d: Deployment) -> dict[str, str]:
+    return {f"{SECRETS}/{k}": v + "\n" for k, v in d.secrets.as_dict().items()}
 
 
 def slug(text: str, max_len: int = 40) -> str:

@@ -11,8 +11,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import yaml
+
 from areal_hex.config.deploy import Resources
-from areal_hex.deploy.common import CONFIG_DIR, Deployment, entry_argv
+from areal_hex.deploy.common import (
+    CONFIG_DIR,
+    Bundle,
+    Deployment,
+    entry_argv,
+    resolved_files,
+    secret_files,
+)
 from areal_hex.layout import ServiceSpec
 
 COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
@@ -32,8 +41,17 @@ def docker_size(quantity: str) -> str:
     return f"{m.group(1)}{unit or 'b'}"
 
 
-def render_compose(d: Deployment) -> dict[str, Any]:
-    """The compose file as a dict (YAML-dumped by the caller)."""
+def render_compose(d: Deployment) -> Bundle:
+    """docker-compose.yaml, the config and plan it mounts, and the secret files."""
+    text = yaml.safe_dump(compose_file(d), sort_keys=False)
+    # compose bind-mounts each secret file itself, so they stay readable (0644, in a 0700
+    # folder) for the containers' non-root users
+    files = {**resolved_files(d, ""), "docker-compose.yaml": text, **secret_files(d)}
+    return Bundle(files)
+
+
+def compose_file(d: Deployment) -> dict[str, Any]:
+    """The compose file as a dict."""
     services: dict[str, Any] = {}
     # Every areal-hex service starts after v0 is written, as under `areal-hex run`.
     prepared = {"prepare": {"condition": "service_completed_successfully"}}

@@ -16,7 +16,14 @@ from typing import Any
 import yaml
 
 from areal_hex.config import dump_yaml
-from areal_hex.deploy.common import Deployment, service_name, slug
+from areal_hex.deploy.common import (
+    Bundle,
+    Deployment,
+    resolved_files,
+    secret_files,
+    service_name,
+    slug,
+)
 from areal_hex.deploy.k8s_pods import (
     claim_name,
     container_security,
@@ -30,6 +37,8 @@ from areal_hex.deploy.k8s_pods import (
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]
+SECRET_MANIFEST = "secrets/secret.yaml"  # excluded from git like the values
+KUSTOMIZATION = "kustomization.yaml"
 
 
 def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
@@ -47,13 +56,51 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "30-trainer.yaml": _trainer(d),
         "40-networkpolicy.yaml": _network_policies(d),
     }
-    if d.dcfg.existing_secret is None:
-        files["01-secret.yaml"] = [_secret(d)]
     if d.dcfg.redis.mode == "internal":
         files["10-redis.yaml"] = _redis(d)
     for svc in d.layout.by_role("inference"):
         files[f"15-inference-{slug(svc.name)}.yaml"] = _inference(d, svc)
     return {k: files[k] for k in sorted(files) if files[k]}
+
+
+def render_k8s_bundle(d: Deployment) -> Bundle:
+    """The manifests, and the Secret with its values under secrets/ (0600)."""
+    files = {name: dump_objects(objs) for name, objs in render_k8s(d).items()}
+    files.update(resolved_files(d, "resolved/"))
+    private: set[str] = set()
+    if d.dcfg.existing_secret is None:
+        files[SECRET_MANIFEST] = dump_objects([_secret(d)])
+        files.update(secret_files(d))
+        private = {SECRET_MANIFEST, *secret_files(d)}
+    manifests = sorted(f for f in files if f.endswith(".yaml") and "/" not in f)
+    if SECRET_MANIFEST in files:
+        manifests.append(SECRET_MANIFEST)
+    files[KUSTOMIZATION] = kustomization(d, manifests)
+    return Bundle(files, private)
+
+
+def kustomization(d: Deployment, resources: list[str]) -> str:
+    """The folder as a kustomize base: `kubectl apply -k DIR`, or an overlay on top of it
+    (another namespace, image registry, resources) without editing the rendered files."""
+    head = (
+        f"# areal-hex deploy: run {d.cfg.run.run_id}, plan for cluster {d.plan.cluster}\n"
+        "# apply with: kubectl apply -k <this folder>\n"
+    )
+    images = [
+        {"name": ref.rsplit("@", 1)[0].rsplit(":", 1)[0], "newTag": ref.rsplit(":", 1)[1]}
+        for ref in sorted(
+            {d.dcfg.images.inference, d.dcfg.images.trainer, d.dcfg.images.controller}
+        )
+        if "@" not in ref and ":" in ref.rsplit("/", 1)[-1]
+    ]
+    body = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": d.dcfg.namespace,
+        "resources": resources,
+        "images": images,
+    }
+    return head + yaml.safe_dump(body, sort_keys=False)
 
 
 def dump_objects(objs: list[Obj]) -> str:

@@ -61,7 +61,7 @@ def test_deploy_command_renders_and_never_prints_secrets(tmp_path, target, plan,
     for value in (token, password):
         assert value not in r.stdout and value not in r.stderr
     # every rendered file but the Secret itself (which holds them base64-encoded)
-    rendered = "".join(f.read_text() for f in out.glob("*.yaml") if f.name != "01-secret.yaml")
+    rendered = "".join(f.read_text() for f in out.glob("*.yaml"))
     assert "areal-hex/inference:9.9" in rendered and "areal-hex/trainer:9.9" in rendered
     assert token not in rendered and password not in rendered
 

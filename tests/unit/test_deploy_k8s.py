@@ -33,10 +33,12 @@ def _load(plan_file: str, cfg_file: str) -> tuple[Plan, ExperimentConfig]:
 
 
 def _objects(out: Path) -> list[dict]:
+    """The objects `kubectl apply -k out` applies: the kustomization's resources."""
+    kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     return [
         o
-        for f in sorted(out.glob("*.yaml"))
-        for o in yaml.safe_load_all(f.read_text())
+        for f in kust["resources"]
+        for o in yaml.safe_load_all((out / f).read_text())
         if o is not None
     ]
 
@@ -178,7 +180,7 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
     for key, value in values.items():
         assert (out / "secrets" / key).read_text().strip() == value
         assert (out / "secrets" / key).stat().st_mode & 0o077 == 0
-    assert (out / "01-secret.yaml").stat().st_mode & 0o077 == 0
+    assert (out / "secrets/secret.yaml").stat().st_mode & 0o077 == 0
     (cm,) = _kind(objs, "ConfigMap")
     cfg = ExperimentConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
     assert cfg.redis.password is None and cfg.inference.api_key is None
@@ -193,7 +195,7 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
     assert "--appendonly yes" in sts["spec"]["template"]["spec"]["containers"][0]["command"][2]
     # no secret value anywhere but the Secret itself (plain or base64)
     for f in out.rglob("*"):
-        if f.is_file() and f.name != "01-secret.yaml" and f.parent.name != "secrets":
+        if f.is_file() and f.parent.name != "secrets":
             text = f.read_text()
             for v in values.values():
                 assert v not in text, f
@@ -290,7 +292,7 @@ def test_rerender_keeps_secrets_and_drops_stale_files(tmp_path):
     before = (tmp_path / "secrets" / "redis-password").read_text()
     assert (tmp_path / "15-inference-rollout-h800-3.yaml").is_file()
     smaller = plan.model_copy(update={"rollout": plan.rollout[:8]})
-    render("k8s", cfg, smaller, DeployConfig(), tmp_path)
+    render("k8s", cfg, smaller, DeployConfig(), tmp_path, force=True)
     assert (tmp_path / "secrets" / "redis-password").read_text() == before
     assert not (tmp_path / "15-inference-rollout-h800-3.yaml").exists()
     assert len(list(tmp_path.glob("15-inference-*.yaml"))) == 8
