@@ -50,6 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--gpu-label-key", help="node label that tells GPU kinds apart (nvidia.com/gpu.product)"
     )
     p.add_argument("--storage-class", help="storage class of the shared ReadWriteMany volume")
+    p.add_argument(
+        "--existing-secret",
+        metavar="NAME",
+        help="k8s: take redis-password and api-token from this existing Secret (none rendered)",
+    )
     p.add_argument("--redis-url", help="use this external Redis (its password goes to the Secret)")
     p.set_defaults(func=_run)
 
@@ -66,6 +71,8 @@ def deploy_config(args: argparse.Namespace):  # -> DeployConfig
         data["namespace"] = args.namespace
     if args.gpu_label_key:
         data["gpu_label_key"] = args.gpu_label_key
+    if args.existing_secret:
+        data["existing_secret"] = args.existing_secret
     if args.storage_class:
         data.setdefault("storage", {})["storage_class"] = args.storage_class
     if args.redis_url:

@@ -175,6 +175,7 @@ def test_example_deploy_config_renders(tmp_path):
     args = argparse.Namespace(
         deploy_config=ROOT / "examples/deploy/deploy.yaml",
         namespace=None,
+        existing_secret=None,
         gpu_label_key=None,
         storage_class=None,
         redis_url=None,
