@@ -43,16 +43,22 @@ SECRETS_DIR = "/run/secrets/areal-hex"  # the Secret's files (k8s); compose: /ru
 RUNTIME_CONFIG = "/tmp/areal-hex/config.yaml"  # config + secrets, written by deploy.entry
 
 
-def entry_argv(secrets_dir: str) -> list[str]:
+SGLANG_CONFIG = "/tmp/areal-hex/sglang.yaml"  # SGLang's --config file with its API key
+
+
+def entry_argv(secrets_dir: str, sglang: bool = False) -> list[str]:
     """The secret-injecting wrapper every container starts through; the service's layout
-    command follows after `--`. Only where the secrets are mounted differs by target."""
-    return [
+    command follows after `--`. Only where the secrets are mounted differs by target. An
+    SGLang server gets its API key in a config file, never on its command line."""
+    argv = [
         "python3", "-m", "areal_hex.deploy.entry",
         "--config", f"{CONFIG_DIR}/config.yaml",
         "--secrets", secrets_dir,
         "--out", RUNTIME_CONFIG,
-        "--",
     ]  # fmt: skip
+    if sglang:
+        argv += ["--sglang-config", SGLANG_CONFIG]
+    return [*argv, "--"]
 
 
 SECRET_KEYS = ("redis-password", "api-token")
@@ -316,7 +322,7 @@ def resolve_config(
     rid = run_id(cfg, plan)
     data["run"].update(run_id=rid, output_dir=f"{dcfg.storage.mount_path}/runs")
     if dcfg.redis.mode == "internal":
-        host = "127.0.0.1" if target == "compose" else f"{prefix}-redis"
+        host = "redis" if target == "compose" else f"{prefix}-redis"
         url, user = f"redis://{host}:{dcfg.redis.port}/0", None
     else:
         url, user, _ = split_redis_url(dcfg.redis.url or cfg.redis.url or "")
@@ -328,12 +334,13 @@ def resolve_config(
     if user is not None:
         data["redis"]["username"] = user
     inf = data["inference"]
-    # compose shares the host network (NCCL, loopback control); pods listen on all
-    # interfaces and the controller reaches each server by its Service name.
+    # Servers listen on their container's or pod's network (a compose network with no
+    # route off the host, or the pod network behind NetworkPolicies); the controller
+    # reaches each by its service name.
     inf.update(
         num_servers=len(plan.rollout),
         api_key=None,
-        host="127.0.0.1" if target == "compose" else "0.0.0.0",
+        host="0.0.0.0",
         weights_dir=f"{dcfg.storage.mount_path}/runs/{rid}/weights",
     )
     inf["server_urls"] = server_urls  # the controller reaches server i there
@@ -341,6 +348,11 @@ def resolve_config(
     t = plan.trainer
     data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
     data["trainer"]["master_port"] = dcfg.master_port
+    # Prometheus scrapes a fixed port (a free one, 0, cannot be announced).
+    if not data["trainer"].get("metrics_port"):
+        data["trainer"]["metrics_port"] = dcfg.metrics.trainer_port
+    if not data["rollout"].get("metrics_port"):
+        data["rollout"]["metrics_port"] = dcfg.metrics.controller_port
     return ExperimentConfig.model_validate(data)
 
 
@@ -348,7 +360,7 @@ def server_urls(layout: Layout, prefix: str, target: str) -> list[str]:
     """Where the controller reaches inference server i (index order = plan order)."""
     out = []
     for svc in layout.by_role("inference"):
-        host = "127.0.0.1" if target == "compose" else service_name(prefix, svc)
+        host = svc.name if target == "compose" else service_name(prefix, svc)
         out.append(f"http://{host}:{svc.port}")
     return out
 

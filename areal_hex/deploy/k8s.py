@@ -11,6 +11,7 @@ rendezvous, and NetworkPolicies (only this job's pods reach Redis and control en
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -32,6 +33,7 @@ from areal_hex.deploy.k8s_pods import (
     pod_security,
     pod_spec,
     probe_exec,
+    scrape_annotations,
     secret_name,
 )
 from areal_hex.layout import ServiceSpec
@@ -209,10 +211,9 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
     spec = pod_spec(d, svc, d.dcfg.images.inference, d.dcfg.resources.inference, svc.command)
     spec["containers"][0].update(http_probes(svc.port))
     sel = {"areal-hex/instance": name}
-    return [
-        _service(d, name, "inference", svc.port, sel),
-        _deployment(d, name, sel, pod_labels, spec),
-    ]
+    dep = _deployment(d, name, sel, pod_labels, spec)
+    dep["spec"]["template"]["metadata"]["annotations"] = scrape_annotations(svc.port)
+    return [_service(d, name, "inference", svc.port, sel), dep]
 
 
 def _controller(d: Deployment) -> Obj:
@@ -224,6 +225,8 @@ def _controller(d: Deployment) -> Obj:
     # The controller appends to rollout.jsonl every few seconds; silence means it hangs.
     fresh = ["fresh", f"{d.cfg.run.run_dir()}/rollout.jsonl", "600"]
     spec["containers"][0]["livenessProbe"] = probe_exec(fresh, 60, 3, delay=120)
+    port = metrics_port(d, "controller")
+    spec["containers"][0]["ports"] = [{"name": "metrics", "containerPort": port}]
     spec["restartPolicy"] = "OnFailure"
     return {
         "apiVersion": "batch/v1",
@@ -231,7 +234,13 @@ def _controller(d: Deployment) -> Obj:
         "metadata": meta(d, service_name(d.prefix, svc), "controller"),
         "spec": {
             "backoffLimit": 6,
-            "template": {"metadata": {"labels": labels(d, "controller")}, "spec": spec},
+            "template": {
+                "metadata": {
+                    "labels": labels(d, "controller"),
+                    "annotations": scrape_annotations(port),
+                },
+                "spec": spec,
+            },
         },
     }
 
@@ -265,7 +274,11 @@ def _trainer(d: Deployment) -> list[Obj]:
     port = d.dcfg.master_port
     env = rendezvous_env(name, port, svc.nodes, svc.gpus)
     spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
-    spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": port}]
+    metrics = metrics_port(d, "trainer")
+    spec["containers"][0]["ports"] = [
+        {"name": "rendezvous", "containerPort": port},
+        {"name": "metrics", "containerPort": metrics},  # rank 0 (pod index 0) serves it
+    ]
     spec.update(restartPolicy="Never", subdomain=name)
     pod_labels = labels(d, "trainer")
     headless = _service(d, name, "trainer", port, {**_selector(pod_labels)})
@@ -279,10 +292,21 @@ def _trainer(d: Deployment) -> list[Obj]:
             "completions": svc.nodes,
             "parallelism": svc.nodes,
             "backoffLimit": d.dcfg.trainer_backoff_limit,
-            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
+                "spec": spec,
+            },
         },
     }
     return [headless, job]
+
+
+def metrics_port(d: Deployment, component: str) -> int:
+    """The /metrics port of the trainer's rank 0 or of the controller (set by
+    `resolve_config`)."""
+    port = d.cfg.trainer.metrics_port if component == "trainer" else d.cfg.rollout.metrics_port
+    assert port, "resolve_config sets a fixed metrics port"
+    return port
 
 
 def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
@@ -370,6 +394,10 @@ def _redis_claim(d: Deployment) -> Obj:
     return {"metadata": {"name": "redis-data"}, "spec": spec}
 
 
+def scrape_all(ports: list[Obj], scrape: Callable[[int], list[Obj]]) -> list[Obj]:
+    return [rule for p in ports for rule in scrape(p["port"])]
+
+
 def _network_policies(d: Deployment) -> list[Obj]:
     inst = labels(d, "x")["app.kubernetes.io/instance"]
     job_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}
@@ -395,18 +423,31 @@ def _network_policies(d: Deployment) -> list[Obj]:
         sel = {"app.kubernetes.io/instance": inst, "app.kubernetes.io/component": component}
         return {"podSelector": {"matchLabels": sel}}
 
+    def scrape(port: int) -> list[Obj]:
+        ns = d.dcfg.metrics.prometheus_namespace
+        if ns is None:
+            return []
+        who = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+        return [{"from": [who], "ports": [{"protocol": "TCP", "port": port}]}]
+
     out = [
         # Default: nothing reaches this job's pods ...
         policy("deny-ingress", None, []),
-        # ... but its own pods reach the inference control endpoints, and the trainer any
-        # inference port (NCCL weight broadcast opens its own ports),
+        # ... but the controller reaches the servers (generation, and the weight-update
+        # calls: weights travel over the shared volume, announced over HTTP),
         policy(
             "inference",
             "inference",
-            [{"from": [job_pods], "ports": inf_ports}, {"from": [pods("trainer")]}],
+            [{"from": [pods("controller")], "ports": inf_ports}, *scrape_all(inf_ports, scrape)],
         ),
-        # and trainer ranks reach each other (rendezvous, NCCL), as do the servers (NCCL).
-        policy("trainer", "trainer", [{"from": [pods("trainer"), pods("inference")]}]),
+        # trainer ranks reach each other (rendezvous, NCCL),
+        policy(
+            "trainer",
+            "trainer",
+            [{"from": [pods("trainer")]}, *scrape(metrics_port(d, "trainer"))],
+        ),
+        # and Prometheus (if named) reaches the metrics ports.
+        policy("controller", "controller", scrape(metrics_port(d, "controller"))),
     ]
     if d.dcfg.redis.mode == "internal":
         port = [{"protocol": "TCP", "port": d.dcfg.redis.port}]

@@ -185,7 +185,7 @@ def test_example_deploy_config_renders(tmp_path):
     dcfg = deploy_config(args)
     assert dcfg.namespace == "rl-demo" and dcfg.storage.storage_class == "cephfs"
     assert dcfg.images.trainer == "registry.example.com/areal-hex/trainer:0.2.0"
-    assert dcfg.images.redis == "redis:7.4-alpine"  # --image-tag: only areal-hex images
+    assert dcfg.images.redis == "docker.io/library/redis:7.4.2-alpine"  # only areal-hex images
     render("k8s", load_config(CONFIG), load_plan(PLAN), dcfg, tmp_path)
     trainer = (tmp_path / "30-trainer.yaml").read_text()
     assert "nvidia.com/gpu.product: NVIDIA-A100-PCIE-80GB" in trainer
