@@ -49,6 +49,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu-label-key", help="node label that tells GPU kinds apart (nvidia.com/gpu.product)"
     )
+    p.add_argument(
+        "--trainer-gang",
+        choices=("jobset", "indexed-job"),
+        help="k8s trainer: a JobSet restarting all ranks together (default), or a plain "
+        "Indexed Job for clusters without the JobSet controller",
+    )
+    p.add_argument("--kueue-queue", metavar="NAME", help="k8s: Kueue LocalQueue of the trainer")
+    p.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="PLAN_NODE=HOSTNAME",
+        help="k8s: the Kubernetes node a plan node is (repeatable; labels: deploy config "
+        "`placement`)",
+    )
     p.add_argument("--storage-class", help="storage class of the shared ReadWriteMany volume")
     p.add_argument(
         "--existing-secret",
@@ -73,6 +88,15 @@ def deploy_config(args: argparse.Namespace):  # -> DeployConfig
         data["gpu_label_key"] = args.gpu_label_key
     if args.existing_secret:
         data["existing_secret"] = args.existing_secret
+    if args.trainer_gang:
+        data.setdefault("trainer", {})["gang"] = args.trainer_gang
+    if args.kueue_queue:
+        data["kueue_queue"] = args.kueue_queue
+    for item in args.node:
+        node, sep, host = item.partition("=")
+        if not sep or not node or not host:
+            raise UsageError(f"--node {item!r}: expected PLAN_NODE=HOSTNAME, e.g. h800-0=gpu-17")
+        data.setdefault("placement", {}).setdefault(node, {})["hostname"] = host
     if args.storage_class:
         data.setdefault("storage", {})["storage_class"] = args.storage_class
     if args.redis_url:
@@ -138,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())
     if args.target == "k8s":
-        print(f"apply with: kubectl apply -f {args.out}")
+        print(f"apply with: kubectl apply -k {args.out}   (a kustomize base)")
     else:
         print(f"start with: docker compose -f {args.out}/docker-compose.yaml up -d")
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from areal_hex.config.base import Section
 
@@ -119,6 +119,30 @@ class StorageConfig(Section):
     mount_path: str = "/data"
 
 
+class NodeMatch(Section):
+    """The Kubernetes node(s) a plan node stands for: its hostname, and/or labels it
+    carries (a rack, a block, a zone: `topology.kubernetes.io/zone`)."""
+
+    hostname: str | None = None  # value of kubernetes.io/hostname
+    labels: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _something(self) -> NodeMatch:
+        if self.hostname is None and not self.labels:
+            raise ValueError("expected a hostname or labels")
+        return self
+
+
+class TrainerDeployConfig(Section):
+    # jobset: a JobSet (jobset.x-k8s.io/v1alpha2; needs the JobSet controller) restarts
+    # every rank together when one fails, resuming from the newest checkpoint on the
+    # shared volume; indexed-job: a plain Indexed Job (any cluster), which fails after
+    # `backoff_limit` pod failures and is not restarted as a group.
+    gang: Literal["jobset", "indexed-job"] = "jobset"
+    max_restarts: int = Field(3, ge=0)  # jobset: whole-group restarts before it fails
+    backoff_limit: int = Field(2, ge=0)  # indexed-job: pod failures before the Job fails
+
+
 class DeployConfig(Section):
     namespace: str = Field("areal-hex", pattern=DNS_LABEL, max_length=63)
     # Render the Namespace (labelled for the "restricted" Pod Security Standard); off to
@@ -135,11 +159,16 @@ class DeployConfig(Section):
     # the built-in table in areal_hex/deploy/common.py, e.g. {"H20": "NVIDIA-H20"}).
     gpu_label_key: str = "nvidia.com/gpu.product"
     gpu_labels: dict[str, str] = {}
-    # Pin each service to the node named in the plan (kubernetes.io/hostname); off by
-    # default because plan node names come from the cluster spec, not from Kubernetes.
+    # Plan node name -> the Kubernetes node(s) it stands for. Each inference pod then runs
+    # where the plan put it, and the trainer's pods only on its planned machines, one
+    # pod per machine (node affinity + pod anti-affinity). Empty: GPU kind only.
+    placement: dict[str, NodeMatch] = {}
+    # Shorthand for a placement where plan node names are the nodes' hostnames.
     pin_nodes: bool = False
+    trainer: TrainerDeployConfig = TrainerDeployConfig()
+    # Kueue LocalQueue for the trainer (label kueue.x-k8s.io/queue-name); None: no Kueue.
+    kueue_queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
     # Use an existing Secret (keys `redis-password`, `api-token`) instead of rendering one.
     existing_secret: str | None = None
     master_port: int = Field(29500, gt=0, lt=65536)  # torch.distributed rendezvous
     uid: int = Field(1000, gt=0)  # non-root user the areal-hex images run as
-    trainer_backoff_limit: int = Field(2, ge=0)

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 
 from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig, dump_yaml
-from areal_hex.config.deploy import DeployConfig
+from areal_hex.config.deploy import DeployConfig, NodeMatch
 from areal_hex.deploy.output import SECRETS
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.plan import Plan
@@ -163,6 +163,7 @@ def check_plan(
         *_check_inference(cfg, plan, dcfg),
         *_check_trainer(cfg, plan, dcfg),
         *_check_devices(plan),
+        *_check_placement(plan, dcfg),
     ]
     if target == "compose":
         nodes = sorted({n for s in layout.services for n in s.node_names})
@@ -258,7 +259,48 @@ def _check_trainer(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> lis
         )
     if len({p.node for p in t.placements}) != len(t.placements):
         errors.append("plan.trainer.placements name a node twice")
+    if tc.resume != "auto":
+        errors.append(
+            f"trainer.resume is {tc.resume!r}: a restarted trainer must continue from its "
+            "newest checkpoint on the shared volume (expected 'auto')"
+        )
+    mount = dcfg.storage.mount_path.rstrip("/") + "/"
+    if tc.checkpoint_dir is not None and not tc.checkpoint_dir.startswith(mount):
+        errors.append(
+            f"trainer.checkpoint_dir {tc.checkpoint_dir!r} is not on the shared volume "
+            f"({mount}): a restarted rank would not find it (leave it unset)"
+        )
     return errors
+
+
+def _check_placement(plan: Plan, dcfg: DeployConfig) -> list[str]:
+    """A placement maps every plan node, and only those."""
+    if not dcfg.placement:
+        return []
+    planned = {i.placement.node for i in plan.rollout} | {p.node for p in plan.trainer.placements}
+    errors = []
+    missing = sorted(planned - set(dcfg.placement))
+    unknown = sorted(set(dcfg.placement) - planned)
+    if missing:
+        errors.append(
+            f"placement maps no Kubernetes node for plan node(s) {', '.join(missing)} "
+            f"(expected one entry per plan node: {', '.join(sorted(planned))})"
+        )
+    if unknown:
+        errors.append(
+            f"placement names {', '.join(unknown)}, which the plan does not use "
+            f"(plan nodes: {', '.join(sorted(planned))})"
+        )
+    return errors
+
+
+def node_match(dcfg: DeployConfig, plan_node: str) -> NodeMatch | None:
+    """The Kubernetes node(s) standing for `plan_node`, or None when not mapped."""
+    if plan_node in dcfg.placement:
+        return dcfg.placement[plan_node]
+    if dcfg.pin_nodes:
+        return NodeMatch(hostname=plan_node)
+    return None
 
 
 def _check_devices(plan: Plan) -> list[str]:

@@ -36,6 +36,15 @@ from areal_hex.deploy.k8s_pods import (
     scrape_annotations,
     secret_name,
 )
+from areal_hex.deploy.k8s_trainer import (
+    KUEUE_QUEUE,
+    headless_service,
+    indexed_job,
+    jobset,
+    master_addr,
+    placement_affinity,
+    rendezvous_env,
+)
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]
@@ -210,6 +219,9 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
     )
     spec = pod_spec(d, svc, d.dcfg.images.inference, d.dcfg.resources.inference, svc.command)
     spec["containers"][0].update(http_probes(svc.port))
+    affinity = placement_affinity(d, svc, pod_labels)
+    if affinity is not None:
+        spec["affinity"] = affinity
     sel = {"areal-hex/instance": name}
     dep = _deployment(d, name, sel, pod_labels, spec)
     dep["spec"]["template"]["metadata"]["annotations"] = scrape_annotations(svc.port)
@@ -245,60 +257,35 @@ def _controller(d: Deployment) -> Obj:
     }
 
 
-def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:
-    """torch.distributed static rendezvous for `areal-hex train` on every Job pod.
-
-    Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
-    `<job>-k.<headless service>`, so rank 0's address is known before it starts. The
-    `PET_*` names are torchrun's own environment form of --nnodes/--node-rank/
-    --master-addr/--master-port, so the launcher `areal-hex train` starts picks them up.
-    """
-    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    rank = {"valueFrom": {"fieldRef": {"fieldPath": index}}}
-    addr = f"{job}-0.{job}"
-    env: list[Obj] = []
-    for prefix in ("", "PET_"):
-        env += [
-            {"name": f"{prefix}MASTER_ADDR", "value": addr},
-            {"name": f"{prefix}MASTER_PORT", "value": str(port)},
-            {"name": f"{prefix}NNODES", "value": str(nodes)},
-            {"name": f"{prefix}NODE_RANK", **rank},
-        ]
-    env.append({"name": "NPROC_PER_NODE", "value": str(per_node)})
-    return env
-
-
 def _trainer(d: Deployment) -> list[Obj]:
+    """The trainer as a JobSet (gang restarts) or an Indexed Job; see k8s_trainer."""
     svc = d.layout.by_role("trainer")[0]
     name = service_name(d.prefix, svc)
     port = d.dcfg.master_port
-    env = rendezvous_env(name, port, svc.nodes, svc.gpus)
+    env = rendezvous_env(master_addr(d, svc), port, svc.nodes, svc.gpus)
     spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
     metrics = metrics_port(d, "trainer")
     spec["containers"][0]["ports"] = [
         {"name": "rendezvous", "containerPort": port},
         {"name": "metrics", "containerPort": metrics},  # rank 0 (pod index 0) serves it
     ]
-    spec.update(restartPolicy="Never", subdomain=name)
+    spec["restartPolicy"] = "Never"
     pod_labels = labels(d, "trainer")
-    headless = _service(d, name, "trainer", port, {**_selector(pod_labels)})
-    headless["spec"].update(clusterIP="None", publishNotReadyAddresses=True)
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta(d, name, "trainer"),
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": svc.nodes,
-            "parallelism": svc.nodes,
-            "backoffLimit": d.dcfg.trainer_backoff_limit,
-            "template": {
-                "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
-                "spec": spec,
-            },
-        },
+    affinity = placement_affinity(d, svc, _selector(pod_labels))
+    if affinity is not None:
+        spec["affinity"] = affinity
+    template = {
+        "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
+        "spec": spec,
     }
-    return [headless, job]
+    job_meta = meta(d, name, "trainer")
+    if d.dcfg.kueue_queue:
+        job_meta["labels"][KUEUE_QUEUE] = d.dcfg.kueue_queue
+    if d.dcfg.trainer.gang == "jobset":
+        return [jobset(d, svc, job_meta, template)]
+    spec["subdomain"] = name
+    headless = headless_service(d, meta(d, name, "trainer"), _selector(pod_labels))
+    return [headless, indexed_job(d, svc, job_meta, template)]
 
 
 def metrics_port(d: Deployment, component: str) -> int:

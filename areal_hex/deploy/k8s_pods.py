@@ -139,8 +139,6 @@ def node_selector(d: Deployment, svc: ServiceSpec) -> dict[str, str]:
         value = gpu_label_value(svc.gpu_kind, d.dcfg)
         assert value is not None  # check_plan refused unknown kinds
         sel[d.dcfg.gpu_label_key] = value
-    if d.dcfg.pin_nodes and len(svc.node_names) == 1:
-        sel["kubernetes.io/hostname"] = svc.node_names[0]
     return sel
 
 
