@@ -148,8 +148,9 @@ class DeployConfig(Section):
     # Render the Namespace (labelled for the "restricted" Pod Security Standard); off to
     # deploy into an existing namespace that someone else manages.
     create_namespace: bool = True
-    # Prefix of every object name; None: derived from run.name.
-    name: str | None = Field(None, pattern=DNS_1035_LABEL, max_length=40)
+    # Readable part of every object name (a hash of the run id follows it); None: the
+    # run id itself.
+    name: str | None = Field(None, pattern=DNS_1035_LABEL, max_length=20)
     images: ImagesConfig = ImagesConfig()
     metrics: MetricsDeployConfig = MetricsDeployConfig()
     resources: ResourcesConfig = ResourcesConfig()

@@ -8,6 +8,7 @@ layout `areal-hex run` starts locally, so both run one system.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -330,11 +331,32 @@ def _unknown_kind(where: str, kind: str, dcfg: DeployConfig) -> str:
 
 
 def run_id(cfg: ExperimentConfig, plan: Plan) -> str:
-    """The config's run_id, or run.name plus a short hash of the plan (stable re-renders)."""
+    """The config's run_id, or run.name plus a short hash of the plan and the config
+    (secrets aside): re-rendering the same job keeps its id, any change makes a new run
+    (its own objects, run directory and buffer keys)."""
     if cfg.run.run_id:
         return cfg.run.run_id
-    digest = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:8]
-    return f"{slug(cfg.run.name, 40)}-{digest}"
+    config = cfg.model_dump(mode="json", exclude={"redis": {"password"}, "inference": {"api_key"}})
+    both = json.dumps([plan.model_dump(mode="json"), config], sort_keys=True)
+    return f"{slug(cfg.run.name, 40)}-{_short_hash(both)}"
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def object_prefix(rid: str, name: str | None = None) -> str:
+    """The prefix of every object name: it carries the run id, so two runs in one
+    namespace never share a name. `name` (the deploy config's) replaces the readable
+    part; a long run id keeps its head and a hash of the whole."""
+    s = slug(rid, 63)
+    if name is not None:
+        s = f"{name}-{_short_hash(rid)}"
+    elif len(s) > 30:
+        s = f"{s[:21].strip('-')}-{_short_hash(rid)}"
+    if not s[0].isalpha():  # Service names must start with a letter (RFC 1035)
+        s = slug(f"ah-{s}", 33)
+    return s
 
 
 def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
@@ -436,9 +458,7 @@ def prepare(
     """Check, then resolve: the one entry both renderers start from."""
     layout = build_layout(cfg, plan)
     check_plan(cfg, plan, dcfg, target, layout)
-    prefix = dcfg.name or slug(cfg.run.name, 20)
-    if not prefix[0].isalpha():  # Service names must start with a letter (RFC 1035)
-        prefix = slug(f"ah-{prefix}", 20)
+    prefix = object_prefix(run_id(cfg, plan), dcfg.name)
     urls = server_urls(layout, prefix, target)
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)

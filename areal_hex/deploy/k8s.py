@@ -25,6 +25,7 @@ from areal_hex.deploy.common import (
     service_name,
     slug,
 )
+from areal_hex.deploy.k8s_lifecycle import inference_names, lifecycle_objects
 from areal_hex.deploy.k8s_pods import (
     claim_name,
     container_security,
@@ -64,8 +65,9 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "02-storage.yaml": [] if d.dcfg.storage.existing_claim else [_pvc(d)],
         "05-prepare.yaml": [_prepare(d)],
         "20-controller.yaml": [_controller(d)],
-        "30-trainer.yaml": _trainer(d),
+        "30-trainer.yaml": (trainer := _trainer(d)),
         "40-networkpolicy.yaml": _network_policies(d),
+        "50-lifecycle.yaml": lifecycle_objects(d, trainer[-1], inference_names(d)),
     }
     if d.dcfg.redis.mode == "internal":
         files["10-redis.yaml"] = _redis(d)

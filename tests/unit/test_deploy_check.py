@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,7 @@ def test_object_names_start_with_a_letter(tmp_path):
     plan = load_plan(PLAN)
     render("k8s", load_config(CONFIG, ["run.name=7b-run"]), plan, DeployConfig(), tmp_path)
     text = (tmp_path / "20-controller.yaml").read_text()
-    assert "name: ah-7b-run-controller" in text
+    assert re.search(r"name: ah-7b-run-[0-9a-f]{8}-controller\n", text)  # the run id's hash
 
 
 def test_example_deploy_config_renders(tmp_path):

@@ -250,8 +250,9 @@ def test_configmap_holds_resolved_config_and_no_secret(rendered):
 
 
 def test_pods_are_non_root_and_network_policies_cover_them(rendered):
-    _, _, _, objs = rendered
+    _, cfg, _, objs = rendered
     pods = [o["spec"]["template"] for o in objs if "template" in o.get("spec", {})]
+    pods.append(_trainer_job(objs)["spec"]["template"])  # inside the JobSet
     instance = objs[0]["metadata"]["labels"]["app.kubernetes.io/instance"]
     allowed_volumes = {"configMap", "secret", "emptyDir", "persistentVolumeClaim"}
     for t in pods:  # the "restricted" Pod Security Standard, as the Namespace enforces
@@ -267,7 +268,40 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
             assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+            # nothing writes to the image: /tmp and /dev/shm are emptyDirs
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert c["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            if "areal_hex.deploy.entry" in c["command"]:  # it writes the runtime config
+                assert {"/tmp", "/dev/shm"} <= mounts, c["name"]
+    assert len(pods) == len([o for o in objs if o["kind"] == "Deployment"]) + 5
+    deployed = ExperimentConfig.model_validate(
+        yaml.safe_load(_kind(objs, "ConfigMap")[0]["data"]["config.yaml"])
+    )
+    scraped = {}
+    for t in pods:
+        notes = t["metadata"].get("annotations", {})
+        if notes.get("prometheus.io/scrape") == "true":
+            scraped.setdefault(t["metadata"]["labels"]["app.kubernetes.io/component"], set()).add(
+                int(notes["prometheus.io/port"])
+            )
+    assert scraped["trainer"] == {deployed.trainer.metrics_port}
+    assert scraped["controller"] == {deployed.rollout.metrics_port}
+    assert scraped["inference"] == {int(u.rsplit(":", 1)[1]) for u in deployed.inference.urls()}
     policies = {o["metadata"]["name"].split("-")[-1]: o for o in _kind(objs, "NetworkPolicy")}
+    # servers: the controller on their ports (weights come over the shared volume, so the
+    # trainer needs no route to them), Prometheus' namespace for /metrics
+    ctl, prom = policies["inference"]["spec"]["ingress"][:2]
+    assert ctl["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
+        "controller"
+    )
+    assert prom["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    (peers, _) = policies["trainer"]["spec"]["ingress"]
+    assert [
+        f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in peers["from"]
+    ] == ["trainer"]
     assert policies["ingress"]["spec"]["ingress"] == []  # default deny for the job's pods
     (rule,) = policies["redis"]["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
