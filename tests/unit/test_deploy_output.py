@@ -97,3 +97,73 @@ def test_an_existing_secret_is_referenced_and_no_value_written(tmp_path):
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert not any(r.startswith("secrets/") for r in kust["resources"])
     assert "secretName: rl-secrets" in (out / "30-trainer.yaml").read_text()
+
+
+def test_sglang_gets_its_api_key_from_a_file_not_its_command_line(tmp_path):
+    """The entry wrapper of an SGLang server moves the token into SGLang's --config file;
+    the launch command `areal-hex serve` builds then carries only that file's path."""
+    import yaml
+
+    from areal_hex.config import load_config
+    from areal_hex.deploy.entry import write_runtime_config
+    from rollout_service.sglang_launcher import launch_command
+
+    out = tmp_path / "out"
+    assert _deploy(out, "k8s") == 0
+    secrets = out / "secrets"
+    token = (secrets / "api-token").read_text().strip()
+    rt = tmp_path / "rt"
+    sglang_file = rt / "sglang.yaml"
+    runtime = write_runtime_config(
+        out / "resolved/config.yaml", secrets, rt / "config.yaml", sglang_file
+    )
+    cfg = load_config(runtime)
+    assert cfg.inference.backend == "sglang" and cfg.inference.api_key is None
+    cmd = launch_command(cfg.model, cfg.inference, 30000)
+    assert token not in " ".join(cmd) and "--api-key" not in cmd
+    assert cmd[cmd.index("--config") + 1] == str(sglang_file)
+    assert yaml.safe_load(sglang_file.read_text()) == {"api-key": token}
+    assert sglang_file.stat().st_mode & 0o077 == 0 and runtime.stat().st_mode & 0o077 == 0
+    assert cfg.redis.password == (secrets / "redis-password").read_text().strip()
+    # the controller's copy (no --sglang-config) keeps the token: it must send it
+    ctl = load_config(write_runtime_config(out / "resolved/config.yaml", secrets, rt / "c.yaml"))
+    assert ctl.inference.api_key == token
+    # and only inference containers get the flag
+    pods = {p.name: p.read_text() for p in out.glob("*.yaml")}
+    assert all("--sglang-config" in t for n, t in pods.items() if n.startswith("15-inference"))
+    assert not any("--sglang-config" in t for n, t in pods.items() if "inference" not in n)
+
+
+def test_kustomization_lists_every_manifest(tmp_path):
+    import yaml
+
+    out = tmp_path / "out"
+    assert _deploy(out, "k8s") == 0
+    kust = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Kustomization"
+    assert kust["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    top = sorted(p.name for p in out.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert kust["resources"] == [*top, "secrets/secret.yaml"]
+    namespaces = {
+        o["metadata"].get("namespace")
+        for f in kust["resources"]
+        for o in yaml.safe_load_all((out / f).read_text())
+        if o["kind"] != "Namespace"
+    }
+    assert namespaces == {kust["namespace"]}
+    images = {
+        c["image"]
+        for f in kust["resources"]
+        for o in yaml.safe_load_all((out / f).read_text())
+        for c in _containers(o)
+    }
+    for entry in kust["images"]:  # each names an image the manifests use, at its tag
+        assert f"{entry['name']}:{entry['newTag']}" in images
+
+
+def _containers(obj: dict) -> list[dict]:
+    spec = obj.get("spec", {})
+    if obj["kind"] == "JobSet":
+        spec = spec["replicatedJobs"][0]["template"]["spec"]
+    pod = spec.get("template", {}).get("spec", {})
+    return pod.get("containers", []) + pod.get("initContainers", [])
