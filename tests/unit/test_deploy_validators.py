@@ -76,3 +76,32 @@ def test_docker_compose_config_rejects_a_broken_file(tmp_path):
     (tmp_path / "docker-compose.yaml").write_text(yaml.safe_dump(doc))
     r = _run(_tool("docker-compose"), "-f", "docker-compose.yaml", "config", "-q", cwd=tmp_path)
     assert r.returncode != 0 and "nowhere" in r.stderr
+
+
+def test_kubernetes_validate_strict_command_line(tmp_path):
+    """`kubernetes-validate --strict` as an operator runs it on the base: every built-in
+    object passes; the JobSet is a CRD it has no schema for (a warning) and is checked
+    against the JobSet CRD's own schema instead (tests/k8s_schema.py)."""
+    from tests.k8s_schema import validate
+
+    tool = _tool("kubernetes-validate")
+    plan, cfg = "examples/plans/h800_h20.yaml", "examples/deploy/qwen3-8b.yaml"
+    render("k8s", load_config(ROOT / cfg), load_plan(ROOT / plan), DeployConfig(), tmp_path)
+    kust = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    r = _run(tool, "--strict", "-k", "1.30.0", *kust["resources"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = (r.stdout + r.stderr).splitlines()
+    objs = [o for f in kust["resources"] for o in yaml.safe_load_all((tmp_path / f).read_text())]
+    passed = [ln for ln in lines if ln.startswith("INFO") and " passed " in ln]
+    others = [ln for ln in lines if not ln.startswith("INFO")]
+    assert len(passed) == len(objs) - 1
+    assert len(others) == 1 and "Couldn't find schema for kind JobSet" in others[0]
+    (jobset,) = [o for o in objs if o["kind"] == "JobSet"]
+    assert validate(jobset, "1.30.0") == "1.30"
+    # and the command does fail on a typo in a built-in object
+    bad = tmp_path / "bad.yaml"
+    job = next(o for o in objs if o["kind"] == "Job")
+    job["spec"]["backofLimit"] = 1
+    bad.write_text(yaml.safe_dump(job))
+    r = _run(tool, "--strict", "-k", "1.30.0", str(bad))
+    assert r.returncode != 0 and "backofLimit" in r.stdout + r.stderr
