@@ -161,8 +161,4 @@ def _run(args: argparse.Namespace) -> int:
     dcfg = deploy_config(args)
     result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())
-    if args.target == "k8s":
-        print(f"apply with: kubectl apply -k {args.out}   (a kustomize base)")
-    else:
-        print(f"start with: docker compose -f {args.out}/docker-compose.yaml up -d")
     return 0

@@ -50,6 +50,7 @@ class RenderResult:
     run_id: str
     gpus_by_kind: dict[str, int] = field(default_factory=dict)
     services: list[str] = field(default_factory=list)
+    start: str = ""  # the command that starts the job
 
     def summary(self) -> str:
         """What was rendered, for the terminal; never any secret value."""
@@ -60,6 +61,8 @@ class RenderResult:
             f"  GPUs: {gpus}",
             f"  files: {', '.join(self.files)}",
         ]
+        if self.start:
+            lines.append(f"start with: {self.start}")
         return "\n".join(lines)
 
 
@@ -96,4 +99,5 @@ def render(
         run_id=d.cfg.run.run_id or "",
         gpus_by_kind=dict(gpus),
         services=[s.name for s in d.layout.services],
+        start=bundle.start.format(out=out_dir),
     )

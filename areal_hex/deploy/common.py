@@ -101,10 +101,12 @@ class Deployment:
 
 @dataclass
 class Bundle:
-    """What a target writes: relative path -> text; `private` ones are written 0600."""
+    """What a target writes: relative path -> text; `private` ones are written 0600.
+    `start` is the command that starts the job, `{out}` standing for the folder."""
 
     files: dict[str, str]
     private: set[str] = field(default_factory=set)
+    start: str = ""
 
 
 def resolved_files(d: Deployment, folder: str) -> dict[str, str]:

@@ -63,7 +63,7 @@ def render_compose(d: Deployment) -> Bundle:
         files[PROMETHEUS_CONFIG] = yaml.safe_dump(prometheus_config(d), sort_keys=False)
     # compose bind-mounts each secret file itself, so they stay readable (0644, in a 0700
     # folder) for the containers' non-root users
-    return Bundle(files)
+    return Bundle(files, start="docker compose -f {out}/docker-compose.yaml up -d")
 
 
 def compose_file(d: Deployment) -> dict[str, Any]:

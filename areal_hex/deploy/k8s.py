@@ -89,7 +89,7 @@ def render_k8s_bundle(d: Deployment) -> Bundle:
     if SECRET_MANIFEST in files:
         manifests.append(SECRET_MANIFEST)
     files[KUSTOMIZATION] = kustomization(d, manifests)
-    return Bundle(files, private)
+    return Bundle(files, private, start="kubectl apply -k {out}   (a kustomize base)")
 
 
 def kustomization(d: Deployment, resources: list[str]) -> str:
