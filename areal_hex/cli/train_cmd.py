@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--print-command", action="store_true", help="print the launcher command, do not run it"
     )
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, preflight=preflight)
 
 
 def launcher_command(cfg, config: str, overrides: list[str]) -> list[str]:  # cfg: ExperimentConfig
@@ -45,10 +45,12 @@ def launcher_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
     return env
 
 
-def _run(args: argparse.Namespace) -> int:
+def preflight(args: argparse.Namespace):  # -> ExperimentConfig
+    """What `areal-hex train` checks before it starts any process; `areal-hex deploy` runs
+    it on every trainer it renders."""
     from areal_hex.cli import UsageError, config_from_args, require_run
 
-    cfg = config_from_args(args)  # validate before any process starts
+    cfg = config_from_args(args)
     # trainer.replay_path trains from a file: no buffer server needed
     require_run(cfg, "areal-hex train", need_redis=cfg.trainer.replay_path is None)
     held = (cfg.trainer.checkpoint_every + 1) * cfg.buffer.groups_per_step
@@ -61,6 +63,11 @@ def _run(args: argparse.Namespace) -> int:
             f"pending, more than buffer.max_pending ({cfg.buffer.max_pending}): lower "
             "checkpoint_every or raise max_pending"
         )
+    return cfg
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = preflight(args)  # validate before any process starts
     cmd = launcher_command(cfg, args.config, list(args.overrides))
     if args.print_command:
         print(shlex.join(cmd))
