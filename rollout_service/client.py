@@ -1,7 +1,7 @@
 """Async HTTP client for one inference server: ours or a real SGLang server.
 
-Implements `areal_hex.api.GenerationClient` using only the SGLang native API subset in
-SGLANG_API.md, so the same code drives both. With an API key it sends
+Implements `areal_hex.api.GenerationClient` using only the part of the SGLang native API
+that both servers share (docs/api.md), so the same code drives both. With an API key it sends
 `Authorization: Bearer <key>` on every call (SGLang's `--api-key` expects the same).
 
     async with InferenceClient("http://127.0.0.1:30000", api_key=key) as c:
