@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", help="plan.yaml written by `areal-hex plan`")
     add_config_args(p)
-    p.add_argument("--target", choices=("compose", "k8s"), required=True)
+    p.add_argument("--target", choices=("compose", "k8s", "slurm"), required=True)
+    p.add_argument("--site", type=Path, help="slurm: the site-mapping YAML (docs/slurm.md)")
+    p.add_argument("--submit", action="store_true", help="slurm: sbatch the rendered job")
     p.add_argument("--out", required=True, type=Path, help="directory to write into")
     p.add_argument("--deploy-config", type=Path, help="deploy options YAML (DeployConfig)")
     p.add_argument("--namespace", help="Kubernetes namespace (default: areal-hex)")
@@ -84,6 +86,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"plan file not found: {args.plan} (write one with `areal-hex plan`)")
     plan = load_plan(args.plan)
     cfg = config_from_args(args)
+    if args.target == "slurm":
+        from areal_hex.deploy.slurm import run_slurm_target
+
+        return run_slurm_target(cfg, plan, args.site, args.out, args.submit)
     result = render(args.target, cfg, plan, deploy_config(args), args.out)
     print(result.summary())
     if args.target == "k8s":
