@@ -42,8 +42,11 @@ install_packages() {
     return 1
   fi
   log "installing slurmctld slurmd slurm-client munge (apt)"
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-    slurmctld slurmd slurm-client munge >/dev/null
+  local pkgs=(slurmctld slurmd slurm-client munge)
+  local apt=($SUDO env DEBIAN_FRONTEND=noninteractive apt-get)
+  "${apt[@]}" install -y --no-install-recommends "${pkgs[@]}" >/dev/null 2>&1 || {
+    "${apt[@]}" update >/dev/null && "${apt[@]}" install -y --no-install-recommends "${pkgs[@]}" >/dev/null
+  }
 }
 
 write_config() {
@@ -53,7 +56,7 @@ write_config() {
   hw="$(slurmd -C | head -n 1)"
   $SUDO mkdir -p "$CONF_DIR" "$STATE/slurmctld" "$STATE/slurmd" "$LOGS"
   $SUDO chown -R slurm:slurm "$STATE" "$LOGS"
-  $SUDO tee "$CONF_DIR/slurm.conf" >/dev/null <<EOF
+  $SUDO tee "$CONF_DIR/slurm.conf.new" >/dev/null <<EOF
 # Written by areal-hex scripts/local_slurm.sh: one CPU-only node, no accounting.
 ClusterName=areal-local
 SlurmctldHost=${NODE}(127.0.0.1)
@@ -80,6 +83,14 @@ KillWait=30
 ${hw} NodeAddr=127.0.0.1 State=UNKNOWN
 PartitionName=local Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
+  if cmp -s "$CONF_DIR/slurm.conf.new" "$CONF_DIR/slurm.conf"; then
+    $SUDO rm -f "$CONF_DIR/slurm.conf.new"
+    return 0
+  fi
+  $SUDO mv "$CONF_DIR/slurm.conf.new" "$CONF_DIR/slurm.conf"
+  if scontrol ping 2>/dev/null | grep -q "is UP"; then
+    $SUDO scontrol reconfigure && log "slurm.conf changed: reconfigured"
+  fi
 }
 
 start_munge() {
@@ -125,10 +136,7 @@ case "${1:-start}" in
   stop) stop ;;
   start)
     install_packages
-    if [ ! -f "$CONF_DIR/slurm.conf" ] || ! grep -q "areal-hex scripts/local_slurm.sh" \
-      "$CONF_DIR/slurm.conf"; then
-      write_config
-    fi
+    write_config
     start_munge
     start_daemons
     wait_idle
