@@ -59,6 +59,12 @@ class Baselines(Section):
     simulated_max_staleness: int | None = None
     mip_gap: float = 0.0
     milp_samples_per_s: float | None = None  # the MILP's objective (pauses at t_c's period)
+    # phase 1's exact rate before placement: above `predicted` only where racks or NICs
+    # make the machines' links differ
+    unplaced_samples_per_s: float | None = None
+    placement: str = "first-fit"  # phase 2: "metis" (mapped on the topology) | "first-fit"
+    first_fit_samples_per_s: float | None = None  # the same decision placed naively
+    simulated_first_fit_samples_per_s: float | None = None
     solve_s: float = 0.0
 
 

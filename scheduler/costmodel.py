@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.catalogue import GpuKind
 from scheduler.cluster import Cluster, NodeGroup
 from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
@@ -84,7 +85,8 @@ def rollout_config(
     batch_div: int = 1,
 ) -> RolloutOption | None:
     """The instance's throughput, or None when the weights or one request do not fit."""
-    k, kind = w.constants, cl.kinds[g.name]
+    kind = cl.kinds[g.name]
+    k = kind_constants(w.constants, kind)
     usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
     free = usable - 2.0 * m.params / tp
     per_req = (w.prompt_tokens + w.max_response_tokens) * m.kv_bytes_per_token / min(tp, m.kv_heads)
@@ -125,6 +127,16 @@ def rollout_config(
         tokens_per_s=w.response_tokens / per_sample,
         usd_per_h=tp * g.usd_per_gpu_hour,
     )
+
+
+def kind_constants(k: CostConstants, kind: GpuKind) -> CostConstants:
+    """The workload's constants with the efficiencies this GPU kind sets."""
+    own = {
+        f: getattr(kind, f)
+        for f in ("train_mfu", "prefill_mfu", "decode_bw_efficiency")
+        if getattr(kind, f) is not None
+    }
+    return k.model_copy(update=own) if own else k
 
 
 def inflight_cap(w: Workload) -> int:
