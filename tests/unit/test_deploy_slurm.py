@@ -14,6 +14,7 @@ import pytest
 from areal_hex.cli import main
 from areal_hex.config import ConfigError, load_config
 from areal_hex.deploy.slurm import render_slurm
+from areal_hex.deploy.slurm_runtime import write_configs
 from areal_hex.deploy.slurm_site import KindPlacement, SiteConfig, load_site
 from areal_hex.plan import Plan, load_plan
 
@@ -230,3 +231,26 @@ def test_sbatch_accepts_a_heterogeneous_job(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "to start at" in r.stderr
+
+
+def test_job_start_writes_the_hosts_and_keeps_secrets_private(tmp_path):
+    """What the batch script runs first (`slurm_runtime config`): the run's config with
+    this job's hosts and no secrets, and the 0600 copy the steps read."""
+    plan = load_plan(ROOT / "examples/plans/a100_l40s_l4.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-1.7b.yaml")
+    render_slurm(cfg, plan, _site(tmp_path), tmp_path / "out", "site.yaml")
+    hosts = ["l40s-a", "l40s-a", "l4-b", "l4-b", "l4-b", "l4-b"]
+    private = write_configs(tmp_path / "out", hosts, "ctl-1", None)
+    run_cfg = load_config(tmp_path / "out/config.yaml")
+    run_config = tmp_path / "shared/runs" / str(run_cfg.run.run_id) / "config.yaml"
+    public = load_config(run_config)
+    base = public.inference.base_port
+    assert public.inference.server_urls == [f"http://{h}:{base + i}" for i, h in enumerate(hosts)]
+    assert public.redis.url == "redis://ctl-1:6379/0" and public.redis.password is None
+    assert public.inference.api_key is None
+    secret = load_config(private)
+    assert secret.redis.password == (tmp_path / "out/secrets/redis-password").read_text().strip()
+    assert secret.inference.api_key == (tmp_path / "out/secrets/api-token").read_text().strip()
+    assert private.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ConfigError, match="expected 6 server hosts"):
+        write_configs(tmp_path / "out", hosts[:2], "ctl-1", None)
