@@ -308,12 +308,21 @@ start() {{
 
 alive() {{ kill -0 "${{PIDS[$1]}}" 2>/dev/null; }}
 
-stop_step() {{  # stop_step NAME SECONDS: SIGTERM (srun passes it on), then SIGKILL
-  local name=$1 pid=${{PIDS[$1]:-}} i
+step_id() {{  # step_id NAME: the running step of that name (squeue), if any
+  squeue --steps --jobs="$SLURM_JOB_ID" --noheader --format="%i %j" 2>/dev/null \
+    | awk -v name="$1" '$2 == name {{print $1}}' | tail -n 1
+}}
+
+stop_step() {{  # stop_step NAME SECONDS: SIGTERM to its tasks, then end its srun
+  local name=$1 pid=${{PIDS[$1]:-}} step i
   [ -n "$pid" ] || return 0
   if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null
+    # the signal goes to the service itself (a SIGTERM to srun would kill the step)
+    step=$(step_id "$name")
+    if [ -n "$step" ]; then scancel --signal=TERM "$step"; else kill -TERM "$pid"; fi
     for ((i = 0; i < $2; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -0 "$pid" 2>/dev/null && kill -TERM "$pid" 2>/dev/null
+    for ((i = 0; i < 40; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
     kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
   fi
   wait "$pid" 2>/dev/null
