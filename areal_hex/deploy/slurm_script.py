@@ -332,13 +332,16 @@ stop_step() {{  # stop_step NAME SECONDS: SIGTERM to its tasks, then end its sru
 finish() {{  # finish OUTCOME: stop in order, write the report, exit (or requeue)
   local outcome=$1
   stop_step controller "$STOP_GRACE"
+  if [ "$outcome" = stopped ] && ! alive trainer && wait "${{PIDS[trainer]}}"; then
+    outcome=finished  # the trainer took its last step while the others stopped
+  fi
   stop_step trainer 60
   "$PY" -m areal_hex.cli report "$CONFIG" --outcome "$outcome" >>"$LOGS/report.log" 2>&1 \\
     && tail -n 1 "$LOGS/report.log"
   for s in "${{SERVERS[@]}}"; do stop_step "$s" 15; done
   stop_step redis 30
   echo "areal-hex: $outcome; logs in $LOGS"
-  if [ "$STOP" = timeout ] && [ "$REQUEUE" = 1 ]; then
+  if [ "$outcome" = stopped ] && [ "$STOP" = timeout ] && [ "$REQUEUE" = 1 ]; then
     echo "areal-hex: requeueing job $SLURM_JOB_ID (the run resumes from its newest checkpoint)"
     scontrol requeue "$SLURM_JOB_ID"
   fi

@@ -25,6 +25,7 @@ from areal_hex.net import free_port
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 READY = {"idle", "mix", "alloc"}  # sinfo states a job can start on (cores are shared)
+STEPS = 10  # of the requeued run
 END_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
@@ -140,9 +141,11 @@ def test_signal_before_the_time_limit_requeues_and_resumes(tmp_path):
     """SIGUSR1 to the batch script (what `--signal=B:USR1@N` sends before the limit):
     services stop in order, the job requeues itself, and the second start resumes the
     run from its newest checkpoint and finishes it with no group lost."""
-    job = _submit(tmp_path, "slurm-requeue", steps=6)
+    job = _submit(tmp_path, "slurm-requeue", steps=STEPS)
     metrics = tmp_path / "shared/runs/slurm-requeue/metrics.jsonl"
-    _wait_rows(metrics, 3, job, 480)  # past the checkpoint at step 2
+    # past the checkpoint at step 2; the trainer cannot finish while the services stop
+    # (once the controller stops, at most eta + 1 batches are left to train)
+    _wait_rows(metrics, 3, job, 480)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
     state = _wait_end(job, tmp_path / "job", 720)
     out = _read(tmp_path / "job")
@@ -150,7 +153,7 @@ def test_signal_before_the_time_limit_requeues_and_resumes(tmp_path):
     assert "requeueing job" in out and "(restart 1)" in out
     summary = _summary(tmp_path, "slurm-requeue")
     assert summary["outcome"] == "finished", out
-    assert summary["steps"] == 6
+    assert summary["steps"] == STEPS
     assert summary["groups_lost"] == 0
     trainer_log = (tmp_path / "shared/runs/slurm-requeue/logs/trainer.log").read_text()
     assert trainer_log.count("=== start trainer") == 2
