@@ -84,13 +84,22 @@ class RedisWeightPublisher:
         pipe.publish(self.keys.weights_channel, msg)
         pipe.execute()
 
-    def restore(self, version: int, weights_path: str) -> int:
+    def restore(self, version: int, weights_path: str, position: int = 0) -> int:
         """On resume from a checkpoint at `version`: set the version without notifying and
-        raise the admission count to at least version * B (a fresh Redis would otherwise
-        let the gate open wider than the bound). Returns the admission count."""
-        keys = [self.keys.version, self.keys.weights_path, self.keys.submitted]
-        args = [int(version), str(weights_path), self.cfg.groups_per_step]
-        return int(self._restore(keys=keys, args=args))
+        recompute the admission count from durable state (acked + dropped + dead-lettered +
+        in the stream + held by live producers, at least version * B: a fresh Redis would
+        otherwise let the gate open wider than the bound); the data position is raised to
+        at least `position`. Returns the admission count."""
+        k = self.keys
+        keys = [k.version, k.weights_path, k.submitted, k.leases, k.given_back("reclaimed")]
+        keys += [k.acked, k.dropped_stale, k.dead_count, k.traj, k.admitted]
+        args = [int(version), str(weights_path), self.cfg.groups_per_step, k.lease("")]
+        count, _ = self._restore(keys=keys, args=[*args, int(position)])
+        return int(count)
+
+    def position(self) -> int:
+        """Admissions ever made (the controller's data position)."""
+        return int(self.r.get(self.keys.admitted) or 0)
 
 
 class RedisTrajectoryConsumer:
