@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from areal_hex.config import ExperimentConfig
 from areal_hex.data import PromptSet, build_prompts, load_problems
 from areal_hex.prom import MetricsServer, RolloutCollector, registry_with
-from areal_hex.run_files import RunPaths
+from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
@@ -135,9 +135,11 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
     try:
+        log.info("%swaiting for the inference servers", STATUS_MARK)
         n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
         log.info(
-            "%d/%d inference servers healthy; producing %d groups of %d",
+            "%s%d/%d inference servers healthy; producing %d groups of %d",
+            STATUS_MARK,
             n,
             len(clients),
             ctl.max_groups,
