@@ -180,7 +180,11 @@ def test_stop_waits_for_the_whole_group(tmp_path: Path) -> None:
         "print('rea' + 'dy', flush=True)\n"  # not found in the command line the log shows
         "time.sleep(60)\n"
     )
-    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        "time.sleep(60)\n"
+    )
     with Supervisor(poll_s=0.05) as sup:
         sup.start(spec(tmp_path, "trainer", code))
         deadline = time.monotonic() + 20
