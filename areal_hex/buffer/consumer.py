@@ -130,6 +130,7 @@ class RedisTrajectoryConsumer:
         # Delivered to the caller (or carried over a timed-out call), not yet acked.
         self._held: set[str] = set()
         self._carry: list[Item] = []
+        self._filling: list[Item] = []  # what the get_batch under way has so far
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -252,16 +253,26 @@ class RedisTrajectoryConsumer:
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
         """Block until `n` fresh groups are delivered (oldest first, then shuffled).
 
-        On timeout, raises TimeoutError; groups read so far are kept for the next call."""
+        On timeout, raises TimeoutError; groups read so far are kept for the next call, as
+        they are when the server is lost mid-way (the caller may retry)."""
         if n <= 0:
             raise ValueError(f"get_batch(n): n must be positive, got {n}")
+        self._filling, self._carry = self._carry, []
+        try:
+            return self._fill(n, timeout_s)
+        except redis.RedisError:
+            self._carry = self._filling  # held by us: nobody else would serve them
+            raise
+
+    def _fill(self, n: int, timeout_s: float | None) -> Batch:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         dropped = dead = 0
-        have, self._carry = self._carry, []
+        have = self._filling
         v = self.version() if have else -1  # else the first read brings the version along
         first = True
         while True:
             have, k = self._drop_stale_held(have, v)  # carried groups may have aged
+            self._filling = have
             dropped += k
             if len(have) >= n:
                 break
@@ -283,7 +294,7 @@ class RedisTrajectoryConsumer:
             dropped, dead = dropped + k_stale, dead + k_dead
             with self._lock:
                 self._held.update(i for i, _, _ in new)
-            have += new
+            have = self._filling = have + new
         self._carry = have[n:]
         return self._batch(have[:n], v, dropped, dead)
 
