@@ -127,11 +127,13 @@ class TrajectorySource(Protocol):
         """Resume from a checkpoint at `version` (the gate's count follows), then announce."""
 
     def position(self) -> int | None:
-        """Where a replay source stands (saved in checkpoints); None for the buffer, whose
-        position is its acknowledged entries."""
+        """The data position, saved in checkpoints: where a replay source stands, or the
+        buffer's admissions ever made (the controller's next prompt number)."""
 
     def seek(self, position: int) -> None:
-        """Go back to a checkpointed `position()`; a no-op for the buffer."""
+        """Back to a checkpointed `position()`: a replay source goes there; the buffer
+        raises its data position to at least it when `restore` runs (a Valkey that lost
+        its data continues the prompt order from the checkpoint's)."""
 
     def close(self) -> None: ...
 
