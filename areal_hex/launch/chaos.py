@@ -1,7 +1,9 @@
 """Chaos: one short job with a fault at each of several random steps, SIGKILL of every
 process kind (inference server, a trainer rank, controller, Valkey) and SIGTERM of the
 launcher followed by `areal-hex run --resume`; reports per fault whether the job
-recovered, how long no step completed, the restarts it took, and the ledger read live
+recovered, how long until the struck process was back (`restarted_after_s`) and until the
+next step completed (`no_step_s`: a step under way may still finish, and the trainer
+may train on groups already buffered), the restarts it took, and the ledger read live
 after the recovery (groups lost, groups trained twice), and the final ledger.
 
 Baseline: the same job's ledger identity holds with no fault at all before the first one
@@ -103,7 +105,12 @@ def strike(kind: str, run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
         launcher.send_signal(signal.SIGTERM)
         return f"SIGTERM launcher {launcher.pid}"
     if kind == "trainer":  # one rank, not its launcher: the launcher must notice
-        ranks = [p for p, cmd in _group_members(pids["trainer"]) if "trainer_service.main" in cmd]
+        launchers = ("deepspeed.launcher", "torch.distributed.run")
+        ranks = [
+            p
+            for p, cmd in _group_members(pids["trainer"])
+            if "-m trainer_service.main" in cmd and not any(x in cmd for x in launchers)
+        ]
         os.kill(ranks[0], signal.SIGKILL)
         return f"SIGKILL trainer rank {ranks[0]}"
     name = {"inference": "inference-0", "controller": "controller", "valkey": "redis"}[kind]
@@ -158,14 +165,36 @@ def wait_for(cond: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
     return False
 
 
-def restarts_after(run_dir: Path, t: float) -> dict[str, int]:
+PROCESS = {"inference": "inference-0", "trainer": "trainer", "controller": "controller"}
+PROCESS["valkey"] = "redis"
+
+
+def restarts_between(run_dir: Path, t0: float, t1: float) -> dict[str, int]:
+    """Restarts per process between a fault and the next one (or the end)."""
     events = json.loads(RunPaths.at(run_dir).events.read_text())
     out: dict[str, int] = {}
     for a in events.get("attempts", [events]):
         for e in a.get("events", []):
-            if e["event"] == "restart" and e["time"] >= t:
+            if e["event"] == "restart" and t0 <= e["time"] < t1:
                 out[e["process"]] = out.get(e["process"], 0) + 1
     return out
+
+
+def back_after(run_dir: Path, kind: str, t: float) -> float | None:
+    """Seconds from the fault until the struck process was started again (for the
+    launcher: until the resumed attempt started)."""
+    events = json.loads(RunPaths.at(run_dir).events.read_text())
+    if kind == "launcher":
+        starts = [a["t_start"] for a in events.get("attempts", []) if a["t_start"] > t]
+        return min(starts) - t if starts else None
+    name = PROCESS[kind]
+    times = [
+        e["time"]
+        for a in events.get("attempts", [events])
+        for e in a.get("events", [])
+        if e["process"] == name and e["event"] == "restart" and e["time"] > t
+    ]
+    return min(times) - t if times else None
 
 
 # ---------------------------------------------------------------- the job
@@ -190,24 +219,28 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 raise RuntimeError(f"the job did not reach step {at_step}; see {log}")
             if baseline is None:
                 baseline = live_ledger(run_dir)
-            rows_before = len(steps_done(run_dir))
+            at_step = steps_done(run_dir)[-1].step
             t = time.time()
             what = strike(kind, run_dir, launcher)
-            if kind == "launcher":
+            t_from = t
+            if kind == "launcher":  # the step under way still completes before it exits
                 rc = launcher.wait(timeout=180)
+                t_from = time.time()
                 launcher = start_launcher(["--resume", str(run_dir)], log)
-            recovered = wait_for(
-                lambda n=rows_before: len(steps_done(run_dir)) > n, deadline - time.monotonic()
-            )
-            rows = steps_done(run_dir)
-            next_step = rows[rows_before] if recovered else None
+
+            def stepped(since: float = t_from) -> bool:
+                return any(r.time > since for r in steps_done(run_dir))
+
+            recovered = wait_for(stepped, deadline - time.monotonic())
+            later = [r for r in steps_done(run_dir) if r.time > t_from]
             fault = {
                 "kind": kind,
-                "at_step": rows[rows_before - 1].step,
+                "at_step": at_step,
                 "what": what,
                 "recovered": recovered,
-                "downtime_s": (next_step.time - t) if next_step else None,
-                "resumed_at_step": next_step.step if next_step else None,
+                # from the fault to the next step completed after it (after the resume)
+                "no_step_s": (later[0].time - t) if later else None,
+                "next_step": later[0].step if later else None,
             }
             if kind == "launcher":
                 fault["launcher_exit"] = rc
@@ -221,8 +254,10 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=180)
-    for f in faults:
-        f["restarts"] = restarts_after(run_dir, f.pop("t"))
+    ends = [f["t"] for f in faults[1:]] + [time.time()]
+    for f, end in zip(faults, ends, strict=True):
+        f["restarts"] = restarts_between(run_dir, f["t"], end)
+        f["restarted_after_s"] = back_after(run_dir, f["kind"], f.pop("t"))
     summary = json.loads(RunPaths.at(run_dir).summary.read_text())
     completed = rc == 0 and summary.get("steps") == args.steps
     for f in faults:
