@@ -124,3 +124,14 @@ def test_progress_says_what_each_process_does_before_the_first_step(tmp_path: Pa
     assert service_status(tmp_path / "missing.log") is None
     line = format_line({"step": 0, "doing": {"trainer": "loading the model"}}, 40, 75.0)
     assert line == "step 0/40 | trainer: loading the model | elapsed 1m15s"
+
+
+def test_chaos_plan_strikes_every_kind_once_at_distinct_steps() -> None:
+    from areal_hex.launch.chaos import KINDS, fault_plan
+
+    plan = fault_plan(list(KINDS), 30, seed=1)
+    steps = [s for s, _ in plan]
+    assert sorted(k for _, k in plan) == sorted(KINDS)
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert 2 <= steps[0] and steps[-1] <= 26  # the job runs before the first and after the last
+    assert fault_plan(list(KINDS), 30, seed=1) == plan != fault_plan(list(KINDS), 30, seed=2)
