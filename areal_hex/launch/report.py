@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.fidelity import add_fidelity
 from areal_hex.launch.ledger import summary_fields
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
@@ -282,6 +283,7 @@ def write_report(
 ) -> dict[str, Any]:
     """Write `summary.json` and `report/*.png`; returns the summary."""
     summary = summarize(run_dir, cfg, buffer, outcome, ledger)
+    add_fidelity(run_dir, cfg, summary)  # predicted vs measured, report/fidelity.png
     plots = write_plots(run_dir, summary)
     summary["plots"] = [str(p.relative_to(run_dir)) for p in plots]
     RunPaths.at(run_dir).summary.write_text(json.dumps(summary, indent=2, sort_keys=True))
