@@ -87,17 +87,20 @@ class Sampler:
         return [self._version(res.weight_version)] * len(res.output_ids)
 
     async def sample_group(self, prompt_ids: list[int], n: int, rid: str) -> list[Sample]:
-        """`n` samples of one prompt, in one batched `/generate` call (one HTTP round trip
-        instead of n; the server still runs them as n requests); samples that come back
-        aborted, or all of them if the call fails, go on one by one through `sample`,
-        from the tokens they have."""
+        """`n` samples of one prompt in one `/generate` call (one HTTP round trip
+        instead of n): one request with `n` (SGLang's parallel sampling, rids
+        `<base>_i`), or the batch form for a server without it (the client picks);
+        samples that come back aborted, or all of them if the call fails, go on one by
+        one through `sample`, from the tokens they have."""
         rids = [f"{rid}s{i}" for i in range(n)]
         await self.gate.wait_open()
         server = await self.dispatcher.acquire()
         if n < 2:
             return await _all([self.sample(prompt_ids, r) for r in rids])
         outs = [Sample() for _ in range(n)]
-        seg = [self._request_id(r, out) for r, out in zip(rids, outs, strict=True)]
+        self.counters.requests_total += n
+        base = f"{rid}.g{self.counters.requests_total}"
+        seg = [f"{base}_{i}" for i in range(n)]
         limit = self.sampling.max_new_tokens
         try:
             with self.dispatcher.lease(server, n * (len(prompt_ids) + limit)):
