@@ -2,6 +2,7 @@
 
     runs/<run_id>/
       config.yaml          resolved config every service reads
+      plan.yaml            the plan, when the run was planned (`--plan`)
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
       events.json          launcher: start/ready/end times, restarts
@@ -57,6 +58,10 @@ class RunPaths:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def plan(self) -> Path:  # the plan of a planned run (`areal-hex run --plan`)
+        return self.root / "plan.yaml"
 
     @property
     def metrics(self) -> Path:
