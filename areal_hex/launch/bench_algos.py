@@ -4,6 +4,8 @@ staleness bounds eta, naive PPO vs decoupled PPO (+ GSPO at one eta); held-out p
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -70,4 +72,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ov = [*base, f"buffer.max_staleness={eta}", *algo]
             res = _one(args.config, ov, f"algos-{name}-eta{eta}", out, args.eval_n)
             rows.append({"objective": name, "eta": eta, **res})
+            # each run as it ends (the grid takes long): one JSON line on stderr
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"config": args.config, "steps": args.steps, "runs": rows}
