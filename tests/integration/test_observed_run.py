@@ -4,7 +4,8 @@ mid-run, and the report's ledger, with dynamic sampling on.
 
 - every scalar the trackers logged equals the row of `metrics.jsonl` it came from;
 - each scrape parses with prometheus_client's text parser and carries exactly the names
-  `areal_hex.prom` lists for that service, with values of the rows written so far;
+  `areal_hex.prom` lists for that service (the inference server: SGLang's), with values
+  of the rows written so far;
 - produced = trained + dropped stale + dead letters + filtered + left in the buffer.
 """
 
@@ -33,6 +34,16 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 STEPS = 6
 PORT_LINE = re.compile(r"metrics on port (\d+)")
+# The inference server's own names, SGLang's (docs/observability.md)
+INFERENCE_NAMES = {
+    "sglang:" + n
+    for n in (
+        "num_running_reqs", "num_queue_reqs", "gen_throughput", "is_paused", "weight_version",
+        "generation_tokens_total", "prompt_tokens_total", "num_requests_total",
+        "num_aborted_requests_total", "weight_updates_total", "prefill_batches_total",
+        "decode_steps_total",
+    )
+}  # fmt: skip
 
 
 def metrics_ports(run_dir: Path) -> dict[str, int]:
@@ -46,13 +57,15 @@ def metrics_ports(run_dir: Path) -> dict[str, int]:
     return ports
 
 
-def scrape_mid_run(run_dir: Path, proc: subprocess.Popen[str]) -> dict[str, str]:
-    """Both services' /metrics once the trainer has written two steps."""
+def scrape_mid_run(run_dir: Path, proc: subprocess.Popen[str], server: int) -> dict[str, str]:
+    """Every service's /metrics (the inference server's on its own `server` port) once
+    the trainer has written two steps."""
     deadline = time.monotonic() + 600
     metrics = RunPaths.at(run_dir).metrics
     while time.monotonic() < deadline and proc.poll() is None:
         ports = metrics_ports(run_dir)
         if len(ports) == 2 and len(read_rows(metrics, TrainerRow)) >= 2:
+            ports["inference"] = server
             out = {}
             for service, port in ports.items():
                 url = f"http://127.0.0.1:{port}/metrics"
@@ -75,6 +88,7 @@ def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
+    server_port = free_port()
     overrides = [
         f"run.output_dir={tmp_path}",
         "run.run_id=obs",
@@ -89,7 +103,7 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
         "rollout.dynamic_sampling=true",
         "buffer.groups_per_step=4",
         "inference.gpu_kinds=[L40S]",
-        f"inference.base_port={free_port()}",
+        f"inference.base_port={server_port}",
     ]
     run_dir = tmp_path / "obs"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
@@ -102,7 +116,7 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     try:
-        scraped = scrape_mid_run(run_dir, proc)
+        scraped = scrape_mid_run(run_dir, proc, server_port)
         _, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -114,8 +128,9 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
     assert [r.step for r in rows] == list(range(1, STEPS + 1))
 
     # Prometheus: exactly the listed names, values from the rows
-    assert set(scraped) == {"trainer", "controller"}, "no scrape before the run ended"
+    assert set(scraped) == {"trainer", "controller", "inference"}, "no scrape before the end"
     trainer, controller = samples(scraped["trainer"]), samples(scraped["controller"])
+    assert set(samples(scraped["inference"])) == INFERENCE_NAMES
     assert set(trainer) == set(TRAINER_NAMES + BUFFER_NAMES)
     assert set(controller) == set(ROLLOUT_NAMES)
     step = int(trainer["areal_hex_trainer_step"][0][1])
@@ -150,11 +165,13 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
     final = [r for r in read_rows(paths.rollout, RolloutRow) if r.final][-1]
     assert summary["groups_filtered"] == final.groups_filtered_total
     assert summary["groups_trained"] == STEPS * 4
+    left = summary.get("in_buffer_at_stop", 0) + summary.get("groups_pending", 0)
     assert summary["groups_produced"] == (
         summary["groups_trained"]
         + summary["groups_dropped_stale"]
         + summary["groups_dead_letter"]
         + summary["groups_filtered"]
-        + summary["in_buffer_at_stop"]
+        + left
+        + summary.get("groups_in_flight", 0)
     )
     assert summary["groups_lost"] == 0
