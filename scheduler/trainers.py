@@ -15,6 +15,7 @@ from scheduler.costmodel import (
     GB,
     TrainerOption,
     allreduce_s,
+    kind_constants,
     train_flops_per_sample,
     train_memory_gb,
 )
@@ -72,10 +73,10 @@ def cost_trainer(
     per_node: int,
     prof: Profile | None,
 ) -> TrainerOption | None:
-    k = w.constants
     gmap = {g.name: g for g in cl.spec.node_groups}
     groups = [gmap[p[0]] for p in parts]
     kind = cl.kinds[groups[0].name]
+    k = kind_constants(w.constants, kind)
     dp = sum(n for _, n in parts)
     if dp > w.samples_per_step:
         return None  # a rank without a sample does nothing

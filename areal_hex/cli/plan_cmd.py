@@ -39,6 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC time limit, s")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator replay")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        help="also try staleness bounds from the workload's up to this one (pick the best)",
+    )
+    p.add_argument(
+        "--max-publish-interval",
+        type=int,
+        help="also try publish intervals k from the workload's up to this one",
+    )
     p.set_defaults(func=_plan)
 
     q = sub.add_parser(
@@ -66,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
     from areal_hex.plan import save_plan
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
-    from scheduler.planner import make_plan
+    from scheduler.planner import make_plan, tune_staleness_and_interval
     from scheduler.profile import load_profile
     from scheduler.report import sweep_budgets, table
     from scheduler.workload import load_workload
@@ -86,6 +96,27 @@ def _plan(args: argparse.Namespace) -> int:
     if args.zero_stage is not None:
         w = w.model_copy(update={"zero_stage": args.zero_stage})
     prof = load_profile(args.profile, m.params) if args.profile else None
+    tried = None
+    if args.max_staleness is not None or args.max_publish_interval is not None:
+        eta = args.max_staleness if args.max_staleness is not None else w.staleness
+        k = args.max_publish_interval if args.max_publish_interval is not None else 1
+        if eta < w.staleness or k < 1:
+            raise UsageError(
+                f"--max-staleness must be at least the workload's staleness ({w.staleness}) "
+                f"and --max-publish-interval at least 1; got {eta} and {k}"
+            )
+        k = max(k, w.publish_interval)
+        w, tried = tune_staleness_and_interval(
+            cl,
+            m,
+            w,
+            max_staleness=eta,
+            max_publish_interval=k,
+            budget=args.budget,
+            target=args.target_rate,
+            prof=prof,
+            time_limit_s=args.time_limit,
+        )
     res = make_plan(
         cl,
         m,
@@ -110,11 +141,20 @@ def _plan(args: argparse.Namespace) -> int:
                 "staleness_hist": {str(k): v for k, v in res.sim.staleness_hist.items()}
             }
         doc["homogeneous"] = res.homogeneous
+        if tried is not None:
+            doc["tuned"] = tried
         if sweep is not None:
             doc["sweep"] = sweep
         print(json.dumps(doc, indent=2))
     else:
         print(table(res, sweep))
+        if tried is not None:
+            b = res.plan.baselines
+            print(
+                f"tuned over {len(tried)} (staleness, publish interval) pairs: staleness "
+                f"{b.staleness}, publish every {b.publish_interval} (buffer.max_staleness="
+                f"{b.staleness} trainer.publish_every={b.publish_interval})"
+            )
         print(f"\nwrote {out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
