@@ -311,3 +311,21 @@ def test_trainer_service_serves_its_rows_and_the_buffer(valkey: redis.Redis) -> 
     assert "areal_hex_predicted_samples_per_second" not in got  # the run was not planned
     assert got["areal_hex_buffer_stream_length"] == 1
     assert serve_metrics(load_config(None, []), side) is None  # off by default
+
+
+def test_a_planned_run_keeps_its_plan_for_the_predicted_rates(tmp_path: Path) -> None:
+    from areal_hex.config import load_config
+    from areal_hex.launch.prepare import prepare_run
+
+    def config(run_id: str):  # noqa: ANN202
+        return load_config(
+            None, [f"run.output_dir={tmp_path}", f"run.run_id={run_id}", "model.tiny.sft_steps=0"]
+        )
+
+    prepare_run(config("planned"), load_plan(PLAN))
+    (predicted,) = prediction_collectors(tmp_path / "planned")
+    assert scrape(predicted)[
+        ("areal_hex_predicted_training_samples_per_second", ())
+    ] == pytest.approx(load_plan(PLAN).predicted.training_samples_per_s)
+    prepare_run(config("unplanned"))
+    assert prediction_collectors(tmp_path / "unplanned") == []
