@@ -13,6 +13,7 @@ every sample name; docs/observability.md and the Grafana dashboard use only thes
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,7 +31,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from areal_hex.api import BufferStats
-from areal_hex.plan import Prediction, load_plan
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow
 
 T = "areal_hex_trainer_"
@@ -273,37 +273,43 @@ class BufferCollector(Collector):
 
 
 class PredictionCollector(Collector):
-    """The plan's predicted rates (`plan.yaml` of the run, when it was planned), next to
-    which the dashboard draws the measured ones."""
+    """The cost model's rates for the run (`prediction.json`, which the launcher writes
+    from the plan or a local profile; the block of the run's mode), next to which the
+    dashboard draws the measured ones, defined alike (`areal_hex/fidelity.py`)."""
 
-    def __init__(self, predicted: Prediction) -> None:
+    def __init__(self, predicted: dict[str, float | None]) -> None:
         self.predicted = predicted
 
     def collect(self) -> Iterator[Metric]:
-        p = self.predicted
         gauges = [
-            ("samples_per_second", "planned steady-state samples/s", p.samples_per_s),
+            ("samples_per_second", "pipeline_samples_per_s", "trained samples/s of wall time"),
             (
                 "generation_samples_per_second",
-                "planned generation samples/s",
-                p.generation_samples_per_s,
+                "generation_samples_per_s",
+                "samples/s of server busy time",
             ),
             (
                 "training_samples_per_second",
-                "planned training samples/s",
-                p.training_samples_per_s,
+                "training_samples_per_s",
+                "samples/s of trainer compute + publish time",
             ),
-            ("weight_sync_seconds", "planned weight sync time", p.weight_sync_s),
+            ("weight_sync_seconds", "weight_sync_s", "pause per weight update"),
         ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(P + name, doc, value)
+        for name, key, doc in gauges:
+            value = self.predicted.get(key)
+            if value is not None:
+                yield GaugeMetricFamily(P + name, "predicted " + doc, value)
 
 
-def prediction_collectors(run_dir: Path) -> list[Collector]:
-    """The plan's predicted rates where the run was planned (`plan.yaml` in the run
-    directory, copied there by `areal-hex run --plan`); none otherwise."""
-    path = RunPaths.at(run_dir).plan
-    return [PredictionCollector(load_plan(path).predicted)] if path.is_file() else []
+def prediction_collectors(run_dir: Path, mode: str) -> list[Collector]:
+    """The run's predicted rates (`mode`: "async" or "sync") when the launcher wrote a
+    prediction; none otherwise (no plan and no profile, or the model lacked an input)."""
+    path = RunPaths.at(run_dir).prediction
+    if not path.is_file():
+        return []
+    prediction = json.loads(path.read_text())
+    block = prediction.get("synchronous" if mode == "sync" else "asynchronous")
+    return [PredictionCollector(block)] if isinstance(block, dict) else []
 
 
 def registry_with(*collectors: Collector) -> CollectorRegistry:
@@ -349,7 +355,7 @@ BUFFER_NAMES: tuple[str, ...] = tuple(
         ["submitted", "dropped_stale", "dead_letters"],
     )
 )
-# Only where the run was planned (`areal-hex run --plan`): the trainer serves them.
+# Only where the launcher wrote a prediction (`prediction.json`): the trainer serves them.
 PREDICTED_NAMES: tuple[str, ...] = tuple(
     _names(
         P,

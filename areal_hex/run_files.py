@@ -2,10 +2,10 @@
 
     runs/<run_id>/
       config.yaml          resolved config every service reads
-      plan.yaml            the plan, when the run was planned (`--plan`)
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
       events.json          launcher: start/ready/end times, restarts
+      prediction.json      the cost model's rates for the run's layout (launcher)
       summary.json         the report's summary
       report/*.png         the report's plots
       logs/<service>.log   one log per process
@@ -60,10 +60,6 @@ class RunPaths:
         return self.root / "config.yaml"
 
     @property
-    def plan(self) -> Path:  # the plan of a planned run (`areal-hex run --plan`)
-        return self.root / "plan.yaml"
-
-    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
@@ -74,6 +70,10 @@ class RunPaths:
     @property
     def events(self) -> Path:
         return self.root / "events.json"
+
+    @property
+    def prediction(self) -> Path:
+        return self.root / "prediction.json"
 
     @property
     def summary(self) -> Path:

@@ -116,7 +116,7 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
         return None
     rows = TrainerCollector(device_kind(cfg.trainer.device), cfg.rollout.group_size)
     trainer.row_observers.append(rows.observe)
-    collectors: list[Any] = [rows, *prediction_collectors(RunPaths.of(cfg).root)]
+    collectors: list[Any] = [rows, *prediction_collectors(RunPaths.of(cfg).root, cfg.run.mode)]
     if trainer.consumer is not None:
         collectors.append(BufferCollector(trainer.consumer.stats))
     server = MetricsServer(

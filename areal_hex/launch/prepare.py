@@ -8,7 +8,7 @@ from pathlib import Path
 
 from areal_hex.config import ExperimentConfig, save_config
 from areal_hex.net import free_port, free_port_block
-from areal_hex.plan import Plan, save_plan
+from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
 from areal_hex.warm_start import sft_texts
 
@@ -79,6 +79,4 @@ def prepare_run(
     cfg.model.path = str(v0)
     cfg.model.tokenizer_path = None
     path = save_config(cfg, RunPaths.at(run_dir).config)
-    if plan is not None:  # its predicted rates: the trainer's /metrics, the report
-        save_plan(plan, RunPaths.at(run_dir).plan)
     return cfg, path

@@ -10,7 +10,7 @@ from areal_hex.prom import METRIC_NAMES
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "areal-hex.json"
 # PromQL words the dashboard uses that are not metric names: functions, `by`, label names.
-PROMQL_WORDS = {"rate", "sum", "by", "histogram_quantile", "le", "phase", "server", "gpu_kind"}
+PROMQL_WORDS = {"rate", "sum", "by", "scalar", "histogram_quantile", "le", "phase", "server", "gpu_kind"}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -48,6 +48,9 @@ def test_dashboard_references_only_exported_metrics() -> None:
         "areal_hex_trainer_tokens_total",
         "areal_hex_trainer_samples_total",
         "areal_hex_predicted_samples_per_second",
+        "areal_hex_predicted_generation_samples_per_second",
+        "areal_hex_predicted_training_samples_per_second",
+        "areal_hex_predicted_weight_sync_seconds",
     ):
         assert needed in used, needed
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-import shutil
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from areal_hex.buffer.consumer import ensure_group, read_stats
 from areal_hex.buffer.embedded import EmbeddedValkey
 from areal_hex.buffer.keys import GROUP, PAYLOAD_FIELD, BufferKeys
-from areal_hex.plan import load_plan
 from areal_hex.prom import (
     METRIC_NAMES,
     BufferCollector,
@@ -28,8 +27,6 @@ from areal_hex.prom import (
 )
 from areal_hex.run_files import RolloutRow, TrainerRow
 from rollout_service.dispatch import ServerState
-
-PLAN = Path(__file__).resolve().parents[1] / "data" / "planner_hetrl_plan.yaml"
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -237,6 +234,25 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
     assert s[("areal_hex_buffer_dropped_stale_total", ())] == 4
 
 
+# prediction.json as the launcher writes it (areal_hex/launch/predict.py)
+PREDICTION = {
+    "source": "plan",
+    "cluster": "examples/clusters/h800_h20.yaml",
+    "asynchronous": {
+        "pipeline_samples_per_s": 41.5,
+        "generation_samples_per_s": 60.0,
+        "training_samples_per_s": 41.5,
+        "weight_sync_s": 2.25,
+    },
+    "synchronous": {
+        "pipeline_samples_per_s": 20.0,
+        "generation_samples_per_s": 60.0,
+        "training_samples_per_s": 41.5,
+        "weight_sync_s": 2.25,
+    },
+}
+
+
 def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
     from areal_hex.api import BufferStats
 
@@ -246,15 +262,28 @@ def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
     rollout = RolloutCollector(servers())
     rollout.observe_gate_wait(0.1)
     rollout.observe_request(rollout.servers[0], 0.1)
-    assert prediction_collectors(tmp_path) == []  # not planned: no predicted rates
-    shutil.copy(PLAN, tmp_path / "plan.yaml")
-    (predicted,) = prediction_collectors(tmp_path)
+    (tmp_path / "prediction.json").write_text(json.dumps(PREDICTION))
+    (predicted,) = prediction_collectors(tmp_path, "async")
     s = scrape(trainer, rollout, BufferCollector(lambda: stats), predicted)
     scraped = {n for n in names(s) if not n.endswith("_created")}
     assert scraped == set(METRIC_NAMES)
-    assert s[("areal_hex_predicted_samples_per_second", ())] == pytest.approx(
-        load_plan(PLAN).predicted.samples_per_s
-    )
+
+
+def test_predicted_rates_of_the_runs_mode_and_only_when_predicted(tmp_path: Path) -> None:
+    assert prediction_collectors(tmp_path, "async") == []  # no prediction written
+    path = tmp_path / "prediction.json"
+    path.write_text(json.dumps({"unavailable": "no plan and no local profile"}))
+    assert prediction_collectors(tmp_path, "async") == []
+    path.write_text(json.dumps(PREDICTION))
+    (sync,) = prediction_collectors(tmp_path, "sync")
+    s = scrape(sync)
+    assert s[("areal_hex_predicted_samples_per_second", ())] == 20.0
+    assert s[("areal_hex_predicted_generation_samples_per_second", ())] == 60.0
+    assert s[("areal_hex_predicted_weight_sync_seconds", ())] == 2.25
+    partial = {"asynchronous": {"pipeline_samples_per_s": 5.0, "weight_sync_s": None}}
+    path.write_text(json.dumps(partial))
+    (asyn,) = prediction_collectors(tmp_path, "async")
+    assert names(scrape(asyn)) == {"areal_hex_predicted_samples_per_second"}
 
 
 def test_metrics_endpoint_requires_the_token() -> None:
@@ -308,24 +337,6 @@ def test_trainer_service_serves_its_rows_and_the_buffer(valkey: redis.Redis) -> 
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["areal_hex_trainer_step"] == 3
     assert got["areal_hex_trainer_tokens_total"] == 42
-    assert "areal_hex_predicted_samples_per_second" not in got  # the run was not planned
+    assert "areal_hex_predicted_samples_per_second" not in got  # no prediction.json
     assert got["areal_hex_buffer_stream_length"] == 1
     assert serve_metrics(load_config(None, []), side) is None  # off by default
-
-
-def test_a_planned_run_keeps_its_plan_for_the_predicted_rates(tmp_path: Path) -> None:
-    from areal_hex.config import load_config
-    from areal_hex.launch.prepare import prepare_run
-
-    def config(run_id: str):  # noqa: ANN202
-        return load_config(
-            None, [f"run.output_dir={tmp_path}", f"run.run_id={run_id}", "model.tiny.sft_steps=0"]
-        )
-
-    prepare_run(config("planned"), load_plan(PLAN))
-    (predicted,) = prediction_collectors(tmp_path / "planned")
-    assert scrape(predicted)[
-        ("areal_hex_predicted_training_samples_per_second", ())
-    ] == pytest.approx(load_plan(PLAN).predicted.training_samples_per_s)
-    prepare_run(config("unplanned"))
-    assert prediction_collectors(tmp_path / "unplanned") == []
