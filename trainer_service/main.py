@@ -15,7 +15,14 @@ from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.errors import UsageError
-from areal_hex.prom import BufferCollector, MetricsServer, TrainerCollector, registry_with
+from areal_hex.prom import (
+    BufferCollector,
+    MetricsServer,
+    TrainerCollector,
+    device_kind,
+    prediction_collectors,
+    registry_with,
+)
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
@@ -117,9 +124,9 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
     behind the service token when one is set."""
     if cfg.trainer.metrics_port is None:
         return None
-    rows = TrainerCollector()
+    rows = TrainerCollector(device_kind(cfg.trainer.device), cfg.rollout.group_size)
     trainer.row_observers.append(rows.observe)
-    collectors: list[Any] = [rows]
+    collectors: list[Any] = [rows, *prediction_collectors(RunPaths.of(cfg).root, cfg.run.mode)]
     if trainer.consumer is not None:
         collectors.append(BufferCollector(trainer.consumer.stats))
     server = MetricsServer(

@@ -19,6 +19,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig
 from areal_hex.fidelity import add_fidelity
 from areal_hex.launch.ledger import summary_fields
+from areal_hex.launch.report_mismatch import plot_mismatch
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
 
@@ -271,6 +272,7 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
     _plot_throughput(plt, metrics, rollout, out, t0)
     _plot_timeline(plt, metrics, rollout, out, t0)
+    plot_mismatch(plt, metrics, out)
     return sorted(out.glob("*.png"))
 
 
