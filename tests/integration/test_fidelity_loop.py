@@ -39,6 +39,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_profile_local_plan_run(tmp_path: Path) -> None:
     lp = tmp_path / "local"
