@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.launch.predict import LocalProfileFiles
 
 LOCAL_GROUP = "local"
 LOCAL_ZONE = "local"
@@ -58,31 +59,6 @@ class LocalDevices:
     inference_threads: int
     trainer_threads: int
     memory_gb: float  # per device
-
-
-@dataclass
-class LocalProfileFiles:
-    root: Path
-
-    @property
-    def cluster(self) -> Path:
-        return self.root / "cluster.yaml"
-
-    @property
-    def profile(self) -> Path:
-        return self.root / "profile.yaml"
-
-    @property
-    def workload(self) -> Path:
-        return self.root / "workload.yaml"
-
-    @property
-    def model(self) -> Path:
-        return self.root / "model"
-
-    @property
-    def measured(self) -> Path:
-        return self.root / "measured.json"
 
 
 # ---------------------------------------------------------------- devices

@@ -10,11 +10,39 @@ inputs are those the plan was made from (`plan.sources`); without one, it is the
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ConfigError, ExperimentConfig
 from areal_hex.plan import Plan
+
+
+@dataclass
+class LocalProfileFiles:
+    """The files `areal-hex profile --local` writes into one directory."""
+
+    root: Path
+
+    @property
+    def cluster(self) -> Path:
+        return self.root / "cluster.yaml"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile.yaml"
+
+    @property
+    def workload(self) -> Path:
+        return self.root / "workload.yaml"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def measured(self) -> Path:
+        return self.root / "measured.json"
 
 
 def _inputs(
@@ -37,8 +65,6 @@ def _inputs(
         )
     if profile_dir is None:
         return "no plan and no local profile (areal-hex run --profile DIR, from profile --local)"
-    from areal_hex.launch.local_profile import LocalProfileFiles
-
     f = LocalProfileFiles(profile_dir)
     for p in (f.cluster, f.workload, f.profile):
         if not p.is_file():
