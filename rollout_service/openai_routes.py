@@ -138,7 +138,9 @@ def _sampling(
         limit = max(engine.opts.context_length - len(prompt), 0)
     try:
         return ow.to_sampling(body.sampling(limit))
-    except ValidationError as exc:
+    except ValueError as exc:
+        if not isinstance(exc, ValidationError):
+            raise EngineError(str(exc)) from None
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise EngineError(f"{where}: {err['msg']}") from None
