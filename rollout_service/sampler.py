@@ -120,8 +120,7 @@ class Sampler:
         todo = []
         for out, res, r in zip(outs, results, rids, strict=True):
             if res is not None:
-                self._take(out, res)
-                out.server = server.index
+                self._take(out, res, server)
                 if res.finish_reason != "abort":
                     out.finish_reason = res.finish_reason
                     continue
@@ -138,7 +137,9 @@ class Sampler:
         self.counters.requests_total += 1
         return f"{rid}.{out.segments}.{self.counters.requests_total}"
 
-    def _take(self, out: Sample, res: GenerateResult) -> None:
+    def _take(self, out: Sample, res: GenerateResult, server: ServerState) -> None:
+        out.server = server.index
+        server.tokens_total += len(res.output_ids)
         out.token_ids += res.output_ids
         out.logprobs += res.logprobs
         out.versions += self._versions(res)
@@ -172,8 +173,7 @@ class Sampler:
                 self.counters.requests_retried_total += 1
                 log.info("request %s failed on %s (%s); retrying", rid, server.url, reason)
                 continue
-            self._take(out, res)
-            out.server = server.index
+            self._take(out, res, server)
             if res.finish_reason != "abort":
                 out.finish_reason = res.finish_reason
                 return out
