@@ -32,9 +32,7 @@ from rollout_service.requests import (
     TopEntry,
     trimmed_text,
 )
-from rollout_service.wire import FinishReason, SamplingParamsIn
-
-LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
+from rollout_service.wire import LOGPROB_FLOOR, FinishReason, SamplingParamsIn
 
 
 @dataclass

@@ -47,6 +47,7 @@ def _nested_or_flat(value: Any) -> str:
 # Below this temperature a request samples greedily (SGLang's threshold).
 GREEDY_BELOW = 1e-6
 MAX_N = 1024  # samples per prompt in one request
+LOGPROB_FLOOR = -9999.0  # written for a log-prob of -inf, which JSON cannot carry (vLLM's choice)
 INT32 = 2**31 - 1
 
 
@@ -151,9 +152,11 @@ class SamplingParamsIn(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key in v or {}:
+        for key, bias in (v or {}).items():
             if not key.strip().lstrip("-").isdigit():
                 raise ValueError(f"keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are in [-100, 100] (OpenAI's range), got {bias}")
         return v
 
     @model_validator(mode="after")
