@@ -81,6 +81,15 @@ class Baselines(Section):
     solve_s: float = 0.0
 
 
+class PlanSources(Section):
+    """The files a plan was made from, so a run can price its layout with the same inputs
+    (absolute paths; `profile` is None for the analytic cost model)."""
+
+    cluster: str
+    workload: str | None = None
+    profile: str | None = None
+
+
 class Plan(Section):
     schema_version: int = PLAN_SCHEMA_VERSION
     cluster: str
@@ -92,6 +101,7 @@ class Plan(Section):
     trainer: TrainerPlacement
     predicted: Prediction
     baselines: Baselines | None = None  # optional; written by `areal-hex plan`
+    sources: PlanSources | None = None  # optional; written by `areal-hex plan`
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -101,11 +101,13 @@ def build_problem(
 
 
 def lost_blocks(c: TrainerOption, group: str, gpn: int, t: int) -> int:
-    """GPUs' worth of t-sized blocks trainer c makes unusable in `group`."""
+    """GPUs' worth of t-sized blocks trainer c makes unusable in `group`: whole machines,
+    or on each of its m machines the blocks its p ranks break."""
     n = sum(k for g, k in c.parts if g == group)
-    if n == 0 or n % gpn == 0:
+    if n == 0 or c.per_node == gpn:
         return n
-    return t * (gpn // t - (gpn - n) // t)  # part of one machine
+    machines = n // c.per_node
+    return machines * t * (gpn // t - (gpn - c.per_node) // t)
 
 
 def gen_rate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> float:

@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", help="plan.yaml written by `areal-hex plan`")
     add_config_args(p)
-    p.add_argument("--target", choices=sorted(TARGETS), required=True)
+    p.add_argument("--target", choices=sorted([*TARGETS, "slurm"]), required=True)
+    p.add_argument("--site", type=Path, help="slurm: the site-mapping YAML (docs/slurm.md)")
+    p.add_argument("--submit", action="store_true", help="slurm: sbatch the rendered job")
     p.add_argument(
         "--out",
         required=True,
@@ -158,6 +160,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"plan file not found: {args.plan} (write one with `areal-hex plan`)")
     plan = load_plan(args.plan)
     cfg = config_from_args(args)
+    if args.target == "slurm":
+        from areal_hex.deploy.slurm import run_slurm_target
+
+        return run_slurm_target(cfg, plan, args.site, args.out, args.submit)
     dcfg = deploy_config(args)
     result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())

@@ -49,19 +49,17 @@ def preflight(args: argparse.Namespace):  # -> ExperimentConfig
     """What `areal-hex train` checks before it starts any process; `areal-hex deploy` runs
     it on every trainer it renders."""
     from areal_hex.cli import UsageError, config_from_args, require_run
+    from areal_hex.config.checks import check_pending_groups
 
     cfg = config_from_args(args)
     # trainer.replay_path trains from a file: no buffer server needed
     require_run(cfg, "areal-hex train", need_redis=cfg.trainer.replay_path is None)
-    held = (cfg.trainer.checkpoint_every + 1) * cfg.buffer.groups_per_step
-    if cfg.trainer.replay_path is None and held > cfg.buffer.max_pending:
-        # groups stay pending until the checkpoint that holds their update commits; the
-        # producers' backpressure counts them, so the pipeline would stall
+    check_pending_groups(cfg)
+    speeds = cfg.trainer.rank_speeds
+    if speeds is not None and len(speeds) != cfg.trainer.num_ranks:
         raise UsageError(
-            f"trainer.checkpoint_every ({cfg.trainer.checkpoint_every}) x "
-            f"buffer.groups_per_step ({cfg.buffer.groups_per_step}) keeps up to {held} groups "
-            f"pending, more than buffer.max_pending ({cfg.buffer.max_pending}): lower "
-            "checkpoint_every or raise max_pending"
+            f"trainer.rank_speeds has {len(speeds)} values for trainer.num_ranks = "
+            f"{cfg.trainer.num_ranks}: expected one speed per rank"
         )
     return cfg
 

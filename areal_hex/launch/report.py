@@ -1,7 +1,9 @@
 """The end-of-run report: `summary.json` and PNG plots (matplotlib, Agg backend) from
 `metrics.jsonl`, `rollout.jsonl`, `events.json` and the buffer's final counters.
 
-Group accounting (every admitted group is accounted for):
+Group accounting: when the launcher read the ledger (areal_hex/launch/ledger.py: durable
+state, every attempt) it replaces the per-process counters below, and times and rates
+are over the time the job actually ran. Without it (a report rebuilt from files alone):
     produced (put by the controller) = trained + dropped_stale + dead_letter
                                        + left in the buffer at stop (unconsumed + pending)
 and groups still generating at stop are reported as `in_flight_controller`.
@@ -15,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.fidelity import add_fidelity
+from areal_hex.launch.ledger import summary_fields
+from areal_hex.launch.report_mismatch import plot_mismatch
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
 
@@ -45,17 +50,35 @@ def _throughput(
     return {"samples_per_s": steady, "samples_per_s_wall": wall}
 
 
+def controller_runs(rollout: list[RolloutRow]) -> list[list[RolloutRow]]:
+    """rollout.jsonl split into one list per controller process: a new process starts
+    its clock (`elapsed_s`) again, and each one that stopped cleanly ends on a final row."""
+    runs: list[list[RolloutRow]] = []
+    for row in rollout:
+        prev = runs[-1][-1] if runs else None
+        if prev is None or prev.final or row.elapsed_s < prev.elapsed_s:
+            runs.append([])
+        runs[-1].append(row)
+    return runs
+
+
+def _end_row(rows: list[RolloutRow]) -> RolloutRow:
+    finals = [r for r in rows if r.final]
+    return finals[-1] if finals else rows[-1]
+
+
 def accounting(
     metrics: list[TrainerRow], rollout: list[RolloutRow], buffer: dict[str, Any] | None
 ) -> dict[str, Any]:
     last_m = metrics[-1] if metrics else TrainerRow()
-    finals = [r for r in rollout if r.final] or rollout[-1:]
-    last_r = finals[-1] if finals else RolloutRow()
-    produced = last_r.groups_produced_total
+    ends = [_end_row(rows) for rows in controller_runs(rollout)]
+    last_r = ends[-1] if ends else RolloutRow()
+    # a restarted controller (a requeued job) counts from zero again: sum its runs
+    produced = sum(r.groups_produced_total for r in ends)
     trained = last_m.groups_trained_total
     dropped = last_m.dropped_stale_total
     dead = last_m.dead_letter_total
-    filtered = last_r.groups_filtered_total
+    filtered = sum(r.groups_filtered_total for r in ends)
     out: dict[str, Any] = {
         "groups_produced": produced,
         "groups_filtered": filtered,
@@ -101,6 +124,7 @@ def summarize(
     cfg: ExperimentConfig,
     buffer: dict[str, Any] | None = None,
     outcome: str = "finished",
+    ledger: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     paths = RunPaths.at(run_dir, cfg.inference.weights_dir)
     metrics = read_rows(paths.metrics, TrainerRow)
@@ -112,7 +136,7 @@ def summarize(
     for r in metrics:
         hist.update({str(k): int(v) for k, v in r.staleness_hist.items()})
     published = paths.versions_on_disk()
-    return {
+    summary = {
         "run_id": cfg.run.run_id,
         "mode": cfg.run.mode,
         "outcome": outcome,
@@ -135,6 +159,9 @@ def summarize(
         "restarts": events.get("restarts", {}),
         "buffer": buffer,
     }
+    if ledger is not None:
+        summary.update(summary_fields(ledger, events, metrics, cfg.rollout.group_size))
+    return summary
 
 
 # ---------------------------------------------------------------- plots
@@ -245,6 +272,7 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
     _plot_throughput(plt, metrics, rollout, out, t0)
     _plot_timeline(plt, metrics, rollout, out, t0)
+    plot_mismatch(plt, metrics, out)
     return sorted(out.glob("*.png"))
 
 
@@ -253,9 +281,11 @@ def write_report(
     cfg: ExperimentConfig,
     buffer: dict[str, Any] | None = None,
     outcome: str = "finished",
+    ledger: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write `summary.json` and `report/*.png`; returns the summary."""
-    summary = summarize(run_dir, cfg, buffer, outcome)
+    summary = summarize(run_dir, cfg, buffer, outcome, ledger)
+    add_fidelity(run_dir, cfg, summary)  # predicted vs measured, report/fidelity.png
     plots = write_plots(run_dir, summary)
     summary["plots"] = [str(p.relative_to(run_dir)) for p in plots]
     RunPaths.at(run_dir).summary.write_text(json.dumps(summary, indent=2, sort_keys=True))

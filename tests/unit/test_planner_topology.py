@@ -99,10 +99,16 @@ def test_without_racks_or_nics_pricing_is_the_cost_model() -> None:
     assert not Topology(cl).declared
     res = make_plan(cl, m, w, budget=100, simulate_plan=False, baselines=False)
     assert res.placement.method == "first-fit"
-    assert res.plan.predicted.samples_per_s == pytest.approx(res.solution.eval_rate, rel=1e-3)
-    zones = {rc.zone for rc, _, _ in res.placement.rollout}
-    expect = max(weight_sync_s(cl, m, w, res.solution.trainer.zones[0], z) for z in zones)
-    assert res.plan.predicted.weight_sync_s == pytest.approx(expect, abs=1e-3)
+    writer = res.placement.trainer[0][0]
+    for (rc, node, _), sync in zip(res.placement.rollout, res.cost.sync_s, strict=True):
+        expect = weight_sync_s(cl, m, w, res.solution.trainer.zones[0], rc.zone)
+        if node == writer:  # on the writer's own machine the weights do not cross a NIC
+            assert sync < expect
+        else:
+            assert sync == pytest.approx(expect, rel=1e-9)
+    assert res.cost.train_step_s == pytest.approx(res.solution.trainer.step_s, rel=1e-9)
+    # placement can only help here, never cost rate
+    assert res.plan.predicted.samples_per_s >= round(res.solution.eval_rate, 4)
 
 
 def test_metis_mapping_beats_first_fit_on_racks() -> None:
