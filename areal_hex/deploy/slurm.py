@@ -164,7 +164,7 @@ def prepare_job(
     layout = build_layout(resolved, plan)
     secrets_ = load_secrets(cfg, dcfg, out_dir)
     d = Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)
-    components, steps, slots = lay_out(layout, site, resolved)
+    components, steps, slots = lay_out(layout, site)
     return SlurmJob(d, site, components, steps, slots)
 
 
@@ -185,7 +185,7 @@ def _resolve(cfg: ExperimentConfig, site: SiteConfig) -> ExperimentConfig:
 
 
 def lay_out(
-    layout: Layout, site: SiteConfig, cfg: ExperimentConfig
+    layout: Layout, site: SiteConfig
 ) -> tuple[list[Component], list[Step], list[tuple[int, int]]]:
     """Components in order (control, one per rollout kind, trainer) and the steps."""
     control = Component("control", site.control)
