@@ -15,12 +15,28 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from areal_hex.record import GroupRecord
 
+# Why an admission went back to the gate unput (see areal_hex/buffer/keys.py)
+GiveBackReason = Literal["filtered", "failed", "abandoned", "reclaimed"]
+
 
 # ---------------------------------------------------------------- trajectory buffer
+@dataclass
+class ProducerPosition:
+    admitted: int  # admissions ever made, by every producer: the next prompt's number
+    held: int  # admissions held by live producers (admitted, neither put nor given back)
+    given_back: dict[str, int] = field(default_factory=dict)  # by GiveBackReason
+
+    @property
+    def not_made(self) -> int:
+        """Admissions whose group was never made (abandoned at a stop, or reclaimed from
+        a dead producer): their prompts are owed to the run."""
+        return self.given_back.get("abandoned", 0) + self.given_back.get("reclaimed", 0)
+
+
 @dataclass
 class BufferStats:
     stream_length: int  # entries in the stream (acked entries included until deleted)
@@ -62,9 +78,13 @@ class TrajectoryProducer(Protocol):
     def set_serving_version(self, version: int) -> None:
         """The version the servers generate with now; the gate never opens past it."""
 
-    async def release(self, n: int = 1) -> int:
-        """Give back `n` admissions of groups that will never be put (failed, abandoned);
-        returns the submitted count after."""
+    async def release(self, n: int = 1, reason: GiveBackReason = "failed") -> int:
+        """Give back `n` admissions of groups that will never be put (filtered, failed,
+        abandoned), counted under that reason; returns the submitted count after."""
+
+    async def position(self) -> ProducerPosition:
+        """Where production stands, from durable state, after giving back what dead
+        producers held: a restarted controller continues the prompt order from it."""
 
     def watch_versions(self) -> AsyncIterator[VersionUpdate]:
         """Each newer published policy version, increasing, the current one first; never
@@ -107,11 +127,13 @@ class TrajectorySource(Protocol):
         """Resume from a checkpoint at `version` (the gate's count follows), then announce."""
 
     def position(self) -> int | None:
-        """Where a replay source stands (saved in checkpoints); None for the buffer, whose
-        position is its acknowledged entries."""
+        """The data position, saved in checkpoints: where a replay source stands, or the
+        buffer's admissions ever made (the controller's next prompt number)."""
 
     def seek(self, position: int) -> None:
-        """Go back to a checkpointed `position()`; a no-op for the buffer."""
+        """Back to a checkpointed `position()`: a replay source goes there; the buffer
+        raises its data position to at least it when `restore` runs (a Valkey that lost
+        its data continues the prompt order from the checkpoint's)."""
 
     def close(self) -> None: ...
 

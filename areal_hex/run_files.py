@@ -4,8 +4,11 @@
       config.yaml          resolved config every service reads
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
-      events.json          launcher: start/ready/end times, restarts
-      summary.json         the report's summary
+      events.json          launcher: start/ready/end times, restarts (every attempt)
+      prediction.json      the cost model's rates for the run's layout (launcher)
+      summary.json         the report's summary (the ledger over every attempt)
+      attempts/<n>/        each `areal-hex run` attempt's own events.json and summary.json
+      committed.jsonl      trainer: the group ids of each committed checkpoint
       report/*.png         the report's plots
       logs/<service>.log   one log per process
       weights/v<N>/        published weights (HF format); `inference.weights_dir` may move it
@@ -30,6 +33,11 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from areal_hex.config import ExperimentConfig
+
+
+# A service's log line saying what it is doing before it has any metric to show
+# (`[status] loading the model`); the launcher's progress display reads the last one.
+STATUS_MARK = "[status] "
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,24 @@ class RunPaths:
         return self.root / "events.json"
 
     @property
+    def prediction(self) -> Path:
+        return self.root / "prediction.json"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def committed(self) -> Path:
+        return self.root / "committed.jsonl"
+
+    def attempt(self, n: int) -> Path:
+        return self.root / "attempts" / str(n)
+
+    def attempts(self) -> list[int]:
+        """Numbers of the attempts recorded so far, in order."""
+        root = self.root / "attempts"
+        return sorted(int(p.name) for p in root.glob("*") if p.name.isdigit())
 
     @property
     def report(self) -> Path:

@@ -18,6 +18,7 @@ are those of groups that failed, so `<run>:submitted` counts exactly the groups 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -28,7 +29,13 @@ from typing import Any, TypeVar
 
 import redis.exceptions
 
-from areal_hex.api import GenerationClient, SamplingParams, TrajectoryProducer
+from areal_hex.api import (
+    GenerationClient,
+    GiveBackReason,
+    ProducerPosition,
+    SamplingParams,
+    TrajectoryProducer,
+)
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
 from areal_hex.net import async_retry
@@ -68,8 +75,12 @@ class RolloutController:
         seed: int = 0,
         rewards: RewardPool | None = None,
         gpu_kinds: Sequence[str] = (),
+        settle_s: float = 0.0,
     ) -> None:
+        """`settle_s`: at start, how long to wait for admissions still held by another
+        producer (a killed predecessor whose lease has not expired yet) to come back."""
         self.cfg = cfg
+        self.settle_s = settle_s
         self.gpu_kinds = list(gpu_kinds)  # GPU kind of server i (per-kind mismatch)
         self.producer = producer
         self.prompts = list(prompts)
@@ -78,6 +89,7 @@ class RolloutController:
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         # called with every metrics row (e.g. the Prometheus collector)
         self.row_observers: list[Callable[[RolloutRow], None]] = []
+        self.gate_wait_observers: list[Callable[[float], None]] = []  # seconds per admit
         self.weights_dir = weights_dir
         self.seed = seed
         self.rewards = rewards
@@ -106,6 +118,7 @@ class RolloutController:
         self._reward_sum = self._reward_n = 0.0  # since the last metrics line
         self._reward_sum_total = self._reward_n_total = 0.0
         self._last: dict[str, float] = {}
+        self.start = ProducerPosition(0, 0)  # where production stood when this run began
 
     # ------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -148,15 +161,38 @@ class RolloutController:
             raise self._fatal
         return final
 
+    async def _resume_position(self) -> ProducerPosition:
+        """The durable position, once admissions held by others came back (or `settle_s`
+        passed): a restart continues the prompt order and owes the groups never made."""
+        deadline = time.monotonic() + self.settle_s
+        while True:
+            pos = await self._buffer_call(self.producer.position, "position")
+            if pos.held == 0 or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        if pos.admitted:
+            log.info(
+                "resuming at prompt %d (%d group(s) owed: abandoned or reclaimed)",
+                pos.admitted,
+                pos.not_made,
+            )
+        return pos
+
     async def _produce(self) -> None:
-        prompts = iterate_prompts(self.prompts, self.seed)
+        self.start = await self._resume_position()
+        seq = self.start.admitted
+        # the data position: prompt number `seq` of the seeded epoch order
+        prompts = itertools.islice(iterate_prompts(self.prompts, self.seed), seq, None)
         slots = asyncio.Semaphore(self.cfg.max_concurrent_groups)
-        seq = 0
         try:
             while await self._want_more(seq):
                 if not await self._until_stop(slots.acquire()):
                     break
-                if not await self._until_stop(self._buffer_call(self.producer.admit, "admit")):
+                t_gate = time.monotonic()
+                admitted = await self._until_stop(self._buffer_call(self.producer.admit, "admit"))
+                for observe in self.gate_wait_observers:
+                    observe(time.monotonic() - t_gate)
+                if not admitted:
                     slots.release()
                     break
                 epoch, prompt = next(prompts)
@@ -176,11 +212,13 @@ class RolloutController:
         await self._drain()
 
     async def _want_more(self, seq: int) -> bool:
-        """Another group? Up to `max_groups` kept groups; with dynamic sampling, filtered
-        groups do not count, so wait for in-flight ones to learn whether they were kept,
-        up to `dynamic_sampling_max_factor` x `max_groups` produced."""
+        """Another group? Up to `max_groups` kept groups over the whole run (earlier
+        controllers' included; groups abandoned or reclaimed are owed again); with dynamic
+        sampling, filtered groups do not count, so wait for in-flight ones to learn whether
+        they were kept, up to `dynamic_sampling_max_factor` x `max_groups` produced."""
         if self.max_groups is None:
             return True
+        seq -= self.start.not_made
         if not self.cfg.dynamic_sampling:
             return seq < self.max_groups
         if seq >= self.max_groups * self.cfg.dynamic_sampling_max_factor:
@@ -192,7 +230,8 @@ class RolloutController:
                 self.cfg.dynamic_sampling_max_factor,
             )
             return False
-        while seq - self.stats["groups_filtered_total"] >= self.max_groups:
+        filtered0 = self.start.given_back.get("filtered", 0)
+        while seq - filtered0 - self.stats["groups_filtered_total"] >= self.max_groups:
             if not self._tasks or not await self._until_stop(
                 asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
             ):
@@ -239,13 +278,13 @@ class RolloutController:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if pending:
-            await self._release(len(pending))
+            await self._release(len(pending), "abandoned")
 
-    async def _release(self, n: int) -> None:
+    async def _release(self, n: int, reason: GiveBackReason) -> None:
         if n <= 0:
             return
         try:
-            await self.producer.release(n)
+            await self.producer.release(n, reason)
             self.stats["admissions_released_total"] += n
         except (redis.exceptions.RedisError, OSError) as exc:  # the buffer is gone
             log.error("could not give back %d admission(s) to the gate: %s", n, exc)
@@ -277,7 +316,7 @@ class RolloutController:
             )
             filtered = self.cfg.dynamic_sampling and len(set(rewards)) == 1
             if filtered:  # no gradient: give its gate slot back before it takes a buffer one
-                await self._release(1)
+                await self._release(1, "filtered")
             else:
                 await self._put(group)
         except asyncio.CancelledError:
@@ -286,12 +325,12 @@ class RolloutController:
         except SampleFailed as exc:
             self.stats["groups_failed_total"] += 1
             log.error("group %d (%s) failed: %s", seq, prompt.id, exc)
-            await self._release(1)
+            await self._release(1, "failed")
             return
         except Exception as exc:  # a bug or a lost buffer: stop rather than spin
             self.stats["groups_failed_total"] += 1
             log.exception("group %d (%s): unexpected error", seq, prompt.id)
-            await self._release(1)
+            await self._release(1, "failed")
             if self._fatal is None:
                 self._fatal = exc
             self.request_stop()

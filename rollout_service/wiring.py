@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 from areal_hex.config import ExperimentConfig
 from areal_hex.data import PromptSet, build_prompts, load_problems
 from areal_hex.prom import MetricsServer, RolloutCollector, registry_with
-from areal_hex.run_files import RunPaths
+from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
+    from areal_hex.buffer import RedisTrajectoryProducer
     from rollout_service.controller import RolloutController
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,29 @@ def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServe
     """The controller's /metrics (`rollout.metrics_port`), behind the service token."""
     if cfg.rollout.metrics_port is None:
         return None
-    rows = RolloutCollector()
+    rows = RolloutCollector(ctl.dispatcher.servers, cfg.inference.gpu_kinds)
     ctl.row_observers.append(rows.observe)
+    ctl.gate_wait_observers.append(rows.observe_gate_wait)
+    ctl.dispatcher.request_observers.append(rows.observe_request)
     server = MetricsServer(
         registry_with(rows), cfg.rollout.metrics_port, token=cfg.inference.api_key
     )
     log.info("controller metrics on port %d", server.port)
     return server
+
+
+async def give_back(producer: RedisTrajectoryProducer) -> None:
+    """A stopping controller gives back what it still holds, rather than leaving it for
+    the lease to expire."""
+    import redis.exceptions
+
+    try:
+        n = await producer.give_back_all()
+    except (redis.exceptions.RedisError, OSError) as exc:
+        log.error("could not give back admissions (the lease expiry will): %s", exc)
+        return
+    if n:
+        log.info("gave back %d admission(s)", n)
 
 
 async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -109,6 +126,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         weights_dir=cfg.inference.weights_dir,
         seed=cfg.data.seed,
         gpu_kinds=cfg.inference.gpu_kinds,
+        # a killed predecessor's admissions come back once its lease expires
+        settle_s=cfg.buffer.lease_ttl_s + 1.0,
     )
     metrics = serve_metrics(cfg, ctl)
     trackers = open_run_trackers(cfg, "rollout")
@@ -118,9 +137,11 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
     try:
+        log.info("%swaiting for the inference servers", STATUS_MARK)
         n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
         log.info(
-            "%d/%d inference servers healthy; producing %d groups of %d",
+            "%s%d/%d inference servers healthy; producing %d groups of %d",
+            STATUS_MARK,
             n,
             len(clients),
             ctl.max_groups,
@@ -134,6 +155,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             metrics.stop()
         if trackers is not None:
             trackers.close()
+        await give_back(producer)
         await producer.aclose()
         await redis_client.aclose()
         endpoint.close()

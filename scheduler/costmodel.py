@@ -9,6 +9,7 @@ over the slowest link of the group. Weight sync: bytes over the link between the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from scheduler.catalogue import GpuKind
@@ -149,10 +150,14 @@ def inflight_cap(w: Workload) -> int:
     return max(1, int(groups * w.group_size * _group_occupancy(w)))
 
 
-def _group_occupancy(w: Workload, points: int = 400) -> float:
+def _group_occupancy(w: Workload) -> float:
+    return _occupancy(w.max_response_tokens, w.response_tokens, w.group_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _occupancy(cap: int, mean: int, g: int, points: int = 400) -> float:
     """E[length] / E[max of G lengths], lengths L·U(0.5, 1.5) capped at the maximum (the
     simulator's spread); the max of G uniforms has density G·u^(G-1)."""
-    cap, mean, g = w.max_response_tokens, w.response_tokens, w.group_size
     us = [(j + 0.5) / points for j in range(points)]
     one = sum(min(cap, mean * (0.5 + u)) for u in us) / points
     top = sum(min(cap, mean * (0.5 + u)) * g * u ** (g - 1) for u in us) / points

@@ -65,12 +65,7 @@ def node_names(g: NodeGroup) -> list[str]:
 
 def trainer_shape(cl: Cluster, c: TrainerOption) -> list[tuple[str, int]]:
     """(node group, GPUs) per trainer machine, in rank order."""
-    gmap = {g.name: g for g in cl.spec.node_groups}
-    out: list[tuple[str, int]] = []
-    for gname, n in c.parts:
-        gpn = gmap[gname].gpus_per_node
-        out += [(gname, n)] if n < gpn else [(gname, gpn)] * (n // gpn)
-    return out
+    return [(gname, c.per_node) for gname, n in c.parts for _ in range(n // c.per_node)]
 
 
 # ---------------------------------------------------------------- packing

@@ -3,6 +3,8 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_hex.config import ConfigError
@@ -14,6 +16,7 @@ from areal_hex.plan import (
     Prediction,
     TrainerPlacement,
 )
+from scheduler.assess import Assessment, assess
 from scheduler.cluster import Cluster
 from scheduler.costmodel import (
     RolloutOption,
@@ -30,6 +33,9 @@ from scheduler.topology import Topology
 from scheduler.trainers import trainer_configs
 from scheduler.workload import Workload
 
+# plans report rates to 4 significant decimals: a target equal to a reported reach is met
+TARGET_TOLERANCE = 1e-4
+
 
 @dataclass
 class PlanResult:
@@ -44,6 +50,7 @@ class PlanResult:
     rate: float = 0.0  # the placed plan's rate (= the solution's exact rate without racks)
     first_fit: Placed | None = None  # the naive placement, where the topology makes it differ
     first_fit_sim: SimResult | None = None
+    assessment: Assessment | None = None
 
 
 @dataclass
@@ -87,6 +94,58 @@ def cheapest_cost(p: PlanSpace, time_limit_s: float) -> float | None:
     return None if sol is None else sol.cost
 
 
+def tune_staleness_and_interval(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    *,
+    max_staleness: int,
+    max_publish_interval: int,
+    budget: float | None = None,
+    target: float | None = None,
+    prof: Profile | None = None,
+    time_limit_s: float = 60.0,
+) -> tuple[Workload, list[dict[str, float]]]:
+    """The staleness bound η and publish interval k (each from the workload's value up to
+    the user's bound) whose placed plan is fastest under a budget, or cheapest at a
+    target; ties go to the smaller η, then the smaller k (fresher data). Returns the tuned
+    workload and every candidate's figures."""
+    tried: list[tuple[tuple[float, int, int], Workload, dict[str, float]]] = []
+    for eta in range(w.staleness, max(w.staleness, max_staleness) + 1):
+        for k in range(w.publish_interval, max(w.publish_interval, max_publish_interval) + 1):
+            cand = w.model_copy(update={"staleness": eta, "publish_interval": k})
+            try:
+                res = make_plan(
+                    cl,
+                    m,
+                    cand,
+                    budget=budget,
+                    target=target,
+                    prof=prof,
+                    time_limit_s=time_limit_s,
+                    simulate_plan=False,
+                    baselines=False,
+                )
+            except ConfigError:
+                continue
+            pred = res.plan.predicted
+            row = {
+                "staleness": eta,
+                "publish_interval": k,
+                "samples_per_s": pred.samples_per_s,
+                "cost_usd_per_h": pred.cost_usd_per_h,
+            }
+            score = -pred.samples_per_s if target is None else pred.cost_usd_per_h
+            tried.append(((round(score, 6), eta, k), cand, row))
+    if not tried:
+        raise ConfigError(
+            f"no feasible plan for staleness {w.staleness}..{max_staleness} and publish "
+            f"interval {w.publish_interval}..{max_publish_interval}"
+        )
+    tried.sort(key=lambda t: t[0])
+    return tried[0][1], [row for _, _, row in tried]
+
+
 def make_plan(
     cl: Cluster,
     m: ModelShape,
@@ -109,20 +168,28 @@ def make_plan(
     if sol is None:
         raise ConfigError(_infeasible_message(p, budget, target, time_limit_s))
     best = placed(cl, m, w, p, sol)
-    if target is not None and best.rate < target:
+    if target is not None and best.rate < target * (1 - TARGET_TOLERANCE):
         best = _meet_target_placed(cl, m, w, p, best, target, time_limit_s)
     homo: dict[str, float] = {}
     sync = 0.0
     if baselines:
         spend = budget if budget is not None else best.solution.cost
-        for kind in sorted({r.kind for r in p.rollouts}):
-            hs = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-            hp = placed(cl, m, w, p, hs) if hs is not None else None
-            homo[kind] = hp.rate if hp else 0.0
-            # the homogeneous plans are candidates of the same search: if one places
-            # better than the mixed pick, it is the plan
-            if budget is not None and hp is not None and hp.rate > best.rate:
-                best = hp
+        kinds = sorted({r.kind for r in p.rollouts})
+        with ThreadPoolExecutor(max_workers=min(len(kinds), os.cpu_count() or 1)) as pool:
+            sols = pool.map(
+                lambda k: solve(
+                    p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={k}, cheapest=False
+                ),
+                kinds,
+            )
+            for kind, hs in zip(kinds, list(sols), strict=True):
+                hp = placed(cl, m, w, p, hs) if hs is not None else None
+                homo[kind] = hp.rate if hp else 0.0
+                # the homogeneous plans are candidates of the same search: if one places
+                # better than the mixed pick, it is the plan (at its cheapest)
+                if budget is not None and hp is not None and hp.rate > best.rate:
+                    again = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
+                    best = placed(cl, m, w, p, again or hs)
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
@@ -131,7 +198,13 @@ def make_plan(
         ff = placed(cl, m, w, p, sol, naive=True)
         if simulate_plan:
             ff_sim = simulate_solution(cl, m, w, sol, ff.placement, ff.cost)
-    plan = to_plan(cl, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim)
+    train_rate = w.samples_per_step / best.cost.train_step_s
+    verdict = assess(
+        cl, p, best, train_rate, budget, homo, sync, time_limit_s, compare_cost=baselines
+    )
+    plan = to_plan(
+        cl, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
+    )
     return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
 
 
@@ -184,9 +257,9 @@ def _meet_target_placed(
         if sol is None:
             break
         got = placed(cl, m, w, p, sol)
-        if got.rate >= target:
+        if got.rate >= target * (1 - TARGET_TOLERANCE):
             return got
-    if got.rate < target:
+    if got.rate < target * (1 - TARGET_TOLERANCE):
         raise ConfigError(
             f"target {target:g} samples/s is above what the cluster reaches once placed on "
             f"its racks ({got.rate:.3f} samples/s)"
@@ -305,6 +378,7 @@ def to_plan(
     sync: float,
     ff: Placed | None = None,
     ff_sim: SimResult | None = None,
+    verdict: Assessment | None = None,
 ) -> Plan:
     sol, pl = best.solution, best.placement
     counters: dict[str, int] = {}
@@ -365,5 +439,8 @@ def to_plan(
             simulated_first_fit_samples_per_s=(
                 None if ff_sim is None else round(ff_sim.samples_per_s, 4)
             ),
+            staleness=w.staleness,
+            publish_interval=w.publish_interval,
+            **({} if verdict is None else verdict.__dict__),
         ),
     )

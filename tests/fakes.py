@@ -5,10 +5,17 @@ so the code under test takes the path it takes in production."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from areal_hex.api import GenerateResult, SamplingParams, VersionUpdate
+from areal_hex.api import (
+    GenerateResult,
+    GiveBackReason,
+    ProducerPosition,
+    SamplingParams,
+    VersionUpdate,
+)
 from areal_hex.models import build_tokenizer
 from areal_hex.record import GroupRecord
 
@@ -148,6 +155,8 @@ class MemoryProducer:
         self.submitted = 0
         self.groups: list[GroupRecord] = []
         self.released = 0
+        self.admitted = 0  # every admission ever made (the data position)
+        self.given_back: Counter[str] = Counter()
         self.max_over: int = 0  # most groups ever admitted beyond the bound (must stay 0)
         self._changed = asyncio.Condition()
         self._updates: asyncio.Queue[VersionUpdate] = asyncio.Queue()
@@ -156,6 +165,7 @@ class MemoryProducer:
         async with self._changed:
             await self._changed.wait_for(lambda: self.submitted + n <= self.cap)
             self.submitted += n
+            self.admitted += n
             self.max_over = max(self.max_over, self.submitted - self.cap)
 
     @property
@@ -172,10 +182,15 @@ class MemoryProducer:
     def set_serving_version(self, version: int) -> None:
         self.serving = version
 
-    async def release(self, n: int = 1) -> int:
+    async def release(self, n: int = 1, reason: GiveBackReason = "failed") -> int:
         self.released += n
+        self.given_back[reason] += n
         self.submitted -= n
         return self.submitted
+
+    async def position(self) -> ProducerPosition:
+        held = self.submitted - len(self.groups)
+        return ProducerPosition(self.admitted, held, dict(self.given_back))
 
     async def publish(self, version: int, path: str) -> None:
         """The trainer's side (`WeightPublisher.set_version`), for the tests to drive."""

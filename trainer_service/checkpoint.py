@@ -4,6 +4,10 @@ A checkpoint `step<N>/` counts only once its `COMPLETE` marker exists; the marke
 written last (after every rank's files, via temp file + rename), so a checkpoint cut
 short by a crash is never resumed from. The marker also holds the trainer state,
 including the entry ids whose updates the checkpoint contains (acked after the commit).
+
+Rank 0 also appends those ids to the run's `committed.jsonl` (one line per commit, kept
+when old checkpoints are removed): the record of which groups the weights were trained
+on, across every attempt, from which a group trained twice can be found.
 """
 
 from __future__ import annotations
@@ -128,3 +132,31 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
     return state
+
+
+def record_committed(log: Path, step: int, ids: list[str]) -> None:
+    """Append `{"step", "ids"}` for a commit, unless that step is the last one recorded
+    (a resume from the checkpoint written just before a crash records it once)."""
+    records = read_committed(log)
+    if records and records[-1]["step"] == step:
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(json.dumps({"step": int(step), "ids": list(ids)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_committed(log: Path) -> list[dict[str, Any]]:
+    """The commit records of `committed.jsonl` (a torn last line is skipped)."""
+    try:
+        lines = log.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

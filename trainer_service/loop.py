@@ -7,10 +7,15 @@ Groups trained after the last commit stay pending in the buffer: a restarted tra
 rolls the weights back to the checkpoint and receives them again, so each group ends
 up in the committed weights exactly once. Within a run, a pending group delivered a
 second time (reclaimed while waiting for the next commit) is skipped.
+
+Stopping (SIGTERM / Ctrl-C, `request_stop`): rank 0 stops waiting for a batch, every
+rank leaves the loop after the step under way, and a checkpoint of the last completed
+step is written (its groups acknowledged), so a resume loses no work.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -80,12 +85,25 @@ class Trainer:
         self.row_observers: list[Callable[[TrainerRow], None]] = []
         if self.publisher is not None:
             ctx.before_update = self.publisher.wait
+        self._stop = threading.Event()
+        self.committed_log = RunPaths.at(paths.run_dir).committed
+
+    def request_stop(self) -> None:
+        """Finish the step under way, checkpoint it and return from `run` (signal-safe)."""
+        self._stop.set()
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.state.step < self.cfg.total_steps
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> TrainerState:
         self.resume()
         while self.state.step < self.cfg.total_steps:
-            self.train_step()
+            if self.train_step() is None:
+                break
+        if self.stopped_early:
+            self._checkpoint()  # the last completed step, so a resume loses nothing
         if self.publisher is not None:
             self.publisher.wait()
         return self.state
@@ -97,11 +115,15 @@ class Trainer:
         saved = checkpoint.load(self.ctx.engine, path)
         self.state.step, self.state.version = saved["step"], saved["version"]
         self.state.totals = Totals(**saved["totals"])
+        if self.rank == 0:
+            print(f"trainer: resumed from {path} (step {self.state.step})", flush=True)
         if self.consumer is not None:
             # the checkpoint holds these updates: make sure they are acknowledged
+            checkpoint.record_committed(self.committed_log, saved["step"], saved["ack_ids"])
             self.consumer.ack(saved["ack_ids"])
-            if saved.get("replay_position") is not None:
-                self.consumer.seek(saved["replay_position"])
+            position = saved.get("data_position", saved.get("replay_position"))
+            if position is not None:
+                self.consumer.seek(position)
         self._republish()
 
     def _republish(self) -> None:
@@ -125,9 +147,12 @@ class Trainer:
             self.consumer.set_version(version, path)
 
     # ------------------------------------------------------------ one step
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step; None (nothing done) when a stop came while waiting."""
         t0 = time.perf_counter()
         batch = self._fetch()
+        if batch is None:
+            return None
         t1 = time.perf_counter()
         self.ctx.version = self.state.version
         result = optimize(self.ctx, batch.groups)
@@ -155,16 +180,17 @@ class Trainer:
                 observe(row)
         return row.model_dump()
 
-    def _fetch(self) -> Batch:
-        """Rank 0 takes B fresh groups from the consumer; every rank gets the batch."""
+    def _fetch(self) -> Batch | None:
+        """Rank 0 takes B fresh groups from the consumer; every rank gets the batch, or
+        None when rank 0 was asked to stop while waiting for it."""
         import torch.distributed as dist
 
         payload: list[Batch | None] = [None]
-        if self.rank == 0:
-            payload[0] = self._canonical_order(self._take(self.groups_per_step))
+        if self.rank == 0 and not self._stop.is_set():
+            taken = self._take(self.groups_per_step)
+            payload[0] = None if taken is None else self._canonical_order(taken)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
-        assert payload[0] is not None
         return payload[0]
 
     def _canonical_order(self, b: Batch) -> Batch:
@@ -185,12 +211,24 @@ class Trainer:
             staleness=[b.staleness[i] for i in order],
         )
 
-    def _take(self, n: int) -> Batch:
+    def _take(self, n: int) -> Batch | None:
+        """B fresh groups not trained since the last commit; None if a stop came first.
+        Waits in short reads so a stop is noticed; `batch_timeout_s` bounds the wait."""
         assert self.consumer is not None
         seen = set(self.state.unacked)
         out = Batch(entry_ids=[], groups=[])
+        limit = self.cfg.batch_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
         while len(out.groups) < n:
-            b = self.consumer.get_batch(n - len(out.groups), timeout_s=self.cfg.batch_timeout_s)
+            if self._stop.is_set():
+                return None
+            wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            try:
+                b = self.consumer.get_batch(n - len(out.groups), timeout_s=max(wait, 0.0))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                continue  # what was read so far is kept by the consumer
             out.dropped_stale += b.dropped_stale
             out.dead_lettered += b.dead_lettered
             stal = b.staleness or [self.state.version - g.version for g in b.groups]
@@ -215,6 +253,14 @@ class Trainer:
         st = self.state
         if st.step % self.cfg.checkpoint_every and st.step != self.cfg.total_steps:
             return 0.0
+        return self._checkpoint()
+
+    def _checkpoint(self) -> float:
+        """Commit the current step (collective), then acknowledge its groups. Nothing is
+        written when no group was trained since the last commit (or the resume)."""
+        st = self.state
+        if not st.unacked and st.step != self.cfg.total_steps:
+            return 0.0
         t0 = time.perf_counter()
         saved = {
             "step": st.step,
@@ -223,11 +269,12 @@ class Trainer:
             "ack_ids": list(st.unacked),
         }
         if self.consumer is not None and self.consumer.position() is not None:
-            saved["replay_position"] = self.consumer.position()
+            saved["data_position"] = self.consumer.position()
         checkpoint.save(
             self.ctx.engine, self.paths.checkpoint_dir, st.step, saved, self.cfg.keep_checkpoints
         )
         if self.consumer is not None:
+            checkpoint.record_committed(self.committed_log, st.step, st.unacked)
             self.consumer.ack(st.unacked)  # committed: now they may leave the buffer
         st.unacked = []
         return time.perf_counter() - t0

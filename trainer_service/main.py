@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
-from areal_hex.prom import BufferCollector, MetricsServer, TrainerCollector, registry_with
-from areal_hex.run_files import RunPaths
+from areal_hex.errors import UsageError
+from areal_hex.prom import (
+    BufferCollector,
+    MetricsServer,
+    TrainerCollector,
+    device_kind,
+    prediction_collectors,
+    registry_with,
+)
+from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
-from trainer_service.step import StepContext
+from trainer_service.step import StepContext, throttle_factor
 
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
@@ -40,7 +49,7 @@ def make_consumer(cfg: ExperimentConfig) -> Any:
     from trainer_service.sources import BufferSource
 
     assert cfg.run.run_id is not None
-    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id)
+    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id, cfg.rollout.buffer_retry_s)
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -97,7 +106,15 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         ref_model=ref,
         device=device,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        speeds=list(t.rank_speeds) if t.rank_speeds is not None else None,
+        balance_measured=t.balance_measured,
+        throttle=throttle_factor(rank),
     )
+    if ctx.speeds is not None and len(ctx.speeds) != world:
+        raise UsageError(
+            f"trainer.rank_speeds has {len(ctx.speeds)} values for {world} ranks: "
+            "expected one speed per rank"
+        )
     consumer = make_consumer(cfg) if rank == 0 else None
     return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
 
@@ -107,9 +124,9 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
     behind the service token when one is set."""
     if cfg.trainer.metrics_port is None:
         return None
-    rows = TrainerCollector()
+    rows = TrainerCollector(device_kind(cfg.trainer.device), cfg.rollout.group_size)
     trainer.row_observers.append(rows.observe)
-    collectors: list[Any] = [rows]
+    collectors: list[Any] = [rows, *prediction_collectors(RunPaths.of(cfg).root, cfg.run.mode)]
     if trainer.consumer is not None:
         collectors.append(BufferCollector(trainer.consumer.stats))
     server = MetricsServer(
@@ -119,6 +136,28 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
     return server
 
 
+# Exit code of a trainer stopped by a signal before its last step (after checkpointing):
+# not 0, which would mean the run is done (EX_TEMPFAIL: try again, i.e. resume).
+STOPPED_EARLY = 75
+
+
+def status(rank: int, what: str) -> None:
+    """A `[status]` line: the launcher's progress display shows the last one until the
+    first step is done."""
+    if rank == 0:
+        print(f"{STATUS_MARK}{what}", flush=True)
+
+
+def stop_on_signals(trainer: Trainer) -> None:
+    """SIGTERM / SIGINT: finish the step under way, checkpoint it, exit."""
+
+    def handler(signum: int, frame: object) -> None:
+        trainer.request_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainer_service.main")
     parser.add_argument("config")
@@ -126,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    status(rank, "starting DeepSpeed (a first run builds its communication op)")
     rank, world = init_distributed(cfg.trainer.device)
+    status(rank, "loading the model")
     trainer = build_trainer(cfg, rank, world)
+    stop_on_signals(trainer)
+    status(rank, "waiting for the first batch")
     metrics = serve_metrics(cfg, trainer) if rank == 0 else None
     trackers = open_run_trackers(cfg, "trainer") if rank == 0 else None
     if trackers is not None:
@@ -141,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
             trackers.close()
         if trainer.consumer is not None:
             trainer.consumer.close()
+    early = trainer.stopped_early
     if rank == 0:
-        print(f"trainer: done at step {state.step}, version {state.version}", flush=True)
+        what = "stopped (checkpointed)" if early else "done"
+        print(f"trainer: {what} at step {state.step}, version {state.version}", flush=True)
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return STOPPED_EARLY if early else 0
 
 
 if __name__ == "__main__":

@@ -7,14 +7,17 @@ recorded run (or a fixed test batch) trains through exactly the same loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from areal_hex.api import Batch, BufferStats, WeightPublisher
+from areal_hex.api import Batch, BufferStats
 from areal_hex.record import Completion, GroupRecord
+
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- JSONL records
@@ -131,47 +134,73 @@ class ReplayConsumer:
 
 class BufferSource:
     """The Redis buffer seen by rank 0: the trajectory consumer plus the weight publisher
-    (separate clients: publication runs on a background thread)."""
+    (separate clients: publication runs on a background thread).
 
-    def __init__(self, redis_cfg: Any, buffer_cfg: Any, run_id: str) -> None:
+    Every call is retried with doubling delays while Redis is unreachable (a Valkey
+    restart), for up to `retry_s`; the buffer's operations are idempotent or atomic, so a
+    call cut off by the restart is safe to repeat."""
+
+    def __init__(self, redis_cfg: Any, buffer_cfg: Any, run_id: str, retry_s: float = 60.0) -> None:
         from areal_hex.buffer import RedisTrajectoryConsumer, RedisWeightPublisher, open_redis
 
         if redis_cfg.url is None:
             raise ValueError(
                 "redis.url is not set: the trainer joins a running buffer, it never starts one"
             )
+        self.retry_s = retry_s
         self.endpoint = open_redis(redis_cfg)
-        self.consumer = RedisTrajectoryConsumer(self.endpoint.sync_client(), run_id, buffer_cfg)
-        self.publisher: WeightPublisher = RedisWeightPublisher(
-            self.endpoint.sync_client(), run_id, buffer_cfg
+        self.consumer = self._retry(
+            lambda: RedisTrajectoryConsumer(self.endpoint.sync_client(), run_id, buffer_cfg),
+            "connect",
         )
+        self.publisher = RedisWeightPublisher(self.endpoint.sync_client(), run_id, buffer_cfg)
+        self._position_floor = 0
+
+    def _retry(self, call: Callable[[], T], what: str) -> T:
+        import redis.exceptions
+
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.2
+        while True:
+            try:
+                return call()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                print(f"trainer: buffer {what} failed ({exc}); retrying in {delay:.1f} s")
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
 
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
-        return self.consumer.get_batch(n, timeout_s)
+        return self._retry(lambda: self.consumer.get_batch(n, timeout_s), "read")
 
     def ack(self, entry_ids: Sequence[str]) -> None:
-        self.consumer.ack(entry_ids)
+        self._retry(lambda: self.consumer.ack(entry_ids), "ack")
 
     def version(self) -> int:
-        return self.consumer.version()
+        return self._retry(self.consumer.version, "version")
 
     def stats(self) -> BufferStats:
-        return self.consumer.stats()
+        return self._retry(self.consumer.stats, "stats")
 
     def set_version(self, version: int, weights_path: str) -> None:
-        self.publisher.set_version(version, weights_path)
+        self._retry(lambda: self.publisher.set_version(version, weights_path), "publish")
 
     def restore(self, version: int, weights_path: str) -> None:
-        """Resume: version and admission count back to the checkpoint's (the gate then
-        admits no more than (v + eta + 1) * B), then tell servers to load these weights."""
-        self.publisher.restore(version, weights_path)
-        self.publisher.set_version(version, weights_path)
+        """Resume: version back to the checkpoint's and the admission count recomputed from
+        durable state (the gate then admits no more than (v + eta + 1) * B), then tell
+        servers to load these weights."""
+        floor = self._position_floor
+        self._retry(lambda: self.publisher.restore(version, weights_path, floor), "restore")
+        self.set_version(version, weights_path)
 
     def position(self) -> int | None:
-        return None  # the buffer's position is what it has acknowledged
+        """The controller's data position (admissions ever made), kept in checkpoints: a
+        buffer that lost its data resumes the prompt order from it."""
+        return self._retry(self.publisher.position, "position")
 
     def seek(self, position: int) -> None:
-        pass
+        self._position_floor = int(position)  # applied by `restore`
 
     def close(self) -> None:
         self.consumer.close()

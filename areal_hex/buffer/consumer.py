@@ -84,13 +84,22 @@ class RedisWeightPublisher:
         pipe.publish(self.keys.weights_channel, msg)
         pipe.execute()
 
-    def restore(self, version: int, weights_path: str) -> int:
+    def restore(self, version: int, weights_path: str, position: int = 0) -> int:
         """On resume from a checkpoint at `version`: set the version without notifying and
-        raise the admission count to at least version * B (a fresh Redis would otherwise
-        let the gate open wider than the bound). Returns the admission count."""
-        keys = [self.keys.version, self.keys.weights_path, self.keys.submitted]
-        args = [int(version), str(weights_path), self.cfg.groups_per_step]
-        return int(self._restore(keys=keys, args=args))
+        recompute the admission count from durable state (acked + dropped + dead-lettered +
+        in the stream + held by live producers, at least version * B: a fresh Redis would
+        otherwise let the gate open wider than the bound); the data position is raised to
+        at least `position`. Returns the admission count."""
+        k = self.keys
+        keys = [k.version, k.weights_path, k.submitted, k.leases, k.given_back("reclaimed")]
+        keys += [k.acked, k.dropped_stale, k.dead_count, k.traj, k.admitted]
+        args = [int(version), str(weights_path), self.cfg.groups_per_step, k.lease("")]
+        count, _ = self._restore(keys=keys, args=[*args, int(position)])
+        return int(count)
+
+    def position(self) -> int:
+        """Admissions ever made (the controller's data position)."""
+        return int(self.r.get(self.keys.admitted) or 0)
 
 
 class RedisTrajectoryConsumer:
@@ -121,6 +130,7 @@ class RedisTrajectoryConsumer:
         # Delivered to the caller (or carried over a timed-out call), not yet acked.
         self._held: set[str] = set()
         self._carry: list[Item] = []
+        self._filling: list[Item] = []  # what the get_batch under way has so far
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -243,16 +253,26 @@ class RedisTrajectoryConsumer:
     def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
         """Block until `n` fresh groups are delivered (oldest first, then shuffled).
 
-        On timeout, raises TimeoutError; groups read so far are kept for the next call."""
+        On timeout, raises TimeoutError; groups read so far are kept for the next call, as
+        they are when the server is lost mid-way (the caller may retry)."""
         if n <= 0:
             raise ValueError(f"get_batch(n): n must be positive, got {n}")
+        self._filling, self._carry = self._carry, []
+        try:
+            return self._fill(n, timeout_s)
+        except redis.RedisError:
+            self._carry = self._filling  # held by us: nobody else would serve them
+            raise
+
+    def _fill(self, n: int, timeout_s: float | None) -> Batch:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         dropped = dead = 0
-        have, self._carry = self._carry, []
+        have = self._filling
         v = self.version() if have else -1  # else the first read brings the version along
         first = True
         while True:
             have, k = self._drop_stale_held(have, v)  # carried groups may have aged
+            self._filling = have
             dropped += k
             if len(have) >= n:
                 break
@@ -274,7 +294,7 @@ class RedisTrajectoryConsumer:
             dropped, dead = dropped + k_stale, dead + k_dead
             with self._lock:
                 self._held.update(i for i, _, _ in new)
-            have += new
+            have = self._filling = have + new
         self._carry = have[n:]
         return self._batch(have[:n], v, dropped, dead)
 

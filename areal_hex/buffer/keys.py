@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
+
+from areal_hex.api import GiveBackReason
 
 GROUP = "trainer"  # the one consumer group of the trajectory stream
 PAYLOAD_FIELD = b"d"  # stream entries carry the encoded group in this field
+# Why an admission was given back instead of put: generated but all rewards equal (dynamic
+# sampling), generation failed, cancelled at a stop, or its holder died (reclaimed).
+GIVE_BACK_REASONS: tuple[str, ...] = get_args(GiveBackReason)
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,13 @@ class BufferKeys:
     @property
     def submitted(self) -> str:  # groups admitted by the staleness gate (int)
         return self._k("submitted")
+
+    @property
+    def admitted(self) -> str:  # groups ever admitted (never decremented): the data position
+        return self._k("admitted")
+
+    def given_back(self, reason: str) -> str:  # admissions given back, by reason (int)
+        return self._k(f"given_back:{reason}")
 
     @property
     def leases(self) -> str:  # hash: holder -> admissions it holds (admitted, not yet put)

@@ -24,10 +24,10 @@ from collections.abc import AsyncIterator, Sequence
 import redis
 import redis.asyncio
 
-from areal_hex.api import VersionUpdate
+from areal_hex.api import GiveBackReason, ProducerPosition, VersionUpdate
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import encode_group
-from areal_hex.buffer.keys import GROUP, PAYLOAD_FIELD, BufferKeys
+from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import GroupRecord
 
@@ -49,6 +49,7 @@ class RedisTrajectoryProducer:
         self.cfg = cfg
         self._admit = client.register_script(scripts.ADMIT)
         self._release = client.register_script(scripts.RELEASE)
+        self._position = client.register_script(scripts.POSITION)
         self._group_ready = False
         # Blocked admits wait on this event; the listener swaps in a fresh one per bump.
         self._bump = asyncio.Event()
@@ -90,9 +91,10 @@ class RedisTrajectoryProducer:
             serving = "" if self.serving_version is None else self.serving_version
             args = [n, c.max_staleness, c.groups_per_step, c.max_pending, serving]
             args += [self.holder, self._ttl_ms, self.keys.lease("")]
-            keys = [self.keys.submitted, self.keys.version, self.keys.traj]
-            keys += [self.keys.leases, self.keys.lease(self.holder)]
-            status, sub, v, backlog = await self._admit(keys=keys, args=args)
+            k = self.keys
+            keys = [k.submitted, k.version, k.traj, k.leases, k.lease(self.holder)]
+            keys += [k.admitted, k.given_back("reclaimed")]
+            status, sub, v, backlog, _ = await self._admit(keys=keys, args=args)
             if status == 1:
                 self._start_heartbeat()
                 return
@@ -131,11 +133,32 @@ class RedisTrajectoryProducer:
             f"{c.max_pending} (submitted={sub}, v={v}); is the trainer consuming and acking?"
         )
 
-    async def release(self, n: int = 1) -> int:
+    async def release(self, n: int = 1, reason: GiveBackReason = "failed") -> int:
         """Give back `n` admissions whose groups will not be put (e.g. a prompt failed), so
-        the trainer is not left waiting for groups that never come. Returns submitted."""
-        keys = [self.keys.submitted, self.keys.leases]
-        return int(await self._release(keys=keys, args=[n, self.holder, 1]))
+        the trainer is not left waiting for groups that never come; counted under
+        `<run>:given_back:<reason>`. Returns submitted."""
+        if reason not in GIVE_BACK_REASONS:
+            raise ValueError(f"release: reason must be one of {GIVE_BACK_REASONS}, got {reason!r}")
+        keys = [self.keys.submitted, self.keys.leases, self.keys.given_back(reason)]
+        return int(await self._release(keys=keys, args=[n, self.holder, reason]))
+
+    async def position(self) -> ProducerPosition:
+        """Admissions ever made (the data position), held by live producers and given
+        back by reason, after giving back those of dead producers."""
+        k = self.keys
+        keys = [k.submitted, k.leases, k.given_back("reclaimed"), k.admitted]
+        keys += [k.given_back(r) for r in GIVE_BACK_REASONS]
+        admitted, held, *back = await self._position(keys=keys, args=[k.lease("")])
+        given_back = {r: int(x) for r, x in zip(GIVE_BACK_REASONS, back, strict=True)}
+        return ProducerPosition(int(admitted), int(held), given_back)
+
+    async def give_back_all(self) -> int:
+        """Give back every admission this producer still holds (a clean stop: their groups
+        are abandoned). Returns how many."""
+        n = await self.held()
+        if n > 0:
+            await self.release(n, "abandoned")
+        return n
 
     # ------------------------------------------------------------ lease
     @property
@@ -194,8 +217,8 @@ class RedisTrajectoryProducer:
         pipe = self.r.pipeline(transaction=True)
         for g in groups:
             pipe.xadd(self.keys.traj, {PAYLOAD_FIELD: encode_group(g)})
-        keys = [self.keys.submitted, self.keys.leases]
-        await self._release(keys=keys, args=[len(groups), self.holder, 0], client=pipe)
+        keys = [self.keys.submitted, self.keys.leases, self.keys.given_back("failed")]
+        await self._release(keys=keys, args=[len(groups), self.holder, ""], client=pipe)
         ids = (await pipe.execute())[: len(groups)]
         return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 

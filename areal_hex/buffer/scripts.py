@@ -5,26 +5,41 @@ Each is run with EVALSHA (redis-py's `register_script`), so the source travels o
 
 from __future__ import annotations
 
-# Staleness gate + backpressure, checked and counted in one step so that concurrent
-# producers can never overshoot the bound. Admissions are held by a holder (one producer
-# incarnation) until put or released; a holder whose heartbeat key has expired died with
-# them, so they are first given back (reclaimed): a crash cannot leak the gate.
-# KEYS: submitted, version, traj, leases, this holder's heartbeat.  ARGV: n, eta, B,
-# max_pending, serving version ('' = none: the published one counts), holder, lease TTL
-# in ms, heartbeat key prefix. The gate counts from the older of the two versions: weights
-# the servers have not loaded yet do not open it.
-# Returns {status, submitted, version, backlog}: status 1 admitted (submitted already
-# includes n), 0 blocked by the gate, -1 blocked by backpressure.
-ADMIT = """
-local held = redis.call('HGETALL', KEYS[4])
-for i = 1, #held, 2 do
-  local who = held[i]
-  if who ~= ARGV[6] and redis.call('EXISTS', ARGV[8] .. who) == 0 then
-    local sub0 = tonumber(redis.call('GET', KEYS[1]) or '0')
-    redis.call('DECRBY', KEYS[1], math.min(tonumber(held[i + 1]), sub0))
-    redis.call('HDEL', KEYS[4], who)
+# Give back the admissions of holders whose heartbeat key has expired (they died holding
+# them), counting them as reclaimed. Expects: sub_key, leases_key, reclaimed_key, prefix
+# (of heartbeat keys), me (a holder never reclaimed here; '' = none).
+_RECLAIM = """
+local function reclaim(sub_key, leases_key, reclaimed_key, prefix, me)
+  local held = redis.call('HGETALL', leases_key)
+  for i = 1, #held, 2 do
+    local who = held[i]
+    if who ~= me and redis.call('EXISTS', prefix .. who) == 0 then
+      local sub0 = tonumber(redis.call('GET', sub_key) or '0')
+      local n = math.min(tonumber(held[i + 1]), sub0)
+      redis.call('DECRBY', sub_key, n)
+      redis.call('INCRBY', reclaimed_key, n)
+      redis.call('HDEL', leases_key, who)
+    end
   end
 end
+"""
+
+# Staleness gate + backpressure, checked and counted in one step so that concurrent
+# producers can never overshoot the bound. Admissions are held by a holder (one producer
+# incarnation) until put or given back; a holder whose heartbeat key has expired died with
+# them, so they are first given back (reclaimed): a crash cannot leak the gate.
+# `submitted` is the gate's count (put + held); `admitted` counts every admission ever
+# made and is the data position (the controller's next prompt is number `admitted`).
+# KEYS: submitted, version, traj, leases, this holder's heartbeat, admitted, reclaimed.
+# ARGV: n, eta, B, max_pending, serving version ('' = none: the published one counts),
+# holder, lease TTL in ms, heartbeat key prefix. The gate counts from the older of the two
+# versions: weights the servers have not loaded yet do not open it.
+# Returns {status, submitted, version, backlog, admitted}: status 1 admitted (submitted
+# and admitted already include n), 0 blocked by the gate, -1 blocked by backpressure.
+ADMIT = (
+    _RECLAIM
+    + """
+reclaim(KEYS[1], KEYS[4], KEYS[7], ARGV[8], ARGV[6])
 redis.call('SET', KEYS[5], '1', 'PX', ARGV[7])
 local n = tonumber(ARGV[1])
 local sub = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -34,20 +49,25 @@ if ARGV[5] ~= nil and ARGV[5] ~= '' then
 end
 local cap = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3])
 local backlog = redis.call('XLEN', KEYS[3])
+local admitted = tonumber(redis.call('GET', KEYS[6]) or '0')
 if sub + n > cap then
-  return {0, sub, v, backlog}
+  return {0, sub, v, backlog, admitted}
 end
 if backlog >= tonumber(ARGV[4]) then
-  return {-1, sub, v, backlog}
+  return {-1, sub, v, backlog, admitted}
 end
 sub = redis.call('INCRBY', KEYS[1], n)
+admitted = redis.call('INCRBY', KEYS[6], n)
 redis.call('HINCRBY', KEYS[4], ARGV[6], n)
-return {1, sub, v, backlog}
+return {1, sub, v, backlog, admitted}
 """
+)
 
-# The holder no longer holds n admissions (never below zero): `give_back` 1 also takes
-# them off the count (their groups will never be put), 0 only ends the hold (put).
-# KEYS: submitted, leases.  ARGV: n, holder, give_back.  Returns the new count.
+# The holder no longer holds n admissions (never below zero). With a reason (ARGV[3] one
+# of keys.GIVE_BACK_REASONS) they are also taken off the gate's count and counted under
+# that reason (their groups will never be put); without ('') the groups were put.
+# KEYS: submitted, leases, the reason's counter.  ARGV: n, holder, reason.
+# Returns the new count.
 RELEASE = """
 local n = tonumber(ARGV[1])
 local held = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
@@ -57,11 +77,29 @@ else
   redis.call('HINCRBY', KEYS[2], ARGV[2], -n)
 end
 local sub = tonumber(redis.call('GET', KEYS[1]) or '0')
-if ARGV[3] == '1' then
-  sub = redis.call('DECRBY', KEYS[1], math.min(n, sub))
+if ARGV[3] ~= '' then
+  local k = math.min(n, sub)
+  sub = redis.call('DECRBY', KEYS[1], k)
+  redis.call('INCRBY', KEYS[3], k)
 end
 return sub
 """
+
+# Reclaim what dead holders held, then report the durable position of production.
+# KEYS: submitted, leases, reclaimed, admitted, then one given-back counter per reason.
+# ARGV: heartbeat key prefix.  Returns {admitted, held by live holders, given back...}.
+POSITION = (
+    _RECLAIM
+    + """
+reclaim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], '')
+local held = 0
+local vals = redis.call('HVALS', KEYS[2])
+for i = 1, #vals do held = held + tonumber(vals[i]) end
+local out = {tonumber(redis.call('GET', KEYS[4]) or '0'), held}
+for i = 5, #KEYS do out[#out + 1] = tonumber(redis.call('GET', KEYS[i]) or '0') end
+return out
+"""
+)
 
 # Acknowledge and delete trained entries (acked data is never read again, so the stream
 # only holds unconsumed and pending entries), counting only entries acked for the first
@@ -73,20 +111,35 @@ redis.call('INCRBY', KEYS[2], n)
 return n
 """
 
-# Resume after a restart: set the version and restore the admission count to at least
-# version * B, so the gate does not open wider than it was.
-# KEYS: version, weights_path, submitted.  ARGV: version, path, B.
-RESTORE = """
+# Resume after a restart: set the version and recompute the gate's count from durable
+# state: every group put is acked, dropped, dead-lettered or still in the stream, and the
+# rest of the count is held by live holders (dead ones are reclaimed first). It is also
+# raised to at least version * B (a server that lost its data must not open the gate
+# wider than the bound), and the data position to at least the checkpoint's.
+# KEYS: version, weights_path, submitted, leases, reclaimed, acked, dropped_stale,
+# dead_count, traj, admitted.  ARGV: version, path, B, heartbeat key prefix, position.
+# Returns {submitted, the count it replaced}.
+RESTORE = (
+    _RECLAIM
+    + """
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2])
-local floor = tonumber(ARGV[1]) * tonumber(ARGV[3])
-local sub = tonumber(redis.call('GET', KEYS[3]) or '0')
-if sub < floor then
-  redis.call('SET', KEYS[3], floor)
-  sub = floor
+reclaim(KEYS[3], KEYS[4], KEYS[5], ARGV[4], '')
+local held = 0
+local vals = redis.call('HVALS', KEYS[4])
+for i = 1, #vals do held = held + tonumber(vals[i]) end
+local count = held + redis.call('XLEN', KEYS[9])
+for i = 6, 8 do count = count + tonumber(redis.call('GET', KEYS[i]) or '0') end
+count = math.max(count, tonumber(ARGV[1]) * tonumber(ARGV[3]))
+local before = tonumber(redis.call('GET', KEYS[3]) or '0')
+redis.call('SET', KEYS[3], count)
+local pos = tonumber(redis.call('GET', KEYS[10]) or '0')
+if pos < tonumber(ARGV[5]) then
+  redis.call('SET', KEYS[10], ARGV[5])
 end
-return sub
+return {count, before}
 """
+)
 
 # Lua's unpack() is limited by the C stack (LUAI_MAXCSTACK, 8000): ack in chunks.
 MAX_IDS_PER_CALL = 1000

@@ -16,8 +16,11 @@ BENCHMARKS: dict[str, str] = {
     "controller": "rollout_service.bench_controller",
     "trainer": "trainer_service.bench",
     "e2e": "areal_hex.launch.bench",
+    "chaos": "areal_hex.launch.chaos",
     "algos": "areal_hex.launch.bench_algos",
     "plan": "scheduler.bench",
+    "fidelity": "areal_hex.launch.bench_fidelity",
+    "gpu": "areal_hex.launch.bench_gpu",
 }
 
 

@@ -1,13 +1,44 @@
 """Live progress of a run from its `metrics.jsonl` (trainer) and `rollout.jsonl`
-(controller): one line refreshed in place on a terminal, plain log lines otherwise."""
+(controller): one line refreshed in place on a terminal, plain log lines otherwise. Until
+the first step is done, the line says what each process is doing (from the `[status]`
+lines of its log, and DeepSpeed's own messages while it builds its op)."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from areal_hex.run_files import RolloutRow, RowTail, RunPaths, TrainerRow
+from areal_hex.run_files import STATUS_MARK, RolloutRow, RowTail, RunPaths, TrainerRow
+
+# Log lines of other tools that say what a process is busy with, and how to say it.
+KNOWN_PHASES = (
+    ("Building extension module", "building DeepSpeed's op (first run only)"),
+    ("Loading extension module", "loading DeepSpeed's op"),
+)
+
+
+def service_status(log: Path, max_bytes: int = 16_000) -> str | None:
+    """What the last status line of a service's log says it is doing, if anything."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("=== "):  # the supervisor's (re)start line: nothing said since
+            return None
+        at = line.find(STATUS_MARK)
+        if at >= 0:
+            return line[at + len(STATUS_MARK) :].strip()
+        for needle, what in KNOWN_PHASES:
+            if needle in line:
+                return what
+    return None
 
 
 def _fmt_duration(s: float | None) -> str:
@@ -18,9 +49,13 @@ def _fmt_duration(s: float | None) -> str:
 
 
 def format_line(state: dict[str, Any], total_steps: int, elapsed_s: float) -> str:
-    """One status line, e.g. `step 12/40 | reward 0.42 | staleness 1 (max 2) | ...`."""
+    """One status line, e.g. `step 12/40 | reward 0.42 | staleness 1 (max 2) | ...`;
+    before the first step, e.g. `step 0/40 | trainer: loading the model | ...`."""
     step = int(state.get("step", 0))
     parts = [f"step {step}/{total_steps}"]
+    if step == 0 and state.get("doing"):
+        doing = [f"{name}: {what}" for name, what in state["doing"].items()]
+        return " | ".join([*parts, *doing, f"elapsed {_fmt_duration(elapsed_s)}"])
     r = state.get("reward_mean")
     parts.append(f"reward {r:.3f}" if isinstance(r, (int, float)) else "reward -")
     if "staleness" in state:
@@ -53,8 +88,11 @@ class Progress:
         min_interval_s: float = 0.5,
         log_interval_s: float = 15.0,
         mode: str = "auto",
+        services: Sequence[str] = (),
     ) -> None:
+        """`services`: processes whose status lines are shown until the first step."""
         paths = RunPaths.at(run_dir)
+        self.logs = {name: paths.log(name) for name in services}
         self.metrics = RowTail(paths.metrics, TrainerRow)
         self.rollout = RowTail(paths.rollout, RolloutRow)
         self.total_steps = total_steps
@@ -86,6 +124,10 @@ class Progress:
             changed = True
             self.state["samples_per_s"] = r.samples_per_s
             self.state["groups_produced_total"] = r.groups_produced_total
+        if self.state.get("step", 0) == 0 and self.logs:
+            doing = {n: w for n, log in self.logs.items() if (w := service_status(log))}
+            changed |= doing != self.state.get("doing")
+            self.state["doing"] = doing
         return changed
 
     def tick(self) -> None:

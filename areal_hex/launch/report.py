@@ -1,7 +1,9 @@
 """The end-of-run report: `summary.json` and PNG plots (matplotlib, Agg backend) from
 `metrics.jsonl`, `rollout.jsonl`, `events.json` and the buffer's final counters.
 
-Group accounting (every admitted group is accounted for):
+Group accounting: when the launcher read the ledger (areal_hex/launch/ledger.py: durable
+state, every attempt) it replaces the per-process counters below, and times and rates
+are over the time the job actually ran. Without it (a report rebuilt from files alone):
     produced (put by the controller) = trained + dropped_stale + dead_letter
                                        + left in the buffer at stop (unconsumed + pending)
 and groups still generating at stop are reported as `in_flight_controller`.
@@ -15,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.fidelity import add_fidelity
+from areal_hex.launch.ledger import summary_fields
+from areal_hex.launch.report_mismatch import plot_mismatch
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
 
@@ -119,6 +124,7 @@ def summarize(
     cfg: ExperimentConfig,
     buffer: dict[str, Any] | None = None,
     outcome: str = "finished",
+    ledger: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     paths = RunPaths.at(run_dir, cfg.inference.weights_dir)
     metrics = read_rows(paths.metrics, TrainerRow)
@@ -130,7 +136,7 @@ def summarize(
     for r in metrics:
         hist.update({str(k): int(v) for k, v in r.staleness_hist.items()})
     published = paths.versions_on_disk()
-    return {
+    summary = {
         "run_id": cfg.run.run_id,
         "mode": cfg.run.mode,
         "outcome": outcome,
@@ -153,6 +159,9 @@ def summarize(
         "restarts": events.get("restarts", {}),
         "buffer": buffer,
     }
+    if ledger is not None:
+        summary.update(summary_fields(ledger, events, metrics, cfg.rollout.group_size))
+    return summary
 
 
 # ---------------------------------------------------------------- plots
@@ -263,6 +272,7 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
     _plot_throughput(plt, metrics, rollout, out, t0)
     _plot_timeline(plt, metrics, rollout, out, t0)
+    plot_mismatch(plt, metrics, out)
     return sorted(out.glob("*.png"))
 
 
@@ -271,9 +281,11 @@ def write_report(
     cfg: ExperimentConfig,
     buffer: dict[str, Any] | None = None,
     outcome: str = "finished",
+    ledger: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write `summary.json` and `report/*.png`; returns the summary."""
-    summary = summarize(run_dir, cfg, buffer, outcome)
+    summary = summarize(run_dir, cfg, buffer, outcome, ledger)
+    add_fidelity(run_dir, cfg, summary)  # predicted vs measured, report/fidelity.png
     plots = write_plots(run_dir, summary)
     summary["plots"] = [str(p.relative_to(run_dir)) for p in plots]
     RunPaths.at(run_dir).summary.write_text(json.dumps(summary, indent=2, sort_keys=True))

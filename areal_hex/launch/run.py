@@ -3,14 +3,22 @@
 Order: run directory and resolved config (prepare.py), v0 weights, Valkey, inference
 servers (wait for /health), then trainer and controller. The run ends when the trainer
 finishes its last step (then the controller, servers and Valkey are stopped, in that
-order, and the report is written), on Ctrl-C, or when a process fails for good (its last
-log lines are printed and the exit code is 1). A crashed inference server is restarted.
+order, and the report is written), on Ctrl-C / SIGTERM, or when a process fails for good
+(its last log lines are printed and the exit code is 1). Any process that dies is
+restarted, up to `run.max_restarts` times each: an inference server or Valkey (on its
+append-only file) whatever its exit code, the trainer (from its newest complete
+checkpoint) and the controller (at its data position) when they fail.
+
+Each start of a run directory is an attempt: `attempts/<n>/` keeps its events and
+summary; `events.json` lists every attempt and `summary.json` holds the ledger over all of
+them (areal_hex/launch/ledger.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from areal_hex.config import ExperimentConfig
-from areal_hex.launch.supervisor import Outcome, ProcessSpec, Supervisor, tail_lines
+from areal_hex.launch.supervisor import OnExit, Outcome, ProcessSpec, Supervisor, tail_lines
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.net import WaitAborted, wait_until
 from areal_hex.plan import Plan
@@ -76,6 +84,10 @@ def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
     return argv
 
 
+# What a service exiting means (supervisor.OnExit); any of them failing is restarted.
+ON_EXIT: dict[str, OnExit] = {"inference": "restart", "redis": "restart", "trainer": "finish"}
+
+
 def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> list[ProcessSpec]:
     run_dir = cfg.run.run_dir()
     inference_cores, trainer_cores = core_groups(cfg.run.pin_cores)
@@ -105,7 +117,8 @@ def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> l
                 command=_command(svc, config_path),
                 log_path=RunPaths.at(run_dir).log(svc.name),
                 env=env,
-                on_exit={"inference": "restart", "trainer": "finish"}.get(svc.role, "fail"),
+                on_exit=ON_EXIT.get(svc.role, "fail"),
+                restart_on_failure=True,
                 max_restarts=cfg.run.max_restarts,
                 cpus=cores,
             )
@@ -159,18 +172,45 @@ def buffer_stats(cfg: ExperimentConfig) -> dict[str, Any] | None:
     import dataclasses
 
     from areal_hex.buffer import BufferKeys, read_stats
+
+    client = _client(cfg)
+    if client is None:
+        return None
+    try:
+        return dataclasses.asdict(read_stats(client, BufferKeys(str(cfg.run.run_id))))
+    except Exception:
+        return None
+    finally:
+        client.close()
+
+
+def _client(cfg: ExperimentConfig) -> Any:
     from areal_hex.buffer.embedded import RedisEndpoint
 
     if cfg.redis.url is None or cfg.run.run_id is None:
         return None
     ep = RedisEndpoint(cfg.redis.url, cfg.redis.username, cfg.redis.password)
-    client = ep.sync_client(socket_connect_timeout=2, socket_timeout=5)
-    try:
-        return dataclasses.asdict(read_stats(client, BufferKeys(cfg.run.run_id)))
-    except Exception:
-        return None
-    finally:
-        client.close()
+    return ep.sync_client(socket_connect_timeout=2, socket_timeout=5)
+
+
+def run_ledger(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The ledger from the running Valkey, else from a copy of its append-only file."""
+    import redis
+
+    from areal_hex.launch.ledger import ledger_from_aof, read_ledger
+
+    paths = RunPaths.of(cfg)
+    run_id = str(cfg.run.run_id)
+    client = _client(cfg)
+    if client is not None:
+        try:
+            return read_ledger(client, run_id, paths)
+        except redis.RedisError:
+            pass
+        finally:
+            client.close()
+    valkey_dir = Path(cfg.redis.data_dir) if cfg.redis.data_dir else paths.valkey
+    return ledger_from_aof(valkey_dir, run_id, paths)
 
 
 # ---------------------------------------------------------------- the run
@@ -197,22 +237,29 @@ def start_services(
         sup.start(spec)
 
 
-def stop_services(sup: Supervisor, cfg: ExperimentConfig, layout: Layout) -> dict[str, Any] | None:
-    """Controller first (it puts or gives back what is in flight), then read the buffer,
-    then trainer, servers and Valkey."""
+def stop_services(
+    sup: Supervisor, cfg: ExperimentConfig, layout: Layout
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Controller first (it puts or gives back what is in flight), then the trainer (it
+    checkpoints its last completed step and acknowledges it), then read the buffer and
+    the ledger, then servers and Valkey. Returns (buffer counters, ledger)."""
 
     def names(role: str) -> list[str]:
         return [s.name for s in layout.by_role(role)]  # type: ignore[arg-type]
 
     sup.stop(names("controller"), timeout_s=cfg.rollout.stop_grace_s + 15)
+    sup.stop(names("trainer"), timeout_s=60)
     stats = buffer_stats(cfg)
-    sup.stop(names("trainer"), timeout_s=30)
+    ledger = run_ledger(cfg) if cfg.run.run_id is not None else None
     sup.stop(names("inference"), timeout_s=15)
     sup.stop(names("redis"), timeout_s=15)
-    return stats
+    return stats, ledger
 
 
-def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float) -> None:
+def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float) -> int:
+    """This attempt's events into `attempts/<n>/events.json`, and every attempt's into
+    `events.json` (its top level: this attempt's). Returns n."""
+    paths = RunPaths.at(run_dir)
     data = {
         "t_start": t_start,
         "t_services_ready": t_ready,
@@ -220,7 +267,13 @@ def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float)
         "events": [{"time": t, "process": n, "event": e} for t, n, e in sup.events],
         "restarts": {n: m.restarts for n, m in sup.procs.items()},
     }
-    RunPaths.at(run_dir).events.write_text(json.dumps(data, indent=2))
+    done = paths.attempts()
+    n = (done[-1] + 1) if done else 1
+    paths.attempt(n).mkdir(parents=True, exist_ok=True)
+    (paths.attempt(n) / "events.json").write_text(json.dumps(data, indent=2))
+    every = [json.loads((paths.attempt(k) / "events.json").read_text()) for k in [*done, n]]
+    paths.events.write_text(json.dumps({**data, "attempt": n, "attempts": every}, indent=2))
+    return n
 
 
 def execute(
@@ -230,18 +283,24 @@ def execute(
     progress: bool = True,
     stream: TextIO | None = None,
     timeout_s: float | None = None,
+    profile_dir: Path | None = None,
 ) -> RunResult:
-    """Start, watch and stop the services of a prepared run; write the report."""
+    """Start, watch and stop the services of a prepared run; write the report. The cost
+    model's prediction for the layout (`prediction.json`) comes from the plan, else from a
+    local profile (`profile_dir`), for the report to hold the run against."""
+    from areal_hex.launch.predict import predict_run, write_prediction
     from areal_hex.launch.progress import Progress
     from areal_hex.launch.report import write_report
 
     stream = stream or sys.stderr
     run_dir = cfg.run.run_dir()
+    write_prediction(RunPaths.at(run_dir).prediction, predict_run(cfg, plan, profile_dir))
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path)
     t_start = time.time()
     t_ready = t_start
     stats: dict[str, Any] | None = None
+    ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         try:
             start_services(sup, cfg, layout, specs)
@@ -251,19 +310,27 @@ def execute(
             return RunResult(run_dir, Outcome("failed", None, None, str(exc)))
         except KeyboardInterrupt:
             stop_services(sup, cfg, layout)
+            write_events(run_dir, sup, t_start, t_ready)
             return RunResult(run_dir, Outcome("interrupted"))
         t_ready = time.time()
         view = Progress(
-            run_dir, cfg.trainer.total_steps, stream, enabled=progress, mode=cfg.run.progress
+            run_dir,
+            cfg.trainer.total_steps,
+            stream,
+            enabled=progress,
+            mode=cfg.run.progress,
+            services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
         )
         outcome = sup.watch(on_tick=view.tick, timeout_s=timeout_s)
         view.close()
         try:
-            stats = stop_services(sup, cfg, layout)
+            stats, ledger = stop_services(sup, cfg, layout)
         except KeyboardInterrupt:
             sup.stop(timeout_s=2)
-        write_events(run_dir, sup, t_start, t_ready)
-    summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status)
+        attempt = write_events(run_dir, sup, t_start, t_ready)
+    summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status, ledger=ledger)
+    attempt_dir = RunPaths.at(run_dir).attempt(attempt)
+    shutil.copyfile(RunPaths.at(run_dir).summary, attempt_dir / "summary.json")
     return RunResult(run_dir, outcome, summary)
 
 

@@ -31,6 +31,9 @@ class ProcessSpec:
     # done); "restart": start it again (up to max_restarts, any exit code); "finish": exit
     # code 0 ends the run successfully, non-zero fails it.
     on_exit: OnExit = "fail"
+    # A "fail" or "finish" process that exits non-zero is started again (up to
+    # max_restarts) instead of failing the run.
+    restart_on_failure: bool = False
     max_restarts: int = 3
     cpus: set[int] | None = None  # CPU affinity (None: inherit)
     cwd: str | None = None
@@ -81,6 +84,29 @@ def _set_affinity(cpus: set[int] | None) -> Callable[[], None] | None:
         os.sched_setaffinity(0, cpus)
 
     return apply
+
+
+def _group_alive(pgid: int) -> bool:
+    """Is any process of group `pgid` alive (zombies waiting to be reaped do not count)?"""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 class Supervisor:
@@ -163,7 +189,10 @@ class Supervisor:
                 return Outcome("finished", name, rc)
             if spec.on_exit == "fail" and rc == 0:
                 continue  # done with its work (the controller after its last group)
-            if spec.on_exit == "restart" and m.restarts < spec.max_restarts:
+            may_restart = spec.on_exit == "restart" or spec.restart_on_failure
+            if may_restart and m.restarts < spec.max_restarts:
+                self._signal(m.proc, signal.SIGKILL)  # what it left behind (ranks, workers)
+                self._wait_group(m.proc.pid, 10.0)
                 m.restarts += 1
                 with open(spec.log_path, "ab") as log:
                     log.write(f"\n=== {name} exited ({rc}); restart {m.restarts}\n".encode())
@@ -207,18 +236,28 @@ class Supervisor:
             m = self.procs.get(name)
             if m is None or m.proc is None:
                 continue
-            if m.proc.poll() is None:
+            if m.proc.poll() is None or _group_alive(m.proc.pid):
                 self._signal(m.proc, signal.SIGTERM)
-                try:
-                    m.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
+                # the whole group: a launcher may exit at once while its ranks still
+                # write their last checkpoint
+                if not self._wait_group(m.proc.pid, timeout_s):
                     self._signal(m.proc, signal.SIGKILL)
-                    m.proc.wait()
+                m.proc.wait()
                 self.events.append((time.time(), name, "stopped"))
             # children left behind in its group (e.g. ranks of a killed launcher)
             self._signal(m.proc, signal.SIGKILL)
             if m.returncode is None:
                 m.returncode = m.proc.returncode
+
+    @staticmethod
+    def _wait_group(pgid: int, timeout_s: float) -> bool:
+        """Wait until no live process is left in the process group; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while _group_alive(pgid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     @staticmethod
     def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:

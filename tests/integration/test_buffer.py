@@ -313,13 +313,25 @@ async def test_watch_versions_yields_current_then_updates(
     await p.aclose()
 
 
-def test_restore_raises_admission_floor(endpoint: RedisEndpoint, run_id: str) -> None:
-    r = endpoint.sync_client()
+def test_restore_recounts_admissions_from_durable_state(
+    endpoint: RedisEndpoint, run_id: str
+) -> None:
+    r, keys = endpoint.sync_client(), BufferKeys(run_id)
     pub = RedisWeightPublisher(r, run_id, cfg(groups_per_step=4))
-    assert pub.restore(5, "/w/v5") == 20  # fresh Redis: submitted = v * B
-    r.set(BufferKeys(run_id).submitted, 31)
-    assert pub.restore(6, "/w/v6") == 31  # never lowered
-    assert int(r.get(BufferKeys(run_id).version)) == 6
+    assert pub.restore(5, "/w/v5", position=23) == 20  # fresh Redis: submitted = v * B
+    assert int(r.get(keys.admitted)) == 23  # the data position comes back from the checkpoint
+    # 25 acked, 2 dropped, 1 dead-lettered, 3 in the stream, 2 held by a live producer
+    r.mset({keys.acked: 25, keys.dropped_stale: 2, keys.dead_count: 1})
+    for _ in range(3):
+        r.xadd(keys.traj, {b"d": b"x"})
+    r.hset(keys.leases, mapping={"alive": 2, "dead": 5})
+    r.set(keys.lease("alive"), 1)
+    r.set(keys.submitted, 47)  # 5 more than that: leaked by the dead holder
+    assert pub.restore(6, "/w/v6") == 25 + 2 + 1 + 3 + 2
+    assert r.hgetall(keys.leases) == {b"alive": b"2"}
+    assert int(r.get(keys.given_back("reclaimed"))) == 5
+    assert int(r.get(keys.version)) == 6
+    assert int(r.get(keys.admitted)) == 23  # never lowered
 
 
 def test_password_from_config(tmp_path: object) -> None:

@@ -219,6 +219,53 @@ def test_sigkill_then_resume_trains_each_group_once(assets: dict[str, Path]) -> 
         assert end.submitted == 24
 
 
+@pytest.mark.timeout(600)
+def test_sigterm_checkpoints_the_last_completed_step(assets: dict[str, Path]) -> None:
+    """SIGTERM to the trainer's process group (what the launcher sends) while it waits for
+    a batch: it checkpoints the steps done since the last checkpoint, acknowledges their
+    groups and exits; the resume continues from that step, each group trained once."""
+    import redis
+
+    from areal_hex.buffer import BufferKeys, EmbeddedValkey
+    from areal_hex.launch.ledger import trained_twice
+    from areal_hex.launch.supervisor import Supervisor
+    from trainer_service.checkpoint import read_committed
+    from trainer_service.sources import ReplayConsumer
+
+    groups = ReplayConsumer(assets["replay"]).groups[:12] * 2  # 24 entries, 6 steps of 4
+    with EmbeddedValkey(appendonly=False) as server:
+        over = {
+            "redis.url": server.url,
+            "buffer.max_staleness": 100,
+            "trainer.replay_path": None,
+            "trainer.total_steps": 6,
+            "trainer.checkpoint_every": 4,
+            "trainer.publish_every": 2,
+        }
+        fill_buffer(server.url, "termed", groups[:12])  # 3 steps; then it waits for more
+        run_dir, proc = run_train(assets, "termed", over, wait=False)
+        assert proc is not None
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file() or metrics(run_dir)[-1]["step"] < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "no step 3"
+            time.sleep(0.05)
+        time.sleep(1.0)  # waiting for step 4's batch
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert Supervisor._wait_group(proc.pid, 120), "the trainer did not exit"
+        proc.wait(timeout=10)
+        assert (run_dir / "checkpoints" / "step3" / "COMPLETE").is_file()
+        r = redis.Redis.from_url(server.url)
+        assert int(r.get(BufferKeys("termed").acked)) == 12  # all three steps committed
+        assert [c["step"] for c in read_committed(run_dir / "committed.jsonl")] == [3]
+
+        fill_buffer(server.url, "termed", groups[12:])
+        run_train(assets, "termed", over)
+        assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+        assert int(r.get(BufferKeys("termed").acked)) == 24
+        assert trained_twice(run_dir / "committed.jsonl") == 0
+        assert "stopped (checkpointed) at step 3" in (assets["dir"] / "termed.log").read_text()
+
+
 @pytest.mark.timeout(300)
 def test_published_weights_serve_the_trainers_log_probs(assets: dict[str, Path]) -> None:
     """v2 loaded by the inference engine samples with the log-probs the trainer's own

@@ -56,6 +56,8 @@ def test_process_specs_commands_policies_and_pinning(tmp_path: Path) -> None:
     assert specs["inference-0"].command[-2:] == ["--index", "0"]
     assert specs["inference-0"].on_exit == "restart"
     assert specs["trainer"].on_exit == "finish" and specs["controller"].on_exit == "fail"
+    assert specs["redis"].on_exit == "restart"  # on its append-only file
+    assert all(s.restart_on_failure and s.max_restarts == 3 for s in specs.values())
     assert specs["controller"].log_path == tmp_path / "r" / "logs" / "controller.log"
     rollout, trainer = core_groups(True)
     if rollout is None:

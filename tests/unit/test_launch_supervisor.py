@@ -138,3 +138,57 @@ def test_tail_lines_reads_the_end(tmp_path: Path) -> None:
     p.write_text("".join(f"line {i}\n" for i in range(1000)))
     assert tail_lines(p, 2).splitlines() == ["line 998", "line 999"]
     assert tail_lines(tmp_path / "missing.log") == "(no log)"
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_service_is_restarted_and_then_finishes(tmp_path: Path) -> None:
+    # a trainer killed once (exit -9 the first time) is started again and finishes
+    marker = tmp_path / "killed"
+    code = (
+        "import os, signal\n"
+        f"m = {str(marker)!r}\n"
+        "if not os.path.exists(m):\n"
+        "    open(m, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "print('resumed and done')\n"
+    )
+    with Supervisor(poll_s=0.05) as sup:
+        sup.start(spec(tmp_path, "trainer", code, on_exit="finish", restart_on_failure=True))
+        out = sup.watch(timeout_s=30)
+    assert out.status == "finished" and sup.procs["trainer"].restarts == 1
+    assert [e for _, n, e in sup.events] == ["start", "exit -9", "start", "restart", "exit 0"]
+
+
+@pytest.mark.timeout(60)
+def test_without_restarts_a_failure_fails_the_run(tmp_path: Path) -> None:
+    code = "import sys; sys.exit(4)"
+    with Supervisor(poll_s=0.05) as sup:
+        sup.start(spec(tmp_path, "controller", code, restart_on_failure=True, max_restarts=0))
+        out = sup.watch(timeout_s=30)
+    assert out.status == "failed" and out.returncode == 4
+
+
+@pytest.mark.timeout(60)
+def test_stop_waits_for_the_whole_group(tmp_path: Path) -> None:
+    # the leader exits at once on SIGTERM; its child takes a while to write its last file
+    done = tmp_path / "checkpoint"
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(1.0)\n"
+        f"    open({str(done)!r}, 'w').write('ok'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('rea' + 'dy', flush=True)\n"  # not found in the command line the log shows
+        "time.sleep(60)\n"
+    )
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        "time.sleep(60)\n"
+    )
+    with Supervisor(poll_s=0.05) as sup:
+        sup.start(spec(tmp_path, "trainer", code))
+        deadline = time.monotonic() + 20
+        while "ready" not in tail_lines(tmp_path / "trainer.log") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sup.stop(timeout_s=20)
+    assert done.read_text() == "ok"  # not SIGKILLed when the leader went
