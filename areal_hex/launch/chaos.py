@@ -65,14 +65,15 @@ def job_overrides(steps: int) -> list[str]:
 
 
 def fault_plan(kinds: list[str], steps: int, seed: int) -> list[tuple[int, str]]:
-    """(step after which to strike, kind), in step order: random distinct steps spread over
-    the middle of the job, one per fault, in a random order of kinds."""
+    """(step after which to strike, kind), in step order: random steps spread over the
+    middle of the job, one per fault, in a random order of kinds, at least half a share of
+    the job apart (so each fault's recovery is seen before the next)."""
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
     lo, hi = 2, max(3, steps - 4)
     span = (hi - lo) / len(order)
-    at = [int(lo + span * i + rng.random() * span * 0.8) for i in range(len(order))]
+    at = [int(lo + span * i + rng.random() * span * 0.5) for i in range(len(order))]
     return list(zip(at, order, strict=True))
 
 
@@ -135,23 +136,27 @@ def steps_done(run_dir: Path) -> list[TrainerRow]:
     return read_rows(RunPaths.at(run_dir).metrics, TrainerRow)
 
 
-def live_ledger(run_dir: Path) -> dict[str, Any] | None:
-    """The ledger read from the running Valkey. A commit landing between the checkpoint
-    read and the counters read shows its groups as missing; such a read is repeated."""
+def live_ledger(run_dir: Path, timeout_s: float = 60.0) -> dict[str, Any] | None:
+    """The ledger read from the running Valkey (waiting while it restarts). A commit
+    landing between the checkpoint read and the counters read shows its groups as
+    missing; such a read is repeated."""
     import redis
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     client = redis.Redis.from_url(cfg["redis"]["url"], socket_timeout=5)
+    deadline = time.monotonic() + timeout_s
+    out = None
     try:
-        out = None
-        for _ in range(5):
-            out = read_ledger(client, RUN_ID, RunPaths.at(run_dir))
+        while time.monotonic() < deadline:
+            try:
+                out = read_ledger(client, RUN_ID, RunPaths.at(run_dir))
+            except redis.RedisError:
+                time.sleep(0.5)
+                continue
             if out.get("groups_lost") == 0:
                 return out
             time.sleep(0.5)
         return out
-    except redis.RedisError:
-        return None
     finally:
         client.close()
 
@@ -169,15 +174,20 @@ PROCESS = {"inference": "inference-0", "trainer": "trainer", "controller": "cont
 PROCESS["valkey"] = "redis"
 
 
-def restarts_between(run_dir: Path, t0: float, t1: float) -> dict[str, int]:
-    """Restarts per process between a fault and the next one (or the end)."""
+def restarts_after(run_dir: Path, kind: str, t: float) -> int:
+    """How often the struck process was started again after the fault (the launcher:
+    attempts started after it)."""
     events = json.loads(RunPaths.at(run_dir).events.read_text())
-    out: dict[str, int] = {}
-    for a in events.get("attempts", [events]):
-        for e in a.get("events", []):
-            if e["event"] == "restart" and t0 <= e["time"] < t1:
-                out[e["process"]] = out.get(e["process"], 0) + 1
-    return out
+    attempts = events.get("attempts", [events])
+    if kind == "launcher":
+        return sum(1 for a in attempts if a["t_start"] > t)
+    name = PROCESS[kind]
+    return sum(
+        1
+        for a in attempts
+        for e in a.get("events", [])
+        if e["process"] == name and e["event"] == "restart" and e["time"] > t
+    )
 
 
 def back_after(run_dir: Path, kind: str, t: float) -> float | None:
@@ -254,9 +264,8 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=180)
-    ends = [f["t"] for f in faults[1:]] + [time.time()]
-    for f, end in zip(faults, ends, strict=True):
-        f["restarts"] = restarts_between(run_dir, f["t"], end)
+    for f in faults:
+        f["restarts"] = restarts_after(run_dir, f["kind"], f["t"])
         f["restarted_after_s"] = back_after(run_dir, f["kind"], f.pop("t"))
     summary = json.loads(RunPaths.at(run_dir).summary.read_text())
     completed = rc == 0 and summary.get("steps") == args.steps
