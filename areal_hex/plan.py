@@ -59,7 +59,35 @@ class Baselines(Section):
     simulated_max_staleness: int | None = None
     mip_gap: float = 0.0
     milp_samples_per_s: float | None = None  # the MILP's objective (pauses at t_c's period)
+    # phase 1's exact rate before placement: above `predicted` only where racks or NICs
+    # make the machines' links differ
+    unplaced_samples_per_s: float | None = None
+    placement: str = "first-fit"  # phase 2: "metis" (mapped on the topology) | "first-fit"
+    first_fit_samples_per_s: float | None = None  # the same decision placed naively
+    simulated_first_fit_samples_per_s: float | None = None
+    # the staleness bound and publish interval the plan assumes (buffer.max_staleness,
+    # trainer.publish_every); tuned within --max-staleness / --max-publish-interval
+    staleness: int | None = None
+    publish_interval: int | None = None
+    # what holds the plan back and what it is worth (scheduler/assess.py)
+    binding: str | None = None  # training | generation | weight sync | staleness gate
+    limits: list[str] = []  # budget | inventory
+    generation_utilisation: float | None = None
+    training_utilisation: float | None = None
+    homogeneous_ratio: float | None = None  # rate / best one-kind rate, same budget
+    cost_ratio: float | None = None  # cheapest one-kind cost at this rate / this cost
+    recommended_mode: str = "async"  # "synchronous" when the colocated sync plan is faster
+    unspent_usd_per_h: float | None = None
     solve_s: float = 0.0
+
+
+class PlanSources(Section):
+    """The files a plan was made from, so a run can price its layout with the same inputs
+    (absolute paths; `profile` is None for the analytic cost model)."""
+
+    cluster: str
+    workload: str | None = None
+    profile: str | None = None
 
 
 class Plan(Section):
@@ -73,6 +101,7 @@ class Plan(Section):
     trainer: TrainerPlacement
     predicted: Prediction
     baselines: Baselines | None = None  # optional; written by `areal-hex plan`
+    sources: PlanSources | None = None  # optional; written by `areal-hex plan`
 
 
 def load_plan(path: str | Path) -> Plan:

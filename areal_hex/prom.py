@@ -4,20 +4,24 @@ that the report reads, so a scrape and `metrics.jsonl` cannot disagree.
 
 Each collector reads its source at scrape time and each service owns its registry (no
 module-level collectors), as the inference server's `rollout_service/metrics.py` does.
+Histograms are filled where the event happens: a step row's phases (trainer), a wait at
+the staleness gate and each generate request (controller, through its observer lists).
 Names follow Prometheus conventions: `areal_hex_<part>_<what>_<unit>`, counters end in
 `_total` (the text format adds the suffix), durations in `_seconds`. `METRIC_NAMES` lists
-every family; docs/observability.md and the Grafana dashboard use only these.
+every sample name; docs/observability.md and the Grafana dashboard use only these.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -27,54 +31,83 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from areal_hex.api import BufferStats
-from areal_hex.run_files import RolloutRow, TrainerRow
+from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow
 
 T = "areal_hex_trainer_"
 R = "areal_hex_rollout_"
 B = "areal_hex_buffer_"
+P = "areal_hex_predicted_"
 
 # The phases a trainer step's wall time splits into (TrainerRow fields, seconds).
 STEP_PHASES = ("wait", "compute", "publish", "checkpoint")
+# Bucket bounds in seconds: step phases and gate waits (ms to minutes), generate requests.
+STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
+
+
+def device_kind(device: str) -> str:
+    """The trainer's `gpu_kind` label: the CUDA device's name ("NVIDIA H100 80GB HBM3"),
+    or "cpu"."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
 
 
 class TrainerCollector(Collector):
-    """The trainer's metrics from its latest step row plus the steps seen so far."""
+    """The trainer's metrics from its latest step row plus the steps seen so far.
+    `gpu_kind` labels its token counts; `group_size` turns groups into samples."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu_kind: str = "cpu", group_size: int = 1) -> None:
         self.row = TrainerRow()
-        self.phase_s = dict.fromkeys(STEP_PHASES, 0.0)
+        self.gpu_kind = gpu_kind
+        self.group_size = group_size
         self.staleness: dict[int, int] = {}  # versions behind -> groups trained
+        self.phases = Histogram(
+            T + "step_phase_seconds",
+            "trainer step wall time by phase",
+            ["phase"],
+            registry=None,
+            buckets=STEP_BUCKETS,
+        )
 
     def observe(self, row: TrainerRow) -> None:
         """Take one step's row (called where the row is appended to metrics.jsonl)."""
         self.row = row
         for phase in STEP_PHASES:
-            self.phase_s[phase] += getattr(row, f"{phase}_s")
+            self.phases.labels(phase).observe(getattr(row, f"{phase}_s"))
         for behind, n in row.staleness_hist.items():
             self.staleness[int(behind)] = self.staleness.get(int(behind), 0) + n
 
     def collect(self) -> Iterator[Metric]:
         r = self.row
-        steps = CounterMetricFamily(
-            T + "step_phase_seconds", "trainer wall time by step phase", labels=["phase"]
-        )
-        for phase, s in self.phase_s.items():
-            steps.add_metric([phase], s)
-        yield steps
+        yield from self.phases.collect()
         yield GaugeMetricFamily(T + "step", "optimizer steps taken", r.step)
         yield GaugeMetricFamily(T + "version", "policy version last published", r.version)
-        yield GaugeMetricFamily(
-            T + "tokens_per_second", "tokens/s of the last step", r.tokens_per_s
-        )
         yield GaugeMetricFamily(T + "loss", "loss of the last step", r.loss)
+        kind = [self.gpu_kind]
+        tps = GaugeMetricFamily(
+            T + "tokens_per_second", "tokens/s of the last step", labels=["gpu_kind"]
+        )
+        tps.add_metric(kind, r.tokens_per_s)
+        yield tps
+        tokens = CounterMetricFamily(T + "tokens", "tokens trained", labels=["gpu_kind"])
+        tokens.add_metric(kind, r.tokens_total)
+        yield tokens
         counters = [
-            ("tokens", "tokens trained", r.tokens_total),
+            ("samples", "samples trained", r.groups_trained_total * self.group_size),
             ("groups_trained", "groups trained (acknowledged)", r.groups_trained_total),
             ("dropped_stale", "groups dropped as older than v - eta", r.dropped_stale_total),
             (
                 "dead_letters",
                 "malformed entries moved to the dead-letter stream",
                 r.dead_letter_total,
+            ),
+            (
+                "degenerate_groups",
+                "groups trained whose rewards were all equal (zero advantage)",
+                r.degenerate_groups_total,
             ),
         ]
         for name, doc, value in counters:
@@ -99,14 +132,57 @@ def _staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     )
 
 
-class RolloutCollector(Collector):
-    """The controller's metrics from its latest `RolloutRow` (totals since start)."""
+class ServerView(Protocol):
+    """What the controller's collector reads of one inference server (the dispatcher's
+    `ServerState`), at scrape time."""
 
-    def __init__(self) -> None:
+    @property
+    def url(self) -> str: ...
+
+    index: int
+    healthy: bool
+    in_flight: int
+    requests_total: int
+    failures_total: int
+    tokens_total: int
+
+
+class RolloutCollector(Collector):
+    """The controller's metrics: its latest `RolloutRow` (totals since start), the
+    staleness-gate waits and generate-request latencies it observes, and the live state
+    of each inference server, labelled `server` (URL) and `gpu_kind`
+    (`inference.gpu_kinds`, "unknown" when not given)."""
+
+    def __init__(self, servers: Sequence[ServerView] = (), gpu_kinds: Sequence[str] = ()) -> None:
         self.row = RolloutRow()
+        self.servers = list(servers)
+        self.gpu_kinds = list(gpu_kinds)
+        self.gate_waits = Histogram(
+            R + "gate_wait_seconds",
+            "time a prompt waited for the staleness gate (and backpressure)",
+            registry=None,
+            buckets=STEP_BUCKETS,
+        )
+        self.requests = Histogram(
+            R + "request_seconds",
+            "latency of one generate request to an inference server",
+            ["server", "gpu_kind"],
+            registry=None,
+            buckets=REQUEST_BUCKETS,
+        )
 
     def observe(self, row: RolloutRow) -> None:
         self.row = row
+
+    def observe_gate_wait(self, seconds: float) -> None:
+        self.gate_waits.observe(seconds)
+
+    def observe_request(self, server: ServerView, seconds: float) -> None:
+        self.requests.labels(*self._labels(server)).observe(seconds)
+
+    def _labels(self, server: ServerView) -> list[str]:
+        kinds = self.gpu_kinds
+        return [server.url, kinds[server.index] if server.index < len(kinds) else "unknown"]
 
     def collect(self) -> Iterator[Metric]:
         r = self.row
@@ -120,7 +196,12 @@ class RolloutCollector(Collector):
         for name, doc, value in gauges:
             yield GaugeMetricFamily(R + name, doc, value)
         counters = [
-            ("groups_produced", "groups written to the buffer", r.groups_produced_total),
+            ("groups_produced", "groups generated and scored", r.groups_produced_total),
+            (
+                "groups_filtered",
+                "groups not buffered: all rewards equal (dynamic sampling)",
+                r.groups_filtered_total,
+            ),
             ("groups_failed", "groups that failed", r.groups_failed_total),
             ("samples", "samples generated", r.samples_total),
             ("tokens", "tokens generated", r.tokens_total),
@@ -132,6 +213,38 @@ class RolloutCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(R + name, doc, value=value)
+        yield from self.gate_waits.collect()
+        yield from self.requests.collect()
+        yield from self._per_server()
+
+    def _per_server(self) -> Iterator[Metric]:
+        labels = ["server", "gpu_kind"]
+        healthy = GaugeMetricFamily(
+            R + "server_healthy", "1 if the server answers health, else 0", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            R + "server_requests_in_flight", "requests running on the server", labels=labels
+        )
+        counters = {
+            "requests_total": CounterMetricFamily(
+                R + "server_requests", "generate requests sent to the server", labels=labels
+            ),
+            "failures_total": CounterMetricFamily(
+                R + "server_failures", "failed requests and probes of the server", labels=labels
+            ),
+            "tokens_total": CounterMetricFamily(
+                R + "server_tokens", "tokens the server generated", labels=labels
+            ),
+        }
+        for s in self.servers:
+            lab = self._labels(s)
+            healthy.add_metric(lab, float(s.healthy))
+            in_flight.add_metric(lab, s.in_flight)
+            for attr, fam in counters.items():
+                fam.add_metric(lab, getattr(s, attr))
+        yield healthy
+        yield in_flight
+        yield from counters.values()
 
 
 class BufferCollector(Collector):
@@ -159,6 +272,46 @@ class BufferCollector(Collector):
         )
 
 
+class PredictionCollector(Collector):
+    """The cost model's rates for the run (`prediction.json`, which the launcher writes
+    from the plan or a local profile; the block of the run's mode), next to which the
+    dashboard draws the measured ones, defined alike (`areal_hex/fidelity.py`)."""
+
+    def __init__(self, predicted: dict[str, float | None]) -> None:
+        self.predicted = predicted
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = [
+            ("samples_per_second", "pipeline_samples_per_s", "trained samples/s of wall time"),
+            (
+                "generation_samples_per_second",
+                "generation_samples_per_s",
+                "samples/s of server busy time",
+            ),
+            (
+                "training_samples_per_second",
+                "training_samples_per_s",
+                "samples/s of trainer compute + publish time",
+            ),
+            ("weight_sync_seconds", "weight_sync_s", "pause per weight update"),
+        ]
+        for name, key, doc in gauges:
+            value = self.predicted.get(key)
+            if value is not None:
+                yield GaugeMetricFamily(P + name, "predicted " + doc, value)
+
+
+def prediction_collectors(run_dir: Path, mode: str) -> list[Collector]:
+    """The run's predicted rates (`mode`: "async" or "sync") when the launcher wrote a
+    prediction; none otherwise (no plan and no profile, or the model lacked an input)."""
+    path = RunPaths.at(run_dir).prediction
+    if not path.is_file():
+        return []
+    prediction = json.loads(path.read_text())
+    block = prediction.get("synchronous" if mode == "sync" else "asynchronous")
+    return [PredictionCollector(block)] if isinstance(block, dict) else []
+
+
 def registry_with(*collectors: Collector) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     for c in collectors:
@@ -166,43 +319,52 @@ def registry_with(*collectors: Collector) -> CollectorRegistry:
     return reg
 
 
-def _names(prefix: str, gauges: list[str], counters: list[str]) -> list[str]:
-    return [prefix + g for g in gauges] + [prefix + c + "_total" for c in counters]
+def _names(
+    prefix: str, gauges: list[str], counters: list[str], hists: Sequence[str] = ()
+) -> list[str]:
+    out = [prefix + g for g in gauges] + [prefix + c + "_total" for c in counters]
+    return out + [prefix + h + s for h in hists for s in ("_bucket", "_sum", "_count")]
 
 
-# Every sample name a scrape carries (counters with their `_total` suffix).
-METRIC_NAMES: tuple[str, ...] = tuple(
+# Every sample name a scrape carries (counters with their `_total` suffix, histograms as
+# their `_bucket`, `_sum` and `_count`).
+TRAINER_NAMES: tuple[str, ...] = tuple(
     _names(
         T,
         ["step", "version", "tokens_per_second", "loss"],
-        ["step_phase_seconds", "tokens", "groups_trained", "dropped_stale", "dead_letters"],
+        ["tokens", "samples", "groups_trained", "dropped_stale", "dead_letters"]
+        + ["degenerate_groups"],
+        ["step_phase_seconds", "staleness_versions"],
     )
-    + [
-        T + "staleness_versions_bucket",
-        T + "staleness_versions_sum",
-        T + "staleness_versions_count",
-    ]
-    + _names(
+)
+ROLLOUT_NAMES: tuple[str, ...] = tuple(
+    _names(
         R,
-        ["groups_in_flight", "servers_healthy", "version", "tokens_per_second", "reward_mean"],
-        [
-            "groups_produced",
-            "groups_failed",
-            "samples",
-            "tokens",
-            "requests",
-            "requests_retried",
-            "weight_updates",
-            "weight_update_seconds",
-            "generation_busy_seconds",
-        ],
+        ["groups_in_flight", "servers_healthy", "version", "tokens_per_second", "reward_mean"]
+        + ["server_healthy", "server_requests_in_flight"],
+        ["groups_produced", "groups_filtered", "groups_failed", "samples", "tokens"]
+        + ["requests", "requests_retried", "weight_updates", "weight_update_seconds"]
+        + ["generation_busy_seconds", "server_requests", "server_failures", "server_tokens"],
+        ["gate_wait_seconds", "request_seconds"],
     )
-    + _names(
+)
+BUFFER_NAMES: tuple[str, ...] = tuple(
+    _names(
         B,
         ["stream_length", "pending", "lag", "version"],
         ["submitted", "dropped_stale", "dead_letters"],
     )
 )
+# Only where the launcher wrote a prediction (`prediction.json`): the trainer serves them.
+PREDICTED_NAMES: tuple[str, ...] = tuple(
+    _names(
+        P,
+        ["samples_per_second", "generation_samples_per_second"]
+        + ["training_samples_per_second", "weight_sync_seconds"],
+        [],
+    )
+)
+METRIC_NAMES: tuple[str, ...] = TRAINER_NAMES + ROLLOUT_NAMES + BUFFER_NAMES + PREDICTED_NAMES
 
 
 # ---------------------------------------------------------------- the /metrics endpoint

@@ -5,6 +5,7 @@
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
       events.json          launcher: start/ready/end times, restarts (every attempt)
+      prediction.json      the cost model's rates for the run's layout (launcher)
       summary.json         the report's summary (the ledger over every attempt)
       attempts/<n>/        each `areal-hex run` attempt's own events.json and summary.json
       committed.jsonl      trainer: the group ids of each committed checkpoint
@@ -76,6 +77,10 @@ class RunPaths:
     @property
     def events(self) -> Path:
         return self.root / "events.json"
+
+    @property
+    def prediction(self) -> Path:
+        return self.root / "prediction.json"
 
     @property
     def summary(self) -> Path:

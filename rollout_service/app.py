@@ -1,15 +1,15 @@
-"""The inference server's HTTP app: SGLang's native API subset over the built-in engine.
+"""The inference server's HTTP app: SGLang's native API and the OpenAI-compatible one
+over the built-in engine (contract: docs/api.md).
 
 `create_app(engine, settings)` only wires routes; the engine is built elsewhere
 (`rollout_service.server`) and started/stopped in the lifespan. All state lives on
-`app.state`.
+`app.state`. No client input gets a 5xx: bad values are 400s naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,20 +19,36 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from rollout_service import wire
 from rollout_service.engine import Engine
+from rollout_service.http_common import (
+    SSE_DONE,
+    BodyLimit,
+    error,
+    run_all,
+    sse,
+    token_matches,
+)
 from rollout_service.metrics import build_registry
-from rollout_service.requests import EngineError, GenRequest
+from rollout_service.openai_routes import add_openai_routes
+from rollout_service.requests import (
+    NO_EXTRA_LOGPROBS,
+    EngineError,
+    GenRequest,
+    LogprobSpec,
+    trimmed_text,
+)
 
 M = TypeVar("M", bound=BaseModel)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 SERVER_VERSION = "areal-hex-builtin"
+LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry (vLLM's choice)
 
 
 @dataclass
@@ -42,10 +58,8 @@ class ServerSettings:
     tokenizer_path: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)  # shown by /get_server_info
     health_generate_timeout_s: float = 20.0
-
-
-def error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse(wire.error_body(message), status_code=status)
+    max_body_bytes: int = 64 * 2**20
+    served_model_name: str | None = None  # the OpenAI `model` id; default: the model path
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -62,11 +76,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="areal-hex inference server", lifespan=lifespan)
     app.middleware("http")(_auth_middleware)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     _generation_routes(app)
     _weight_routes(app)
     _info_routes(app)
+    add_openai_routes(app)
     return app
 
 
@@ -76,25 +93,33 @@ async def _auth_middleware(
 ) -> Response:
     key = request.app.state.settings.api_key
     if key and request.url.path not in OPEN_PATHS:
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+        if not token_matches(request.headers.get("authorization", ""), key):
             return error("missing or invalid API key (expected 'Authorization: Bearer ...')", 401)
     return await call_next(request)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    parts = []
+    parts, detail = [], []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p not in wire.UNION_TAGS)
-        parts.append(f"{where}: {err.get('msg')}")
+        loc = [p for p in err.get("loc", ()) if p not in wire.UNION_TAGS]
+        msg = str(err.get("msg"))
+        parts.append(f"{'.'.join(str(p) for p in loc)}: {msg}")
+        detail.append({"loc": [str(p) for p in loc], "msg": msg, "type": err.get("type")})
     body = wire.error_body("invalid request: " + "; ".join(parts))
-    body["detail"] = jsonable_encoder(exc.errors(), custom_encoder={Exception: str})
-    return JSONResponse(body, status_code=422)
+    body["detail"] = json.loads(json.dumps(detail).encode("utf-8", "backslashreplace"))
+    return JSONResponse(body, status_code=400)
 
 
 async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
     return error(str(exc), exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (unknown route, wrong method, unreadable body) in the
+    same error shape as ours."""
+    return JSONResponse(
+        wire.error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+    )
 
 
 # ---------------------------------------------------------------------- /generate
@@ -104,25 +129,64 @@ class _Item:
     params: wire.SamplingParamsIn
     logprob: bool
     rid: str
+    want: LogprobSpec = NO_EXTRA_LOGPROBS
+    text_in_logprobs: bool = False
 
 
 def _items(engine: Engine, body: wire.GenerateReqInput) -> list[_Item]:
+    """The engine requests of one call: each prompt `n` times (SGLang's parallel
+    sampling: rid `r` becomes `r_0` .. `r_{n-1}`), in prompt-major order."""
     items: list[_Item] = []
+    counts = set()
     for i in range(body.batch_size()):
         try:
             prompt, params, logprob, rid = body.item(i)
+            start, top = body.logprob_options(i)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
         if isinstance(prompt, str):
             if engine.tokenizer is None:
                 raise EngineError("text: this server has no tokenizer; send input_ids")
             prompt = list(engine.tokenizer.encode(prompt, add_special_tokens=False))
-        engine.validate(prompt, params)
-        items.append(_Item(prompt, params, logprob, rid or uuid.uuid4().hex))
+        want = LogprobSpec(start, top) if logprob else NO_EXTRA_LOGPROBS
+        engine.validate(prompt, params, want)
+        counts.add(params.n)
+        rids = [rid] if params.n == 1 else [rid and f"{rid}_{j}" for j in range(params.n)]
+        for r in rids:
+            item = _Item(prompt, params, logprob, r or uuid.uuid4().hex, want)
+            item.text_in_logprobs = body.return_text_in_logprobs
+            items.append(item)
+    if len(counts) > 1:
+        raise EngineError("sampling_params.n: must be the same for every prompt of a batch")
     rids = [it.rid for it in items]
     if len(set(rids)) != len(rids):
         raise EngineError("rid: the batch repeats a request id")
     return items
+
+
+def _entries(
+    engine: Engine, lps: list[float | None], ids: list[int], with_text: bool
+) -> list[wire.LogprobEntry]:
+    tok = engine.tokenizer if with_text else None
+    return [
+        [
+            None if lp is None else max(lp, LOGPROB_FLOOR),
+            t,
+            tok.decode([t]) if tok is not None else None,
+        ]
+        for lp, t in zip(lps, ids, strict=True)
+    ]
+
+
+def _tops(engine: Engine, tops: list[Any], with_text: bool) -> list[list[wire.LogprobEntry] | None]:
+    out: list[list[wire.LogprobEntry] | None] = []
+    for entry in tops:
+        if entry is None:
+            out.append(None)
+            continue
+        lps, ids = [lp for lp, _ in entry], [t for _, t in entry]
+        out.append(_entries(engine, lps, ids, with_text))
+    return out
 
 
 def _output(
@@ -131,10 +195,8 @@ def _output(
     """The response object of a finished request, or (`upto` = n) of its first n output
     tokens while it still runs (a streaming chunk: no finish reason yet)."""
     final = upto is None
-    ids = list(req.output_ids if final else req.output_ids[:upto])
-    tok = engine.tokenizer
-    skip = item.params.skip_special_tokens
-    text = tok.decode(ids, skip_special_tokens=skip) if tok is not None else ""
+    n = len(req.output_ids) if final else min(upto or 0, len(req.output_ids))
+    ids = list(req.output_ids[:n])
     assert req.finish is not None or not final
     meta = wire.MetaInfo(
         id=req.rid,
@@ -146,11 +208,29 @@ def _output(
         e2e_latency=req.latency(),
     )
     if item.logprob:
-        lps = req.logprobs[: len(ids)]
-        meta.output_token_logprobs = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-        meta.input_token_logprobs = []
-        meta.output_token_versions = list(req.versions[: len(ids)])
-    return wire.GenerateOutput(text=text, output_ids=ids, meta_info=meta).to_wire()
+        text = item.text_in_logprobs
+        start = item.want.start
+        meta.output_token_logprobs = _entries(engine, list(req.logprobs[:n]), ids, text)
+        prompt_ids = req.prompt[start:] if start >= 0 else []
+        inputs = req.input_logprobs if len(req.input_logprobs) == len(prompt_ids) else []
+        meta.input_token_logprobs = _entries(
+            engine, list(inputs), prompt_ids if inputs else [], text
+        )
+        if item.want.top:
+            meta.output_top_logprobs = _tops(engine, req.output_top[:n], text)
+            meta.input_top_logprobs = _tops(engine, req.input_top, text)
+        meta.output_token_versions = list(req.versions[:n])
+    body = wire.GenerateOutput(
+        text=trimmed_text(engine.tokenizer, req, n) if final else _partial(engine, item, ids),
+        output_ids=ids,
+        meta_info=meta,
+    )
+    return body.to_wire()
+
+
+def _partial(engine: Engine, item: _Item, ids: list[int]) -> str:
+    tok = engine.tokenizer
+    return tok.decode(ids, skip_special_tokens=item.params.skip_special_tokens) if tok else ""
 
 
 def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]]:
@@ -158,7 +238,7 @@ def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]
     opened: list[tuple[GenRequest, Any]] = []
     try:
         for it in items:
-            opened.append(engine.open(it.prompt, it.params, it.rid))
+            opened.append(engine.open(it.prompt, it.params, it.rid, want=it.want))
     except EngineError:
         for req, _ in opened:
             engine.finish(req, wire.FinishReason(type="abort", message="batch refused"))
@@ -171,39 +251,26 @@ def _generation_routes(app: FastAPI) -> None:
     async def generate(body: wire.GenerateReqInput, request: Request) -> Response:
         engine: Engine = request.app.state.engine
         items = _items(engine, body)
+        many = body.is_batch or len(items) > 1
         if body.stream:
-            if body.is_batch:
-                raise EngineError("stream: streaming takes one request per call")
+            if many:
+                raise EngineError("stream: streaming takes one request (n = 1) per call")
             return _stream(engine, items[0])
-        tasks = [asyncio.ensure_future(engine.run(r, f)) for r, f in _open_all(engine, items)]
-        work = asyncio.gather(*tasks)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not work.done():  # the client left (e.g. its timeout): free the batch slots
-            for t in tasks:
-                t.cancel()
+        done = await run_all(engine, _open_all(engine, items), request)
+        if done is None:
             return Response(status_code=499)
-        outs = [_output(engine, it, req) for it, req in zip(items, work.result(), strict=True)]
-        return JSONResponse(outs if body.is_batch else outs[0])
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client closes the connection (the body is already read, so the
-    next ASGI message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+        outs = [_output(engine, it, req) for it, req in zip(items, done, strict=True)]
+        return JSONResponse(outs if many else outs[0])
 
 
 def _stream(engine: Engine, item: _Item) -> StreamingResponse:
-    """Server-sent events: one cumulative response object per new token (coalesced when
-    the client reads slower), the final one with its finish reason, then [DONE]."""
+    """Server-sent events: one cumulative response object per `stream_interval` new
+    tokens (coalesced when the client reads slower), the final one with its finish
+    reason, then [DONE]."""
     progress: asyncio.Queue[int] = asyncio.Queue()
-    req, fut = engine.open(item.prompt, item.params, item.rid, on_token=progress.put_nowait)
+    req, fut = engine.open(
+        item.prompt, item.params, item.rid, on_token=progress.put_nowait, want=item.want
+    )
     task = asyncio.ensure_future(engine.run(req, fut))
     return StreamingResponse(
         _events(engine, item, req, task, progress), media_type="text/event-stream"
@@ -217,6 +284,7 @@ async def _events(
     task: asyncio.Future[GenRequest],
     progress: asyncio.Queue[int],
 ) -> AsyncIterator[bytes]:
+    sent = 0
     try:
         while not task.done():
             nxt = asyncio.ensure_future(progress.get())
@@ -227,19 +295,17 @@ async def _events(
             n = nxt.result()
             while not progress.empty():
                 n = progress.get_nowait()
-            yield _sse(_output(engine, item, req, upto=n))
+            if n - sent >= item.params.stream_interval:
+                sent = n
+                yield sse(_output(engine, item, req, upto=n))
         try:
-            yield _sse(_output(engine, item, task.result()))
+            yield sse(_output(engine, item, task.result()))
         except EngineError as exc:
-            yield _sse(wire.error_body(str(exc)))
-        yield b"data: [DONE]\n\n"
+            yield sse(wire.error_body(str(exc)))
+        yield SSE_DONE
     finally:
         if not task.done():  # the client went away: abort the request
             task.cancel()
-
-
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 # ---------------------------------------------------------------------- weights, control
@@ -263,14 +329,16 @@ def _weight_routes(app: FastAPI) -> None:
     async def update_weights_from_disk(
         body: wire.UpdateWeightsFromDiskReq, request: Request
     ) -> JSONResponse:
+        """A refusal answers SGLang's `{success: false, message}` (400, 403 for a path
+        outside the weights directory)."""
         state = request.app.state
-        path = _check_weights_path(state.settings, body.model_path)
         engine: Engine = state.engine
         try:
+            path = _check_weights_path(state.settings, body.model_path)
             n = await engine.update_weights(str(path), body.weight_version, body.abort_all_requests)
         except EngineError as exc:
             resp = wire.UpdateWeightsResp(success=False, message=str(exc))
-            return JSONResponse(resp.model_dump(), status_code=400)
+            return JSONResponse(resp.model_dump(), status_code=exc.status)
         msg = f"loaded {path} as weight version {engine.weight_version}"
         return JSONResponse(
             wire.UpdateWeightsResp(success=True, message=msg, num_paused_requests=n).model_dump()
@@ -318,7 +386,7 @@ async def _optional_body(model: type[M], request: Request) -> M:
     raw = await request.body()
     try:
         data = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise EngineError(f"request body is not JSON: {exc}") from None
     try:
         return model.model_validate(data)
@@ -351,6 +419,7 @@ def _info_routes(app: FastAPI) -> None:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info(request: Request) -> dict:
         engine: Engine = request.app.state.engine
         cfg = engine.model.config
@@ -363,7 +432,20 @@ def _info_routes(app: FastAPI) -> None:
             context_length=engine.opts.context_length,
         ).model_dump()
 
+    @app.get("/get_load")
+    async def get_load(request: Request) -> list[dict]:
+        engine: Engine = request.app.state.engine
+        s = engine.stats()
+        return [
+            wire.LoadInfo(
+                num_reqs=s.running + s.waiting,
+                num_waiting_reqs=s.waiting,
+                num_tokens=engine.running_tokens(),
+            ).model_dump()
+        ]
+
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info(request: Request) -> dict:
         engine: Engine = request.app.state.engine
         s = engine.stats()

@@ -13,7 +13,9 @@ one forward of shape (B, 1) over HF's DynamicCache, with per-row position ids.
 
 Sampling returns, per token, the log-prob under the distribution it was drawn from
 after temperature, `log_softmax(logits / T)` (raw logits when T = 0, greedy); top-k /
-top-p / min-p only restrict which tokens can be drawn, as in SGLang.
+top-p / min-p only restrict which tokens can be drawn, as in SGLang. Penalties, logit
+bias and min_new_tokens change the logits first (`LogitShaping`, SGLang's order); a
+batch in which no row asks for them carries no shaping state and pays nothing.
 """
 
 from __future__ import annotations
@@ -24,29 +26,136 @@ from typing import Any
 
 import torch
 
+from rollout_service.wire import GREEDY_BELOW
+
+
+@dataclass
+class LogitShaping:
+    """Per-row state of the logit changes that depend on a row's tokens so far, applied
+    before temperature in SGLang's order:
+
+        logits -= frequency * count + presence * (count > 0)     (output tokens)
+        logits  = logits / r if logits > 0 else logits * r       (prompt + output tokens)
+        logits += logit_bias
+        logits[stop tokens] = -inf  while fewer than min_new_tokens are out
+
+    Rows that ask for none of it hold neutral values (0, 0, 1, no bias, 0)."""
+
+    frequency: torch.Tensor  # (B,) float32
+    presence: torch.Tensor  # (B,) float32
+    repetition: torch.Tensor  # (B,) float32
+    counts: torch.Tensor  # (B, V) float32: occurrences of each token in the output
+    seen: torch.Tensor  # (B, V) bool: in the prompt or the output
+    bias: torch.Tensor  # (B, V) float32
+    min_left: torch.Tensor  # (B,) int64: tokens to go before a stop token may be drawn
+    stops: torch.Tensor  # (B, V) bool: the row's stop tokens (EOS unless ignore_eos)
+
+    @staticmethod
+    def build(
+        rows: Sequence[tuple[Sequence[int], Any]],
+        vocab: int,
+        eos: frozenset[int],
+        device: torch.device,
+    ) -> LogitShaping:
+        """`rows`: (prompt ids, SamplingParamsIn) per row."""
+        n = len(rows)
+        out = LogitShaping.neutral(n, vocab, device)
+        for b, (prompt, sp) in enumerate(rows):
+            out.frequency[b] = sp.frequency_penalty
+            out.presence[b] = sp.presence_penalty
+            out.repetition[b] = sp.repetition_penalty
+            out.seen[b, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+            for tok, value in sp.bias.items():
+                out.bias[b, tok] = value
+            out.min_left[b] = sp.min_new_tokens
+            stop = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(eos))
+            stop = {t for t in stop if 0 <= t < vocab}
+            if stop:
+                out.stops[b, torch.tensor(sorted(stop), device=device)] = True
+        return out
+
+    @staticmethod
+    def neutral(n: int, vocab: int, device: torch.device) -> LogitShaping:
+        return LogitShaping(
+            frequency=torch.zeros(n, device=device),
+            presence=torch.zeros(n, device=device),
+            repetition=torch.ones(n, device=device),
+            counts=torch.zeros(n, vocab, device=device),
+            seen=torch.zeros(n, vocab, dtype=torch.bool, device=device),
+            bias=torch.zeros(n, vocab, device=device),
+            min_left=torch.zeros(n, dtype=torch.long, device=device),
+            stops=torch.zeros(n, vocab, dtype=torch.bool, device=device),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, V) float32 -> shaped logits (B, V)."""
+        logits = logits - self.frequency[:, None] * self.counts
+        logits = logits - self.presence[:, None] * (self.counts > 0)
+        rep = torch.where(self.seen, self.repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = logits + self.bias
+        block = self.stops & (self.min_left > 0)[:, None]
+        return logits.masked_fill(block, float("-inf"))
+
+    def observe(self, tokens: torch.Tensor) -> None:
+        """Count the tokens (B,) just drawn."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        self.counts[rows, tokens] += 1
+        self.seen[rows, tokens] = True
+        self.min_left = (self.min_left - 1).clamp(min=0)
+
+    def active(self) -> bool:
+        """Whether any row still changes its logits."""
+        return bool(
+            (self.frequency != 0).any()
+            or (self.presence != 0).any()
+            or (self.repetition != 1).any()
+            or (self.min_left > 0).any()
+            or (self.bias != 0).any()
+        )
+
+    def select(self, idx: torch.Tensor) -> LogitShaping:
+        return LogitShaping(*(getattr(self, f)[idx] for f in _SHAPING_FIELDS))
+
+    @staticmethod
+    def cat(a: LogitShaping, b: LogitShaping) -> LogitShaping:
+        return LogitShaping(*(torch.cat([getattr(a, f), getattr(b, f)]) for f in _SHAPING_FIELDS))
+
+
+_SHAPING_FIELDS = tuple(LogitShaping.__dataclass_fields__)
+
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters as tensors on the model's device, shape (B,)."""
+    """Per-row sampling parameters as tensors on the model's device, shape (B,).
+    `shaping`: None unless some row has penalties, logit bias or min_new_tokens."""
 
-    temperature: torch.Tensor  # float32
+    temperature: torch.Tensor  # float32, 0 = greedy
     top_p: torch.Tensor  # float32
     top_k: torch.Tensor  # int64, -1 = all
     min_p: torch.Tensor  # float32
+    shaping: LogitShaping | None = None
 
     @staticmethod
     def build(rows: Sequence[Any], device: torch.device) -> SamplingTensors:
-        """`rows`: objects with temperature, top_p, top_k, min_p attributes."""
+        """`rows`: objects with temperature, top_p, top_k, min_p attributes; a
+        temperature below GREEDY_BELOW samples greedily."""
+        temps = [0.0 if r.temperature < GREEDY_BELOW else r.temperature for r in rows]
         return SamplingTensors(
-            temperature=torch.tensor([r.temperature for r in rows], device=device),
-            top_p=torch.tensor([r.top_p for r in rows], device=device),
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=device),
             top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
-            min_p=torch.tensor([r.min_p for r in rows], device=device),
+            min_p=torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=device),
         )
 
     def select(self, idx: torch.Tensor) -> SamplingTensors:
+        shaping = self.shaping.select(idx) if self.shaping is not None else None
         return SamplingTensors(
-            self.temperature[idx], self.top_p[idx], self.top_k[idx], self.min_p[idx]
+            self.temperature[idx],
+            self.top_p[idx],
+            self.top_k[idx],
+            self.min_p[idx],
+            shaping if shaping is not None and shaping.active() else None,
         )
 
     @staticmethod
@@ -56,15 +165,39 @@ class SamplingTensors:
             torch.cat([a.top_p, b.top_p]),
             torch.cat([a.top_k, b.top_k]),
             torch.cat([a.min_p, b.min_p]),
+            _cat_shaping(a, b),
         )
+
+
+def _cat_shaping(a: SamplingTensors, b: SamplingTensors) -> LogitShaping | None:
+    if a.shaping is None and b.shaping is None:
+        return None
+    ref = a.shaping if a.shaping is not None else b.shaping
+    assert ref is not None
+    vocab, device = ref.counts.shape[1], ref.counts.device
+    sa = a.shaping or LogitShaping.neutral(a.temperature.shape[0], vocab, device)
+    sb = b.shaping or LogitShaping.neutral(b.temperature.shape[0], vocab, device)
+    return LogitShaping.cat(sa, sb)
 
 
 def sample(
     logits: torch.Tensor, p: SamplingTensors, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V). Returns tokens (B,) int64 and their
-    log-probs (B,) float32 under log_softmax(logits / T) (T = 1 for greedy rows)."""
+    log-probs (B,) float32 under log_softmax(logits / T) (T = 1 for greedy rows), the
+    logits shaped first when `p.shaping` is set."""
+    tokens, logp = draw(logits, p, generator)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def draw(
+    logits: torch.Tensor, p: SamplingTensors, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`, returning the whole log-prob matrix (B, V) instead of the drawn
+    tokens' entries (for top_logprobs_num)."""
     logits = logits.float()
+    if p.shaping is not None:
+        logits = p.shaping.apply(logits)
     greedy = p.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V)
@@ -74,7 +207,33 @@ def sample(
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     drawn = (probs / race).argmax(dim=-1)  # (B,)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logp
+
+
+def top_entries(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """The k most likely (log-prob, token id) of each row of logp (B, V)."""
+    vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [list(zip(v, i, strict=True)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, prompt: Sequence[int], start: int, temperature: float, top: int
+) -> tuple[list[float | None], list[list[tuple[float, int]] | None]]:
+    """Log-probs of prompt positions `start`.. (each given the tokens before it) under
+    log_softmax(logits / T), and their `top` most likely alternatives (none: []).
+    Position 0 has no log-prob (None). logits: (K, V), the forward's last K positions
+    of this prompt, K >= len(prompt) - max(start, 1) + 1."""
+    n, k = len(prompt), logits.shape[0]
+    first = max(start, 1)
+    head: list[Any] = [None] if start == 0 else []
+    rows = logits[k - n + first - 1 : k - 1].float()  # (n - first, V): predict prompt[first:]
+    if temperature >= GREEDY_BELOW:
+        rows = rows / temperature
+    logp = torch.log_softmax(rows, dim=-1)
+    ids = torch.tensor(list(prompt[first:]), dtype=torch.long, device=logp.device)
+    lps = logp.gather(1, ids[:, None]).squeeze(1).tolist() if len(ids) else []
+    tops = top_entries(logp, top) if top and len(ids) else []
+    return head + lps, (head + tops) if top else []
 
 
 def _restrict(probs: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
@@ -156,29 +315,38 @@ def _attention(model: Any, mask: torch.Tensor, queries: int) -> Any:
     return {"full_attention": allowed}
 
 
-@torch.no_grad()
 def prefill(
     model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int
 ) -> tuple[KVBatch, torch.Tensor]:
     """Run the prompts as one left-padded batch. Returns the batch (its `last` not yet
-    set) and the logits of each prompt's final position, (B, V).
+    set) and the logits of each prompt's final position, (B, V)."""
+    batch, logits = prefill_keep(model, prompts, params, pad_id, 1)
+    return batch, logits[:, -1]
+
+
+@torch.no_grad()
+def prefill_keep(
+    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int, keep: int
+) -> tuple[KVBatch, torch.Tensor]:
+    """`prefill`, returning the logits of the last `keep` columns, (B, keep, V) (prompt
+    log-probs need more than the final position).
 
     Identical prompts (a GRPO group's samples arrive together) are computed once and
     their KV rows copied: the same numbers for a fraction of the work."""
     first: dict[tuple[int, ...], int] = {}
     rows = [first.setdefault(tuple(p), len(first)) for p in prompts]
     if len(first) == len(prompts):
-        return _prefill(model, prompts, params, pad_id)
+        return _prefill(model, prompts, params, pad_id, keep)
     uniq = [list(p) for p in first]
     idx = torch.tensor([rows.index(i) for i in range(len(uniq))], device=params.temperature.device)
-    batch, logits = _prefill(model, uniq, params.select(idx), pad_id)
+    batch, logits = _prefill(model, uniq, params.select(idx), pad_id, keep)
     batch = select(batch, rows)
     batch.params = params
     return batch, logits[rows]
 
 
 def _prefill(
-    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int
+    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int, keep: int
 ) -> tuple[KVBatch, torch.Tensor]:
     from transformers import DynamicCache
 
@@ -198,11 +366,11 @@ def _prefill(
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=keep,
     )
     pos = mask.sum(dim=1)
     batch = KVBatch(cache=out.past_key_values, mask=mask, pos=pos, last=pos.clone(), params=params)
-    return batch, out.logits[:, -1, :]
+    return batch, out.logits[:, -keep:, :]
 
 
 @torch.no_grad()

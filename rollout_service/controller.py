@@ -89,6 +89,7 @@ class RolloutController:
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         # called with every metrics row (e.g. the Prometheus collector)
         self.row_observers: list[Callable[[RolloutRow], None]] = []
+        self.gate_wait_observers: list[Callable[[float], None]] = []  # seconds per admit
         self.weights_dir = weights_dir
         self.seed = seed
         self.rewards = rewards
@@ -187,7 +188,11 @@ class RolloutController:
             while await self._want_more(seq):
                 if not await self._until_stop(slots.acquire()):
                     break
-                if not await self._until_stop(self._buffer_call(self.producer.admit, "admit")):
+                t_gate = time.monotonic()
+                admitted = await self._until_stop(self._buffer_call(self.producer.admit, "admit"))
+                for observe in self.gate_wait_observers:
+                    observe(time.monotonic() - t_gate)
+                if not admitted:
                     slots.release()
                     break
                 epoch, prompt = next(prompts)

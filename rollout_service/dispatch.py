@@ -42,6 +42,7 @@ class ServerState:
     in_flight: int = 0
     requests_total: int = 0
     failures_total: int = 0
+    tokens_total: int = 0  # tokens generated here
     last_error: str = ""
 
     @property
@@ -68,6 +69,8 @@ class Dispatcher:
         self._busy_s = 0.0
         self._prober: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[bool]] = set()
+        # called with (server, seconds) as each request ends (e.g. a latency histogram)
+        self.request_observers: list[Callable[[ServerState, float], None]] = []
 
     # ------------------------------------------------------------ choice
     def pick(self, exclude: set[int] | None = None) -> ServerState | None:
@@ -101,9 +104,12 @@ class Dispatcher:
         server.outstanding_tokens += tokens
         server.in_flight += 1
         server.requests_total += 1
+        t0 = time.monotonic()
         try:
             yield
         finally:
+            for observe in self.request_observers:
+                observe(server, time.monotonic() - t0)
             server.outstanding_tokens -= tokens
             server.in_flight -= 1
             if self.in_flight == 0 and self._busy_since is not None:

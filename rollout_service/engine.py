@@ -26,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.requests import Control, EngineError, EngineOptions, GenRequest
+from rollout_service.requests import (
+    NO_EXTRA_LOGPROBS,
+    Control,
+    EngineError,
+    EngineOptions,
+    GenRequest,
+    LogprobSpec,
+)
 from rollout_service.step_loop import Core
 from rollout_service.wire import FinishReason, SamplingParamsIn
 
@@ -109,13 +116,30 @@ class Engine:
         return self._gate is not None and not self._gate.is_set()
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt: list[int], sampling: SamplingParamsIn) -> None:
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def validate(
+        self, prompt: list[int], sampling: SamplingParamsIn, want: LogprobSpec = NO_EXTRA_LOGPROBS
+    ) -> None:
         if not prompt:
             raise EngineError("input_ids: the prompt is empty")
-        vocab = int(self.model.config.vocab_size)
+        vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise EngineError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in sampling.bias if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(
+                f"sampling_params.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})"
+            )
+        if want.start >= len(prompt):
+            raise EngineError(
+                f"logprob_start_len ({want.start}) must be below the prompt length ({len(prompt)})"
+            )
+        if want.top > vocab:
+            raise EngineError(f"top_logprobs_num ({want.top}) exceeds the vocabulary ({vocab})")
         total = len(prompt) + sampling.max_new_tokens
         if total > self.opts.context_length:
             raise EngineError(
@@ -129,10 +153,11 @@ class Engine:
         sampling: SamplingParamsIn,
         rid: str,
         on_token: Callable[[int], None] | None = None,
+        want: LogprobSpec = NO_EXTRA_LOGPROBS,
     ) -> GenRequest:
         """Run one request to its end (stop, length or abort); raises EngineError.
         `on_token(n)` is called on the event loop each time the output reaches n tokens."""
-        req, fut = self.open(prompt, sampling, rid, on_token)
+        req, fut = self.open(prompt, sampling, rid, on_token, want)
         return await self.run(req, fut)
 
     def open(
@@ -141,13 +166,15 @@ class Engine:
         sampling: SamplingParamsIn,
         rid: str,
         on_token: Callable[[int], None] | None = None,
+        want: LogprobSpec = NO_EXTRA_LOGPROBS,
     ) -> tuple[GenRequest, asyncio.Future[GenRequest]]:
-        """Validate and register a request (EngineError: refused); `run` then sends it."""
-        self.validate(prompt, sampling)
+        """Validate and register a request (EngineError: refused); `run` then sends it.
+        `want`: prompt log-probs and top alternatives to compute."""
+        self.validate(prompt, sampling, want)
         assert self._loop is not None and self._gate is not None, "engine not started"
         loop = self._loop
         fut: asyncio.Future[GenRequest] = loop.create_future()
-        req = GenRequest(rid=rid, prompt=list(prompt), sampling=sampling)
+        req = GenRequest(rid=rid, prompt=list(prompt), sampling=sampling, want=want)
         req.on_done = lambda r: loop.call_soon_threadsafe(_resolve, fut, r)
         if on_token is not None:
             req.on_token = lambda r: loop.call_soon_threadsafe(on_token, len(r.output_ids))
@@ -160,7 +187,7 @@ class Engine:
 
     async def run(self, req: GenRequest, fut: asyncio.Future[GenRequest]) -> GenRequest:
         try:
-            if req.sampling.max_new_tokens == 0:
+            if req.sampling.max_new_tokens == 0 and not req.want.scores_prompt:
                 self.finish(req, FinishReason(type="length", length=0))
             await self._wait_open(fut)
             with self._cv:
@@ -225,6 +252,11 @@ class Engine:
         if abort_all:
             await self.abort(None, "weight version updated")
         self.weight_version = version
+
+    def running_tokens(self) -> int:
+        """Prompt + output tokens of the running batch (a snapshot; any thread)."""
+        rows = list(self._core.rows) if self._core is not None else []
+        return sum(len(r.prompt) + len(r.output_ids) for r in rows)
 
     def can_flush(self) -> bool:
         with self._cv:

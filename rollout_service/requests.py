@@ -19,13 +19,35 @@ class EngineError(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class LogprobSpec:
+    """Which log-probs beyond the sampled tokens' a request wants (SGLang's
+    `logprob_start_len` and `top_logprobs_num`)."""
+
+    start: int = -1  # first prompt position to score; -1: none
+    top: int = 0  # most likely alternatives per position
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.start >= 0
+
+
+NO_EXTRA_LOGPROBS = LogprobSpec()
+TopEntry = list[tuple[float, int]]  # (logprob, token id), most likely first
+
+
 @dataclass(eq=False)
 class GenRequest:
     rid: str
     prompt: list[int]
     sampling: SamplingParamsIn
+    want: LogprobSpec = NO_EXTRA_LOGPROBS
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # one per output token
+    output_top: list[TopEntry] = field(default_factory=list)  # one per output token
+    # one per prompt position from want.start (position 0 has no log-prob: None)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[TopEntry | None] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight version of each output token
     finish: FinishReason | None = None
     weight_version: str = ""  # the server's version when the request finished
@@ -51,8 +73,12 @@ def check_stop(
     eos_ids: frozenset[int],
     decode_tail: Callable[[list[int]], str] | None,
 ) -> FinishReason | None:
-    """The finish reason once `token` (already appended to req.output_ids) is out."""
+    """The finish reason once `token` (already appended to req.output_ids) is out.
+    Before `min_new_tokens` only the length limit ends a request (the step loop also
+    keeps stop tokens from being drawn)."""
     s = req.sampling
+    if len(req.output_ids) < s.min_new_tokens:
+        return None
     if token in s.stop_ids or (not s.ignore_eos and token in eos_ids):
         return FinishReason(type="stop", matched=token)
     if s.stop_texts and decode_tail is not None:
@@ -64,6 +90,25 @@ def check_stop(
     if len(req.output_ids) >= s.max_new_tokens:
         return FinishReason(type="length", length=s.max_new_tokens)
     return None
+
+
+def trimmed_text(tokenizer: Any | None, req: GenRequest, upto: int) -> str:
+    """The text of the first `upto` output tokens; once the request has stopped on a stop
+    token or string, without it (SGLang's trim) unless `no_stop_trim`. Empty without a
+    tokenizer."""
+    if tokenizer is None:
+        return ""
+    params = req.sampling
+    ids = req.output_ids[:upto]
+    finish = req.finish if upto == len(req.output_ids) else None
+    matched = finish.matched if finish is not None and finish.type == "stop" else None
+    trim = matched is not None and not params.no_stop_trim
+    if trim and isinstance(matched, int) and ids:
+        ids = ids[:-1]
+    text = str(tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens))
+    if trim and isinstance(matched, str) and matched in text:
+        text = text[: text.index(matched)]
+    return text
 
 
 @dataclass

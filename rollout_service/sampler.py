@@ -87,17 +87,20 @@ class Sampler:
         return [self._version(res.weight_version)] * len(res.output_ids)
 
     async def sample_group(self, prompt_ids: list[int], n: int, rid: str) -> list[Sample]:
-        """`n` samples of one prompt, in one batched `/generate` call (one HTTP round trip
-        instead of n; the server still runs them as n requests); samples that come back
-        aborted, or all of them if the call fails, go on one by one through `sample`,
-        from the tokens they have."""
+        """`n` samples of one prompt in one `/generate` call (one HTTP round trip
+        instead of n): one request with `n` (SGLang's parallel sampling, rids
+        `<base>_i`), or the batch form for a server without it (the client picks);
+        samples that come back aborted, or all of them if the call fails, go on one by
+        one through `sample`, from the tokens they have."""
         rids = [f"{rid}s{i}" for i in range(n)]
         await self.gate.wait_open()
         server = await self.dispatcher.acquire()
         if n < 2:
             return await _all([self.sample(prompt_ids, r) for r in rids])
         outs = [Sample() for _ in range(n)]
-        seg = [self._request_id(r, out) for r, out in zip(rids, outs, strict=True)]
+        self.counters.requests_total += n
+        base = f"{rid}.g{self.counters.requests_total}"
+        seg = [f"{base}_{i}" for i in range(n)]
         limit = self.sampling.max_new_tokens
         try:
             with self.dispatcher.lease(server, n * (len(prompt_ids) + limit)):
@@ -117,8 +120,7 @@ class Sampler:
         todo = []
         for out, res, r in zip(outs, results, rids, strict=True):
             if res is not None:
-                self._take(out, res)
-                out.server = server.index
+                self._take(out, res, server)
                 if res.finish_reason != "abort":
                     out.finish_reason = res.finish_reason
                     continue
@@ -135,7 +137,9 @@ class Sampler:
         self.counters.requests_total += 1
         return f"{rid}.{out.segments}.{self.counters.requests_total}"
 
-    def _take(self, out: Sample, res: GenerateResult) -> None:
+    def _take(self, out: Sample, res: GenerateResult, server: ServerState) -> None:
+        out.server = server.index
+        server.tokens_total += len(res.output_ids)
         out.token_ids += res.output_ids
         out.logprobs += res.logprobs
         out.versions += self._versions(res)
@@ -169,8 +173,7 @@ class Sampler:
                 self.counters.requests_retried_total += 1
                 log.info("request %s failed on %s (%s); retrying", rid, server.url, reason)
                 continue
-            self._take(out, res)
-            out.server = server.index
+            self._take(out, res, server)
             if res.finish_reason != "abort":
                 out.finish_reason = res.finish_reason
                 return out

@@ -15,12 +15,13 @@ import torch
 
 from areal_hex.models import load_weights_in_place
 from rollout_service import batching
-from rollout_service.batching import KVBatch, SamplingTensors
+from rollout_service.batching import KVBatch, LogitShaping, SamplingTensors
 from rollout_service.requests import (
     Control,
     EngineError,
     EngineOptions,
     GenRequest,
+    TopEntry,
     check_stop,
 )
 from rollout_service.wire import FinishReason
@@ -217,43 +218,92 @@ class Core:
     def _prefill(self, reqs: list[GenRequest]) -> None:
         prompts = [r.prompt for r in reqs]
         params = SamplingTensors.build([r.sampling for r in reqs], self.device)
+        # prompt scoring needs the logits of more than the last prompt position
+        keep = max(
+            [len(r.prompt) - max(r.want.start, 1) + 1 for r in reqs if r.want.scores_prompt],
+            default=1,
+        )
         try:
-            new, logits = batching.prefill(self.e.model, prompts, params, self.pad_id)
+            new, logits = batching.prefill_keep(self.e.model, prompts, params, self.pad_id, keep)
         except Exception as exc:
             msg = f"engine error in prefill: {type(exc).__name__}: {exc}"
             for r in reqs:
                 self.e.finish(r, FinishReason(type="abort", message=msg))
             raise
-        tokens, logps = batching.sample(logits, params, self.gen)
+        if keep > 1:
+            self._score_prompts(reqs, logits)
+        if any(r.sampling.shapes_logits for r in reqs):
+            rows = [(r.prompt, r.sampling) for r in reqs]
+            params.shaping = LogitShaping.build(rows, logits.shape[-1], self.eos, self.device)
+        tokens, logps, tops = self._sample(logits[:, -1], params, reqs)
         self.e.note_tokens(len(reqs), sum(len(p) for p in prompts))
         new.last = tokens
-        keep = self._advance(reqs, tokens.tolist(), logps.tolist())
+        keep = self._advance(reqs, tokens.tolist(), logps.tolist(), tops)
         if not keep:
             return
-        survivors = [reqs[i] for i in keep]
         if len(keep) < len(reqs):
             new = batching.select(new, keep)
         self.batch = new if self.batch is None else batching.merge(self.batch, new)
-        self.rows.extend(survivors)
+        self.rows.extend(reqs[i] for i in keep)
+
+    def _score_prompts(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
+        """input_token_logprobs (and their top alternatives) of the requests that ask.
+        logits: (B, K, V), the last K positions of each left-padded prompt."""
+        for i, r in enumerate(reqs):
+            if not r.want.scores_prompt:
+                continue
+            r.input_logprobs, r.input_top = batching.prompt_logprobs(
+                logits[i], r.prompt, r.want.start, r.sampling.temperature, r.want.top
+            )
+
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingTensors, reqs: list[GenRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[TopEntry] | None]:
+        """One token per row (B, V) -> tokens (B,), their log-probs (B,), and each row's
+        top alternatives when some row asks for them."""
+        top = max((r.want.top for r in reqs), default=0)
+        if top == 0:
+            tokens, logps = batching.sample(logits, params, self.gen)
+            tops = None
+        else:
+            tokens, logp = batching.draw(logits, params, self.gen)
+            logps = logp.gather(1, tokens[:, None]).squeeze(1)
+            tops = [
+                t[: r.want.top] for t, r in zip(batching.top_entries(logp, top), reqs, strict=True)
+            ]
+        if params.shaping is not None:
+            params.shaping.observe(tokens)
+        return tokens, logps, tops
 
     def _decode(self) -> None:
         assert self.batch is not None
         logits = batching.decode_step(self.e.model, self.batch)
-        tokens, logps = batching.sample(logits, self.batch.params, self.gen)
+        tokens, logps, tops = self._sample(logits, self.batch.params, self.rows)
         self.batch.last = tokens
         self.e.note_tokens(len(self.rows))
-        keep = self._advance(self.rows, tokens.tolist(), logps.tolist())
+        keep = self._advance(self.rows, tokens.tolist(), logps.tolist(), tops)
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.batch = batching.select(self.batch, keep) if keep else None
 
-    def _advance(self, reqs: list[GenRequest], tokens: list[int], logps: list[float]) -> list[int]:
+    def _advance(
+        self,
+        reqs: list[GenRequest],
+        tokens: list[int],
+        logps: list[float],
+        tops: list[TopEntry] | None,
+    ) -> list[int]:
         """Append one token per request; finish those that stop. Returns live indices."""
         keep: list[int] = []
         for i, (req, tok, lp) in enumerate(zip(reqs, tokens, logps, strict=True)):
+            if req.sampling.max_new_tokens == 0:  # prompt scoring only (after prefill)
+                self.e.finish(req, FinishReason(type="length", length=0))
+                continue
             req.output_ids.append(tok)
             req.logprobs.append(lp)
             req.versions.append(self.e.weight_version)
+            if tops is not None and req.want.top:
+                req.output_top.append(tops[i])
             reason = check_stop(req, tok, self.eos, self._decode_tail)
             if reason is None:
                 keep.append(i)

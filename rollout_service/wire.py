@@ -2,8 +2,12 @@
 
 Plain pydantic models, one per endpoint body, used by the server (rollout_service/app.py)
 to read requests and write responses and by the client (rollout_service/client.py) to
-read responses. Like SGLang, requests ignore unknown keys (clients send more than we
-use); values we do read are validated and a bad one fails with the field's path (422).
+read responses. Like SGLang, a request body ignores unknown top-level keys, but
+`sampling_params` takes only the keys SGLang defines (SGLang refuses others too), and a
+key SGLang defines that the built-in engine does not implement (image inputs, LoRA,
+constrained decoding, ...) is refused when set, never accepted and ignored. Every value
+is validated (NaN and infinity included) and a bad one fails with the field's path
+(HTTP 400). The OpenAI-compatible shapes live in rollout_service/openai_wire.py.
 
 Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "default") and
 `int` in Python: `version_from_wire` / `version_to_wire` are the only conversion.
@@ -15,11 +19,13 @@ from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -38,34 +44,97 @@ def _nested_or_flat(value: Any) -> str:
     return BATCH if isinstance(value, list) and value and isinstance(value[0], list) else SINGLE
 
 
+# Below this temperature a request samples greedily (SGLang's threshold).
+GREEDY_BELOW = 1e-6
+MAX_N = 1024  # samples per prompt in one request
+INT32 = 2**31 - 1
+
+
+def _valid_unicode(value: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); no tokenizer or response can
+    hold them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(value[exc.start])
+        raise ValueError(
+            f"not valid Unicode: lone surrogate U+{bad:04X} at character {exc.start}"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _nulls_dropped(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None}
+    return data
+
+
+def refuse_if_set(value: Any, info: ValidationInfo) -> Any:
+    """A field SGLang defines that this server does not implement: set is a 400."""
+    if value not in (None, False, [], {}):
+        raise ValueError(f"{info.field_name} is not supported by the built-in engine")
+    return value
+
+
 class Lenient(BaseModel):
-    """Unknown keys are accepted and ignored, as SGLang does."""
+    """Unknown keys are accepted and ignored, as SGLang does; NaN and infinity are not
+    numbers any field accepts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class SamplingParamsIn(Lenient):
+class SamplingParamsIn(BaseModel):
     """The server's one sampling-parameter type: read from the request, kept on the
     engine's request and read by the step loop. A null value means the default, as in
-    SGLang. (The client's is areal_hex.api.SamplingParams; `to_wire` writes this shape.)"""
+    SGLang. (The client's is areal_hex.api.SamplingParams; `to_wire` writes this shape.)
+    Ranges are SGLang's."""
 
-    max_new_tokens: int = Field(128, ge=0)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_new_tokens: int = Field(128, ge=0, le=INT32)
+    min_new_tokens: int = Field(0, ge=0, le=INT32)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT32)
     min_p: float = Field(0.0, ge=0, le=1)
-    stop: str | list[str] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    logit_bias: dict[Text, float] | None = None  # token id (as a string) -> added logit
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = Field(1, ge=1, le=1)  # RL clients send one sample per request
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream_interval: int = Field(1, ge=1, le=INT32)
+    # SGLang's, not implemented here: refused when set
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+    custom_params: Any = None
+    sampling_seed: Any = None
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+        return _nulls_dropped(data)
+
+    _unsupported = field_validator(
+        "regex",
+        "json_schema",
+        "ebnf",
+        "structural_tag",
+        "stop_regex",
+        "custom_params",
+        "sampling_seed",
+    )(refuse_if_set)
 
     @field_validator("top_k")
     @classmethod
@@ -73,6 +142,50 @@ class SamplingParamsIn(Lenient):
         if v == 0:
             raise ValueError("top_k must be -1 (all tokens) or >= 1, got 0")
         return v
+
+    @field_validator("spaces_between_special_tokens")
+    @classmethod
+    def _spaces_default_only(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("only true (the default) is supported by the built-in engine")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys are token ids, got {key!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParamsIn:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @cached_property
+    def shapes_logits(self) -> bool:
+        """Whether the step loop must change this row's logits before sampling
+        (penalties, logit bias, min_new_tokens): rows without it cost nothing."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_new_tokens
+        )
+
+    @cached_property
+    def bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         return list(self.stop_texts)
@@ -95,16 +208,53 @@ def _tagged(single: Any, batch: Any, how: Any = _one_or_many) -> Any:
     ]
 
 
+StartLen = Annotated[int, Field(ge=-1, le=INT32)]
+TopNum = Annotated[int, Field(ge=0, le=INT32)]
+
+
 class GenerateReqInput(Lenient):
-    text: _tagged(str, list[str]) | None = None  # type: ignore[valid-type]
+    text: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
     input_ids: _tagged(list[int], list[list[int]], _nested_or_flat) | None = None  # type: ignore[valid-type]
     sampling_params: _tagged(SamplingParamsIn, list[SamplingParamsIn]) | None = None  # type: ignore[valid-type]
     return_logprob: _tagged(bool, list[bool]) = False  # type: ignore[valid-type]
-    logprob_start_len: _tagged(int, list[int]) = -1  # type: ignore[valid-type]
-    top_logprobs_num: _tagged(int, list[int]) = 0  # type: ignore[valid-type]
+    # first prompt position whose log-prob is returned (-1: output tokens only)
+    logprob_start_len: _tagged(StartLen, list[StartLen]) = -1  # type: ignore[valid-type]
+    top_logprobs_num: _tagged(TopNum, list[TopNum]) = 0  # type: ignore[valid-type]
     return_text_in_logprobs: bool = False
-    rid: _tagged(str, list[str]) | None = None  # type: ignore[valid-type]
+    rid: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
     stream: bool = False
+    # SGLang's, not implemented here: refused when set
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+    return_entropy: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+    _unsupported = field_validator(
+        "input_embeds",
+        "image_data",
+        "video_data",
+        "audio_data",
+        "lora_path",
+        "lora_id",
+        "custom_logit_processor",
+        "session_params",
+        "token_ids_logprob",
+        "return_hidden_states",
+        "return_entropy",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+    )(refuse_if_set)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
@@ -134,6 +284,14 @@ class GenerateReqInput(Lenient):
             _pick(self.sampling_params, i, n, "sampling_params") or SamplingParamsIn(),
             bool(_pick(self.return_logprob, i, n, "return_logprob")),
             _pick(self.rid, i, n, "rid"),
+        )
+
+    def logprob_options(self, i: int) -> tuple[int, int]:
+        """(logprob_start_len, top_logprobs_num) of batch element `i`."""
+        n = self.batch_size()
+        return (
+            int(_pick(self.logprob_start_len, i, n, "logprob_start_len")),
+            int(_pick(self.top_logprobs_num, i, n, "top_logprobs_num")),
         )
 
 
@@ -178,6 +336,9 @@ def version_to_wire(version: int) -> str:
     return str(int(version))
 
 
+LogprobEntry = list[Any]  # [logprob | null, token_id, text | null]
+
+
 class MetaInfo(Lenient):
     """`meta_info` of a /generate response. Defaults let the client read SGLang versions
     that omit a field; our server always sets every field it has."""
@@ -191,8 +352,12 @@ class MetaInfo(Lenient):
     weight_version: str | int | None = None
     e2e_latency: float = 0.0
     # [[logprob, token_id, text|null], ...] one per output token
-    output_token_logprobs: list[list[Any]] | None = None
-    input_token_logprobs: list[list[Any]] | None = None
+    output_token_logprobs: list[LogprobEntry] | None = None
+    # one per prompt position from logprob_start_len (the first position's logprob null)
+    input_token_logprobs: list[LogprobEntry] | None = None
+    # per position, the top_logprobs_num most likely tokens (null for prompt position 0)
+    output_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     # ours, beyond SGLang: the weight version that sampled each output token
     output_token_versions: list[str | int] | None = None
 
@@ -209,10 +374,10 @@ class GenerateOutput(Lenient):
 
 
 class UpdateWeightsFromDiskReq(Lenient):
-    model_path: str = Field(min_length=1)
-    load_format: str | None = None
+    model_path: Text = Field(min_length=1)
+    load_format: Text | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Text | None = None
     flush_cache: bool = True
 
 
@@ -223,7 +388,7 @@ class UpdateWeightsResp(BaseModel):
 
 
 class UpdateWeightVersionReq(Lenient):
-    new_version: str
+    new_version: Text
     abort_all_requests: bool = False
 
 
@@ -232,7 +397,7 @@ class PauseReq(Lenient):
 
 
 class AbortReq(Lenient):
-    rid: str | None = None
+    rid: Text | None = None
     abort_all: bool = False
 
 
@@ -246,5 +411,14 @@ class ModelInfo(BaseModel):
 
 
 def error_body(message: str) -> dict[str, Any]:
-    """SGLang's error shape."""
-    return {"error": {"message": message}}
+    """SGLang's error shape (a message quoting a lone surrogate keeps it escaped)."""
+    return {"error": {"message": message.encode("utf-8", "backslashreplace").decode("utf-8")}}
+
+
+class LoadInfo(BaseModel):
+    """One entry of `GET /get_load` (SGLang answers one per data-parallel rank)."""
+
+    dp_rank: int = 0
+    num_reqs: int  # running + queued
+    num_waiting_reqs: int
+    num_tokens: int  # prompt + output tokens of the running requests

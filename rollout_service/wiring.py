@@ -63,8 +63,10 @@ def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServe
     """The controller's /metrics (`rollout.metrics_port`), behind the service token."""
     if cfg.rollout.metrics_port is None:
         return None
-    rows = RolloutCollector()
+    rows = RolloutCollector(ctl.dispatcher.servers, cfg.inference.gpu_kinds)
     ctl.row_observers.append(rows.observe)
+    ctl.gate_wait_observers.append(rows.observe_gate_wait)
+    ctl.dispatcher.request_observers.append(rows.observe_request)
     server = MetricsServer(
         registry_with(rows), cfg.rollout.metrics_port, token=cfg.inference.api_key
     )

@@ -1,10 +1,16 @@
-"""Planner: MILP solve time by cluster size, optimality gap and simulator error.
+"""Planner: solve time by cluster size, optimality gap, simulator error, phase 2's gain.
 
 solve_s: phase 1 + phase 2 wall time for generated clusters (six GPU kinds, four regions,
-two zones each). max_gap_vs_exhaustive: relative gap between the MILP and an exhaustive
-search under the same cost model on small random clusters. max_sim_error: |simulated -
-predicted| / predicted on the shipped example clusters. speedup_vs_homogeneous: the plan's
-predicted rate over the best one-kind plan at the same budget (same run, same model).
+two zones each); plan_s: the whole plan (baselines and simulation included) on them.
+max_gap_vs_exhaustive: relative gap between the MILP and an exhaustive search under the
+same cost model on small random clusters. max_sim_error: |simulated - predicted| /
+predicted over every shipped inventory x workload. speedup_vs_homogeneous (and its
+minimum, min_hetero_vs_homo): the plan's rate over the best one-kind plan at the same
+budget. metis_gain: simulated rate of phase 2's METIS mapping over first-fit placement of
+the same phase-1 decision on the rack inventory. target_rate_ok: share of --target-rate
+requests at 0.5/0.9/0.99/1.0 x a budget plan's reported rate that succeed.
+min_budget_used: the least share of the budget a plan spends where the inventory does
+not bind (budget_used lists those plans).
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import random
 import time
 from pathlib import Path
 
+from areal_hex.config import ConfigError
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
 from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
 from scheduler.model_shape import load_model_shape
 from scheduler.partition import place
-from scheduler.planner import make_plan, problem_for
+from scheduler.planner import TARGET_TOLERANCE, make_plan, problem_for
 from scheduler.workload import Workload, load_workload
 
 KINDS = [
@@ -38,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-clusters", type=int, default=12, help="clusters for the gap")
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC limit per solve, s")
+    p.add_argument("--plan-sizes", default="1024,4096", help="GPU counts to time the whole plan at")
 
 
 def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
@@ -139,43 +147,83 @@ def run(args: argparse.Namespace) -> dict:
     m = load_model_shape(args.model)
     w = Workload()
     solve_s, gaps = {}, {}
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size in [int(s) for s in args.sizes.split(",") if s]:
         cl = generated_cluster(size)
-        price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
         t0 = time.perf_counter()
         p = problem_for(cl, m, w)
-        sol = solve(p, budget=0.5 * price, time_limit_s=args.time_limit)
-        place(cl, sol.trainer, [(p.rollouts[i], k) for i, k in sol.replicas.items()])
+        sol = solve(p, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
+        place(cl, m, w, sol.trainer, [(p.rollouts[i], k) for i, k in sol.replicas.items()])
         solve_s[str(size)] = round(time.perf_counter() - t0, 3)
         gaps[str(size)] = sol.gap
+    plan_s = {}
+    for size in [int(s) for s in args.plan_sizes.split(",") if s]:
+        cl = generated_cluster(size)
+        t0 = time.perf_counter()
+        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
+        plan_s[str(size)] = round(time.perf_counter() - t0, 3)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
-    sim_err, speedup = {}, {}
+    sim_err, speedup, used, targets = {}, {}, {}, []
     for wname in ("long_cot", "math_grpo"):
         wl = load_workload(EXAMPLES / "workloads" / f"{wname}.yaml")
         for f in sorted((EXAMPLES / "clusters").glob("*.yaml")):
             cl = load_cluster(f)
-            price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
-            res = make_plan(
-                cl,
-                m,
-                wl,
-                budget=0.6 * price,
-                time_limit_s=args.time_limit,
-                baselines=wname == "long_cot",
-            )
+            budget = 0.6 * _price(cl)
+            res = make_plan(cl, m, wl, budget=budget, time_limit_s=args.time_limit)
             pred = res.plan.predicted.samples_per_s
-            sim_err[f"{f.stem}/{wname}"] = round(abs(res.sim.samples_per_s - pred) / pred, 4)
+            key = f"{f.stem}/{wname}"
+            sim_err[key] = round(abs(res.sim.samples_per_s - pred) / pred, 4)
+            homo = max(res.homogeneous.values())
+            speedup[key] = round(pred / homo, 3) if homo > 0 else None
+            if "inventory" not in res.plan.baselines.limits:  # capacity does not bind
+                used[key] = round(res.plan.predicted.cost_usd_per_h / budget, 3)
             if wname == "long_cot":
-                homo = max(res.homogeneous.values())
-                speedup[f.stem] = round(pred / homo, 3) if homo > 0 else None
+                targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
+    gain = metis_gain(m, args.time_limit)
     return {
         "solve_s": solve_s,
+        "plan_s": plan_s,
         "mip_gap_by_size": gaps,
         "max_gap_vs_exhaustive": round(gap, 6),
         "exhaustive_clusters_compared": compared,
         "max_sim_error": max(sim_err.values()),
         "sim_error": sim_err,
         "speedup_vs_homogeneous": speedup,
+        "min_hetero_vs_homo": min(v for v in speedup.values() if v is not None),
+        "metis_gain": gain,
+        "target_rate_ok": round(sum(targets) / len(targets), 3),
+        "budget_used": used,
+        "min_budget_used": min(used.values()),
         "model": args.model,
-        "examples": "both example workloads at 60% of each cluster's price; speed-ups: long_cot",
+        "examples": "every shipped inventory x workload at 60% of the inventory's price",
     }
+
+
+SHARES = (0.5, 0.9, 0.99, 1.0)
+
+
+def _price(cl) -> float:
+    return sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+
+
+def _target_ok(cl, m, w, target: float, args: argparse.Namespace) -> bool:
+    try:
+        res = make_plan(
+            cl,
+            m,
+            w,
+            target=target,
+            time_limit_s=args.time_limit,
+            baselines=False,
+            simulate_plan=False,
+        )
+    except ConfigError:
+        return False
+    return res.plan.predicted.samples_per_s >= target * (1 - TARGET_TOLERANCE)
+
+
+def metis_gain(m, time_limit_s: float) -> float:
+    """Simulated rate of the METIS mapping over first-fit, same decision, on the racks."""
+    cl = load_cluster(EXAMPLES / "clusters" / "racks_h800_h20.yaml")
+    wl = load_workload(EXAMPLES / "workloads" / "math_grpo.yaml")
+    res = make_plan(cl, m, wl, budget=0.7 * _price(cl), time_limit_s=time_limit_s, baselines=False)
+    return round(res.sim.samples_per_s / res.first_fit_sim.samples_per_s, 3)

@@ -1,11 +1,12 @@
 """Cluster spec: node groups (GPU kind, GPUs per node, node count, zone, $/GPU-hour,
-intra-node link), zones (region, bandwidth between machines) and links between zones or
-regions. Loaded from YAML and validated; every problem names its field.
+intra-node link, optional NIC bandwidth), zones (region, bandwidth between machines),
+links between zones or regions, and optional racks (machines behind one switch with its
+uplink bandwidth). Loaded from YAML and validated; every problem names its field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 from typing import Literal
@@ -30,6 +31,9 @@ class NodeGroup(Section):
     zone: str
     usd_per_gpu_hour: float = Field(gt=0)
     intra_node: IntraNode
+    # Per machine, each direction, GB/s. Unset: the zone's inter-node bandwidth, and the
+    # NIC is not a shared resource (every transfer gets the zone's bandwidth).
+    nic_gbs: float | None = Field(None, gt=0)
 
 
 class Zone(Section):
@@ -47,10 +51,28 @@ class Link(Section):
     latency_ms: float = Field(ge=0)
 
 
+class RackMembers(Section):
+    group: str  # node group
+    first: int = Field(0, ge=0)  # first machine index in the group (names are GROUP-i)
+    count: int = Field(gt=0)
+
+
+class Rack(Section):
+    """Machines behind one top-of-rack switch. Traffic between racks (and out of the
+    zone) crosses each rack's uplink, shared by every transfer that crosses it."""
+
+    name: str
+    uplink_gbs: float = Field(gt=0)  # rack switch <-> spine, each direction, GB/s
+    members: list[RackMembers] = Field(min_length=1)
+
+
 class GpuOverride(Section):
     bf16_tflops: float | None = Field(None, gt=0)
     hbm_gb: float | None = Field(None, gt=0)
     hbm_gbs: float | None = Field(None, gt=0)
+    train_mfu: float | None = Field(None, gt=0, le=1)
+    prefill_mfu: float | None = Field(None, gt=0, le=1)
+    decode_bw_efficiency: float | None = Field(None, gt=0, le=1)
 
 
 class ClusterSpec(Section):
@@ -58,6 +80,7 @@ class ClusterSpec(Section):
     zones: list[Zone] = Field(min_length=1)
     node_groups: list[NodeGroup] = Field(min_length=1)
     links: list[Link] = []
+    racks: list[Rack] = []
     gpu_overrides: dict[str, GpuOverride] = {}
 
 
@@ -75,6 +98,7 @@ class Cluster:
     kinds: dict[str, GpuKind]  # node-group name -> kind
     zone_of: dict[str, Zone]
     pair_links: dict[tuple[str, str], LinkInfo]
+    rack_of: dict[str, str] = field(default_factory=dict)  # machine name -> rack name
 
     @property
     def name(self) -> str:
@@ -115,9 +139,53 @@ def make_cluster(spec: ClusterSpec, source: str = "cluster spec") -> Cluster:
         except UnknownGpuKind as exc:
             errors.append(f"{where}.gpu: {exc}")
     pair_links = _pair_links(spec, zone_of, errors)
+    rack_of = _racks(spec, errors)
     if errors:
         raise ConfigError(f"invalid cluster spec ({source}):\n  " + "\n  ".join(errors))
-    return Cluster(spec, kinds, zone_of, pair_links)
+    return Cluster(spec, kinds, zone_of, pair_links, rack_of)
+
+
+def machine_name(group: str, index: int) -> str:
+    return f"{group}-{index}"
+
+
+def _racks(spec: ClusterSpec, errors: list[str]) -> dict[str, str]:
+    """Machine -> rack; a rack's machines exist, sit in one zone, and in no other rack."""
+    gmap = {g.name: g for g in spec.node_groups}
+    rack_of: dict[str, str] = {}
+    names: set[str] = set()
+    for i, rack in enumerate(spec.racks):
+        where = f"racks[{i}] ({rack.name})"
+        if rack.name in names:
+            errors.append(f"{where}.name: rack {rack.name!r} is defined twice")
+        names.add(rack.name)
+        zones: set[str] = set()
+        for j, mem in enumerate(rack.members):
+            at = f"{where}.members[{j}]"
+            g = gmap.get(mem.group)
+            if g is None:
+                errors.append(
+                    f"{at}.group: unknown node group {mem.group!r} (node groups: {', '.join(gmap)})"
+                )
+                continue
+            if mem.first + mem.count > g.nodes:
+                errors.append(
+                    f"{at}: machines {mem.first}..{mem.first + mem.count - 1} of {g.name!r} "
+                    f"do not exist (the group has {g.nodes}: 0..{g.nodes - 1})"
+                )
+                continue
+            zones.add(g.zone)
+            for n in range(mem.first, mem.first + mem.count):
+                m = machine_name(g.name, n)
+                if m in rack_of:
+                    errors.append(f"{at}: machine {m!r} is already in rack {rack_of[m]!r}")
+                rack_of[m] = rack.name
+        if len(zones) > 1:
+            errors.append(
+                f"{where}.members: a rack sits in one zone; its machines are in "
+                f"{', '.join(sorted(zones))}"
+            )
+    return rack_of
 
 
 def _pair_links(

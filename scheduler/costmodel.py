@@ -9,8 +9,10 @@ over the slowest link of the group. Weight sync: bytes over the link between the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+from scheduler.catalogue import GpuKind
 from scheduler.cluster import Cluster, NodeGroup
 from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
@@ -84,7 +86,8 @@ def rollout_config(
     batch_div: int = 1,
 ) -> RolloutOption | None:
     """The instance's throughput, or None when the weights or one request do not fit."""
-    k, kind = w.constants, cl.kinds[g.name]
+    kind = cl.kinds[g.name]
+    k = kind_constants(w.constants, kind)
     usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
     free = usable - 2.0 * m.params / tp
     per_req = (w.prompt_tokens + w.max_response_tokens) * m.kv_bytes_per_token / min(tp, m.kv_heads)
@@ -127,6 +130,16 @@ def rollout_config(
     )
 
 
+def kind_constants(k: CostConstants, kind: GpuKind) -> CostConstants:
+    """The workload's constants with the efficiencies this GPU kind sets."""
+    own = {
+        f: getattr(kind, f)
+        for f in ("train_mfu", "prefill_mfu", "decode_bw_efficiency")
+        if getattr(kind, f) is not None
+    }
+    return k.model_copy(update=own) if own else k
+
+
 def inflight_cap(w: Workload) -> int:
     """Requests the staleness gate lets run at once. submitted ≤ (v + η + 1)·B with B groups
     in the trainer's step leaves η·B groups admitted; about B of them have finished and wait
@@ -137,10 +150,14 @@ def inflight_cap(w: Workload) -> int:
     return max(1, int(groups * w.group_size * _group_occupancy(w)))
 
 
-def _group_occupancy(w: Workload, points: int = 400) -> float:
+def _group_occupancy(w: Workload) -> float:
+    return _occupancy(w.max_response_tokens, w.response_tokens, w.group_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _occupancy(cap: int, mean: int, g: int, points: int = 400) -> float:
     """E[length] / E[max of G lengths], lengths L·U(0.5, 1.5) capped at the maximum (the
     simulator's spread); the max of G uniforms has density G·u^(G-1)."""
-    cap, mean, g = w.max_response_tokens, w.response_tokens, w.group_size
     us = [(j + 0.5) / points for j in range(points)]
     one = sum(min(cap, mean * (0.5 + u)) for u in us) / points
     top = sum(min(cap, mean * (0.5 + u)) * g * u ** (g - 1) for u in us) / points

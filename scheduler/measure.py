@@ -41,7 +41,7 @@ def _device(choice: str) -> str:
     return choice
 
 
-def _kind_for(device: str) -> str:
+def device_kind(device: str) -> str:
     import torch
 
     if device == "cpu":
@@ -105,7 +105,7 @@ def measure_profile(
         prefill_tokens_per_s=prefill,
         train_tokens_per_s=train,
     )
-    return Profile(model=label, params=shape.params, kinds={kind or _kind_for(device): rates})
+    return Profile(model=label, params=shape.params, kinds={kind or device_kind(device): rates})
 
 
 def _shape(cfg, label: str) -> ModelShape:

@@ -101,11 +101,13 @@ def build_problem(
 
 
 def lost_blocks(c: TrainerOption, group: str, gpn: int, t: int) -> int:
-    """GPUs' worth of t-sized blocks trainer c makes unusable in `group`."""
+    """GPUs' worth of t-sized blocks trainer c makes unusable in `group`: whole machines,
+    or on each of its m machines the blocks its p ranks break."""
     n = sum(k for g, k in c.parts if g == group)
-    if n == 0 or n % gpn == 0:
+    if n == 0 or c.per_node == gpn:
         return n
-    return t * (gpn // t - (gpn - n) // t)  # part of one machine
+    machines = n // c.per_node
+    return machines * t * (gpn // t - (gpn - c.per_node) // t)
 
 
 def gen_rate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> float:
@@ -149,8 +151,10 @@ def solve(
     target: float | None = None,
     time_limit_s: float = 60.0,
     allowed_kinds: set[str] | None = None,
+    cheapest: bool = True,
 ) -> Solution | None:
-    """max R under `budget`, or min cost with R ≥ `target`. None when infeasible."""
+    """max R under `budget`, or min cost with R ≥ `target`. None when infeasible. With
+    `cheapest` (max R only), a second solve picks the cheapest plan at that rate."""
     t0 = time.perf_counter()
     ris = [i for i, r in enumerate(p.rollouts) if allowed_kinds is None or r.kind in allowed_kinds]
     cis = [i for i, c in enumerate(p.trainers) if allowed_kinds is None or c.kind in allowed_kinds]
@@ -168,7 +172,7 @@ def solve(
     if status != "ok":
         return None
     c_idx, reps = _read(x, y, cis, ris)
-    if target is None:
+    if target is None and cheapest:
         # Lexicographic: the cheapest plan among those reaching the best rate (within
         # 1e-6, CBC's integrality tolerance); keep the first answer if CBC finds none.
         prob += R >= R.value() * (1 - 1e-6)

@@ -3,6 +3,8 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_hex.config import ConfigError
@@ -14,15 +16,25 @@ from areal_hex.plan import (
     Prediction,
     TrainerPlacement,
 )
+from scheduler.assess import Assessment, assess
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, decode_step_s, rollout_configs, weight_sync_s
+from scheduler.costmodel import (
+    RolloutOption,
+    decode_step_s,
+    kind_constants,
+    rollout_configs,
+)
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
-from scheduler.partition import Placement, place
+from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
+from scheduler.topology import Topology
 from scheduler.trainers import trainer_configs
 from scheduler.workload import Workload
+
+# plans report rates to 4 significant decimals: a target equal to a reported reach is met
+TARGET_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -34,6 +46,22 @@ class PlanResult:
     sim: SimResult | None
     homogeneous: dict[str, float] = field(default_factory=dict)  # kind -> best rate
     synchronous: float = 0.0
+    cost: PlacementCost | None = None
+    rate: float = 0.0  # the placed plan's rate (= the solution's exact rate without racks)
+    first_fit: Placed | None = None  # the naive placement, where the topology makes it differ
+    first_fit_sim: SimResult | None = None
+    assessment: Assessment | None = None
+
+
+@dataclass
+class Placed:
+    """A phase-1 solution on concrete machines, priced on the topology."""
+
+    solution: Solution
+    placement: Placement
+    cost: PlacementCost
+    rate: float
+    gen_rate: float
 
 
 def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> PlanSpace:
@@ -66,6 +94,58 @@ def cheapest_cost(p: PlanSpace, time_limit_s: float) -> float | None:
     return None if sol is None else sol.cost
 
 
+def tune_staleness_and_interval(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    *,
+    max_staleness: int,
+    max_publish_interval: int,
+    budget: float | None = None,
+    target: float | None = None,
+    prof: Profile | None = None,
+    time_limit_s: float = 60.0,
+) -> tuple[Workload, list[dict[str, float]]]:
+    """The staleness bound η and publish interval k (each from the workload's value up to
+    the user's bound) whose placed plan is fastest under a budget, or cheapest at a
+    target; ties go to the smaller η, then the smaller k (fresher data). Returns the tuned
+    workload and every candidate's figures."""
+    tried: list[tuple[tuple[float, int, int], Workload, dict[str, float]]] = []
+    for eta in range(w.staleness, max(w.staleness, max_staleness) + 1):
+        for k in range(w.publish_interval, max(w.publish_interval, max_publish_interval) + 1):
+            cand = w.model_copy(update={"staleness": eta, "publish_interval": k})
+            try:
+                res = make_plan(
+                    cl,
+                    m,
+                    cand,
+                    budget=budget,
+                    target=target,
+                    prof=prof,
+                    time_limit_s=time_limit_s,
+                    simulate_plan=False,
+                    baselines=False,
+                )
+            except ConfigError:
+                continue
+            pred = res.plan.predicted
+            row = {
+                "staleness": eta,
+                "publish_interval": k,
+                "samples_per_s": pred.samples_per_s,
+                "cost_usd_per_h": pred.cost_usd_per_h,
+            }
+            score = -pred.samples_per_s if target is None else pred.cost_usd_per_h
+            tried.append(((round(score, 6), eta, k), cand, row))
+    if not tried:
+        raise ConfigError(
+            f"no feasible plan for staleness {w.staleness}..{max_staleness} and publish "
+            f"interval {w.publish_interval}..{max_publish_interval}"
+        )
+    tried.sort(key=lambda t: t[0])
+    return tried[0][1], [row for _, _, row in tried]
+
+
 def make_plan(
     cl: Cluster,
     m: ModelShape,
@@ -87,22 +167,104 @@ def make_plan(
         sol = _reach_by_exact_rate(p, target, time_limit_s)
     if sol is None:
         raise ConfigError(_infeasible_message(p, budget, target, time_limit_s))
+    best = placed(cl, m, w, p, sol)
+    if target is not None and best.rate < target * (1 - TARGET_TOLERANCE):
+        best = _meet_target_placed(cl, m, w, p, best, target, time_limit_s)
     homo: dict[str, float] = {}
     sync = 0.0
     if baselines:
-        spend = budget if budget is not None else sol.cost
-        for kind in sorted({r.kind for r in p.rollouts}):
-            hs = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-            homo[kind] = hs.eval_rate if hs else 0.0
-            # the homogeneous plans are candidates of the same search: the exact evaluation
-            # can rank one above the MILP's pick, and then it is the plan
-            if budget is not None and hs is not None and hs.eval_rate > sol.eval_rate:
-                sol = hs
+        spend = budget if budget is not None else best.solution.cost
+        kinds = sorted({r.kind for r in p.rollouts})
+        with ThreadPoolExecutor(max_workers=min(len(kinds), os.cpu_count() or 1)) as pool:
+            sols = pool.map(
+                lambda k: solve(
+                    p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={k}, cheapest=False
+                ),
+                kinds,
+            )
+            for kind, hs in zip(kinds, list(sols), strict=True):
+                hp = placed(cl, m, w, p, hs) if hs is not None else None
+                homo[kind] = hp.rate if hp else 0.0
+                # the homogeneous plans are candidates of the same search: if one places
+                # better than the mixed pick, it is the plan (at its cheapest)
+                if budget is not None and hp is not None and hp.rate > best.rate:
+                    again = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
+                    best = placed(cl, m, w, p, again or hs)
         sync = synchronous_rate(p, w, spend)
-    placement = place(cl, sol.trainer, [(p.rollouts[i], n) for i, n in sol.replicas.items()])
-    sim = simulate_solution(cl, m, w, sol, placement) if simulate_plan else None
-    plan = to_plan(cl, m, w, sol, placement, budget, target, model_label, sim, homo, sync)
-    return PlanResult(plan, sol, placement, p, sim, homo, sync)
+    sol, placement = best.solution, best.placement
+    sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
+    ff = ff_sim = None
+    if Topology(cl).declared:
+        ff = placed(cl, m, w, p, sol, naive=True)
+        if simulate_plan:
+            ff_sim = simulate_solution(cl, m, w, sol, ff.placement, ff.cost)
+    train_rate = w.samples_per_step / best.cost.train_step_s
+    verdict = assess(
+        cl, p, best, train_rate, budget, homo, sync, time_limit_s, compare_cost=baselines
+    )
+    plan = to_plan(
+        cl, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
+    )
+    return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
+
+
+def placed(
+    cl: Cluster, m: ModelShape, w: Workload, p: PlanSpace, sol: Solution, naive: bool = False
+) -> Placed:
+    """Phase 2 for `sol` (METIS, or first-fit when `naive`), priced on the topology."""
+    replicas = [(p.rollouts[i], n) for i, n in sol.replicas.items()]
+    pl = first_fit(cl, sol.trainer, replicas) if naive else place(cl, m, w, sol.trainer, replicas)
+    cost = evaluate(cl, m, w, sol.trainer, pl)
+    rate, gen = placed_rate(w, pl, cost)
+    return Placed(sol, pl, cost, rate, gen)
+
+
+def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float, float]:
+    """(rate, generation rate) of a placed plan, as `milp.evaluate` but with the trainer's
+    step and each instance's sync pause from the placement: R = min(t, Σh / (1 + Σ h·s /
+    (kBG))), instances whose pause share reaches 1 generating nothing."""
+    train = w.samples_per_step / cost.train_step_s
+    per = [(rc.samples_per_s, s) for (rc, _, _), s in zip(pl.rollout, cost.sync_s, strict=True)]
+    k = w.publish_interval * w.samples_per_step
+    live = list(range(len(per)))
+    while True:
+        a = sum(per[i][0] for i in live)
+        b = sum(per[i][0] * per[i][1] / k for i in live)
+        rate = min(train, a / (1 + b))
+        dead = {i for i in live if per[i][1] * rate / k >= 1}
+        if not dead:
+            break
+        live = [i for i in live if i not in dead]
+    gen = sum(per[i][0] * (1 - per[i][1] * rate / k) for i in live)
+    return rate, gen
+
+
+def _meet_target_placed(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    got: Placed,
+    target: float,
+    time_limit_s: float,
+) -> Placed:
+    """Placement on a rack topology can cost rate the MILP did not see: ask phase 1 for
+    proportionally more until the placed plan reaches the target (or the cluster's top)."""
+    aim = target
+    for _ in range(4):
+        aim *= target / max(got.rate, 1e-12) * 1.001
+        sol = solve(p, target=aim, time_limit_s=time_limit_s) or solve(p, time_limit_s=time_limit_s)
+        if sol is None:
+            break
+        got = placed(cl, m, w, p, sol)
+        if got.rate >= target * (1 - TARGET_TOLERANCE):
+            return got
+    if got.rate < target * (1 - TARGET_TOLERANCE):
+        raise ConfigError(
+            f"target {target:g} samples/s is above what the cluster reaches once placed on "
+            f"its racks ({got.rate:.3f} samples/s)"
+        )
+    return got
 
 
 def _reach_by_exact_rate(p: PlanSpace, target: float, time_limit_s: float) -> Solution | None:
@@ -161,13 +323,16 @@ def simulate_solution(
     w: Workload,
     sol: Solution,
     placement: Placement,
+    cost: PlacementCost | None = None,
     steps: int = 14,
     seed: int = 0,
 ) -> SimResult:
     gmap = {g.name: g for g in cl.spec.node_groups}
     ctx = w.prompt_tokens + w.response_tokens / 2
+    if cost is None:
+        cost = evaluate(cl, m, w, sol.trainer, placement)
     insts = []
-    for rc, node, _ in placement.rollout:
+    for (rc, node, _), sync in zip(placement.rollout, cost.sync_s, strict=True):
         g, kind = gmap[rc.group], cl.kinds[rc.group]
 
         def step_fn(n: int, rc: RolloutOption = rc, g=g, kind=kind) -> float:
@@ -180,12 +345,11 @@ def simulate_solution(
                     b,
                     ctx,
                     g.intra_node.bandwidth_gbs,
-                    w.constants,
+                    kind_constants(w.constants, kind),
                 )
 
             return at(n) * rc.step_s / at(rc.batch)  # keeps a profile's calibration
 
-        sync = weight_sync_s(cl, m, w, sol.trainer.zones[0], rc.zone)
         insts.append(SimInstance(node, rc.batch, rc.prefill_s, sync, step_fn))
     return simulate(
         insts,
@@ -193,7 +357,7 @@ def simulate_solution(
         group_size=w.group_size,
         staleness=w.staleness,
         publish_interval=w.publish_interval,
-        train_step_s=sol.trainer.step_s,
+        train_step_s=cost.train_step_s,
         mean_len=w.response_tokens,
         max_len=w.max_response_tokens,
         steps=steps,
@@ -205,15 +369,18 @@ def to_plan(
     cl: Cluster,
     m: ModelShape,
     w: Workload,
-    sol: Solution,
-    pl: Placement,
+    best: Placed,
     budget: float | None,
     target: float | None,
     model_label: str | None,
     sim: SimResult | None,
     homo: dict[str, float],
     sync: float,
+    ff: Placed | None = None,
+    ff_sim: SimResult | None = None,
+    verdict: Assessment | None = None,
 ) -> Plan:
+    sol, pl = best.solution, best.placement
     counters: dict[str, int] = {}
     rollout = []
     for rc, node, ids in pl.rollout:
@@ -241,7 +408,6 @@ def to_plan(
         placements=[DeviceSlot(node=n, gpu_ids=ids) for n, ids in pl.trainer],
         predicted_tokens_per_s=round(c.samples_per_s * toks, 2),
     )
-    syncs = [weight_sync_s(cl, m, w, c.zones[0], rc.zone) for rc, _, _ in pl.rollout]
     best_homo = max(homo.items(), key=lambda kv: kv[1], default=(None, 0.0))
     return Plan(
         cluster=cl.name,
@@ -252,10 +418,10 @@ def to_plan(
         rollout=rollout,
         trainer=trainer,
         predicted=Prediction(
-            samples_per_s=round(sol.eval_rate, 4),
-            generation_samples_per_s=round(sol.eval_gen_rate, 4),
-            training_samples_per_s=round(sol.train_rate, 4),
-            weight_sync_s=round(max(syncs, default=0.0), 3),
+            samples_per_s=round(best.rate, 4),
+            generation_samples_per_s=round(best.gen_rate, 4),
+            training_samples_per_s=round(w.samples_per_step / best.cost.train_step_s, 4),
+            weight_sync_s=round(max(best.cost.sync_s, default=0.0), 3),
             cost_usd_per_h=round(sol.cost, 2),
         ),
         baselines=Baselines(
@@ -267,5 +433,14 @@ def to_plan(
             mip_gap=sol.gap,
             solve_s=round(sol.solve_s, 3),
             milp_samples_per_s=round(sol.rate, 4),
+            unplaced_samples_per_s=round(sol.eval_rate, 4),
+            placement=pl.method,
+            first_fit_samples_per_s=None if ff is None else round(ff.rate, 4),
+            simulated_first_fit_samples_per_s=(
+                None if ff_sim is None else round(ff_sim.samples_per_s, 4)
+            ),
+            staleness=w.staleness,
+            publish_interval=w.publish_interval,
+            **({} if verdict is None else verdict.__dict__),
         ),
     )

@@ -24,6 +24,10 @@ class DeviceRates(Section):
     decode_context: int = Field(gt=0)  # context length the decode steps were timed at
     prefill_tokens_per_s: float = Field(gt=0)
     train_tokens_per_s: float = Field(gt=0)  # forward + backward + optimizer, one device
+    # Weight reload of an idle server, s (`profile --local`): the pause of a synchronous
+    # run, where nothing is generating when new weights arrive. The pause with requests
+    # in flight is the cluster link's latency.
+    reload_idle_s: float | None = Field(None, ge=0)
 
 
 class Profile(Section):
@@ -58,6 +62,9 @@ class Profile(Section):
 
     def train_tokens_per_s(self, kind: str) -> float:
         return self.kinds[kind].train_tokens_per_s
+
+    def reload_idle_s(self, kind: str) -> float | None:
+        return self.kinds[kind].reload_idle_s if kind in self.kinds else None
 
 
 def load_profile(path: str | Path, model_params: int | None = None) -> Profile:

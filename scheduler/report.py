@@ -59,6 +59,20 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
                 f"{b.simulated_max_staleness}{idle}"
             )
+        if b.first_fit_samples_per_s is not None:
+            sim_ff = b.simulated_first_fit_samples_per_s
+            lines.append(
+                f"placement on the racks: METIS {p.samples_per_s:.3f} samples/s vs first-fit "
+                f"{b.first_fit_samples_per_s:.3f}"
+                + (
+                    f" (simulated {b.simulated_samples_per_s:.3f} vs {sim_ff:.3f})"
+                    if sim_ff
+                    else ""
+                )
+                + f"; unplaced {b.unplaced_samples_per_s:.3f}"
+            )
+        if b.binding is not None:
+            lines.append(_verdict(b))
         lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}")
     if sweep:
         lines += ["", f"{'budget $/h':>11}{'hetero':>9}{'homog.':>9}{'sync':>9}{'cost':>9}"]
@@ -69,6 +83,29 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 f"{s['cost_usd_per_h']:>9.2f}"
             )
     return "\n".join(lines)
+
+
+def _verdict(b) -> str:
+    parts = [f"binding: {b.binding}" + (f" (also {', '.join(b.limits)})" if b.limits else "")]
+    parts.append(
+        f"utilisation: generation {b.generation_utilisation:.0%}, "
+        f"training {b.training_utilisation:.0%}"
+    )
+    if b.homogeneous_ratio is not None:
+        parts.append(f"{b.homogeneous_ratio:.2f}x the best one-kind plan")
+    if b.cost_ratio is not None:
+        parts.append(f"a one-kind plan at this rate costs {b.cost_ratio:.2f}x")
+    elif b.homogeneous_ratio is not None:
+        parts.append("no one-kind plan reaches this rate")
+    if b.unspent_usd_per_h:
+        parts.append(f"${b.unspent_usd_per_h:.2f}/h unspent")
+    line = "; ".join(parts)
+    if b.recommended_mode == "synchronous":
+        line += (
+            f"\nrecommended: synchronous colocated training ({b.synchronous_samples_per_s:.3f} "
+            f"samples/s beats this asynchronous plan; `areal-hex run --mode sync`)"
+        )
+    return line
 
 
 def sweep_budgets(

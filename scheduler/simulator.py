@@ -33,6 +33,7 @@ class SimInstance:
     t: float = 0.0  # time `tok` refers to
     stall_until: float = 0.0
     active: list[tuple[float, int]] = field(default_factory=list)  # heap (finish tok, req)
+    queue: deque[tuple[int, int]] = field(default_factory=deque)  # (group, length) waiting
     busy_s: float = 0.0
     stamp: int = 0
 
@@ -92,7 +93,6 @@ class Simulation:
         self.now, self.version, self.submitted, self.trained = 0.0, 0, 0, 0
         self.served = 0  # version of the weights the instances hold (the last publish)
         self.dropped = 0
-        self.pending: deque[tuple[int, int]] = deque()  # (group, length) to dispatch
         self.group_left: dict[int, int] = {}  # samples still generating, per group
         self.group_ver: dict[int, int] = {}  # version of the weights that generate it
         self.req_group: dict[int, int] = {}
@@ -115,38 +115,45 @@ class Simulation:
             self.push(nf, "done", i, inst.stamp)
 
     # ------------------------------------------------------------ controller
-    def admit(self) -> None:
+    def admit(self) -> bool:
         """The gate admits one more group while submitted < (v + η + 1)·B and the
-        controller's cap on unfinished groups, if any, has room."""
+        controller's cap on unfinished groups, if any, has room. The whole group goes to
+        one instance (one batched request, as the controller sends it): the one with the
+        most free slots."""
         w = self.w
         if self.submitted >= (self.version + w.staleness + 1) * w.batch_groups:
-            return
+            return False
         if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
-            return
+            return False
         g = self.submitted
         self.submitted += 1
         self.group_left[g], self.group_ver[g] = w.group_size, self.served
+        inst = max(self.inst, key=lambda x: (x.slots - len(x.active) - len(x.queue)) / x.slots)
         for _ in range(w.group_size):
             length = min(w.max_len, max(1, int(w.mean_len * self.rng.uniform(0.5, 1.5))))
-            self.pending.append((g, length))
+            inst.queue.append((g, length))
+        return True
 
     def dispatch(self) -> None:
-        """Admit groups and hand their samples to the least loaded instance with a slot."""
+        """Start queued samples where slots are free; admit groups while an instance has
+        free slots and nothing queued for them."""
         while True:
-            if not self.pending:
-                self.admit()
-            free = [i for i, x in enumerate(self.inst) if len(x.active) < x.slots]
-            if not self.pending or not free:
+            for i, inst in enumerate(self.inst):
+                started = False
+                while inst.queue and len(inst.active) < inst.slots:
+                    if not started:
+                        inst.advance(self.now)
+                        started = True
+                    g, length = inst.queue.popleft()
+                    inst.stall_until = max(inst.stall_until, self.now) + inst.prefill_s
+                    self.rid += 1
+                    self.req_group[self.rid] = g
+                    heapq.heappush(inst.active, (inst.tok + length, self.rid))
+                if started:
+                    self.reschedule(i)
+            room = any(len(x.active) + len(x.queue) < x.slots for x in self.inst)
+            if not room or not self.admit():
                 return
-            i = min(free, key=lambda j: len(self.inst[j].active) / self.inst[j].slots)
-            g, length = self.pending.popleft()
-            inst = self.inst[i]
-            inst.advance(self.now)
-            inst.stall_until = max(inst.stall_until, self.now) + inst.prefill_s
-            self.rid += 1
-            self.req_group[self.rid] = g
-            heapq.heappush(inst.active, (inst.tok + length, self.rid))
-            self.reschedule(i)
 
     def on_done(self, i: int) -> None:
         inst = self.inst[i]

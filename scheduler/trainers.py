@@ -2,8 +2,9 @@
 size, ZeRO stage) that the MILP chooses among (exactly one).
 
 DeepSpeed runs pure data parallel with the same number of ranks on every node, so a
-trainer is either part of one machine (1, 2, 4, ... GPUs) or m whole machines, possibly
-spanning several zones of one region (its all-reduce then crosses the slowest link).
+trainer is p GPUs (any p up to the machine's) on each of m machines of one node group,
+or whole machines spanning several groups of one region (its all-reduce then crosses
+the slowest link). GPU granularity keeps budget from being stranded between sizes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from scheduler.costmodel import (
     GB,
     TrainerOption,
     allreduce_s,
+    kind_constants,
     train_flops_per_sample,
     train_memory_gb,
 )
@@ -22,18 +24,26 @@ from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 
+FINE_MACHINES = 2
 
-def _layouts(groups: list[NodeGroup]) -> list[tuple[tuple[tuple[str, int], ...], int]]:
-    """(parts, per_node) layouts: partial single machines, m whole machines of one group,
-    and every group of a zone-prefix whole plus m machines of the next group."""
+
+def _layouts(
+    groups: list[NodeGroup], max_dp: int
+) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    """(parts, per_node) layouts of one group: p ranks on each of m machines, every p on
+    up to `FINE_MACHINES` machines, whole machines beyond (the steps between sizes are
+    then one machine, what a budget may strand anyway); for each data-parallel size up to
+    `max_dp`, the fewest machines that hold it evenly."""
     out: list[tuple[tuple[tuple[str, int], ...], int]] = []
     for g in groups:
-        k = 1
-        while k < g.gpus_per_node:
-            out.append((((g.name, k),), k))
-            k *= 2
+        seen: set[int] = set()
         for m in range(1, g.nodes + 1):
-            out.append((((g.name, m * g.gpus_per_node),), g.gpus_per_node))
+            sizes = range(1, g.gpus_per_node + 1) if m <= FINE_MACHINES else [g.gpus_per_node]
+            for p in sizes:
+                dp = p * m
+                if dp <= max_dp and dp not in seen:
+                    seen.add(dp)
+                    out.append((((g.name, dp),), p))
     return out
 
 
@@ -72,10 +82,10 @@ def cost_trainer(
     per_node: int,
     prof: Profile | None,
 ) -> TrainerOption | None:
-    k = w.constants
     gmap = {g.name: g for g in cl.spec.node_groups}
     groups = [gmap[p[0]] for p in parts]
     kind = cl.kinds[groups[0].name]
+    k = kind_constants(w.constants, kind)
     dp = sum(n for _, n in parts)
     if dp > w.samples_per_step:
         return None  # a rank without a sample does nothing
@@ -128,7 +138,8 @@ def trainer_configs(
         by_kind.setdefault(cl.kinds[g.name].name, []).append(g)
     out: list[TrainerOption] = []
     for groups in by_kind.values():
-        for parts, per_node in _layouts(groups) + _multi_group_layouts(cl, groups):
+        layouts = _layouts(groups, w.samples_per_step) + _multi_group_layouts(cl, groups)
+        for parts, per_node in layouts:
             c = cost_trainer(cl, m, w, parts, per_node, prof)
             if c is not None:
                 out.append(c)

@@ -3,17 +3,17 @@ scrapes with `areal_hex.prom.METRIC_NAMES`:
 
     python scripts/check_run_trackers.py RUN_DIR [trainer.prom rollout.prom]
 
-(uses the readers of tests/unit/test_trackers.py; run from the repository root)."""
+(uses the readers of tests/tracker_files.py; run from the repository root)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_trackers import tensorboard_scalars, wandb_history  # noqa: E402
+from tracker_files import tensorboard_scalars, wandb_history  # noqa: E402
 
 from areal_hex.prom import METRIC_NAMES  # noqa: E402
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows  # noqa: E402

@@ -73,14 +73,20 @@ def _per_completion(g: GroupRecord, key: str) -> list[str]:
     return values if len(values) == len(g.completions) else [""] * len(g.completions)
 
 
-def assign_to_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
-    """Longest-first greedy: each sequence goes to the rank with the fewest tokens so far
-    (ties: the lower rank). Returns the sequence indices of each rank."""
+def assign_to_ranks(
+    lengths: Sequence[int], world: int, speeds: Sequence[float] | None = None
+) -> list[list[int]]:
+    """Longest-first greedy: each sequence goes to the rank that would finish it first,
+    (tokens so far + its tokens) / the rank's speed (ties: the lower rank). Equal speeds
+    (None) give equal token loads. Returns the sequence indices of each rank."""
+    speed = list(speeds) if speeds is not None else [1.0] * world
+    if len(speed) != world:
+        raise ValueError(f"{len(speed)} rank speeds for {world} ranks: expected one per rank")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     loads = [0] * world
     shares: list[list[int]] = [[] for _ in range(world)]
     for i in order:
-        r = min(range(world), key=lambda k: (loads[k], k))
+        r = min(range(world), key=lambda k: ((loads[k] + lengths[i]) / speed[k], k))
         shares[r].append(i)
         loads[r] += lengths[i]
     return shares

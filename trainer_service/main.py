@@ -14,11 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
-from areal_hex.prom import BufferCollector, MetricsServer, TrainerCollector, registry_with
+from areal_hex.errors import UsageError
+from areal_hex.prom import (
+    BufferCollector,
+    MetricsServer,
+    TrainerCollector,
+    device_kind,
+    prediction_collectors,
+    registry_with,
+)
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
-from trainer_service.step import StepContext
+from trainer_service.step import StepContext, throttle_factor
 
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
@@ -98,7 +106,15 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         ref_model=ref,
         device=device,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        speeds=list(t.rank_speeds) if t.rank_speeds is not None else None,
+        balance_measured=t.balance_measured,
+        throttle=throttle_factor(rank),
     )
+    if ctx.speeds is not None and len(ctx.speeds) != world:
+        raise UsageError(
+            f"trainer.rank_speeds has {len(ctx.speeds)} values for {world} ranks: "
+            "expected one speed per rank"
+        )
     consumer = make_consumer(cfg) if rank == 0 else None
     return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
 
@@ -108,9 +124,9 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
     behind the service token when one is set."""
     if cfg.trainer.metrics_port is None:
         return None
-    rows = TrainerCollector()
+    rows = TrainerCollector(device_kind(cfg.trainer.device), cfg.rollout.group_size)
     trainer.row_observers.append(rows.observe)
-    collectors: list[Any] = [rows]
+    collectors: list[Any] = [rows, *prediction_collectors(RunPaths.of(cfg).root, cfg.run.mode)]
     if trainer.consumer is not None:
         collectors.append(BufferCollector(trainer.consumer.stats))
     server = MetricsServer(

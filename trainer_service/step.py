@@ -9,6 +9,8 @@ averages gradients over ranks, hence the factor `world` on each backward.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -72,6 +74,34 @@ class StepContext:
     # Called right before the optimizer step changes the weights: waits for a weight
     # write still reading them (returns the seconds waited).
     before_update: Callable[[], float] | None = None
+    # Heterogeneous ranks: relative speed of each rank (None: equal shares), and whether
+    # to follow the speeds the ranks measure (trainer.rank_speeds, balance_measured).
+    speeds: list[float] | None = None
+    balance_measured: bool = False
+    throttle: float = 1.0  # throttle_factor(rank): > 1 only under the test-only variable
+
+
+THROTTLE_ENV = "AREAL_HEX_TEST_THROTTLE"
+
+
+def throttle_factor(rank: int) -> float:
+    """Test-only stand-in for a slower device: `AREAL_HEX_TEST_THROTTLE=RANK:FACTOR` makes
+    rank RANK take FACTOR times as long over each micro-batch's passes (it sleeps the
+    difference). The heterogeneous-share tests set it; runs leave it unset."""
+    value = os.environ.get(THROTTLE_ENV, "")
+    if not value:
+        return 1.0
+    try:
+        who, factor = value.split(":")
+        return float(factor) if int(who) == rank else 1.0
+    except ValueError:
+        raise ValueError(f"{THROTTLE_ENV}={value!r}: expected RANK:FACTOR, e.g. 1:3") from None
+
+
+def _throttled(ctx: StepContext, t0: float) -> None:
+    """Test-only: stretch the work since `t0` by the rank's throttle factor."""
+    if ctx.throttle > 1.0:
+        time.sleep((ctx.throttle - 1.0) * (time.perf_counter() - t0))
 
 
 def _all_reduce(values: list[float], op: str, device: str) -> list[float]:
@@ -91,7 +121,7 @@ def plan_micro_batches(
     count), every sequence of the step, and the step's global counts."""
     items = flatten_groups(groups, drop_truncated=ctx.algo.overlong_mask)
     lengths = [len(it.tokens) for it in items]
-    share = assign_to_ranks(lengths, ctx.world)[ctx.rank]
+    share = assign_to_ranks(lengths, ctx.world, ctx.speeds)[ctx.rank]
     packs = pack_micro_batches(share, lengths, ctx.micro_batch_tokens)
     (most,) = _all_reduce([float(len(packs))], "max", ctx.device)
     mbs = [collate([items[i] for i in p], ctx.pad_id).to(ctx.device) for p in packs]
@@ -116,9 +146,11 @@ def _reference_pass(
     ref: list[Any | None] = []
     with torch.no_grad():
         for mb in mbs:
+            t0 = time.perf_counter()
             prox.append(token_logprobs(ctx.engine, mb)[0] if need_prox else None)
             use_ref = ctx.ref_model is not None and ctx.algo.kl_coef > 0
             ref.append(token_logprobs(ctx.ref_model, mb)[0] if use_ref else None)
+            _throttled(ctx, t0)
     return prox, ref
 
 
@@ -148,6 +180,7 @@ class _Minibatch:
     adv: Any  # (N + 1,) advantages of the sequences, then a 0 for dummy rows
     degenerate: int
     all_adv: np.ndarray
+    forward_s: float = 0.0  # the no-grad passes: this rank's compute, no collective in it
 
 
 def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
@@ -156,7 +189,9 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
 
     a = ctx.algo
     mbs, items, counts = plan_micro_batches(ctx, groups)
+    t0 = time.perf_counter()
     prox, ref = _reference_pass(ctx, mbs)
+    forward_s = time.perf_counter() - t0
     penalty = None
     if a.kl_coef > 0 and a.kl_in_reward:
         penalty = _kl_penalty(ctx, mbs, prox, ref, len(items))
@@ -173,7 +208,7 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
     adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
     if a.denominator == "informative":
         counts = informative_counts(groups, items, all_adv, counts)
-    return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv)
+    return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv, forward_s)
 
 
 def informative_counts(
@@ -232,6 +267,7 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
     a = ctx.algo
     w_max = 0.0
     for mb, p, r in zip(mb_set.mbs, mb_set.prox, mb_set.ref, strict=True):
+        t0 = time.perf_counter()
         logp, ent = token_logprobs(
             ctx.engine, mb, with_entropy=True, entropy_grad=a.entropy_coeff > 0
         )
@@ -249,6 +285,7 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
             entropy=ent,
         )
         ctx.engine.backward(loss * ctx.world)
+        _throttled(ctx, t0)
         m = mb.loss_mask
         sums["loss"] += float(loss.detach())
         sums["tokens"] += float(m.sum())
@@ -280,12 +317,19 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     prepared = [_prepare(ctx, g) for g in split_groups(groups, ctx.algo.ppo_minibatches)]
     mismatch = train_inference_mismatch(ctx, prepared)
     sums = dict.fromkeys(_SUM_KEYS, 0.0)
-    w_max, fence_s = 0.0, 0.0
+    w_max, fence_s, busy_s = 0.0, 0.0, 0.0
     for i, mb_set in enumerate(prepared):
+        t0 = time.perf_counter()
         w_max = max(w_max, _accumulate(ctx, mb_set, sums))
+        busy_s += time.perf_counter() - t0
         if i == 0 and ctx.before_update is not None:
             fence_s = ctx.before_update()
         ctx.engine.step()
+    # this rank's speed: its no-grad forward passes where the step makes them (a backward
+    # may wait for the other ranks' gradients), else forward + backward
+    forward_s = sum(p.forward_s for p in prepared)
+    own = sum(int(mb.attention_mask.sum()) for p in prepared for mb in p.mbs)
+    speeds = rebalance(ctx, own, forward_s if forward_s > 0 else busy_s)
     sums["loss"] /= len(prepared)
     reduced = _all_reduce([sums[k] for k in _SUM_KEYS], "sum", ctx.device)
     (w_max,) = _all_reduce([w_max], "max", ctx.device)
@@ -298,5 +342,23 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         degenerate_groups=sum(p.degenerate for p in prepared),
         advantages=np.concatenate([p.all_adv for p in prepared]),
         grad_norm=float(norm) if norm is not None else None,
-        extra={"publish_fence_s": fence_s, "mismatch": mismatch},
+        extra={"publish_fence_s": fence_s, "mismatch": mismatch, "rank_speeds": speeds},
     )
+
+
+def rebalance(ctx: StepContext, tokens: int, busy_s: float) -> list[float] | None:
+    """Every rank's tokens per second of its own compute this step (collective when
+    `balance_measured`); the next step's shares follow their running mean."""
+    if not ctx.balance_measured or ctx.world == 1:
+        return ctx.speeds
+    mine = [0.0] * ctx.world
+    mine[ctx.rank] = tokens / max(busy_s, 1e-9)
+    measured = _all_reduce(mine, "sum", ctx.device)  # identical on every rank
+    if min(measured) <= 0:
+        return ctx.speeds
+    prev = ctx.speeds or [1.0] * ctx.world
+    norm_prev, norm_new = sum(prev), sum(measured)
+    ctx.speeds = [
+        0.5 * a / norm_prev + 0.5 * b / norm_new for a, b in zip(prev, measured, strict=True)
+    ]
+    return ctx.speeds

@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, str] = {
     "chaos": "areal_hex.launch.chaos",
     "algos": "areal_hex.launch.bench_algos",
     "plan": "scheduler.bench",
+    "fidelity": "areal_hex.launch.bench_fidelity",
+    "gpu": "areal_hex.launch.bench_gpu",
 }
 
 

@@ -1,9 +1,18 @@
-"""`areal-hex deploy PLAN CONFIG [overrides] --target compose|k8s --out DIR`."""
+"""`areal-hex deploy PLAN CONFIG [overrides] --target TARGET --out DIR`.
+
+Before writing anything it checks the plan against the config and runs, for every
+service it renders, the checks that service's own command runs at start (`preflight` of
+`areal-hex train`, `rollout`, `serve`), on the config the service will load.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import tempfile
 from pathlib import Path
+
+from areal_hex.deploy import TARGETS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,8 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", help="plan.yaml written by `areal-hex plan`")
     add_config_args(p)
-    p.add_argument("--target", choices=("compose", "k8s"), required=True)
-    p.add_argument("--out", required=True, type=Path, help="directory to write into")
+    p.add_argument("--target", choices=sorted([*TARGETS, "slurm"]), required=True)
+    p.add_argument("--site", type=Path, help="slurm: the site-mapping YAML (docs/slurm.md)")
+    p.add_argument("--submit", action="store_true", help="slurm: sbatch the rendered job")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="folder to write into: new, empty, or an earlier render (with --force)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace the files an earlier render wrote in --out"
+    )
     p.add_argument("--deploy-config", type=Path, help="deploy options YAML (DeployConfig)")
     p.add_argument("--namespace", help="Kubernetes namespace (default: areal-hex)")
     p.add_argument("--image-tag", help="tag for the three areal-hex images")
@@ -32,7 +51,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu-label-key", help="node label that tells GPU kinds apart (nvidia.com/gpu.product)"
     )
+    p.add_argument(
+        "--trainer-gang",
+        choices=("jobset", "indexed-job"),
+        help="k8s trainer: a JobSet restarting all ranks together (default), or a plain "
+        "Indexed Job for clusters without the JobSet controller",
+    )
+    p.add_argument("--kueue-queue", metavar="NAME", help="k8s: Kueue LocalQueue of the trainer")
+    p.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="PLAN_NODE=HOSTNAME",
+        help="k8s: the Kubernetes node a plan node is (repeatable; labels: deploy config "
+        "`placement`)",
+    )
     p.add_argument("--storage-class", help="storage class of the shared ReadWriteMany volume")
+    p.add_argument(
+        "--existing-secret",
+        metavar="NAME",
+        help="k8s: take redis-password and api-token from this existing Secret (none rendered)",
+    )
     p.add_argument("--redis-url", help="use this external Redis (its password goes to the Secret)")
     p.set_defaults(func=_run)
 
@@ -49,6 +88,17 @@ def deploy_config(args: argparse.Namespace):  # -> DeployConfig
         data["namespace"] = args.namespace
     if args.gpu_label_key:
         data["gpu_label_key"] = args.gpu_label_key
+    if args.existing_secret:
+        data["existing_secret"] = args.existing_secret
+    if args.trainer_gang:
+        data.setdefault("trainer", {})["gang"] = args.trainer_gang
+    if args.kueue_queue:
+        data["kueue_queue"] = args.kueue_queue
+    for item in args.node:
+        node, sep, host = item.partition("=")
+        if not sep or not node or not host:
+            raise UsageError(f"--node {item!r}: expected PLAN_NODE=HOSTNAME, e.g. h800-0=gpu-17")
+        data.setdefault("placement", {}).setdefault(node, {})["hostname"] = host
     if args.storage_class:
         data.setdefault("storage", {})["storage_class"] = args.storage_class
     if args.redis_url:
@@ -75,6 +125,32 @@ def with_tag(image: str, tag: str) -> str:
     return f"{repo}:{tag}"
 
 
+def check_services(d) -> list[str]:  # d: areal_hex.deploy.common.Deployment
+    """Each rendered service's own start-up checks on the config it will load: its layout
+    command is parsed by the real `areal-hex` parser and its command's `preflight` runs."""
+    from areal_hex.cli import UsageError, build_parser
+    from areal_hex.config import ConfigError, save_config
+    from areal_hex.deploy.prepare import check_config
+    from areal_hex.layout import CONFIG_PLACEHOLDER
+
+    parser = build_parser()
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = save_config(d.cfg, Path(tmp) / "config.yaml")
+        problem = check_config(d.cfg)
+        if problem:
+            errors.append(f"prepare (initial weights): {problem}")
+        for svc in d.layout.services:
+            argv = [a.replace(CONFIG_PLACEHOLDER, str(config)) for a in svc.command]
+            args = parser.parse_args(argv[1:])  # argv[0] is `areal-hex`
+            try:
+                args.preflight(args)
+            except (ConfigError, UsageError) as exc:
+                shown = shlex.join(svc.command)
+                errors.append(f"{svc.name} ({shown}): {exc}")
+    return errors
+
+
 def _run(args: argparse.Namespace) -> int:
     from areal_hex.cli import UsageError, config_from_args
     from areal_hex.deploy import render
@@ -84,10 +160,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"plan file not found: {args.plan} (write one with `areal-hex plan`)")
     plan = load_plan(args.plan)
     cfg = config_from_args(args)
-    result = render(args.target, cfg, plan, deploy_config(args), args.out)
+    if args.target == "slurm":
+        from areal_hex.deploy.slurm import run_slurm_target
+
+        return run_slurm_target(cfg, plan, args.site, args.out, args.submit)
+    dcfg = deploy_config(args)
+    result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())
-    if args.target == "k8s":
-        print(f"apply with: kubectl apply -f {args.out}")
-    else:
-        print(f"start with: docker compose -f {args.out}/docker-compose.yaml up -d")
     return 0

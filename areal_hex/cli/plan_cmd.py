@@ -39,6 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC time limit, s")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator replay")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        help="also try staleness bounds from the workload's up to this one (pick the best)",
+    )
+    p.add_argument(
+        "--max-publish-interval",
+        type=int,
+        help="also try publish intervals k from the workload's up to this one",
+    )
     p.set_defaults(func=_plan)
 
     q = sub.add_parser(
@@ -58,15 +68,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--batches", default="1,4,16", help="decode batch sizes to time")
     q.add_argument("--context", type=int, default=128, help="context length for decode")
     q.add_argument("--json", action="store_true", help="print the profile as JSON")
+    q.add_argument(
+        "--local",
+        action="store_true",
+        help="this machine as a cluster: time the job's own engines on the devices `run` "
+        "uses (CPU core groups of run.pin_cores, or the GPUs) and write cluster.yaml, "
+        "profile.yaml, workload.yaml and model/ into --out-dir",
+    )
+    q.add_argument("--config", help="--local: the experiment YAML (default: the tiny example)")
+    q.add_argument("--out-dir", default="local-profile", help="--local: where to write")
+    q.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="--local: config overrides")
     q.set_defaults(func=_profile)
 
 
 def _plan(args: argparse.Namespace) -> int:
     from areal_hex.cli import UsageError
-    from areal_hex.plan import save_plan
+    from areal_hex.plan import PlanSources, save_plan
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
-    from scheduler.planner import make_plan
+    from scheduler.planner import make_plan, tune_staleness_and_interval
     from scheduler.profile import load_profile
     from scheduler.report import sweep_budgets, table
     from scheduler.workload import load_workload
@@ -86,6 +106,27 @@ def _plan(args: argparse.Namespace) -> int:
     if args.zero_stage is not None:
         w = w.model_copy(update={"zero_stage": args.zero_stage})
     prof = load_profile(args.profile, m.params) if args.profile else None
+    tried = None
+    if args.max_staleness is not None or args.max_publish_interval is not None:
+        eta = args.max_staleness if args.max_staleness is not None else w.staleness
+        k = args.max_publish_interval if args.max_publish_interval is not None else 1
+        if eta < w.staleness or k < 1:
+            raise UsageError(
+                f"--max-staleness must be at least the workload's staleness ({w.staleness}) "
+                f"and --max-publish-interval at least 1; got {eta} and {k}"
+            )
+        k = max(k, w.publish_interval)
+        w, tried = tune_staleness_and_interval(
+            cl,
+            m,
+            w,
+            max_staleness=eta,
+            max_publish_interval=k,
+            budget=args.budget,
+            target=args.target_rate,
+            prof=prof,
+            time_limit_s=args.time_limit,
+        )
     res = make_plan(
         cl,
         m,
@@ -98,6 +139,11 @@ def _plan(args: argparse.Namespace) -> int:
         simulate_plan=not args.no_simulate,
     )
     sweep = sweep_budgets(cl, m, w, res, prof, args.time_limit) if args.sweep_budget else None
+    res.plan.sources = PlanSources(
+        cluster=str(Path(args.cluster).resolve()),
+        workload=str(Path(args.workload).resolve()) if args.workload else None,
+        profile=str(Path(args.profile).resolve()) if args.profile else None,
+    )
     out = save_plan(res.plan, args.out)
     if args.plot:
         from scheduler.plot import plot
@@ -110,11 +156,20 @@ def _plan(args: argparse.Namespace) -> int:
                 "staleness_hist": {str(k): v for k, v in res.sim.staleness_hist.items()}
             }
         doc["homogeneous"] = res.homogeneous
+        if tried is not None:
+            doc["tuned"] = tried
         if sweep is not None:
             doc["sweep"] = sweep
         print(json.dumps(doc, indent=2))
     else:
         print(table(res, sweep))
+        if tried is not None:
+            b = res.plan.baselines
+            print(
+                f"tuned over {len(tried)} (staleness, publish interval) pairs: staleness "
+                f"{b.staleness}, publish every {b.publish_interval} (buffer.max_staleness="
+                f"{b.staleness} trainer.publish_every={b.publish_interval})"
+            )
         print(f"\nwrote {out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
@@ -130,6 +185,10 @@ def _profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches {args.batches!r}: expected integers like 1,4,16") from None
     if not batches or min(batches) < 1:
         raise UsageError(f"--batches {args.batches!r}: expected positive integers")
+    if args.local:
+        return _profile_local(args, batches)
+    if args.overrides or args.config:
+        raise UsageError("--config and KEY=VALUE overrides apply to --local only")
     prof = measure_profile(
         Path(args.model_config) if args.model_config else None,
         args.device,
@@ -148,4 +207,34 @@ def _profile(args: argparse.Namespace) -> int:
                 f"{r.prefill_tokens_per_s:,.0f} tok/s; train {r.train_tokens_per_s:,.0f} tok/s"
             )
         print(f"wrote {path}")
+    return 0
+
+
+def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
+    from areal_hex.config import load_config
+    from areal_hex.launch.bench import DEFAULT_CONFIG
+    from areal_hex.launch.local_profile import profile_local
+
+    cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))
+    given = args.batches != "1,4,16"  # the default is for the tiny HF profile
+    files = profile_local(cfg, Path(args.out_dir), batches if given else None)
+    measured = json.loads(files.measured.read_text())
+    if args.json:
+        print(json.dumps(measured, indent=2))
+        return 0
+    gen = measured["generation"]
+    steps = ", ".join(f"b={b}: {s * 1e3:.2f} ms" for b, s in gen["decode_step_s"].items())
+    dev = measured["devices"]
+    reload = f"reload {gen['reload_s'] * 1e3:.1f} ms (idle {gen['reload_idle_s'] * 1e3:.1f})"
+    print(
+        f"{dev['kind']} x {dev['count']} ({dev['device']}): decode step {steps}; prefill "
+        f"{gen['prefill_tokens_per_s']:,.0f} tok/s; train {measured['train_tokens_per_s']:,.0f} "
+        f"tok/s; {reload}; prompt {gen['prompt_tokens']:.0f} and answer "
+        f"{gen['response_tokens']:.1f} tokens on average"
+    )
+    print(
+        f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "
+        f"plan {files.cluster} --model {files.model} --workload {files.workload} --profile "
+        f"{files.profile} --budget {dev['count']} --out plan.yaml"
+    )
     return 0

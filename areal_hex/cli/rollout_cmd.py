@@ -18,18 +18,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("rollout", help="run the rollout controller (prompts -> groups -> buffer)")
     add_config_args(p)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, preflight=preflight)
+
+
+def preflight(args: argparse.Namespace):  # -> ExperimentConfig
+    """What `areal-hex rollout` checks before it starts; `areal-hex deploy` runs it on
+    every controller it renders."""
+    from areal_hex.cli import config_from_args, require_run
+
+    cfg = config_from_args(args)
+    require_run(cfg, "areal-hex rollout")
+    return cfg
 
 
 def _run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from areal_hex.cli import UsageError, config_from_args, require_run
+    from areal_hex.cli import UsageError
     from areal_hex.data import DataError
 
-    cfg = config_from_args(args)
-    require_run(cfg, "areal-hex rollout")
+    cfg = preflight(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     log = logging.getLogger("areal_hex.rollout")

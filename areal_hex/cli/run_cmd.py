@@ -22,6 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, required=False)  # not with --resume
     p.add_argument("--mode", choices=["sync", "async"], default=None, help="default: run.mode")
     p.add_argument("--plan", default=None, help="plan.yaml from `areal-hex plan` (optional)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="directory from `areal-hex profile --local`: predict a run without a plan",
+    )
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.add_argument(
         "--timeout", type=float, default=None, help="fail the run after this many seconds"
@@ -93,7 +98,14 @@ def _run(args: argparse.Namespace) -> int:
     verb = "resuming" if existed else "starting"
     _say(f"{verb} {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services as on Ctrl-C
-    result = execute(cfg, config_path, plan, progress=not args.no_progress, timeout_s=args.timeout)
+    result = execute(
+        cfg,
+        config_path,
+        plan,
+        progress=not args.no_progress,
+        timeout_s=args.timeout,
+        profile_dir=Path(args.profile) if args.profile else None,
+    )
     if result.outcome.status == "interrupted":
         _say(f"interrupted; all processes stopped (continue with --resume {run_dir})")
         return 130

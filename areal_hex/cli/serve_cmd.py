@@ -22,10 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="sglang backend: print the launch command (API key hidden) and exit",
     )
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, preflight=preflight)
 
 
-def _run(args: argparse.Namespace) -> int:
+def preflight(args: argparse.Namespace):  # -> tuple[ExperimentConfig, int]
+    """What `areal-hex serve` checks before it starts a server: the config, the index and
+    port, and (SGLang) that a launch command can be built. Returns (config, port);
+    `areal-hex deploy` runs it on every server it renders."""
     from areal_hex.cli import UsageError, config_from_args
 
     cfg = config_from_args(args)
@@ -38,6 +41,21 @@ def _run(args: argparse.Namespace) -> int:
     if not 0 < port < 65536:
         raise UsageError(f"port {port} is outside 1..65535")
     if inf.backend == "sglang":
+        from rollout_service.sglang_launcher import launch_command
+
+        try:
+            launch_command(cfg.model, inf, port)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return cfg, port
+
+
+def _run(args: argparse.Namespace) -> int:
+    from areal_hex.cli import UsageError
+
+    cfg, port = preflight(args)
+    inf = cfg.inference
+    if inf.backend == "sglang":
         import sys
 
         from rollout_service.sglang_launcher import (
@@ -47,12 +65,8 @@ def _run(args: argparse.Namespace) -> int:
             run_sglang,
         )
 
-        try:
-            cmd = launch_command(cfg.model, inf, port)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
         if args.print_command:
-            print(redacted(cmd))
+            print(redacted(launch_command(cfg.model, inf, port)))
             return 0
         try:
             return run_sglang(cfg.model, inf, port)

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--print-command", action="store_true", help="print the launcher command, do not run it"
     )
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, preflight=preflight)
 
 
 def launcher_command(cfg, config: str, overrides: list[str]) -> list[str]:  # cfg: ExperimentConfig
@@ -45,14 +45,27 @@ def launcher_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
     return env
 
 
-def _run(args: argparse.Namespace) -> int:
-    from areal_hex.cli import config_from_args, require_run
+def preflight(args: argparse.Namespace):  # -> ExperimentConfig
+    """What `areal-hex train` checks before it starts any process; `areal-hex deploy` runs
+    it on every trainer it renders."""
+    from areal_hex.cli import UsageError, config_from_args, require_run
     from areal_hex.config.checks import check_pending_groups
 
-    cfg = config_from_args(args)  # validate before any process starts
+    cfg = config_from_args(args)
     # trainer.replay_path trains from a file: no buffer server needed
     require_run(cfg, "areal-hex train", need_redis=cfg.trainer.replay_path is None)
     check_pending_groups(cfg)
+    speeds = cfg.trainer.rank_speeds
+    if speeds is not None and len(speeds) != cfg.trainer.num_ranks:
+        raise UsageError(
+            f"trainer.rank_speeds has {len(speeds)} values for trainer.num_ranks = "
+            f"{cfg.trainer.num_ranks}: expected one speed per rank"
+        )
+    return cfg
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = preflight(args)  # validate before any process starts
     cmd = launcher_command(cfg, args.config, list(args.overrides))
     if args.print_command:
         print(shlex.join(cmd))

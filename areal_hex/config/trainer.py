@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
 
@@ -51,3 +51,18 @@ class TrainerConfig(Section):
     batch_timeout_s: float | None = Field(None, gt=0)
     # Train from a JSONL file of group records instead of the buffer (replay, tests).
     replay_path: str | None = None
+    # Heterogeneous data parallelism: the relative speed of each rank, one value per rank
+    # of the trainer (e.g. the planned tokens/s of its GPU kind). A step's sequences are
+    # shared out in proportion, so ranks of different speed finish together; the loss
+    # keeps the step's global token counts, so the update does not change. None: equal.
+    rank_speeds: list[float] | None = None
+    # Share by the speed each rank measured over its previous steps (tokens per second
+    # of its forward + backward), starting from `rank_speeds` (or equal shares).
+    balance_measured: bool = False
+
+    @field_validator("rank_speeds")
+    @classmethod
+    def _speeds_positive(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or min(v) <= 0):
+            raise ValueError(f"expected one positive speed per rank, got {v}")
+        return v

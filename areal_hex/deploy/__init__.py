@@ -3,26 +3,43 @@
     from areal_hex.deploy import render
     result = render("k8s", cfg, plan, DeployConfig(), Path("out"))
 
-Both targets start from `areal_hex.layout.build_layout(cfg, plan)`, the layout
-`areal-hex run` starts locally.
+Every target starts from `areal_hex.layout.build_layout(cfg, plan)`, the layout
+`areal-hex run` starts locally. A target is one function from the checked `Deployment`
+to the files it writes (`TARGETS`).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-import yaml
-
-from areal_hex.config import ExperimentConfig, dump_yaml
+from areal_hex.config import ExperimentConfig
 from areal_hex.config.deploy import DeployConfig
+from areal_hex.deploy.common import Bundle, Deployment
+from areal_hex.deploy.common import prepare as prepare_deployment
+from areal_hex.deploy.output import IGNORE_FILES, check_out_dir, write_files
+from areal_hex.errors import UsageError
 from areal_hex.plan import Plan
 
-Target = Literal["compose", "k8s"]
-MANIFEST = ".areal-hex-deploy"  # names of the files the last render wrote
+
+def _compose(d: Deployment) -> Bundle:
+    from areal_hex.deploy.compose import render_compose
+
+    return render_compose(d)
+
+
+def _k8s(d: Deployment) -> Bundle:
+    from areal_hex.deploy.k8s import render_k8s_bundle
+
+    return render_k8s_bundle(d)
+
+
+TARGETS: dict[str, Callable[[Deployment], Bundle]] = {
+    "compose": _compose,
+    "k8s": _k8s,
+}
 
 
 @dataclass
@@ -33,6 +50,7 @@ class RenderResult:
     run_id: str
     gpus_by_kind: dict[str, int] = field(default_factory=dict)
     services: list[str] = field(default_factory=list)
+    start: str = ""  # the command that starts the job
 
     def summary(self) -> str:
         """What was rendered, for the terminal; never any secret value."""
@@ -43,42 +61,33 @@ class RenderResult:
             f"  GPUs: {gpus}",
             f"  files: {', '.join(self.files)}",
         ]
+        if self.start:
+            lines.append(f"start with: {self.start}")
         return "\n".join(lines)
 
 
 def render(
-    target: Target, cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig, out_dir: Path
+    target: str,
+    cfg: ExperimentConfig,
+    plan: Plan,
+    dcfg: DeployConfig,
+    out_dir: Path,
+    *,
+    force: bool = False,
+    check: Callable[[Deployment], list[str]] | None = None,
 ) -> RenderResult:
-    """Check the plan against the config, then write the target's files into `out_dir`."""
-    from areal_hex.deploy.common import prepare
-
-    d = prepare(cfg, plan, dcfg, target, out_dir)
-    # k8s: `kubectl apply -f DIR` reads every top-level YAML, so the plain copies of the
-    # config and plan (also inside the ConfigMap) go to a subdirectory.
-    where = "" if target == "compose" else "resolved/"
-    files: dict[str, str] = {
-        f"{where}config.yaml": dump_yaml(d.cfg),
-        f"{where}plan.yaml": yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False),
-    }
-    private: set[str] = set()
-    if target == "compose":
-        from areal_hex.deploy.compose import render_compose
-
-        files["docker-compose.yaml"] = yaml.safe_dump(render_compose(d), sort_keys=False)
-    else:
-        from areal_hex.deploy.k8s import dump_objects, render_k8s
-
-        for name, objs in render_k8s(d).items():
-            files[name] = dump_objects(objs)
-        private.add("01-secret.yaml")
-    if target == "compose" or dcfg.existing_secret is None:
-        for key, value in d.secrets.as_dict().items():
-            files[f"secrets/{key}"] = value + "\n"
-            if target == "k8s":
-                private.add(f"secrets/{key}")
-    # secrets/ is 0700 either way; compose bind-mounts the files themselves, so they stay
-    # readable (0644) for the containers' non-root users.
-    _write(out_dir, files, private)
+    """Check `out_dir`, the plan against the config and (with `check`) every rendered
+    service's own start-up checks; only then write the target's files into `out_dir`."""
+    if target not in TARGETS:
+        raise UsageError(f"unknown target {target!r}: expected one of {', '.join(TARGETS)}")
+    check_out_dir(out_dir, force)
+    d = prepare_deployment(cfg, plan, dcfg, target, out_dir)
+    errors = check(d) if check is not None else []
+    if errors:
+        raise UsageError("a rendered service would refuse to start:\n  " + "\n  ".join(errors))
+    bundle = TARGETS[target](d)
+    files = {**IGNORE_FILES, **bundle.files}
+    write_files(out_dir, files, bundle.private)
     gpus: Counter[str] = Counter()
     for s in d.layout.services:
         if s.gpu_kind is not None:
@@ -90,26 +99,5 @@ def render(
         run_id=d.cfg.run.run_id or "",
         gpus_by_kind=dict(gpus),
         services=[s.name for s in d.layout.services],
+        start=bundle.start.format(out=out_dir),
     )
-
-
-def _write(out_dir: Path, files: dict[str, str], private: set[str]) -> None:
-    """Write `files`; secrets 0600 in a 0700 dir; drop files a previous render wrote that
-    this one did not (a stale inference manifest would otherwise be applied again)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    old = out_dir / MANIFEST
-    if old.is_file():
-        for name in old.read_text().split():
-            if name not in files and (out_dir / name).is_file():
-                (out_dir / name).unlink()
-    for name, text in files.items():
-        path = out_dir / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if name.startswith("secrets/"):
-            path.parent.chmod(0o700)
-        mode = 0o600 if name in private else 0o644
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        path.chmod(mode)
-    old.write_text("\n".join(sorted(files)) + "\n")

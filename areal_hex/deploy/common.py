@@ -8,14 +8,18 @@ layout `areal-hex run` starts locally, so both run one system.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig
-from areal_hex.config.deploy import DeployConfig
+import yaml
+
+from areal_hex.config import ConfigError, ExperimentConfig, ModelConfig, dump_yaml
+from areal_hex.config.deploy import DeployConfig, NodeMatch
+from areal_hex.deploy.output import SECRETS
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.plan import Plan
 
@@ -40,16 +44,22 @@ SECRETS_DIR = "/run/secrets/areal-hex"  # the Secret's files (k8s); compose: /ru
 RUNTIME_CONFIG = "/tmp/areal-hex/config.yaml"  # config + secrets, written by deploy.entry
 
 
-def entry_argv(secrets_dir: str) -> list[str]:
+SGLANG_CONFIG = "/tmp/areal-hex/sglang.yaml"  # SGLang's --config file with its API key
+
+
+def entry_argv(secrets_dir: str, sglang: bool = False) -> list[str]:
     """The secret-injecting wrapper every container starts through; the service's layout
-    command follows after `--`. Only where the secrets are mounted differs by target."""
-    return [
+    command follows after `--`. Only where the secrets are mounted differs by target. An
+    SGLang server gets its API key in a config file, never on its command line."""
+    argv = [
         "python3", "-m", "areal_hex.deploy.entry",
         "--config", f"{CONFIG_DIR}/config.yaml",
         "--secrets", secrets_dir,
         "--out", RUNTIME_CONFIG,
-        "--",
     ]  # fmt: skip
+    if sglang:
+        argv += ["--sglang-config", SGLANG_CONFIG]
+    return [*argv, "--"]
 
 
 SECRET_KEYS = ("redis-password", "api-token")
@@ -87,6 +97,26 @@ class Deployment:
 
     def initial_weights_marker(self) -> str:
         return f"{self.cfg.model.path}/config.json"
+
+
+@dataclass
+class Bundle:
+    """What a target writes: relative path -> text; `private` ones are written 0600.
+    `start` is the command that starts the job, `{out}` standing for the folder."""
+
+    files: dict[str, str]
+    private: set[str] = field(default_factory=set)
+    start: str = ""
+
+
+def resolved_files(d: Deployment, folder: str) -> dict[str, str]:
+    """Plain copies of the config the services load and of the plan."""
+    plan_yaml = yaml.safe_dump(d.plan.model_dump(mode="json"), sort_keys=False)
+    return {f"{folder}config.yaml": dump_yaml(d.cfg), f"{folder}plan.yaml": plan_yaml}
+
+
+def secret_files(d: Deployment) -> dict[str, str]:
+    return {f"{SECRETS}/{k}": v + "\n" for k, v in d.secrets.as_dict().items()}
 
 
 def slug(text: str, max_len: int = 40) -> str:
@@ -136,6 +166,7 @@ def check_plan(
         *_check_inference(cfg, plan, dcfg),
         *_check_trainer(cfg, plan, dcfg),
         *_check_devices(plan),
+        *_check_placement(plan, dcfg),
     ]
     if target == "compose":
         nodes = sorted({n for s in layout.services for n in s.node_names})
@@ -231,7 +262,48 @@ def _check_trainer(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> lis
         )
     if len({p.node for p in t.placements}) != len(t.placements):
         errors.append("plan.trainer.placements name a node twice")
+    if tc.resume != "auto":
+        errors.append(
+            f"trainer.resume is {tc.resume!r}: a restarted trainer must continue from its "
+            "newest checkpoint on the shared volume (expected 'auto')"
+        )
+    mount = dcfg.storage.mount_path.rstrip("/") + "/"
+    if tc.checkpoint_dir is not None and not tc.checkpoint_dir.startswith(mount):
+        errors.append(
+            f"trainer.checkpoint_dir {tc.checkpoint_dir!r} is not on the shared volume "
+            f"({mount}): a restarted rank would not find it (leave it unset)"
+        )
     return errors
+
+
+def _check_placement(plan: Plan, dcfg: DeployConfig) -> list[str]:
+    """A placement maps every plan node, and only those."""
+    if not dcfg.placement:
+        return []
+    planned = {i.placement.node for i in plan.rollout} | {p.node for p in plan.trainer.placements}
+    errors = []
+    missing = sorted(planned - set(dcfg.placement))
+    unknown = sorted(set(dcfg.placement) - planned)
+    if missing:
+        errors.append(
+            f"placement maps no Kubernetes node for plan node(s) {', '.join(missing)} "
+            f"(expected one entry per plan node: {', '.join(sorted(planned))})"
+        )
+    if unknown:
+        errors.append(
+            f"placement names {', '.join(unknown)}, which the plan does not use "
+            f"(plan nodes: {', '.join(sorted(planned))})"
+        )
+    return errors
+
+
+def node_match(dcfg: DeployConfig, plan_node: str) -> NodeMatch | None:
+    """The Kubernetes node(s) standing for `plan_node`, or None when not mapped."""
+    if plan_node in dcfg.placement:
+        return dcfg.placement[plan_node]
+    if dcfg.pin_nodes:
+        return NodeMatch(hostname=plan_node)
+    return None
 
 
 def _check_devices(plan: Plan) -> list[str]:
@@ -261,11 +333,32 @@ def _unknown_kind(where: str, kind: str, dcfg: DeployConfig) -> str:
 
 
 def run_id(cfg: ExperimentConfig, plan: Plan) -> str:
-    """The config's run_id, or run.name plus a short hash of the plan (stable re-renders)."""
+    """The config's run_id, or run.name plus a short hash of the plan and the config
+    (secrets aside): re-rendering the same job keeps its id, any change makes a new run
+    (its own objects, run directory and buffer keys)."""
     if cfg.run.run_id:
         return cfg.run.run_id
-    digest = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:8]
-    return f"{slug(cfg.run.name, 40)}-{digest}"
+    config = cfg.model_dump(mode="json", exclude={"redis": {"password"}, "inference": {"api_key"}})
+    both = json.dumps([plan.model_dump(mode="json"), config], sort_keys=True)
+    return f"{slug(cfg.run.name, 40)}-{_short_hash(both)}"
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def object_prefix(rid: str, name: str | None = None) -> str:
+    """The prefix of every object name: it carries the run id, so two runs in one
+    namespace never share a name. `name` (the deploy config's) replaces the readable
+    part; a long run id keeps its head and a hash of the whole."""
+    s = slug(rid, 63)
+    if name is not None:
+        s = f"{name}-{_short_hash(rid)}"
+    elif len(s) > 30:
+        s = f"{s[:21].strip('-')}-{_short_hash(rid)}"
+    if not s[0].isalpha():  # Service names must start with a letter (RFC 1035)
+        s = slug(f"ah-{s}", 33)
+    return s
 
 
 def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
@@ -295,7 +388,7 @@ def resolve_config(
     rid = run_id(cfg, plan)
     data["run"].update(run_id=rid, output_dir=f"{dcfg.storage.mount_path}/runs")
     if dcfg.redis.mode == "internal":
-        host = "127.0.0.1" if target == "compose" else f"{prefix}-redis"
+        host = "redis" if target == "compose" else f"{prefix}-redis"
         url, user = f"redis://{host}:{dcfg.redis.port}/0", None
     else:
         url, user, _ = split_redis_url(dcfg.redis.url or cfg.redis.url or "")
@@ -307,12 +400,13 @@ def resolve_config(
     if user is not None:
         data["redis"]["username"] = user
     inf = data["inference"]
-    # compose shares the host network (NCCL, loopback control); pods listen on all
-    # interfaces and the controller reaches each server by its Service name.
+    # Servers listen on their container's or pod's network (a compose network with no
+    # route off the host, or the pod network behind NetworkPolicies); the controller
+    # reaches each by its service name.
     inf.update(
         num_servers=len(plan.rollout),
         api_key=None,
-        host="127.0.0.1" if target == "compose" else "0.0.0.0",
+        host="0.0.0.0",
         weights_dir=f"{dcfg.storage.mount_path}/runs/{rid}/weights",
     )
     inf["server_urls"] = server_urls  # the controller reaches server i there
@@ -320,6 +414,11 @@ def resolve_config(
     t = plan.trainer
     data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
     data["trainer"]["master_port"] = dcfg.master_port
+    # Prometheus scrapes a fixed port (a free one, 0, cannot be announced).
+    if not data["trainer"].get("metrics_port"):
+        data["trainer"]["metrics_port"] = dcfg.metrics.trainer_port
+    if not data["rollout"].get("metrics_port"):
+        data["rollout"]["metrics_port"] = dcfg.metrics.controller_port
     return ExperimentConfig.model_validate(data)
 
 
@@ -327,7 +426,7 @@ def server_urls(layout: Layout, prefix: str, target: str) -> list[str]:
     """Where the controller reaches inference server i (index order = plan order)."""
     out = []
     for svc in layout.by_role("inference"):
-        host = "127.0.0.1" if target == "compose" else service_name(prefix, svc)
+        host = svc.name if target == "compose" else service_name(prefix, svc)
         out.append(f"http://{host}:{svc.port}")
     return out
 
@@ -361,9 +460,7 @@ def prepare(
     """Check, then resolve: the one entry both renderers start from."""
     layout = build_layout(cfg, plan)
     check_plan(cfg, plan, dcfg, target, layout)
-    prefix = dcfg.name or slug(cfg.run.name, 20)
-    if not prefix[0].isalpha():  # Service names must start with a letter (RFC 1035)
-        prefix = slug(f"ah-{prefix}", 20)
+    prefix = object_prefix(run_id(cfg, plan), dcfg.name)
     urls = server_urls(layout, prefix, target)
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)

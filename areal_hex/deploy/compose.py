@@ -1,9 +1,12 @@
 """docker-compose rendering: the job on one GPU host.
 
-Every service uses the host network, exactly like `areal-hex run`: servers, Redis and
-the trainer's ranks talk over loopback (NCCL and the weight-update calls need no port
-mapping), and nothing listens beyond 127.0.0.1 (Redis binds loopback and needs a
-password anyway). GPUs are reserved per service with `device_ids` from the plan.
+Services talk over `internal`, a compose network with no route off the host, and reach
+each other by service name (Redis at `redis`, server i at its instance id); nothing binds
+a host port except, with `metrics.compose_prometheus`, Prometheus on 127.0.0.1. Only the
+services that download (the prepare job: the model; the controller: the dataset) also
+join `egress`. Every container runs non-root on a read-only root filesystem with all
+capabilities dropped, no privilege escalation and Docker's default seccomp profile; /tmp
+is a tmpfs. GPUs are reserved per service with `device_ids` from the plan.
 """
 
 from __future__ import annotations
@@ -11,16 +14,33 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import yaml
+
 from areal_hex.config.deploy import Resources
-from areal_hex.deploy.common import CONFIG_DIR, Deployment, entry_argv
+from areal_hex.deploy.common import (
+    CONFIG_DIR,
+    Bundle,
+    Deployment,
+    entry_argv,
+    resolved_files,
+    secret_files,
+)
 from areal_hex.layout import ServiceSpec
 
 COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
+PROMETHEUS_CONFIG = "prometheus.yml"
+# What every container gets (the k8s target's securityContext, in compose terms).
+HARDENING: dict[str, Any] = {
+    "read_only": True,
+    "tmpfs": ["/tmp"],
+    "cap_drop": ["ALL"],
+    "security_opt": ["no-new-privileges:true", "seccomp=builtin"],
+}
 
 
-def entrypoint() -> list[str]:
+def entrypoint(sglang: bool = False) -> list[str]:
     """The secret-injecting wrapper; the service's layout command follows as `command`."""
-    return entry_argv(COMPOSE_SECRETS_DIR)
+    return entry_argv(COMPOSE_SECRETS_DIR, sglang)
 
 
 def docker_size(quantity: str) -> str:
@@ -32,8 +52,22 @@ def docker_size(quantity: str) -> str:
     return f"{m.group(1)}{unit or 'b'}"
 
 
-def render_compose(d: Deployment) -> dict[str, Any]:
-    """The compose file as a dict (YAML-dumped by the caller)."""
+def render_compose(d: Deployment) -> Bundle:
+    """docker-compose.yaml, the config and plan it mounts, and the secret files."""
+    files = {
+        **resolved_files(d, ""),
+        "docker-compose.yaml": yaml.safe_dump(compose_file(d), sort_keys=False),
+        **secret_files(d),
+    }
+    if d.dcfg.metrics.compose_prometheus:
+        files[PROMETHEUS_CONFIG] = yaml.safe_dump(prometheus_config(d), sort_keys=False)
+    # compose bind-mounts each secret file itself, so they stay readable (0644, in a 0700
+    # folder) for the containers' non-root users
+    return Bundle(files, start="docker compose -f {out}/docker-compose.yaml up -d")
+
+
+def compose_file(d: Deployment) -> dict[str, Any]:
+    """The compose file as a dict."""
     services: dict[str, Any] = {}
     # Every areal-hex service starts after v0 is written, as under `areal-hex run`.
     prepared = {"prepare": {"condition": "service_completed_successfully"}}
@@ -54,14 +88,18 @@ def render_compose(d: Deployment) -> dict[str, Any]:
     controller["healthcheck"] = _health(["fresh", f"{run_dir}/rollout.jsonl", "600"], "60s")
     # It exits 0 once the run's groups are produced; only a failure restarts it.
     controller["restart"] = "on-failure"
+    controller["networks"] = ["internal", "egress"]  # the dataset may come from the hub
     services["controller"] = controller
     trainer_spec = d.layout.by_role("trainer")[0]
     trainer = _app(d, trainer_spec, d.dcfg.images.trainer, d.dcfg.resources.trainer)
     trainer["restart"] = "on-failure"
     trainer["depends_on"] = dict(depends)
     services["trainer"] = trainer
+    if d.dcfg.metrics.compose_prometheus:
+        services["prometheus"] = _prometheus(d)
     out: dict[str, Any] = {
         "services": services,
+        "networks": {"internal": {"internal": True}, "egress": {}},
         "volumes": {"data": {}},
         "configs": {
             "areal-config": {"file": "./config.yaml"},
@@ -72,6 +110,9 @@ def render_compose(d: Deployment) -> dict[str, Any]:
     }
     if "redis" in services:
         out["volumes"]["redis-data"] = {}
+    if "prometheus" in services:
+        out["configs"]["prometheus"] = {"file": f"./{PROMETHEUS_CONFIG}"}
+        out["volumes"]["prometheus-data"] = {}
     return out
 
 
@@ -79,20 +120,23 @@ def _prepare(d: Deployment) -> dict[str, Any]:
     svc = ServiceSpec("prepare", "controller", d.prepare_command())
     out = _app(d, svc, d.dcfg.images.controller, None)
     out["restart"] = "no"
+    out["networks"] = ["internal", "egress"]  # downloads the model from the hub
     return out
 
 
 def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> dict[str, Any]:
     """A service running one layout command through the entry wrapper."""
+    sglang = svc.role == "inference" and d.cfg.inference.backend == "sglang"
     out: dict[str, Any] = {
         "image": image,
-        "network_mode": "host",
         "user": f"{d.dcfg.uid}:{d.dcfg.uid}",
-        "entrypoint": entrypoint(),
+        "entrypoint": entrypoint(sglang),
         "command": list(svc.command),
         "environment": {
             "HF_HOME": f"{d.dcfg.storage.mount_path}/hf-cache",
             "HOME": "/tmp",
+            "XDG_CACHE_HOME": "/tmp/.cache",
+            "PYTHONDONTWRITEBYTECODE": "1",
             **svc.env,  # what the layout asks for, as under `areal-hex run`
         },
         "configs": [
@@ -101,7 +145,9 @@ def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> 
         ],
         "secrets": list(d.secrets.as_dict()),
         "volumes": [f"data:{d.dcfg.storage.mount_path}"],
+        "networks": ["internal"],
         "restart": "unless-stopped",
+        **HARDENING,
     }
     if res is not None:
         out["shm_size"] = docker_size(res.shm)
@@ -140,9 +186,10 @@ def _redis(d: Deployment) -> dict[str, Any]:
     port = d.dcfg.redis.port
     # The password goes to redis-server on stdin (config file `-`, a here-document): never
     # on a command line or in the environment; `exec` makes the server PID 1 (clean stop on
-    # SIGTERM). `$$` is compose's escape for a literal `$`.
+    # SIGTERM). `$$` is compose's escape for a literal `$`. It listens on the internal
+    # network only, and needs the password there.
     start = (
-        f"exec redis-server - --bind 127.0.0.1 --port {port} --appendonly yes "
+        f"exec redis-server - --port {port} --appendonly yes "
         "--appendfsync everysec --dir /data <<EOF\n"
         "requirepass $$(cat /run/secrets/redis-password)\nEOF\n"
     )
@@ -152,12 +199,12 @@ def _redis(d: Deployment) -> dict[str, Any]:
     )
     return {
         "image": d.dcfg.images.redis,
-        "network_mode": "host",
         "user": "999:999",  # the redis user of the official image; owns /data
         "entrypoint": ["sh", "-c"],
         "command": [start],
         "secrets": ["redis-password"],
         "volumes": ["redis-data:/data"],
+        "networks": ["internal"],
         "healthcheck": {
             "test": ["CMD-SHELL", ping],
             "interval": "5s",
@@ -165,4 +212,48 @@ def _redis(d: Deployment) -> dict[str, Any]:
             "retries": 10,
         },
         "restart": "unless-stopped",
+        **HARDENING,  # the here-document needs a writable /tmp: the tmpfs
+    }
+
+
+def scrape_targets(d: Deployment) -> dict[str, list[str]]:
+    """Prometheus job -> `host:port` of every /metrics (docs/observability.md)."""
+    return {
+        "inference": [f"{s.name}:{s.port}" for s in d.layout.by_role("inference")],
+        "trainer": [f"trainer:{d.cfg.trainer.metrics_port}"],
+        "controller": [f"controller:{d.cfg.rollout.metrics_port}"],
+    }
+
+
+def prometheus_config(d: Deployment) -> dict[str, Any]:
+    """Scrape every service; the trainer's and controller's /metrics need the service
+    token (the `api-token` secret), the servers' do not."""
+    jobs = []
+    for job, targets in scrape_targets(d).items():
+        entry: dict[str, Any] = {"job_name": job, "static_configs": [{"targets": targets}]}
+        if job != "inference":
+            token = f"{COMPOSE_SECRETS_DIR}/api-token"
+            entry["authorization"] = {"type": "Bearer", "credentials_file": token}
+        jobs.append(entry)
+    return {"global": {"scrape_interval": "15s"}, "scrape_configs": jobs}
+
+
+def _prometheus(d: Deployment) -> dict[str, Any]:
+    port = d.dcfg.metrics.prometheus_port
+    return {
+        "image": d.dcfg.images.prometheus,
+        "user": "65534:65534",  # nobody, as the official image runs
+        "command": [
+            "--config.file=/etc/prometheus/prometheus.yml",
+            "--storage.tsdb.path=/prometheus",
+            f"--web.listen-address=:{port}",
+        ],
+        "configs": [{"source": "prometheus", "target": "/etc/prometheus/prometheus.yml"}],
+        "secrets": ["api-token"],
+        "volumes": ["prometheus-data:/prometheus"],
+        # the only published port, on the host's loopback
+        "ports": [f"127.0.0.1:{port}:{port}"],
+        "networks": ["internal", "egress"],
+        "restart": "unless-stopped",
+        **HARDENING,
     }

@@ -11,12 +11,21 @@ rendezvous, and NetworkPolicies (only this job's pods reach Redis and control en
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
 from areal_hex.config import dump_yaml
-from areal_hex.deploy.common import Deployment, service_name, slug
+from areal_hex.deploy.common import (
+    Bundle,
+    Deployment,
+    resolved_files,
+    secret_files,
+    service_name,
+    slug,
+)
+from areal_hex.deploy.k8s_lifecycle import inference_names, lifecycle_objects
 from areal_hex.deploy.k8s_pods import (
     claim_name,
     container_security,
@@ -25,11 +34,23 @@ from areal_hex.deploy.k8s_pods import (
     pod_security,
     pod_spec,
     probe_exec,
+    scrape_annotations,
     secret_name,
+)
+from areal_hex.deploy.k8s_trainer import (
+    KUEUE_QUEUE,
+    headless_service,
+    indexed_job,
+    jobset,
+    master_addr,
+    placement_affinity,
+    rendezvous_env,
 )
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]
+SECRET_MANIFEST = "secrets/secret.yaml"  # excluded from git like the values
+KUSTOMIZATION = "kustomization.yaml"
 
 
 def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
@@ -44,16 +65,55 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "02-storage.yaml": [] if d.dcfg.storage.existing_claim else [_pvc(d)],
         "05-prepare.yaml": [_prepare(d)],
         "20-controller.yaml": [_controller(d)],
-        "30-trainer.yaml": _trainer(d),
+        "30-trainer.yaml": (trainer := _trainer(d)),
         "40-networkpolicy.yaml": _network_policies(d),
+        "50-lifecycle.yaml": lifecycle_objects(d, trainer[-1], inference_names(d)),
     }
-    if d.dcfg.existing_secret is None:
-        files["01-secret.yaml"] = [_secret(d)]
     if d.dcfg.redis.mode == "internal":
         files["10-redis.yaml"] = _redis(d)
     for svc in d.layout.by_role("inference"):
         files[f"15-inference-{slug(svc.name)}.yaml"] = _inference(d, svc)
     return {k: files[k] for k in sorted(files) if files[k]}
+
+
+def render_k8s_bundle(d: Deployment) -> Bundle:
+    """The manifests, and the Secret with its values under secrets/ (0600)."""
+    files = {name: dump_objects(objs) for name, objs in render_k8s(d).items()}
+    files.update(resolved_files(d, "resolved/"))
+    private: set[str] = set()
+    if d.dcfg.existing_secret is None:
+        files[SECRET_MANIFEST] = dump_objects([_secret(d)])
+        files.update(secret_files(d))
+        private = {SECRET_MANIFEST, *secret_files(d)}
+    manifests = sorted(f for f in files if f.endswith(".yaml") and "/" not in f)
+    if SECRET_MANIFEST in files:
+        manifests.append(SECRET_MANIFEST)
+    files[KUSTOMIZATION] = kustomization(d, manifests)
+    return Bundle(files, private, start="kubectl apply -k {out}   (a kustomize base)")
+
+
+def kustomization(d: Deployment, resources: list[str]) -> str:
+    """The folder as a kustomize base: `kubectl apply -k DIR`, or an overlay on top of it
+    (another namespace, image registry, resources) without editing the rendered files."""
+    head = (
+        f"# areal-hex deploy: run {d.cfg.run.run_id}, plan for cluster {d.plan.cluster}\n"
+        "# apply with: kubectl apply -k <this folder>\n"
+    )
+    images = [
+        {"name": ref.rsplit("@", 1)[0].rsplit(":", 1)[0], "newTag": ref.rsplit(":", 1)[1]}
+        for ref in sorted(
+            {d.dcfg.images.inference, d.dcfg.images.trainer, d.dcfg.images.controller}
+        )
+        if "@" not in ref and ":" in ref.rsplit("/", 1)[-1]
+    ]
+    body = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": d.dcfg.namespace,
+        "resources": resources,
+        "images": images,
+    }
+    return head + yaml.safe_dump(body, sort_keys=False)
 
 
 def dump_objects(objs: list[Obj]) -> str:
@@ -161,11 +221,13 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
     )
     spec = pod_spec(d, svc, d.dcfg.images.inference, d.dcfg.resources.inference, svc.command)
     spec["containers"][0].update(http_probes(svc.port))
+    affinity = placement_affinity(d, svc, pod_labels)
+    if affinity is not None:
+        spec["affinity"] = affinity
     sel = {"areal-hex/instance": name}
-    return [
-        _service(d, name, "inference", svc.port, sel),
-        _deployment(d, name, sel, pod_labels, spec),
-    ]
+    dep = _deployment(d, name, sel, pod_labels, spec)
+    dep["spec"]["template"]["metadata"]["annotations"] = scrape_annotations(svc.port)
+    return [_service(d, name, "inference", svc.port, sel), dep]
 
 
 def _controller(d: Deployment) -> Obj:
@@ -177,6 +239,8 @@ def _controller(d: Deployment) -> Obj:
     # The controller appends to rollout.jsonl every few seconds; silence means it hangs.
     fresh = ["fresh", f"{d.cfg.run.run_dir()}/rollout.jsonl", "600"]
     spec["containers"][0]["livenessProbe"] = probe_exec(fresh, 60, 3, delay=120)
+    port = metrics_port(d, "controller")
+    spec["containers"][0]["ports"] = [{"name": "metrics", "containerPort": port}]
     spec["restartPolicy"] = "OnFailure"
     return {
         "apiVersion": "batch/v1",
@@ -184,58 +248,54 @@ def _controller(d: Deployment) -> Obj:
         "metadata": meta(d, service_name(d.prefix, svc), "controller"),
         "spec": {
             "backoffLimit": 6,
-            "template": {"metadata": {"labels": labels(d, "controller")}, "spec": spec},
+            "template": {
+                "metadata": {
+                    "labels": labels(d, "controller"),
+                    "annotations": scrape_annotations(port),
+                },
+                "spec": spec,
+            },
         },
     }
-
-
-def rendezvous_env(job: str, port: int, nodes: int, per_node: int) -> list[Obj]:
-    """torch.distributed static rendezvous for `areal-hex train` on every Job pod.
-
-    Pod k of an indexed Job is `<job>-k`; with `subdomain` it resolves as
-    `<job>-k.<headless service>`, so rank 0's address is known before it starts. The
-    `PET_*` names are torchrun's own environment form of --nnodes/--node-rank/
-    --master-addr/--master-port, so the launcher `areal-hex train` starts picks them up.
-    """
-    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    rank = {"valueFrom": {"fieldRef": {"fieldPath": index}}}
-    addr = f"{job}-0.{job}"
-    env: list[Obj] = []
-    for prefix in ("", "PET_"):
-        env += [
-            {"name": f"{prefix}MASTER_ADDR", "value": addr},
-            {"name": f"{prefix}MASTER_PORT", "value": str(port)},
-            {"name": f"{prefix}NNODES", "value": str(nodes)},
-            {"name": f"{prefix}NODE_RANK", **rank},
-        ]
-    env.append({"name": "NPROC_PER_NODE", "value": str(per_node)})
-    return env
 
 
 def _trainer(d: Deployment) -> list[Obj]:
+    """The trainer as a JobSet (gang restarts) or an Indexed Job; see k8s_trainer."""
     svc = d.layout.by_role("trainer")[0]
     name = service_name(d.prefix, svc)
     port = d.dcfg.master_port
-    env = rendezvous_env(name, port, svc.nodes, svc.gpus)
+    env = rendezvous_env(master_addr(d, svc), port, svc.nodes, svc.gpus)
     spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
-    spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": port}]
-    spec.update(restartPolicy="Never", subdomain=name)
+    metrics = metrics_port(d, "trainer")
+    spec["containers"][0]["ports"] = [
+        {"name": "rendezvous", "containerPort": port},
+        {"name": "metrics", "containerPort": metrics},  # rank 0 (pod index 0) serves it
+    ]
+    spec["restartPolicy"] = "Never"
     pod_labels = labels(d, "trainer")
-    headless = _service(d, name, "trainer", port, {**_selector(pod_labels)})
-    headless["spec"].update(clusterIP="None", publishNotReadyAddresses=True)
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": meta(d, name, "trainer"),
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": svc.nodes,
-            "parallelism": svc.nodes,
-            "backoffLimit": d.dcfg.trainer_backoff_limit,
-            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
-        },
+    affinity = placement_affinity(d, svc, _selector(pod_labels))
+    if affinity is not None:
+        spec["affinity"] = affinity
+    template = {
+        "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
+        "spec": spec,
     }
-    return [headless, job]
+    job_meta = meta(d, name, "trainer")
+    if d.dcfg.kueue_queue:
+        job_meta["labels"][KUEUE_QUEUE] = d.dcfg.kueue_queue
+    if d.dcfg.trainer.gang == "jobset":
+        return [jobset(d, svc, job_meta, template)]
+    spec["subdomain"] = name
+    headless = headless_service(d, meta(d, name, "trainer"), _selector(pod_labels))
+    return [headless, indexed_job(d, svc, job_meta, template)]
+
+
+def metrics_port(d: Deployment, component: str) -> int:
+    """The /metrics port of the trainer's rank 0 or of the controller (set by
+    `resolve_config`)."""
+    port = d.cfg.trainer.metrics_port if component == "trainer" else d.cfg.rollout.metrics_port
+    assert port, "resolve_config sets a fixed metrics port"
+    return port
 
 
 def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
@@ -323,6 +383,10 @@ def _redis_claim(d: Deployment) -> Obj:
     return {"metadata": {"name": "redis-data"}, "spec": spec}
 
 
+def scrape_all(ports: list[Obj], scrape: Callable[[int], list[Obj]]) -> list[Obj]:
+    return [rule for p in ports for rule in scrape(p["port"])]
+
+
 def _network_policies(d: Deployment) -> list[Obj]:
     inst = labels(d, "x")["app.kubernetes.io/instance"]
     job_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}
@@ -348,18 +412,31 @@ def _network_policies(d: Deployment) -> list[Obj]:
         sel = {"app.kubernetes.io/instance": inst, "app.kubernetes.io/component": component}
         return {"podSelector": {"matchLabels": sel}}
 
+    def scrape(port: int) -> list[Obj]:
+        ns = d.dcfg.metrics.prometheus_namespace
+        if ns is None:
+            return []
+        who = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+        return [{"from": [who], "ports": [{"protocol": "TCP", "port": port}]}]
+
     out = [
         # Default: nothing reaches this job's pods ...
         policy("deny-ingress", None, []),
-        # ... but its own pods reach the inference control endpoints, and the trainer any
-        # inference port (NCCL weight broadcast opens its own ports),
+        # ... but the controller reaches the servers (generation, and the weight-update
+        # calls: weights travel over the shared volume, announced over HTTP),
         policy(
             "inference",
             "inference",
-            [{"from": [job_pods], "ports": inf_ports}, {"from": [pods("trainer")]}],
+            [{"from": [pods("controller")], "ports": inf_ports}, *scrape_all(inf_ports, scrape)],
         ),
-        # and trainer ranks reach each other (rendezvous, NCCL), as do the servers (NCCL).
-        policy("trainer", "trainer", [{"from": [pods("trainer"), pods("inference")]}]),
+        # trainer ranks reach each other (rendezvous, NCCL),
+        policy(
+            "trainer",
+            "trainer",
+            [{"from": [pods("trainer")]}, *scrape(metrics_port(d, "trainer"))],
+        ),
+        # and Prometheus (if named) reaches the metrics ports.
+        policy("controller", "controller", scrape(metrics_port(d, "controller"))),
     ]
     if d.dcfg.redis.mode == "internal":
         port = [{"protocol": "TCP", "port": d.dcfg.redis.port}]

@@ -38,8 +38,17 @@ def claim_name(d: Deployment) -> str:
     return d.dcfg.storage.existing_claim or f"{d.prefix}-data"
 
 
-def entry_command() -> list[str]:
-    return entry_argv(SECRETS_DIR)
+def entry_command(sglang: bool = False) -> list[str]:
+    return entry_argv(SECRETS_DIR, sglang)
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """Where Prometheus' usual `kubernetes-pods` job finds the pod's /metrics."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def resources(res: Resources, gpus: int) -> Obj:
@@ -54,10 +63,15 @@ def resources(res: Resources, gpus: int) -> Obj:
 
 
 def container_security() -> Obj:
+    """Non-root, no capabilities, the runtime's seccomp profile, and a read-only root
+    filesystem: what a process writes goes to the /tmp and /dev/shm emptyDirs or the
+    shared volume."""
     return {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
         "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -125,8 +139,6 @@ def node_selector(d: Deployment, svc: ServiceSpec) -> dict[str, str]:
         value = gpu_label_value(svc.gpu_kind, d.dcfg)
         assert value is not None  # check_plan refused unknown kinds
         sel[d.dcfg.gpu_label_key] = value
-    if d.dcfg.pin_nodes and len(svc.node_names) == 1:
-        sel["kubernetes.io/hostname"] = svc.node_names[0]
     return sel
 
 
@@ -142,7 +154,10 @@ def wait_for_weights(d: Deployment, image: str) -> Obj:
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "256Mi"},
         },
-        "volumeMounts": [{"name": "data", "mountPath": d.dcfg.storage.mount_path}],
+        "volumeMounts": [
+            {"name": "data", "mountPath": d.dcfg.storage.mount_path},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
         "securityContext": container_security(),
     }
 
@@ -161,7 +176,11 @@ def pod_spec(
     vols, mounts = volumes(d, res.shm)
     base_env: list[Obj] = [
         {"name": "HF_HOME", "value": f"{d.dcfg.storage.mount_path}/hf-cache"},
+        # the root filesystem is read-only: caches (Triton, FlashInfer, torch extensions)
+        # and bytecode go to /tmp or nowhere
         {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         # what the layout asks for, as under `areal-hex run`
         *({"name": k, "value": v} for k, v in svc.env.items()),
@@ -170,7 +189,7 @@ def pod_spec(
         "name": svc.role,
         "image": image,
         "imagePullPolicy": d.dcfg.images.pull_policy,
-        "command": entry_command(),
+        "command": entry_command(svc.role == "inference" and d.cfg.inference.backend == "sglang"),
         "args": args,
         "env": base_env + (env or []),
         "resources": resources(res, svc.gpus),

@@ -15,6 +15,13 @@ import argparse
 import sys
 
 
+def check_config(cfg) -> str | None:  # cfg: ExperimentConfig
+    """Why this job cannot run on `cfg`, or None; `areal-hex deploy` asks before rendering."""
+    if cfg.model.path is None:
+        return "model.path (the v0 directory) is not set"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m areal_hex.deploy.prepare")
     p.add_argument("config", help="the deployed config (model.path = the v0 directory)")
@@ -30,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prepare: error: {exc}", file=sys.stderr)
         return 2
-    if cfg.model.path is None:
-        print("prepare: error: model.path (the v0 directory) is not set", file=sys.stderr)
+    problem = check_config(cfg)
+    if problem is not None:
+        print(f"prepare: error: {problem}", file=sys.stderr)
         return 2
     source = cfg.model.model_copy(
         update={"path": args.source, "tokenizer_path": args.tokenizer_source}

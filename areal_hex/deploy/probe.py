@@ -4,11 +4,14 @@ not every image has curl).
     python -m areal_hex.deploy.probe http http://127.0.0.1:30000/health
     python -m areal_hex.deploy.probe fresh /data/runs/r1/rollout.jsonl 600
     python -m areal_hex.deploy.probe wait /data/runs/r1/weights/v0/config.json 7200
+    python -m areal_hex.deploy.probe newest /data/runs metrics.jsonl 1800
 
 `http` passes on a 2xx answer; `fresh` passes while the file was modified within the last
 N seconds, or does not exist yet (a service that has not written its first line is
 starting, not stuck); `wait` blocks until the file exists (init containers: start after
-the initial weights are written). Exit 0 = healthy, 1 = not.
+the initial weights are written); `newest` applies `fresh` to the most recently written
+`<DIR>/<run>/<NAME>` (image HEALTHCHECKs, which do not know the run id). Exit 0 =
+healthy, 1 = not.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ def file_fresh(path: Path, max_age_s: float, now: float | None = None) -> bool:
     return (now if now is not None else time.time()) - mtime <= max_age_s
 
 
+def newest_fresh(runs: Path, name: str, max_age_s: float, now: float | None = None) -> bool:
+    """`file_fresh` on the newest `runs/*/name`; True while no run has written one."""
+    found = [p for p in runs.glob(f"*/{name}") if p.is_file()]
+    if not found:
+        return True
+    return file_fresh(max(found, key=lambda p: p.stat().st_mtime), max_age_s, now)
+
+
 def wait_for_file(path: Path, timeout_s: float, poll_s: float = 2.0) -> bool:
     return wait_until(path.exists, timeout_s, interval_s=poll_s)
 
@@ -48,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if http_ok(args[1]) else 1
     if len(args) == 3 and args[0] == "fresh":
         return 0 if file_fresh(Path(args[1]), float(args[2])) else 1
+    if len(args) == 4 and args[0] == "newest":
+        return 0 if newest_fresh(Path(args[1]), args[2], float(args[3])) else 1
     if len(args) == 3 and args[0] == "wait":
         return 0 if wait_for_file(Path(args[1]), float(args[2])) else 1
-    print("usage: probe http URL | fresh PATH MAX_AGE_S | wait PATH TIMEOUT_S", file=sys.stderr)
+    usage = "http URL | fresh PATH MAX_AGE_S | wait PATH TIMEOUT_S | newest DIR NAME MAX_AGE_S"
+    print(f"usage: probe {usage}", file=sys.stderr)
     return 2
 
 

@@ -19,15 +19,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
-def run_once(config: str, overrides: list[str], mode: str, out_dir: str) -> dict[str, Any]:
+def run_once(
+    config: str, overrides: list[str], mode: str, out_dir: str, plan_path: Path | None = None
+) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.launch.prepare import prepare_run
     from areal_hex.launch.run import execute, failure_message
+    from areal_hex.plan import load_plan
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out_dir}", "run.run_id=null"])
     cfg.run.run_id = f"bench-{mode}"
-    cfg, path = prepare_run(cfg, None, mode)
-    result = execute(cfg, path, progress=False)
+    plan = load_plan(plan_path) if plan_path is not None else None
+    cfg, path = prepare_run(cfg, plan, mode)
+    result = execute(cfg, path, plan, progress=False)
     if not result.ok:
         raise RuntimeError(f"{mode} run failed: {failure_message(result)}")
     return result.summary

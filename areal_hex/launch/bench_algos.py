@@ -1,9 +1,12 @@
 """AReaL's staleness table in miniature: the same config, seed and steps at several
-staleness bounds eta, naive PPO vs decoupled PPO (+ GSPO at one eta); held-out pass@1."""
+staleness bounds eta, naive PPO vs decoupled PPO (+ GSPO at one eta); held-out pass@1
+after training, next to the initial model's (every run starts from it)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -66,8 +69,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # every run starts from the same initial weights, written (warm-started) once
         v0 = initial_weights(args.config, base, Path(out) / "initial")
         base.append(f"model.path={v0}")
+        initial = _held_out(args.config, base, str(v0), args.eval_n)  # the baseline
+        print(json.dumps({"initial_held_out_pass@1": initial}), file=sys.stderr, flush=True)
         for name, eta, algo in variants(etas, args.gspo_eta):
             ov = [*base, f"buffer.max_staleness={eta}", *algo]
             res = _one(args.config, ov, f"algos-{name}-eta{eta}", out, args.eval_n)
             rows.append({"objective": name, "eta": eta, **res})
-    return {"config": args.config, "steps": args.steps, "runs": rows}
+            # each run as it ends (the grid takes long): one JSON line on stderr
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {
+        "config": args.config,
+        "steps": args.steps,
+        "initial_held_out_pass@1": initial,
+        "runs": rows,
+    }
+
+
+def _held_out(config: str, overrides: list[str], weights: str, eval_n: int | None) -> float:
+    """Held-out pass@1 of `weights` (the initial model: what every run starts from)."""
+    from areal_hex.config import load_config
+    from areal_hex.launch.evaluate import EvalOptions, evaluate
+
+    return evaluate(load_config(config, overrides), EvalOptions(weights, n=eval_n))["pass@1"]

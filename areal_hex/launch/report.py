@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.fidelity import add_fidelity
 from areal_hex.launch.ledger import summary_fields
+from areal_hex.launch.report_mismatch import plot_mismatch
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
 
@@ -48,17 +50,35 @@ def _throughput(
     return {"samples_per_s": steady, "samples_per_s_wall": wall}
 
 
+def controller_runs(rollout: list[RolloutRow]) -> list[list[RolloutRow]]:
+    """rollout.jsonl split into one list per controller process: a new process starts
+    its clock (`elapsed_s`) again, and each one that stopped cleanly ends on a final row."""
+    runs: list[list[RolloutRow]] = []
+    for row in rollout:
+        prev = runs[-1][-1] if runs else None
+        if prev is None or prev.final or row.elapsed_s < prev.elapsed_s:
+            runs.append([])
+        runs[-1].append(row)
+    return runs
+
+
+def _end_row(rows: list[RolloutRow]) -> RolloutRow:
+    finals = [r for r in rows if r.final]
+    return finals[-1] if finals else rows[-1]
+
+
 def accounting(
     metrics: list[TrainerRow], rollout: list[RolloutRow], buffer: dict[str, Any] | None
 ) -> dict[str, Any]:
     last_m = metrics[-1] if metrics else TrainerRow()
-    finals = [r for r in rollout if r.final] or rollout[-1:]
-    last_r = finals[-1] if finals else RolloutRow()
-    produced = last_r.groups_produced_total
+    ends = [_end_row(rows) for rows in controller_runs(rollout)]
+    last_r = ends[-1] if ends else RolloutRow()
+    # a restarted controller (a requeued job) counts from zero again: sum its runs
+    produced = sum(r.groups_produced_total for r in ends)
     trained = last_m.groups_trained_total
     dropped = last_m.dropped_stale_total
     dead = last_m.dead_letter_total
-    filtered = last_r.groups_filtered_total
+    filtered = sum(r.groups_filtered_total for r in ends)
     out: dict[str, Any] = {
         "groups_produced": produced,
         "groups_filtered": filtered,
@@ -252,6 +272,7 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
     _plot_throughput(plt, metrics, rollout, out, t0)
     _plot_timeline(plt, metrics, rollout, out, t0)
+    plot_mismatch(plt, metrics, out)
     return sorted(out.glob("*.png"))
 
 
@@ -264,6 +285,7 @@ def write_report(
 ) -> dict[str, Any]:
     """Write `summary.json` and `report/*.png`; returns the summary."""
     summary = summarize(run_dir, cfg, buffer, outcome, ledger)
+    add_fidelity(run_dir, cfg, summary)  # predicted vs measured, report/fidelity.png
     plots = write_plots(run_dir, summary)
     summary["plots"] = [str(p.relative_to(run_dir)) for p in plots]
     RunPaths.at(run_dir).summary.write_text(json.dumps(summary, indent=2, sort_keys=True))

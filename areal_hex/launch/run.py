@@ -283,13 +283,18 @@ def execute(
     progress: bool = True,
     stream: TextIO | None = None,
     timeout_s: float | None = None,
+    profile_dir: Path | None = None,
 ) -> RunResult:
-    """Start, watch and stop the services of a prepared run; write the report."""
+    """Start, watch and stop the services of a prepared run; write the report. The cost
+    model's prediction for the layout (`prediction.json`) comes from the plan, else from a
+    local profile (`profile_dir`), for the report to hold the run against."""
+    from areal_hex.launch.predict import predict_run, write_prediction
     from areal_hex.launch.progress import Progress
     from areal_hex.launch.report import write_report
 
     stream = stream or sys.stderr
     run_dir = cfg.run.run_dir()
+    write_prediction(RunPaths.at(run_dir).prediction, predict_run(cfg, plan, profile_dir))
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path)
     t_start = time.time()

@@ -61,7 +61,7 @@ def test_deploy_command_renders_and_never_prints_secrets(tmp_path, target, plan,
     for value in (token, password):
         assert value not in r.stdout and value not in r.stderr
     # every rendered file but the Secret itself (which holds them base64-encoded)
-    rendered = "".join(f.read_text() for f in out.glob("*.yaml") if f.name != "01-secret.yaml")
+    rendered = "".join(f.read_text() for f in out.glob("*.yaml"))
     assert "areal-hex/inference:9.9" in rendered and "areal-hex/trainer:9.9" in rendered
     assert token not in rendered and password not in rendered
 
@@ -161,8 +161,10 @@ def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch)
         "--target", "k8s", "--out", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    from tests.k8s_schema import job_of
+
     objs = list(yaml.safe_load_all((out / "30-trainer.yaml").read_text()))
-    job = [o for o in objs if o["kind"] == "Job"][0]
+    job = job_of([o for o in objs if o["kind"] == "JobSet"][0])
     container = job["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value", "1") for e in container["env"]}  # pod index 1
     cfg_file = tmp_path / "config.yaml"
@@ -181,7 +183,7 @@ def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch)
     args = get_args_parser().parse_args(launcher_args)
     assert args.nnodes == "2" and args.node_rank == 1
     assert args.master_addr == env["PET_MASTER_ADDR"]
-    assert args.master_addr.startswith(job["metadata"]["name"] + "-0.")
+    assert args.master_addr.startswith(job["metadata"]["name"] + "-ranks-0-0.")  # JobSet pod 0
     assert args.master_port == 29500
     assert int(args.nproc_per_node) * int(args.nnodes) == 16  # plan.trainer.world_size
 

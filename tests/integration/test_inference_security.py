@@ -71,9 +71,10 @@ def test_weight_paths_outside_weights_dir_are_refused(server: Any) -> None:
     ]:
         resp = post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": "9"})
         assert resp.status_code == 403, path
-        assert "outside the weights directory" in resp.json()["error"]["message"]
+        assert resp.json()["success"] is False  # SGLang's refusal body
+        assert "outside the weights directory" in resp.json()["message"]
     missing = post(url, "/update_weights_from_disk", {"model_path": str(weights / "v5")})
-    assert missing.status_code == 400 and "config.json" in missing.json()["error"]["message"]
+    assert missing.status_code == 400 and "config.json" in missing.json()["message"]
     # a version directory with broken weights: 400, the old weights keep serving
     broken = weights / "broken"
     broken.mkdir(exist_ok=True)
@@ -102,10 +103,51 @@ def test_bad_requests_name_the_field(server: Any) -> None:
     ]
     for body, field in cases:
         resp = post(url, "/generate", body)
-        assert resp.status_code == 422, body
+        assert resp.status_code == 400, body
         assert field in resp.json()["error"]["message"], (field, resp.json())
     bad_mode = post(url, "/pause_generation", {"mode": "sideways"})
-    assert bad_mode.status_code == 422 and "mode" in bad_mode.json()["error"]["message"]
+    assert bad_mode.status_code == 400 and "mode" in bad_mode.json()["error"]["message"]
+
+
+def raw(url: str, path: str, content: bytes, token: str | bytes = TOKEN) -> httpx.Response:
+    auth = token if isinstance(token, bytes) else f"Bearer {token}".encode()
+    headers = {"Authorization": auth, "Content-Type": "application/json"}
+    return httpx.post(url + path, content=content, headers=headers, timeout=30)
+
+
+def test_hostile_input_is_a_4xx_never_a_5xx(server: Any) -> None:
+    url, _ = server
+    sp = b'"sampling_params": {"max_new_tokens": 2, '
+    cases = [
+        # NaN and infinity are not JSON, but Python's parser takes them
+        (b'{"input_ids": [1], ' + sp + b'"temperature": NaN}}', 400, "temperature"),
+        (b'{"input_ids": [1], ' + sp + b'"top_p": NaN}}', 400, "top_p"),
+        (b'{"input_ids": [1], ' + sp + b'"min_p": Infinity}}', 400, "min_p"),
+        (b'{"input_ids": [1], ' + sp + b'"frequency_penalty": -Infinity}}', 400, "penalty"),
+        (b'{"text": "ab\\ud800"}', 400, "surrogate"),
+        (b'{"input_ids": [1], "rid": "\\udc00"}', 400, "rid"),
+        (b'{"input_ids": [1], ' + sp + b'"stop": ["\\ud83d"]}}', 400, "stop"),
+        (b'{"input_ids": [1], "sampling_params": {"logit_bias": {"\\ud800": 1}}}', 400, "bias"),
+        (b'{"input_ids": [1e400]}', 400, "input_ids"),
+        (b'{"input_ids": [1], ' + sp + b'"top_k": 99999999999999999999}}', 400, "top_k"),
+        (b'{"input_ids": [1], "top_logprobs_num": 99999999, "return_logprob": true}', 400, "top"),
+        (b"\xff\xfe not utf-8", 400, ""),
+        (b"[" * 100_000, 400, ""),
+        (b'{"input_ids": [1], "sampling_params": {"regex": "a+"}}', 400, "regex"),
+        (b'{"input_ids": [1], "lora_path": "x"}', 400, "lora_path"),
+    ]
+    for body, status, word in cases:
+        resp = raw(url, "/generate", body)
+        assert resp.status_code == status, (body[:80], resp.text)
+        assert word in resp.json()["error"]["message"], (body[:80], resp.text)
+    # a non-ASCII bearer token is a wrong token
+    for token in ("Bearer s3cret-tökén".encode(), b"Bearer \xff\xfe", "Bearer ✓".encode()):
+        resp = raw(url, "/generate", b'{"input_ids": [1]}', token=token)
+        assert resp.status_code == 401, token
+    # an oversized body: 413 from its Content-Length, without reading it
+    big = raw(url, "/generate", b" " * (64 * 2**20 + 1))
+    assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
+    assert post(url, "/generate", GEN).status_code == 200
 
 
 def test_limits_give_clear_400s(server: Any) -> None:

@@ -10,7 +10,17 @@ from areal_hex.prom import METRIC_NAMES
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "areal-hex.json"
 # PromQL words the dashboard uses that are not metric names: functions, `by`, label names.
-PROMQL_WORDS = {"rate", "deriv", "sum", "by", "histogram_quantile", "le", "phase", "instance"}
+PROMQL_WORDS = {
+    "rate",
+    "sum",
+    "by",
+    "scalar",
+    "histogram_quantile",
+    "le",
+    "phase",
+    "server",
+    "gpu_kind",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -30,17 +40,35 @@ def test_dashboard_references_only_exported_metrics() -> None:
             assert names, target["expr"]
             used |= names
     assert used <= set(METRIC_NAMES), sorted(used - set(METRIC_NAMES))
-    # the panels an operator needs: staleness, drops, weight sync, busy time, tokens/s
+    # the panels an operator needs: busy time, step split, staleness, drops, weight sync,
+    # gate waits, request latency, server health, tokens/s per GPU kind, predicted rates
     for needed in (
+        "areal_hex_rollout_generation_busy_seconds_total",
+        "areal_hex_trainer_step_phase_seconds_sum",
+        "areal_hex_trainer_step_phase_seconds_bucket",
         "areal_hex_trainer_staleness_versions_bucket",
         "areal_hex_trainer_dropped_stale_total",
         "areal_hex_trainer_dead_letters_total",
+        "areal_hex_rollout_groups_filtered_total",
         "areal_hex_rollout_weight_update_seconds_total",
-        "areal_hex_rollout_generation_busy_seconds_total",
-        "areal_hex_trainer_step_phase_seconds_total",
-        "areal_hex_rollout_tokens_total",
+        "areal_hex_rollout_gate_wait_seconds_bucket",
+        "areal_hex_rollout_request_seconds_bucket",
+        "areal_hex_rollout_server_healthy",
+        "areal_hex_rollout_server_tokens_total",
+        "areal_hex_trainer_tokens_total",
+        "areal_hex_trainer_samples_total",
+        "areal_hex_predicted_samples_per_second",
+        "areal_hex_predicted_generation_samples_per_second",
+        "areal_hex_predicted_training_samples_per_second",
+        "areal_hex_predicted_weight_sync_seconds",
     ):
         assert needed in used, needed
+
+
+def test_tokens_per_second_are_split_by_gpu_kind() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in dash["panels"] if p["title"] == "Tokens/s per GPU kind"]
+    assert all("by (gpu_kind)" in t["expr"] for t in panel["targets"])
 
 
 def test_the_check_catches_a_misspelt_metric() -> None:

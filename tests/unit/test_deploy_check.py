@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,7 @@ def test_object_names_start_with_a_letter(tmp_path):
     plan = load_plan(PLAN)
     render("k8s", load_config(CONFIG, ["run.name=7b-run"]), plan, DeployConfig(), tmp_path)
     text = (tmp_path / "20-controller.yaml").read_text()
-    assert "name: ah-7b-run-controller" in text
+    assert re.search(r"name: ah-7b-run-[0-9a-f]{8}-controller\n", text)  # the run id's hash
 
 
 def test_example_deploy_config_renders(tmp_path):
@@ -175,6 +176,10 @@ def test_example_deploy_config_renders(tmp_path):
     args = argparse.Namespace(
         deploy_config=ROOT / "examples/deploy/deploy.yaml",
         namespace=None,
+        existing_secret=None,
+        trainer_gang=None,
+        kueue_queue=None,
+        node=[],
         gpu_label_key=None,
         storage_class=None,
         redis_url=None,
@@ -184,7 +189,7 @@ def test_example_deploy_config_renders(tmp_path):
     dcfg = deploy_config(args)
     assert dcfg.namespace == "rl-demo" and dcfg.storage.storage_class == "cephfs"
     assert dcfg.images.trainer == "registry.example.com/areal-hex/trainer:0.2.0"
-    assert dcfg.images.redis == "redis:7.4-alpine"  # --image-tag: only areal-hex images
+    assert dcfg.images.redis == "docker.io/library/redis:7.4.2-alpine"  # only areal-hex images
     render("k8s", load_config(CONFIG), load_plan(PLAN), dcfg, tmp_path)
     trainer = (tmp_path / "30-trainer.yaml").read_text()
     assert "nvidia.com/gpu.product: NVIDIA-A100-PCIE-80GB" in trainer

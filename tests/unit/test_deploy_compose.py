@@ -70,7 +70,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
         port = cfg.inference.base_port + i
         assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
         assert svc["restart"] == "unless-stopped"
-        assert svc["network_mode"] == "host"
+        assert svc["networks"] == ["internal"]
     assert s["controller"]["command"] == ["areal-hex", "rollout", "{config}"]
     assert s["controller"]["restart"] == "on-failure"
     assert set(s["controller"]["depends_on"]) == {"prepare", "redis", *(i.id for i in plan.rollout)}
@@ -98,7 +98,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
 
 
 def test_secrets_only_as_files(rendered):
-    _, _, out, doc = rendered
+    plan, _, out, doc = rendered
     secret_values = {f.name: f.read_text().strip() for f in (out / "secrets").iterdir()}
     assert set(secret_values) == {"redis-password", "api-token"}
     assert doc["secrets"] == {k: {"file": f"./secrets/{k}"} for k in secret_values}
@@ -112,8 +112,9 @@ def test_secrets_only_as_files(rendered):
     cfg = ExperimentConfig.model_validate(yaml.safe_load((out / "config.yaml").read_text()))
     assert cfg.trainer.num_ranks == 2  # the deepspeed launcher starts the planned ranks
     ports = [30000 + i for i in range(4)]
-    assert cfg.inference.urls() == [f"http://127.0.0.1:{p}" for p in ports]
-    assert cfg.redis.url == "redis://127.0.0.1:6379/0"
+    names = [i.id for i in plan.rollout]
+    assert cfg.inference.urls() == [f"http://{n}:{p}" for n, p in zip(names, ports, strict=True)]
+    assert cfg.redis.url == "redis://redis:6379/0"
     assert cfg.redis.password is None and cfg.inference.api_key is None
     assert cfg.inference.weights_dir == f"/data/runs/{cfg.run.run_id}/weights"
 
@@ -139,8 +140,11 @@ def test_image_entrypoint_is_the_rendered_wrapper(kind):
     text = (ROOT / f"deploy/docker/Dockerfile.{kind}").read_text()
     (line,) = [ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT")]
     argv = json.loads(line.removeprefix("ENTRYPOINT"))
-    assert argv == entry_command()
+    assert argv == entry_command(sglang=kind == "inference")
     assert "\nUSER 1000\n" in text and "chown 1000:1000 /data" in text
+    # dependency layers come from pyproject.toml before any source is copied
+    assert text.index("COPY pyproject.toml") < text.index("COPY areal_hex")
+    assert "COPY . ." not in text and "\nHEALTHCHECK " in text
 
 
 def test_cpu_image_runs_the_tiny_example():
@@ -174,3 +178,45 @@ def test_layout_environment_is_rendered(tmp_path, monkeypatch):
     render("k8s", cfg, plan, DeployConfig(), tmp_path / "k")
     text = (tmp_path / "k/20-controller.yaml").read_text()
     assert "name: AREAL_HEX_ROLE\n          value: controller" in text
+
+
+def test_every_container_is_hardened_and_nothing_binds_a_host_port(rendered):
+    _, _, _, doc = rendered
+    assert doc["networks"]["internal"] == {"internal": True}
+    for name, svc in doc["services"].items():
+        assert svc["read_only"] is True and "/tmp" in svc["tmpfs"], name
+        assert svc["cap_drop"] == ["ALL"], name
+        assert set(svc["security_opt"]) == {"no-new-privileges:true", "seccomp=builtin"}, name
+        assert svc["user"].split(":")[0] != "0", name
+        assert "network_mode" not in svc and "ports" not in svc, name
+        assert "internal" in svc["networks"], name
+    egress = {n for n, s in doc["services"].items() if "egress" in s["networks"]}
+    assert egress == {"prepare", "controller"}  # they download the model and the dataset
+
+
+def test_optional_prometheus_scrapes_every_service_on_loopback(tmp_path):
+    plan = load_plan(ROOT / "examples/plans/workstation_l40s_l4.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-0.6b.yaml")
+    dcfg = DeployConfig.model_validate({"metrics": {"compose_prometheus": True}})
+    render("compose", cfg, plan, dcfg, tmp_path)
+    doc = yaml.safe_load((tmp_path / "docker-compose.yaml").read_text())
+    assert _schema_errors(doc) == []
+    prom = doc["services"]["prometheus"]
+    assert prom["ports"] == ["127.0.0.1:9090:9090"]
+    assert prom["image"].startswith("docker.io/prom/prometheus:v")
+    scrape = yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"]
+    jobs = {j["job_name"]: j for j in scrape}
+    deployed = ExperimentConfig.model_validate(
+        yaml.safe_load((tmp_path / "config.yaml").read_text())
+    )
+    assert jobs["trainer"]["static_configs"][0]["targets"] == [
+        f"trainer:{deployed.trainer.metrics_port}"
+    ]
+    assert jobs["controller"]["static_configs"][0]["targets"] == [
+        f"controller:{deployed.rollout.metrics_port}"
+    ]
+    servers = jobs["inference"]["static_configs"][0]["targets"]
+    assert servers == [u.removeprefix("http://") for u in deployed.inference.urls()]
+    # the trainer's and controller's /metrics sit behind the service token
+    assert jobs["trainer"]["authorization"]["credentials_file"] == "/run/secrets/api-token"
+    assert "authorization" not in jobs["inference"]

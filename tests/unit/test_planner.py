@@ -96,15 +96,15 @@ def test_plans_respect_budget_memory_and_devices(name: str) -> None:
 
 
 @pytest.mark.parametrize("workload", ["math_grpo", "long_cot"])
-@pytest.mark.parametrize("name", ["hetrl_a100_l40s_l4", "h800_h20", "multi_region"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (EX / "clusters").glob("*.yaml")))
 def test_simulator_agrees_with_milp(name: str, workload: str) -> None:
     cl = load_cluster(EX / "clusters" / f"{name}.yaml")
     m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / f"{workload}.yaml")
     price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
-    res = make_plan(cl, m, w, budget=0.6 * price, baselines=False)
+    res = make_plan(cl, m, w, budget=0.6 * price)  # the plan a user gets
     pred = res.plan.predicted.samples_per_s
     assert res.sim is not None and pred > 0
-    assert abs(res.sim.samples_per_s - pred) / pred < 0.10
+    assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
     # The exact evaluation only relaxes the MILP's conservative pause charge.
     assert res.solution.eval_rate >= res.solution.rate * (1 - 1e-9)
     assert res.sim.max_staleness <= w.staleness + 1

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
+from fakes import TOK, FakeServer, MemoryProducer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,9 +21,12 @@ from areal_hex.prom import (
     MetricsServer,
     RolloutCollector,
     TrainerCollector,
+    device_kind,
+    prediction_collectors,
     registry_with,
 )
 from areal_hex.run_files import RolloutRow, TrainerRow
+from rollout_service.dispatch import ServerState
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -38,7 +44,7 @@ def names(samples: dict) -> set[str]:
 
 
 def test_trainer_metrics_equal_the_rows() -> None:
-    c = TrainerCollector()
+    c = TrainerCollector(gpu_kind="H800", group_size=4)
     c.observe(
         TrainerRow(
             step=1,
@@ -46,6 +52,7 @@ def test_trainer_metrics_equal_the_rows() -> None:
             wait_s=0.5,
             compute_s=2.0,
             tokens_total=100,
+            groups_trained_total=2,
             staleness_hist={"0": 3, "2": 1},
             dropped_stale_total=1,
         )
@@ -58,21 +65,33 @@ def test_trainer_metrics_equal_the_rows() -> None:
             compute_s=1.0,
             publish_s=0.5,
             tokens_total=250,
+            groups_trained_total=4,
             staleness_hist={"1": 4},
             dropped_stale_total=3,
             dead_letter_total=2,
+            degenerate_groups_total=1,
             tokens_per_s=150.0,
         )
     )
     s = scrape(c)
-    assert s[("areal_hex_trainer_step_phase_seconds_total", (("phase", "wait"),))] == 0.75
-    assert s[("areal_hex_trainer_step_phase_seconds_total", (("phase", "compute"),))] == 3.0
-    assert s[("areal_hex_trainer_step_phase_seconds_total", (("phase", "publish"),))] == 0.5
-    assert s[("areal_hex_trainer_tokens_total", ())] == 250  # the row's running total
+    # the step split: one observation per phase per step, summing to the rows' seconds
+    ph = "areal_hex_trainer_step_phase_seconds"
+    assert s[(ph + "_sum", (("phase", "wait"),))] == 0.75
+    assert s[(ph + "_sum", (("phase", "compute"),))] == 3.0
+    assert s[(ph + "_sum", (("phase", "publish"),))] == 0.5
+    assert s[(ph + "_sum", (("phase", "checkpoint"),))] == 0.0
+    assert s[(ph + "_count", (("phase", "checkpoint"),))] == 2
+    assert s[(ph + "_bucket", (("le", "0.25"), ("phase", "wait")))] == 1  # 0.25 s, not 0.5
+    assert s[(ph + "_bucket", (("le", "0.5"), ("phase", "wait")))] == 2
+    assert s[(ph + "_bucket", (("le", "1.0"), ("phase", "compute")))] == 1
+    kind = (("gpu_kind", "H800"),)
+    assert s[("areal_hex_trainer_tokens_total", kind)] == 250  # the row's running total
+    assert s[("areal_hex_trainer_tokens_per_second", kind)] == 150.0
+    assert s[("areal_hex_trainer_samples_total", ())] == 4 * 4  # groups x group size
     assert s[("areal_hex_trainer_dropped_stale_total", ())] == 3
     assert s[("areal_hex_trainer_dead_letters_total", ())] == 2
+    assert s[("areal_hex_trainer_degenerate_groups_total", ())] == 1
     assert s[("areal_hex_trainer_version", ())] == 2
-    assert s[("areal_hex_trainer_tokens_per_second", ())] == 150.0
     # staleness over both steps: 3 groups at 0, 4 at 1, 1 at 2 (cumulative buckets)
     h = "areal_hex_trainer_staleness_versions_bucket"
     assert s[(h, (("le", "0.0"),))] == 3
@@ -83,25 +102,111 @@ def test_trainer_metrics_equal_the_rows() -> None:
     assert s[("areal_hex_trainer_staleness_versions_count", ())] == 8
 
 
-def test_rollout_metrics_equal_the_row() -> None:
-    c = RolloutCollector()
+def test_the_trainer_kind_is_its_device() -> None:
+    assert device_kind("cpu") == "cpu"
+
+
+def servers() -> list[ServerState]:
+    return [ServerState(0, FakeServer("http://a:1")), ServerState(1, FakeServer("http://b:2"))]
+
+
+def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
+    a, b = servers()
+    a.healthy, a.requests_total, a.tokens_total, a.in_flight = True, 7, 120, 2
+    b.failures_total = 3
+    c = RolloutCollector([a, b], gpu_kinds=["H20"])  # no kind given for the second one
     c.observe(
         RolloutRow(
             groups_produced_total=12,
+            groups_filtered_total=2,
             groups_in_flight=3,
-            servers_healthy=2,
+            servers_healthy=1,
             tokens_total=900,
             weight_update_s_total=1.5,
             reward_mean=0.25,
         )
     )
+    for wait in (0.0, 0.02, 3.0):
+        c.observe_gate_wait(wait)
+    c.observe_request(a, 0.3)
+    c.observe_request(a, 7.0)
+    c.observe_request(b, 0.04)
     s = scrape(c)
     assert s[("areal_hex_rollout_groups_produced_total", ())] == 12
+    assert s[("areal_hex_rollout_groups_filtered_total", ())] == 2
     assert s[("areal_hex_rollout_groups_in_flight", ())] == 3
-    assert s[("areal_hex_rollout_servers_healthy", ())] == 2
     assert s[("areal_hex_rollout_tokens_total", ())] == 900
     assert s[("areal_hex_rollout_weight_update_seconds_total", ())] == 1.5
     assert s[("areal_hex_rollout_reward_mean", ())] == 0.25
+    g = "areal_hex_rollout_gate_wait_seconds"
+    assert s[(g + "_count", ())] == 3 and s[(g + "_sum", ())] == pytest.approx(3.02)
+    assert s[(g + "_bucket", (("le", "0.05"),))] == 2
+    la = (("gpu_kind", "H20"), ("server", "http://a:1"))
+    lb = (("gpu_kind", "unknown"), ("server", "http://b:2"))
+    q = "areal_hex_rollout_request_seconds"
+    assert s[(q + "_count", la)] == 2 and s[(q + "_sum", la)] == pytest.approx(7.3)
+    assert s[(q + "_bucket", (("gpu_kind", "H20"), ("le", "5.0"), ("server", "http://a:1")))] == 1
+    assert s[(q + "_count", lb)] == 1
+    assert s[("areal_hex_rollout_server_healthy", la)] == 1
+    assert s[("areal_hex_rollout_server_healthy", lb)] == 0
+    assert s[("areal_hex_rollout_server_requests_in_flight", la)] == 2
+    assert s[("areal_hex_rollout_server_requests_total", la)] == 7
+    assert s[("areal_hex_rollout_server_tokens_total", la)] == 120
+    assert s[("areal_hex_rollout_server_failures_total", lb)] == 3
+
+
+@pytest.mark.timeout(60)
+async def test_controller_feeds_the_histograms(tmp_path: Path) -> None:
+    """A real controller (fake servers, in-memory gate) wired as `serve_metrics` does:
+    every admission is one gate wait, every HTTP request one latency, and the servers'
+    token counts add up to the controller's."""
+    from areal_hex.config import DataConfig, ExperimentConfig, RolloutConfig
+    from areal_hex.data import build_prompts, generate_arithmetic
+    from rollout_service.controller import RolloutController
+    from rollout_service.wiring import serve_metrics
+
+    rollout = RolloutConfig(group_size=3, max_new_tokens=16, metrics_interval_s=0.2)
+    prompts = build_prompts(generate_arithmetic(8, "train"), TOK, DataConfig()).prompts
+    fakes = [FakeServer("http://a:1"), FakeServer("http://b:2")]
+    ctl = RolloutController(
+        fakes,
+        MemoryProducer(groups_per_step=2, eta=100),
+        prompts,
+        lambda ids: TOK.decode(ids, skip_special_tokens=True),
+        rollout,
+        max_groups=6,
+        metrics_path=tmp_path / "rollout.jsonl",
+    )
+    cfg = ExperimentConfig.model_validate(
+        {"rollout": {"metrics_port": 0}, "inference": {"gpu_kinds": ["H20", "L40S"]}}
+    )
+    server = serve_metrics(cfg, ctl)
+    assert server is not None
+    try:
+        final = await ctl.run()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        server.stop()
+    got: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if not smp.name.endswith("_bucket"):
+                got[smp.name] = got.get(smp.name, 0.0) + smp.value  # summed over labels
+    assert got["areal_hex_rollout_gate_wait_seconds_count"] == 6
+    # one latency per HTTP call: here one batched call per group (G samples, G rids)
+    calls = sum(fake.batch_calls for fake in fakes)
+    assert got["areal_hex_rollout_request_seconds_count"] == calls == 6
+    assert got["areal_hex_rollout_server_requests_total"] == calls
+    assert got["areal_hex_rollout_server_tokens_total"] == final["tokens_total"] > 0
+    assert got["areal_hex_rollout_server_healthy"] == 2
+    kinds = {
+        s.labels["gpu_kind"]
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "areal_hex_rollout_server_tokens_total"
+    }
+    assert kinds == {"H20", "L40S"}
 
 
 @pytest.fixture
@@ -129,15 +234,56 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
     assert s[("areal_hex_buffer_dropped_stale_total", ())] == 4
 
 
-def test_every_listed_name_is_scraped_and_nothing_else() -> None:
+# prediction.json as the launcher writes it (areal_hex/launch/predict.py)
+PREDICTION = {
+    "source": "plan",
+    "cluster": "examples/clusters/h800_h20.yaml",
+    "asynchronous": {
+        "pipeline_samples_per_s": 41.5,
+        "generation_samples_per_s": 60.0,
+        "training_samples_per_s": 41.5,
+        "weight_sync_s": 2.25,
+    },
+    "synchronous": {
+        "pipeline_samples_per_s": 20.0,
+        "generation_samples_per_s": 60.0,
+        "training_samples_per_s": 41.5,
+        "weight_sync_s": 2.25,
+    },
+}
+
+
+def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
     from areal_hex.api import BufferStats
 
     stats = BufferStats(0, 0, 0, 0, 0, 0, 0)
     trainer = TrainerCollector()
     trainer.observe(TrainerRow(staleness_hist={"1": 1}))
-    s = scrape(trainer, RolloutCollector(), BufferCollector(lambda: stats))
+    rollout = RolloutCollector(servers())
+    rollout.observe_gate_wait(0.1)
+    rollout.observe_request(rollout.servers[0], 0.1)
+    (tmp_path / "prediction.json").write_text(json.dumps(PREDICTION))
+    (predicted,) = prediction_collectors(tmp_path, "async")
+    s = scrape(trainer, rollout, BufferCollector(lambda: stats), predicted)
     scraped = {n for n in names(s) if not n.endswith("_created")}
     assert scraped == set(METRIC_NAMES)
+
+
+def test_predicted_rates_of_the_runs_mode_and_only_when_predicted(tmp_path: Path) -> None:
+    assert prediction_collectors(tmp_path, "async") == []  # no prediction written
+    path = tmp_path / "prediction.json"
+    path.write_text(json.dumps({"unavailable": "no plan and no local profile"}))
+    assert prediction_collectors(tmp_path, "async") == []
+    path.write_text(json.dumps(PREDICTION))
+    (sync,) = prediction_collectors(tmp_path, "sync")
+    s = scrape(sync)
+    assert s[("areal_hex_predicted_samples_per_second", ())] == 20.0
+    assert s[("areal_hex_predicted_generation_samples_per_second", ())] == 60.0
+    assert s[("areal_hex_predicted_weight_sync_seconds", ())] == 2.25
+    partial = {"asynchronous": {"pipeline_samples_per_s": 5.0, "weight_sync_s": None}}
+    path.write_text(json.dumps(partial))
+    (asyn,) = prediction_collectors(tmp_path, "async")
+    assert names(scrape(asyn)) == {"areal_hex_predicted_samples_per_second"}
 
 
 def test_metrics_endpoint_requires_the_token() -> None:
@@ -191,5 +337,6 @@ def test_trainer_service_serves_its_rows_and_the_buffer(valkey: redis.Redis) -> 
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["areal_hex_trainer_step"] == 3
     assert got["areal_hex_trainer_tokens_total"] == 42
+    assert "areal_hex_predicted_samples_per_second" not in got  # no prediction.json
     assert got["areal_hex_buffer_stream_length"] == 1
     assert serve_metrics(load_config(None, []), side) is None  # off by default

@@ -76,6 +76,23 @@ def test_accounting_finds_a_lost_group() -> None:
     assert accounting(metrics, rollout, buffer)["groups_lost"] == 1
 
 
+def test_accounting_sums_the_runs_of_a_restarted_controller() -> None:
+    """A requeued job starts a new controller that counts from zero: the first one's
+    groups still count (its final row, or its last row when it was killed)."""
+    metrics = [TrainerRow(groups_trained_total=24)]
+    rollout = [
+        RolloutRow(elapsed_s=2.0, groups_produced_total=8),
+        RolloutRow(elapsed_s=4.0, groups_produced_total=12, final=True),
+        RolloutRow(elapsed_s=2.0, groups_produced_total=10),  # killed: no final row
+        RolloutRow(elapsed_s=1.0, groups_produced_total=6),
+        RolloutRow(elapsed_s=3.0, groups_produced_total=14, final=True),
+    ]
+    buffer = {"unconsumed": 12, "pending": 0, "submitted": 40, "dropped_stale": 0, "dead_letter": 0}
+    acc = accounting(metrics, rollout, buffer)
+    assert acc["groups_produced"] == 12 + 10 + 14
+    assert acc["groups_lost"] == 0
+
+
 def test_summary_of_an_empty_run(tmp_path: Path) -> None:
     cfg = load_config(None, ["run.run_id=r"])
     s = summarize(tmp_path, cfg, None, outcome="failed")

@@ -1,0 +1,494 @@
+"""`areal-hex profile --local`: this machine as a cluster, measured with the real engines.
+
+The devices are what `areal-hex run` uses here: on a CUDA host the GPUs (one kind); on a
+CPU-only host the two core groups `run.pin_cores` makes (the inference servers' cores and
+the trainer's cores), each timed while pinned to its own cores with the thread count the
+run gives it. What is timed is the job's own code on the job's model:
+
+- generation: the built-in engine (continuous batching, sampling, log-probs) in this
+  process: decode step time at several batches (from two answer lengths, so the prefill
+  cancels), prefill tokens/s, and the answer lengths the initial policy really produces on
+  the dataset's prompts with the run's sampling parameters;
+- training: `trainer_service.step.optimize` under DeepSpeed (one rank) on groups shaped
+  like the run's batch (prompt and answer lengths as measured);
+- weight sync: the engine's reload of a published weights directory.
+
+Writes `cluster.yaml`, `profile.yaml`, `workload.yaml` and `model/config.json` into one
+directory, the inputs of `areal-hex plan`:
+
+    areal-hex plan DIR/cluster.yaml --model DIR/model --workload DIR/workload.yaml \\
+        --profile DIR/profile.yaml --budget N
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from areal_hex.config import ExperimentConfig
+
+LOCAL_GROUP = "local"
+LOCAL_ZONE = "local"
+REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
+TRAIN_STEPS = 5
+
+
+@dataclass
+class LocalDevices:
+    kind: str  # "CPU" or the GPU's catalogue name
+    device: str  # "cpu" | "cuda"
+    count: int  # devices the planner may place services on
+    inference_cores: set[int] | None  # pinning while timing generation (CPU)
+    trainer_cores: set[int] | None
+    inference_threads: int
+    trainer_threads: int
+    memory_gb: float  # per device
+
+
+@dataclass
+class LocalProfileFiles:
+    root: Path
+
+    @property
+    def cluster(self) -> Path:
+        return self.root / "cluster.yaml"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile.yaml"
+
+    @property
+    def workload(self) -> Path:
+        return self.root / "workload.yaml"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def measured(self) -> Path:
+        return self.root / "measured.json"
+
+
+# ---------------------------------------------------------------- devices
+def local_devices(cfg: ExperimentConfig) -> LocalDevices:
+    import torch
+
+    from areal_hex.launch.run import core_groups
+
+    if cfg.inference.device.startswith("cuda") and torch.cuda.is_available():
+        from scheduler.measure import device_kind
+
+        props = torch.cuda.get_device_properties(0)
+        return LocalDevices(
+            device_kind("cuda"), "cuda", torch.cuda.device_count(), None, None, 1, 1,
+            props.total_memory / 1e9,
+        )  # fmt: skip
+    inf, tr = core_groups(cfg.run.pin_cores)
+    total = os.cpu_count() or 1
+    mem = _host_memory_gb()
+    if inf is None or tr is None:  # no pinning: both sides share every core
+        return LocalDevices("CPU", "cpu", 2, None, None, max(1, total // 2), total, mem / 2)
+    per_server = max(1, len(inf) // max(1, cfg.inference.num_servers))
+    return LocalDevices("CPU", "cpu", 2, inf, tr, per_server, len(tr), mem / 2)
+
+
+def _host_memory_gb() -> float:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * size / 1e9
+    except (ValueError, OSError):
+        return 8.0
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int] | None, threads: int) -> Iterator[None]:
+    """Run the block on `cores` with `threads` torch threads, as `run` starts a service."""
+    import torch
+
+    before_threads = torch.get_num_threads()
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cores is not None and before is not None:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before_threads)
+        if cores is not None and before is not None:
+            os.sched_setaffinity(0, before)
+
+
+# ---------------------------------------------------------------- generation
+@dataclass
+class GenerationRates:
+    decode_step_s: dict[int, float]
+    prefill_tokens_per_s: float
+    prompt_tokens: float  # mean over the dataset's prompts
+    response_tokens: float  # mean answer length of the initial policy
+    reload_s: float  # pause -> load -> resume of a server with requests in flight
+    reload_idle_s: float  # the same with nothing in flight (a synchronous run's case)
+
+
+def measure_generation(
+    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, batches: list[int]
+) -> GenerationRates:
+    """An `areal-hex serve` process on the inference cores, driven over HTTP from this
+    process on the trainer cores, where `run` puts the controller: the server's HTTP
+    handling and the client's work are in the figures, as they are in a run."""
+    from rollout_service.wiring import load_prompt_set, load_rollout_tokenizer
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path = str(model_dir)
+    cfg.model.tokenizer_path = None
+    tok = load_rollout_tokenizer(cfg)
+    prompts = [p.input_ids for p in load_prompt_set(cfg, tok).prompts]
+    serve = {
+        "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
+        "inference": {
+            "device": cfg.inference.device,
+            "num_threads": dev.inference_threads,
+            "max_running_requests": cfg.inference.max_running_requests,
+            "context_length": cfg.inference.context_length,
+            "weights_dir": str(model_dir.parent),
+        },
+        "data": {"max_prompt_tokens": cfg.data.max_prompt_tokens},
+        "rollout": {"max_new_tokens": cfg.rollout.max_new_tokens},
+    }
+    with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
+        path = Path(tmp) / "serve.yaml"
+        path.write_text(yaml.safe_dump(serve))
+        with _server(path, dev, Path(tmp) / "serve.log") as url, pinned(dev.trainer_cores, 1):
+            eos = tok.eos_token_id
+            return asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+
+
+@contextlib.contextmanager
+def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[str]:
+    from areal_hex.net import free_port
+
+    port = free_port()
+    cores = dev.inference_cores
+    env = dict(os.environ, OMP_NUM_THREADS=str(dev.inference_threads))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(config), "--port", str(port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+        )
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _generation(
+    url: str,
+    cfg: ExperimentConfig,
+    prompts: list[list[int]],
+    eos: int | None,
+    batches: list[int],
+    model_dir: Path,
+) -> GenerationRates:
+    import random
+
+    from areal_hex.api import SamplingParams
+    from rollout_service.client import InferenceClient
+
+    rng = random.Random(0)
+    r = cfg.rollout
+    g = r.group_size
+    async with InferenceClient(url, timeout_s=None) as client:
+        await client.wait_healthy(timeout_s=180, interval_s=0.2)
+
+        async def wave(work: list[list[int]], sp: SamplingParams) -> tuple[float, list]:
+            """`work` as the controller sends it: one batched call per G samples."""
+            t0 = time.perf_counter()
+            chunks = [work[i : i + g] for i in range(0, len(work), g)]
+            outs = await asyncio.gather(
+                *(
+                    client.generate_batch(c, sp, [f"p{t0}-{i}-{j}" for j in range(len(c))])
+                    for i, c in enumerate(chunks)
+                )
+            )
+            return time.perf_counter() - t0, [o for out in outs for o in out]
+
+        def fixed(n: int) -> SamplingParams:
+            return SamplingParams(max_new_tokens=n, temperature=r.temperature, ignore_eos=True)
+
+        await wave([prompts[0]], fixed(4))  # warm-up: first-call allocations
+        # the run's own answers: G samples of a few prompts, sampled as the run samples
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=[eos] if eos is not None else [],
+        )
+        asked = [p for p in rng.sample(prompts, min(8, len(prompts))) for _ in range(g)]
+        _, outs = await wave(asked, sampling)
+        response = statistics.fmean(len(o.output_ids) for o in outs)
+        long_n = max(8, r.max_new_tokens)
+        short_n = max(2, long_n // 4)
+        steps: dict[int, float] = {}
+        for b in batches:
+            diffs = []
+            for _ in range(REPEATS):
+                work = _groups(rng, prompts, b, g)
+                t_long, _ = await wave(work, fixed(long_n))
+                t_short, _ = await wave(work, fixed(short_n))
+                diffs.append(max(1e-6, (t_long - t_short) / (long_n - short_n)))
+            steps[b] = statistics.median(diffs)
+        top = max(batches)
+        pre = []
+        for _ in range(REPEATS):
+            work = _groups(rng, prompts, top, g)
+            t, _ = await wave(work, fixed(1))
+            # a group's prompt is prefilled once: count one prompt per group
+            toks = sum(len(p) for p in work[::g])
+            pre.append(toks / max(1e-9, t - steps[top]))
+        reload, idle = [], []
+        for v in range(1, REPEATS + 1):
+            work = _groups(rng, prompts, top, g)
+            reload.append(await _reload(client, wave, work, fixed(long_n), model_dir, 2 * v))
+            idle.append(await _reload(client, None, [], None, model_dir, 2 * v + 1))
+    return GenerationRates(
+        decode_step_s=steps,
+        prefill_tokens_per_s=statistics.median(pre),
+        prompt_tokens=statistics.fmean(len(p) for p in prompts),
+        response_tokens=response,
+        reload_s=statistics.median(reload),
+        reload_idle_s=statistics.median(idle),
+    )
+
+
+def _groups(rng: Any, prompts: list[list[int]], n: int, g: int) -> list[list[int]]:
+    """`n` samples in groups of `g` sharing a prompt."""
+    out: list[list[int]] = []
+    while len(out) < n:
+        out += [rng.choice(prompts)] * min(g, n - len(out))
+    return out
+
+
+async def _reload(
+    client: Any, wave: Any, work: list[list[int]], sp: Any, model_dir: Path, version: int
+) -> float:
+    """One weight update as the controller makes it (pause with retract, load, resume),
+    while `work` generates (none: an idle server); returns the pause's length."""
+    task = asyncio.create_task(wave(work, sp)) if work else None
+    await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    await client.pause("retract")
+    await client.update_weights_from_disk(str(model_dir), version, abort_all_requests=False)
+    await client.resume()
+    took = time.perf_counter() - t0
+    if task is not None:
+        await task
+    return took
+
+
+# ---------------------------------------------------------------- training
+def measure_training(
+    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+) -> float:
+    """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch."""
+    import torch.distributed as dist
+
+    with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
+        init_single_rank(dev.device)
+        try:
+            return _train_rate(cfg, model_dir, dev, prompt_len, response)
+        finally:
+            dist.destroy_process_group()
+
+
+def init_single_rank(device: str) -> None:
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():  # fmt: skip
+        os.environ[k] = v
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+
+
+def _train_rate(
+    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+) -> float:
+    from areal_hex.models import load_model
+    from trainer_service.engine import build_engine
+    from trainer_service.step import StepContext, optimize
+    from trainer_service.synthetic import synthetic_groups
+
+    t = cfg.trainer
+    model = load_model(model_dir, dev.device, "float32" if dev.device == "cpu" else "bfloat16")
+    engine = build_engine(model.train(), t, world_size=1)
+    ctx = StepContext(
+        engine,
+        cfg.algo,
+        t.micro_batch_tokens,
+        cfg.rollout.max_new_tokens,
+        0,
+        rank=0,
+        world=1,
+        device=dev.device,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
+    vocab = model.config.vocab_size
+    lo = max(1, round(response * 0.5))
+    hi = max(lo, min(cfg.rollout.max_new_tokens, round(response * 1.5)))
+    times, tokens = [], []
+    b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
+    for step in range(TRAIN_STEPS + 1):  # step 0 warms up
+        groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=step)
+        t0 = time.perf_counter()
+        res = optimize(ctx, groups)
+        if step:
+            times.append(time.perf_counter() - t0)
+            tokens.append(res.num_tokens)
+    return statistics.median(n / s for n, s in zip(tokens, times, strict=True))
+
+
+# ---------------------------------------------------------------- files
+def profile_local(
+    cfg: ExperimentConfig, out: Path, batches: list[int] | None = None
+) -> LocalProfileFiles:
+    """Measure this machine for `cfg`'s job and write the planner's inputs into `out`."""
+    from scheduler.model_shape import load_model_shape
+    from scheduler.profile import DeviceRates, Profile, save_profile
+
+    files = LocalProfileFiles(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = _model_dir(cfg, out)
+    dev = local_devices(cfg)
+    cap = cfg.inference.max_running_requests
+    batches = sorted({b for b in (batches or [1, 8, 32, cap]) if 0 < b <= cap} | {cap})
+    gen = measure_generation(cfg, model_dir, dev, batches)
+    train = measure_training(cfg, model_dir, dev, int(gen.prompt_tokens), gen.response_tokens)
+    files.model.mkdir(parents=True, exist_ok=True)
+    if files.model.resolve() != model_dir.resolve():
+        shutil.copy(model_dir / "config.json", files.model / "config.json")
+    shape = load_model_shape(str(files.model / "config.json"))
+    rates = DeviceRates(
+        device=dev.device if dev.device == "cpu" else dev.kind,
+        decode_step_s=gen.decode_step_s,
+        decode_context=int(gen.prompt_tokens + gen.response_tokens / 2),
+        prefill_tokens_per_s=gen.prefill_tokens_per_s,
+        train_tokens_per_s=train,
+        reload_idle_s=gen.reload_idle_s,
+    )
+    prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
+    save_profile(prof, files.profile)
+    spec = cluster_spec(dev, shape.params, gen, train)
+    files.cluster.write_text(yaml.safe_dump(spec, sort_keys=False))
+    files.workload.write_text(yaml.safe_dump(workload_for(cfg, gen), sort_keys=False))
+    cores = {
+        "inference_cores": sorted(dev.inference_cores or []),
+        "trainer_cores": sorted(dev.trainer_cores or []),
+    }
+    measured = {
+        "devices": {**dev.__dict__, **cores},
+        "generation": gen.__dict__,
+        "train_tokens_per_s": train,
+    }
+    files.measured.write_text(json.dumps(measured, indent=2))
+    return files
+
+
+def _model_dir(cfg: ExperimentConfig, out: Path) -> Path:
+    """The job's initial model: `model.path` if set, else written (warm start included)."""
+    if cfg.model.path is not None and (Path(cfg.model.path) / "config.json").is_file():
+        return Path(cfg.model.path)
+    from areal_hex.launch.prepare import materialize_v0
+
+    return materialize_v0(cfg, out)
+
+
+def cluster_spec(
+    dev: LocalDevices, params: int, gen: GenerationRates, train_tokens_per_s: float
+) -> dict[str, Any]:
+    """One machine, one node group of `dev.count` devices. The kind's figures, for a CPU,
+    are the effective ones measured: bandwidth = weight bytes (bf16, as the cost model
+    counts them) / one decode step at batch 1; compute = 6N·tokens/s at the cost model's
+    training MFU. The weight-sync latency is the engine's measured reload."""
+    from scheduler.workload import CostConstants
+
+    spec: dict[str, Any] = {
+        "name": f"local-{socket.gethostname()}",
+        "zones": [
+            {
+                "name": LOCAL_ZONE,
+                "region": LOCAL_ZONE,
+                "inter_node_bandwidth_gbs": 100.0,
+                "inter_node_latency_ms": round(gen.reload_s * 1e3, 3),
+            }
+        ],
+        "node_groups": [
+            {
+                "name": LOCAL_GROUP,
+                "gpu": dev.kind,
+                "gpus_per_node": dev.count,
+                "nodes": 1,
+                "zone": LOCAL_ZONE,
+                "usd_per_gpu_hour": 1.0,
+                "intra_node": {"kind": "pcie", "bandwidth_gbs": 10.0},
+            }
+        ],
+    }
+    if dev.kind == "CPU":
+        step1 = gen.decode_step_s[min(gen.decode_step_s)]
+        mfu = CostConstants().train_mfu
+        spec["gpu_overrides"] = {
+            "CPU": {
+                "bf16_tflops": round(6.0 * params * train_tokens_per_s / mfu / 1e12, 6),
+                "hbm_gb": round(dev.memory_gb, 2),
+                "hbm_gbs": round(2.0 * params / step1 / 1e9, 6),
+            }
+        }
+    return spec
+
+
+def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
+    """The planner's workload for `cfg`'s job, with the lengths measured here."""
+    return {
+        "groups_per_step": cfg.buffer.groups_per_step,
+        "group_size": cfg.rollout.group_size,
+        "prompt_tokens": max(1, round(gen.prompt_tokens)),
+        "response_tokens": max(1, round(gen.response_tokens)),
+        "max_response_tokens": cfg.rollout.max_new_tokens,
+        "staleness": cfg.buffer.max_staleness,
+        "publish_interval": cfg.trainer.publish_every,
+        "reference_model": cfg.algo.kl_coef > 0,
+        "rollout_tp": 1,
+        "zero_stage": cfg.trainer.zero_stage,
+        "constants": {"max_running_requests": cfg.inference.max_running_requests},
+    }

@@ -1,0 +1,165 @@
+"""The cost model's rates for one given layout, in the mode it runs.
+
+`make_plan` searches layouts; this module prices a layout that is already fixed — the one
+a plan chose, or the one a local run starts without a plan — so that every run can be
+held against a prediction made with the same cost model:
+
+- generation: Σ h_ψ of the instances (samples/s while they generate, no pauses);
+- training: B·G / the trainer's step (compute + all-reduce + publish);
+- weight sync: the pause of the slowest instance per publish;
+- pipeline, asynchronous: `milp.evaluate` (min of training and generation with the pauses
+  at the rate reached), the figure a plan reports;
+- pipeline, synchronous (η = 0): the discrete-event replay, because a synchronous step is
+  generation of one batch (down to its longest answer) + training + sync, never overlapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.cluster import Cluster
+from scheduler.costmodel import (
+    RolloutOption,
+    TrainerOption,
+    decode_step_s,
+    rollout_config,
+    weight_sync_s,
+)
+from scheduler.milp import build_problem, evaluate
+from scheduler.model_shape import ModelShape
+from scheduler.profile import Profile
+from scheduler.simulator import SimInstance, simulate
+from scheduler.trainers import cost_trainer
+from scheduler.workload import Workload
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    parts: tuple[tuple[str, int], ...]  # (node group, ranks taken) in rank order
+    per_node: int
+
+
+@dataclass(frozen=True)
+class LayoutRates:
+    pipeline_samples_per_s: float
+    generation_samples_per_s: float
+    training_samples_per_s: float
+    weight_sync_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class LayoutPrediction:
+    asynchronous: LayoutRates
+    synchronous: LayoutRates
+
+    def for_mode(self, mode: str) -> LayoutRates:
+        return self.synchronous if mode == "sync" else self.asynchronous
+
+
+class LayoutError(ValueError):
+    """The layout does not fit the cluster or the model (what and where in the message)."""
+
+
+def _rollouts(
+    cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None, instances: list[tuple[str, int]]
+) -> list[RolloutOption]:
+    groups = {g.name: g for g in cl.spec.node_groups}
+    out = []
+    for name, tp in instances:
+        if name not in groups:
+            raise LayoutError(f"rollout instance on node group {name!r}: not in {cl.name!r}")
+        opt = rollout_config(cl, groups[name], tp, m, w, prof)
+        if opt is None:
+            raise LayoutError(f"rollout instance (TP {tp}) on {name!r}: the model does not fit")
+        out.append(opt)
+    return out
+
+
+def predict_layout(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    prof: Profile | None,
+    instances: list[tuple[str, int]],
+    trainer: TrainerLayout,
+    max_inflight_groups: int | None = None,
+) -> LayoutPrediction:
+    """Rates of `instances` ((node group, TP) each) and `trainer` in both modes; `w` holds
+    the asynchronous run's η (the synchronous one runs at η = 0, publishing every step)."""
+    if not instances:
+        raise LayoutError("a layout needs at least one rollout instance")
+    opts = _rollouts(cl, m, w, prof, instances)
+    tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
+    if tr is None:
+        raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
+    asyn = _asynchronous(cl, m, w, opts, tr)
+    sync_w = w.model_copy(update={"staleness": 0, "publish_interval": 1})
+    syn = _synchronous(cl, m, sync_w, prof, opts, tr, max_inflight_groups)
+    return LayoutPrediction(asyn, syn)
+
+
+def _asynchronous(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    opts: list[RolloutOption],
+    tr: TrainerOption,
+) -> LayoutRates:
+    p = build_problem(cl, m, w, opts, [tr])
+    # generation with the weight-sync pauses at the rate reached: a pause holds requests
+    # in flight, so it counts as time the servers have work
+    rate, gen_at = evaluate(p, 0, dict.fromkeys(range(len(opts)), 1))
+    sync_s = max(p.sync_s.values(), default=0.0)
+    return LayoutRates(rate, gen_at, w.samples_per_step / tr.step_s, sync_s)
+
+
+def _synchronous(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    prof: Profile | None,
+    opts: list[RolloutOption],
+    tr: TrainerOption,
+    max_inflight: int | None,
+) -> LayoutRates:
+    bg = w.samples_per_step
+    ctx = w.prompt_tokens + w.response_tokens / 2
+    sim_insts = []
+    syncs = []
+    for i, o in enumerate(opts):
+        g = next(g for g in cl.spec.node_groups if g.name == o.group)
+        kind = cl.kinds[o.group]
+
+        def step_fn(n: int, o: RolloutOption = o, g=g, kind=kind) -> float:
+            def at(b: int) -> float:
+                return decode_step_s(
+                    m, kind.hbm_gbs, kind.bf16_tflops, o.tp, b, ctx,
+                    g.intra_node.bandwidth_gbs, w.constants,
+                )  # fmt: skip
+
+            return at(n) * o.step_s / at(o.batch)
+
+        sync = weight_sync_s(cl, m, w, tr.zones[0], o.zone)
+        idle = prof.reload_idle_s(o.kind) if prof is not None else None
+        if idle is not None:  # measured: nothing is generating when a sync run reloads
+            sync = idle
+        syncs.append(sync)
+        sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
+    res = simulate(
+        sim_insts,
+        batch_groups=w.groups_per_step,
+        group_size=w.group_size,
+        staleness=0,
+        publish_interval=1,
+        train_step_s=tr.step_s,
+        mean_len=w.response_tokens,
+        max_len=w.max_response_tokens,
+        steps=12,
+        max_inflight_groups=max_inflight,
+    )
+    # per second of server work: a synchronous batch ends in a tail of few requests
+    gen = res.generation_samples_per_s / max(1e-9, res.rollout_busy_frac)
+    return LayoutRates(res.samples_per_s, gen, bg / tr.step_s, max(syncs, default=0.0))

@@ -1,0 +1,98 @@
+"""This machine as a cluster, end to end and small: `profile --local` -> `plan` -> `run
+--plan`, and the run's summary holds the plan's prediction next to what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_hex.plan import load_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "model.tiny.sft_steps=0",
+    "buffer.groups_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=8",
+    "rollout.max_concurrent_groups=4",
+    "rollout.metrics_interval_s=0.5",
+    "inference.max_running_requests=8",
+    "trainer.total_steps=5",
+    "trainer.checkpoint_every=5",
+]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "areal_hex.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=500,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_profile_local_plan_run(tmp_path: Path) -> None:
+    lp = tmp_path / "local"
+    r = cli("profile", "--local", "--out-dir", str(lp), "--batches", "1,8", *SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "next: areal-hex plan" in r.stdout
+    spec = yaml.safe_load((lp / "cluster.yaml").read_text())
+    assert spec["node_groups"][0]["gpu"] == "CPU" and spec["node_groups"][0]["gpus_per_node"] == 2
+    rates = yaml.safe_load((lp / "profile.yaml").read_text())["kinds"]["CPU"]
+    assert {int(b) for b in rates["decode_step_s"]} == {1, 8} and rates["reload_idle_s"] > 0
+    work = yaml.safe_load((lp / "workload.yaml").read_text())
+    assert (work["groups_per_step"], work["group_size"], work["max_response_tokens"]) == (2, 4, 8)
+
+    plan_path = tmp_path / "plan.yaml"
+    p = cli(
+        "plan", str(lp / "cluster.yaml"), "--model", str(lp / "model"), "--workload",
+        str(lp / "workload.yaml"), "--profile", str(lp / "profile.yaml"), "--budget", "2",
+        "--out", str(plan_path),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    plan = load_plan(plan_path)
+    assert len(plan.rollout) == 1 and plan.trainer.world_size == 1  # one device each
+    assert plan.sources is not None and plan.sources.profile == str(lp / "profile.yaml")
+
+    out = tmp_path / "runs"
+    run = cli(
+        "run", str(ROOT / "examples" / "tiny_cpu.yaml"), *SMALL, f"run.output_dir={out}",
+        "run.run_id=planned", "--plan", str(plan_path), "--no-progress",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    run_dir = out / "planned"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    block = summary["fidelity"]
+    assert block["source"] == "plan" and block["mode"] == "async"
+    assert block["predicted"]["pipeline_samples_per_s"] == pytest.approx(
+        json.loads((run_dir / "prediction.json").read_text())["asynchronous"][
+            "pipeline_samples_per_s"
+        ]
+    )
+    assert block["measured"]["pipeline_samples_per_s"] > 0
+    assert block["measured"]["training_samples_per_s"] > 0
+    err = block["relative_error"]["pipeline_samples_per_s"]
+    meas = block["measured"]["pipeline_samples_per_s"]
+    assert err == pytest.approx(block["predicted"]["pipeline_samples_per_s"] / meas - 1)
+    assert "report/fidelity.png" in summary["plots"]
+
+    # a run without a plan is priced for the layout it runs, from the local profile
+    from areal_hex.config import load_config
+    from areal_hex.launch.predict import predict_run
+
+    cfg = load_config(run_dir / "config.yaml")
+    planless = predict_run(cfg, None, lp)
+    assert planless["source"] == "local profile"
+    assert planless["asynchronous"] == pytest.approx(
+        json.loads((run_dir / "prediction.json").read_text())["asynchronous"]
+    )
+    assert "no plan and no local profile" in predict_run(cfg, None, None)["unavailable"]

@@ -1,0 +1,132 @@
+"""Predicted vs measured: the measured rates of a run's rows (hand-computed), the relative
+errors, and the cost model's prediction for a fixed layout in both modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.fidelity import add_fidelity, measured_rates, relative_errors
+from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, append_row
+
+
+def rows() -> tuple[list[TrainerRow], list[RolloutRow]]:
+    # 6 steps of B = 2 groups (G = 4: 8 samples), one per 0.5 s from t = 100; each step
+    # computes 0.3 s and publishes 0.05 s
+    metrics = [
+        TrainerRow(
+            step=s, time=100 + 0.5 * s, groups_trained_total=2 * s, compute_s=0.3, publish_s=0.05
+        )  # fmt: skip
+        for s in range(1, 7)
+    ]
+    # the controller: 20 samples per second of wall, busy 80 % of it, one update per
+    # second taking 0.1 s
+    rollout = [
+        RolloutRow(
+            time=100 + t,
+            samples_total=20 * t,
+            gen_busy_s=0.8 * t,
+            weight_updates_total=t,
+            weight_update_s_total=0.1 * t,
+        )  # fmt: skip
+        for t in range(0, 6)
+    ]
+    return metrics, rollout
+
+
+def test_measured_rates_over_the_window() -> None:
+    metrics, rollout = rows()
+    m = measured_rates(metrics, rollout, group_size=4, from_step=3)
+    # steps 3 -> 6: 3 steps x 8 samples in 1.5 s; work 3 x 0.35 s
+    assert m.pipeline_samples_per_s == pytest.approx(24 / 1.5)
+    assert m.training_samples_per_s == pytest.approx(24 / 1.05)
+    assert m.generation_samples_per_s == pytest.approx(20 / 0.8)
+    assert m.weight_sync_s == pytest.approx(0.1)
+    errs = relative_errors({"pipeline_samples_per_s": 20.0, "weight_sync_s": None}, m)
+    assert errs["pipeline_samples_per_s"] == pytest.approx(0.25)
+    assert errs["weight_sync_s"] is None and errs["training_samples_per_s"] is None
+
+
+def test_summary_block_and_plot(tmp_path: Path) -> None:
+    metrics, rollout = rows()
+    paths = RunPaths.at(tmp_path)
+    for r in metrics:
+        append_row(paths.metrics, r)
+    for r in rollout:
+        append_row(paths.rollout, r)
+    cfg = ExperimentConfig()
+    cfg.buffer.groups_per_step, cfg.rollout.group_size, cfg.buffer.max_staleness = 2, 4, 2
+    summary: dict = {}
+    add_fidelity(tmp_path, cfg, summary)
+    assert summary["fidelity"]["predicted"] is None
+    assert "no prediction" in summary["fidelity"]["unavailable"]
+    rates = {"pipeline_samples_per_s": 16.0, "generation_samples_per_s": 30.0,
+             "training_samples_per_s": 20.0, "weight_sync_s": 0.1}  # fmt: skip
+    paths.prediction.write_text(json.dumps({"asynchronous": rates, "synchronous": rates}))
+    add_fidelity(tmp_path, cfg, summary)
+    block = summary["fidelity"]
+    assert block["window_from_step"] == 3 and block["mode"] == "async"
+    assert block["relative_error"]["pipeline_samples_per_s"] == pytest.approx(0.0)
+    assert block["relative_error"]["generation_samples_per_s"] == pytest.approx(0.2)
+    assert (paths.report / "fidelity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _local_cluster(tmp_path: Path) -> tuple:
+    import yaml
+
+    from scheduler.cluster import load_cluster
+    from scheduler.model_shape import load_model_shape
+    from scheduler.profile import DeviceRates, Profile
+    from scheduler.workload import Workload
+
+    spec = {
+        "name": "box",
+        "zones": [{"name": "z", "region": "r", "inter_node_bandwidth_gbs": 100,
+                   "inter_node_latency_ms": 20}],
+        "node_groups": [{"name": "local", "gpu": "CPU", "gpus_per_node": 2, "nodes": 1,
+                         "zone": "z", "usd_per_gpu_hour": 1,
+                         "intra_node": {"kind": "pcie", "bandwidth_gbs": 10}}],
+        "gpu_overrides": {"CPU": {"bf16_tflops": 0.01, "hbm_gb": 64, "hbm_gbs": 0.02}},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(spec))
+    m = load_model_shape("qwen3-0.6b")
+    rates = DeviceRates(device="cpu", decode_step_s={1: 0.01, 64: 0.02}, decode_context=40,
+                        prefill_tokens_per_s=5000, train_tokens_per_s=6000)  # fmt: skip
+    prof = Profile(model="m", params=m.params, kinds={"CPU": rates})
+    w = Workload(groups_per_step=8, group_size=16, prompt_tokens=34, response_tokens=20,
+                 max_response_tokens=24, staleness=2, rollout_tp=1, zero_stage=0,
+                 constants={"max_running_requests": 64})  # fmt: skip
+    return load_cluster(tmp_path / "c.yaml"), m, w, prof
+
+
+def test_layout_prediction_in_both_modes(tmp_path: Path) -> None:
+    from scheduler.predict import LayoutError, TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    p = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    a, s = p.asynchronous, p.synchronous
+    # training: B·G samples per step of (34 + 20) tokens each at 6,000 tokens/s, and the
+    # publish of 2N bytes at the storage's 2 GB/s
+    step = 128 * 54 / 6000 + 2 * m.params / 2e9
+    assert a.training_samples_per_s == pytest.approx(128 / step, rel=1e-3)
+    # the zone's latency + 5 (weight_sync_factor) x 2N bytes over its 100 GB/s
+    sync = 0.02 + 5 * 2 * m.params / 100e9
+    assert a.weight_sync_s == pytest.approx(sync, rel=1e-6)
+    # generation: 64 at a time, 20 steps of 20 ms each, + prefill of 34/16 tokens, less
+    # the pauses: one per step, at the training rate (the bottleneck here)
+    per_sample = 20 * 0.02 / 64 + 34 / 16 / 5000
+    paused = sync * a.training_samples_per_s / 128
+    assert a.generation_samples_per_s == pytest.approx((1 - paused) / per_sample, rel=1e-3)
+    assert a.pipeline_samples_per_s == pytest.approx(
+        min(a.training_samples_per_s, a.generation_samples_per_s), rel=0.05
+    )
+    # synchronous: the phases add up, never overlap
+    phases = 128 / s.generation_samples_per_s + 128 / s.training_samples_per_s
+    assert s.pipeline_samples_per_s < a.pipeline_samples_per_s
+    assert s.pipeline_samples_per_s == pytest.approx(128 / (phases + 0.02), rel=0.15)
+    with pytest.raises(LayoutError, match="not in"):
+        predict_layout(cl, m, w, prof, [("gpu", 1)], trainer)

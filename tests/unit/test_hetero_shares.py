@@ -1,0 +1,90 @@
+"""Heterogeneous data parallelism: shares in proportion to rank speed, and the same
+gradient as one rank on the whole batch (global token counts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
+from trainer_service.batching import assign_to_ranks
+from trainer_service.step import StepContext, _accumulate, _prepare, throttle_factor
+
+
+class PlainEngine:
+    """The engine calls the step makes, on a plain module: gradients of every "rank"
+    accumulate in one model, so their sum / world is DeepSpeed's average."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, **kw: Any) -> Any:
+        return self.model(**kw)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+
+def test_equal_speeds_keep_equal_token_loads() -> None:
+    lengths = [50, 40, 30, 30, 20, 10, 10, 5]
+    assert assign_to_ranks(lengths, 2, [1.0, 1.0]) == assign_to_ranks(lengths, 2)
+    loads = [sum(lengths[i] for i in s) for s in assign_to_ranks(lengths, 2)]
+    assert abs(loads[0] - loads[1]) <= 5
+
+
+def test_shares_follow_speeds() -> None:
+    lengths = [20] * 40  # 800 tokens
+    shares = assign_to_ranks(lengths, 3, [3.0, 1.0, 1.0])
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    assert loads == [480, 160, 160]
+    assert sorted(i for s in shares for i in s) == list(range(40))  # each sequence once
+    with pytest.raises(ValueError, match="expected one per rank"):
+        assign_to_ranks(lengths, 2, [1.0])
+
+
+def test_throttle_reads_rank_and_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AREAL_HEX_TEST_THROTTLE", raising=False)
+    assert throttle_factor(1) == 1.0
+    monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "1:3")
+    assert (throttle_factor(0), throttle_factor(1)) == (1.0, 3.0)
+    monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "fast")
+    with pytest.raises(ValueError, match="RANK:FACTOR"):
+        throttle_factor(0)
+
+
+def _grads(model: Any, groups: list, algo: AlgoConfig, world: int, speeds: list | None) -> dict:
+    """Every rank's share run in turn (loss x world, as on DeepSpeed), then / world."""
+    model.zero_grad(set_to_none=True)
+    sums = dict.fromkeys(
+        ("loss", "tokens", "clipped", "dual_clipped", "behav_w", "behav_masked", "entropy", "kl"),
+        0.0,
+    )
+    rows = []
+    for rank in range(world):
+        ctx = StepContext(PlainEngine(model), algo, 64, 16, 0, rank=rank, world=world)
+        ctx.speeds = speeds
+        prepared = _prepare(ctx, groups)
+        rows.append(sum(int((mb.seq_index >= 0).sum()) for mb in prepared.mbs))
+        _accumulate(ctx, prepared, sums)
+    g = {n: p.grad.clone() / world for n, p in model.named_parameters() if p.grad is not None}
+    return {"grads": g, "rows": rows, "loss": sums["loss"]}
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_uneven_shares_give_the_whole_batch_gradient(tmp_path: Any, aggregation: str) -> None:
+    from areal_hex.models import load_model, materialize
+    from trainer_service.synthetic import synthetic_groups
+
+    d = materialize(ModelConfig(tiny=TinyModelConfig(num_layers=1)), tmp_path / "m")
+    model = load_model(d).train()
+    groups = synthetic_groups(4, 4, model.config.vocab_size, seed=3, temperature=0.8)
+    algo = AlgoConfig(aggregation=aggregation, behav_cap=2.0)
+    whole = _grads(model, groups, algo, 1, None)
+    uneven = _grads(model, groups, algo, 2, [3.0, 1.0])
+    fast, slow = uneven["rows"]
+    assert fast >= 2 * slow > 0  # rank 0 (three times as fast) trains most sequences
+    assert uneven["loss"] == pytest.approx(whole["loss"], abs=1e-6)  # global counts
+    for k, g in whole["grads"].items():
+        torch.testing.assert_close(uneven["grads"][k], g, atol=1e-5, rtol=1e-5)
