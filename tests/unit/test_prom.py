@@ -227,11 +227,14 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
         valkey.xadd(keys.traj, {PAYLOAD_FIELD: b"x"})
     valkey.xreadgroup(GROUP, "c0", {keys.traj: ">"}, count=1)  # one delivered, not acked
     valkey.set(keys.dropped_stale, 4)
+    valkey.set(keys.given_back("filtered"), 5)
     s = scrape(BufferCollector(lambda: read_stats(valkey, keys)))
     assert s[("areal_hex_buffer_stream_length", ())] == 3
     assert s[("areal_hex_buffer_pending", ())] == 1
     assert s[("areal_hex_buffer_lag", ())] == 2
     assert s[("areal_hex_buffer_dropped_stale_total", ())] == 4
+    assert s[("areal_hex_buffer_given_back_total", (("reason", "filtered"),))] == 5
+    assert s[("areal_hex_buffer_given_back_total", (("reason", "failed"),))] == 0
 
 
 # prediction.json as the launcher writes it (areal_hex/launch/predict.py)
@@ -256,7 +259,7 @@ PREDICTION = {
 def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
     from areal_hex.api import BufferStats
 
-    stats = BufferStats(0, 0, 0, 0, 0, 0, 0)
+    stats = BufferStats(0, 0, 0, 0, 0, 0, 0, {"filtered": 0})
     trainer = TrainerCollector()
     trainer.observe(TrainerRow(staleness_hist={"1": 1}))
     rollout = RolloutCollector(servers())
