@@ -89,16 +89,21 @@ class LocalProfileFiles:
 def local_devices(cfg: ExperimentConfig) -> LocalDevices:
     import torch
 
-    from areal_hex.launch.run import core_groups
+    from areal_hex.launch.cores import core_groups
 
     if cfg.inference.device.startswith("cuda") and torch.cuda.is_available():
         from scheduler.measure import device_kind
 
-        props = torch.cuda.get_device_properties(0)
         return LocalDevices(
-            device_kind("cuda"), "cuda", torch.cuda.device_count(), None, None, 1, 1,
-            props.total_memory / 1e9,
-        )  # fmt: skip
+            kind=device_kind("cuda"),
+            device="cuda",
+            count=torch.cuda.device_count(),
+            inference_cores=None,
+            trainer_cores=None,
+            inference_threads=1,
+            trainer_threads=1,
+            memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9,
+        )
     inf, tr = core_groups(cfg.run.pin_cores)
     total = os.cpu_count() or 1
     mem = _host_memory_gb()
@@ -207,6 +212,94 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[str]:
                 proc.wait()
 
 
+class _Driver:
+    """Sends work to the server as the controller does: one batched call per group."""
+
+    def __init__(self, client: Any, cfg: ExperimentConfig, prompts: list[list[int]]) -> None:
+        import random
+
+        self.client, self.r, self.prompts = client, cfg.rollout, prompts
+        self.g = cfg.rollout.group_size
+        self.rng = random.Random(0)
+
+    def groups(self, n: int) -> list[list[int]]:
+        """`n` samples in groups of G sharing a prompt."""
+        out: list[list[int]] = []
+        while len(out) < n:
+            out += [self.rng.choice(self.prompts)] * min(self.g, n - len(out))
+        return out
+
+    def fixed(self, n: int) -> Any:
+        from areal_hex.api import SamplingParams
+
+        return SamplingParams(max_new_tokens=n, temperature=self.r.temperature, ignore_eos=True)
+
+    async def wave(self, work: list[list[int]], sp: Any) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        chunks = [work[i : i + self.g] for i in range(0, len(work), self.g)]
+        calls = [
+            self.client.generate_batch(c, sp, [f"p{t0}-{i}-{j}" for j in range(len(c))])
+            for i, c in enumerate(chunks)
+        ]
+        outs = await asyncio.gather(*calls)
+        return time.perf_counter() - t0, [o for out in outs for o in out]
+
+    async def answer_length(self, eos: int | None) -> float:
+        """Mean answer length: G samples of a few prompts, sampled as the run samples."""
+        from areal_hex.api import SamplingParams
+
+        r = self.r
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=[eos] if eos is not None else [],
+        )
+        picked = self.rng.sample(self.prompts, min(8, len(self.prompts)))
+        _, outs = await self.wave([p for p in picked for _ in range(self.g)], sampling)
+        return statistics.fmean(len(o.output_ids) for o in outs)
+
+    async def decode_step(self, batch: int) -> float:
+        """Seconds per decode step at `batch`: two answer lengths, the prefill cancels."""
+        long_n = max(8, self.r.max_new_tokens)
+        short_n = max(2, long_n // 4)
+        diffs = []
+        for _ in range(REPEATS):
+            work = self.groups(batch)
+            t_long, _ = await self.wave(work, self.fixed(long_n))
+            t_short, _ = await self.wave(work, self.fixed(short_n))
+            diffs.append(max(1e-6, (t_long - t_short) / (long_n - short_n)))
+        return statistics.median(diffs)
+
+    async def prefill_rate(self, batch: int, step_s: float) -> float:
+        """Prompt tokens/s, one prompt per group (the group shares its prefill)."""
+        rates = []
+        for _ in range(REPEATS):
+            work = self.groups(batch)
+            t, _ = await self.wave(work, self.fixed(1))
+            rates.append(sum(len(p) for p in work[:: self.g]) / max(1e-9, t - step_s))
+        return statistics.median(rates)
+
+    async def reload(self, model_dir: Path, version: int, batch: int) -> float:
+        """One weight update as the controller makes it (pause with retract, load,
+        resume), while `batch` samples generate (0: an idle server); the pause's length."""
+        work = self.groups(batch)
+        long_n = max(8, self.r.max_new_tokens)
+        task = asyncio.create_task(self.wave(work, self.fixed(long_n))) if work else None
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        await self.client.pause("retract")
+        await self.client.update_weights_from_disk(
+            str(model_dir), version, abort_all_requests=False
+        )
+        await self.client.resume()
+        took = time.perf_counter() - t0
+        if task is not None:
+            await task
+        return took
+
+
 async def _generation(
     url: str,
     cfg: ExperimentConfig,
@@ -215,101 +308,27 @@ async def _generation(
     batches: list[int],
     model_dir: Path,
 ) -> GenerationRates:
-    import random
-
-    from areal_hex.api import SamplingParams
     from rollout_service.client import InferenceClient
 
-    rng = random.Random(0)
-    r = cfg.rollout
-    g = r.group_size
     async with InferenceClient(url, timeout_s=None) as client:
         await client.wait_healthy(timeout_s=180, interval_s=0.2)
-
-        async def wave(work: list[list[int]], sp: SamplingParams) -> tuple[float, list]:
-            """`work` as the controller sends it: one batched call per G samples."""
-            t0 = time.perf_counter()
-            chunks = [work[i : i + g] for i in range(0, len(work), g)]
-            outs = await asyncio.gather(
-                *(
-                    client.generate_batch(c, sp, [f"p{t0}-{i}-{j}" for j in range(len(c))])
-                    for i, c in enumerate(chunks)
-                )
-            )
-            return time.perf_counter() - t0, [o for out in outs for o in out]
-
-        def fixed(n: int) -> SamplingParams:
-            return SamplingParams(max_new_tokens=n, temperature=r.temperature, ignore_eos=True)
-
-        await wave([prompts[0]], fixed(4))  # warm-up: first-call allocations
-        # the run's own answers: G samples of a few prompts, sampled as the run samples
-        sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop_token_ids=[eos] if eos is not None else [],
-        )
-        asked = [p for p in rng.sample(prompts, min(8, len(prompts))) for _ in range(g)]
-        _, outs = await wave(asked, sampling)
-        response = statistics.fmean(len(o.output_ids) for o in outs)
-        long_n = max(8, r.max_new_tokens)
-        short_n = max(2, long_n // 4)
-        steps: dict[int, float] = {}
-        for b in batches:
-            diffs = []
-            for _ in range(REPEATS):
-                work = _groups(rng, prompts, b, g)
-                t_long, _ = await wave(work, fixed(long_n))
-                t_short, _ = await wave(work, fixed(short_n))
-                diffs.append(max(1e-6, (t_long - t_short) / (long_n - short_n)))
-            steps[b] = statistics.median(diffs)
+        d = _Driver(client, cfg, prompts)
+        await d.wave([prompts[0]], d.fixed(4))  # warm-up: first-call allocations
+        response = await d.answer_length(eos)
+        steps = {b: await d.decode_step(b) for b in batches}
         top = max(batches)
-        pre = []
-        for _ in range(REPEATS):
-            work = _groups(rng, prompts, top, g)
-            t, _ = await wave(work, fixed(1))
-            # a group's prompt is prefilled once: count one prompt per group
-            toks = sum(len(p) for p in work[::g])
-            pre.append(toks / max(1e-9, t - steps[top]))
-        reload, idle = [], []
-        for v in range(1, REPEATS + 1):
-            work = _groups(rng, prompts, top, g)
-            reload.append(await _reload(client, wave, work, fixed(long_n), model_dir, 2 * v))
-            idle.append(await _reload(client, None, [], None, model_dir, 2 * v + 1))
+        prefill = await d.prefill_rate(top, steps[top])
+        versions = range(1, REPEATS + 1)
+        busy = [await d.reload(model_dir, 2 * v, top) for v in versions]
+        idle = [await d.reload(model_dir, 2 * v + 1, 0) for v in versions]
     return GenerationRates(
         decode_step_s=steps,
-        prefill_tokens_per_s=statistics.median(pre),
+        prefill_tokens_per_s=prefill,
         prompt_tokens=statistics.fmean(len(p) for p in prompts),
         response_tokens=response,
-        reload_s=statistics.median(reload),
+        reload_s=statistics.median(busy),
         reload_idle_s=statistics.median(idle),
     )
-
-
-def _groups(rng: Any, prompts: list[list[int]], n: int, g: int) -> list[list[int]]:
-    """`n` samples in groups of `g` sharing a prompt."""
-    out: list[list[int]] = []
-    while len(out) < n:
-        out += [rng.choice(prompts)] * min(g, n - len(out))
-    return out
-
-
-async def _reload(
-    client: Any, wave: Any, work: list[list[int]], sp: Any, model_dir: Path, version: int
-) -> float:
-    """One weight update as the controller makes it (pause with retract, load, resume),
-    while `work` generates (none: an idle server); returns the pause's length."""
-    task = asyncio.create_task(wave(work, sp)) if work else None
-    await asyncio.sleep(0.05)
-    t0 = time.perf_counter()
-    await client.pause("retract")
-    await client.update_weights_from_disk(str(model_dir), version, abort_all_requests=False)
-    await client.resume()
-    took = time.perf_counter() - t0
-    if task is not None:
-        await task
-    return took
 
 
 # ---------------------------------------------------------------- training

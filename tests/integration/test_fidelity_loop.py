@@ -22,7 +22,7 @@ SMALL = [
     "rollout.max_new_tokens=8",
     "rollout.max_concurrent_groups=4",
     "rollout.metrics_interval_s=0.5",
-    "inference.max_running_requests=8",
+    "inference.max_running_requests=16",
     "trainer.total_steps=5",
     "trainer.checkpoint_every=5",
 ]
@@ -39,16 +39,17 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_profile_local_plan_run(tmp_path: Path) -> None:
     lp = tmp_path / "local"
-    r = cli("profile", "--local", "--out-dir", str(lp), "--batches", "1,8", *SMALL)
+    r = cli("profile", "--local", "--out-dir", str(lp), "--batches", "1,16", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "next: areal-hex plan" in r.stdout
     spec = yaml.safe_load((lp / "cluster.yaml").read_text())
     assert spec["node_groups"][0]["gpu"] == "CPU" and spec["node_groups"][0]["gpus_per_node"] == 2
     rates = yaml.safe_load((lp / "profile.yaml").read_text())["kinds"]["CPU"]
-    assert {int(b) for b in rates["decode_step_s"]} == {1, 8} and rates["reload_idle_s"] > 0
+    assert {int(b) for b in rates["decode_step_s"]} == {1, 16} and rates["reload_idle_s"] > 0
     work = yaml.safe_load((lp / "workload.yaml").read_text())
     assert (work["groups_per_step"], work["group_size"], work["max_response_tokens"]) == (2, 4, 8)
 

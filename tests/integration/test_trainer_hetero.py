@@ -88,6 +88,7 @@ def weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "weights" / "v4" / "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_balanced_shares_are_faster_and_exact(assets: dict[str, Path]) -> None:
     slow = "1:4"

@@ -130,3 +130,15 @@ def test_layout_prediction_in_both_modes(tmp_path: Path) -> None:
     assert s.pipeline_samples_per_s == pytest.approx(128 / (phases + 0.02), rel=0.15)
     with pytest.raises(LayoutError, match="not in"):
         predict_layout(cl, m, w, prof, [("gpu", 1)], trainer)
+
+
+def test_sync_phase_times(tmp_path: Path) -> None:
+    """bench fidelity's overlap limit comes from the synchronous run's phases: the wait
+    for the batch (generation) and the rest of each step (training)."""
+    from areal_hex.launch.bench_fidelity import phase_times
+
+    paths = RunPaths.at(tmp_path)
+    for s in range(1, 6):  # one step per 2.5 s: 1.5 s waiting, then 1.0 s of training
+        append_row(paths.metrics, TrainerRow(step=s, time=10 + 2.5 * s, wait_s=1.5))
+    gen, train = phase_times(tmp_path, from_step=3)
+    assert (gen, train) == (pytest.approx(1.5), pytest.approx(1.0))
