@@ -28,6 +28,7 @@ from areal_hex.prom import (
 )
 from areal_hex.run_files import RolloutRow, TrainerRow
 from rollout_service.dispatch import ServerState
+from scheduler.predict import LayoutRates
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -238,22 +239,13 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
     assert s[("areal_hex_buffer_given_back_total", (("reason", "failed"),))] == 0
 
 
-# prediction.json as the launcher writes it (areal_hex/launch/predict.py)
+# prediction.json as the launcher writes it (areal_hex/launch/predict.py: the cost model's
+# LayoutRates of both modes)
 PREDICTION = {
     "source": "plan",
     "cluster": "examples/clusters/h800_h20.yaml",
-    "asynchronous": {
-        "pipeline_samples_per_s": 41.5,
-        "generation_samples_per_s": 60.0,
-        "training_samples_per_s": 41.5,
-        "weight_sync_s": 2.25,
-    },
-    "synchronous": {
-        "pipeline_samples_per_s": 20.0,
-        "generation_samples_per_s": 60.0,
-        "training_samples_per_s": 41.5,
-        "weight_sync_s": 2.25,
-    },
+    "asynchronous": LayoutRates(41.5, 60.0, 41.5, 2.25).as_dict(),
+    "synchronous": LayoutRates(20.0, 60.0, 41.5, 2.25).as_dict(),
 }
 
 
