@@ -46,6 +46,8 @@ class BufferStats:
     dropped_stale: int
     dead_letter: int
     version: int
+    # admissions given back unput, by GiveBackReason ("filtered": dynamic sampling)
+    given_back: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

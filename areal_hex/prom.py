@@ -270,6 +270,14 @@ class BufferCollector(Collector):
         yield CounterMetricFamily(
             B + "dead_letters", "entries in the dead-letter stream", value=s.dead_letter
         )
+        back = CounterMetricFamily(
+            B + "given_back",
+            "admissions given back unput, by reason (filtered: dynamic sampling)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.given_back.items()):
+            back.add_metric([reason], n)
+        yield back
 
 
 class PredictionCollector(Collector):
@@ -352,7 +360,7 @@ BUFFER_NAMES: tuple[str, ...] = tuple(
     _names(
         B,
         ["stream_length", "pending", "lag", "version"],
-        ["submitted", "dropped_stale", "dead_letters"],
+        ["submitted", "dropped_stale", "dead_letters", "given_back"],
     )
 )
 # Only where the launcher wrote a prediction (`prediction.json`): the trainer serves them.

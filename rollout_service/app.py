@@ -48,7 +48,6 @@ from rollout_service.requests import (
 M = TypeVar("M", bound=BaseModel)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 SERVER_VERSION = "areal-hex-builtin"
-LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry (vLLM's choice)
 
 
 @dataclass
@@ -152,10 +151,8 @@ def _items(engine: Engine, body: wire.GenerateReqInput) -> list[_Item]:
         engine.validate(prompt, params, want)
         counts.add(params.n)
         rids = [rid] if params.n == 1 else [rid and f"{rid}_{j}" for j in range(params.n)]
-        for r in rids:
-            item = _Item(prompt, params, logprob, r or uuid.uuid4().hex, want)
-            item.text_in_logprobs = body.return_text_in_logprobs
-            items.append(item)
+        texts = body.return_text_in_logprobs
+        items += [_Item(prompt, params, logprob, r or uuid.uuid4().hex, want, texts) for r in rids]
     if len(counts) > 1:
         raise EngineError("sampling_params.n: must be the same for every prompt of a batch")
     rids = [it.rid for it in items]
@@ -170,7 +167,7 @@ def _entries(
     tok = engine.tokenizer if with_text else None
     return [
         [
-            None if lp is None else max(lp, LOGPROB_FLOOR),
+            None if lp is None else max(lp, wire.LOGPROB_FLOOR),
             t,
             tok.decode([t]) if tok is not None else None,
         ]

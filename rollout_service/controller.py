@@ -310,6 +310,8 @@ class RolloutController:
                 metadata={
                     "seq": str(seq),
                     "epoch": str(epoch),
+                    # a put retried through a Valkey restart appends the group once
+                    "put_token": f"{self._rid_prefix}-{seq}",
                     "answer": prompt.answer,
                     **self._origin(samples),
                 },

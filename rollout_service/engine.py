@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_service.grammar import Grammars
 from rollout_service.requests import (
     NO_EXTRA_LOGPROBS,
     Control,
@@ -74,6 +75,7 @@ class Engine:
         self.weight_version = weight_version
         self.opts = options
         self.load_model = load_model
+        self.grammars = Grammars(tokenizer, int(model.config.vocab_size))
         self._cv = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
         self._controls: deque[Control] = deque()
@@ -175,6 +177,8 @@ class Engine:
         loop = self._loop
         fut: asyncio.Future[GenRequest] = loop.create_future()
         req = GenRequest(rid=rid, prompt=list(prompt), sampling=sampling, want=want)
+        if sampling.grammar is not None:
+            req.grammar = self.grammars.matcher(*sampling.grammar)
         req.on_done = lambda r: loop.call_soon_threadsafe(_resolve, fut, r)
         if on_token is not None:
             req.on_token = lambda r: loop.call_soon_threadsafe(on_token, len(r.output_ids))

@@ -32,9 +32,7 @@ from rollout_service.requests import (
     TopEntry,
     trimmed_text,
 )
-from rollout_service.wire import FinishReason, SamplingParamsIn
-
-LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
+from rollout_service.wire import LOGPROB_FLOOR, FinishReason, SamplingParamsIn
 
 
 @dataclass
@@ -138,7 +136,9 @@ def _sampling(
         limit = max(engine.opts.context_length - len(prompt), 0)
     try:
         return ow.to_sampling(body.sampling(limit))
-    except ValidationError as exc:
+    except ValueError as exc:
+        if not isinstance(exc, ValidationError):
+            raise EngineError(str(exc)) from None
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise EngineError(f"{where}: {err['msg']}") from None

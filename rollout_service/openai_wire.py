@@ -10,6 +10,7 @@ structured output, images) is refused with a 400 naming it.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -54,16 +55,14 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    regex: Text | None = None
+    json_schema: Text | None = None
+    ebnf: Text | None = None
     # defined by OpenAI or SGLang, not implemented here: refused when set
     seed: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
     lora_path: Any = None
 
-    _unsupported = field_validator("seed", "regex", "json_schema", "ebnf", "lora_path")(
-        refuse_if_set
-    )
+    _unsupported = field_validator("seed", "lora_path")(refuse_if_set)
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +90,9 @@ class _Request(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
+            "ebnf": self.ebnf,
         }
 
     @property
@@ -156,10 +158,31 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(BaseModel):
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text"]  # json_object / json_schema need constrained decoding
+    name: Text | None = None
+    schema_: dict[Text, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text`, `json_object` (any JSON object) or `json_schema` (that schema): the JSON
+    modes run as SGLang's `json_schema` constrained decoding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format.json_schema: required for type json_schema")
+            return json.dumps(self.json_schema.schema_ or {})
+        return None
 
 
 class ChatRequest(_Request):
@@ -186,6 +209,15 @@ class ChatRequest(_Request):
         if v is not None and v != "none":
             raise ValueError("only 'none' is supported (no tool calling)")
         return v
+
+    def sampling(self, max_new_tokens: int, top_logprobs: int = 0) -> dict[str, Any]:
+        fields = super().sampling(max_new_tokens, top_logprobs)
+        schema = self.response_format.schema_text() if self.response_format else None
+        if schema is not None:
+            if self.json_schema is not None:
+                raise ValueError("response_format: give it or json_schema, not both")
+            fields["json_schema"] = schema
+        return fields
 
     @property
     def token_limit(self) -> int | None:

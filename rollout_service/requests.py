@@ -48,6 +48,7 @@ class GenRequest:
     # one per prompt position from want.start (position 0 has no log-prob: None)
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopEntry | None] = field(default_factory=list)
+    grammar: Any = None  # constrained decoding: the request's matcher (rollout_service.grammar)
     versions: list[str] = field(default_factory=list)  # weight version of each output token
     finish: FinishReason | None = None
     weight_version: str = ""  # the server's version when the request finished
@@ -77,6 +78,13 @@ def check_stop(
     Before `min_new_tokens` only the length limit ends a request (the step loop also
     keeps stop tokens from being drawn)."""
     s = req.sampling
+    if req.grammar is not None:
+        # a complete grammar allows only EOS; that EOS ends the request even with
+        # ignore_eos
+        if req.grammar.is_error():
+            return FinishReason(type="abort", message=f"grammar: {req.grammar.get_error()}")
+        if req.grammar.is_stopped() and token in eos_ids:
+            return FinishReason(type="stop", matched=token)
     if len(req.output_ids) < s.min_new_tokens:
         return None
     if token in s.stop_ids or (not s.ignore_eos and token in eos_ids):

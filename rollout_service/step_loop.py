@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from areal_hex.models import load_weights_in_place
-from rollout_service import batching
+from rollout_service import batching, grammar
 from rollout_service.batching import KVBatch, LogitShaping, SamplingTensors
 from rollout_service.requests import (
     Control,
@@ -261,6 +261,9 @@ class Core:
     ) -> tuple[torch.Tensor, torch.Tensor, list[TopEntry] | None]:
         """One token per row (B, V) -> tokens (B,), their log-probs (B,), and each row's
         top alternatives when some row asks for them."""
+        guided = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        if guided:
+            logits = grammar.apply(logits, guided)
         top = max((r.want.top for r in reqs), default=0)
         if top == 0:
             tokens, logps = batching.sample(logits, params, self.gen)
@@ -273,6 +276,10 @@ class Core:
             ]
         if params.shaping is not None:
             params.shaping.observe(tokens)
+        if guided:
+            drawn = tokens.tolist()
+            for i, matcher in guided:
+                matcher.consume_token(drawn[i])
         return tokens, logps, tops
 
     def _decode(self) -> None:

@@ -5,7 +5,7 @@ to read requests and write responses and by the client (rollout_service/client.p
 read responses. Like SGLang, a request body ignores unknown top-level keys, but
 `sampling_params` takes only the keys SGLang defines (SGLang refuses others too), and a
 key SGLang defines that the built-in engine does not implement (image inputs, LoRA,
-constrained decoding, ...) is refused when set, never accepted and ignored. Every value
+structural tags, ...) is refused when set, never accepted and ignored. Every value
 is validated (NaN and infinity included) and a bad one fails with the field's path
 (HTTP 400). The OpenAI-compatible shapes live in rollout_service/openai_wire.py.
 
@@ -47,6 +47,7 @@ def _nested_or_flat(value: Any) -> str:
 # Below this temperature a request samples greedily (SGLang's threshold).
 GREEDY_BELOW = 1e-6
 MAX_N = 1024  # samples per prompt in one request
+LOGPROB_FLOOR = -9999.0  # written for a log-prob of -inf, which JSON cannot carry (vLLM's choice)
 INT32 = 2**31 - 1
 
 
@@ -112,10 +113,11 @@ class SamplingParamsIn(BaseModel):
     no_stop_trim: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream_interval: int = Field(1, ge=1, le=INT32)
+    # constrained decoding (rollout_service/grammar.py): at most one of them
+    regex: Text | None = None
+    json_schema: Text | None = None  # a JSON schema, as JSON text
+    ebnf: Text | None = None  # GBNF or Lark
     # SGLang's, not implemented here: refused when set
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
     structural_tag: Any = None
     stop_regex: Any = None
     custom_params: Any = None
@@ -127,9 +129,6 @@ class SamplingParamsIn(BaseModel):
         return _nulls_dropped(data)
 
     _unsupported = field_validator(
-        "regex",
-        "json_schema",
-        "ebnf",
         "structural_tag",
         "stop_regex",
         "custom_params",
@@ -153,10 +152,30 @@ class SamplingParamsIn(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key in v or {}:
+        for key, bias in (v or {}).items():
             if not key.strip().lstrip("-").isdigit():
                 raise ValueError(f"keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are in [-100, 100] (OpenAI's range), got {bias}")
         return v
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingParamsIn:
+        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of regex, json_schema, ebnf; got {', '.join(given)}")
+        if given and self.min_new_tokens:
+            raise ValueError(f"min_new_tokens cannot be combined with {given[0]}")
+        return self
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the constrained-decoding grammar, if any."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParamsIn:

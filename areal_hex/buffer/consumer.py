@@ -25,7 +25,7 @@ import redis
 from areal_hex.api import Batch, BufferStats
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import DecodeError, decode_group_with_version
-from areal_hex.buffer.keys import GROUP, PAYLOAD_FIELD, BufferKeys
+from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
 from areal_hex.config.redis import BufferConfig
 from areal_hex.record import GroupRecord
 
@@ -53,9 +53,11 @@ def read_stats(r: redis.Redis, keys: BufferKeys) -> BufferStats:
     pipe.xpending(keys.traj, GROUP)
     pipe.xinfo_groups(keys.traj)
     pipe.mget(keys.submitted, keys.dropped_stale, keys.dead_count, keys.version)
-    length, pend, groups, counters = pipe.execute(raise_on_error=False)
-    if isinstance(counters, Exception):
-        raise counters
+    pipe.mget([keys.given_back(reason) for reason in GIVE_BACK_REASONS])
+    length, pend, groups, counters, back = pipe.execute(raise_on_error=False)
+    for reply in (counters, back):
+        if isinstance(reply, Exception):
+            raise reply
     # No stream or no group yet: XPENDING / XINFO answer with errors, which mean zero.
     pending = 0 if isinstance(pend, Exception) else int(pend["pending"])
     groups = [] if isinstance(groups, Exception) else groups
@@ -64,7 +66,8 @@ def read_stats(r: redis.Redis, keys: BufferKeys) -> BufferStats:
     # Acked entries are deleted, so without a lag figure the rest of the stream is unread.
     unconsumed = int(lag) if lag is not None else max(0, int(length) - pending)
     sub, stale, dead, version = (int(x or 0) for x in counters)
-    return BufferStats(int(length), pending, unconsumed, sub, stale, dead, version)
+    given_back = {r: int(x or 0) for r, x in zip(GIVE_BACK_REASONS, back, strict=True)}
+    return BufferStats(int(length), pending, unconsumed, sub, stale, dead, version, given_back)
 
 
 class RedisWeightPublisher:

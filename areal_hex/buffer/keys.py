@@ -44,6 +44,9 @@ class BufferKeys:
     def given_back(self, reason: str) -> str:  # admissions given back, by reason (int)
         return self._k(f"given_back:{reason}")
 
+    def put_token(self, token: str) -> str:  # a put already done (expires after a day)
+        return self._k(f"put:{token}")
+
     @property
     def leases(self) -> str:  # hash: holder -> admissions it holds (admitted, not yet put)
         return self._k("leases")

@@ -40,6 +40,9 @@ def _parse_update(data: bytes | str) -> VersionUpdate | None:
         return None  # a foreign message on our channel: the poll fallback still applies
 
 
+PUT_TOKEN_TTL_S = 86_400  # a retried put is recognised for this long
+
+
 class RedisTrajectoryProducer:
     """`TrajectoryProducer` over a Redis stream. Use from one event loop."""
 
@@ -50,6 +53,7 @@ class RedisTrajectoryProducer:
         self._admit = client.register_script(scripts.ADMIT)
         self._release = client.register_script(scripts.RELEASE)
         self._position = client.register_script(scripts.POSITION)
+        self._put = client.register_script(scripts.PUT)
         self._group_ready = False
         # Blocked admits wait on this event; the listener swaps in a fresh one per bump.
         self._bump = asyncio.Event()
@@ -210,16 +214,19 @@ class RedisTrajectoryProducer:
         return (await self.put_many([group]))[0]
 
     async def put_many(self, groups: Sequence[GroupRecord]) -> list[str]:
-        """Append several admitted groups in one round trip (in order)."""
+        """Append several admitted groups in one round trip (in order). Each group enters
+        the stream and leaves this holder's lease in one atomic step, so a crash can
+        neither reclaim a put group nor keep an unput one; and each is put once: a
+        group's put token (kept in its metadata) makes a retried put return the first
+        one's entry id (without one, every call appends)."""
         await self._ensure_group()
-        # One transaction: the groups enter the stream and leave this holder's lease
-        # together, so a crash can neither reclaim a put group nor keep an unput one.
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.r.pipeline(transaction=False)
         for g in groups:
-            pipe.xadd(self.keys.traj, {PAYLOAD_FIELD: encode_group(g)})
-        keys = [self.keys.submitted, self.keys.leases, self.keys.given_back("failed")]
-        await self._release(keys=keys, args=[len(groups), self.holder, ""], client=pipe)
-        ids = (await pipe.execute())[: len(groups)]
+            token = g.metadata.get("put_token") or uuid.uuid4().hex
+            keys = [self.keys.traj, self.keys.leases, self.keys.put_token(token)]
+            args = [PAYLOAD_FIELD, encode_group(g), self.holder, PUT_TOKEN_TTL_S]
+            await self._put(keys=keys, args=args, client=pipe)
+        ids = await pipe.execute()
         return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
     async def version(self) -> int:

@@ -85,6 +85,27 @@ end
 return sub
 """
 
+# Put one admitted group: append it and end one admission of the holder's lease, once per
+# put token (a retry after a reply lost to a Valkey restart finds the token and returns the
+# first append's id instead of adding the group again).
+# KEYS: traj, leases, token key.  ARGV: payload field, payload, holder, token TTL in s.
+# Returns the entry id.
+PUT = """
+local done = redis.call('GET', KEYS[3])
+if done then
+  return done
+end
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+local held = tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or '0')
+if held <= 1 then
+  redis.call('HDEL', KEYS[2], ARGV[3])
+else
+  redis.call('HINCRBY', KEYS[2], ARGV[3], -1)
+end
+redis.call('SET', KEYS[3], id, 'EX', ARGV[4])
+return id
+"""
+
 # Reclaim what dead holders held, then report the durable position of production.
 # KEYS: submitted, leases, reclaimed, admitted, then one given-back counter per reason.
 # ARGV: heartbeat key prefix.  Returns {admitted, held by live holders, given back...}.

@@ -22,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = p.add_subparsers(dest="buffer_command", metavar="SUBCOMMAND")
     cmds.required = True
 
-    st = cmds.add_parser("stats", help="stream length, pending, unconsumed, counters, version")
+    st = cmds.add_parser(
+        "stats", help="stream length, pending, unconsumed, counters (filtered too), version"
+    )
     add_config_args(st)
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.set_defaults(func=_stats)
@@ -69,8 +71,10 @@ def _stats(args: argparse.Namespace) -> int:
     from areal_hex.buffer.consumer import read_stats
 
     def read(client: Any, keys: Any) -> dict[str, Any]:
-        stats = read_stats(client, keys)
-        return {**dataclasses.asdict(stats), "acked": int(client.get(keys.acked) or 0)}
+        stats = dataclasses.asdict(read_stats(client, keys))
+        # one line per reason: given_back_filtered is dynamic sampling's filtered count
+        back = {f"given_back_{r}": n for r, n in stats.pop("given_back").items()}
+        return {**stats, **back, "acked": int(client.get(keys.acked) or 0)}
 
     run_id, stats = _query(args, "stats", read)
     data = {"run_id": run_id, **stats}

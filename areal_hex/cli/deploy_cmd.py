@@ -163,7 +163,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.target == "slurm":
         from areal_hex.deploy.slurm import run_slurm_target
 
-        return run_slurm_target(cfg, plan, args.site, args.out, args.submit)
+        return run_slurm_target(
+            cfg, plan, args.site, args.out, args.submit, force=args.force, check=check_services
+        )
     dcfg = deploy_config(args)
     result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())

@@ -41,6 +41,9 @@ TARGETS: dict[str, Callable[[Deployment], Bundle]] = {
     "k8s": _k8s,
 }
 
+# Writes files, keeps the marker and drops stale files (the Slurm target uses it too).
+_write = write_files
+
 
 @dataclass
 class RenderResult:

@@ -24,23 +24,28 @@ checkpoint, `trainer.resume: auto`).
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from areal_hex.config import ConfigError, ExperimentConfig, dump_yaml
 from areal_hex.config.deploy import DeployConfig, RedisDeployConfig, StorageConfig
-from areal_hex.deploy import RenderResult, _write
+from areal_hex.deploy import RenderResult
 from areal_hex.deploy.common import (
     Deployment,
     check_plan,
     load_secrets,
+    object_prefix,
     resolve_config,
+    run_id,
     slug,
 )
+from areal_hex.deploy.output import IGNORE_FILES, check_out_dir, write_files
 from areal_hex.deploy.slurm_script import (
     SCRIPT,
     Component,
@@ -159,21 +164,25 @@ def prepare_job(
         errors += [line.strip() for line in str(exc).splitlines()[1:]]
     if errors:
         raise ConfigError("plan does not fit the config and site:\n  " + "\n  ".join(errors))
-    prefix = slug(cfg.run.name, 20)
-    resolved = _resolve(resolve_config(cfg, plan, dcfg, prefix, "slurm", []), site)
+    prefix = object_prefix(run_id(cfg, plan))
+    resolved = _resolve(resolve_config(cfg, plan, dcfg, prefix, "slurm", []), site, cfg)
     layout = build_layout(resolved, plan)
     secrets_ = load_secrets(cfg, dcfg, out_dir)
     d = Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)
-    components, steps, slots = lay_out(layout, site, resolved)
+    components, steps, slots = lay_out(layout, site)
     return SlurmJob(d, site, components, steps, slots)
 
 
-def _resolve(cfg: ExperimentConfig, site: SiteConfig) -> ExperimentConfig:
+def _resolve(cfg: ExperimentConfig, site: SiteConfig, asked: ExperimentConfig) -> ExperimentConfig:
     """Slurm's part of the resolved config: torchrun, Redis as a step of the job (or the
     site's), the Valkey append-only file in the run directory. Host names are written
     by the job (`slurm_runtime`); until then they read as loopback."""
     cfg = cfg.model_copy(deep=True)
     cfg.trainer.launcher = "torchrun"
+    # /metrics ports as the experiment sets them: fixed ports are for pods, and nodes
+    # here may be shared with other jobs
+    cfg.trainer.metrics_port = asked.trainer.metrics_port
+    cfg.rollout.metrics_port = asked.rollout.metrics_port
     run = RunPaths.of(cfg)
     if site.redis.mode == "internal":
         cfg.run.embedded_redis = True
@@ -185,7 +194,7 @@ def _resolve(cfg: ExperimentConfig, site: SiteConfig) -> ExperimentConfig:
 
 
 def lay_out(
-    layout: Layout, site: SiteConfig, cfg: ExperimentConfig
+    layout: Layout, site: SiteConfig
 ) -> tuple[list[Component], list[Step], list[tuple[int, int]]]:
     """Components in order (control, one per rollout kind, trainer) and the steps."""
     control = Component("control", site.control)
@@ -259,13 +268,26 @@ def _server_step(s: ServiceSpec, k: int, r: int, place: KindPlacement, share: fl
 
 
 def render_slurm(
-    cfg: ExperimentConfig, plan: Plan, site: SiteConfig, out_dir: Path, site_source: str
+    cfg: ExperimentConfig,
+    plan: Plan,
+    site: SiteConfig,
+    out_dir: Path,
+    site_source: str,
+    *,
+    force: bool = False,
+    check: Callable[[Deployment], list[str]] | None = None,
 ) -> RenderResult:
-    """Check, then write `job.sbatch`, `config.yaml`, `plan.yaml`, `site.yaml` and
-    `secrets/` into `out_dir` (every node must see it: put it on shared storage)."""
+    """Check `out_dir`, the plan against the config and site, and (with `check`) every
+    service's own start-up checks; then write `job.sbatch`, `config.yaml`, `plan.yaml`,
+    `site.yaml` and `secrets/` into `out_dir` (every node must see it: shared storage)."""
     out_dir = out_dir.resolve()
+    check_out_dir(out_dir, force)
     job = prepare_job(cfg, plan, site, out_dir, site_source)
+    errors = check(_checked_services(job.d)) if check is not None else []
+    if errors:
+        raise UsageError("a rendered service would refuse to start:\n  " + "\n  ".join(errors))
     files = {
+        **IGNORE_FILES,
         SCRIPT: batch_script(job, out_dir),
         "config.yaml": dump_yaml(job.d.cfg),
         "plan.yaml": yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False),
@@ -277,7 +299,7 @@ def render_slurm(
             continue  # the job reads the operator's file
         files[f"secrets/{key}"] = value + "\n"
         private.add(f"secrets/{key}")
-    _write(out_dir, files, private)
+    write_files(out_dir, files, private)
     (out_dir / SCRIPT).chmod(0o755)
     gpus: dict[str, int] = {}
     for s in job.d.layout.services:
@@ -291,7 +313,15 @@ def render_slurm(
         run_id=job.d.cfg.run.run_id or "",
         gpus_by_kind=gpus,
         services=[s.name for s in job.d.layout.services],
+        start=f"sbatch {out_dir / SCRIPT}",
     )
+
+
+def _checked_services(d: Deployment) -> Deployment:
+    """The deployment as the services' start-up checks see it: Valkey inside the job
+    (`areal-hex buffer serve`) has none of its own."""
+    services = [s for s in d.layout.services if s.role != "redis"]
+    return dataclasses.replace(d, layout=Layout(services))
 
 
 def submit(out_dir: Path) -> str:
@@ -313,7 +343,14 @@ def watch_commands(job_id: str, run_dir: Path) -> list[str]:
 
 
 def run_slurm_target(
-    cfg: ExperimentConfig, plan: Plan, site_path: Path | None, out_dir: Path, do_submit: bool
+    cfg: ExperimentConfig,
+    plan: Plan,
+    site_path: Path | None,
+    out_dir: Path,
+    do_submit: bool,
+    *,
+    force: bool = False,
+    check: Callable[[Deployment], list[str]] | None = None,
 ) -> int:
     """`areal-hex deploy ... --target slurm`: render, then submit or say how to."""
     if site_path is None:
@@ -323,12 +360,12 @@ def run_slurm_target(
             "local CPU-only Slurm)"
         )
     site = load_site(site_path)
-    result = render_slurm(cfg, plan, site, out_dir, str(site_path))
+    result = render_slurm(cfg, plan, site, out_dir, str(site_path), force=force, check=check)
+    if do_submit:
+        result.start = ""  # submitted below
     print(result.summary())
-    script = result.out_dir / SCRIPT
     run_dir = Path(site.shared_dir) / "runs" / result.run_id
     if not do_submit:
-        print(f"submit with: sbatch {script}")
         return 0
     if shutil.which("sbatch") is None:
         raise UsageError("--submit: sbatch is not on PATH (submit from a Slurm login node)")

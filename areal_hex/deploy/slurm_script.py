@@ -306,7 +306,7 @@ start() {{
   esac
 }}
 
-alive() {{ kill -0 "${{PIDS[$1]}}" 2>/dev/null; }}
+alive() {{ [ -n "${{PIDS[$1]:-}}" ] && kill -0 "${{PIDS[$1]}}" 2>/dev/null; }}
 
 step_id() {{  # step_id NAME: the running step of that name (squeue), if any
   squeue --steps --jobs="$SLURM_JOB_ID" --noheader --format="%i %j" 2>/dev/null \

@@ -65,14 +65,15 @@ def job_overrides(steps: int) -> list[str]:
 
 
 def fault_plan(kinds: list[str], steps: int, seed: int) -> list[tuple[int, str]]:
-    """(step after which to strike, kind), in step order: random distinct steps spread over
-    the middle of the job, one per fault, in a random order of kinds."""
+    """(step after which to strike, kind), in step order: random steps spread over the
+    middle of the job, one per fault, in a random order of kinds, at least half a share of
+    the job apart (so each fault's recovery is seen before the next)."""
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
     lo, hi = 2, max(3, steps - 4)
     span = (hi - lo) / len(order)
-    at = [int(lo + span * i + rng.random() * span * 0.8) for i in range(len(order))]
+    at = [int(lo + span * i + rng.random() * span * 0.5) for i in range(len(order))]
     return list(zip(at, order, strict=True))
 
 
@@ -135,23 +136,27 @@ def steps_done(run_dir: Path) -> list[TrainerRow]:
     return read_rows(RunPaths.at(run_dir).metrics, TrainerRow)
 
 
-def live_ledger(run_dir: Path) -> dict[str, Any] | None:
-    """The ledger read from the running Valkey. A commit landing between the checkpoint
-    read and the counters read shows its groups as missing; such a read is repeated."""
+def live_ledger(run_dir: Path, timeout_s: float = 60.0) -> dict[str, Any] | None:
+    """The ledger read from the running Valkey (waiting while it restarts). A commit
+    landing between the checkpoint read and the counters read shows its groups as
+    missing; such a read is repeated."""
     import redis
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     client = redis.Redis.from_url(cfg["redis"]["url"], socket_timeout=5)
+    deadline = time.monotonic() + timeout_s
+    out = None
     try:
-        out = None
-        for _ in range(5):
-            out = read_ledger(client, RUN_ID, RunPaths.at(run_dir))
+        while time.monotonic() < deadline:
+            try:
+                out = read_ledger(client, RUN_ID, RunPaths.at(run_dir))
+            except redis.RedisError:
+                time.sleep(0.5)
+                continue
             if out.get("groups_lost") == 0:
                 return out
             time.sleep(0.5)
         return out
-    except redis.RedisError:
-        return None
     finally:
         client.close()
 
@@ -169,112 +174,111 @@ PROCESS = {"inference": "inference-0", "trainer": "trainer", "controller": "cont
 PROCESS["valkey"] = "redis"
 
 
-def restarts_between(run_dir: Path, t0: float, t1: float) -> dict[str, int]:
-    """Restarts per process between a fault and the next one (or the end)."""
+def restarts_of(run_dir: Path, kind: str, t: float) -> tuple[int, float | None]:
+    """How often the struck process was started again after the fault at `t`, and how
+    many seconds after it the first time (the launcher: the attempts started after it)."""
     events = json.loads(RunPaths.at(run_dir).events.read_text())
-    out: dict[str, int] = {}
-    for a in events.get("attempts", [events]):
-        for e in a.get("events", []):
-            if e["event"] == "restart" and t0 <= e["time"] < t1:
-                out[e["process"]] = out.get(e["process"], 0) + 1
-    return out
-
-
-def back_after(run_dir: Path, kind: str, t: float) -> float | None:
-    """Seconds from the fault until the struck process was started again (for the
-    launcher: until the resumed attempt started)."""
-    events = json.loads(RunPaths.at(run_dir).events.read_text())
+    attempts = events.get("attempts", [events])
     if kind == "launcher":
-        starts = [a["t_start"] for a in events.get("attempts", []) if a["t_start"] > t]
-        return min(starts) - t if starts else None
-    name = PROCESS[kind]
-    times = [
-        e["time"]
-        for a in events.get("attempts", [events])
-        for e in a.get("events", [])
-        if e["process"] == name and e["event"] == "restart" and e["time"] > t
-    ]
-    return min(times) - t if times else None
+        times = [a["t_start"] for a in attempts if a["t_start"] > t]
+    else:
+        times = [
+            e["time"]
+            for a in attempts
+            for e in a.get("events", [])
+            if e["process"] == PROCESS[kind] and e["event"] == "restart" and e["time"] > t
+        ]
+    return len(times), (min(times) - t if times else None)
 
 
 # ---------------------------------------------------------------- the job
+class Job:
+    """The job under test: its launcher (restarted with --resume after a SIGTERM) and
+    what its run directory says."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.run_dir = out / RUN_ID
+        self.log = out / "launcher.log"
+        self.deadline = time.monotonic() + args.timeout
+        overrides = [*job_overrides(args.steps), *args.overrides]
+        first = [args.config, *overrides, f"run.output_dir={out}", f"run.run_id={RUN_ID}"]
+        self.launcher = start_launcher(first, self.log)
+
+    def left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def reach(self, step: int) -> int:
+        """Wait until step `step` is done; returns the step done now."""
+        if not wait_for(lambda: self.step() >= step, self.left_s()):
+            raise RuntimeError(f"the job did not reach step {step}; see {self.log}")
+        return self.step()
+
+    def step(self) -> int:
+        rows = steps_done(self.run_dir)
+        return rows[-1].step if rows else 0
+
+    def fault(self, kind: str) -> dict[str, Any]:
+        """Strike, wait for the next step completed after it (after the resume, for the
+        launcher: the step under way still completes before the launcher exits)."""
+        at_step, t = self.step(), time.time()
+        fault: dict[str, Any] = {"kind": kind, "at_step": at_step}
+        fault["what"] = strike(kind, self.run_dir, self.launcher)
+        since = t
+        if kind == "launcher":
+            fault["launcher_exit"] = self.launcher.wait(timeout=180)
+            since = time.time()
+            self.launcher = start_launcher(["--resume", str(self.run_dir)], self.log)
+        fault["recovered"] = wait_for(
+            lambda: any(r.time > since for r in steps_done(self.run_dir)), self.left_s()
+        )
+        later = [r for r in steps_done(self.run_dir) if r.time > since]
+        fault["no_step_s"] = (later[0].time - t) if later else None
+        fault["next_step"] = later[0].step if later else None
+        led = live_ledger(self.run_dir)
+        fault["lost"] = led.get("groups_lost") if led else None
+        fault["trained_twice"] = led.get("trained_twice") if led else None
+        fault["t"] = t
+        return fault
+
+    def finish(self) -> int:
+        try:
+            return self.launcher.wait(timeout=max(1.0, self.left_s()))
+        finally:
+            if self.launcher.poll() is None:
+                self.launcher.send_signal(signal.SIGTERM)
+                self.launcher.wait(timeout=180)
+
+
 def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    run_dir = out / RUN_ID
-    log = out / "launcher.log"
-    overrides = [*job_overrides(args.steps), *args.overrides]
-    first = [args.config, *overrides, f"run.output_dir={out}", f"run.run_id={RUN_ID}"]
-    plan = fault_plan(
-        [k.strip() for k in args.faults.split(",") if k.strip()], args.steps, args.seed
-    )
-    deadline = time.monotonic() + args.timeout
-    launcher = start_launcher(first, log)
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    job = Job(args, out)
     faults: list[dict[str, Any]] = []
     baseline: dict[str, Any] | None = None
     try:
-        for at_step, kind in plan:
-            if not wait_for(
-                lambda s=at_step: len(steps_done(run_dir)) and steps_done(run_dir)[-1].step >= s,
-                deadline - time.monotonic(),
-            ):
-                raise RuntimeError(f"the job did not reach step {at_step}; see {log}")
+        for at_step, kind in fault_plan(kinds, args.steps, args.seed):
+            job.reach(at_step)
             if baseline is None:
-                baseline = live_ledger(run_dir)
-            at_step = steps_done(run_dir)[-1].step
-            t = time.time()
-            what = strike(kind, run_dir, launcher)
-            t_from = t
-            if kind == "launcher":  # the step under way still completes before it exits
-                rc = launcher.wait(timeout=180)
-                t_from = time.time()
-                launcher = start_launcher(["--resume", str(run_dir)], log)
-
-            def stepped(since: float = t_from) -> bool:
-                return any(r.time > since for r in steps_done(run_dir))
-
-            recovered = wait_for(stepped, deadline - time.monotonic())
-            later = [r for r in steps_done(run_dir) if r.time > t_from]
-            fault = {
-                "kind": kind,
-                "at_step": at_step,
-                "what": what,
-                "recovered": recovered,
-                # from the fault to the next step completed after it (after the resume)
-                "no_step_s": (later[0].time - t) if later else None,
-                "next_step": later[0].step if later else None,
-            }
-            if kind == "launcher":
-                fault["launcher_exit"] = rc
-            led = live_ledger(run_dir)
-            fault["lost"] = led.get("groups_lost") if led else None
-            fault["trained_twice"] = led.get("trained_twice") if led else None
-            fault["t"] = t
-            faults.append(fault)
-        rc = launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+                baseline = live_ledger(job.run_dir)
+            faults.append(job.fault(kind))
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=180)
-    ends = [f["t"] for f in faults[1:]] + [time.time()]
-    for f, end in zip(faults, ends, strict=True):
-        f["restarts"] = restarts_between(run_dir, f["t"], end)
-        f["restarted_after_s"] = back_after(run_dir, f["kind"], f.pop("t"))
-    summary = json.loads(RunPaths.at(run_dir).summary.read_text())
+        rc = job.finish()
+    summary = json.loads(RunPaths.at(job.run_dir).summary.read_text())
     completed = rc == 0 and summary.get("steps") == args.steps
     for f in faults:
+        f["restarts"], f["restarted_after_s"] = restarts_of(job.run_dir, f["kind"], f.pop("t"))
         f["completed"] = completed
     keys = ["groups_admitted", "groups_produced", "groups_trained", "groups_dropped_stale"]
     keys += ["groups_filtered", "groups_pending", "groups_in_flight", "groups_lost"]
     keys += ["trained_twice", "attempts", "restarts", "wall_time_s", "active_time_s"]
     keys += ["samples_per_s", "samples_per_s_wall"]
+    before = {k: (baseline or {}).get(k) for k in ("groups_lost", "trained_twice")}
     return {
         "faults": faults,
         "completed": completed,
         "exit_code": rc,
-        "before_first_fault": {
-            k: (baseline or {}).get(k) for k in ("groups_lost", "trained_twice")
-        },
+        "before_first_fault": before,
         "final": {k: summary.get(k) for k in keys},
-        "run_dir": str(run_dir),
+        "run_dir": str(job.run_dir),
     }
 
 

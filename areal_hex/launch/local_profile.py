@@ -65,7 +65,7 @@ class LocalDevices:
 def local_devices(cfg: ExperimentConfig) -> LocalDevices:
     import torch
 
-    from areal_hex.launch.run import core_groups
+    from areal_hex.launch.cores import core_groups
 
     if cfg.inference.device.startswith("cuda") and torch.cuda.is_available():
         from scheduler.measure import device_kind

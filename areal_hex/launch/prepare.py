@@ -5,6 +5,7 @@ reads (see docs/running.md)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,11 +173,15 @@ def choose_ports(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:
         inf.base_port = base
 
 
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)  # stdout may carry a bench's JSON
+
+
 def prepare_run(
     cfg: ExperimentConfig,
     plan: Plan | None = None,
     mode: str | None = None,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[ExperimentConfig, Path]:
     """Resolve `cfg` for a local run and write the run directory. Returns the resolved
     config and the path of its `config.yaml`. A config that already names its run (a
@@ -191,7 +196,7 @@ def prepare_run(
         cfg.run.embedded_redis = True
     if cfg.run.embedded_redis:
         cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
-    choose_ports(cfg, say)
+    choose_ports(cfg, say or _to_stderr)
     inf = cfg.inference
     weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
     weights.mkdir(parents=True, exist_ok=True)

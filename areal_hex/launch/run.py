@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.launch.cores import core_groups
 from areal_hex.launch.supervisor import OnExit, Outcome, ProcessSpec, Supervisor, tail_lines
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from areal_hex.net import WaitAborted, wait_until
@@ -49,20 +50,6 @@ class RunResult:
 
 
 # ---------------------------------------------------------------- process placement
-def core_groups(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-    """(inference cores, trainer cores): the first half of the usable cores run the
-    inference servers, the rest the trainer, with Valkey and the controller beside it
-    (light CPU work that would otherwise take cycles from generation). None: no
-    pinning."""
-    if not pin or not hasattr(os, "sched_getaffinity"):
-        return None, None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None, None
-    half = len(cores) // 2
-    return set(cores[:half]), set(cores[half:])
-
-
 def assign_local_gpus(layout: Layout) -> None:
     """Without a plan, GPU services get consecutive local GPUs in layout order
     (inference servers first, then the trainer's ranks)."""

@@ -52,6 +52,7 @@ def test_stats_reports_the_run(tmp_path: Path) -> None:
         r.set(keys.submitted, 9)
         r.set(keys.dropped_stale, 4)
         r.set(keys.dead_count, 1)
+        r.set(keys.given_back("filtered"), 6)
         RedisWeightPublisher(r, "run7", BufferConfig()).set_version(3, "/w/v3")
         out = cli("buffer", "stats", "run.run_id=run7", f"redis.url={server.url}", "--json")
         text = cli("buffer", "stats", "run.run_id=run7", f"redis.url={server.url}")
@@ -66,9 +67,14 @@ def test_stats_reports_the_run(tmp_path: Path) -> None:
         "dropped_stale": 4,
         "dead_letter": 1,
         "version": 3,
+        "given_back_filtered": 6,
+        "given_back_failed": 0,
+        "given_back_abandoned": 0,
+        "given_back_reclaimed": 0,
         "acked": 0,
     }
-    assert text.returncode == 0 and "unconsumed     3" in text.stdout
+    assert text.returncode == 0 and "unconsumed            3" in text.stdout
+    assert "given_back_filtered   6" in text.stdout
 
 
 def test_dead_lists_dead_letters() -> None:

@@ -163,6 +163,7 @@ async def test_gate_respected_and_stop_consistent(stack: Stack) -> None:
     groups = read_groups(stack, run_id, buf, 2)
     assert all(len(g.completions) == 4 for g in groups)
 
+
 async def test_dynamic_sampling_ledger_with_real_buffer(stack: Stack) -> None:
     """Filtered groups never reach the stream and give their admission back: the stream
     and the gate hold exactly produced - filtered groups, each with its servers."""
@@ -185,7 +186,6 @@ async def test_dynamic_sampling_ledger_with_real_buffer(stack: Stack) -> None:
     for g in read_groups(stack, run_id, buf, kept) if kept else []:
         assert len(set(g.rewards.tolist())) > 1
         assert set(g.metadata["servers"].split(",")) <= set(stack.urls())
-
 
 
 @pytest.mark.parametrize("pause", ["abort", "auto"])
@@ -329,4 +329,3 @@ def test_rollout_cli_usage_errors(tmp_path: Path) -> None:
         out = subprocess.run([*base, *args], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out.stderr[-2000:]
         assert message in out.stderr and "Traceback" not in out.stderr
-

@@ -159,3 +159,24 @@ def test_a_chosen_crash_sequence(endpoint: RedisEndpoint) -> None:
     ops += ["admit", "admit", "put", "train_no_ack", "trainer_crash", "train", "publish"]
     ops += ["admit", "put", "train", "resume", "admit", "abandoned", "controller_stop"]
     asyncio.run(_play(endpoint, ops))
+
+
+async def test_a_retried_put_appends_its_group_once(endpoint: RedisEndpoint) -> None:
+    """A put whose reply was lost (Valkey restarting) is retried: with the group's put
+    token, the retry returns the first entry id and ends no second admission."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    keys, r = BufferKeys(run_id), endpoint.sync_client()
+    cfg = BufferConfig(groups_per_step=4, max_staleness=0)
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, cfg)
+    try:
+        await p.admit(2)
+        group = _group(0)
+        group.metadata["put_token"] = "ctl-7"
+        first = await p.put(group)
+        assert await p.put(group) == first
+        assert r.xlen(keys.traj) == 1 and await p.held() == 1
+        assert unaccounted(ledger(r, keys)) == 0
+        untokened = _group(0)
+        assert await p.put(untokened) != await p.put(untokened)  # no token: each call appends
+    finally:
+        await p.aclose()

@@ -283,3 +283,39 @@ def test_info_routes(url: str) -> None:
     assert server["version"] and server["context_length"] == 128
     load = httpx.get(url + "/get_load").json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+def test_constrained_decoding(url: str) -> None:
+    """regex, json_schema and ebnf (llguidance): sampled at T = 1, every output obeys its
+    grammar and ends with a stop (the grammar's end), not the length limit."""
+    import json as jsonlib
+    import re
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 22, 333]}, "b": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    cases = [
+        ({"regex": "[0-9]{3}-[a-c]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t)),
+        (
+            {"json_schema": jsonlib.dumps(schema)},
+            lambda t: jsonschema.validate(jsonlib.loads(t), schema) or True,
+        ),
+        ({"ebnf": 'root ::= "yes" | "no" | "maybe"'}, lambda t: t in ("yes", "no", "maybe")),
+    ]
+    for grammar, ok in cases:
+        sp = {"max_new_tokens": 100, "n": 4, **grammar}
+        for r in gen(url, {"text": "q:", "sampling_params": sp}):
+            assert r["meta_info"]["finish_reason"]["type"] == "stop", (grammar, r)
+            assert ok(r["text"]), (grammar, r["text"])
+    short = {"max_new_tokens": 4}
+    bad = gen(url, {"text": "q", "sampling_params": {**short, "regex": "(unclosed"}}, 400)
+    assert "sampling_params.regex" in bad["error"]["message"]
+    bad = gen(url, {"text": "q", "sampling_params": {**short, "json_schema": "{not json"}}, 400)
+    assert "sampling_params.json_schema" in bad["error"]["message"]
+    two = gen(url, {"text": "q", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, 400)
+    assert "at most one" in two["error"]["message"]

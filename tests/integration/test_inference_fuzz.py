@@ -116,6 +116,8 @@ GOOD_SAMPLING = {
     "no_stop_trim": st.booleans(),
     "n": st.integers(1, 3),
     "stream_interval": st.integers(1, 3),
+    "regex": st.sampled_from(["[ab]{1,3}", "(", "x*", "[0-9]+"]),
+    "ebnf": st.sampled_from(['root ::= "a" | "b"', "root ::="]),
 }
 good_ids = st.lists(st.integers(1, 60), min_size=1, max_size=8)
 good_generate = st.fixed_dictionaries(

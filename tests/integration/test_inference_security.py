@@ -133,7 +133,8 @@ def test_hostile_input_is_a_4xx_never_a_5xx(server: Any) -> None:
         (b'{"input_ids": [1], "top_logprobs_num": 99999999, "return_logprob": true}', 400, "top"),
         (b"\xff\xfe not utf-8", 400, ""),
         (b"[" * 100_000, 400, ""),
-        (b'{"input_ids": [1], "sampling_params": {"regex": "a+"}}', 400, "regex"),
+        (b'{"input_ids": [1], ' + sp + b'"regex": "(a"}}', 400, "regex"),
+        (b'{"input_ids": [1], "sampling_params": {"logit_bias": {"3": 1e308}}}', 400, "bias"),
         (b'{"input_ids": [1], "lora_path": "x"}', 400, "lora_path"),
     ]
     for body, status, word in cases:

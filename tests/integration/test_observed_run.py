@@ -6,7 +6,8 @@ mid-run, and the report's ledger, with dynamic sampling on.
 - each scrape parses with prometheus_client's text parser and carries exactly the names
   `areal_hex.prom` lists for that service (the inference server: SGLang's), with values
   of the rows written so far;
-- produced = trained + dropped stale + dead letters + filtered + left in the buffer.
+- produced = trained + dropped stale + dead letters + filtered + pending + in flight
+  (the run's ledger, docs/running.md), the filtered count equal to the controller's.
 """
 
 from __future__ import annotations
@@ -164,15 +165,15 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
     # the ledger, dynamic sampling's filtered groups included
     summary = json.loads(paths.summary.read_text())
     final = [r for r in read_rows(paths.rollout, RolloutRow) if r.final][-1]
-    assert summary["groups_filtered"] == final.groups_filtered_total
+    assert summary["groups_filtered"] == final.groups_filtered_total > 0
+    assert summary["buffer"]["given_back"]["filtered"] == final.groups_filtered_total
     assert summary["groups_trained"] == STEPS * 4
-    left = summary.get("in_buffer_at_stop", 0) + summary.get("groups_pending", 0)
     assert summary["groups_produced"] == (
         summary["groups_trained"]
         + summary["groups_dropped_stale"]
         + summary["groups_dead_letter"]
         + summary["groups_filtered"]
-        + left
-        + summary.get("groups_in_flight", 0)
+        + summary["groups_pending"]
+        + summary["groups_in_flight"]
     )
     assert summary["groups_lost"] == 0

@@ -4,9 +4,12 @@ stop), usage, errors and auth."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -192,6 +195,29 @@ def test_chat_streaming(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_structured_output(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 30]}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    res = client.chat.completions.create(
+        model=model_id(client),
+        messages=[{"role": "user", "content": "json please"}],
+        max_tokens=100,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+    )
+    for c in res.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), schema)
+    digits = client.completions.create(
+        model=model_id(client), prompt="id:", max_tokens=10, extra_body={"regex": "[0-9]{4}"}
+    )
+    assert re.fullmatch("[0-9]{4}", digits.choices[0].text)
+
+
 def test_errors_and_auth(server: str, client: openai.OpenAI) -> None:
     name = model_id(client)
     wrong = openai.OpenAI(base_url=server + "/v1", api_key="nope", max_retries=0)
@@ -203,11 +229,15 @@ def test_errors_and_auth(server: str, client: openai.OpenAI) -> None:
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"seed": 7}, "seed"),
-        ({"extra_body": {"regex": "a+"}}, "regex"),
+        ({"extra_body": {"regex": "("}}, "regex"),
         ({"n": 0}, "n"),
         ({"max_tokens": 10_000}, "context length"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"json_schema": "{}"}},
+            "not both",
+        ),
     ]
     for kwargs, word in cases:
         with pytest.raises(openai.BadRequestError) as err:

@@ -79,3 +79,21 @@ def test_services_reconnect_after_a_valkey_restart(tmp_path: Path) -> None:
     finally:
         source.close()
         server.stop()
+
+
+def test_the_ledger_reads_a_stopped_valkeys_append_only_file(tmp_path: Path) -> None:
+    from areal_hex.launch.ledger import ledger_from_aof
+    from areal_hex.run_files import RunPaths
+
+    run_id = "r"
+    keys = BufferKeys(run_id)
+    with EmbeddedValkey(data_dir=str(tmp_path / "valkey"), appendfsync="always") as server:
+        r = RedisEndpoint(server.url).sync_client()
+        r.mset({keys.admitted: 7, keys.acked: 4, keys.given_back("reclaimed"): 2})
+        r.xadd(keys.traj, {b"d": b"x"})
+    before = sorted(p.name for p in (tmp_path / "valkey").rglob("*"))
+    out = ledger_from_aof(tmp_path / "valkey", run_id, RunPaths.at(tmp_path))
+    # no checkpoint: nothing counts as trained, so the 4 acked groups are unaccounted
+    assert (out["groups_admitted"], out["groups_reclaimed"], out["groups_pending"]) == (7, 2, 1)
+    assert out["groups_lost"] == 4
+    assert sorted(p.name for p in (tmp_path / "valkey").rglob("*")) == before  # untouched

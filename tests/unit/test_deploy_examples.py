@@ -88,7 +88,7 @@ def test_a_service_that_would_refuse_to_start_stops_the_render(tmp_path, capsys)
     err = capsys.readouterr().err
     assert code == 2 and not out.exists()
     assert "trainer (areal-hex train '{config}'): trainer.checkpoint_every (50) x" in err
-    assert "keeps up to 3264 groups pending, more than buffer.max_pending (2048)" in err
+    assert "keeps up to 3264 groups pending" in err and "buffer.max_pending (2048)" in err
 
 
 def test_check_services_names_each_failing_service(tmp_path):

@@ -15,7 +15,7 @@ from areal_hex.cli import main
 from areal_hex.config import ConfigError, load_config
 from areal_hex.deploy.slurm import render_slurm
 from areal_hex.deploy.slurm_runtime import write_configs
-from areal_hex.deploy.slurm_site import KindPlacement, SiteConfig, load_site
+from areal_hex.deploy.slurm_site import KindPlacement, SiteConfig, SiteRedis, load_site
 from areal_hex.plan import Plan, load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,3 +254,23 @@ def test_job_start_writes_the_hosts_and_keeps_secrets_private(tmp_path):
     assert private.stat().st_mode & 0o777 == 0o600
     with pytest.raises(ConfigError, match="expected 6 server hosts"):
         write_configs(tmp_path / "out", hosts[:2], "ctl-1", None)
+
+
+def test_external_redis_with_a_password_file(tmp_path):
+    """redis.mode external: no Valkey step; the job reads the operator's password file."""
+    pw = tmp_path / "redis-pass"
+    pw.write_text("s3cret-from-file\n")
+    redis = {"mode": "external", "url": "redis://redis.site:6380/2", "password_file": str(pw)}
+    site = _site(tmp_path).model_copy(update={"redis": SiteRedis(**redis)})
+    plan = load_plan(ROOT / "examples/plans/h800_h20.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-8b.yaml")
+    render_slurm(cfg, plan, site, tmp_path / "out", "site.yaml")
+    script = (tmp_path / "out/job.sbatch").read_text()
+    assert "redis" not in _srun_lines(script) and "wait redis" not in script
+    assert f"--redis-password-file {pw}" in script and "s3cret" not in script
+    assert not (tmp_path / "out/secrets/redis-password").exists()
+    hosts = ["h20-a"] * 8 + ["h800-c"] * 4
+    private = load_config(write_configs(tmp_path / "out", hosts, None, pw))
+    assert private.redis.url == "redis://redis.site:6380/2"
+    assert private.redis.password == "s3cret-from-file"
+    assert subprocess.run(["bash", "-n", str(tmp_path / "out/job.sbatch")]).returncode == 0

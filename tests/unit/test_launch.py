@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import load_config
+from areal_hex.launch.cores import core_groups
 from areal_hex.launch.evaluate import EvalError, pass_at_k, resolve_weights
 from areal_hex.launch.prepare import apply_mode
-from areal_hex.launch.run import assign_local_gpus, core_groups, process_specs
+from areal_hex.launch.run import assign_local_gpus, process_specs
 from areal_hex.layout import build_layout
 from areal_hex.net import free_port_block
 from areal_hex.warm_start import sft_texts, without_answer_line

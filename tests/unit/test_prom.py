@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from areal_hex.prom import (
 )
 from areal_hex.run_files import RolloutRow, TrainerRow
 from rollout_service.dispatch import ServerState
+from scheduler.predict import LayoutRates
 
 
 def scrape(*collectors: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -227,36 +229,30 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
         valkey.xadd(keys.traj, {PAYLOAD_FIELD: b"x"})
     valkey.xreadgroup(GROUP, "c0", {keys.traj: ">"}, count=1)  # one delivered, not acked
     valkey.set(keys.dropped_stale, 4)
+    valkey.set(keys.given_back("filtered"), 5)
     s = scrape(BufferCollector(lambda: read_stats(valkey, keys)))
     assert s[("areal_hex_buffer_stream_length", ())] == 3
     assert s[("areal_hex_buffer_pending", ())] == 1
     assert s[("areal_hex_buffer_lag", ())] == 2
     assert s[("areal_hex_buffer_dropped_stale_total", ())] == 4
+    assert s[("areal_hex_buffer_given_back_total", (("reason", "filtered"),))] == 5
+    assert s[("areal_hex_buffer_given_back_total", (("reason", "failed"),))] == 0
 
 
-# prediction.json as the launcher writes it (areal_hex/launch/predict.py)
+# prediction.json as the launcher writes it (areal_hex/launch/predict.py: the cost model's
+# LayoutRates of both modes)
 PREDICTION = {
     "source": "plan",
     "cluster": "examples/clusters/h800_h20.yaml",
-    "asynchronous": {
-        "pipeline_samples_per_s": 41.5,
-        "generation_samples_per_s": 60.0,
-        "training_samples_per_s": 41.5,
-        "weight_sync_s": 2.25,
-    },
-    "synchronous": {
-        "pipeline_samples_per_s": 20.0,
-        "generation_samples_per_s": 60.0,
-        "training_samples_per_s": 41.5,
-        "weight_sync_s": 2.25,
-    },
+    "asynchronous": LayoutRates(41.5, 60.0, 41.5, 2.25).as_dict(),
+    "synchronous": LayoutRates(20.0, 60.0, 41.5, 2.25).as_dict(),
 }
 
 
 def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
     from areal_hex.api import BufferStats
 
-    stats = BufferStats(0, 0, 0, 0, 0, 0, 0)
+    stats = BufferStats(0, 0, 0, 0, 0, 0, 0, {"filtered": 0})
     trainer = TrainerCollector()
     trainer.observe(TrainerRow(staleness_hist={"1": 1}))
     rollout = RolloutCollector(servers())
@@ -340,3 +336,28 @@ def test_trainer_service_serves_its_rows_and_the_buffer(valkey: redis.Redis) -> 
     assert "areal_hex_predicted_samples_per_second" not in got  # no prediction.json
     assert got["areal_hex_buffer_stream_length"] == 1
     assert serve_metrics(load_config(None, []), side) is None  # off by default
+
+
+def test_names_follow_prometheus_conventions(tmp_path: Path) -> None:
+    """`areal_hex_<part>_<what>_<unit>`: counters `_total`, times `_seconds`, rates
+    `_per_second`, and no gauge that looks like a counter."""
+    from areal_hex.api import BufferStats
+
+    trainer = TrainerCollector()
+    trainer.observe(TrainerRow(staleness_hist={"0": 1}))
+    rollout = RolloutCollector(servers())
+    rollout.observe_request(rollout.servers[0], 0.1)
+    (tmp_path / "prediction.json").write_text(json.dumps(PREDICTION))
+    (predicted,) = prediction_collectors(tmp_path, "async")
+    stats = BufferStats(0, 0, 0, 0, 0, 0, 0, {"filtered": 0})
+    registry = registry_with(trainer, rollout, BufferCollector(lambda: stats), predicted)
+    text = generate_latest(registry).decode()
+    for fam in text_string_to_metric_families(text):
+        assert re.fullmatch(r"areal_hex_(trainer|rollout|buffer|predicted)_[a-z0-9_]+", fam.name)
+        assert "_s_" not in fam.name + "_" and not fam.name.endswith("_per_s"), fam.name
+        if fam.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples)
+        if fam.type == "gauge":
+            assert not fam.name.endswith("_total"), fam.name
+        if fam.type == "histogram":
+            assert fam.name.endswith(("_seconds", "_versions")), fam.name
