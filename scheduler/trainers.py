@@ -27,9 +27,7 @@ from scheduler.workload import Workload
 FINE_MACHINES = 2
 
 
-def _layouts(
-    groups: list[NodeGroup], max_dp: int
-) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+def _layouts(groups: list[NodeGroup], max_dp: int) -> list[tuple[tuple[tuple[str, int], ...], int]]:
     """(parts, per_node) layouts of one group: p ranks on each of m machines, every p on
     up to `FINE_MACHINES` machines, whole machines beyond (the steps between sizes are
     then one machine, what a budget may strand anyway); for each data-parallel size up to
