@@ -209,8 +209,10 @@ def interruptions(attempts: list[dict[str, Any]]) -> list[float]:
 def summary_fields(
     ledger_: dict[str, Any], events: dict[str, Any], rows: list[TrainerRow], group_size: int
 ) -> dict[str, Any]:
-    """What the ledger puts into `summary.json`: its accounting, and times and rates over
-    every attempt (`events.json`'s `attempts`, or the one attempt it describes)."""
+    """What the ledger puts into `summary.json`: its accounting (replacing the per-process
+    `in_buffer_at_stop` / `in_flight_controller`, which its `groups_pending` /
+    `groups_in_flight` supersede), and times and rates over every attempt
+    (`events.json`'s `attempts`, or the one attempt it describes)."""
     attempts = events.get("attempts") or ([events] if events else [])
     walls = [a["t_end"] - a["t_start"] for a in attempts if "t_end" in a and "t_start" in a]
     active = active_seconds(attempts)

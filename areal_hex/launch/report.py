@@ -160,6 +160,8 @@ def summarize(
         "buffer": buffer,
     }
     if ledger is not None:
+        for superseded in ("in_buffer_at_stop", "in_flight_controller"):
+            summary.pop(superseded, None)
         summary.update(summary_fields(ledger, events, metrics, cfg.rollout.group_size))
     return summary
 

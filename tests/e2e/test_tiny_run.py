@@ -113,7 +113,10 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert full["groups_lost"] == 0 and full["trained_twice"] == 0
     assert full["attempts"] == 1 and (run_dir / "attempts" / "1" / "summary.json").is_file()
     assert full["groups_produced"] == (
-        full["groups_trained"] + full["groups_dropped_stale"] + full["in_buffer_at_stop"]
+        full["groups_trained"]
+        + full["groups_dropped_stale"]
+        + full["groups_pending"]
+        + full["groups_in_flight"]
     )
     assert full["groups_trained"] == STEPS * 4
     assert full["max_staleness"] <= ETA
