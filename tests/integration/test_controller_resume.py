@@ -109,6 +109,12 @@ def test_three_controller_kills_then_the_run_completes(endpoint: RedisEndpoint) 
     assert all(h > 0 for h in held_at_kill), held_at_kill  # each died holding admissions
 
     pub.set_version(6, "/w/v6")  # the trainer moved on: room for every group at the gate
+    # the dead controllers' heartbeats expire after the lease TTL; only then are their
+    # admissions the next controller's to reclaim
+    deadline = time.monotonic() + 20 * TTL_S
+    while any(r.exists(keys.lease(h)) for h in r.hkeys(keys.leases)):
+        assert time.monotonic() < deadline, "a dead controller's lease never expired"
+        time.sleep(0.05)
     proc = _controller(endpoint, run_id)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
@@ -120,7 +126,9 @@ def test_three_controller_kills_then_the_run_completes(endpoint: RedisEndpoint) 
     admitted = int(r.get(keys.admitted))
     # every admission: put (in the stream: nothing was consumed) or given back
     assert admitted == len(seqs) + sum(given_back.values())
-    assert given_back["reclaimed"] == sum(held_at_kill)  # what the dead held came back
+    # what the dead held came back (a count read at a kill can include a group whose put
+    # was already on its way, so the sum bounds the reclaimed count from above)
+    assert 0 < given_back["reclaimed"] <= sum(held_at_kill)
     assert given_back["abandoned"] == given_back["filtered"] == 0
     assert r.hlen(keys.leases) == 0
     # the kept groups reach the target across all four controllers
