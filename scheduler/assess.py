@@ -14,12 +14,10 @@ colocated synchronous plan at the same budget beats the asynchronous one.
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from scheduler.cluster import Cluster
-from scheduler.milp import PlanSpace, solve
+from scheduler.milp import PlanSpace, solve, solve_per_kind
 
 SYNC_SHARE_BINDS = 1 / 6  # pause share above which weight sync is named as the binding
 
@@ -75,14 +73,7 @@ def assess(
     if best_homo > 0:
         out.homogeneous_ratio = round(rate / best_homo, 4)
     if compare_cost and sol.cost > 0:
-        kinds = sorted({r.kind for r in p.rollouts})
-        with ThreadPoolExecutor(max_workers=min(len(kinds), os.cpu_count() or 1)) as pool:
-            sols = list(
-                pool.map(
-                    lambda k: solve(p, target=rate, time_limit_s=time_limit_s, allowed_kinds={k}),
-                    kinds,
-                )
-            )
+        sols = solve_per_kind(p, target=rate, time_limit_s=time_limit_s).values()
         costs = [s.cost for s in sols if s is not None and s.eval_rate >= rate * (1 - 1e-6)]
         out.cost_ratio = round(min(costs) / sol.cost, 4) if costs else None
     if sync_rate > rate:

@@ -18,10 +18,12 @@ for power-of-two TP sizes inside machines.
 from __future__ import annotations
 
 import math
+import os
 import re
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +183,15 @@ def solve(
         if _run_cbc(prob, time_limit_s)[0] == "ok":
             c_idx, reps = _read(x, y, cis, ris)
     return _solution(p, c_idx, reps, status, gap, time.perf_counter() - t0)
+
+
+def solve_per_kind(p: PlanSpace, **kw: object) -> dict[str, Solution | None]:
+    """`solve` restricted to each GPU kind of the rollout options, the kinds in parallel
+    (each solve is a CBC subprocess)."""
+    kinds = sorted({r.kind for r in p.rollouts})
+    with ThreadPoolExecutor(max_workers=min(len(kinds), os.cpu_count() or 1)) as pool:
+        sols = pool.map(lambda k: solve(p, allowed_kinds={k}, **kw), kinds)  # type: ignore[arg-type]
+        return dict(zip(kinds, sols, strict=True))
 
 
 def _model(

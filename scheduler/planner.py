@@ -3,8 +3,6 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_hex.config import ConfigError
@@ -24,7 +22,7 @@ from scheduler.costmodel import (
     kind_constants,
     rollout_configs,
 )
-from scheduler.milp import PlanSpace, Solution, build_problem, solve
+from scheduler.milp import PlanSpace, Solution, build_problem, solve, solve_per_kind
 from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
 from scheduler.profile import Profile
@@ -174,22 +172,15 @@ def make_plan(
     sync = 0.0
     if baselines:
         spend = budget if budget is not None else best.solution.cost
-        kinds = sorted({r.kind for r in p.rollouts})
-        with ThreadPoolExecutor(max_workers=min(len(kinds), os.cpu_count() or 1)) as pool:
-            sols = pool.map(
-                lambda k: solve(
-                    p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={k}, cheapest=False
-                ),
-                kinds,
-            )
-            for kind, hs in zip(kinds, list(sols), strict=True):
-                hp = placed(cl, m, w, p, hs) if hs is not None else None
-                homo[kind] = hp.rate if hp else 0.0
-                # the homogeneous plans are candidates of the same search: if one places
-                # better than the mixed pick, it is the plan (at its cheapest)
-                if budget is not None and hp is not None and hp.rate > best.rate:
-                    again = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-                    best = placed(cl, m, w, p, again or hs)
+        homo_sols = solve_per_kind(p, budget=spend, time_limit_s=time_limit_s, cheapest=False)
+        for kind, hs in homo_sols.items():
+            hp = placed(cl, m, w, p, hs) if hs is not None else None
+            homo[kind] = hp.rate if hp else 0.0
+            # the homogeneous plans are candidates of the same search: if one places
+            # better than the mixed pick, it is the plan (at its cheapest)
+            if budget is not None and hp is not None and hp.rate > best.rate:
+                again = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
+                best = placed(cl, m, w, p, again or hs)
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
