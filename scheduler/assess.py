@@ -95,7 +95,7 @@ def _pool_full(cl: Cluster, p: PlanSpace, placed, binding: str) -> bool:
     """No free GPU of a kind that could serve the binding side."""
     free = _free_gpus(cl, p, placed)
     if binding == "training":
-        kind = placed.solution.trainer.kind
-        return all(free[g.name] == 0 for g in cl.spec.node_groups if cl.kinds[g.name].name == kind)
+        kinds = set(placed.solution.trainer.kinds)  # a trainer across kinds grows by any
+        return all(free[g.name] == 0 for g in cl.spec.node_groups if cl.kinds[g.name].name in kinds)
     groups = {r.group for r in p.rollouts}
     return all(free[g] == 0 for g in groups)

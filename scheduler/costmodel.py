@@ -51,6 +51,20 @@ class TrainerOption:
     samples_per_s: float  # t_c
     usd_per_h: float
     zones: tuple[str, ...] = field(default=())
+    # A trainer across GPU kinds (heterogeneous data parallelism): the kind of each part
+    # and the samples/s one of its ranks trains, which set the ranks' shares of a step
+    # (`trainer.rank_speeds`). `kind` is then a label, the kinds joined by "+".
+    part_kinds: tuple[str, ...] = field(default=())
+    part_speeds: tuple[float, ...] = field(default=())
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The GPU kinds the trainer runs on, fastest first (one for a one-kind trainer)."""
+        return tuple(dict.fromkeys(self.part_kinds)) or (self.kind,)
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.kinds) > 1
 
 
 def decode_step_s(

@@ -5,11 +5,21 @@ from __future__ import annotations
 from collections import Counter
 
 from scheduler.cluster import Cluster
+from scheduler.costmodel import TrainerOption
 from scheduler.milp import solve
 from scheduler.model_shape import ModelShape
 from scheduler.planner import PlanResult, cheapest_cost, synchronous_rate
 from scheduler.profile import Profile
 from scheduler.workload import Workload
+
+
+def _mixed_ranks(c: TrainerOption) -> str:
+    """'16 H800 at 0.113 + 8 H20 at 0.022 samples/s each' for a trainer across kinds."""
+    ranks: dict[str, tuple[int, float]] = {}
+    for (_, n), kind, speed in zip(c.parts, c.part_kinds, c.part_speeds, strict=True):
+        ranks[kind] = (ranks.get(kind, (0, speed))[0] + n, speed)
+    each = " + ".join(f"{n} {kind} at {speed:.3g}" for kind, (n, speed) in ranks.items())
+    return f"{each} samples/s each"
 
 
 def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
@@ -24,6 +34,8 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
         f"{'train':<9}{c.kind:<11}{zones:<11}{1:>6}{c.dp:>6}  "
         f"{f'DP {c.dp}, ZeRO-{c.zero}':<22}{c.samples_per_s:>10.3f}{c.usd_per_h:>9.2f}"
     )
+    if c.mixed:
+        lines.append(f"{'':<9}ranks: {_mixed_ranks(c)}, shares by speed")
     counts = Counter(sol.replicas)
     for i, n in sorted(counts.items(), key=lambda kv: -res.problem.rollouts[kv[0]].tp):
         r = res.problem.rollouts[i]

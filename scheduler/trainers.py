@@ -5,12 +5,19 @@ DeepSpeed runs pure data parallel with the same number of ranks on every node, s
 trainer is p GPUs (any p up to the machine's) on each of m machines of one node group,
 or whole machines spanning several groups of one region (its all-reduce then crosses
 the slowest link). GPU granularity keeps budget from being stranded between sizes.
+
+A trainer may also span GPU kinds of one region with the same GPUs per node
+(heterogeneous data parallelism): every machine of the faster kinds plus m machines of
+the next. Its ranks take shares of a step in proportion to their speed
+(`trainer.rank_speeds`), so the step's compute is B·G over the sum of the rank speeds,
+in whole samples per rank; each kind must hold the ZeRO stage's memory in its own HBM.
 """
 
 from __future__ import annotations
 
 import math
 
+from scheduler.catalogue import GpuKind
 from scheduler.cluster import Cluster, NodeGroup
 from scheduler.costmodel import (
     GB,
@@ -72,6 +79,28 @@ def _links(cl: Cluster, groups: list[NodeGroup]) -> tuple[float, float]:
     return bw, lat
 
 
+def rank_speed(m: ModelShape, w: Workload, kind: GpuKind, prof: Profile | None) -> float:
+    """Samples per second one rank of `kind` trains: the profile's tokens/s where it
+    measured the kind, else the kind's peak at its `train_mfu` over a sample's FLOPs."""
+    if prof is not None and prof.has(kind.name):
+        return prof.train_tokens_per_s(kind.name) / (w.prompt_tokens + w.response_tokens)
+    k = kind_constants(w.constants, kind)
+    return kind.bf16_tflops * 1e12 * k.train_mfu / train_flops_per_sample(m, w)
+
+
+def shared_compute_s(samples: int, ranks: list[tuple[int, float]]) -> float:
+    """Compute time of a step whose `samples` are shared among ranks ((count, samples/s
+    per rank) per kind) in proportion to speed, in whole samples: the least T with
+    Σ count·⌊T·speed⌋ ≥ samples. One speed gives ⌈samples / count⌉ / speed."""
+    t = samples / sum(n * s for n, s in ranks)
+    while True:
+        held = [math.floor(t * s * (1 + 1e-12)) for _, s in ranks]
+        if sum(n * h for (n, _), h in zip(ranks, held, strict=True)) >= samples:
+            return t
+        # the next time at which some kind's ranks finish one more sample each
+        t = min((h + 1) / s for (_, s), h in zip(ranks, held, strict=True))
+
+
 def cost_trainer(
     cl: Cluster,
     m: ModelShape,
@@ -82,33 +111,32 @@ def cost_trainer(
 ) -> TrainerOption | None:
     gmap = {g.name: g for g in cl.spec.node_groups}
     groups = [gmap[p[0]] for p in parts]
-    kind = cl.kinds[groups[0].name]
-    k = kind_constants(w.constants, kind)
+    kinds = [cl.kinds[g.name] for g in groups]
+    k = kind_constants(w.constants, kinds[0])
     dp = sum(n for _, n in parts)
     if dp > w.samples_per_step:
         return None  # a rank without a sample does nothing
     nodes = dp // per_node
     intra = min(g.intra_node.bandwidth_gbs for g in groups)
     inter, lat = _links(cl, groups)
-    per_rank = math.ceil(w.samples_per_step / dp)
-    if prof is not None and prof.has(kind.name):
-        toks = per_rank * (w.prompt_tokens + w.response_tokens)
-        compute = toks / prof.train_tokens_per_s(kind.name)
-    else:
-        compute = per_rank * train_flops_per_sample(m, w) / (kind.bf16_tflops * 1e12 * k.train_mfu)
+    speeds = tuple(rank_speed(m, w, kd, prof) for kd in kinds)
+    compute = shared_compute_s(
+        w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
+    )
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
+    hbm = min(kd.hbm_gb for kd in kinds)  # every kind holds the same per-rank states
     best: TrainerOption | None = None
     stages = (0, 1, 2, 3) if dp > 1 else (0,)
     if w.zero_stage is not None:
         stages = (w.zero_stage,)  # pinned: DeepSpeed runs any stage on one rank too
     for zero in stages:
         mem = train_memory_gb(m, w, dp, zero)
-        if mem > kind.hbm_gb:
+        if mem > hbm:
             continue
         comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat)
         step = compute + (1 - k.comm_overlap) * comm + publish
         cand = TrainerOption(
-            kind=kind.name,
+            kind="+".join(dict.fromkeys(kd.name for kd in kinds)),
             parts=parts,
             per_node=per_node,
             dp=dp,
@@ -121,11 +149,53 @@ def cost_trainer(
             samples_per_s=w.samples_per_step / step,
             usd_per_h=sum(n * gmap[g].usd_per_gpu_hour for g, n in parts),
             zones=tuple(dict.fromkeys(g.zone for g in groups)),
+            part_kinds=tuple(kd.name for kd in kinds),
+            part_speeds=speeds,
         )
         # Same GPUs, same price: keep the fastest stage, and among equals the leanest.
         if best is None or cand.step_s <= best.step_s * (1 + 1e-9):
             best = cand
     return best
+
+
+def _mixed_layouts(
+    cl: Cluster, speed: dict[str, float], max_dp: int
+) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    """Whole machines of several kinds in one region with equal GPUs per node, kinds by
+    training speed k1 > k2 > …: all of k1 plus m machines of k2, all of k1 and k2 plus m
+    of k3, …, and all of k_i plus m of k_i+1 for each later pair of neighbours. At most
+    two candidates per machine of the cluster."""
+    pools: dict[tuple[str, int], dict[str, list[NodeGroup]]] = {}
+    for g in cl.spec.node_groups:
+        key = (cl.zone_of[g.zone].region, g.gpus_per_node)
+        pools.setdefault(key, {}).setdefault(cl.kinds[g.name].name, []).append(g)
+    out: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    for (_, gpn), by_kind in sorted(pools.items()):
+        order = sorted(by_kind, key=lambda kd: (-speed[kd], kd))
+        ranked = [sorted(by_kind[kd], key=lambda g: (-g.nodes, g.name)) for kd in order]
+        for i in range(len(order) - 1):
+            head = tuple((g.name, g.nodes * gpn) for g in ranked[i])
+            for j in range(i + 1, len(order) if i == 0 else i + 2):
+                out += _fill(head, ranked[j], gpn, max_dp)
+                head += tuple((g.name, g.nodes * gpn) for g in ranked[j])
+    return out
+
+
+def _fill(
+    head: tuple[tuple[str, int], ...], groups: list[NodeGroup], gpn: int, max_dp: int
+) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    """`head` plus 1, 2, … machines of `groups`, filled group by group, up to `max_dp`."""
+    out: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    dp = sum(n for _, n in head)
+    full: tuple[tuple[str, int], ...] = ()
+    for g in groups:
+        for m in range(1, g.nodes + 1):
+            if dp + m * gpn > max_dp:
+                return out
+            out.append((head + full + ((g.name, m * gpn),), gpn))
+        full += ((g.name, g.nodes * gpn),)
+        dp += g.nodes * gpn
+    return out
 
 
 def trainer_configs(
@@ -134,11 +204,14 @@ def trainer_configs(
     by_kind: dict[str, list[NodeGroup]] = {}
     for g in cl.spec.node_groups:
         by_kind.setdefault(cl.kinds[g.name].name, []).append(g)
-    out: list[TrainerOption] = []
+    layouts: list[tuple[tuple[tuple[str, int], ...], int]] = []
     for groups in by_kind.values():
-        layouts = _layouts(groups, w.samples_per_step) + _multi_group_layouts(cl, groups)
-        for parts, per_node in layouts:
-            c = cost_trainer(cl, m, w, parts, per_node, prof)
-            if c is not None:
-                out.append(c)
+        layouts += _layouts(groups, w.samples_per_step) + _multi_group_layouts(cl, groups)
+    speed = {kd: rank_speed(m, w, cl.kinds[gs[0].name], prof) for kd, gs in by_kind.items()}
+    layouts += _mixed_layouts(cl, speed, w.samples_per_step)
+    out: list[TrainerOption] = []
+    for parts, per_node in layouts:
+        c = cost_trainer(cl, m, w, parts, per_node, prof)
+        if c is not None:
+            out.append(c)
     return out
