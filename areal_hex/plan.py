@@ -9,11 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from areal_hex.config.base import Section, build, read_yaml
 
-PLAN_SCHEMA_VERSION = 1
+# 2: a trainer across GPU kinds (`trainer.gpu_kinds`, `trainer.rank_speeds`); version 1
+# files load unchanged (the new fields are optional).
+PLAN_SCHEMA_VERSION = 2
 
 
 class DeviceSlot(Section):
@@ -39,6 +41,36 @@ class TrainerPlacement(Section):
     zero_stage: int = Field(ge=0, le=3)
     placements: list[DeviceSlot]  # one per node the trainer spans, in rank order
     predicted_tokens_per_s: float = Field(ge=0)
+    # A trainer across GPU kinds (heterogeneous data parallelism): `gpu_kind` is then a
+    # label ("H800+H20"), `gpu_kinds` the kind of each placement, and `rank_speeds` the
+    # planned training tokens/s of each rank in rank order (`trainer.rank_speeds`: shares
+    # of a step in proportion). None for a trainer of one kind.
+    gpu_kinds: list[str] | None = None
+    rank_speeds: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _per_node_and_rank(self) -> TrainerPlacement:
+        if self.gpu_kinds is not None and len(self.gpu_kinds) != len(self.placements):
+            raise ValueError(
+                f"gpu_kinds has {len(self.gpu_kinds)} entries for {len(self.placements)} "
+                "placements: expected one GPU kind per placement"
+            )
+        speeds = self.rank_speeds
+        if speeds is not None and (len(speeds) != self.world_size or min(speeds) <= 0):
+            raise ValueError(
+                f"rank_speeds has {len(speeds)} values for world_size {self.world_size}: "
+                "expected one positive speed per rank"
+            )
+        return self
+
+    @property
+    def kinds(self) -> list[str]:
+        """The GPU kinds the trainer runs on, in rank order of first use."""
+        return list(dict.fromkeys(self.gpu_kinds)) if self.gpu_kinds else [self.gpu_kind]
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.kinds) > 1
 
 
 class Prediction(Section):
@@ -91,7 +123,8 @@ class PlanSources(Section):
 
 
 class Plan(Section):
-    schema_version: int = PLAN_SCHEMA_VERSION
+    # a plan written by a newer areal-hex may hold fields this one does not know
+    schema_version: int = Field(PLAN_SCHEMA_VERSION, ge=1, le=PLAN_SCHEMA_VERSION)
     cluster: str
     model: str  # preset name or HF config path the plan was made for
     objective: str  # "throughput" | "cost"

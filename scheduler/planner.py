@@ -18,13 +18,21 @@ from scheduler.assess import Assessment, assess
 from scheduler.cluster import Cluster
 from scheduler.costmodel import (
     RolloutOption,
+    TrainerOption,
     decode_step_s,
     kind_constants,
     rollout_configs,
 )
 from scheduler.milp import PlanSpace, Solution, build_problem, solve, solve_per_kind
 from scheduler.model_shape import ModelShape
-from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
+from scheduler.partition import (
+    Placement,
+    PlacementCost,
+    evaluate,
+    first_fit,
+    node_names,
+    place,
+)
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
 from scheduler.topology import Topology
@@ -356,6 +364,22 @@ def simulate_solution(
     )
 
 
+def _mixed_trainer(
+    cl: Cluster, c: TrainerOption, pl: Placement, toks: int
+) -> dict[str, list[str] | list[float]]:
+    """A trainer across kinds: each placement's GPU kind and each rank's planned training
+    tokens/s (the shares `trainer.rank_speeds` gives the ranks)."""
+    group_of = {name: g.name for g in cl.spec.node_groups for name in node_names(g)}
+    speed = dict(zip(c.part_kinds, c.part_speeds, strict=True))
+    kinds = [cl.kinds[group_of[node]].name for node, _ in pl.trainer]
+    ranks = [
+        round(speed[kind] * toks, 2)
+        for kind, (_, ids) in zip(kinds, pl.trainer, strict=True)
+        for _ in ids
+    ]
+    return {"gpu_kinds": kinds, "rank_speeds": ranks}
+
+
 def to_plan(
     cl: Cluster,
     m: ModelShape,
@@ -398,6 +422,7 @@ def to_plan(
         zero_stage=c.zero,
         placements=[DeviceSlot(node=n, gpu_ids=ids) for n, ids in pl.trainer],
         predicted_tokens_per_s=round(c.samples_per_s * toks, 2),
+        **(_mixed_trainer(cl, c, pl, toks) if c.mixed else {}),
     )
     best_homo = max(homo.items(), key=lambda kv: kv[1], default=(None, 0.0))
     return Plan(

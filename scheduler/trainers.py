@@ -207,8 +207,9 @@ def trainer_configs(
     layouts: list[tuple[tuple[tuple[str, int], ...], int]] = []
     for groups in by_kind.values():
         layouts += _layouts(groups, w.samples_per_step) + _multi_group_layouts(cl, groups)
-    speed = {kd: rank_speed(m, w, cl.kinds[gs[0].name], prof) for kd, gs in by_kind.items()}
-    layouts += _mixed_layouts(cl, speed, w.samples_per_step)
+    if w.mixed_trainer:
+        speed = {kd: rank_speed(m, w, cl.kinds[gs[0].name], prof) for kd, gs in by_kind.items()}
+        layouts += _mixed_layouts(cl, speed, w.samples_per_step)
     out: list[TrainerOption] = []
     for parts, per_node in layouts:
         c = cost_trainer(cl, m, w, parts, per_node, prof)

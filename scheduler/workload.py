@@ -67,6 +67,9 @@ class Workload(Section):
     # ZeRO stage (trainer.zero_stage). None lets the planner choose.
     rollout_tp: int | None = Field(None, gt=0)
     zero_stage: int | None = Field(None, ge=0, le=3)
+    # A trainer may span GPU kinds (heterogeneous data parallelism); false keeps it on
+    # one kind (`plan --one-kind-trainer`: what `deploy` renders).
+    mixed_trainer: bool = True
     constants: CostConstants = CostConstants()
 
     @property

@@ -37,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=(0, 1, 2, 3),
         help="trainer ZeRO stage (match trainer.zero_stage for deploy)",
     )
+    p.add_argument(
+        "--one-kind-trainer",
+        action="store_true",
+        help="keep the trainer on one GPU kind (deploy renders no trainer across kinds)",
+    )
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC time limit, s")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator replay")
     p.add_argument(
@@ -105,6 +110,8 @@ def _plan(args: argparse.Namespace) -> int:
         w = w.model_copy(update={"rollout_tp": args.tp})
     if args.zero_stage is not None:
         w = w.model_copy(update={"zero_stage": args.zero_stage})
+    if args.one_kind_trainer:
+        w = w.model_copy(update={"mixed_trainer": False})
     prof = load_profile(args.profile, m.params) if args.profile else None
     tried = None
     if args.max_staleness is not None or args.max_publish_interval is not None:

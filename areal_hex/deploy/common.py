@@ -157,6 +157,20 @@ def service_name(prefix: str, svc: ServiceSpec) -> str:
 # ---------------------------------------------------------------- checks
 
 
+def refuse_mixed_trainer(plan: Plan, target: str) -> None:
+    """A trainer across GPU kinds needs every rank on a machine of the kind its
+    `rank_speeds` entry assumes; the targets render one trainer of one kind (one pod
+    template, one allocation), so they refuse it rather than share a step wrongly."""
+    t = plan.trainer
+    if t.mixed:
+        raise ConfigError(
+            f"plan.trainer.gpu_kinds: the trainer spans GPU kinds {' + '.join(t.kinds)} "
+            f"(heterogeneous data parallelism), but --target {target} renders a trainer of "
+            f"one GPU kind only; run it with `areal-hex run --plan`, or plan again with "
+            f"`areal-hex plan --one-kind-trainer` for a plan this target deploys"
+        )
+
+
 def check_plan(
     cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig, target: str, layout: Layout
 ) -> None:
@@ -458,6 +472,7 @@ def prepare(
     cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig, target: str, out_dir: Path
 ) -> Deployment:
     """Check, then resolve: the one entry both renderers start from."""
+    refuse_mixed_trainer(plan, target)
     layout = build_layout(cfg, plan)
     check_plan(cfg, plan, dcfg, target, layout)
     prefix = object_prefix(run_id(cfg, plan), dcfg.name)

@@ -41,6 +41,7 @@ from areal_hex.deploy.common import (
     check_plan,
     load_secrets,
     object_prefix,
+    refuse_mixed_trainer,
     resolve_config,
     run_id,
     slug,
@@ -155,6 +156,7 @@ def prepare_job(
     cfg: ExperimentConfig, plan: Plan, site: SiteConfig, out_dir: Path, site_source: str
 ) -> SlurmJob:
     """Check (every problem at once), resolve the config, lay out components and steps."""
+    refuse_mixed_trainer(plan, "slurm")
     dcfg = deploy_config(cfg, plan, site)
     errors = site_errors(cfg, plan, site, site_source)
     view = plan_view(cfg, plan, site)

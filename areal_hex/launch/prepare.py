@@ -122,14 +122,25 @@ def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
 
 def apply_plan(cfg: ExperimentConfig, plan: Plan | None) -> ExperimentConfig:
     """Size the local job as planned: one server per planned instance, the trainer's
-    ranks and ZeRO stage (a planned local run is a single-node one)."""
+    ranks and ZeRO stage (a planned local run is a single-node one), and for a trainer
+    across GPU kinds the ranks' speeds (`trainer.rank_speeds`)."""
     if plan is None:
         return cfg
     cfg = cfg.model_copy(deep=True)
     cfg.inference.num_servers = len(plan.rollout)
     cfg.trainer.num_ranks = max(len(p.gpu_ids) for p in plan.trainer.placements)
     cfg.trainer.zero_stage = plan.trainer.zero_stage
+    if plan.trainer.rank_speeds is not None:
+        cfg.trainer.rank_speeds = local_rank_speeds(plan.trainer.rank_speeds, cfg.trainer.num_ranks)
     return cfg
+
+
+def local_rank_speeds(planned: list[float], ranks: int) -> list[float]:
+    """Speeds for the `ranks` ranks a local run starts out of the plan's: the middle rank
+    of each of `ranks` equal slices of the planned ranks, so that one node's worth of
+    ranks keeps the plan's mix of GPU kinds (all of them when the counts agree)."""
+    n = len(planned)
+    return [planned[(2 * r + 1) * n // (2 * ranks)] for r in range(ranks)]
 
 
 def default_run_id(cfg: ExperimentConfig) -> str:
