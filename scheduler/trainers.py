@@ -32,9 +32,10 @@ from scheduler.profile import Profile
 from scheduler.workload import Workload
 
 FINE_MACHINES = 2
+Layout = tuple[tuple[tuple[str, int], ...], int]  # (node group, GPUs) parts, ranks per node
 
 
-def _layouts(groups: list[NodeGroup], max_dp: int) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+def _layouts(groups: list[NodeGroup], max_dp: int) -> list[Layout]:
     """(parts, per_node) layouts of one group: p ranks on each of m machines, every p on
     up to `FINE_MACHINES` machines, whole machines beyond (the steps between sizes are
     then one machine, what a budget may strand anyway); for each data-parallel size up to
@@ -158,34 +159,32 @@ def cost_trainer(
     return best
 
 
-def _mixed_layouts(
-    cl: Cluster, speed: dict[str, float], max_dp: int
-) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+def _mixed_layouts(cl: Cluster, speed: dict[str, float], max_dp: int) -> list[list[Layout]]:
     """Whole machines of several kinds in one region with equal GPUs per node, kinds by
-    training speed k1 > k2 > …: all of k1 plus m machines of k2, all of k1 and k2 plus m
-    of k3, …, and all of k_i plus m of k_i+1 for each later pair of neighbours. At most
-    two candidates per machine of the cluster."""
+    training speed k1 > k2 > …: all of k1 plus m = 1, 2, … machines of k2, all of k1 and
+    k2 plus m of k3, …, and all of k_i plus m of k_i+1 for each later pair of neighbours.
+    One sequence per head (the head itself first), at most two layouts per machine."""
     pools: dict[tuple[str, int], dict[str, list[NodeGroup]]] = {}
     for g in cl.spec.node_groups:
         key = (cl.zone_of[g.zone].region, g.gpus_per_node)
         pools.setdefault(key, {}).setdefault(cl.kinds[g.name].name, []).append(g)
-    out: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    out: list[list[Layout]] = []
     for (_, gpn), by_kind in sorted(pools.items()):
         order = sorted(by_kind, key=lambda kd: (-speed[kd], kd))
         ranked = [sorted(by_kind[kd], key=lambda g: (-g.nodes, g.name)) for kd in order]
         for i in range(len(order) - 1):
             head = tuple((g.name, g.nodes * gpn) for g in ranked[i])
             for j in range(i + 1, len(order) if i == 0 else i + 2):
-                out += _fill(head, ranked[j], gpn, max_dp)
+                out.append([(head, gpn), *_fill(head, ranked[j], gpn, max_dp)])
                 head += tuple((g.name, g.nodes * gpn) for g in ranked[j])
     return out
 
 
 def _fill(
     head: tuple[tuple[str, int], ...], groups: list[NodeGroup], gpn: int, max_dp: int
-) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+) -> list[Layout]:
     """`head` plus 1, 2, … machines of `groups`, filled group by group, up to `max_dp`."""
-    out: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    out: list[Layout] = []
     dp = sum(n for _, n in head)
     full: tuple[tuple[str, int], ...] = ()
     for g in groups:
@@ -198,21 +197,39 @@ def _fill(
     return out
 
 
+def _growing(
+    cl: Cluster, m: ModelShape, w: Workload, seq: list[Layout], prof: Profile | None
+) -> list[TrainerOption]:
+    """The layouts of a sequence (each the last plus one machine) that train faster than
+    every smaller one: a larger trainer that is not faster costs more, takes more GPUs
+    and is never the better choice. The head (first) is a candidate of its own already."""
+    head = cost_trainer(cl, m, w, *seq[0], prof)
+    best = head.samples_per_s if head is not None else 0.0
+    out: list[TrainerOption] = []
+    for parts, per_node in seq[1:]:
+        c = cost_trainer(cl, m, w, parts, per_node, prof)
+        if c is not None and c.samples_per_s > best:
+            best = c.samples_per_s
+            out.append(c)
+    return out
+
+
 def trainer_configs(
     cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None
 ) -> list[TrainerOption]:
     by_kind: dict[str, list[NodeGroup]] = {}
     for g in cl.spec.node_groups:
         by_kind.setdefault(cl.kinds[g.name].name, []).append(g)
-    layouts: list[tuple[tuple[tuple[str, int], ...], int]] = []
+    layouts: list[Layout] = []
     for groups in by_kind.values():
         layouts += _layouts(groups, w.samples_per_step) + _multi_group_layouts(cl, groups)
-    if w.mixed_trainer:
-        speed = {kd: rank_speed(m, w, cl.kinds[gs[0].name], prof) for kd, gs in by_kind.items()}
-        layouts += _mixed_layouts(cl, speed, w.samples_per_step)
     out: list[TrainerOption] = []
     for parts, per_node in layouts:
         c = cost_trainer(cl, m, w, parts, per_node, prof)
         if c is not None:
             out.append(c)
+    if w.mixed_trainer:
+        speed = {kd: rank_speed(m, w, cl.kinds[gs[0].name], prof) for kd, gs in by_kind.items()}
+        for seq in _mixed_layouts(cl, speed, w.samples_per_step):
+            out += _growing(cl, m, w, seq, prof)
     return out
