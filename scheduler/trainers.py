@@ -200,9 +200,10 @@ def _fill(
 def _growing(
     cl: Cluster, m: ModelShape, w: Workload, seq: list[Layout], prof: Profile | None
 ) -> list[TrainerOption]:
-    """The layouts of a sequence (each the last plus one machine) that train faster than
-    every smaller one: a larger trainer that is not faster costs more, takes more GPUs
-    and is never the better choice. The head (first) is a candidate of its own already."""
+    """The layouts of a sequence (the head, then each the last plus one machine) that
+    train faster than every smaller one: a larger trainer that is not faster costs more
+    and takes more GPUs than a smaller one, which is a candidate (the head: a one-kind
+    layout, or the end of the previous sequence) or is itself beaten by a smaller one."""
     head = cost_trainer(cl, m, w, *seq[0], prof)
     best = head.samples_per_s if head is not None else 0.0
     out: list[TrainerOption] = []
