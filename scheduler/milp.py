@@ -218,6 +218,10 @@ def _model(
     prob += R <= pulp.lpSum(G.values())
     for c in cis:
         prob += R <= pulp.lpSum((1 - p.pause[(z, c)]) * G[z] for z in zones) + big_m * (1 - x[c])
+    users: dict[str, list[int]] = {}  # node group -> trainers taking GPUs of it
+    for c in cis:
+        for g in dict.fromkeys(g for g, _ in p.trainers[c].parts):
+            users.setdefault(g, []).append(c)
     for g, total in p.gpus.items():
         for t in p.tps.get(g) or [1]:
             lhs = pulp.lpSum(
@@ -225,7 +229,7 @@ def _model(
                 for i in ris
                 if p.rollouts[i].group == g and p.rollouts[i].tp >= t
             )
-            lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in cis]
+            lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in users.get(g, [])]
             prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
     cost = pulp.lpSum(p.rollouts[i].usd_per_h * y[i] for i in ris) + pulp.lpSum(
         p.trainers[c].usd_per_h * x[c] for c in cis
