@@ -153,7 +153,11 @@ def solve(
     `cheapest` (max R only), a second solve picks the cheapest plan at that rate."""
     t0 = time.perf_counter()
     ris = [i for i, r in enumerate(p.rollouts) if allowed_kinds is None or r.kind in allowed_kinds]
-    cis = [i for i, c in enumerate(p.trainers) if allowed_kinds is None or c.kind in allowed_kinds]
+    cis = [
+        i
+        for i, c in enumerate(p.trainers)
+        if allowed_kinds is None or set(c.kinds) <= allowed_kinds  # every kind it spans
+    ]
     if not ris or not cis:
         return None
     prob, y, x, R, cost = _model(p, ris, cis, budget, target)

@@ -16,7 +16,7 @@ from areal_hex.launch.predict import predict_run
 from areal_hex.launch.prepare import apply_plan, local_rank_speeds
 from areal_hex.plan import PlanSources, load_plan, save_plan
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
-from scheduler.milp import solve_per_kind
+from scheduler.milp import solve, solve_per_kind
 from scheduler.model_shape import load_model_shape
 from scheduler.planner import make_plan
 from scheduler.trainers import cost_trainer, rank_speed, shared_compute_s, trainer_configs
@@ -89,6 +89,8 @@ def test_homogeneous_baselines_stay_one_kind(planned) -> None:
     assert set(sols) == {"H800", "H20"}
     for kind, sol in sols.items():
         assert sol is not None and not sol.trainer.mixed and sol.trainer.kind == kind
+    both = solve(res.problem, budget=BUDGET, allowed_kinds={"H800", "H20"})
+    assert both is not None and both.trainer.mixed  # allowed when every kind it spans is
 
 
 def test_each_kind_must_hold_the_stage_in_its_own_hbm() -> None:
