@@ -88,3 +88,27 @@ def test_uneven_shares_give_the_whole_batch_gradient(tmp_path: Any, aggregation:
     assert uneven["loss"] == pytest.approx(whole["loss"], abs=1e-6)  # global counts
     for k, g in whole["grads"].items():
         torch.testing.assert_close(uneven["grads"][k], g, atol=1e-5, rtol=1e-5)
+
+
+def test_ranks_run_only_their_share_outside_lockstep(tmp_path: Any) -> None:
+    """ZeRO-0/1 (no collective in a micro-batch's passes): no padding to the busiest rank;
+    a rank without a share runs one zero-weight micro-batch, so it still has gradients."""
+    from areal_hex.models import load_model, materialize
+    from trainer_service.step import plan_micro_batches
+    from trainer_service.synthetic import synthetic_groups
+
+    d = materialize(ModelConfig(tiny=TinyModelConfig(num_layers=1)), tmp_path / "m")
+    model = load_model(d)
+    groups = synthetic_groups(4, 4, model.config.vocab_size, seed=3, temperature=0.8)
+    algo = AlgoConfig()
+
+    def rows(rank: int, speeds: list[float]) -> list[list[int]]:
+        ctx = StepContext(PlainEngine(model), algo, 64, 16, 0, rank=rank, world=2)
+        ctx.speeds, ctx.lockstep = speeds, False
+        mbs, _, _ = plan_micro_batches(ctx, groups)
+        return [mb.seq_index.tolist() for mb in mbs]
+
+    fast, slow = rows(0, [3.0, 1.0]), rows(1, [3.0, 1.0])
+    assert len(fast) > len(slow) > 0 and -1 not in sum(fast + slow, [])
+    assert sorted(sum(fast + slow, [])) == list(range(16))  # each sequence once
+    assert rows(1, [1e6, 1.0]) == [[-1]]  # empty share: one dummy row
