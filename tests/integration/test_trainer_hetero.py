@@ -52,7 +52,7 @@ def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | Non
     cfg = {
         "run": {"run_id": name, "output_dir": str(assets["dir"] / "runs")},
         "model": {"path": str(assets["model"])},
-        "buffer": {"groups_per_step": 8},
+        "buffer": {"groups_per_step": 16},
         "algo": {"aggregation": "seq_mean_token_mean"},
         "trainer": {
             "total_steps": STEPS,
