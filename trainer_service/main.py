@@ -26,7 +26,7 @@ from areal_hex.prom import (
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
-from trainer_service.step import THROTTLE_ENV, StepContext, throttle_factor
+from trainer_service.step import StepContext, throttle_factor, throttle_problem
 
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
@@ -95,6 +95,9 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         ref.requires_grad_(False)
     tok = load_tokenizer(paths.model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    problem = throttle_problem(t.zero_stage)
+    if problem is not None:
+        raise UsageError(problem)
     ctx = StepContext(
         engine=engine,
         algo=cfg.algo,
@@ -115,12 +118,6 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         raise UsageError(
             f"trainer.rank_speeds has {len(ctx.speeds)} values for {world} ranks: "
             "expected one speed per rank"
-        )
-    if ctx.throttle > 1.0 and ctx.lockstep:
-        raise UsageError(
-            f"{THROTTLE_ENV} with trainer.zero_stage = {t.zero_stage}: the test-only "
-            "throttle stretches compute only where a micro-batch's passes hold no "
-            "collective; expected trainer.zero_stage 0 or 1"
         )
     consumer = make_consumer(cfg) if rank == 0 else None
     return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)

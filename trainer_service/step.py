@@ -104,6 +104,21 @@ def throttle_factor(rank: int) -> float:
         raise ValueError(f"{THROTTLE_ENV}={value!r}: expected RANK:FACTOR, e.g. 1:3") from None
 
 
+def throttle_problem(zero_stage: int) -> str | None:
+    """What is wrong with the test-only throttle for a trainer at `zero_stage`, or None."""
+    try:
+        throttle_factor(0)
+    except ValueError as e:
+        return str(e)
+    if os.environ.get(THROTTLE_ENV) and zero_stage >= 2:
+        return (
+            f"{THROTTLE_ENV} (test-only) with trainer.zero_stage = {zero_stage}: the throttle "
+            "stretches compute only where a micro-batch's passes hold no collective; "
+            "expected trainer.zero_stage 0 or 1"
+        )
+    return None
+
+
 def _throttled(ctx: StepContext, t0: float) -> None:
     """Test-only: stretch this rank's compute since `t0` by its throttle factor. Callers
     time passes without a collective in them (`lockstep` off), so no wait for another

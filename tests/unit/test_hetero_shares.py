@@ -10,7 +10,13 @@ import torch
 
 from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
 from trainer_service.batching import assign_to_ranks
-from trainer_service.step import StepContext, _accumulate, _prepare, throttle_factor
+from trainer_service.step import (
+    StepContext,
+    _accumulate,
+    _prepare,
+    throttle_factor,
+    throttle_problem,
+)
 
 
 class PlainEngine:
@@ -49,9 +55,15 @@ def test_throttle_reads_rank_and_factor(monkeypatch: pytest.MonkeyPatch) -> None
     assert throttle_factor(1) == 1.0
     monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "1:3")
     assert (throttle_factor(0), throttle_factor(1)) == (1.0, 3.0)
+    assert throttle_problem(1) is None
+    # ZeRO-2/3 passes hold collectives: stretching them would stretch the waits too
+    assert "expected trainer.zero_stage 0 or 1" in (throttle_problem(2) or "")
     monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "fast")
     with pytest.raises(ValueError, match="RANK:FACTOR"):
         throttle_factor(0)
+    assert "RANK:FACTOR" in (throttle_problem(0) or "")
+    monkeypatch.delenv("AREAL_HEX_TEST_THROTTLE")
+    assert throttle_problem(3) is None
 
 
 def _grads(model: Any, groups: list, algo: AlgoConfig, world: int, speeds: list | None) -> dict:
