@@ -3,7 +3,8 @@
 binding: the resource the rate is stuck on: "training" (the trainer is the slower side),
 "generation" (rollout instances are), refined to "weight sync" when publish pauses take
 more than a sixth of the rollout instances' time, or "staleness gate" when the gate's
-in-flight cap, not the GPUs, limits generation. limits: further reasons the plan stops
+in-flight cap, not the GPUs, limits generation, or groups miss the staleness window
+(`costmodel.window_fraction`) and are dropped. limits: further reasons the plan stops
 where it does: "budget" (one more machine's price would buy a faster plan),
 "inventory" (the GPUs of the binding pool's kinds are all in use).
 homogeneous_ratio: the plan's rate over the best one-kind plan at the same budget.
@@ -17,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.cluster import Cluster
+from scheduler.costmodel import generation_at
 from scheduler.milp import PlanSpace, solve, solve_per_kind
 
 SYNC_SHARE_BINDS = 1 / 6  # pause share above which weight sync is named as the binding
+WINDOW_LOSS_BINDS = 0.02  # share of generation lost to the staleness window that binds
 
 
 @dataclass
@@ -49,8 +52,16 @@ def assess(
     capacity = sum(p.rollouts[i].samples_per_s * n for i, n in sol.replicas.items())
     pause_share = 1 - placed.gen_rate / capacity if capacity > 0 else 0.0
     in_flight = sum(p.rollouts[i].batch * n for i, n in sol.replicas.items())
+    pl, syncs = placed.placement.rollout, placed.cost.sync_s
+    items = [(rc, s, 1) for (rc, _, _), s in zip(pl, syncs, strict=True)]
+    paused = generation_at(p.workload, items, rate, window=False)
+    late = paused > 0 and placed.gen_rate < paused * (1 - WINDOW_LOSS_BINDS)
+    if paused > 0:
+        pause_share = 1 - paused / capacity if capacity > 0 else 0.0
     if train_rate <= placed.gen_rate * (1 + 1e-6):
         binding = "training"
+    elif late:
+        binding = "staleness gate"
     elif pause_share > SYNC_SHARE_BINDS:
         binding = "weight sync"
     elif in_flight >= 0.98 * p.inflight:
@@ -75,6 +86,8 @@ def assess(
     if compare_cost and sol.cost > 0:
         sols = solve_per_kind(p, target=rate, time_limit_s=time_limit_s).values()
         costs = [s.cost for s in sols if s is not None and s.eval_rate >= rate * (1 - 1e-6)]
+        if len(_kinds(p, sol)) == 1:
+            costs.append(sol.cost)  # the plan is itself a one-kind plan at this rate
         out.cost_ratio = round(min(costs) / sol.cost, 4) if costs else None
     if sync_rate > rate:
         out.recommended_mode = "synchronous"
@@ -99,3 +112,7 @@ def _pool_full(cl: Cluster, p: PlanSpace, placed, binding: str) -> bool:
         return all(free[g.name] == 0 for g in cl.spec.node_groups if cl.kinds[g.name].name == kind)
     groups = {r.group for r in p.rollouts}
     return all(free[g] == 0 for g in groups)
+
+
+def _kinds(p: PlanSpace, sol) -> set[str]:
+    return {sol.trainer.kind} | {p.rollouts[i].kind for i in sol.replicas}

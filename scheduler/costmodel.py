@@ -140,6 +140,9 @@ def kind_constants(k: CostConstants, kind: GpuKind) -> CostConstants:
     return k.model_copy(update=own) if own else k
 
 
+WINDOW_LAG = 0.5  # steps a group waits for a slot after the gate opens, on average
+
+
 def inflight_cap(w: Workload) -> int:
     """Requests the staleness gate lets run at once. submitted ≤ (v + η + 1)·B with B groups
     in the trainer's step leaves η·B groups admitted; about B of them have finished and wait
@@ -148,6 +151,73 @@ def inflight_cap(w: Workload) -> int:
     answers have already freed their slots: mean length / expected longest of G run."""
     groups = max(0.5, max(1, w.staleness) - 1) * w.groups_per_step
     return max(1, int(groups * w.group_size * _group_occupancy(w)))
+
+
+def pipeline_rate(
+    w: Workload, train: float, instances: list[tuple[RolloutOption, float, int]]
+) -> tuple[float, float]:
+    """(rate, useful generation rate) of a plan with training rate `train` and rollout
+    instances (option, s seconds paused per publish, count).
+
+    Publishes come every k·B·G trained samples, so at rate R an instance pauses a share
+    s·R/(kBG) and generates h·(1 − s·R/(kBG)). A group is useful when it lands inside
+    the staleness window (`window_fraction`); the rest come back too stale and are
+    dropped. R is the largest rate the useful generation sustains, capped by training:
+    the root of Σ h·(1 − s·R/(kBG))·fraction(R) = R (the left side falls as R grows),
+    by bisection."""
+
+    def useful(rate: float) -> float:
+        return generation_at(w, instances, rate)
+
+    if useful(train) >= train:
+        return train, useful(train)
+    lo, hi = 0.0, train
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if useful(mid) >= mid:
+            lo = mid
+        else:
+            hi = mid
+    return lo, useful(lo)
+
+
+def generation_at(
+    w: Workload,
+    instances: list[tuple[RolloutOption, float, int]],
+    rate: float,
+    window: bool = True,
+) -> float:
+    """Samples/s the instances (option, pause per publish, count) generate at pipeline
+    rate `rate`, less their pauses and (with `window`) the groups that miss the staleness
+    window."""
+    k = w.publish_interval * w.samples_per_step
+    return sum(
+        n
+        * r.samples_per_s
+        * max(0.0, 1 - s * rate / k)
+        * (window_fraction(w, r, s, rate) if window else 1.0)
+        for r, s, n in instances
+    )
+
+
+def window_fraction(w: Workload, r: RolloutOption, sync_s: float, rate: float) -> float:
+    """Share of instance `r`'s groups that finish inside the staleness window at `rate`.
+
+    A group admitted as the gate opens for step s must have finished when the trainer
+    starts step s, η steps of B·G/R seconds later, less `WINDOW_LAG` steps spent waiting
+    for a slot; meanwhile the instance pauses s seconds per k steps. The group's longest
+    answer, decoded at the instance's full batch, must fit what is left: ℓ* tokens.
+    Answers are L·U(0.5, 1.5) (capped at the maximum), so the longest of G fits with
+    probability (ℓ*/L − 0.5)^G."""
+    if rate <= 0:
+        return 1.0
+    window = max(0.5, w.staleness - WINDOW_LAG)
+    left = window * w.samples_per_step / rate - window * sync_s / w.publish_interval
+    tokens = (left - r.prefill_s) / r.step_s
+    if tokens >= w.max_response_tokens:
+        return 1.0
+    x = tokens / w.response_tokens - 0.5
+    return min(1.0, max(0.0, x)) ** w.group_size
 
 
 def _group_occupancy(w: Workload) -> float:

@@ -31,7 +31,13 @@ import pulp
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, TrainerOption, inflight_cap, weight_sync_s
+from scheduler.costmodel import (
+    RolloutOption,
+    TrainerOption,
+    inflight_cap,
+    pipeline_rate,
+    weight_sync_s,
+)
 from scheduler.model_shape import ModelShape
 from scheduler.workload import Workload
 
@@ -54,6 +60,7 @@ class PlanSpace:
     inflight: int  # requests the staleness gate admits at once (Σ y_ψ·batch_ψ ≤ this)
     sync_s: dict[tuple[str, int], float]  # (zone, trainer index) -> pause per publish, s
     publish_samples: int  # samples trained between two publishes (k·B·G)
+    workload: Workload  # for the staleness window (`costmodel.window_fraction`)
 
 
 @dataclass
@@ -82,11 +89,20 @@ def build_problem(
     zones = sorted({r.zone for r in rollouts})
     pause: dict[tuple[str, int], float] = {}
     sync: dict[tuple[str, int], float] = {}
+    # The pause share at rate R is s·R/(kBG). Charged at an upper bound of R, the MILP's
+    # rate stays a lower bound of the exact one. R is at most the trainer's rate, and at
+    # most what every GPU of the inventory C could generate with the pauses of the zone
+    # that pauses least: R ≤ C·(1 − a·R), a = s_min/(kBG), so R ≤ C/(1 + a·C). The
+    # smaller bound keeps a fast trainer's publish period off slow rollouts.
+    ceiling = _generation_ceiling(cl, rollouts)
+    publish = w.publish_interval * w.samples_per_step
     for i, c in enumerate(trainers):
-        period = w.publish_interval * c.step_s
         for z in zones:
             sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)
-            pause[(z, i)] = min(1.0, sync[(z, i)] / period)
+        a = min((sync[(z, i)] for z in zones), default=0.0) / publish
+        bound = min(c.samples_per_s, ceiling / (1 + a * ceiling))
+        for z in zones:
+            pause[(z, i)] = min(1.0, sync[(z, i)] * bound / publish)
     groups = cl.spec.node_groups
     tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
     return PlanSpace(
@@ -99,6 +115,17 @@ def build_problem(
         inflight_cap(w),
         sync,
         w.publish_interval * w.samples_per_step,
+        w,
+    )
+
+
+def _generation_ceiling(cl: Cluster, rollouts: list[RolloutOption]) -> float:
+    """Samples/s if every GPU generated at its group's best rate per GPU."""
+    best: dict[str, float] = {}
+    for r in rollouts:
+        best[r.group] = max(best.get(r.group, 0.0), r.samples_per_s / r.tp)
+    return sum(
+        best.get(g.name, 0.0) * g.nodes * g.gpus_per_node for g in cl.spec.node_groups
     )
 
 
@@ -129,22 +156,8 @@ def evaluate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> tuple[float, float]
     is the bottleneck and conservative otherwise; this is the exact figure.
     """
     c = p.trainers[c_idx]
-    g_z: dict[str, float] = {}
-    for i, n in y.items():
-        r = p.rollouts[i]
-        g_z[r.zone] = g_z.get(r.zone, 0.0) + n * r.samples_per_s
-    zones = set(g_z)
-    while True:
-        a = sum(g_z[z] for z in zones)
-        b = sum(g_z[z] * p.sync_s[(z, c_idx)] / p.publish_samples for z in zones)
-        gen = a / (1 + b)
-        rate = min(c.samples_per_s, gen)
-        dead = {z for z in zones if p.sync_s[(z, c_idx)] * rate / p.publish_samples >= 1}
-        if not dead:
-            break
-        zones -= dead
-    gen_at = sum(g_z[z] * (1 - p.sync_s[(z, c_idx)] * rate / p.publish_samples) for z in zones)
-    return rate, gen_at
+    items = [(p.rollouts[i], p.sync_s[(p.rollouts[i].zone, c_idx)], n) for i, n in y.items()]
+    return pipeline_rate(p.workload, c.samples_per_s, items)
 
 
 def solve(
@@ -224,6 +237,10 @@ def _model(
     prob += R <= pulp.lpSum(G.values())
     for c in cis:
         prob += R <= pulp.lpSum((1 - p.pause[(z, c)]) * G[z] for z in zones) + big_m * (1 - x[c])
+    users: dict[str, list[int]] = {}  # node group -> trainers taking GPUs of it
+    for c in cis:
+        for g in dict.fromkeys(g for g, _ in p.trainers[c].parts):
+            users.setdefault(g, []).append(c)
     for g, total in p.gpus.items():
         for t in p.tps.get(g) or [1]:
             lhs = pulp.lpSum(
@@ -231,7 +248,7 @@ def _model(
                 for i in ris
                 if p.rollouts[i].group == g and p.rollouts[i].tp >= t
             )
-            lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in cis]
+            lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in users.get(g, [])]
             prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
     cost = pulp.lpSum(p.rollouts[i].usd_per_h * y[i] for i in ris) + pulp.lpSum(
         p.trainers[c].usd_per_h * x[c] for c in cis

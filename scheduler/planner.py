@@ -20,6 +20,7 @@ from scheduler.costmodel import (
     RolloutOption,
     decode_step_s,
     kind_constants,
+    pipeline_rate,
     rollout_configs,
 )
 from scheduler.milp import PlanSpace, Solution, build_problem, solve, solve_per_kind
@@ -180,9 +181,16 @@ def make_plan(
             # better than the mixed pick, it is the plan (at its cheapest)
             if budget is not None and hp is not None and hp.rate > best.rate:
                 again = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-                best = placed(cl, m, w, p, again or hs)
+                cheaper = placed(cl, m, w, p, again) if again is not None else hp
+                best = cheaper if cheaper.rate >= hp.rate * (1 - TARGET_TOLERANCE) else hp
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
+    if best.rate <= 0:
+        raise ConfigError(
+            f"no asynchronous plan generates anything on cluster {cl.spec.name!r}: every "
+            "rollout instance would spend all its time paused for weight syncs; raise "
+            "the workload's publish_interval or groups_per_step, or run synchronously"
+        )
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
     ff = ff_sim = None
     if Topology(cl).declared:
@@ -213,21 +221,11 @@ def placed(
 def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float, float]:
     """(rate, generation rate) of a placed plan, as `milp.evaluate` but with the trainer's
     step and each instance's sync pause from the placement: R = min(t, Σh / (1 + Σ h·s /
-    (kBG))), instances whose pause share reaches 1 generating nothing."""
+    (kBG)), each instance's staleness window), instances whose pause share reaches 1
+    generating nothing."""
     train = w.samples_per_step / cost.train_step_s
-    per = [(rc.samples_per_s, s) for (rc, _, _), s in zip(pl.rollout, cost.sync_s, strict=True)]
-    k = w.publish_interval * w.samples_per_step
-    live = list(range(len(per)))
-    while True:
-        a = sum(per[i][0] for i in live)
-        b = sum(per[i][0] * per[i][1] / k for i in live)
-        rate = min(train, a / (1 + b))
-        dead = {i for i in live if per[i][1] * rate / k >= 1}
-        if not dead:
-            break
-        live = [i for i in live if i not in dead]
-    gen = sum(per[i][0] * (1 - per[i][1] * rate / k) for i in live)
-    return rate, gen
+    items = [(rc, s, 1) for (rc, _, _), s in zip(pl.rollout, cost.sync_s, strict=True)]
+    return pipeline_rate(w, train, items)
 
 
 def _meet_target_placed(

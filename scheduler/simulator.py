@@ -4,7 +4,8 @@ staleness gate, the buffer, trainer steps and weight syncs.
 Each instance decodes its active requests in lock-step; a step with n active requests
 takes step_fn(n) seconds (the cost model's decode step at batch n), a new request first
 stalls the instance for its prefill, and a weight sync stalls it for its sync time. The
-controller admits a group only while submitted ≤ (v + η + 1)·B (and, if set, fewer than
+controller admits a group only while submitted ≤ (v + η + 1)·B (groups dropped as stale
+taken off, as the buffer does) (and, if set, fewer than
 `max_inflight_groups` admitted groups are unfinished, the controller's cap), spreads
 samples over instances with free slots (least loaded first). A group's version is that of
 the weights the instances held when it was admitted. The trainer drops, and counts,
@@ -93,6 +94,7 @@ class Simulation:
         self.now, self.version, self.submitted, self.trained = 0.0, 0, 0, 0
         self.served = 0  # version of the weights the instances hold (the last publish)
         self.dropped = 0
+        self.given_back = 0  # dropped groups, handed back to the gate as the buffer does
         self.group_left: dict[int, int] = {}  # samples still generating, per group
         self.group_ver: dict[int, int] = {}  # version of the weights that generate it
         self.req_group: dict[int, int] = {}
@@ -121,7 +123,7 @@ class Simulation:
         one instance (one batched request, as the controller sends it): the one with the
         most free slots."""
         w = self.w
-        if self.submitted >= (self.version + w.staleness + 1) * w.batch_groups:
+        if self.submitted - self.given_back >= (self.version + w.staleness + 1) * w.batch_groups:
             return False
         if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
             return False
@@ -170,7 +172,8 @@ class Simulation:
 
     # ------------------------------------------------------------ trainer
     def drop_stale(self) -> None:
-        """The consumer's rule: a group older than v − η is dropped and counted."""
+        """The consumer's rule: a group older than v − η is dropped, counted and handed
+        back to the gate."""
         floor = self.version - self.w.staleness
         keep: deque[int] = deque()
         for g in self.finished:
@@ -179,6 +182,7 @@ class Simulation:
             else:
                 del self.group_ver[g]
                 self.dropped += 1
+                self.given_back += 1
         self.finished = keep
 
     def try_train(self) -> None:

@@ -245,8 +245,9 @@ class RedisTrajectoryConsumer:
             pipe.xadd(self.keys.dead, {**fields, "time": f"{time.time():.3f}"})
         if dead:
             pipe.incrby(self.keys.dead_count, len(dead))
-        if stale:
+        if stale:  # counted, and handed back to the gate so fresh groups replace them
             pipe.incrby(self.keys.dropped_stale, len(stale))
+            pipe.decrby(self.keys.submitted, len(stale))
         ids = stale + [d[0] for d in dead]
         pipe.xack(self.keys.traj, GROUP, *ids)
         pipe.xdel(self.keys.traj, *ids)

@@ -133,10 +133,11 @@ return n
 """
 
 # Resume after a restart: set the version and recompute the gate's count from durable
-# state: every group put is acked, dropped, dead-lettered or still in the stream, and the
-# rest of the count is held by live holders (dead ones are reclaimed first). It is also
-# raised to at least version * B (a server that lost its data must not open the gate
-# wider than the bound), and the data position to at least the checkpoint's.
+# state: every group put and still counted is acked, dead-lettered or still in the stream
+# (groups dropped as stale were handed back), and the rest is held by live holders (dead
+# ones are reclaimed first). It is also raised to at least version * B (a server that
+# lost its data must not open the gate wider than the bound), and the data position to
+# at least the checkpoint's.
 # KEYS: version, weights_path, submitted, leases, reclaimed, acked, dropped_stale,
 # dead_count, traj, admitted.  ARGV: version, path, B, heartbeat key prefix, position.
 # Returns {submitted, the count it replaced}.
@@ -150,7 +151,7 @@ local held = 0
 local vals = redis.call('HVALS', KEYS[4])
 for i = 1, #vals do held = held + tonumber(vals[i]) end
 local count = held + redis.call('XLEN', KEYS[9])
-for i = 6, 8 do count = count + tonumber(redis.call('GET', KEYS[i]) or '0') end
+for _, i in ipairs({6, 8}) do count = count + tonumber(redis.call('GET', KEYS[i]) or '0') end
 count = math.max(count, tonumber(ARGV[1]) * tonumber(ARGV[3]))
 local before = tonumber(redis.call('GET', KEYS[3]) or '0')
 redis.call('SET', KEYS[3], count)

@@ -213,6 +213,7 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
     r = endpoint.sync_client()
     for i, version in enumerate([0, 1, 2, 3, 0, 3]):
         r.xadd(BufferKeys(run_id).traj, {b"d": encode_group(group(i, version))})
+    r.set(BufferKeys(run_id).submitted, 6)  # the six groups put
     RedisWeightPublisher(r, run_id, c).set_version(3, "/w/v3")
     consumer = RedisTrajectoryConsumer(r, run_id, c)
     batch = consumer.get_batch(3, timeout_s=5)  # v - eta = 2: versions 0, 1, 0 go
@@ -223,6 +224,7 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
     stats = consumer.stats()
     consumer.close()
     assert (stats.dropped_stale, stats.stream_length, stats.pending) == (3, 0, 0)
+    assert stats.submitted == 3  # the dropped groups' admissions went back to the gate
 
 
 # ---------------------------------------------------------------- dead letters
@@ -320,14 +322,15 @@ def test_restore_recounts_admissions_from_durable_state(
     pub = RedisWeightPublisher(r, run_id, cfg(groups_per_step=4))
     assert pub.restore(5, "/w/v5", position=23) == 20  # fresh Redis: submitted = v * B
     assert int(r.get(keys.admitted)) == 23  # the data position comes back from the checkpoint
-    # 25 acked, 2 dropped, 1 dead-lettered, 3 in the stream, 2 held by a live producer
+    # 25 acked, 2 dropped (handed back), 1 dead-lettered, 3 in the stream, 2 held by a
+    # live producer
     r.mset({keys.acked: 25, keys.dropped_stale: 2, keys.dead_count: 1})
     for _ in range(3):
         r.xadd(keys.traj, {b"d": b"x"})
     r.hset(keys.leases, mapping={"alive": 2, "dead": 5})
     r.set(keys.lease("alive"), 1)
-    r.set(keys.submitted, 47)  # 5 more than that: leaked by the dead holder
-    assert pub.restore(6, "/w/v6") == 25 + 2 + 1 + 3 + 2
+    r.set(keys.submitted, 45)  # 5 more than that: leaked by the dead holder
+    assert pub.restore(6, "/w/v6") == 25 + 1 + 3 + 2
     assert r.hgetall(keys.leases) == {b"alive": b"2"}
     assert int(r.get(keys.given_back("reclaimed"))) == 5
     assert int(r.get(keys.version)) == 6

@@ -105,8 +105,6 @@ def test_simulator_agrees_with_milp(name: str, workload: str) -> None:
     pred = res.plan.predicted.samples_per_s
     assert res.sim is not None and pred > 0
     assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
-    # The exact evaluation only relaxes the MILP's conservative pause charge.
-    assert res.solution.eval_rate >= res.solution.rate * (1 - 1e-9)
     assert res.sim.max_staleness <= w.staleness + 1
 
 
