@@ -60,10 +60,12 @@ def assess(
         pause_share = 1 - paused / capacity if capacity > 0 else 0.0
     if train_rate <= placed.gen_rate * (1 + 1e-6):
         binding = "training"
-    elif late or in_flight >= 0.98 * p.inflight:
+    elif late:
         binding = "staleness gate"
     elif pause_share > SYNC_SHARE_BINDS:
         binding = "weight sync"
+    elif in_flight >= 0.98 * p.inflight:
+        binding = "staleness gate"
     else:
         binding = "generation"
     out = Assessment(binding)

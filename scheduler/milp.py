@@ -89,11 +89,20 @@ def build_problem(
     zones = sorted({r.zone for r in rollouts})
     pause: dict[tuple[str, int], float] = {}
     sync: dict[tuple[str, int], float] = {}
+    # The pause share at rate R is s·R/(kBG). Charged at an upper bound of R, the MILP's
+    # rate stays a lower bound of the exact one. R is at most the trainer's rate, and at
+    # most what every GPU of the inventory C could generate with the pauses of the zone
+    # that pauses least: R ≤ C·(1 − a·R), a = s_min/(kBG), so R ≤ C/(1 + a·C). The
+    # smaller bound keeps a fast trainer's publish period off slow rollouts.
+    ceiling = _generation_ceiling(cl, rollouts)
+    publish = w.publish_interval * w.samples_per_step
     for i, c in enumerate(trainers):
-        period = w.publish_interval * c.step_s
         for z in zones:
             sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)
-            pause[(z, i)] = min(1.0, sync[(z, i)] / period)
+        a = min((sync[(z, i)] for z in zones), default=0.0) / publish
+        bound = min(c.samples_per_s, ceiling / (1 + a * ceiling))
+        for z in zones:
+            pause[(z, i)] = min(1.0, sync[(z, i)] * bound / publish)
     groups = cl.spec.node_groups
     tps = {g.name: sorted({r.tp for r in rollouts if r.group == g.name}) for g in groups}
     return PlanSpace(
@@ -107,6 +116,16 @@ def build_problem(
         sync,
         w.publish_interval * w.samples_per_step,
         w,
+    )
+
+
+def _generation_ceiling(cl: Cluster, rollouts: list[RolloutOption]) -> float:
+    """Samples/s if every GPU generated at its group's best rate per GPU."""
+    best: dict[str, float] = {}
+    for r in rollouts:
+        best[r.group] = max(best.get(r.group, 0.0), r.samples_per_s / r.tp)
+    return sum(
+        best.get(g.name, 0.0) * g.nodes * g.gpus_per_node for g in cl.spec.node_groups
     )
 
 

@@ -193,6 +193,12 @@ def make_plan(
                 best = cheaper if cheaper.rate >= hp.rate * (1 - TARGET_TOLERANCE) else hp
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
+    if best.rate <= 0:
+        raise ConfigError(
+            f"no asynchronous plan generates anything on cluster {cl.spec.name!r}: every "
+            "rollout instance would spend all its time paused for weight syncs; raise "
+            "the workload's publish_interval or groups_per_step, or run synchronously"
+        )
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
     ff = ff_sim = None
     if Topology(cl).declared:

@@ -1,6 +1,15 @@
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+# DeepSpeed JIT-builds its CPU comm op into TORCH_EXTENSIONS_DIR (default: one directory
+# per user). Two checkouts testing at once would rebuild it over each other; each
+# environment keeps its own build.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def _has_cuda() -> bool:

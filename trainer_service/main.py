@@ -7,6 +7,7 @@ This is the wiring: it reads the whole config once and hands each part its secti
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -26,7 +27,7 @@ from areal_hex.prom import (
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
-from trainer_service.step import StepContext, throttle_factor
+from trainer_service.step import StepContext, throttle_factor, throttle_problem
 
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
@@ -60,7 +61,21 @@ def init_distributed(device: str) -> tuple[int, int]:
     if device == "cuda":  # before NCCL starts: each rank owns one device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    if device == "cpu":
+        atexit.register(remove_shm_buffers)
     return dist.get_rank(), dist.get_world_size()
+
+
+def remove_shm_buffers() -> None:
+    """DeepSpeed's CPU all-reduce maps a ~69 MB file per rank in /dev/shm
+    (`deepspeed_allreduce_buffer_<n>_<master addr>_<port>_<local rank>`) and never
+    unlinks it; every run would leave its own behind in memory. Each rank removes its own."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return
+    local = os.environ.get("LOCAL_RANK", "0")
+    for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{local}"):
+        f.unlink(missing_ok=True)
 
 
 def prepare_model_dir(cfg: ExperimentConfig, paths: TrainerPaths, rank: int) -> None:
@@ -95,6 +110,9 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         ref.requires_grad_(False)
     tok = load_tokenizer(paths.model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    problem = throttle_problem(t.zero_stage)
+    if problem is not None:
+        raise UsageError(problem)
     ctx = StepContext(
         engine=engine,
         algo=cfg.algo,
@@ -109,6 +127,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         speeds=list(t.rank_speeds) if t.rank_speeds is not None else None,
         balance_measured=t.balance_measured,
         throttle=throttle_factor(rank),
+        lockstep=t.zero_stage >= 2,
     )
     if ctx.speeds is not None and len(ctx.speeds) != world:
         raise UsageError(

@@ -79,6 +79,11 @@ class StepContext:
     speeds: list[float] | None = None
     balance_measured: bool = False
     throttle: float = 1.0  # throttle_factor(rank): > 1 only under the test-only variable
+    # Whether a micro-batch's passes hold a collective (ZeRO-2/3 reduce gradients in every
+    # backward, ZeRO-3 gathers parameters in every forward): then every rank runs as many
+    # micro-batches as the busiest one. ZeRO-0/1 reduce only in `engine.step()`, so there
+    # each rank runs just its own share and a faster rank never waits mid-step.
+    lockstep: bool = True
 
 
 THROTTLE_ENV = "AREAL_HEX_TEST_THROTTLE"
@@ -86,8 +91,9 @@ THROTTLE_ENV = "AREAL_HEX_TEST_THROTTLE"
 
 def throttle_factor(rank: int) -> float:
     """Test-only stand-in for a slower device: `AREAL_HEX_TEST_THROTTLE=RANK:FACTOR` makes
-    rank RANK take FACTOR times as long over each micro-batch's passes (it sleeps the
-    difference). The heterogeneous-share tests set it; runs leave it unset."""
+    rank RANK take FACTOR times as long over each micro-batch's forward and backward (it
+    sleeps FACTOR - 1 times the compute it just did, so the delay grows with its share of
+    the work). The heterogeneous-share tests set it; runs leave it unset."""
     value = os.environ.get(THROTTLE_ENV, "")
     if not value:
         return 1.0
@@ -98,8 +104,25 @@ def throttle_factor(rank: int) -> float:
         raise ValueError(f"{THROTTLE_ENV}={value!r}: expected RANK:FACTOR, e.g. 1:3") from None
 
 
+def throttle_problem(zero_stage: int) -> str | None:
+    """What is wrong with the test-only throttle for a trainer at `zero_stage`, or None."""
+    try:
+        throttle_factor(0)
+    except ValueError as e:
+        return str(e)
+    if os.environ.get(THROTTLE_ENV) and zero_stage >= 2:
+        return (
+            f"{THROTTLE_ENV} (test-only) with trainer.zero_stage = {zero_stage}: the throttle "
+            "stretches compute only where a micro-batch's passes hold no collective; "
+            "expected trainer.zero_stage 0 or 1"
+        )
+    return None
+
+
 def _throttled(ctx: StepContext, t0: float) -> None:
-    """Test-only: stretch the work since `t0` by the rank's throttle factor."""
+    """Test-only: stretch this rank's compute since `t0` by its throttle factor. Callers
+    time passes without a collective in them (`lockstep` off), so no wait for another
+    rank is stretched."""
     if ctx.throttle > 1.0:
         time.sleep((ctx.throttle - 1.0) * (time.perf_counter() - t0))
 
@@ -117,14 +140,17 @@ def _all_reduce(values: list[float], op: str, device: str) -> list[float]:
 def plan_micro_batches(
     ctx: StepContext, groups: Sequence[GroupRecord]
 ) -> tuple[list[MicroBatch], list, GlobalCounts]:
-    """This rank's micro-batches (padded with zero-weight ones to the ranks' maximum
-    count), every sequence of the step, and the step's global counts."""
+    """This rank's micro-batches (in `lockstep`, padded with zero-weight ones to the
+    ranks' maximum count), every sequence of the step, and the step's global counts."""
     items = flatten_groups(groups, drop_truncated=ctx.algo.overlong_mask)
     lengths = [len(it.tokens) for it in items]
     share = assign_to_ranks(lengths, ctx.world, ctx.speeds)[ctx.rank]
     packs = pack_micro_batches(share, lengths, ctx.micro_batch_tokens)
-    (most,) = _all_reduce([float(len(packs))], "max", ctx.device)
     mbs = [collate([items[i] for i in p], ctx.pad_id).to(ctx.device) for p in packs]
+    if ctx.lockstep:
+        (most,) = _all_reduce([float(len(packs))], "max", ctx.device)
+    else:  # a rank without a share still gives every parameter a (zero) gradient
+        most = 1.0
     mbs += [dummy_batch(ctx.pad_id).to(ctx.device) for _ in range(int(most) - len(packs))]
     counts = GlobalCounts(
         tokens=sum(it.num_completion_tokens for it in items),

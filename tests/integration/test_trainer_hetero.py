@@ -1,15 +1,19 @@
-"""Heterogeneous data parallelism on real DeepSpeed (gloo, CPU): two ranks, one slowed by
-the test-only throttle (`AREAL_HEX_TEST_THROTTLE=1:4`, rank 1 takes 4x as long per
-micro-batch), standing in for two GPU kinds in one trainer. Shares in proportion to the
-ranks' speeds make the step shorter than equal shares, and the weights still move exactly
-as one rank on the whole batch moves them."""
+"""Heterogeneous data parallelism on real DeepSpeed (gloo, CPU, ZeRO-0): two ranks, one
+slowed by the test-only throttle (`AREAL_HEX_TEST_THROTTLE=1:4`: rank 1 sleeps 3x the
+compute of each of its micro-batches, so it takes 4x as long for the same work), standing
+in for two GPU kinds in one trainer. Shares in proportion to the ranks' speeds (given or
+measured) make the step shorter than equal shares, and the weights still move exactly as
+one rank on the whole batch moves them."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,14 +38,24 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dir": d, "model": model_dir, "replay": write_replay(d / "groups.jsonl", groups)}
 
 
+STEPS = 6
+SLOW = "1:4"  # rank 1 at a quarter of rank 0's speed
+RUNS: dict[str, tuple[dict, str | None]] = {
+    "whole": ({}, None),
+    "equal": ({"num_ranks": 2}, SLOW),
+    "balanced": ({"num_ranks": 2, "rank_speeds": [4.0, 1.0]}, SLOW),
+    "measured": ({"num_ranks": 2, "balance_measured": True}, SLOW),
+}
+
+
 def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | None) -> Path:
     cfg = {
         "run": {"run_id": name, "output_dir": str(assets["dir"] / "runs")},
         "model": {"path": str(assets["model"])},
-        "buffer": {"groups_per_step": 8},
+        "buffer": {"groups_per_step": 16},
         "algo": {"aggregation": "seq_mean_token_mean"},
         "trainer": {
-            "total_steps": 4,
+            "total_steps": STEPS,
             "lr": 1e-3,
             "adam_eps": 1e-6,  # see test_trainer_dist: bounds summation-order noise
             "replay_path": str(assets["replay"]),
@@ -74,23 +88,58 @@ def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | Non
     return assets["dir"] / "runs" / name
 
 
+@pytest.fixture(scope="module")
+def run(assets: dict[str, Path]) -> Callable[[str], Path]:
+    """The run directory of one of `RUNS`, trained on first use."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            trainer, throttle = RUNS[name]
+            done[name] = train(assets, name, trainer, throttle)
+        return done[name]
+
+    return get
+
+
+def step_seconds(run_dir: Path) -> list[float]:
+    """Rank 0's compute time of each step: its own share, then the wait for rank 1 in the
+    gradient all-reduce of the optimizer step."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["compute_s"] for r in rows]
+
+
 def weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "weights" / "v4" / "model.safetensors"))
+    return load_file(str(run_dir / "weights" / f"v{STEPS}" / "model.safetensors"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_uneven_shares_are_exact(assets: dict[str, Path]) -> None:
-    slow = "1:4"
-    whole = train(assets, "whole", {}, None)
-    equal = train(assets, "equal", {"num_ranks": 2}, slow)
-    balanced = train(assets, "balanced", {"num_ranks": 2, "rank_speeds": [4.0, 1.0]}, slow)
-    measured = train(assets, "measured", {"num_ranks": 2, "balance_measured": True}, slow)
-    ref = weights(whole)
-    for run in (equal, balanced, measured):
-        got = weights(run)
+def test_balanced_shares_shorten_the_step(run: Callable[[str], Path]) -> None:
+    times = {name: step_seconds(run(name)) for name in ("equal", "balanced", "measured")}
+    print("hetero step seconds:", {k: [round(t, 3) for t in v] for k, v in times.items()})
+    equal = statistics.median(times["equal"][1:])  # the first step warms up
+    balanced = statistics.median(times["balanced"][1:])
+    # measured shares start equal and move half-way to the measured speeds each step
+    measured = statistics.median(times["measured"][2:])
+    print(
+        f"hetero median step: equal {equal:.3f} s, balanced {balanced:.3f} s, "
+        f"measured {measured:.3f} s"
+    )
+    # equal shares: rank 1 does half the work at 4x (2 units); balanced 4:1: both ranks
+    # do 0.8 units, 40 % of the equal-share step before fixed costs
+    assert balanced < 0.75 * equal, (balanced, equal)
+    assert measured < 0.8 * equal, (measured, equal)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_uneven_shares_are_exact(run: Callable[[str], Path]) -> None:
+    ref = weights(run("whole"))
+    for name in ("equal", "balanced", "measured"):
+        got = weights(run(name))
         for k, v in ref.items():
             diff = (got[k].float() - v.float()).abs().max().item()
-            assert diff <= 1e-5, f"{run.name} {k}: {diff}"
+            assert diff <= 1e-5, f"{name} {k}: {diff}"

@@ -10,7 +10,13 @@ import torch
 
 from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
 from trainer_service.batching import assign_to_ranks
-from trainer_service.step import StepContext, _accumulate, _prepare, throttle_factor
+from trainer_service.step import (
+    StepContext,
+    _accumulate,
+    _prepare,
+    throttle_factor,
+    throttle_problem,
+)
 
 
 class PlainEngine:
@@ -49,9 +55,15 @@ def test_throttle_reads_rank_and_factor(monkeypatch: pytest.MonkeyPatch) -> None
     assert throttle_factor(1) == 1.0
     monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "1:3")
     assert (throttle_factor(0), throttle_factor(1)) == (1.0, 3.0)
+    assert throttle_problem(1) is None
+    # ZeRO-2/3 passes hold collectives: stretching them would stretch the waits too
+    assert "expected trainer.zero_stage 0 or 1" in (throttle_problem(2) or "")
     monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "fast")
     with pytest.raises(ValueError, match="RANK:FACTOR"):
         throttle_factor(0)
+    assert "RANK:FACTOR" in (throttle_problem(0) or "")
+    monkeypatch.delenv("AREAL_HEX_TEST_THROTTLE")
+    assert throttle_problem(3) is None
 
 
 def _grads(model: Any, groups: list, algo: AlgoConfig, world: int, speeds: list | None) -> dict:
@@ -88,3 +100,27 @@ def test_uneven_shares_give_the_whole_batch_gradient(tmp_path: Any, aggregation:
     assert uneven["loss"] == pytest.approx(whole["loss"], abs=1e-6)  # global counts
     for k, g in whole["grads"].items():
         torch.testing.assert_close(uneven["grads"][k], g, atol=1e-5, rtol=1e-5)
+
+
+def test_ranks_run_only_their_share_outside_lockstep(tmp_path: Any) -> None:
+    """ZeRO-0/1 (no collective in a micro-batch's passes): no padding to the busiest rank;
+    a rank without a share runs one zero-weight micro-batch, so it still has gradients."""
+    from areal_hex.models import load_model, materialize
+    from trainer_service.step import plan_micro_batches
+    from trainer_service.synthetic import synthetic_groups
+
+    d = materialize(ModelConfig(tiny=TinyModelConfig(num_layers=1)), tmp_path / "m")
+    model = load_model(d)
+    groups = synthetic_groups(4, 4, model.config.vocab_size, seed=3, temperature=0.8)
+    algo = AlgoConfig()
+
+    def rows(rank: int, speeds: list[float]) -> list[list[int]]:
+        ctx = StepContext(PlainEngine(model), algo, 64, 16, 0, rank=rank, world=2)
+        ctx.speeds, ctx.lockstep = speeds, False
+        mbs, _, _ = plan_micro_batches(ctx, groups)
+        return [mb.seq_index.tolist() for mb in mbs]
+
+    fast, slow = rows(0, [3.0, 1.0]), rows(1, [3.0, 1.0])
+    assert len(fast) > len(slow) > 0 and -1 not in sum(fast + slow, [])
+    assert sorted(sum(fast + slow, [])) == list(range(16))  # each sequence once
+    assert rows(1, [1e6, 1.0]) == [[-1]]  # empty share: one dummy row
