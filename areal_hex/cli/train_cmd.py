@@ -56,10 +56,12 @@ def preflight(args: argparse.Namespace):  # -> ExperimentConfig
     require_run(cfg, "areal-hex train", need_redis=cfg.trainer.replay_path is None)
     check_pending_groups(cfg)
     speeds = cfg.trainer.rank_speeds
-    if speeds is not None and len(speeds) != cfg.trainer.num_ranks:
+    nodes = _nodes()
+    if speeds is not None and len(speeds) != cfg.trainer.num_ranks * nodes:
+        across = f" x {nodes} nodes (PET_NNODES)" if nodes > 1 else ""
         raise UsageError(
             f"trainer.rank_speeds has {len(speeds)} values for trainer.num_ranks = "
-            f"{cfg.trainer.num_ranks}: expected one speed per rank"
+            f"{cfg.trainer.num_ranks}{across}: expected one speed per rank of the job"
         )
     if os.environ.get("AREAL_HEX_TEST_THROTTLE"):  # test-only: see trainer_service.step
         from trainer_service.step import throttle_problem
@@ -68,6 +70,13 @@ def preflight(args: argparse.Namespace):  # -> ExperimentConfig
         if problem is not None:
             raise UsageError(problem)
     return cfg
+
+
+def _nodes() -> int:
+    """Nodes the job's ranks span: the launcher's PET_NNODES where a deployment sets it
+    (`areal-hex deploy` does on every multi-node trainer), else 1."""
+    raw = os.environ.get("PET_NNODES", "1")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ gradient as one rank on the whole batch (global token counts)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,3 +125,29 @@ def test_ranks_run_only_their_share_outside_lockstep(tmp_path: Any) -> None:
     assert len(fast) > len(slow) > 0 and -1 not in sum(fast + slow, [])
     assert sorted(sum(fast + slow, [])) == list(range(16))  # each sequence once
     assert rows(1, [1e6, 1.0]) == [[-1]]  # empty share: one dummy row
+
+
+def test_train_preflight_counts_rank_speeds_across_nodes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """One speed per rank of the whole job: num_ranks per node x PET_NNODES nodes."""
+    import argparse
+
+    from areal_hex.cli.train_cmd import preflight
+    from areal_hex.errors import UsageError
+
+    root = Path(__file__).resolve().parents[2]
+    args = argparse.Namespace(
+        config=str(root / "examples" / "tiny_cpu.yaml"),
+        overrides=[
+            "trainer.num_ranks=2",
+            "trainer.rank_speeds=[1.0,2.0,3.0,4.0]",
+            f"trainer.replay_path={tmp_path / 'replay.jsonl'}",
+            "run.run_id=r1",
+        ],
+    )
+    monkeypatch.delenv("PET_NNODES", raising=False)
+    with pytest.raises(UsageError, match="4 values for trainer.num_ranks = 2"):
+        preflight(args)
+    monkeypatch.setenv("PET_NNODES", "2")
+    assert preflight(args).trainer.rank_speeds == [1.0, 2.0, 3.0, 4.0]
