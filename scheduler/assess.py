@@ -50,14 +50,12 @@ def assess(
 ) -> Assessment:
     sol, rate = placed.solution, placed.rate
     capacity = sum(p.rollouts[i].samples_per_s * n for i, n in sol.replicas.items())
-    pause_share = 1 - placed.gen_rate / capacity if capacity > 0 else 0.0
     in_flight = sum(p.rollouts[i].batch * n for i, n in sol.replicas.items())
     pl, syncs = placed.placement.rollout, placed.cost.sync_s
     items = [(rc, s, 1) for (rc, _, _), s in zip(pl, syncs, strict=True)]
-    paused = generation_at(p.workload, items, rate, window=False)
+    paused = generation_at(p.workload, items, rate, window=False)  # pauses, no window
+    pause_share = 1 - paused / capacity if capacity > 0 else 0.0
     late = paused > 0 and placed.gen_rate < paused * (1 - WINDOW_LOSS_BINDS)
-    if paused > 0:
-        pause_share = 1 - paused / capacity if capacity > 0 else 0.0
     if train_rate <= placed.gen_rate * (1 + 1e-6):
         binding = "training"
     elif late:
@@ -86,7 +84,7 @@ def assess(
     if compare_cost and sol.cost > 0:
         sols = solve_per_kind(p, target=rate, time_limit_s=time_limit_s).values()
         costs = [s.cost for s in sols if s is not None and s.eval_rate >= rate * (1 - 1e-6)]
-        if len(_kinds(p, sol)) == 1:
+        if len(set(sol.trainer.kinds) | {p.rollouts[i].kind for i in sol.replicas}) == 1:
             costs.append(sol.cost)  # the plan is itself a one-kind plan at this rate
         out.cost_ratio = round(min(costs) / sol.cost, 4) if costs else None
     if sync_rate > rate:
@@ -113,6 +111,3 @@ def _pool_full(cl: Cluster, p: PlanSpace, placed, binding: str) -> bool:
     groups = {r.group for r in p.rollouts}
     return all(free[g] == 0 for g in groups)
 
-
-def _kinds(p: PlanSpace, sol) -> set[str]:
-    return {sol.trainer.kind} | {p.rollouts[i].kind for i in sol.replicas}

@@ -179,20 +179,17 @@ def pipeline_rate(
     dropped. R is the largest rate the useful generation sustains, capped by training:
     the root of Σ h·(1 − s·R/(kBG))·fraction(R) = R (the left side falls as R grows),
     by bisection."""
-
-    def useful(rate: float) -> float:
-        return generation_at(w, instances, rate)
-
-    if useful(train) >= train:
-        return train, useful(train)
+    at_train = generation_at(w, instances, train)
+    if at_train >= train:
+        return train, at_train
     lo, hi = 0.0, train
     for _ in range(50):
         mid = (lo + hi) / 2
-        if useful(mid) >= mid:
+        if generation_at(w, instances, mid) >= mid:
             lo = mid
         else:
             hi = mid
-    return lo, useful(lo)
+    return lo, generation_at(w, instances, lo)
 
 
 def generation_at(

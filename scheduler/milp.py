@@ -59,7 +59,6 @@ class PlanSpace:
     tps: dict[str, list[int]]  # node group -> TP sizes in use
     inflight: int  # requests the staleness gate admits at once (Σ y_ψ·batch_ψ ≤ this)
     sync_s: dict[tuple[str, int], float]  # (zone, trainer index) -> pause per publish, s
-    publish_samples: int  # samples trained between two publishes (k·B·G)
     workload: Workload  # for the staleness window (`costmodel.window_fraction`)
 
 
@@ -114,7 +113,6 @@ def build_problem(
         tps,
         inflight_cap(w),
         sync,
-        w.publish_interval * w.samples_per_step,
         w,
     )
 
@@ -147,13 +145,10 @@ def gen_rate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> float:
 
 
 def evaluate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> tuple[float, float]:
-    """(rate, generation rate) of a fixed plan with pauses at the rate it reaches.
-
-    Publishes come every k·B·G trained samples, so at rate R an instance in zone z pauses
-    a share s_z·R/(kBG); generation keeps up while R ≤ Σ_z G_z (1 - s_z R/(kBG)), i.e.
-    R ≤ ΣG / (1 + Σ G_z s_z/(kBG)) over the zones whose share stays below 1. The MILP
-    charges the share at the trainer's own period (R = t_c), which is exact when training
-    is the bottleneck and conservative otherwise; this is the exact figure.
+    """(rate, useful generation rate) of a fixed plan: `costmodel.pipeline_rate`, with the
+    pauses charged at the rate reached and the groups that miss the staleness window left
+    out. The MILP charges the pauses at an upper bound of the rate and does not see the
+    window; this is the exact figure.
     """
     c = p.trainers[c_idx]
     items = [(p.rollouts[i], p.sync_s[(p.rollouts[i].zone, c_idx)], n) for i, n in y.items()]
