@@ -314,6 +314,10 @@ class Engine:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ step-loop thread
+    def num_waiting(self) -> int:
+        with self._cv:
+            return len(self._waiting)
+
     def take_waiting(self, limit: int, token_budget: int) -> list[GenRequest]:
         """Pop up to `limit` queued requests whose padded prefill fits `token_budget`."""
         out: list[GenRequest] = []

@@ -41,6 +41,8 @@ class EngineSide(Protocol):
 
     def take_waiting(self, limit: int, token_budget: int) -> list[GenRequest]: ...
 
+    def num_waiting(self) -> int: ...
+
     def find(self, rid: str) -> GenRequest | None: ...
 
     def unqueue(self, req: GenRequest) -> None: ...
@@ -172,12 +174,19 @@ class Core:
         if self.held:
             return
         room = self.e.opts.max_running_requests - len(self.rows)
-        if room > 0:
+        if room > 0 and self._admit_now(room):
             admitted = self.e.take_waiting(room, self.e.opts.max_prefill_tokens)
             if admitted:
                 self._prefill(admitted)
         if self.rows:
             self._decode()
+
+    def _admit_now(self, room: int) -> bool:
+        """Admit at once when nothing runs or everything waiting fits; otherwise wait
+        until `admit_at_least` rows are free, so that a queue of requests joins the batch
+        in a few prefills and merges rather than one per finished row (on a small model
+        a prefill call costs about a decode step, whatever its size)."""
+        return not self.rows or room >= self.e.opts.admit_at_least() or self.e.num_waiting() <= room
 
     def _reload(self, ctl: Control) -> bool:
         path, version = ctl.args["path"], ctl.args["version"]

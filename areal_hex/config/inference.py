@@ -34,6 +34,10 @@ class InferenceConfig(Section):
     context_length: int = Field(512, gt=0)
     # Padded prompt tokens per prefill forward of the built-in engine.
     max_prefill_tokens: int = Field(8192, gt=0)
+    # Built-in engine: while rows run and more requests wait than fit, admit them once
+    # this many fit (one prefill and one merge for many) rather than one per freed row.
+    # None: max_running_requests // 4.
+    min_admit: int | None = Field(None, gt=0)
     # Bearer token required by every endpoint but health and metrics (None: open).
     api_key: str | None = None
     # Weight reloads must name a directory inside this one (None: any directory).

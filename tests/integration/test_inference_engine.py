@@ -185,3 +185,35 @@ async def test_a_failing_step_aborts_the_batch_and_the_server_goes_on(model: Any
             again = await c.generate([5], sp)
             assert again.finish_reason == "length" and len(again.output_ids) == 40
             assert await c.health()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("min_admit", [1, 4])
+async def test_a_queue_joins_the_running_batch_in_few_prefills(model: Any, min_admit: int) -> None:
+    """8 running rows, 32 requests of different lengths: with `min_admit` 4 the queue
+    joins in batches of at least 4 (fewer prefill calls than with 1), and every request
+    still gets exactly the tokens it asked for."""
+    from rollout_service.engine import Engine, EngineOptions
+    from rollout_service.wire import SamplingParamsIn
+
+    opts = EngineOptions(max_running_requests=8, min_admit=min_admit)
+    engine = Engine(model, None, lambda p: model, "tiny", "0", opts)
+    engine.start()
+    try:
+        lengths = [1 + (i * 5) % 12 for i in range(32)]
+        outs = await asyncio.gather(
+            *(
+                engine.generate(
+                    [5 + i % 3, 6], SamplingParamsIn(max_new_tokens=n, ignore_eos=True), f"r{i}"
+                )
+                for i, n in enumerate(lengths)
+            )
+        )
+        prefills = engine.stats().prefill_batches_total
+    finally:
+        engine.stop()
+    assert [len(o.output_ids) for o in outs] == lengths
+    if min_admit == 1:
+        assert prefills > 32 // 4 + 4  # one prefill per freed row or two
+    else:
+        assert prefills <= 32 // 4 + 1  # the first 8, then batches of at least 4
