@@ -110,4 +110,3 @@ def _pool_full(cl: Cluster, p: PlanSpace, placed, binding: str) -> bool:
         return all(free[g.name] == 0 for g in cl.spec.node_groups if cl.kinds[g.name].name in kinds)
     groups = {r.group for r in p.rollouts}
     return all(free[g] == 0 for g in groups)
-

@@ -51,6 +51,9 @@ class TrainerOption:
     samples_per_s: float  # t_c
     usd_per_h: float
     zones: tuple[str, ...] = field(default=())
+    # Of step_s: the controller's CPU work on the trainer's own cores (a CPU trainer beside
+    # the controller, asynchronous runs only; 0 on GPUs).
+    host_s: float = 0.0
     # A trainer across GPU kinds (heterogeneous data parallelism): the kind of each part
     # and the samples/s one of its ranks trains, which set the ranks' shares of a step
     # (`trainer.rank_speeds`). `kind` is then a label, the kinds joined by "+".
@@ -130,6 +133,8 @@ def rollout_config(
     # Continuous batching: `batch` sequences advance one token per step; prefill steals
     # compute from the same GPUs, so per sample it adds serially.
     per_sample = w.response_tokens * step / batch + prefill
+    if prof is not None and prof.has(kind.name):
+        per_sample /= prof.generation_efficiency(kind.name)
     return RolloutOption(
         group=g.name,
         kind=kind.name,

@@ -122,9 +122,7 @@ def _generation_ceiling(cl: Cluster, rollouts: list[RolloutOption]) -> float:
     best: dict[str, float] = {}
     for r in rollouts:
         best[r.group] = max(best.get(r.group, 0.0), r.samples_per_s / r.tp)
-    return sum(
-        best.get(g.name, 0.0) * g.nodes * g.gpus_per_node for g in cl.spec.node_groups
-    )
+    return sum(best.get(g.name, 0.0) * g.nodes * g.gpus_per_node for g in cl.spec.node_groups)
 
 
 def lost_blocks(c: TrainerOption, group: str, gpn: int, t: int) -> int:

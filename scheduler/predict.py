@@ -148,13 +148,15 @@ def _synchronous(
             sync = idle
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
+    # the controller works while the trainer waits for the batch: no host-CPU share
+    step = tr.step_s - tr.host_s
     res = simulate(
         sim_insts,
         batch_groups=w.groups_per_step,
         group_size=w.group_size,
         staleness=0,
         publish_interval=1,
-        train_step_s=tr.step_s,
+        train_step_s=step,
         mean_len=w.response_tokens,
         max_len=w.max_response_tokens,
         steps=12,
@@ -162,4 +164,4 @@ def _synchronous(
     )
     # per second of server work: a synchronous batch ends in a tail of few requests
     gen = res.generation_samples_per_s / max(1e-9, res.rollout_busy_frac)
-    return LayoutRates(res.samples_per_s, gen, bg / tr.step_s, max(syncs, default=0.0))
+    return LayoutRates(res.samples_per_s, gen, bg / step, max(syncs, default=0.0))

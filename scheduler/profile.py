@@ -28,6 +28,14 @@ class DeviceRates(Section):
     # run, where nothing is generating when new weights arrive. The pause with requests
     # in flight is the cluster link's latency.
     reload_idle_s: float | None = Field(None, ge=0)
+    # Samples/s with the server kept full by the run's controller (`profile --local`) over
+    # what the decode and prefill timings compose to: admissions, KV merges, HTTP and
+    # sampling that the piecewise timings leave out. Multiplies the kind's h_psi.
+    generation_efficiency: float | None = Field(None, gt=0)
+    # CPU seconds the controller spends per sample (HTTP, detokenising, rewards, the
+    # record). Where the kind's devices are the host's own cores (`device: cpu`), the
+    # controller runs beside the trainer and an asynchronous step pays for them.
+    host_cpu_s_per_sample: float | None = Field(None, ge=0)
 
 
 class Profile(Section):
@@ -62,6 +70,17 @@ class Profile(Section):
 
     def train_tokens_per_s(self, kind: str) -> float:
         return self.kinds[kind].train_tokens_per_s
+
+    def generation_efficiency(self, kind: str) -> float:
+        return (self.kinds[kind].generation_efficiency or 1.0) if kind in self.kinds else 1.0
+
+    def host_cpu_s_per_sample(self, kind: str) -> float:
+        """The controller's CPU per sample taken from `kind`'s devices: only where they
+        are the host's cores."""
+        rates = self.kinds.get(kind)
+        if rates is None or rates.device != "cpu":
+            return 0.0
+        return rates.host_cpu_s_per_sample or 0.0
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

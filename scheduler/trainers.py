@@ -125,6 +125,7 @@ def cost_trainer(
         w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
     )
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
+    host = w.samples_per_step * prof.host_cpu_s_per_sample(kinds[0].name) if prof else 0.0
     hbm = min(kd.hbm_gb for kd in kinds)  # every kind holds the same per-rank states
     best: TrainerOption | None = None
     stages = (0, 1, 2, 3) if dp > 1 else (0,)
@@ -135,7 +136,7 @@ def cost_trainer(
         if mem > hbm:
             continue
         comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat)
-        step = compute + (1 - k.comm_overlap) * comm + publish
+        step = compute + (1 - k.comm_overlap) * comm + publish + host
         cand = TrainerOption(
             kind="+".join(dict.fromkeys(kd.name for kd in kinds)),
             parts=parts,
@@ -152,6 +153,7 @@ def cost_trainer(
             zones=tuple(dict.fromkeys(g.zone for g in groups)),
             part_kinds=tuple(kd.name for kd in kinds),
             part_speeds=speeds,
+            host_s=host,
         )
         # Same GPUs, same price: keep the fastest stage, and among equals the leanest.
         if best is None or cand.step_s <= best.step_s * (1 + 1e-9):

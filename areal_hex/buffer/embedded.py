@@ -99,6 +99,10 @@ class EmbeddedValkey:
             self._tmp_dir = tempfile.mkdtemp(prefix="areal-hex-valkey-")
         return Path(self.data_dir or self._tmp_dir or "")
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

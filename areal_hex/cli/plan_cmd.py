@@ -237,7 +237,10 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
         f"{dev['kind']} x {dev['count']} ({dev['device']}): decode step {steps}; prefill "
         f"{gen['prefill_tokens_per_s']:,.0f} tok/s; train {measured['train_tokens_per_s']:,.0f} "
         f"tok/s; {reload}; prompt {gen['prompt_tokens']:.0f} and answer "
-        f"{gen['response_tokens']:.1f} tokens on average"
+        f"{gen['response_tokens']:.1f} tokens on average; the run's controller keeping the "
+        f"server full: {gen['continuous_samples_per_s']:,.1f} samples/s (efficiency "
+        f"{measured['generation_efficiency']:.2f}), {gen['host_cpu_s_per_sample'] * 1e3:.2f} "
+        f"ms of controller CPU per sample"
     )
     print(
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "

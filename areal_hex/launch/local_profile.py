@@ -124,6 +124,9 @@ class GenerationRates:
     response_tokens: float  # mean answer length of the initial policy
     reload_s: float  # pause -> load -> resume of a server with requests in flight
     reload_idle_s: float  # the same with nothing in flight (a synchronous run's case)
+    # The run's own controller keeping the server full (an asynchronous run's load):
+    continuous_samples_per_s: float  # samples/s generated
+    host_cpu_s_per_sample: float  # the controller's CPU (HTTP, decoding, rewards, records)
 
 
 def measure_generation(
@@ -154,13 +157,19 @@ def measure_generation(
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
         path = Path(tmp) / "serve.yaml"
         path.write_text(yaml.safe_dump(serve))
-        with _server(path, dev, Path(tmp) / "serve.log") as url, pinned(dev.trainer_cores, 1):
+        with (
+            _server(path, dev, Path(tmp) / "serve.log") as (url, pid),
+            pinned(dev.trainer_cores, 1),
+        ):
             eos = tok.eos_token_id
-            return asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+            gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+            rate, cpu = asyncio.run(_continuous(url, cfg, model_dir, {pid}))
+            gen.continuous_samples_per_s, gen.host_cpu_s_per_sample = rate, cpu
+            return gen
 
 
 @contextlib.contextmanager
-def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[str]:
+def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[str, int]]:
     from areal_hex.net import free_port
 
     port = free_port()
@@ -178,7 +187,7 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[str]:
             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://127.0.0.1:{port}", proc.pid
         finally:
             proc.terminate()
             try:
@@ -304,7 +313,104 @@ async def _generation(
         response_tokens=response,
         reload_s=statistics.median(busy),
         reload_idle_s=statistics.median(idle),
+        continuous_samples_per_s=0.0,
+        host_cpu_s_per_sample=0.0,
     )
+
+
+CONTINUOUS_ROUNDS = 3  # groups produced: this many times the controller's in-flight groups
+
+
+async def _continuous(
+    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int]
+) -> tuple[float, float]:
+    """The run's controller (`RolloutController`, a real Valkey buffer, the run's
+    rewards) against the server with its gate wide open, so that the server stays as
+    full as an asynchronous run keeps it. Over the middle of the run (from a quarter to
+    nine tenths of the groups: no start-up, no drain): samples/s, and the CPU seconds
+    per sample of this process and its children but the server (`exclude`) and Valkey."""
+    from areal_hex.buffer import RedisTrajectoryProducer, open_redis
+    from rollout_service.client import InferenceClient
+    from rollout_service.controller import RolloutController
+    from rollout_service.wiring import load_prompt_set, load_rollout_tokenizer
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path, cfg.model.tokenizer_path = str(model_dir), None
+    cfg.buffer.max_staleness = 1 << 20  # no trainer here: nothing may wait on the gate
+    cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None  # a Valkey of its own
+    tok = load_rollout_tokenizer(cfg)
+    prompts = load_prompt_set(cfg, tok).prompts
+    groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
+    endpoint = open_redis(cfg.redis)
+    inflight = 2 * cfg.inference.max_running_requests  # as `run_rollout` sets it
+    client = InferenceClient(url, timeout_s=None, max_inflight=inflight)
+    redis = endpoint.async_client()
+    producer = RedisTrajectoryProducer(redis, "profile", cfg.buffer)
+    eos = tok.eos_token_id
+    ctl = RolloutController(
+        [client],
+        producer,
+        prompts,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        cfg.rollout,
+        max_groups=groups,
+        stop_token_ids=[eos] if eos is not None else [],
+        seed=cfg.data.seed,
+    )
+    if endpoint.server is not None and endpoint.server.pid is not None:
+        exclude = exclude | {endpoint.server.pid}
+    marks: list[tuple[float, int, float]] = []
+
+    async def watch() -> None:
+        while True:
+            marks.append((time.perf_counter(), ctl.stats["samples_total"], _tree_cpu_s(exclude)))
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await ctl.run()
+    finally:
+        watcher.cancel()
+        await producer.aclose()
+        await redis.aclose()
+        endpoint.close()
+    total = groups * cfg.rollout.group_size
+    inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
+    if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+        inside = [marks[0], marks[-1]]
+    (t0, n0, c0), (t1, n1, c1) = inside[0], inside[-1]
+    n = max(1, n1 - n0)
+    return n / max(1e-9, t1 - t0), max(0.0, c1 - c0) / n
+
+
+def _tree_cpu_s(exclude: set[int]) -> float:
+    """CPU seconds (user + system) of this process and its live descendants but
+    `exclude` and theirs; this process's own time where /proc is missing."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return time.process_time()
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(fields[1])
+        ticks[int(d.name)] = int(fields[11]) + int(fields[12])
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude:
+            continue
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- training
@@ -406,6 +512,11 @@ def profile_local(
     spec = cluster_spec(dev, shape.params, gen, train)
     files.cluster.write_text(yaml.safe_dump(spec, sort_keys=False))
     files.workload.write_text(yaml.safe_dump(workload_for(cfg, gen), sort_keys=False))
+    # what the timings compose to for this job, against what the controller then reached
+    mine = prof.kinds[dev.kind]
+    mine.generation_efficiency = gen.continuous_samples_per_s / composed_rate(files, prof)
+    mine.host_cpu_s_per_sample = gen.host_cpu_s_per_sample
+    save_profile(prof, files.profile)
     cores = {
         "inference_cores": sorted(dev.inference_cores or []),
         "trainer_cores": sorted(dev.trainer_cores or []),
@@ -414,9 +525,27 @@ def profile_local(
         "devices": {**dev.__dict__, **cores},
         "generation": gen.__dict__,
         "train_tokens_per_s": train,
+        "generation_efficiency": mine.generation_efficiency,
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files
+
+
+def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
+    """Samples/s of one instance of the local kind from the decode and prefill timings
+    alone (the cost model's h_psi before `generation_efficiency`)."""
+    from scheduler.cluster import load_cluster
+    from scheduler.costmodel import rollout_config
+    from scheduler.model_shape import load_model_shape
+    from scheduler.workload import load_workload
+
+    cl = load_cluster(files.cluster)
+    m = load_model_shape(str(files.model))
+    w = load_workload(files.workload)
+    opt = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
+    if opt is None:
+        raise RuntimeError("the profiled model does not fit the local device's memory")
+    return opt.samples_per_s
 
 
 def _model_dir(cfg: ExperimentConfig, out: Path) -> Path:

@@ -132,6 +132,38 @@ def test_layout_prediction_in_both_modes(tmp_path: Path) -> None:
         predict_layout(cl, m, w, prof, [("gpu", 1)], trainer)
 
 
+def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
+    """`generation_efficiency` scales the kind's generation; `host_cpu_s_per_sample`
+    lengthens an asynchronous step by B·G times it on a CPU kind only (the controller
+    runs beside a CPU trainer), never a synchronous one (it works while the trainer
+    waits)."""
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    base = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    rates = prof.kinds["CPU"]
+    rates.generation_efficiency, rates.host_cpu_s_per_sample = 0.5, 0.002
+    p = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    step = 128 / base.asynchronous.training_samples_per_s
+    assert 128 / p.asynchronous.training_samples_per_s == pytest.approx(step + 128 * 0.002)
+    assert p.synchronous.training_samples_per_s == pytest.approx(
+        base.synchronous.training_samples_per_s
+    )
+    # generation: half the unpaused rate (the pauses follow the slower training)
+    per_sample = (20 * 0.02 / 64 + 34 / 16 / 5000) / 0.5
+    paused = p.asynchronous.weight_sync_s * p.asynchronous.training_samples_per_s / 128
+    assert p.asynchronous.generation_samples_per_s == pytest.approx(
+        (1 - paused) / per_sample, rel=1e-3
+    )
+    # on a GPU kind the controller has host cores of its own
+    rates.device = "NVIDIA H100 80GB HBM3"
+    gpu = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    assert gpu.asynchronous.training_samples_per_s == pytest.approx(
+        base.asynchronous.training_samples_per_s
+    )
+
+
 def test_sync_phase_times(tmp_path: Path) -> None:
     """bench fidelity's overlap limit comes from the synchronous run's phases: the wait
     for the batch (generation) and the rest of each step (training)."""
