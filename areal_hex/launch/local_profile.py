@@ -46,7 +46,7 @@ from areal_hex.launch.predict import LocalProfileFiles
 LOCAL_GROUP = "local"
 LOCAL_ZONE = "local"
 REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
-TRAIN_STEPS = 5
+TRAIN_STEPS = 10  # timed after one warm-up step; tokens over seconds, as a run's window
 
 
 @dataclass
@@ -318,7 +318,7 @@ async def _generation(
     )
 
 
-CONTINUOUS_ROUNDS = 3  # groups produced: this many times the controller's in-flight groups
+CONTINUOUS_ROUNDS = 5  # groups produced: this many times the controller's in-flight groups
 
 
 async def _continuous(
@@ -476,7 +476,7 @@ def _train_rate(
         if step:
             times.append(time.perf_counter() - t0)
             tokens.append(res.num_tokens)
-    return statistics.median(n / s for n, s in zip(tokens, times, strict=True))
+    return sum(tokens) / sum(times)
 
 
 # ---------------------------------------------------------------- files
