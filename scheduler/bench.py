@@ -10,7 +10,8 @@ budget. metis_gain: simulated rate of phase 2's METIS mapping over first-fit pla
 the same phase-1 decision on the rack inventory. target_rate_ok: share of --target-rate
 requests at 0.5/0.9/0.99/1.0 x a budget plan's reported rate that succeed.
 min_budget_used: the least share of the budget a plan spends where the inventory does
-not bind (budget_used lists those plans).
+not bind (budget_used lists those plans); max_unspent_machines: the most any of those
+plans leaves unspent, in prices of the inventory's cheapest machine.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
         make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
         plan_s[str(size)] = round(time.perf_counter() - t0, 3)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
-    sim_err, speedup, used, targets = {}, {}, {}, []
+    sim_err, speedup, used, targets, unspent = {}, {}, {}, [], {}
     for wname in ("long_cot", "math_grpo"):
         wl = load_workload(EXAMPLES / "workloads" / f"{wname}.yaml")
         for f in sorted((EXAMPLES / "clusters").glob("*.yaml")):
@@ -176,6 +177,8 @@ def run(args: argparse.Namespace) -> dict:
             speedup[key] = round(pred / homo, 3) if homo > 0 else None
             if "inventory" not in res.plan.baselines.limits:  # capacity does not bind
                 used[key] = round(res.plan.predicted.cost_usd_per_h / budget, 3)
+                machine = min(g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+                unspent[key] = round((budget - res.plan.predicted.cost_usd_per_h) / machine, 3)
             if wname == "long_cot":
                 targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
     gain = metis_gain(m, args.time_limit)
@@ -193,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
         "target_rate_ok": round(sum(targets) / len(targets), 3),
         "budget_used": used,
         "min_budget_used": min(used.values()),
+        "max_unspent_machines": max(unspent.values()),
         "model": args.model,
         "examples": "every shipped inventory x workload at 60% of the inventory's price",
     }
