@@ -19,6 +19,10 @@ class RunConfig(Section):
     seed: int = 0
     # Pin processes to cores so rollout and training really run apart on small machines.
     pin_cores: bool = False
+    # No plan and no `run --profile DIR`: first measure this machine for the job
+    # (`profile --local` into <run_dir>/profile, about a minute for the tiny example), so
+    # that the run is held against the cost model's prediction for its layout.
+    profile_first: bool = False
     # Restarts allowed per crashed inference server before the run fails.
     max_restarts: int = Field(3, ge=0)
     # Seconds a service may take to become healthy.

@@ -371,6 +371,7 @@ async def _continuous(
         await ctl.run()
     finally:
         watcher.cancel()
+        await client.close()
         await producer.aclose()
         await redis.aclose()
         endpoint.close()

@@ -16,6 +16,7 @@ them (areal_hex/launch/ledger.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -263,6 +264,31 @@ def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float)
     return n
 
 
+def profile_first(
+    cfg: ExperimentConfig, run_dir: Path, stream: TextIO
+) -> tuple[Path | None, dict[str, str] | None]:
+    """`run.profile_first`: this machine measured for the job into <run_dir>/profile (kept
+    by a resumed run). (the directory, None), or (None, why there is no prediction)."""
+    from areal_hex.launch.local_profile import profile_local
+    from areal_hex.launch.predict import LocalProfileFiles
+
+    out = run_dir / "profile"
+    if LocalProfileFiles(out).profile.is_file():
+        return out, None
+    print(
+        "areal-hex run: measuring this machine for the run's prediction (run.profile_first; "
+        "about a minute for the tiny example)",
+        file=stream,
+        flush=True,
+    )
+    try:
+        with contextlib.redirect_stdout(stream):
+            profile_local(cfg, out)
+    except Exception as exc:  # the run goes on; its report says why it has no prediction
+        return None, {"unavailable": f"run.profile_first: profiling failed: {exc}"}
+    return out, None
+
+
 def execute(
     cfg: ExperimentConfig,
     config_path: Path,
@@ -281,7 +307,11 @@ def execute(
 
     stream = stream or sys.stderr
     run_dir = cfg.run.run_dir()
-    write_prediction(RunPaths.at(run_dir).prediction, predict_run(cfg, plan, profile_dir))
+    failed = None
+    if plan is None and profile_dir is None and cfg.run.profile_first:
+        profile_dir, failed = profile_first(cfg, run_dir, stream)
+    prediction = failed or predict_run(cfg, plan, profile_dir)
+    write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path)
     t_start = time.time()

@@ -94,6 +94,7 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
         f"run.output_dir={tmp_path}",
         "run.run_id=obs",
         "run.trackers=[tensorboard,wandb]",
+        "run.profile_first=false",  # the README's run profiles first; not this one's subject
         "run.warm_start_answer_fraction=1.0",
         "model.tiny.sft_steps=150",
         f"trainer.total_steps={STEPS}",
