@@ -164,4 +164,8 @@ def _synchronous(
     )
     # per second of server work: a synchronous batch ends in a tail of few requests
     gen = res.generation_samples_per_s / max(1e-9, res.rollout_busy_frac)
-    return LayoutRates(res.samples_per_s, gen, bg / step, max(syncs, default=0.0))
+    # the hand-offs the profile measured around a synchronous batch (one kind only)
+    kinds = {o.kind for o in opts}
+    factor = prof.sync_cycle_factor(kinds.pop()) if prof is not None and len(kinds) == 1 else 1.0
+    cycle = factor * max(0.0, bg / res.samples_per_s - step)
+    return LayoutRates(bg / (cycle + step), gen, bg / step, max(syncs, default=0.0))

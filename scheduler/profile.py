@@ -36,6 +36,11 @@ class DeviceRates(Section):
     # record). Where the kind's devices are the host's own cores (`device: cpu`), the
     # controller runs beside the trainer and an asynchronous step pays for them.
     host_cpu_s_per_sample: float | None = Field(None, ge=0)
+    # A synchronous step's generation and weight reload as the run's controller and
+    # buffer take them (from the trainer's publish to its whole next batch, measured by
+    # `profile --local`) over the replay's figure for the same layout: the hand-offs
+    # between them. Multiplies that part of a synchronous step on this kind.
+    sync_cycle_factor: float | None = Field(None, gt=0)
 
 
 class Profile(Section):
@@ -81,6 +86,9 @@ class Profile(Section):
         if rates is None or rates.device != "cpu":
             return 0.0
         return rates.host_cpu_s_per_sample or 0.0
+
+    def sync_cycle_factor(self, kind: str) -> float:
+        return (self.kinds[kind].sync_cycle_factor or 1.0) if kind in self.kinds else 1.0
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

@@ -240,7 +240,9 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
         f"{gen['response_tokens']:.1f} tokens on average; the run's controller keeping the "
         f"server full: {gen['continuous_samples_per_s']:,.1f} samples/s (efficiency "
         f"{measured['generation_efficiency']:.2f}), {gen['host_cpu_s_per_sample'] * 1e3:.2f} "
-        f"ms of controller CPU per sample"
+        f"ms of controller CPU per sample; a synchronous step's batch "
+        f"{gen['sync_cycle_s'] * 1e3:.0f} ms after its publish ("
+        f"{measured['sync_cycle_factor']:.2f} x the replay)"
     )
     print(
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "

@@ -127,6 +127,9 @@ class GenerationRates:
     # The run's own controller keeping the server full (an asynchronous run's load):
     continuous_samples_per_s: float  # samples/s generated
     host_cpu_s_per_sample: float  # the controller's CPU (HTTP, decoding, rewards, records)
+    # ... and as a synchronous run drives it: a trainer that only publishes a version and
+    # takes the next batch; seconds from the publish to the whole batch (median)
+    sync_cycle_s: float
 
 
 def measure_generation(
@@ -165,6 +168,7 @@ def measure_generation(
             gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
             rate, cpu = asyncio.run(_continuous(url, cfg, model_dir, {pid}))
             gen.continuous_samples_per_s, gen.host_cpu_s_per_sample = rate, cpu
+            gen.sync_cycle_s = asyncio.run(_sync_cycle(url, cfg, model_dir))
             return gen
 
 
@@ -315,6 +319,7 @@ async def _generation(
         reload_idle_s=statistics.median(idle),
         continuous_samples_per_s=0.0,
         host_cpu_s_per_sample=0.0,
+        sync_cycle_s=0.0,
     )
 
 
@@ -382,6 +387,71 @@ async def _continuous(
     (t0, n0, c0), (t1, n1, c1) = inside[0], inside[-1]
     n = max(1, n1 - n0)
     return n / max(1e-9, t1 - t0), max(0.0, c1 - c0) / n
+
+
+SYNC_CYCLES = 6  # timed, after one that includes the controller's start
+
+
+async def _sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
+    """The run's controller at η = 0 against the server, and in this process a trainer
+    that trains nothing: it takes each batch from the buffer and publishes the next
+    version (the same weights), as a synchronous run's trainer does after its step. The
+    median of the seconds from a publish to the whole next batch: generation of a batch
+    down to its longest answer, the weight reload and every hand-off between them."""
+    from areal_hex.buffer import RedisTrajectoryProducer, open_redis
+    from areal_hex.buffer.consumer import RedisTrajectoryConsumer, RedisWeightPublisher
+    from rollout_service.client import InferenceClient
+    from rollout_service.controller import RolloutController
+    from rollout_service.wiring import load_prompt_set, load_rollout_tokenizer
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path, cfg.model.tokenizer_path = str(model_dir), None
+    cfg.buffer.max_staleness = 0
+    cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None
+    b = cfg.buffer.groups_per_step
+    tok = load_rollout_tokenizer(cfg)
+    endpoint = open_redis(cfg.redis)
+    inflight = 2 * cfg.inference.max_running_requests
+    client = InferenceClient(url, timeout_s=None, max_inflight=inflight)
+    redis = endpoint.async_client()
+    eos = tok.eos_token_id
+    ctl = RolloutController(
+        [client],
+        RedisTrajectoryProducer(redis, "profile-sync", cfg.buffer),
+        load_prompt_set(cfg, tok).prompts,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        cfg.rollout,
+        max_groups=(SYNC_CYCLES + 2) * b,
+        stop_token_ids=[eos] if eos is not None else [],
+        seed=cfg.data.seed,
+        weights_dir=str(model_dir.parent),
+    )
+    sync_client = endpoint.sync_client()
+    consumer = RedisTrajectoryConsumer(sync_client, "profile-sync", cfg.buffer)
+    publisher = RedisWeightPublisher(sync_client, "profile-sync", cfg.buffer)
+
+    def trainer() -> list[float]:
+        waits = []
+        for version in range(1, SYNC_CYCLES + 2):
+            t0 = time.perf_counter()
+            batch = consumer.get_batch(b, timeout_s=300)
+            waits.append(time.perf_counter() - t0)
+            consumer.ack(batch.entry_ids)
+            publisher.set_version(version, str(model_dir))
+        return waits[1:]
+
+    producing = asyncio.create_task(ctl.run())
+    try:
+        waits = await asyncio.to_thread(trainer)
+    finally:
+        ctl.request_stop()
+        await asyncio.gather(producing, return_exceptions=True)
+        await client.close()
+        await redis.aclose()
+        consumer.close()
+        sync_client.close()
+        endpoint.close()
+    return statistics.median(waits)
 
 
 def _tree_cpu_s(exclude: set[int]) -> float:
@@ -517,6 +587,7 @@ def profile_local(
     mine = prof.kinds[dev.kind]
     mine.generation_efficiency = gen.continuous_samples_per_s / composed_rate(files, prof)
     mine.host_cpu_s_per_sample = gen.host_cpu_s_per_sample
+    mine.sync_cycle_factor = gen.sync_cycle_s / replayed_cycle_s(files, prof)
     save_profile(prof, files.profile)
     cores = {
         "inference_cores": sorted(dev.inference_cores or []),
@@ -527,6 +598,7 @@ def profile_local(
         "generation": gen.__dict__,
         "train_tokens_per_s": train,
         "generation_efficiency": mine.generation_efficiency,
+        "sync_cycle_factor": mine.sync_cycle_factor,
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files
@@ -547,6 +619,24 @@ def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
     if opt is None:
         raise RuntimeError("the profiled model does not fit the local device's memory")
     return opt.samples_per_s
+
+
+def replayed_cycle_s(files: LocalProfileFiles, prof: Any) -> float:
+    """A synchronous step's generation and reload (its training step left out) as the
+    cost model's replay has them for one instance and one trainer rank here."""
+    from scheduler.cluster import load_cluster
+    from scheduler.model_shape import load_model_shape
+    from scheduler.predict import TrainerLayout, predict_layout
+    from scheduler.workload import load_workload
+
+    cl = load_cluster(files.cluster)
+    w = load_workload(files.workload)
+    trainer = TrainerLayout(((LOCAL_GROUP, 1),), 1)
+    rates = predict_layout(
+        cl, load_model_shape(str(files.model)), w, prof, [(LOCAL_GROUP, 1)], trainer
+    ).synchronous
+    bg = w.samples_per_step
+    return bg / rates.pipeline_samples_per_s - bg / rates.training_samples_per_s
 
 
 def _model_dir(cfg: ExperimentConfig, out: Path) -> Path:

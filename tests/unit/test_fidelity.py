@@ -156,6 +156,16 @@ def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
     assert p.asynchronous.generation_samples_per_s == pytest.approx(
         (1 - paused) / per_sample, rel=1e-3
     )
+    # sync_cycle_factor stretches a synchronous step's generation and reload, not its
+    # training
+    base_cycle = (
+        128 / p.synchronous.pipeline_samples_per_s - 128 / p.synchronous.training_samples_per_s
+    )
+    rates.sync_cycle_factor = 1.5
+    slow = predict_layout(cl, m, w, prof, [("local", 1)], trainer).synchronous
+    cycle = 128 / slow.pipeline_samples_per_s - 128 / slow.training_samples_per_s
+    assert cycle == pytest.approx(1.5 * base_cycle)
+    rates.sync_cycle_factor = None
     # on a GPU kind the controller has host cores of its own
     rates.device = "NVIDIA H100 80GB HBM3"
     gpu = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
