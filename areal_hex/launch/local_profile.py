@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -323,17 +323,13 @@ async def _generation(
     )
 
 
-CONTINUOUS_ROUNDS = 5  # groups produced: this many times the controller's in-flight groups
-
-
-async def _continuous(
-    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int]
-) -> tuple[float, float]:
-    """The run's controller (`RolloutController`, a real Valkey buffer, the run's
-    rewards) against the server with its gate wide open, so that the server stays as
-    full as an asynchronous run keeps it. Over the middle of the run (from a quarter to
-    nine tenths of the groups: no start-up, no drain): samples/s, and the CPU seconds
-    per sample of this process and its children but the server (`exclude`) and Valkey."""
+@contextlib.asynccontextmanager
+async def _controller(
+    url: str, cfg: ExperimentConfig, model_dir: Path, eta: int, groups: int
+) -> AsyncIterator[tuple[Any, Any, int | None]]:
+    """The run's controller (`RolloutController`, the run's rewards and sampling) against
+    the server at `url`, producing `groups` groups into a Valkey of its own at staleness
+    `eta`: (controller, the buffer's endpoint, Valkey's pid)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
     from rollout_service.controller import RolloutController
@@ -341,46 +337,61 @@ async def _continuous(
 
     cfg = cfg.model_copy(deep=True)
     cfg.model.path, cfg.model.tokenizer_path = str(model_dir), None
-    cfg.buffer.max_staleness = 1 << 20  # no trainer here: nothing may wait on the gate
-    cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None  # a Valkey of its own
+    cfg.buffer.max_staleness = eta
+    cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None
     tok = load_rollout_tokenizer(cfg)
-    prompts = load_prompt_set(cfg, tok).prompts
-    groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
     endpoint = open_redis(cfg.redis)
     inflight = 2 * cfg.inference.max_running_requests  # as `run_rollout` sets it
     client = InferenceClient(url, timeout_s=None, max_inflight=inflight)
     redis = endpoint.async_client()
-    producer = RedisTrajectoryProducer(redis, "profile", cfg.buffer)
     eos = tok.eos_token_id
     ctl = RolloutController(
         [client],
-        producer,
-        prompts,
+        RedisTrajectoryProducer(redis, PROFILE_RUN, cfg.buffer),
+        load_prompt_set(cfg, tok).prompts,
         lambda ids: tok.decode(ids, skip_special_tokens=True),
         cfg.rollout,
         max_groups=groups,
         stop_token_ids=[eos] if eos is not None else [],
         seed=cfg.data.seed,
+        weights_dir=str(model_dir.parent),
     )
-    if endpoint.server is not None and endpoint.server.pid is not None:
-        exclude = exclude | {endpoint.server.pid}
-    marks: list[tuple[float, int, float]] = []
-
-    async def watch() -> None:
-        while True:
-            marks.append((time.perf_counter(), ctl.stats["samples_total"], _tree_cpu_s(exclude)))
-            await asyncio.sleep(0.1)
-
-    watcher = asyncio.create_task(watch())
     try:
-        await ctl.run()
+        yield ctl, endpoint, endpoint.server.pid if endpoint.server is not None else None
     finally:
-        watcher.cancel()
         await client.close()
-        await producer.aclose()
         await redis.aclose()
         endpoint.close()
+
+
+PROFILE_RUN = "profile"  # the buffer's run id inside the profile's own Valkey
+CONTINUOUS_ROUNDS = 5  # groups produced: this many times the controller's in-flight groups
+
+
+async def _continuous(
+    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int]
+) -> tuple[float, float]:
+    """The run's controller with its gate wide open, so that the server stays as full as
+    an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
+    the groups: no start-up, no drain): samples/s, and the CPU seconds per sample of this
+    process and its children but the server (`exclude`) and Valkey."""
+    groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
     total = groups * cfg.rollout.group_size
+    marks: list[tuple[float, int, float]] = []
+    # no trainer here: nothing may wait on the gate
+    async with _controller(url, cfg, model_dir, 1 << 20, groups) as (ctl, _, valkey):
+        skip = exclude | ({valkey} if valkey is not None else set())
+
+        async def watch() -> None:
+            while True:
+                marks.append((time.perf_counter(), ctl.stats["samples_total"], _tree_cpu_s(skip)))
+                await asyncio.sleep(0.1)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await ctl.run()
+        finally:
+            watcher.cancel()
     inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
     if len(inside) < 2 or inside[-1][1] == inside[0][1]:
         inside = [marks[0], marks[-1]]
@@ -393,64 +404,37 @@ SYNC_CYCLES = 6  # timed, after one that includes the controller's start
 
 
 async def _sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
-    """The run's controller at η = 0 against the server, and in this process a trainer
-    that trains nothing: it takes each batch from the buffer and publishes the next
-    version (the same weights), as a synchronous run's trainer does after its step. The
-    median of the seconds from a publish to the whole next batch: generation of a batch
-    down to its longest answer, the weight reload and every hand-off between them."""
-    from areal_hex.buffer import RedisTrajectoryProducer, open_redis
+    """The run's controller at η = 0, and in this process a trainer that trains nothing:
+    it takes each batch from the buffer and publishes the next version (the same
+    weights), as a synchronous run's trainer does after its step. The median of the
+    seconds from a publish to the whole next batch: generation of a batch down to its
+    longest answer, the weight reload and every hand-off between them."""
     from areal_hex.buffer.consumer import RedisTrajectoryConsumer, RedisWeightPublisher
-    from rollout_service.client import InferenceClient
-    from rollout_service.controller import RolloutController
-    from rollout_service.wiring import load_prompt_set, load_rollout_tokenizer
 
-    cfg = cfg.model_copy(deep=True)
-    cfg.model.path, cfg.model.tokenizer_path = str(model_dir), None
-    cfg.buffer.max_staleness = 0
-    cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None
     b = cfg.buffer.groups_per_step
-    tok = load_rollout_tokenizer(cfg)
-    endpoint = open_redis(cfg.redis)
-    inflight = 2 * cfg.inference.max_running_requests
-    client = InferenceClient(url, timeout_s=None, max_inflight=inflight)
-    redis = endpoint.async_client()
-    eos = tok.eos_token_id
-    ctl = RolloutController(
-        [client],
-        RedisTrajectoryProducer(redis, "profile-sync", cfg.buffer),
-        load_prompt_set(cfg, tok).prompts,
-        lambda ids: tok.decode(ids, skip_special_tokens=True),
-        cfg.rollout,
-        max_groups=(SYNC_CYCLES + 2) * b,
-        stop_token_ids=[eos] if eos is not None else [],
-        seed=cfg.data.seed,
-        weights_dir=str(model_dir.parent),
-    )
-    sync_client = endpoint.sync_client()
-    consumer = RedisTrajectoryConsumer(sync_client, "profile-sync", cfg.buffer)
-    publisher = RedisWeightPublisher(sync_client, "profile-sync", cfg.buffer)
+    async with _controller(url, cfg, model_dir, 0, (SYNC_CYCLES + 2) * b) as (ctl, ep, _):
+        sync_client = ep.sync_client()
+        consumer = RedisTrajectoryConsumer(sync_client, PROFILE_RUN, cfg.buffer)
+        publisher = RedisWeightPublisher(sync_client, PROFILE_RUN, cfg.buffer)
 
-    def trainer() -> list[float]:
-        waits = []
-        for version in range(1, SYNC_CYCLES + 2):
-            t0 = time.perf_counter()
-            batch = consumer.get_batch(b, timeout_s=300)
-            waits.append(time.perf_counter() - t0)
-            consumer.ack(batch.entry_ids)
-            publisher.set_version(version, str(model_dir))
-        return waits[1:]
+        def trainer() -> list[float]:
+            waits = []
+            for version in range(1, SYNC_CYCLES + 2):
+                t0 = time.perf_counter()
+                batch = consumer.get_batch(b, timeout_s=300)
+                waits.append(time.perf_counter() - t0)
+                consumer.ack(batch.entry_ids)
+                publisher.set_version(version, str(model_dir))
+            return waits[1:]
 
-    producing = asyncio.create_task(ctl.run())
-    try:
-        waits = await asyncio.to_thread(trainer)
-    finally:
-        ctl.request_stop()
-        await asyncio.gather(producing, return_exceptions=True)
-        await client.close()
-        await redis.aclose()
-        consumer.close()
-        sync_client.close()
-        endpoint.close()
+        producing = asyncio.create_task(ctl.run())
+        try:
+            waits = await asyncio.to_thread(trainer)
+        finally:
+            ctl.request_stop()
+            await asyncio.gather(producing, return_exceptions=True)
+            consumer.close()
+            sync_client.close()
     return statistics.median(waits)
 
 

@@ -52,6 +52,7 @@ def test_profile_local_plan_run(tmp_path: Path) -> None:
     assert {int(b) for b in rates["decode_step_s"]} == {1, 16} and rates["reload_idle_s"] > 0
     # the run's controller kept the server full: its rate against the timings', its CPU
     assert 0.05 < rates["generation_efficiency"] < 5 and rates["host_cpu_s_per_sample"] > 0
+    assert 0.05 < rates["sync_cycle_factor"] < 20  # publish -> next batch, over the replay
     work = yaml.safe_load((lp / "workload.yaml").read_text())
     assert (work["groups_per_step"], work["group_size"], work["max_response_tokens"]) == (2, 4, 8)
 
