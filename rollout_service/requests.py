@@ -125,15 +125,14 @@ class EngineOptions:
     max_running_requests: int = 64
     context_length: int = 512
     max_prefill_tokens: int = 8192  # padded prompt tokens per prefill forward
-    # While rows run and more requests wait than fit: admit once this many fit (0: a
+    # While rows run and more requests wait than fit: admit once this many fit (None: a
     # quarter of max_running_requests).
-    min_admit: int = 0
+    min_admit: int | None = None
+    seed: int = 0
+    throughput_window_s: float = 5.0
 
     def admit_at_least(self) -> int:
         return self.min_admit or max(1, self.max_running_requests // 4)
-
-    seed: int = 0
-    throughput_window_s: float = 5.0
 
 
 @dataclass

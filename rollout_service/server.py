@@ -67,7 +67,7 @@ def build_engine(model_cfg: ModelConfig, inf: InferenceConfig) -> Engine:
         max_running_requests=inf.max_running_requests,
         context_length=min(inf.context_length, _max_positions(model)),
         max_prefill_tokens=inf.max_prefill_tokens,
-        min_admit=inf.min_admit or 0,
+        min_admit=inf.min_admit,
         seed=inf.seed,
     )
     return Engine(model, tok, reload, path, inf.weight_version, opts)

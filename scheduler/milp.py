@@ -183,21 +183,21 @@ def solve(
         )
     if status != "ok":
         return None
-    c_idx, reps = _read(x, y, cis, ris)
+    best = _solution(p, *_read(x, y, cis, ris), status, gap, 0.0)
     if target is None and cheapest:
         # Lexicographic: the cheapest plan among those reaching the best rate (within
         # 1e-6, CBC's integrality tolerance); keep the first answer if CBC finds none,
         # or if the cheaper one's exact rate is lower (R is a conservative bound, and
         # plans equal in R can differ in what they reach).
-        first = _solution(p, c_idx, reps, status, gap, 0.0)
         prob += R >= R.value() * (1 - 1e-6)
         prob.sense = pulp.LpMinimize
         prob.setObjective(cost)
         if _run_cbc(prob, time_limit_s)[0] == "ok":
-            c2, reps2 = _read(x, y, cis, ris)
-            if _solution(p, c2, reps2, status, gap, 0.0).eval_rate >= first.eval_rate * (1 - 1e-6):
-                c_idx, reps = c2, reps2
-    return _solution(p, c_idx, reps, status, gap, time.perf_counter() - t0)
+            cheaper = _solution(p, *_read(x, y, cis, ris), status, gap, 0.0)
+            if cheaper.eval_rate >= best.eval_rate * (1 - 1e-6):
+                best = cheaper
+    best.solve_s = time.perf_counter() - t0
+    return best
 
 
 def solve_per_kind(p: PlanSpace, **kw: object) -> dict[str, Solution | None]:

@@ -108,11 +108,16 @@ def test_each_kind_must_hold_the_stage_in_its_own_hbm() -> None:
     assert not any(c.mixed and c.zero == 2 for c in trainer_configs(cl, m, w))
 
 
-def test_only_kinds_of_one_region_with_equal_gpus_per_node_mix() -> None:
-    zones = [
+def _zones(region_b: str) -> list[dict]:
+    """Zone a in region r1, zone b in `region_b`."""
+    return [
         {"name": "a", "region": "r1", "inter_node_bandwidth_gbs": 25.0},
-        {"name": "b", "region": "r2", "inter_node_bandwidth_gbs": 25.0},
+        {"name": "b", "region": region_b, "inter_node_bandwidth_gbs": 25.0},
     ]
+
+
+def test_only_kinds_of_one_region_with_equal_gpus_per_node_mix() -> None:
+    zones = _zones("r2")
     cl = _spec(
         [
             {"name": "h800", "gpu": "H800", "gpus_per_node": 8, "nodes": 2, "zone": "a"},
@@ -132,10 +137,7 @@ def test_only_kinds_of_one_region_with_equal_gpus_per_node_mix() -> None:
 
 
 def test_one_kind_inventory_never_yields_a_mixed_trainer() -> None:
-    zones = [
-        {"name": "a", "region": "r1", "inter_node_bandwidth_gbs": 25.0},
-        {"name": "b", "region": "r1", "inter_node_bandwidth_gbs": 25.0},
-    ]
+    zones = _zones("r1")
     cl = _spec(
         [
             {"name": "x", "gpu": "H800", "gpus_per_node": 8, "nodes": 2, "zone": "a"},
