@@ -4,11 +4,14 @@ solve_s: phase 1 + phase 2 wall time for generated clusters (six GPU kinds, four
 two zones each); plan_s: the whole plan (baselines and simulation included) on them.
 max_gap_vs_exhaustive: relative gap between the MILP and an exhaustive search under the
 same cost model on small random clusters. max_sim_error: |simulated - predicted| /
-predicted over every shipped inventory x workload. speedup_vs_homogeneous (and its
-minimum, min_hetero_vs_homo): the plan's rate over the best one-kind plan at the same
-budget. metis_gain: simulated rate of phase 2's METIS mapping over first-fit placement of
-the same phase-1 decision on the rack inventory. target_rate_ok: share of --target-rate
-requests at 0.5/0.9/0.99/1.0 x a budget plan's reported rate that succeed.
+predicted over every shipped inventory x workload; max_sim_error_eta_k (signed errors in
+sim_error_eta_k): the same with the workloads' staleness and publish interval set to each
+of ETA_K, the choices `plan --max-staleness/--max-publish-interval` weighs.
+speedup_vs_homogeneous (and its minimum, min_hetero_vs_homo): the plan's rate over the
+best one-kind plan at the same budget. metis_gain: simulated rate of phase 2's METIS
+mapping over first-fit placement of the same phase-1 decision on the rack inventory.
+target_rate_ok: share of --target-rate requests at 0.5/0.9/0.99/1.0 x a budget plan's
+reported rate that succeed.
 min_budget_used: the least share of the budget a plan spends where the inventory does
 not bind (budget_used lists those plans); max_unspent_machines: the most any of those
 plans leaves unspent, in prices of the inventory's cheapest machine.
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
         plan_s[str(size)] = round(time.perf_counter() - t0, 3)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
-    sim_err, speedup, used, targets, unspent = {}, {}, {}, [], {}
+    sim_err, speedup, used, targets, unspent, sim_eta_k = {}, {}, {}, [], {}, {}
     for wname in ("long_cot", "math_grpo"):
         wl = load_workload(EXAMPLES / "workloads" / f"{wname}.yaml")
         for f in sorted((EXAMPLES / "clusters").glob("*.yaml")):
@@ -181,6 +184,13 @@ def run(args: argparse.Namespace) -> dict:
                 unspent[key] = round((budget - res.plan.predicted.cost_usd_per_h) / machine, 3)
             if wname == "long_cot":
                 targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
+            for eta, k in ETA_K:
+                wv = wl.model_copy(update={"staleness": eta, "publish_interval": k})
+                rv = make_plan(
+                    cl, m, wv, budget=budget, time_limit_s=args.time_limit, baselines=False
+                )
+                pv = rv.plan.predicted.samples_per_s
+                sim_eta_k[f"{key}/eta{eta}k{k}"] = round((rv.sim.samples_per_s - pv) / pv, 4)
     gain = metis_gain(m, args.time_limit)
     return {
         "solve_s": solve_s,
@@ -190,6 +200,8 @@ def run(args: argparse.Namespace) -> dict:
         "exhaustive_clusters_compared": compared,
         "max_sim_error": max(sim_err.values()),
         "sim_error": sim_err,
+        "max_sim_error_eta_k": max(abs(v) for v in sim_eta_k.values()),
+        "sim_error_eta_k": sim_eta_k,
         "speedup_vs_homogeneous": speedup,
         "min_hetero_vs_homo": min(v for v in speedup.values() if v is not None),
         "metis_gain": gain,
@@ -203,6 +215,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 SHARES = (0.5, 0.9, 0.99, 1.0)
+ETA_K = ((2, 1), (3, 2), (8, 4))  # staleness and publish interval the tuning may choose
 
 
 def _price(cl) -> float:

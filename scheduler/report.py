@@ -12,6 +12,8 @@ from scheduler.planner import PlanResult, cheapest_cost, synchronous_rate
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 
+SIM_GAP_WARN = 0.05  # |simulated - predicted| / predicted the table calls out
+
 
 def _mixed_ranks(c: TrainerOption) -> str:
     """'16 H800 at 0.113 + 8 H20 at 0.022 samples/s each' for a trainer across kinds."""
@@ -67,9 +69,18 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 if sim is not None
                 else ""
             )
+            pred = plan.predicted.samples_per_s
+            off = (b.simulated_samples_per_s - pred) / pred if pred > 0 else 0.0
+            gap = (
+                f" ({off:+.0%} against the prediction: expect the simulated rate; the "
+                "closed form does not model the gate's publish cycle at this staleness "
+                "and publish interval)"
+                if abs(off) > SIM_GAP_WARN
+                else ""
+            )
             lines.append(
                 f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
-                f"{b.simulated_max_staleness}{idle}"
+                f"{b.simulated_max_staleness}{idle}{gap}"
             )
         if b.first_fit_samples_per_s is not None:
             sim_ff = b.simulated_first_fit_samples_per_s

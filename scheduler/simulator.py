@@ -11,7 +11,10 @@ samples over instances with free slots (least loaded first). A group's version i
 the weights the instances held when it was admitted. The trainer drops, and counts,
 finished groups older than v − η (as `areal_hex/buffer/consumer.py` does), takes the B
 oldest of the rest, steps, and every k steps publishes: every instance pauses for its sync
-time and serves the new version afterwards.
+time and serves the new version afterwards. v is the buffer's version, the last one
+published (the trainer's step count moves on between publishes, the buffer's does not):
+with k > 1 the gate opens k·B groups at a publish and none until the next, which the
+closed-form rate of `costmodel.pipeline_rate` does not model.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class SimResult:
     generation_samples_per_s: float
     steps: int
     max_staleness: int
-    staleness_hist: dict[int, int]  # versions behind the trainer -> groups trained
+    staleness_hist: dict[int, int]  # versions behind the buffer's -> groups trained
     trainer_idle_frac: float
     rollout_busy_frac: float
     dropped: int = 0  # finished groups older than v - eta, dropped unused
@@ -123,7 +126,7 @@ class Simulation:
         one instance (one batched request, as the controller sends it): the one with the
         most free slots."""
         w = self.w
-        if self.submitted - self.given_back >= (self.version + w.staleness + 1) * w.batch_groups:
+        if self.submitted - self.given_back >= (self.served + w.staleness + 1) * w.batch_groups:
             return False
         if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
             return False
@@ -174,7 +177,7 @@ class Simulation:
     def drop_stale(self) -> None:
         """The consumer's rule: a group older than v − η is dropped, counted and handed
         back to the gate."""
-        floor = self.version - self.w.staleness
+        floor = self.served - self.w.staleness
         keep: deque[int] = deque()
         for g in self.finished:
             if self.group_ver[g] >= floor:
@@ -194,7 +197,7 @@ class Simulation:
         if len(self.finished) < b:
             return
         for g in [self.finished.popleft() for _ in range(b)]:
-            lag = self.version - self.group_ver.pop(g)
+            lag = self.served - self.group_ver.pop(g)
             self.hist[lag] = self.hist.get(lag, 0) + 1
         self.trainer_busy = True
         self.trainer_idle += self.now - self.idle_since

@@ -88,4 +88,12 @@ def load_workload(path: str | Path | None) -> Workload:
             f"{path}: max_response_tokens ({w.max_response_tokens}) must be >= "
             f"response_tokens ({w.response_tokens})"
         )
+    if w.publish_interval > w.staleness + 1:
+        from areal_hex.config import ConfigError
+
+        raise ConfigError(
+            f"{path}: publish_interval ({w.publish_interval}) must be <= staleness + 1 "
+            f"({w.staleness + 1}): the staleness gate lets the trainer run staleness + 1 "
+            "steps past a publish and no further"
+        )
     return w

@@ -49,12 +49,12 @@ def preflight(args: argparse.Namespace):  # -> ExperimentConfig
     """What `areal-hex train` checks before it starts any process; `areal-hex deploy` runs
     it on every trainer it renders."""
     from areal_hex.cli import UsageError, config_from_args, require_run
-    from areal_hex.config.checks import check_pending_groups
+    from areal_hex.config.checks import check_run
 
     cfg = config_from_args(args)
     # trainer.replay_path trains from a file: no buffer server needed
     require_run(cfg, "areal-hex train", need_redis=cfg.trainer.replay_path is None)
-    check_pending_groups(cfg)
+    check_run(cfg)
     speeds = cfg.trainer.rank_speeds
     nodes = _nodes()
     if speeds is not None and len(speeds) != cfg.trainer.num_ranks * nodes:

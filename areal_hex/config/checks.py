@@ -11,6 +11,30 @@ if TYPE_CHECKING:
     from areal_hex.config import ExperimentConfig
 
 
+def check_run(cfg: ExperimentConfig) -> None:
+    """Every whole-config check below."""
+    check_pending_groups(cfg)
+    check_publish_within_staleness(cfg)
+
+
+def check_publish_within_staleness(cfg: ExperimentConfig) -> None:
+    """The staleness gate admits (v + max_staleness + 1) x groups_per_step groups, v the
+    last published version: the trainer can take max_staleness + 1 steps past a publish
+    and no more until the next one. Publishing every more steps than that would wait
+    forever for groups the gate holds back. Raises ConfigError naming both settings. A
+    trainer fed from a replay file has no gate and always passes."""
+    if cfg.trainer.replay_path is not None:
+        return
+    k, eta = cfg.trainer.publish_every, cfg.buffer.max_staleness
+    if k > eta + 1:
+        raise ConfigError(
+            f"trainer.publish_every ({k}) is more than buffer.max_staleness + 1 "
+            f"({eta + 1}): the staleness gate lets the trainer run {eta + 1} steps past a "
+            f"publish, so it would wait forever for its next batch; raise max_staleness to "
+            f"at least {k - 1} or publish more often"
+        )
+
+
 def check_pending_groups(cfg: ExperimentConfig) -> None:
     """Groups stay pending in the buffer until the checkpoint that holds their update
     commits, and the producers' backpressure counts them: with room for fewer than

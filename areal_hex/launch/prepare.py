@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_hex.config import ExperimentConfig, save_config
-from areal_hex.config.checks import check_pending_groups
+from areal_hex.config.checks import check_run
 from areal_hex.errors import UsageError
 from areal_hex.net import free_port, free_port_block, port_free
 from areal_hex.plan import Plan
@@ -101,7 +101,7 @@ def check_redis_port(cfg: ExperimentConfig) -> None:
 def preflight(cfg: ExperimentConfig) -> None:
     """Everything that can be known wrong before a process starts: raises UsageError (or
     ConfigError) with what is wrong, where, and what was expected."""
-    check_pending_groups(cfg)
+    check_run(cfg)
     check_model_path(cfg)
     check_redis_port(cfg)
     check_redis_reachable(cfg)

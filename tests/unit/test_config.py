@@ -49,3 +49,17 @@ def test_saved_config_round_trips(tmp_path):
 def test_cli_exit_code_2_on_bad_config(capsys):
     assert main(["config", "trainer.nope=1"]) == 2
     assert "trainer.nope: unknown key" in capsys.readouterr().err
+
+
+def test_publishing_less_often_than_the_gate_allows_is_refused(tmp_path):
+    from areal_hex.config.checks import check_run
+
+    ok = load_config(None, ["buffer.max_staleness=2", "trainer.publish_every=3"])
+    check_run(ok)  # the trainer may run eta + 1 = 3 steps past a publish
+    bad = load_config(None, ["buffer.max_staleness=1", "trainer.publish_every=3"])
+    with pytest.raises(ConfigError, match=r"trainer.publish_every \(3\).*max_staleness"):
+        check_run(bad)
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text("")
+    bad.trainer.replay_path = str(replay)
+    check_run(bad)  # no gate when the trainer replays a file

@@ -128,6 +128,18 @@ def test_simulator_publishes_every_k_steps() -> None:
     assert r.dropped == 0
 
 
+def test_simulator_gate_moves_with_the_published_version() -> None:
+    # eta = 1, a publish every 2 steps, 0.5 s groups, 0.1 s steps, room for 8. The gate
+    # reads the buffer's version, which moves only at a publish: it opens 2 groups at
+    # each publish, so two steps take 0.5 s of generation + 0.2 s of training. (Counting
+    # the trainer's own steps, as the gate does not, would give 2 / 0.6.)
+    inst = [SimInstance("n0", slots=8, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)]
+    kw = _sim_kw(group_size=1, staleness=1, publish_interval=2, steps=13)
+    r = simulate(inst, **kw)  # type: ignore[arg-type]
+    assert r.samples_per_s == pytest.approx(1 / 0.35, rel=1e-6)
+    assert r.max_staleness <= 1 and r.dropped == 0
+
+
 @pytest.mark.parametrize("workload", ["math_grpo", "long_cot"])
 @pytest.mark.parametrize("name", ["h800_h20", "hetrl_a100_l40s_l4", "multi_region"])
 def test_simulator_within_five_percent_of_prediction(name: str, workload: str) -> None:
