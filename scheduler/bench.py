@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 SHARES = (0.5, 0.9, 0.99, 1.0)
-ETA_K = ((2, 1), (3, 2), (8, 4))  # staleness and publish interval the tuning may choose
+ETA_K = ((1, 1), (2, 1), (3, 2), (8, 4))  # staleness and publish interval the tuning may choose
 
 
 def _price(cl) -> float:
