@@ -33,6 +33,22 @@ class ServiceSpec:
     # Planned node names (cluster-spec names) the service spans, in rank order; empty when
     # there is no plan. Deploy uses them to pin services and to check single-host targets.
     node_names: list[str] = field(default_factory=list)
+    # Trainer across GPU kinds only: the kind of each node, in rank order (`gpu_kind` is
+    # then the plan's label, "H800+H20"). Empty for a service of one kind.
+    node_kinds: list[str] = field(default_factory=list)
+
+    def kind_segments(self) -> list[tuple[str | None, int, int]]:
+        """(GPU kind, first node, nodes) for each run of nodes of one kind, in rank order;
+        one segment of `gpu_kind` for a service of one kind."""
+        if not self.node_kinds:
+            return [(self.gpu_kind, 0, self.nodes)]
+        out: list[tuple[str | None, int, int]] = []
+        for i, kind in enumerate(self.node_kinds):
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((kind, i, 1))
+        return out
 
 
 @dataclass
@@ -91,6 +107,7 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
             nodes=len(t.placements),
             devices=list(t.placements[0].gpu_ids),
             node_names=[p.node for p in t.placements],
+            node_kinds=list(t.gpu_kinds) if t.mixed and t.gpu_kinds else [],
         )
     services.append(ServiceSpec("controller", "controller", ["areal-hex", "rollout", c]))
     services.append(trainer)

@@ -35,13 +35,21 @@ def jobset_validator() -> jsonschema.Draft7Validator:
 
 def job_of(jobset: dict) -> dict:
     """A JobSet's (single) replicated job as the batch/v1 Job it becomes."""
-    (rj,) = jobset["spec"]["replicatedJobs"]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": jobset["metadata"],
-        "spec": rj["template"]["spec"],
-    }
+    (job,) = jobs_of(jobset)
+    return job
+
+
+def jobs_of(jobset: dict) -> list[dict]:
+    """Each replicated job of a JobSet as the batch/v1 Job it becomes."""
+    return [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": jobset["metadata"],
+            "spec": rj["template"]["spec"],
+        }
+        for rj in jobset["spec"]["replicatedJobs"]
+    ]
 
 
 def validate(obj: dict, version: str) -> str:
@@ -52,5 +60,7 @@ def validate(obj: dict, version: str) -> str:
             raise jsonschema.ValidationError(
                 "; ".join(f"{list(e.path)}: {e.message}" for e in errors)
             )
-        return kubernetes_validate.validate(job_of(obj), version, strict=True)
+        checked = {kubernetes_validate.validate(j, version, strict=True) for j in jobs_of(obj)}
+        (found,) = checked
+        return found
     return kubernetes_validate.validate(obj, version, strict=True)

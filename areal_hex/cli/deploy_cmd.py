@@ -8,8 +8,11 @@ service it renders, the checks that service's own command runs at start (`prefli
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from areal_hex.deploy import TARGETS
@@ -125,6 +128,21 @@ def with_tag(image: str, tag: str) -> str:
     return f"{repo}:{tag}"
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def check_services(d) -> list[str]:  # d: areal_hex.deploy.common.Deployment
     """Each rendered service's own start-up checks on the config it will load: its layout
     command is parsed by the real `areal-hex` parser and its command's `preflight` runs."""
@@ -143,8 +161,11 @@ def check_services(d) -> list[str]:  # d: areal_hex.deploy.common.Deployment
         for svc in d.layout.services:
             argv = [a.replace(CONFIG_PLACEHOLDER, str(config)) for a in svc.command]
             args = parser.parse_args(argv[1:])  # argv[0] is `areal-hex`
+            # the environment the deployment gives it: a trainer's nodes (PET_NNODES)
+            env = {"PET_NNODES": str(svc.nodes)} if svc.role == "trainer" else {}
             try:
-                args.preflight(args)
+                with _environ(env):
+                    args.preflight(args)
             except (ConfigError, UsageError) as exc:
                 shown = shlex.join(svc.command)
                 errors.append(f"{svc.name} ({shown}): {exc}")

@@ -37,6 +37,11 @@ def launcher_command(cfg, config: str, overrides: list[str]) -> list[str]:  # cf
 
 def launcher_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
     env = dict(os.environ)
+    offset = env.pop("AREAL_HEX_NODE_RANK_OFFSET", "")
+    if offset:  # a trainer across GPU kinds: this pod's job starts at node rank `offset`
+        for key in ("PET_NODE_RANK", "NODE_RANK"):
+            if env.get(key, "").isdigit():
+                env[key] = str(int(offset) + int(env[key]))
     if cfg.trainer.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         # ranks share the cores: one rank's intra-op threads must not starve the others

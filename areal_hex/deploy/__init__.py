@@ -93,8 +93,9 @@ def render(
     write_files(out_dir, files, bundle.private)
     gpus: Counter[str] = Counter()
     for s in d.layout.services:
-        if s.gpu_kind is not None:
-            gpus[s.gpu_kind] += s.gpus * s.nodes
+        for kind, _, nodes in s.kind_segments():
+            if kind is not None:
+                gpus[kind] += s.gpus * nodes
     return RenderResult(
         target=target,
         out_dir=out_dir,

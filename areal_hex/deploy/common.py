@@ -157,17 +157,30 @@ def service_name(prefix: str, svc: ServiceSpec) -> str:
 # ---------------------------------------------------------------- checks
 
 
-def refuse_mixed_trainer(plan: Plan, target: str) -> None:
+MIXED_TRAINER_TARGETS = ("k8s",)  # render a trainer across GPU kinds (one pod group per kind)
+
+
+def refuse_mixed_trainer(plan: Plan, target: str, dcfg: DeployConfig | None = None) -> None:
     """A trainer across GPU kinds needs every rank on a machine of the kind its
-    `rank_speeds` entry assumes; the targets render one trainer of one kind (one pod
-    template, one allocation), so they refuse it rather than share a step wrongly."""
+    `rank_speeds` entry assumes. Kubernetes renders it as one JobSet with a replicated job
+    per kind (`k8s_trainer.kind_segments`); compose (one host) and Slurm (one allocation
+    per component) render a trainer of one kind, and refuse it rather than share a step
+    wrongly."""
     t = plan.trainer
-    if t.mixed:
+    if not t.mixed:
+        return
+    if target not in MIXED_TRAINER_TARGETS:
         raise ConfigError(
             f"plan.trainer.gpu_kinds: the trainer spans GPU kinds {' + '.join(t.kinds)} "
             f"(heterogeneous data parallelism), but --target {target} renders a trainer of "
-            f"one GPU kind only; run it with `areal-hex run --plan`, or plan again with "
-            f"`areal-hex plan --one-kind-trainer` for a plan this target deploys"
+            f"one GPU kind only; deploy it with --target k8s, run it with `areal-hex run "
+            f"--plan`, or plan again with `areal-hex plan --one-kind-trainer`"
+        )
+    if dcfg is not None and dcfg.trainer.gang != "jobset":
+        raise ConfigError(
+            f"trainer.gang: the plan's trainer spans GPU kinds {' + '.join(t.kinds)}, "
+            f"rendered as one JobSet with a replicated job per kind; got "
+            f"{dcfg.trainer.gang!r}, expected 'jobset'"
         )
 
 
@@ -243,8 +256,9 @@ def _check_trainer(cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig) -> lis
     t, tc = plan.trainer, cfg.trainer
     errors: list[str] = []
     ngpus = sum(len(p.gpu_ids) for p in t.placements)
-    if gpu_label_value(t.gpu_kind, dcfg) is None:
-        errors.append(_unknown_kind("plan.trainer", t.gpu_kind, dcfg))
+    for kind in t.kinds:  # each kind of a trainer across kinds, or its one kind
+        if gpu_label_value(kind, dcfg) is None:
+            errors.append(_unknown_kind("plan.trainer", kind, dcfg))
     if not t.placements:
         errors.append("plan.trainer.placements is empty")
     if t.dp * t.tp != t.world_size:
@@ -427,6 +441,8 @@ def resolve_config(
     # num_ranks is per node (the launcher on each node starts that many ranks).
     t = plan.trainer
     data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
+    if t.rank_speeds is not None:  # across GPU kinds: each rank's share of a step
+        data["trainer"]["rank_speeds"] = list(t.rank_speeds)
     data["trainer"]["master_port"] = dcfg.master_port
     # Prometheus scrapes a fixed port (a free one, 0, cannot be announced).
     if not data["trainer"].get("metrics_port"):
@@ -472,7 +488,7 @@ def prepare(
     cfg: ExperimentConfig, plan: Plan, dcfg: DeployConfig, target: str, out_dir: Path
 ) -> Deployment:
     """Check, then resolve: the one entry both renderers start from."""
-    refuse_mixed_trainer(plan, target)
+    refuse_mixed_trainer(plan, target, dcfg)
     layout = build_layout(cfg, plan)
     check_plan(cfg, plan, dcfg, target, layout)
     prefix = object_prefix(run_id(cfg, plan), dcfg.name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -39,6 +40,7 @@ from areal_hex.deploy.k8s_pods import (
 )
 from areal_hex.deploy.k8s_trainer import (
     KUEUE_QUEUE,
+    NODE_RANK_OFFSET,
     headless_service,
     indexed_job,
     jobset,
@@ -260,34 +262,52 @@ def _controller(d: Deployment) -> Obj:
 
 
 def _trainer(d: Deployment) -> list[Obj]:
-    """The trainer as a JobSet (gang restarts) or an Indexed Job; see k8s_trainer."""
+    """The trainer as a JobSet (gang restarts) or an Indexed Job; see k8s_trainer. A
+    trainer across GPU kinds gets one replicated job per kind, each pinned to its kind's
+    machines, its pods' node ranks offset by the nodes before it."""
     svc = d.layout.by_role("trainer")[0]
     name = service_name(d.prefix, svc)
+    pod_labels = labels(d, "trainer")
+    templates = []
+    for kind, first, nodes in svc.kind_segments():
+        part = replace(
+            svc, gpu_kind=kind, nodes=nodes, node_names=svc.node_names[first : first + nodes]
+        )
+        templates.append((part, _trainer_template(d, svc, part, first, pod_labels)))
+    job_meta = meta(d, name, "trainer")
+    if d.dcfg.kueue_queue:
+        job_meta["labels"][KUEUE_QUEUE] = d.dcfg.kueue_queue
+    if d.dcfg.trainer.gang == "jobset":
+        return [jobset(d, job_meta, templates)]
+    [(part, template)] = templates  # refuse_mixed_trainer: across kinds it is a JobSet
+    template["spec"]["subdomain"] = name
+    headless = headless_service(d, meta(d, name, "trainer"), _selector(pod_labels))
+    return [headless, indexed_job(d, part, job_meta, template)]
+
+
+def _trainer_template(
+    d: Deployment, svc: ServiceSpec, part: ServiceSpec, first: int, pod_labels: dict[str, str]
+) -> Obj:
+    """The pod template of `part`, the nodes of one GPU kind of trainer `svc` starting at
+    node rank `first`."""
     port = d.dcfg.master_port
     env = rendezvous_env(master_addr(d, svc), port, svc.nodes, svc.gpus)
-    spec = pod_spec(d, svc, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
+    if first:
+        env.append({"name": NODE_RANK_OFFSET, "value": str(first)})
+    spec = pod_spec(d, part, d.dcfg.images.trainer, d.dcfg.resources.trainer, svc.command, env)
     metrics = metrics_port(d, "trainer")
     spec["containers"][0]["ports"] = [
         {"name": "rendezvous", "containerPort": port},
         {"name": "metrics", "containerPort": metrics},  # rank 0 (pod index 0) serves it
     ]
     spec["restartPolicy"] = "Never"
-    pod_labels = labels(d, "trainer")
-    affinity = placement_affinity(d, svc, _selector(pod_labels))
+    affinity = placement_affinity(d, part, _selector(pod_labels), one_per_node=svc.nodes > 1)
     if affinity is not None:
         spec["affinity"] = affinity
-    template = {
+    return {
         "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
         "spec": spec,
     }
-    job_meta = meta(d, name, "trainer")
-    if d.dcfg.kueue_queue:
-        job_meta["labels"][KUEUE_QUEUE] = d.dcfg.kueue_queue
-    if d.dcfg.trainer.gang == "jobset":
-        return [jobset(d, svc, job_meta, template)]
-    spec["subdomain"] = name
-    headless = headless_service(d, meta(d, name, "trainer"), _selector(pod_labels))
-    return [headless, indexed_job(d, svc, job_meta, template)]
 
 
 def metrics_port(d: Deployment, component: str) -> int:

@@ -11,6 +11,12 @@ Two forms (`trainer.gang` of the deploy config):
 - `indexed-job`: the same pods as a plain Indexed Job with our own headless Service, for
   clusters without the JobSet controller; a failed pod is retried alone up to
   `backoff_limit` times, which a static rendezvous does not survive.
+
+A trainer across GPU kinds (heterogeneous data parallelism) is a JobSet with one
+replicated job per kind, in rank order: each pinned to its kind's machines, its pods'
+node rank their completion index plus the nodes of the jobs before it
+(`AREAL_HEX_NODE_RANK_OFFSET`, added by `areal-hex train`), so every rank's
+`trainer.rank_speeds` entry is the speed of the GPU it runs on.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from areal_hex.layout import ServiceSpec
 Obj = dict[str, Any]
 HOSTNAME = "kubernetes.io/hostname"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
-REPLICATED_JOB = "ranks"  # the JobSet's one replicated job
+REPLICATED_JOB = "ranks"  # the JobSet's first replicated job (the only one for one kind)
+NODE_RANK_OFFSET = "AREAL_HEX_NODE_RANK_OFFSET"  # nodes of the replicated jobs before this
 KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 
 
@@ -67,10 +74,12 @@ def node_term(match: NodeMatch) -> Obj:
     return {"matchExpressions": exprs}
 
 
-def placement_affinity(d: Deployment, svc: ServiceSpec, pod_labels: dict[str, str]) -> Obj | None:
+def placement_affinity(
+    d: Deployment, svc: ServiceSpec, pod_labels: dict[str, str], one_per_node: bool = False
+) -> Obj | None:
     """Node affinity to the machines the plan put `svc` on (any of them, for a trainer
-    spanning several); a multi-node trainer also keeps one pod per machine. None when
-    the deploy config maps no plan node."""
+    spanning several); with `one_per_node` (a multi-node trainer), also one pod of
+    `pod_labels` per machine. None when the deploy config maps no plan node."""
     matches = [m for n in svc.node_names if (m := node_match(d.dcfg, n)) is not None]
     if not matches:
         return None
@@ -81,7 +90,7 @@ def placement_affinity(d: Deployment, svc: ServiceSpec, pod_labels: dict[str, st
             "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": unique}
         }
     }
-    if svc.role == "trainer" and svc.nodes > 1:
+    if one_per_node:
         same = {"labelSelector": {"matchLabels": pod_labels}, "topologyKey": HOSTNAME}
         out["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [same]}
     return out
@@ -103,15 +112,20 @@ def indexed_job(d: Deployment, svc: ServiceSpec, meta: Obj, pod_template: Obj) -
     }
 
 
-def jobset(d: Deployment, svc: ServiceSpec, meta: Obj, pod_template: Obj) -> Obj:
+def jobset(d: Deployment, meta: Obj, parts: list[tuple[ServiceSpec, Obj]]) -> Obj:
+    """One replicated job per (nodes of one kind, pod template), in rank order."""
     name = meta["name"]
-    job_spec = {
-        "completionMode": "Indexed",
-        "completions": svc.nodes,
-        "parallelism": svc.nodes,
-        "backoffLimit": 0,  # one failed rank fails the Job: the JobSet restarts them all
-        "template": pod_template,
-    }
+    jobs = []
+    for i, (part, template) in enumerate(parts):
+        job_spec = {
+            "completionMode": "Indexed",
+            "completions": part.nodes,
+            "parallelism": part.nodes,
+            "backoffLimit": 0,  # one failed rank fails the Job: the JobSet restarts them all
+            "template": template,
+        }
+        rjob = REPLICATED_JOB if i == 0 else f"{REPLICATED_JOB}-{i}"
+        jobs.append({"name": rjob, "replicas": 1, "template": {"spec": job_spec}})
     return {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
@@ -120,9 +134,7 @@ def jobset(d: Deployment, svc: ServiceSpec, meta: Obj, pod_template: Obj) -> Obj
             "failurePolicy": {"maxRestarts": d.dcfg.trainer.max_restarts},
             # stable pod DNS names under a headless Service the JobSet creates
             "network": {"enableDNSHostnames": True, "subdomain": name},
-            "replicatedJobs": [
-                {"name": REPLICATED_JOB, "replicas": 1, "template": {"spec": job_spec}}
-            ],
+            "replicatedJobs": jobs,
         },
     }
 

@@ -1,6 +1,7 @@
 """A trainer across GPU kinds (heterogeneous data parallelism): chosen where it pays, priced
-as the simulator replays it, carried by plan.yaml to `run`, and refused by `deploy` with
-the field named."""
+as the simulator replays it, carried by plan.yaml to `run`, rendered by `deploy --target
+k8s` as a JobSet with a job per kind, and refused by the other targets with the field
+named."""
 
 from __future__ import annotations
 
@@ -221,7 +222,7 @@ def test_run_sets_rank_speeds_from_the_plan(planned, tmp_path) -> None:
     assert train == pytest.approx(plan.predicted.training_samples_per_s, rel=1e-3)
 
 
-@pytest.mark.parametrize("target", ["k8s", "compose", "slurm"])
+@pytest.mark.parametrize("target", ["compose", "slurm"])
 def test_deploy_refuses_a_trainer_across_kinds(planned, tmp_path, capsys, target) -> None:
     plan = save_plan(planned[3].plan, tmp_path / "plan.yaml")
     out = tmp_path / "out"
@@ -234,7 +235,52 @@ def test_deploy_refuses_a_trainer_across_kinds(planned, tmp_path, capsys, target
     assert "Traceback" not in err
     assert "plan.trainer.gpu_kinds: the trainer spans GPU kinds H800 + H20" in err
     assert f"--target {target} renders a trainer of one GPU kind only" in err
-    assert "areal-hex plan --one-kind-trainer" in err
+    assert "areal-hex plan --one-kind-trainer" in err and "--target k8s" in err
+
+
+def test_k8s_renders_a_trainer_across_kinds_one_job_per_kind(planned, tmp_path, capsys) -> None:
+    from tests.k8s_schema import validate
+
+    plan_file = save_plan(planned[3].plan, tmp_path / "plan.yaml")
+    t = planned[3].plan.trainer
+    out = tmp_path / "out"
+    cfg = str(EX / "deploy" / "qwen3-8b.yaml")
+    argv = ["deploy", str(plan_file), cfg, "trainer.zero_stage=2", "--target", "k8s"]
+    assert main([*argv, "--out", str(out)]) == 0
+    objs = [o for o in yaml.safe_load_all((out / "30-trainer.yaml").read_text()) if o]
+    (js,) = objs
+    assert validate(js, "1.30.0") == "1.30"
+    jobs = js["spec"]["replicatedJobs"]
+    # rank order: 2 H800 machines (node ranks 0-1), then 3 H20 machines (2-4)
+    assert [j["name"] for j in jobs] == ["ranks", "ranks-1"]
+    assert [j["template"]["spec"]["completions"] for j in jobs] == [2, 3]
+    pods = [j["template"]["spec"]["template"]["spec"] for j in jobs]
+    assert [p["nodeSelector"]["nvidia.com/gpu.product"] for p in pods] == [
+        "NVIDIA-H800",
+        "NVIDIA-H20",
+    ]
+    envs = [{e["name"]: e.get("value") for e in p["containers"][0]["env"]} for p in pods]
+    assert all(e["PET_NNODES"] == "5" for e in envs)
+    assert "AREAL_HEX_NODE_RANK_OFFSET" not in envs[0]
+    assert envs[1]["AREAL_HEX_NODE_RANK_OFFSET"] == "2"
+    assert envs[0]["PET_MASTER_ADDR"] == envs[1]["PET_MASTER_ADDR"]
+    assert envs[0]["PET_MASTER_ADDR"].startswith(js["metadata"]["name"] + "-ranks-0-0.")
+    resolved = yaml.safe_load((out / "resolved" / "config.yaml").read_text())["trainer"]
+    assert resolved["num_ranks"] == 8 and resolved["rank_speeds"] == t.rank_speeds
+    # the launcher on an H20 pod with completion index 1 is node rank 3
+    from areal_hex.cli.train_cmd import launcher_env
+
+    env = {"AREAL_HEX_NODE_RANK_OFFSET": "2", "PET_NODE_RANK": "1", "NODE_RANK": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        got = launcher_env(load_config(None, ["trainer.device=cuda"]))
+    assert got["PET_NODE_RANK"] == "3" and got["NODE_RANK"] == "3"
+    assert "AREAL_HEX_NODE_RANK_OFFSET" not in got
+    # an Indexed Job holds one pod template: refused for a trainer across kinds
+    again = [*argv, "--trainer-gang", "indexed-job", "--out", str(tmp_path / "o2")]
+    assert main(again) == 2
+    assert "trainer.gang: the plan's trainer spans GPU kinds" in capsys.readouterr().err
 
 
 def test_plan_cli_one_kind_trainer(tmp_path, capsys) -> None:
