@@ -60,6 +60,13 @@ async def tokens_generated(client: InferenceClient) -> float:
     raise AssertionError("generation_tokens_total missing from /metrics")
 
 
+async def running_requests(client: InferenceClient) -> float:
+    for line in (await client.metrics_text()).splitlines():
+        if line.startswith("sglang:num_running_reqs"):
+            return float(line.split()[-1])
+    raise AssertionError("num_running_reqs missing from /metrics")
+
+
 async def test_generate_shapes_and_finish_reasons(weights: Path) -> None:
     with start(weights) as url:
         async with InferenceClient(url) as c:
@@ -219,8 +226,12 @@ async def test_reload_without_abort_waits_for_in_flight(weights: Path) -> None:
             while await tokens_generated(c) < 5:
                 await asyncio.sleep(0.02)
             await c.update_weights_from_disk(str(weights / "v1"), 5, abort_all_requests=False)
-            assert task.done()  # the reload returned only after the request ended
-            res = task.result()
+            # the reload returned only after the request ended on the server: all of its
+            # 120 tokens generated, nothing running (the client task may not have read
+            # its response yet: two connections, no order between their replies)
+            assert await tokens_generated(c) >= 120
+            assert await running_requests(c) == 0
+            res = await asyncio.wait_for(task, timeout=30)
             assert res.finish_reason == "length" and len(res.output_ids) == 120
             assert res.weight_version == 0 and await c.weight_version() == 5
 
