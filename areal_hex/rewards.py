@@ -4,7 +4,8 @@ The final answer is the content of the completion's last `\\boxed{}`, else what 
 its last `####` (GSM8K style) on that line; a completion with neither scores 0.
 `math_reward` is a pure function; `RewardPool` runs it in worker processes with a
 per-answer timeout so that a slow or crashing check never blocks or kills the asyncio
-controller: such an answer scores 0 and is counted in `failures`.
+controller: such an answer scores 0 and is counted in `failures`. A group's answers go to
+a worker in one call (one round trip, the gold answer parsed once).
 """
 
 from __future__ import annotations
@@ -40,16 +41,44 @@ def extract_final_answer(completion: str) -> str | None:
 
 def math_reward(completion: str, gold: str) -> float:
     """1.0 when the completion's final answer equals `gold` per math-verify, else 0.0."""
-    from math_verify import parse, verify
+    return _math_reward_parsed(completion, _parse_boxed(gold))
+
+
+def _parse_boxed(answer: str) -> list:
+    from math_verify import parse
+
+    return parse(f"\\boxed{{{answer}}}")
+
+
+def _math_reward_parsed(completion: str, gold_parsed: list) -> float:
+    from math_verify import verify
 
     pred = extract_final_answer(completion)
-    if pred is None:
+    if pred is None or not gold_parsed:
         return 0.0
-    gold_parsed = parse(f"\\boxed{{{gold}}}")
-    pred_parsed = parse(f"\\boxed{{{pred}}}")
-    if not gold_parsed or not pred_parsed:
+    pred_parsed = _parse_boxed(pred)
+    if not pred_parsed:
         return 0.0
     return 1.0 if verify(gold_parsed, pred_parsed) else 0.0
+
+
+def score_each(fn: RewardFn, completions: Sequence[str], gold: str) -> list[float | str]:
+    """One worker call for a group's answers: each answer's reward, or the exception it
+    raised as a string (the pool scores it 0 and counts it). For `math_reward` the gold
+    answer is parsed once."""
+    out: list[float | str] = []
+    gold_parsed = None
+    for c in completions:
+        try:
+            if fn is math_reward:
+                if gold_parsed is None:
+                    gold_parsed = _parse_boxed(gold)
+                out.append(_math_reward_parsed(c, gold_parsed))
+            else:
+                out.append(float(fn(c, gold)))
+        except Exception as exc:  # noqa: BLE001  (the reward function's own failure)
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
 
 
 def _worker_init() -> None:
@@ -157,11 +186,48 @@ class RewardPool:
 
     async def score_many(self, completions: Sequence[str], gold: str) -> list[float]:
         """Rewards of a group's completions; identical texts are scored once (the reward
-        function is pure), which spares most calls when a policy grows confident."""
+        function is pure), which spares most calls when a policy grows confident. The
+        distinct texts go to one worker in one call (`score_each`), with `timeout_s` per
+        answer; if that call times out or its worker dies, the pool is replaced and each
+        answer is scored alone, so only the slow or crashing one scores 0."""
         distinct = list(dict.fromkeys(completions))
-        scores = await asyncio.gather(*[self.score(c, gold) for c in distinct])
+        if len(distinct) == 1:
+            scores = [await self.score(distinct[0], gold)]
+        else:
+            got = await self._score_batch(distinct, gold)
+            if got is None:
+                scores = list(await asyncio.gather(*[self.score(c, gold) for c in distinct]))
+            else:
+                scores = got
         by_text = dict(zip(distinct, scores, strict=True))
         return [by_text[c] for c in completions]
+
+    async def _score_batch(self, answers: list[str], gold: str) -> list[float] | None:
+        """`answers` in one worker call; None when the call timed out or its worker died
+        (the pool is then replaced)."""
+        if self._slots is None or self._ready is None:
+            raise RuntimeError("RewardPool.start() was not awaited")
+        async with self._slots:
+            await self._ready.wait()
+            gen, pool = self._gen, self._pool
+            assert pool is not None
+            try:
+                cf = pool.submit(score_each, self.fn, answers, gold)
+                limit = self.timeout_s * len(answers)
+                raw = await asyncio.wait_for(asyncio.wrap_future(cf), limit)
+            except (asyncio.TimeoutError, BrokenProcessPool, RuntimeError):
+                await self._restart(gen)
+                return None
+        self.stats.calls += len(answers)
+        out: list[float] = []
+        for r in raw:
+            if isinstance(r, str):  # the reward function raised
+                log.warning("reward raised %s; scored 0", r)
+                self.stats.failures += 1
+                out.append(0.0)
+            else:
+                out.append(float(r))
+        return out
 
     async def aclose(self) -> None:
         if self._pool is not None:

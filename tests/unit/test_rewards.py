@@ -22,6 +22,10 @@ def raise_on_bad(completion: str, gold: str) -> float:
     return math_reward(completion, gold)
 
 
+def worker_pid(completion: str, gold: str) -> float:
+    return float(os.getpid())
+
+
 def die_on_crash(completion: str, gold: str) -> float:
     if "crash" in completion:
         os._exit(3)
@@ -75,7 +79,9 @@ async def test_pool_scores_and_survives_timeout_exception_crash() -> None:
         assert rewards == [1.0, 0.0, 0.0, 1.0]
         assert time.monotonic() - t0 < 30  # the hung answer was cut off, not awaited
         assert pool.stats.timeouts == 1 and pool.stats.failures == 1
-        assert pool.stats.restarts == 1
+        # the group's one call timed out (pool replaced), then each answer alone: the
+        # hung one timed out again (replaced again)
+        assert pool.stats.restarts == 2
         assert await pool.score("#### 7", "7") == 1.0  # the replaced pool works
         assert pool.stats.calls == 5
     finally:
@@ -120,4 +126,24 @@ async def test_pool_never_blocks_event_loop() -> None:
         assert ticks >= 20  # the loop kept running during the 2 s the answer hung
     finally:
         t.cancel()
+        await pool.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_group_is_one_worker_call() -> None:
+    pool = RewardPool(workers=2, timeout_s=5.0, fn=worker_pid)
+    await pool.start()
+    try:
+        pids = await pool.score_many([f"#### {i}" for i in range(6)], "7")
+        assert len(set(pids)) == 1 and pids[0] != os.getpid()
+        assert pool.stats.calls == 6 and pool.stats.failures == 0
+    finally:
+        await pool.aclose()
+    pool = RewardPool(workers=1, timeout_s=5.0)  # math_reward, the gold parsed once
+    await pool.start()
+    try:
+        group = ["#### 7", "\\boxed{7.0}", "#### 8", "no answer", "#### 7"]
+        assert await pool.score_many(group, "7") == [1.0, 1.0, 0.0, 0.0, 1.0]
+        assert [math_reward(c, "7") for c in group] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    finally:
         await pool.aclose()
