@@ -134,7 +134,13 @@ def rollout_config(
     # compute from the same GPUs, so per sample it adds serially.
     per_sample = w.response_tokens * step / batch + prefill
     if prof is not None and prof.has(kind.name):
-        per_sample /= prof.generation_efficiency(kind.name)
+        shared = prof.generation_efficiency_shared(kind.name)
+        if w.host_work == "rollout" and shared is not None:  # measured sharing its cores
+            per_sample /= shared
+        else:
+            per_sample /= prof.generation_efficiency(kind.name)
+            if w.host_work == "rollout":  # the controller's CPU comes out of the instance's
+                per_sample += prof.host_cpu_s_per_sample(kind.name)
     return RolloutOption(
         group=g.name,
         kind=kind.name,

@@ -32,6 +32,9 @@ class DeviceRates(Section):
     # what the decode and prefill timings compose to: admissions, KV merges, HTTP and
     # sampling that the piecewise timings leave out. Multiplies the kind's h_psi.
     generation_efficiency: float | None = Field(None, gt=0)
+    # The same with the controller, its reward workers and Valkey on the server's own
+    # cores (`run.host_cores: inference`): what generation keeps when it shares them.
+    generation_efficiency_shared: float | None = Field(None, gt=0)
     # CPU seconds the controller spends per sample (HTTP, detokenising, rewards, the
     # record). Where the kind's devices are the host's own cores (`device: cpu`), the
     # controller runs beside the trainer and an asynchronous step pays for them.
@@ -78,6 +81,10 @@ class Profile(Section):
 
     def generation_efficiency(self, kind: str) -> float:
         return (self.kinds[kind].generation_efficiency or 1.0) if kind in self.kinds else 1.0
+
+    def generation_efficiency_shared(self, kind: str) -> float | None:
+        """Measured with the host's work on the server's cores; None if not measured."""
+        return self.kinds[kind].generation_efficiency_shared if kind in self.kinds else None
 
     def host_cpu_s_per_sample(self, kind: str) -> float:
         """The controller's CPU per sample taken from `kind`'s devices: only where they

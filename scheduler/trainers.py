@@ -125,7 +125,9 @@ def cost_trainer(
         w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
     )
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
-    host = w.samples_per_step * prof.host_cpu_s_per_sample(kinds[0].name) if prof else 0.0
+    host = 0.0
+    if prof is not None and w.host_work == "trainer":
+        host = w.samples_per_step * prof.host_cpu_s_per_sample(kinds[0].name)
     hbm = min(kd.hbm_gb for kd in kinds)  # every kind holds the same per-rank states
     best: TrainerOption | None = None
     stages = (0, 1, 2, 3) if dp > 1 else (0,)

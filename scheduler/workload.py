@@ -7,6 +7,7 @@ YAML under `constants:` or replace the analytic rates with a measured profile.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -70,6 +71,11 @@ class Workload(Section):
     # A trainer may span GPU kinds (heterogeneous data parallelism); false keeps it on
     # one kind (`plan --one-kind-trainer`: what `deploy` renders).
     mixed_trainer: bool = True
+    # On CPU kinds, whose cores the rollout controller, rewards and Valkey take their CPU
+    # from (the profile's `host_cpu_s_per_sample`): the trainer's (each step pays B·G times
+    # it) or the rollout instances' (each sample does). A local run's layout sets it
+    # (`run.host_cores`); GPU kinds are unaffected.
+    host_work: Literal["trainer", "rollout"] = "trainer"
     constants: CostConstants = CostConstants()
 
     @property

@@ -19,6 +19,11 @@ class RunConfig(Section):
     seed: int = 0
     # Pin processes to cores so rollout and training really run apart on small machines.
     pin_cores: bool = False
+    # With pin_cores: where Valkey, the rollout controller and its reward workers run:
+    # beside the trainer, beside the inference servers, or "auto": the side the cost
+    # model predicts the faster pipeline for, from the run's profile (the trainer's side
+    # without one, and always in sync mode, where the trainer waits while they work).
+    host_cores: Literal["auto", "trainer", "inference"] = "auto"
     # No plan and no `run --profile DIR`: first measure this machine for the job
     # (`profile --local` into <run_dir>/profile, about a minute for the tiny example), so
     # that the run is held against the cost model's prediction for its layout.

@@ -133,6 +133,9 @@ class GenerationRates:
     # The run's own controller keeping the server full (an asynchronous run's load):
     continuous_samples_per_s: float  # samples/s generated
     host_cpu_s_per_sample: float  # the controller's CPU (HTTP, decoding, rewards, records)
+    # ... with the controller, its Valkey and reward workers on the server's cores
+    # (None without pinning: they share every core anyway)
+    continuous_shared_samples_per_s: float | None
     # ... and as a synchronous run drives it: a trainer that only publishes a version and
     # takes the next batch; seconds from the publish to the whole batch (median)
     sync_cycle_s: float
@@ -166,15 +169,17 @@ def measure_generation(
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
         path = Path(tmp) / "serve.yaml"
         path.write_text(yaml.safe_dump(serve))
-        with (
-            _server(path, dev, Path(tmp) / "serve.log") as (url, pid),
-            pinned(dev.trainer_cores, 1),
-        ):
-            eos = tok.eos_token_id
-            gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
-            rate, cpu = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
-            gen.continuous_samples_per_s, gen.host_cpu_s_per_sample = rate, cpu
-            gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
+        with _server(path, dev, Path(tmp) / "serve.log") as (url, pid):
+            with pinned(dev.trainer_cores, 1):
+                eos = tok.eos_token_id
+                gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+                rate, cpu = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
+                gen.continuous_samples_per_s, gen.host_cpu_s_per_sample = rate, cpu
+                gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
+            if dev.inference_cores is not None:
+                with pinned(dev.inference_cores, 1):
+                    shared, _ = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
+                gen.continuous_shared_samples_per_s = shared
             return gen
 
 
@@ -324,6 +329,7 @@ async def _generation(
         reload_s=statistics.median(busy),
         reload_idle_s=statistics.median(idle),
         continuous_samples_per_s=0.0,
+        continuous_shared_samples_per_s=None,
         host_cpu_s_per_sample=0.0,
         sync_cycle_s=0.0,
     )
@@ -429,7 +435,10 @@ def profile_local(
     files.workload.write_text(yaml.safe_dump(workload_for(cfg, gen), sort_keys=False))
     # what the timings compose to for this job, against what the controller then reached
     mine = prof.kinds[dev.kind]
-    mine.generation_efficiency = gen.continuous_samples_per_s / composed_rate(files, prof)
+    composed = composed_rate(files, prof)
+    mine.generation_efficiency = gen.continuous_samples_per_s / composed
+    if gen.continuous_shared_samples_per_s is not None:
+        mine.generation_efficiency_shared = gen.continuous_shared_samples_per_s / composed
     mine.host_cpu_s_per_sample = gen.host_cpu_s_per_sample
     mine.sync_cycle_factor = gen.sync_cycle_s / replayed_cycle_s(files, prof)
     save_profile(prof, files.profile)
@@ -442,6 +451,7 @@ def profile_local(
         "generation": gen.__dict__,
         "train_tokens_per_s": train,
         "generation_efficiency": mine.generation_efficiency,
+        "generation_efficiency_shared": mine.generation_efficiency_shared,
         "sync_cycle_factor": mine.sync_cycle_factor,
     }
     files.measured.write_text(json.dumps(measured, indent=2))

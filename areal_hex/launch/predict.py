@@ -90,11 +90,41 @@ def _layout(cfg: ExperimentConfig, plan: Plan | None, cl: Any) -> tuple[list, An
     return inst, TrainerLayout(((group, ranks),), ranks)
 
 
-def predict_run(
+def host_side(
     cfg: ExperimentConfig, plan: Plan | None = None, profile_dir: Path | None = None
+) -> tuple[str, dict[str, Any]]:
+    """(where Valkey, the controller and its reward workers run: "trainer" or
+    "inference", the prediction for the run with them there). `run.host_cores: auto`
+    picks the side whose predicted asynchronous pipeline is faster (the trainer's on a
+    tie, without a prediction, without pinning, and in sync mode, where the trainer waits
+    while they work); the prediction records both candidates."""
+    choice = cfg.run.host_cores
+    if choice != "auto":
+        return choice, predict_run(cfg, plan, profile_dir, choice)
+    on_trainer = predict_run(cfg, plan, profile_dir, "trainer")
+    if not cfg.run.pin_cores or cfg.run.mode == "sync" or "unavailable" in on_trainer:
+        return "trainer", on_trainer
+    on_inference = predict_run(cfg, plan, profile_dir, "inference")
+    if "unavailable" in on_inference:
+        return "trainer", on_trainer
+    rates = {
+        side: p["asynchronous"]["pipeline_samples_per_s"]
+        for side, p in (("trainer", on_trainer), ("inference", on_inference))
+    }
+    side = "inference" if rates["inference"] > rates["trainer"] * (1 + 1e-6) else "trainer"
+    chosen = on_inference if side == "inference" else on_trainer
+    return side, {**chosen, "host_cores_candidates": rates}
+
+
+def predict_run(
+    cfg: ExperimentConfig,
+    plan: Plan | None = None,
+    profile_dir: Path | None = None,
+    host: str = "trainer",
 ) -> dict[str, Any]:
-    """The prediction for the run `cfg` describes, in both modes; `{"unavailable": why}`
-    when the cost model lacks an input."""
+    """The prediction for the run `cfg` describes, in both modes, with Valkey, the
+    controller and its rewards on the `host` side's cores ("trainer" or "inference");
+    `{"unavailable": why}` when the cost model lacks an input."""
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
     from scheduler.predict import LayoutError, predict_layout
@@ -115,6 +145,7 @@ def predict_run(
                 "staleness": cfg.buffer.max_staleness,
                 "publish_interval": cfg.trainer.publish_every,
                 "max_response_tokens": cfg.rollout.max_new_tokens,
+                "host_work": "rollout" if host == "inference" else "trainer",
             }
         )
         prof = load_profile(profile, m.params) if profile else None
@@ -127,6 +158,7 @@ def predict_run(
     return {
         "source": "plan" if plan is not None else "local profile",
         "cluster": str(cluster),
+        "host_cores": host,
         "asynchronous": pred.asynchronous.as_dict(),
         "synchronous": pred.synchronous.as_dict(),
     }

@@ -76,14 +76,19 @@ def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
 ON_EXIT: dict[str, OnExit] = {"inference": "restart", "redis": "restart", "trainer": "finish"}
 
 
-def process_specs(cfg: ExperimentConfig, layout: Layout, config_path: Path) -> list[ProcessSpec]:
+def process_specs(
+    cfg: ExperimentConfig, layout: Layout, config_path: Path, host: str = "trainer"
+) -> list[ProcessSpec]:
+    """The processes of the run; with `run.pin_cores`, the servers on the inference cores,
+    the trainer on the others, and Valkey and the controller on the `host` side's."""
     run_dir = cfg.run.run_dir()
     inference_cores, trainer_cores = core_groups(cfg.run.pin_cores)
+    host_cores = inference_cores if host == "inference" else trainer_cores
     n_servers = len(layout.by_role("inference"))
     assign_local_gpus(layout)
     specs = []
     for svc in layout.services:
-        cores = inference_cores if svc.role == "inference" else trainer_cores
+        cores = {"inference": inference_cores, "trainer": trainer_cores}.get(svc.role, host_cores)
         env = dict(svc.env)
         env["PYTHONUNBUFFERED"] = "1"
         if cores is not None:
@@ -301,7 +306,7 @@ def execute(
     """Start, watch and stop the services of a prepared run; write the report. The cost
     model's prediction for the layout (`prediction.json`) comes from the plan, else from a
     local profile (`profile_dir`), for the report to hold the run against."""
-    from areal_hex.launch.predict import predict_run, write_prediction
+    from areal_hex.launch.predict import host_side, write_prediction
     from areal_hex.launch.progress import Progress
     from areal_hex.launch.report import write_report
 
@@ -310,10 +315,10 @@ def execute(
     failed = None
     if plan is None and profile_dir is None and cfg.run.profile_first:
         profile_dir, failed = profile_first(cfg, run_dir, stream)
-    prediction = failed or predict_run(cfg, plan, profile_dir)
+    host, prediction = ("trainer", failed) if failed else host_side(cfg, plan, profile_dir)
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
-    specs = process_specs(cfg, layout, config_path)
+    specs = process_specs(cfg, layout, config_path, host)
     t_start = time.time()
     t_ready = t_start
     stats: dict[str, Any] | None = None

@@ -94,7 +94,8 @@ def test_profile_local_plan_run(tmp_path: Path) -> None:
     from areal_hex.launch.predict import predict_run
 
     cfg = load_config(run_dir / "config.yaml")
-    planless = predict_run(cfg, None, lp)
+    host = json.loads((run_dir / "prediction.json").read_text())["host_cores"]
+    planless = predict_run(cfg, None, lp, host)
     assert planless["source"] == "local profile"
     assert planless["asynchronous"] == pytest.approx(
         json.loads((run_dir / "prediction.json").read_text())["asynchronous"]

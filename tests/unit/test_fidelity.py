@@ -174,6 +174,31 @@ def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
     )
 
 
+def test_host_work_beside_the_servers(tmp_path: Path) -> None:
+    """`host_work: rollout` (`run.host_cores: inference`): the trainer's step pays
+    nothing for the controller; the instance's generation is the one measured sharing its
+    cores (`generation_efficiency_shared`), else it pays the host CPU per sample."""
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    rates = prof.kinds["CPU"]
+    rates.generation_efficiency, rates.host_cpu_s_per_sample = 0.5, 0.002
+    beside_trainer = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    wr = w.model_copy(update={"host_work": "rollout"})
+    beside = predict_layout(cl, m, wr, prof, [("local", 1)], trainer).asynchronous
+    step = 128 / beside_trainer.training_samples_per_s - 128 * 0.002
+    assert 128 / beside.training_samples_per_s == pytest.approx(step)
+    unpaused = (20 * 0.02 / 64 + 34 / 16 / 5000) / 0.5 + 0.002  # no shared figure
+    paused = beside.weight_sync_s * beside.pipeline_samples_per_s / 128
+    assert beside.generation_samples_per_s == pytest.approx((1 - paused) / unpaused, rel=1e-3)
+    rates.generation_efficiency_shared = 0.25  # measured: half the rate of the other side
+    shared = predict_layout(cl, m, wr, prof, [("local", 1)], trainer).asynchronous
+    unpaused = (20 * 0.02 / 64 + 34 / 16 / 5000) / 0.25
+    paused = shared.weight_sync_s * shared.pipeline_samples_per_s / 128
+    assert shared.generation_samples_per_s == pytest.approx((1 - paused) / unpaused, rel=1e-3)
+
+
 def test_sync_phase_times(tmp_path: Path) -> None:
     """bench fidelity's overlap limit comes from the synchronous run's phases: the wait
     for the batch (generation) and the rest of each step (training)."""

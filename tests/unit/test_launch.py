@@ -68,6 +68,33 @@ def test_process_specs_commands_policies_and_pinning(tmp_path: Path) -> None:
     assert not rollout & trainer
     assert specs["trainer"].env["OMP_NUM_THREADS"] == str(len(trainer))
     assert specs["controller"].env["OMP_NUM_THREADS"] == "1"
+    # run.host_cores: inference puts Valkey and the controller beside the servers
+    beside = {s.name: s for s in process_specs(cfg, build_layout(cfg), config, "inference")}
+    assert beside["controller"].cpus == rollout and beside["redis"].cpus == rollout
+    assert beside["trainer"].cpus == trainer and beside["inference-0"].cpus == rollout
+
+
+def test_host_side_follows_the_faster_predicted_pipeline(monkeypatch) -> None:
+    from areal_hex.launch import predict as pr
+
+    rates = {"trainer": 500.0, "inference": 600.0}
+
+    def fake(cfg, plan, profile_dir, host="trainer"):
+        return {"asynchronous": {"pipeline_samples_per_s": rates[host]}, "host_cores": host}
+
+    monkeypatch.setattr(pr, "predict_run", fake)
+    cfg = load_config(None, ["run.pin_cores=true"])
+    side, pred = pr.host_side(cfg)
+    assert side == "inference" and pred["host_cores"] == "inference"
+    assert pred["host_cores_candidates"] == rates
+    rates["inference"] = 400.0
+    assert pr.host_side(cfg)[0] == "trainer"
+    for fixed in ("trainer", "inference"):  # an explicit choice is kept
+        assert pr.host_side(load_config(None, [f"run.host_cores={fixed}"]))[0] == fixed
+    rates["inference"] = 900.0
+    sync = load_config(None, ["run.pin_cores=true", "run.mode=sync"])
+    assert pr.host_side(sync)[0] == "trainer"  # the trainer waits while they work
+    assert pr.host_side(load_config(None, ["run.pin_cores=false"]))[0] == "trainer"
 
 
 def test_local_gpus_are_handed_out_in_layout_order() -> None:
