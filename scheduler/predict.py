@@ -95,7 +95,7 @@ def predict_layout(
     tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
-    asyn = _asynchronous(cl, m, w, opts, tr)
+    asyn = _asynchronous(cl, m, w, prof, opts, tr)
     sync_w = w.model_copy(update={"staleness": 0, "publish_interval": 1})
     syn = _synchronous(cl, m, sync_w, prof, opts, tr, max_inflight_groups)
     return LayoutPrediction(asyn, syn)
@@ -105,10 +105,17 @@ def _asynchronous(
     cl: Cluster,
     m: ModelShape,
     w: Workload,
+    prof: Profile | None,
     opts: list[RolloutOption],
     tr: TrainerOption,
 ) -> LayoutRates:
     p = build_problem(cl, m, w, opts, [tr])
+    if w.host_work == "rollout" and prof is not None:
+        # the controller beside the servers: their reloads as the profile measured them
+        for o in opts:
+            measured = prof.reload_shared_s(o.kind)
+            if measured is not None:
+                p.sync_s[(o.zone, 0)] = measured
     # generation with the weight-sync pauses at the rate reached: a pause holds requests
     # in flight, so it counts as time the servers have work
     rate, gen_at = evaluate(p, 0, dict.fromkeys(range(len(opts)), 1))

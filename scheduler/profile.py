@@ -35,6 +35,9 @@ class DeviceRates(Section):
     # The same with the controller, its reward workers and Valkey on the server's own
     # cores (`run.host_cores: inference`): what generation keeps when it shares them.
     generation_efficiency_shared: float | None = Field(None, gt=0)
+    # ... and a weight update's pause under that load, s: the reload then contends with
+    # the controller for the server's cores. Replaces the link's pause on this kind.
+    reload_shared_s: float | None = Field(None, ge=0)
     # CPU seconds the controller spends per sample (HTTP, detokenising, rewards, the
     # record). Where the kind's devices are the host's own cores (`device: cpu`), the
     # controller runs beside the trainer and an asynchronous step pays for them.
@@ -85,6 +88,9 @@ class Profile(Section):
     def generation_efficiency_shared(self, kind: str) -> float | None:
         """Measured with the host's work on the server's cores; None if not measured."""
         return self.kinds[kind].generation_efficiency_shared if kind in self.kinds else None
+
+    def reload_shared_s(self, kind: str) -> float | None:
+        return self.kinds[kind].reload_shared_s if kind in self.kinds else None
 
     def host_cpu_s_per_sample(self, kind: str) -> float:
         """The controller's CPU per sample taken from `kind`'s devices: only where they

@@ -136,6 +136,7 @@ class GenerationRates:
     # ... with the controller, its Valkey and reward workers on the server's cores
     # (None without pinning: they share every core anyway)
     continuous_shared_samples_per_s: float | None
+    reload_shared_s: float | None  # a weight update's pause under that load
     # ... and as a synchronous run drives it: a trainer that only publishes a version and
     # takes the next batch; seconds from the publish to the whole batch (median)
     sync_cycle_s: float
@@ -173,13 +174,15 @@ def measure_generation(
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
                 gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
-                rate, cpu = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
+                rate, cpu, _ = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
                 gen.continuous_samples_per_s, gen.host_cpu_s_per_sample = rate, cpu
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             if dev.inference_cores is not None:
                 with pinned(dev.inference_cores, 1):
-                    shared, _ = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
+                    load = continuous_load(url, cfg, model_dir, {pid}, reloads=True)
+                    shared, _, reload_shared = asyncio.run(load)
                 gen.continuous_shared_samples_per_s = shared
+                gen.reload_shared_s = reload_shared
             return gen
 
 
@@ -330,6 +333,7 @@ async def _generation(
         reload_idle_s=statistics.median(idle),
         continuous_samples_per_s=0.0,
         continuous_shared_samples_per_s=None,
+        reload_shared_s=None,
         host_cpu_s_per_sample=0.0,
         sync_cycle_s=0.0,
     )
@@ -439,6 +443,7 @@ def profile_local(
     mine.generation_efficiency = gen.continuous_samples_per_s / composed
     if gen.continuous_shared_samples_per_s is not None:
         mine.generation_efficiency_shared = gen.continuous_shared_samples_per_s / composed
+        mine.reload_shared_s = gen.reload_shared_s
     mine.host_cpu_s_per_sample = gen.host_cpu_s_per_sample
     mine.sync_cycle_factor = gen.sync_cycle_s / replayed_cycle_s(files, prof)
     save_profile(prof, files.profile)

@@ -67,13 +67,21 @@ PROFILE_RUN = "profile"  # the buffer's run id inside the profile's own Valkey
 CONTINUOUS_ROUNDS = 5  # groups produced: this many times the controller's in-flight groups
 
 
+RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
+
+
 async def continuous_load(
-    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int]
-) -> tuple[float, float]:
+    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int], reloads: bool = False
+) -> tuple[float, float, float | None]:
     """The run's controller with its gate wide open, so that the server stays as full as
     an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
     the groups: no start-up, no drain): samples/s, and the CPU seconds per sample of this
-    process and its children but the server (`exclude`) and Valkey."""
+    process and its children but the server (`exclude`) and Valkey. With `reloads`, a
+    weight update as the controller makes it (pause with retract, load, resume) every
+    `RELOAD_EVERY_S`: the median pause is the third figure (else None), and samples/s
+    are those between pauses."""
+    from rollout_service.client import InferenceClient
+
     groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
     total = groups * cfg.rollout.group_size
     marks: list[tuple[float, int, float]] = []
@@ -86,17 +94,41 @@ async def continuous_load(
                 marks.append((time.perf_counter(), ctl.stats["samples_total"], _tree_cpu_s(skip)))
                 await asyncio.sleep(0.1)
 
+        pauses: list[float] = []
+
+        async def reload_loop() -> None:
+            async with InferenceClient(url, timeout_s=None) as client:
+                version = 1000  # above the versions the profile's reload timings used
+                while True:
+                    await asyncio.sleep(RELOAD_EVERY_S)
+                    version += 1
+                    t0 = time.perf_counter()
+                    await client.pause("retract")
+                    await client.update_weights_from_disk(
+                        str(model_dir), version, abort_all_requests=False
+                    )
+                    await client.resume()
+                    pauses.append(time.perf_counter() - t0)
+
         watcher = asyncio.create_task(watch())
+        reloader = asyncio.create_task(reload_loop()) if reloads else None
         try:
             await ctl.run()
         finally:
             watcher.cancel()
+            if reloader is not None:
+                reloader.cancel()
+                await asyncio.gather(reloader, return_exceptions=True)
     inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
     if len(inside) < 2 or inside[-1][1] == inside[0][1]:
         inside = [marks[0], marks[-1]]
     (t0, n0, c0), (t1, n1, c1) = inside[0], inside[-1]
     n = max(1, n1 - n0)
-    return n / max(1e-9, t1 - t0), max(0.0, c1 - c0) / n
+    rate = n / max(1e-9, t1 - t0)
+    reload_s = statistics.median(pauses) if pauses else None
+    if reload_s is not None:  # the rate while generating: a cycle is the wait + a pause
+        rate *= (RELOAD_EVERY_S + reload_s) / RELOAD_EVERY_S
+    return rate, max(0.0, c1 - c0) / n, reload_s
 
 
 SYNC_CYCLES = 6  # timed, after one that includes the controller's start
