@@ -111,6 +111,10 @@ class Baselines(Section):
     recommended_mode: str = "async"  # "synchronous" when the colocated sync plan is faster
     unspent_usd_per_h: float | None = None
     solve_s: float = 0.0
+    # local search from the MILP's pick (scheduler/polish.py): moves taken and the
+    # placed rate of the pick it started from
+    local_search_moves: int = 0
+    milp_pick_samples_per_s: float | None = None
 
 
 class PlanSources(Section):

@@ -183,7 +183,7 @@ def solve(
         )
     if status != "ok":
         return None
-    best = _solution(p, *_read(x, y, cis, ris), status, gap, 0.0)
+    best = solution_for(p, *_read(x, y, cis, ris), status, gap, 0.0)
     if target is None and cheapest:
         # Lexicographic: the cheapest plan among those reaching the best rate (within
         # 1e-6, CBC's integrality tolerance); keep the first answer if CBC finds none,
@@ -193,7 +193,7 @@ def solve(
         prob.sense = pulp.LpMinimize
         prob.setObjective(cost)
         if _run_cbc(prob, time_limit_s)[0] == "ok":
-            cheaper = _solution(p, *_read(x, y, cis, ris), status, gap, 0.0)
+            cheaper = solution_for(p, *_read(x, y, cis, ris), status, gap, 0.0)
             if cheaper.eval_rate >= best.eval_rate * (1 - 1e-6):
                 best = cheaper
     best.solve_s = time.perf_counter() - t0
@@ -288,7 +288,7 @@ def _read(x: dict, y: dict, cis: list[int], ris: list[int]) -> tuple[int, dict[i
     return c_idx, reps
 
 
-def _solution(
+def solution_for(
     p: PlanSpace, c_idx: int, reps: dict[int, int], status: str, gap: float, solve_s: float
 ) -> Solution:
     c = p.trainers[c_idx]

@@ -24,7 +24,14 @@ from scheduler.costmodel import (
     pipeline_rate,
     rollout_configs,
 )
-from scheduler.milp import PlanSpace, Solution, build_problem, solve, solve_per_kind
+from scheduler.milp import (
+    PlanSpace,
+    Solution,
+    build_problem,
+    solution_for,
+    solve,
+    solve_per_kind,
+)
 from scheduler.model_shape import ModelShape
 from scheduler.partition import (
     Placement,
@@ -34,6 +41,7 @@ from scheduler.partition import (
     node_names,
     place,
 )
+from scheduler.polish import polish
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
 from scheduler.topology import Topology
@@ -189,6 +197,8 @@ def make_plan(
     best = placed(cl, m, w, p, sol)
     if target is not None and best.rate < target * (1 - TARGET_TOLERANCE):
         best = _meet_target_placed(cl, m, w, p, best, target, time_limit_s)
+    pick_rate = best.rate
+    best, moves = _polished(cl, m, w, p, best, budget, target)
     homo: dict[str, float] = {}
     sync = 0.0
     if baselines:
@@ -196,13 +206,14 @@ def make_plan(
         homo_sols = solve_per_kind(p, budget=spend, time_limit_s=time_limit_s, cheapest=False)
         for kind, hs in homo_sols.items():
             hp = placed(cl, m, w, p, hs) if hs is not None else None
+            if hp is not None:
+                hp = _polished(cl, m, w, p, hp, spend, None, {kind})[0]
             homo[kind] = hp.rate if hp else 0.0
             # the homogeneous plans are candidates of the same search: if one places
-            # better than the mixed pick, it is the plan (at its cheapest)
+            # better than the mixed pick, it is the plan (searched from, across kinds)
             if budget is not None and hp is not None and hp.rate > best.rate:
-                again = solve(p, budget=spend, time_limit_s=time_limit_s, allowed_kinds={kind})
-                cheaper = placed(cl, m, w, p, again) if again is not None else hp
-                best = cheaper if cheaper.rate >= hp.rate * (1 - TARGET_TOLERANCE) else hp
+                pick_rate = hp.rate
+                best, moves = _polished(cl, m, w, p, hp, budget, None)
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
     if best.rate <= 0:
@@ -224,6 +235,8 @@ def make_plan(
     plan = to_plan(
         cl, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
     )
+    plan.baselines.local_search_moves = moves
+    plan.baselines.milp_pick_samples_per_s = round(pick_rate, 4)
     return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
 
 
@@ -236,6 +249,40 @@ def placed(
     cost = evaluate(cl, m, w, sol.trainer, pl)
     rate, gen = placed_rate(w, pl, cost)
     return Placed(sol, pl, cost, rate, gen)
+
+
+def _polished(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    got: Placed,
+    budget: float | None,
+    target: float | None,
+    kinds: set[str] | None = None,
+) -> tuple[Placed, int]:
+    """`polish.polish` from a placed solution: (the best placed mix it reaches, moves)."""
+    sol = got.solution
+    start = (sol.extra["trainer_index"], dict(sol.replicas))
+    done = {(start[0], tuple(sorted(start[1].items()))): got}
+
+    def rate(c: int, reps: dict[int, int]) -> float:
+        key = (c, tuple(sorted(reps.items())))
+        if key not in done:
+            mix = solution_for(p, c, reps, sol.status, sol.gap, sol.solve_s)
+            done[key] = placed(cl, m, w, p, mix)
+        return done[key].rate
+
+    out = polish(
+        p,
+        start,
+        rate,
+        budget=budget,
+        target=target,
+        allowed_kinds=kinds,
+        tolerance=TARGET_TOLERANCE,
+    )
+    return done[(out.trainer, tuple(sorted(out.replicas.items())))], out.moves
 
 
 def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float, float]:

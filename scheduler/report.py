@@ -96,7 +96,15 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             )
         if b.binding is not None:
             lines.append(_verdict(b))
-        lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}")
+        search, n = "", b.local_search_moves
+        if n and b.milp_pick_samples_per_s:
+            what = (
+                f"{b.milp_pick_samples_per_s:.3f} -> {plan.predicted.samples_per_s:.3f} samples/s"
+                if plan.target_samples_per_s is None
+                else "a cheaper mix at the target"
+            )
+            search = f"; local search from its pick: {n} move{'s' * (n > 1)}, {what}"
+        lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}{search}")
     if sweep:
         lines += ["", f"{'budget $/h':>11}{'hetero':>9}{'homog.':>9}{'sync':>9}{'cost':>9}"]
         for s in sweep:
@@ -121,7 +129,10 @@ def _verdict(b) -> str:
     elif b.homogeneous_ratio is not None:
         parts.append("no one-kind plan reaches this rate")
     if b.unspent_usd_per_h:
-        parts.append(f"${b.unspent_usd_per_h:.2f}/h unspent")
+        parts.append(
+            f"${b.unspent_usd_per_h:.2f}/h unspent (no instance or trainer change it buys "
+            "raises the rate)"
+        )
     line = "; ".join(parts)
     if b.recommended_mode == "synchronous":
         line += (
