@@ -6,6 +6,13 @@ its last `####` (GSM8K style) on that line; a completion with neither scores 0.
 per-answer timeout so that a slow or crashing check never blocks or kills the asyncio
 controller: such an answer scores 0 and is counted in `failures`. A group's answers go to
 a worker in one call (one round trip, the gold answer parsed once).
+
+The reward of a completion depends on its final answer and the gold one only, so the
+pool keys its work by (final answer, gold): answers a group repeats are checked once, an
+answer with no final answer scores 0 without a worker call, and the last `CACHE` checked
+pairs are remembered across groups (a confident policy repeats its answers to the same
+prompt every epoch). A reward function other than `math_reward` is keyed by the whole
+completion. Failures are never remembered.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -24,6 +32,7 @@ from areal_hex.data import last_boxed
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
+CACHE = 65536  # (final answer, gold) pairs remembered across groups
 
 
 def extract_final_answer(completion: str) -> str | None:
@@ -95,6 +104,7 @@ class RewardStats:
     failures: int = 0  # timeouts + exceptions + worker crashes: each scored 0
     timeouts: int = 0
     restarts: int = 0  # worker pools replaced after a timeout or crash
+    cached: int = 0  # answers scored from the cache or without a final answer (no call)
 
 
 class RewardPool:
@@ -114,6 +124,11 @@ class RewardPool:
         self._gen = 0
         self._slots: asyncio.Semaphore | None = None
         self._ready: asyncio.Event | None = None
+        self._known: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def _key(self, completion: str) -> str | None:
+        """What the reward depends on besides the gold answer; None: scores 0."""
+        return extract_final_answer(completion) if self.fn is math_reward else completion
 
     async def start(self) -> None:
         """Spawn the workers and wait until each has imported math-verify."""
@@ -146,6 +161,11 @@ class RewardPool:
 
     async def score(self, completion: str, gold: str) -> float:
         """The reward of one answer; 0.0 (counted) on timeout, exception or crash."""
+        got = await self._score_one(completion, gold)
+        return 0.0 if got is None else got
+
+    async def _score_one(self, completion: str, gold: str) -> float | None:
+        """The reward of one answer; None (counted in `failures`) when it failed."""
         if self._slots is None or self._ready is None:
             raise RuntimeError("RewardPool.start() was not awaited")
         self.stats.calls += 1
@@ -182,29 +202,50 @@ class RewardPool:
                     log.warning("reward raised %s: %s; scored 0", type(exc).__name__, exc)
                     break
         self.stats.failures += 1
-        return 0.0
+        return None
 
     async def score_many(self, completions: Sequence[str], gold: str) -> list[float]:
-        """Rewards of a group's completions; identical texts are scored once (the reward
-        function is pure), which spares most calls when a policy grows confident. The
-        distinct texts go to one worker in one call (`score_each`), with `timeout_s` per
-        answer; if that call times out or its worker dies, the pool is replaced and each
-        answer is scored alone, so only the slow or crashing one scores 0."""
-        distinct = list(dict.fromkeys(completions))
-        if len(distinct) == 1:
-            scores = [await self.score(distinct[0], gold)]
+        """Rewards of a group's completions. Completions are keyed by what their reward
+        depends on (`_key`); each key not remembered is checked once, the distinct ones
+        in one worker call (`score_each`) with `timeout_s` per answer. If that call times
+        out or its worker dies, the pool is replaced and each answer is scored alone, so
+        only the slow or crashing one scores 0 (and is not remembered)."""
+        keys = [self._key(c) for c in completions]
+        todo: dict[str, str] = {}  # key -> a completion that has it
+        for k, c in zip(keys, completions, strict=True):
+            if k is not None and (k, gold) not in self._known:
+                todo.setdefault(k, c)
+        self.stats.cached += len(completions) - len(todo)
+        if len(todo) == 1:
+            got: list[float | None] = [await self._score_one(next(iter(todo.values())), gold)]
+        elif todo:
+            batch = await self._score_batch(list(todo.values()), gold)
+            if batch is None:
+                batch = list(
+                    await asyncio.gather(*[self._score_one(c, gold) for c in todo.values()])
+                )
+            got = batch
         else:
-            got = await self._score_batch(distinct, gold)
-            if got is None:
-                scores = list(await asyncio.gather(*[self.score(c, gold) for c in distinct]))
-            else:
-                scores = got
-        by_text = dict(zip(distinct, scores, strict=True))
-        return [by_text[c] for c in completions]
+            got = []
+        scores: dict[str | None, float] = {None: 0.0}
+        for k, r in zip(todo, got, strict=True):
+            scores[k] = 0.0 if r is None else r
+            if r is not None:
+                self._remember((k, gold), r)
+        for k in keys:
+            if k not in scores:
+                scores[k] = self._known[(k, gold)]
+                self._known.move_to_end((k, gold))
+        return [scores[k] for k in keys]
 
-    async def _score_batch(self, answers: list[str], gold: str) -> list[float] | None:
-        """`answers` in one worker call; None when the call timed out or its worker died
-        (the pool is then replaced)."""
+    def _remember(self, key: tuple[str, str], score: float) -> None:
+        self._known[key] = score
+        if len(self._known) > CACHE:
+            self._known.popitem(last=False)
+
+    async def _score_batch(self, answers: list[str], gold: str) -> list[float | None] | None:
+        """`answers` in one worker call, each None where the reward function raised;
+        None when the call timed out or its worker died (the pool is then replaced)."""
         if self._slots is None or self._ready is None:
             raise RuntimeError("RewardPool.start() was not awaited")
         async with self._slots:
@@ -219,12 +260,12 @@ class RewardPool:
                 await self._restart(gen)
                 return None
         self.stats.calls += len(answers)
-        out: list[float] = []
+        out: list[float | None] = []
         for r in raw:
             if isinstance(r, str):  # the reward function raised
                 log.warning("reward raised %s; scored 0", r)
                 self.stats.failures += 1
-                out.append(0.0)
+                out.append(None)
             else:
                 out.append(float(r))
         return out

@@ -206,6 +206,7 @@ class RolloutRow(_Row):
     reward_mean_total: float | None = None
     reward_failures_total: int = 0
     reward_timeouts_total: int = 0
+    reward_cached_total: int = 0  # answers scored without a worker call (rewards.py)
     requests_total: int = 0
     requests_retried_total: int = 0
     requests_aborted_total: int = 0

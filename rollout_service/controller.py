@@ -405,6 +405,7 @@ class RolloutController:
             ),
             reward_failures_total=rs.failures if rs else 0,
             reward_timeouts_total=rs.timeouts if rs else 0,
+            reward_cached_total=rs.cached if rs else 0,
             requests_total=c.requests_total,
             requests_retried_total=c.requests_retried_total,
             requests_aborted_total=c.requests_aborted_total,
