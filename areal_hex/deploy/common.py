@@ -157,24 +157,32 @@ def service_name(prefix: str, svc: ServiceSpec) -> str:
 # ---------------------------------------------------------------- checks
 
 
-MIXED_TRAINER_TARGETS = ("k8s",)  # render a trainer across GPU kinds (one pod group per kind)
+MIXED_TRAINER_TARGETS = ("k8s", "slurm")  # render a trainer across GPU kinds
 
 
 def refuse_mixed_trainer(plan: Plan, target: str, dcfg: DeployConfig | None = None) -> None:
     """A trainer across GPU kinds needs every rank on a machine of the kind its
     `rank_speeds` entry assumes. Kubernetes renders it as one JobSet with a replicated job
-    per kind (`k8s_trainer.kind_segments`); compose (one host) and Slurm (one allocation
-    per component) render a trainer of one kind, and refuse it rather than share a step
-    wrongly."""
+    per kind (`k8s_trainer.kind_segments`), Slurm as one heterogeneous-job component per
+    kind; compose (one host) and a Slurm site without heterogeneous jobs (one
+    allocation) cannot, and refuse it rather than share a step wrongly."""
     t = plan.trainer
     if not t.mixed:
         return
+    kinds = " + ".join(t.kinds)
+    if target == "slurm-one-allocation":
+        raise ConfigError(
+            f"plan.trainer.gpu_kinds: the trainer spans GPU kinds {kinds} (heterogeneous "
+            "data parallelism), which needs one job component per kind, but the site file "
+            "sets `hetjob: false` (one allocation for every service); set `hetjob: true`, "
+            "or plan again with `areal-hex plan --one-kind-trainer`"
+        )
     if target not in MIXED_TRAINER_TARGETS:
         raise ConfigError(
-            f"plan.trainer.gpu_kinds: the trainer spans GPU kinds {' + '.join(t.kinds)} "
+            f"plan.trainer.gpu_kinds: the trainer spans GPU kinds {kinds} "
             f"(heterogeneous data parallelism), but --target {target} renders a trainer of "
-            f"one GPU kind only; deploy it with --target k8s, run it with `areal-hex run "
-            f"--plan`, or plan again with `areal-hex plan --one-kind-trainer`"
+            f"one GPU kind only; deploy it with --target k8s or --target slurm, run it with "
+            f"`areal-hex run --plan`, or plan again with `areal-hex plan --one-kind-trainer`"
         )
     if dcfg is not None and dcfg.trainer.gang != "jobset":
         raise ConfigError(

@@ -68,7 +68,7 @@ def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str
     """What the site mapping cannot place, each with the field that says so."""
     errors: list[str] = []
     slots = [(f"plan.rollout[{i}] ({r.id})", r.gpu_kind) for i, r in enumerate(plan.rollout)]
-    slots.append(("plan.trainer", plan.trainer.gpu_kind))
+    slots += [("plan.trainer", kind) for kind in plan.trainer.kinds]
     known = ", ".join(sorted(site.kinds)) or "none"
     for where, kind in slots:
         if site.placement(kind) is None:
@@ -90,7 +90,7 @@ def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str
 
 
 def _placements(plan: Plan, site: SiteConfig) -> list[Placement]:
-    kinds = [r.gpu_kind for r in plan.rollout] + [plan.trainer.gpu_kind]
+    kinds = [r.gpu_kind for r in plan.rollout] + plan.trainer.kinds
     found = [site.placement(k) for k in kinds]
     return [site.control, *(p for p in found if p is not None)]
 
@@ -98,12 +98,13 @@ def _placements(plan: Plan, site: SiteConfig) -> list[Placement]:
 def _device_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig) -> list[str]:
     """Kinds on CPU-only nodes (`gpus: false`) need the CPU devices in the config."""
     errors = []
-    tk = site.placement(plan.trainer.gpu_kind)
-    if tk is not None and not tk.gpus and cfg.trainer.device != "cpu":
-        errors.append(
-            f"trainer.device is {cfg.trainer.device!r} but the site puts the trainer's kind "
-            f"{plan.trainer.gpu_kind!r} on CPU-only nodes (gpus: false); expected 'cpu'"
-        )
+    for kind in plan.trainer.kinds:
+        tk = site.placement(kind)
+        if tk is not None and not tk.gpus and cfg.trainer.device != "cpu":
+            errors.append(
+                f"trainer.device is {cfg.trainer.device!r} but the site puts the trainer's "
+                f"kind {kind!r} on CPU-only nodes (gpus: false); expected 'cpu'"
+            )
     cpu_kinds = {
         r.gpu_kind for r in plan.rollout if (p := site.placement(r.gpu_kind)) and not p.gpus
     }
@@ -128,8 +129,7 @@ def plan_view(cfg: ExperimentConfig, plan: Plan, site: SiteConfig) -> Experiment
     on its planned slots (its devices were checked by `_device_errors`)."""
     view = cfg.model_copy(deep=True)
     view.trainer.launcher = "torchrun"
-    tk = site.placement(plan.trainer.gpu_kind)
-    if tk is not None and not tk.gpus:
+    if any((p := site.placement(k)) is not None and not p.gpus for k in plan.trainer.kinds):
         view.trainer.device = "cuda"
     if any((p := site.placement(r.gpu_kind)) is not None and not p.gpus for r in plan.rollout):
         view.inference.device = "cuda"
@@ -139,7 +139,7 @@ def plan_view(cfg: ExperimentConfig, plan: Plan, site: SiteConfig) -> Experiment
 def deploy_config(cfg: ExperimentConfig, plan: Plan, site: SiteConfig) -> DeployConfig:
     """The DeployConfig the shared resolution reads: storage at the site's shared path,
     Redis as the site says, the plan's kinds known (the site file places them)."""
-    kinds = [r.gpu_kind for r in plan.rollout] + [plan.trainer.gpu_kind]
+    kinds = [r.gpu_kind for r in plan.rollout] + [plan.trainer.gpu_kind, *plan.trainer.kinds]
     r = site.redis
     return DeployConfig(
         redis=RedisDeployConfig(mode=r.mode, url=r.url or cfg.redis.url, port=r.port),
@@ -156,7 +156,7 @@ def prepare_job(
     cfg: ExperimentConfig, plan: Plan, site: SiteConfig, out_dir: Path, site_source: str
 ) -> SlurmJob:
     """Check (every problem at once), resolve the config, lay out components and steps."""
-    refuse_mixed_trainer(plan, "slurm")
+    refuse_mixed_trainer(plan, "slurm" if site.hetjob else "slurm-one-allocation")
     dcfg = deploy_config(cfg, plan, site)
     errors = site_errors(cfg, plan, site, site_source)
     view = plan_view(cfg, plan, site)
@@ -222,22 +222,26 @@ def lay_out(
             slots.append((k, r))
             comp.services.append(s.name)
     trainer = layout.by_role("trainer")[0]
-    tplace = _kind(site, str(trainer.gpu_kind))
-    components.append(Component("trainer", tplace, trainer.nodes, trainer.gpus, ["trainer"]))
-    t = len(components) - 1
-    steps.append(
-        Step(
-            "trainer",
-            "trainer",
-            t,
-            trainer.command,
-            list(range(trainer.nodes)),
-            gpus=trainer.gpus if tplace.gpus else 0,
-            cpus=tplace.cpus,
-            mem=tplace.mem,
-            devices=trainer.devices,
+    # one component per GPU kind of the trainer, in rank order (a trainer across kinds:
+    # each gets its kind's partition and GRES, and its first node rank)
+    for i, (kind, first, n) in enumerate(trainer.kind_segments()):
+        tplace = _kind(site, str(kind))
+        name = "trainer" if i == 0 else f"trainer-{i}"
+        components.append(Component(name, tplace, n, trainer.gpus, [name]))
+        steps.append(
+            Step(
+                name,
+                "trainer",
+                len(components) - 1,
+                trainer.command,
+                list(range(n)),
+                gpus=trainer.gpus if tplace.gpus else 0,
+                cpus=tplace.cpus,
+                mem=tplace.mem,
+                devices=trainer.devices,
+                rank_offset=first,
+            )
         )
-    )
     for svc in layout.by_role("controller"):
         steps.append(Step(svc.name, "controller", 0, svc.command, [0]))
     control.services = [s.name for s in steps if s.component == 0]
@@ -305,9 +309,10 @@ def render_slurm(
     (out_dir / SCRIPT).chmod(0o755)
     gpus: dict[str, int] = {}
     for s in job.d.layout.services:
-        place = site.placement(s.gpu_kind) if s.gpu_kind is not None else None
-        if s.gpu_kind is not None and place is not None and place.gpus:
-            gpus[s.gpu_kind] = gpus.get(s.gpu_kind, 0) + s.gpus * s.nodes
+        for kind, _, nodes in s.kind_segments():
+            place = site.placement(kind) if kind is not None else None
+            if kind is not None and place is not None and place.gpus:
+                gpus[kind] = gpus.get(kind, 0) + s.gpus * nodes
     return RenderResult(
         target="slurm",
         out_dir=out_dir,

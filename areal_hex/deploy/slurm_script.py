@@ -57,6 +57,8 @@ class Step:
     cpus: int = 1
     mem: str | None = None
     devices: list[int] = field(default_factory=list)  # planned GPU ids
+    # a trainer across GPU kinds: one step per kind, this one's first torchrun node rank
+    rank_offset: int = 0
 
 
 @dataclass
@@ -70,6 +72,12 @@ class SlurmJob:
     @property
     def run_dir(self) -> Path:
         return self.d.cfg.run.run_dir()
+
+    @property
+    def trainers(self) -> list[Step]:
+        """The trainer's steps: one, or one per GPU kind of a trainer across kinds (the
+        first, `trainer`, holds node rank 0 and the rendezvous)."""
+        return [s for s in self.steps if s.role == "trainer"]
 
 
 # ---------------------------------------------------------------- #SBATCH lines
@@ -187,12 +195,14 @@ def step_env(job: SlurmJob, step: Step) -> str:
     if step.gpus and not job.site.hetjob and step.devices:
         env.append(f"CUDA_VISIBLE_DEVICES={','.join(str(d) for d in step.devices)}")
     if step.role == "trainer":
-        k = step.component
+        first = job.trainers[0]
         env += [
-            f'PET_MASTER_ADDR="${{C{k}[{step.nodes[0]}]}}"',
+            f'PET_MASTER_ADDR="${{C{first.component}[{first.nodes[0]}]}}"',
             f"PET_MASTER_PORT={job.site.master_port}",
-            f"PET_NNODES={len(step.nodes)}",
+            f"PET_NNODES={sum(len(t.nodes) for t in job.trainers)}",
         ]
+        if step.rank_offset:  # `areal-hex train` adds it to the node rank
+            env.append(f"AREAL_HEX_NODE_RANK_OFFSET={step.rank_offset}")
     return "env " + " ".join(env)
 
 
@@ -241,6 +251,7 @@ def batch_script(job: SlurmJob, out_dir: Path) -> str:
         "prepare": prepare,
         "starts": "\n".join(starts),
         "servers": server_names,
+        "trainers": " ".join(q(s.name) for s in job.trainers),
         "redis": REDIS_START if any(s.role == "redis" for s in job.steps) else "",
         "comment": f"{cfg.run.run_id} of plan {job.d.plan.cluster} ({job.d.plan.model})",
     }
@@ -273,6 +284,7 @@ START_TIMEOUT={start_timeout}
 STOP_GRACE={stop_grace}
 REQUEUE={requeue}
 SERVERS=({servers})
+TRAINERS=({trainers})  # the trainer's steps: one per GPU kind it spans
 mkdir -p "$LOGS"
 echo "areal-hex: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) runs {run_id} in $RUN_DIR"
 
@@ -335,7 +347,7 @@ finish() {{  # finish OUTCOME: stop in order, write the report, exit (or requeue
   if [ "$outcome" = stopped ] && ! alive trainer && wait "${{PIDS[trainer]}}"; then
     outcome=finished  # the trainer took its last step while the others stopped
   fi
-  stop_step trainer 60
+  for s in "${{TRAINERS[@]}}"; do stop_step "$s" 60; done
   "$PY" -m areal_hex.cli report "$CONFIG" --outcome "$outcome" >>"$LOGS/report.log" 2>&1 \\
     && tail -n 1 "$LOGS/report.log"
   for s in "${{SERVERS[@]}}"; do stop_step "$s" 15; done
@@ -364,7 +376,7 @@ fail() {{  # fail NAME: say which service failed and where its log is
 for s in "${{SERVERS[@]}}"; do start "$s"; pids+=("${{PIDS[$s]}}"); done
 "$PY" -m areal_hex.deploy.slurm_runtime wait servers "$CONFIG" --timeout "$START_TIMEOUT" \\
   --pids "${{pids[@]}}" || fail "${{SERVERS[0]}}"
-start trainer
+for s in "${{TRAINERS[@]}}"; do start "$s"; done
 start controller
 
 while [ -z "$STOP" ]; do
@@ -376,6 +388,7 @@ while [ -z "$STOP" ]; do
     DONE[$name]=1
     case "$name" in
       trainer) [ "$rc" = 0 ] && finish finished || fail trainer ;;
+      trainer-*) [ "$rc" = 0 ] || fail "$name" ;;  # rank 0's step says when it is done
       controller) [ "$rc" = 0 ] || fail controller ;;  # 0: it produced the run's groups
       redis) fail redis ;;
       *)

@@ -222,20 +222,76 @@ def test_run_sets_rank_speeds_from_the_plan(planned, tmp_path) -> None:
     assert train == pytest.approx(plan.predicted.training_samples_per_s, rel=1e-3)
 
 
-@pytest.mark.parametrize("target", ["compose", "slurm"])
-def test_deploy_refuses_a_trainer_across_kinds(planned, tmp_path, capsys, target) -> None:
+def test_compose_refuses_a_trainer_across_kinds(planned, tmp_path, capsys) -> None:
     plan = save_plan(planned[3].plan, tmp_path / "plan.yaml")
     out = tmp_path / "out"
-    argv = ["deploy", str(plan), str(EX / "deploy" / "qwen3-8b.yaml"), "--target", target]
-    if target == "slurm":
-        argv += ["--site", str(EX / "slurm" / "site_cluster.yaml")]
+    argv = ["deploy", str(plan), str(EX / "deploy" / "qwen3-8b.yaml"), "--target", "compose"]
     code = main([*argv, "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and not out.exists()
     assert "Traceback" not in err
     assert "plan.trainer.gpu_kinds: the trainer spans GPU kinds H800 + H20" in err
-    assert f"--target {target} renders a trainer of one GPU kind only" in err
+    assert "--target compose renders a trainer of one GPU kind only" in err
     assert "areal-hex plan --one-kind-trainer" in err and "--target k8s" in err
+
+
+def test_slurm_renders_a_trainer_across_kinds_one_component_per_kind(
+    planned, tmp_path, capsys
+) -> None:
+    """Each kind's machines are a component of the heterogeneous job with that kind's
+    partition and GRES; their torchrun steps share one rendezvous (the first component's
+    node 0) and one node count, and the second kind's step starts at node rank 2."""
+    import subprocess
+
+    from areal_hex.deploy.slurm_site import load_site
+
+    plan_file = save_plan(planned[3].plan, tmp_path / "plan.yaml")
+    t = planned[3].plan.trainer
+    site = load_site(EX / "slurm" / "site_cluster.yaml")
+    site = site.model_copy(update={"shared_dir": str(tmp_path / "shared")})
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site.model_dump(mode="json")))
+    out = tmp_path / "out"
+    argv = ["deploy", str(plan_file), str(EX / "deploy" / "qwen3-8b.yaml"), "trainer.zero_stage=2"]
+    argv += ["--target", "slurm", "--site", str(site_file)]
+    assert main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    script = (out / "job.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "job.sbatch")]).returncode == 0
+    comps: list[dict[str, str]] = [{}]
+    names: list[str] = []
+    for line in script.splitlines():
+        if line == "#SBATCH hetjob":
+            comps.append({})
+        elif line.startswith("# component "):
+            names.append(line.split(": ", 1)[1].split(" ")[0])
+        elif line.startswith("#SBATCH --"):
+            key, _, value = line[len("#SBATCH --") :].partition("=")
+            comps[-1][key] = value
+    by_name = dict(zip(names, comps, strict=True))
+    h800, h20 = by_name["trainer"], by_name["trainer-1"]
+    assert (h800["partition"], h800["nodes"], h800["gres"]) == ("h800", "2", "gpu:h800:8")
+    assert (h20["partition"], h20["nodes"], h20["gres"]) == ("h20", "3", "gpu:h20:8")
+    launches = {
+        ln.split()[0]: ln
+        for ln in script.splitlines()
+        if ln.strip().startswith(("trainer) launch", "trainer-1) launch"))
+    }
+    k0 = names.index("trainer")
+    for name in ("trainer", "trainer-1"):
+        line = launches[name + ")"]
+        assert "PET_NNODES=5" in line and f'PET_MASTER_ADDR="${{C{k0}[0]}}"' in line
+        assert f"--het-group={names.index(name)}" in line
+    assert "AREAL_HEX_NODE_RANK_OFFSET" not in launches["trainer)"]
+    assert "AREAL_HEX_NODE_RANK_OFFSET=2" in launches["trainer-1)"]
+    assert "TRAINERS=(trainer trainer-1)" in script
+    resolved = yaml.safe_load((out / "config.yaml").read_text())["trainer"]
+    assert resolved["rank_speeds"] == t.rank_speeds
+    # a site without heterogeneous jobs cannot give one allocation two kinds of machine
+    site_file.write_text(yaml.safe_dump({**site.model_dump(mode="json"), "hetjob": False}))
+    code = main([*argv, "--out", str(tmp_path / "o2")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "sets `hetjob: false`" in err and "H800 + H20" in err
 
 
 def test_k8s_renders_a_trainer_across_kinds_one_job_per_kind(planned, tmp_path, capsys) -> None:
