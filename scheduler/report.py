@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
 from scheduler.costmodel import TrainerOption
-from scheduler.milp import solve
 from scheduler.model_shape import ModelShape
-from scheduler.planner import PlanResult, cheapest_cost, synchronous_rate
+from scheduler.planner import PlanResult, cheapest_cost, make_plan, synchronous_rate
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 
@@ -151,27 +151,31 @@ def sweep_budgets(
     time_limit_s: float,
     points: int = 8,
 ) -> list[dict[str, float]]:
-    """Predicted throughput from the cheapest feasible plan to the whole cluster's price."""
+    """The plan's rate from the cheapest feasible plan to the whole cluster's price: at
+    each budget the plan `make_plan` makes (searched and placed, the homogeneous plans
+    its candidates), so a row never shows the mix below its one-kind baseline."""
     p = res.problem
     low = cheapest_cost(p, time_limit_s) or 0.0
     high = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
-    kinds = sorted({r.kind for r in p.rollouts})
     out = []
     for k in range(points):
         budget = low + (high - low) * k / max(1, points - 1)
-        sol = solve(p, budget=budget, time_limit_s=time_limit_s)
-        homo = [
-            solve(p, budget=budget, time_limit_s=time_limit_s, allowed_kinds={kd}) for kd in kinds
-        ]
-        out.append(
-            {
-                "budget_usd_per_h": round(budget, 2),
-                "samples_per_s": round(sol.eval_rate, 4) if sol else 0.0,
-                "cost_usd_per_h": round(sol.cost, 2) if sol else 0.0,
-                "homogeneous_samples_per_s": round(
-                    max((h.eval_rate for h in homo if h), default=0.0), 4
-                ),
-                "synchronous_samples_per_s": round(synchronous_rate(p, w, budget), 4),
+        row = {"budget_usd_per_h": round(budget, 2)}
+        try:
+            got = make_plan(
+                cl, m, w, budget=budget, prof=prof, time_limit_s=time_limit_s, simulate_plan=False
+            )
+        except ConfigError:  # nothing asynchronous generates at this budget
+            row |= {"samples_per_s": 0.0, "cost_usd_per_h": 0.0}
+            row |= {"homogeneous_samples_per_s": 0.0}
+            row["synchronous_samples_per_s"] = round(synchronous_rate(p, w, budget), 4)
+        else:
+            pl = got.plan
+            row |= {
+                "samples_per_s": pl.predicted.samples_per_s,
+                "cost_usd_per_h": pl.predicted.cost_usd_per_h,
+                "homogeneous_samples_per_s": pl.baselines.homogeneous_samples_per_s,
+                "synchronous_samples_per_s": pl.baselines.synchronous_samples_per_s,
             }
-        )
+        out.append(row)
     return out

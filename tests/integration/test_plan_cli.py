@@ -64,6 +64,14 @@ def test_plan_writes_yaml_json_and_plot(tmp_path: Path) -> None:
     assert plan.predicted.cost_usd_per_h <= 60
     assert doc["plan"]["predicted"]["samples_per_s"] == plan.predicted.samples_per_s > 0
     assert len(doc["sweep"]) == 8
+    rows = doc["sweep"]
+    # each row is the plan `plan` makes at that budget: never below its one-kind
+    # baseline, never over the budget
+    for row in rows:
+        assert row["samples_per_s"] >= row["homogeneous_samples_per_s"]
+        assert row["cost_usd_per_h"] <= row["budget_usd_per_h"] + 1e-6
+    rates = [row["samples_per_s"] for row in rows]
+    assert rates == sorted(rates)  # more money never plans slower
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     t = cli(
         "plan",
