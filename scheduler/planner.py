@@ -189,16 +189,17 @@ def make_plan(
     if (budget is None) == (target is None):
         raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
     p = problem_for(cl, m, w, prof)
-    sol = solve(p, budget=budget, target=target, time_limit_s=time_limit_s)
-    if sol is None and target is not None:
-        sol = _reach_by_exact_rate(p, target, time_limit_s)
-    if sol is None:
-        raise ConfigError(_infeasible_message(p, budget, target, time_limit_s))
-    best = placed(cl, m, w, p, sol)
-    if target is not None and best.rate < target * (1 - TARGET_TOLERANCE):
-        best = _meet_target_placed(cl, m, w, p, best, target, time_limit_s)
+    if target is not None:
+        best = _seed_for_target(cl, m, w, p, target, time_limit_s)
+    else:
+        sol = solve(p, budget=budget, time_limit_s=time_limit_s)
+        if sol is None:
+            raise ConfigError(_infeasible_message(p, budget, time_limit_s))
+        best = placed(cl, m, w, p, sol)
     pick_rate = best.rate
     best, moves = _polished(cl, m, w, p, best, budget, target)
+    if budget is not None:
+        best = _cheaper_at_rate(cl, m, w, p, best, time_limit_s)
     homo: dict[str, float] = {}
     sync = 0.0
     if baselines:
@@ -207,7 +208,7 @@ def make_plan(
         for kind, hs in homo_sols.items():
             hp = placed(cl, m, w, p, hs) if hs is not None else None
             if hp is not None:
-                hp = _polished(cl, m, w, p, hp, spend, None, {kind})[0]
+                hp = _polished(cl, m, w, p, hp, spend, None, {kind}, cheapest=False)[0]
             homo[kind] = hp.rate if hp else 0.0
             # the homogeneous plans are candidates of the same search: if one places
             # better than the mixed pick, it is the plan (searched from, across kinds)
@@ -260,8 +261,11 @@ def _polished(
     budget: float | None,
     target: float | None,
     kinds: set[str] | None = None,
+    cheapest: bool = True,
 ) -> tuple[Placed, int]:
-    """`polish.polish` from a placed solution: (the best placed mix it reaches, moves)."""
+    """`polish.polish` from a placed solution: (the best placed mix it reaches, moves).
+    With a budget and `cheapest`, a second search then looks for a cheaper mix at the
+    rate the first reached (the lexicographic order phase 1 uses)."""
     sol = got.solution
     start = (sol.extra["trainer_index"], dict(sol.replicas))
     done = {(start[0], tuple(sorted(start[1].items()))): got}
@@ -282,7 +286,12 @@ def _polished(
         allowed_kinds=kinds,
         tolerance=TARGET_TOLERANCE,
     )
-    return done[(out.trainer, tuple(sorted(out.replicas.items())))], out.moves
+    moves = out.moves
+    if target is None and budget is not None and cheapest and out.rate > 0:
+        at = (out.trainer, out.replicas)
+        out = polish(p, at, rate, target=out.rate, allowed_kinds=kinds, tolerance=TARGET_TOLERANCE)
+        moves += out.moves
+    return done[(out.trainer, tuple(sorted(out.replicas.items())))], moves
 
 
 def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float, float]:
@@ -295,57 +304,72 @@ def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float,
     return pipeline_rate(w, train, items)
 
 
-def _meet_target_placed(
+def _seed_for_target(
     cl: Cluster,
     m: ModelShape,
     w: Workload,
     p: PlanSpace,
-    got: Placed,
     target: float,
     time_limit_s: float,
+    fallback: bool = True,
 ) -> Placed:
-    """Placement on a rack topology can cost rate the MILP did not see: ask phase 1 for
-    proportionally more until the placed plan reaches the target (or the cluster's top)."""
-    aim = target
-    for _ in range(4):
-        aim *= target / max(got.rate, 1e-12) * 1.001
-        sol = solve(p, target=aim, time_limit_s=time_limit_s) or solve(p, time_limit_s=time_limit_s)
-        if sol is None:
-            break
+    """A placed plan reaching `target`, for the local search to make cheaper: phase 1's
+    cheapest plan at the target; where its conservative rate or the placement falls
+    short, phase 1 asked for proportionally more; else the fastest plan the budget mode
+    makes with every GPU affordable (searched on the placed rate, as a reported reach
+    was). A target at or below any reach `plan --budget` reported is then met."""
+    ok = target * (1 - TARGET_TOLERANCE)
+    sol = solve(p, target=target, time_limit_s=time_limit_s)
+    if sol is not None:
         got = placed(cl, m, w, p, sol)
-        if got.rate >= target * (1 - TARGET_TOLERANCE):
+        if got.rate >= ok:
             return got
-    if got.rate < target * (1 - TARGET_TOLERANCE):
-        raise ConfigError(
-            f"target {target:g} samples/s is above what the cluster reaches once placed on "
-            f"its racks ({got.rate:.3f} samples/s)"
-        )
-    return got
+        aim = target
+        for _ in range(4):  # placement on a rack topology cost rate the MILP did not see
+            aim *= target / max(got.rate, 1e-12) * 1.001
+            more = solve(p, target=aim, time_limit_s=time_limit_s)
+            if more is None:
+                break
+            got = placed(cl, m, w, p, more)
+            if got.rate >= ok:
+                return got
+    if not fallback:
+        raise ConfigError(f"phase 1 found no placed plan at {target:g} samples/s")
+    price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+    top_sol = solve(p, budget=price, time_limit_s=time_limit_s)
+    if top_sol is None:
+        raise ConfigError("no feasible plan: no trainer and rollout pool fit this cluster together")
+    top = _polished(cl, m, w, p, placed(cl, m, w, p, top_sol), price, None)[0]
+    if top.rate >= ok:
+        return top
+    raise ConfigError(
+        f"target {target:g} samples/s is above what the cluster can reach ({top.rate:.3f} "
+        f"samples/s, the fastest plan with every GPU affordable, placed on its machines)"
+    )
 
 
-def _reach_by_exact_rate(p: PlanSpace, target: float, time_limit_s: float) -> Solution | None:
-    """The MILP charges weight-sync pauses at the trainer's period, below the exact rate a
-    plan reports; a target between the two is still reached by the fastest plan."""
-    top = solve(p, time_limit_s=time_limit_s)
-    return top if top is not None and top.eval_rate >= target else None
+def _cheaper_at_rate(
+    cl: Cluster, m: ModelShape, w: Workload, p: PlanSpace, best: Placed, time_limit_s: float
+) -> Placed:
+    """The cheapest plan phase 1 finds at the rate `best` reaches, searched for a lower
+    cost at that rate: kept when it is cheaper (a search from the rate-maximising mix may
+    stop at a dearer one)."""
+    try:
+        alt = _seed_for_target(cl, m, w, p, best.rate, time_limit_s, fallback=False)
+    except ConfigError:
+        return best
+    alt = _polished(cl, m, w, p, alt, None, best.rate)[0]
+    keeps = alt.rate >= best.rate * (1 - TARGET_TOLERANCE)
+    return alt if keeps and alt.solution.cost < best.solution.cost - 1e-9 else best
 
 
-def _infeasible_message(
-    p: PlanSpace, budget: float | None, target: float | None, time_limit_s: float
-) -> str:
-    if budget is not None:
-        low = cheapest_cost(p, time_limit_s)
-        if low is None:
-            return "no feasible plan: no trainer and rollout pool fit this cluster together"
-        return (
-            f"budget ${budget:.2f}/h is below the cheapest feasible plan, ${low:.2f}/h "
-            f"(one trainer and one rollout instance); raise --budget to at least {low:.2f}"
-        )
-    top = solve(p, time_limit_s=time_limit_s)  # no budget: every GPU may be used
-    best = top.eval_rate if top else 0.0
+def _infeasible_message(p: PlanSpace, budget: float, time_limit_s: float) -> str:
+    low = cheapest_cost(p, time_limit_s)
+    if low is None:
+        return "no feasible plan: no trainer and rollout pool fit this cluster together"
     return (
-        f"target {target:g} samples/s is above what the cluster can reach "
-        f"({best:.3f} samples/s with every GPU in use)"
+        f"budget ${budget:.2f}/h is below the cheapest feasible plan, ${low:.2f}/h "
+        f"(one trainer and one rollout instance); raise --budget to at least {low:.2f}"
     )
 
 

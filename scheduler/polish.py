@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from scheduler.milp import PlanSpace, evaluate, lost_blocks
 
-SCREEN = 4  # candidates placed per round
+SCREEN = 4  # candidates placed per round (max rate: the highest bounds)
+SCREEN_COST = 16  # min cost: the cheapest candidates, placed until one keeps the target
 ROUNDS = 16
 GAIN = 1e-4  # the least relative rate gain (or cost saving) a move must bring
 
@@ -130,7 +131,7 @@ def polish(
             screened.append((up if target is None else -k2, c2, r2))
         screened.sort(key=lambda s: s[0], reverse=True)
         best: tuple[float, int, dict[int, int]] | None = None
-        for _, c2, r2 in screened[:SCREEN]:
+        for _, c2, r2 in screened[: SCREEN if target is None else SCREEN_COST]:
             got = rate(c2, r2)
             if target is None:
                 if got > cur * (1 + GAIN) and (best is None or got > best[0]):
