@@ -182,8 +182,7 @@ def run(args: argparse.Namespace) -> dict:
                 used[key] = round(res.plan.predicted.cost_usd_per_h / budget, 3)
                 machine = min(g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
                 unspent[key] = round((budget - res.plan.predicted.cost_usd_per_h) / machine, 3)
-            if wname == "long_cot":
-                targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
+            targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
             for eta, k in ETA_K:
                 wv = wl.model_copy(update={"staleness": eta, "publish_interval": k})
                 rv = make_plan(
