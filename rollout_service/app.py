@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from areal_hex.gc_freeze import freeze_startup
 from rollout_service import wire
 from rollout_service.engine import Engine
 from rollout_service.http_common import (
@@ -68,6 +69,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         app.state.settings = settings
         app.state.registry = build_registry(engine)
         engine.start()
+        freeze_startup()  # the model and the imports: out of every later collection
         try:
             yield
         finally:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.data import PromptSet, build_prompts, load_problems
+from areal_hex.gc_freeze import freeze_startup
 from areal_hex.prom import MetricsServer, RolloutCollector, registry_with
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
@@ -130,6 +131,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         settle_s=cfg.buffer.lease_ttl_s + 1.0,
     )
     metrics = serve_metrics(cfg, ctl)
+    freeze_startup()  # tokenizer, prompts, imports: out of every later collection
     trackers = open_run_trackers(cfg, "rollout")
     if trackers is not None:
         ctl.row_observers.append(trackers.observe)

@@ -16,6 +16,7 @@ from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.errors import UsageError
+from areal_hex.gc_freeze import freeze_startup
 from areal_hex.prom import (
     BufferCollector,
     MetricsServer,
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = init_distributed(cfg.trainer.device)
     status(rank, "loading the model")
     trainer = build_trainer(cfg, rank, world)
+    freeze_startup()  # the model, DeepSpeed, the imports: out of every later collection
     stop_on_signals(trainer)
     status(rank, "waiting for the first batch")
     metrics = serve_metrics(cfg, trainer) if rank == 0 else None
