@@ -25,7 +25,7 @@ from areal_hex.net import free_port
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 READY = {"idle", "mix", "alloc"}  # sinfo states a job can start on (cores are shared)
-STEPS = 10  # of the requeued run
+STEPS = 40  # of the requeued run: long enough that the signal lands before its end
 END_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
