@@ -30,7 +30,8 @@ from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
 from scheduler.model_shape import load_model_shape
 from scheduler.partition import place
-from scheduler.planner import TARGET_TOLERANCE, make_plan, problem_for
+from scheduler.placing import TARGET_TOLERANCE
+from scheduler.planner import make_plan, problem_for
 from scheduler.workload import Workload, load_workload
 
 KINDS = [

@@ -21,14 +21,12 @@ from scheduler.costmodel import (
     TrainerOption,
     decode_step_s,
     kind_constants,
-    pipeline_rate,
     rollout_configs,
 )
 from scheduler.milp import (
     PlanSpace,
     Solution,
     build_problem,
-    solution_for,
     solve,
     solve_per_kind,
 )
@@ -37,19 +35,21 @@ from scheduler.partition import (
     Placement,
     PlacementCost,
     evaluate,
-    first_fit,
     node_names,
-    place,
 )
-from scheduler.polish import polish
+from scheduler.placing import (
+    Placed,
+    cheaper_at_rate,
+    placed,
+    polished,
+    seed_for_target,
+)
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
 from scheduler.topology import Topology
 from scheduler.trainers import trainer_configs
 from scheduler.workload import Workload
 
-# plans report rates to 4 significant decimals: a target equal to a reported reach is met
-TARGET_TOLERANCE = 1e-4
 SIM_SHORT = 0.05  # a tuning candidate whose replay falls this far short of a target loses
 
 
@@ -67,17 +67,6 @@ class PlanResult:
     first_fit: Placed | None = None  # the naive placement, where the topology makes it differ
     first_fit_sim: SimResult | None = None
     assessment: Assessment | None = None
-
-
-@dataclass
-class Placed:
-    """A phase-1 solution on concrete machines, priced on the topology."""
-
-    solution: Solution
-    placement: Placement
-    cost: PlacementCost
-    rate: float
-    gen_rate: float
 
 
 def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> PlanSpace:
@@ -190,16 +179,16 @@ def make_plan(
         raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
     p = problem_for(cl, m, w, prof)
     if target is not None:
-        best = _seed_for_target(cl, m, w, p, target, time_limit_s)
+        best = seed_for_target(cl, m, w, p, target, time_limit_s)
     else:
         sol = solve(p, budget=budget, time_limit_s=time_limit_s)
         if sol is None:
             raise ConfigError(_infeasible_message(p, budget, time_limit_s))
         best = placed(cl, m, w, p, sol)
     pick_rate = best.rate
-    best, moves = _polished(cl, m, w, p, best, budget, target)
+    best, moves = polished(cl, m, w, p, best, budget, target)
     if budget is not None:
-        best = _cheaper_at_rate(cl, m, w, p, best, time_limit_s)
+        best = cheaper_at_rate(cl, m, w, p, best, time_limit_s)
     homo: dict[str, float] = {}
     sync = 0.0
     if baselines:
@@ -208,13 +197,13 @@ def make_plan(
         for kind, hs in homo_sols.items():
             hp = placed(cl, m, w, p, hs) if hs is not None else None
             if hp is not None:
-                hp = _polished(cl, m, w, p, hp, spend, None, {kind}, cheapest=False)[0]
+                hp = polished(cl, m, w, p, hp, spend, None, {kind}, cheapest=False)[0]
             homo[kind] = hp.rate if hp else 0.0
             # the homogeneous plans are candidates of the same search: if one places
             # better than the mixed pick, it is the plan (searched from, across kinds)
             if budget is not None and hp is not None and hp.rate > best.rate:
                 pick_rate = hp.rate
-                best, moves = _polished(cl, m, w, p, hp, budget, None)
+                best, moves = polished(cl, m, w, p, hp, budget, None)
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
     if best.rate <= 0:
@@ -239,128 +228,6 @@ def make_plan(
     plan.baselines.local_search_moves = moves
     plan.baselines.milp_pick_samples_per_s = round(pick_rate, 4)
     return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
-
-
-def placed(
-    cl: Cluster, m: ModelShape, w: Workload, p: PlanSpace, sol: Solution, naive: bool = False
-) -> Placed:
-    """Phase 2 for `sol` (METIS, or first-fit when `naive`), priced on the topology."""
-    replicas = [(p.rollouts[i], n) for i, n in sol.replicas.items()]
-    pl = first_fit(cl, sol.trainer, replicas) if naive else place(cl, m, w, sol.trainer, replicas)
-    cost = evaluate(cl, m, w, sol.trainer, pl)
-    rate, gen = placed_rate(w, pl, cost)
-    return Placed(sol, pl, cost, rate, gen)
-
-
-def _polished(
-    cl: Cluster,
-    m: ModelShape,
-    w: Workload,
-    p: PlanSpace,
-    got: Placed,
-    budget: float | None,
-    target: float | None,
-    kinds: set[str] | None = None,
-    cheapest: bool = True,
-) -> tuple[Placed, int]:
-    """`polish.polish` from a placed solution: (the best placed mix it reaches, moves).
-    With a budget and `cheapest`, a second search then looks for a cheaper mix at the
-    rate the first reached (the lexicographic order phase 1 uses)."""
-    sol = got.solution
-    start = (sol.extra["trainer_index"], dict(sol.replicas))
-    done = {(start[0], tuple(sorted(start[1].items()))): got}
-
-    def rate(c: int, reps: dict[int, int]) -> float:
-        key = (c, tuple(sorted(reps.items())))
-        if key not in done:
-            mix = solution_for(p, c, reps, sol.status, sol.gap, sol.solve_s)
-            done[key] = placed(cl, m, w, p, mix)
-        return done[key].rate
-
-    out = polish(
-        p,
-        start,
-        rate,
-        budget=budget,
-        target=target,
-        allowed_kinds=kinds,
-        tolerance=TARGET_TOLERANCE,
-    )
-    moves = out.moves
-    if target is None and budget is not None and cheapest and out.rate > 0:
-        at = (out.trainer, out.replicas)
-        out = polish(p, at, rate, target=out.rate, allowed_kinds=kinds, tolerance=TARGET_TOLERANCE)
-        moves += out.moves
-    return done[(out.trainer, tuple(sorted(out.replicas.items())))], moves
-
-
-def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float, float]:
-    """(rate, generation rate) of a placed plan, as `milp.evaluate` but with the trainer's
-    step and each instance's sync pause from the placement: R = min(t, Σh / (1 + Σ h·s /
-    (kBG)), each instance's staleness window), instances whose pause share reaches 1
-    generating nothing."""
-    train = w.samples_per_step / cost.train_step_s
-    items = [(rc, s, 1) for (rc, _, _), s in zip(pl.rollout, cost.sync_s, strict=True)]
-    return pipeline_rate(w, train, items)
-
-
-def _seed_for_target(
-    cl: Cluster,
-    m: ModelShape,
-    w: Workload,
-    p: PlanSpace,
-    target: float,
-    time_limit_s: float,
-    fallback: bool = True,
-) -> Placed:
-    """A placed plan reaching `target`, for the local search to make cheaper: phase 1's
-    cheapest plan at the target; where its conservative rate or the placement falls
-    short, phase 1 asked for proportionally more; else the fastest plan the budget mode
-    makes with every GPU affordable (searched on the placed rate, as a reported reach
-    was). A target at or below any reach `plan --budget` reported is then met."""
-    ok = target * (1 - TARGET_TOLERANCE)
-    sol = solve(p, target=target, time_limit_s=time_limit_s)
-    if sol is not None:
-        got = placed(cl, m, w, p, sol)
-        if got.rate >= ok:
-            return got
-        aim = target
-        for _ in range(4):  # placement on a rack topology cost rate the MILP did not see
-            aim *= target / max(got.rate, 1e-12) * 1.001
-            more = solve(p, target=aim, time_limit_s=time_limit_s)
-            if more is None:
-                break
-            got = placed(cl, m, w, p, more)
-            if got.rate >= ok:
-                return got
-    if not fallback:
-        raise ConfigError(f"phase 1 found no placed plan at {target:g} samples/s")
-    price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
-    top_sol = solve(p, budget=price, time_limit_s=time_limit_s)
-    if top_sol is None:
-        raise ConfigError("no feasible plan: no trainer and rollout pool fit this cluster together")
-    top = _polished(cl, m, w, p, placed(cl, m, w, p, top_sol), price, None)[0]
-    if top.rate >= ok:
-        return top
-    raise ConfigError(
-        f"target {target:g} samples/s is above what the cluster can reach ({top.rate:.3f} "
-        f"samples/s, the fastest plan with every GPU affordable, placed on its machines)"
-    )
-
-
-def _cheaper_at_rate(
-    cl: Cluster, m: ModelShape, w: Workload, p: PlanSpace, best: Placed, time_limit_s: float
-) -> Placed:
-    """The cheapest plan phase 1 finds at the rate `best` reaches, searched for a lower
-    cost at that rate: kept when it is cheaper (a search from the rate-maximising mix may
-    stop at a dearer one)."""
-    try:
-        alt = _seed_for_target(cl, m, w, p, best.rate, time_limit_s, fallback=False)
-    except ConfigError:
-        return best
-    alt = _polished(cl, m, w, p, alt, None, best.rate)[0]
-    keeps = alt.rate >= best.rate * (1 - TARGET_TOLERANCE)
-    return alt if keeps and alt.solution.cost < best.solution.cost - 1e-9 else best
 
 
 def _infeasible_message(p: PlanSpace, budget: float, time_limit_s: float) -> str:

@@ -10,7 +10,8 @@ from scheduler import polish
 from scheduler.cluster import load_cluster
 from scheduler.milp import solution_for
 from scheduler.model_shape import load_model_shape
-from scheduler.planner import make_plan, placed
+from scheduler.placing import placed
+from scheduler.planner import make_plan
 from scheduler.polish import cost_of, fits
 from scheduler.workload import load_workload
 
