@@ -157,7 +157,7 @@ class DeployConfig(Section):
     redis: RedisDeployConfig = RedisDeployConfig()
     storage: StorageConfig = StorageConfig()
     # Node label that tells GPU kinds apart, and its value per planned kind (merged over
-    # the built-in table in areal_hex/deploy/common.py, e.g. {"H20": "NVIDIA-H20"}).
+    # the built-in table in areal_hex/deploy/names.py, e.g. {"H20": "NVIDIA-H20"}).
     gpu_label_key: str = "nvidia.com/gpu.product"
     gpu_labels: dict[str, str] = {}
     # Plan node name -> the Kubernetes node(s) it stands for. Each inference pod then runs

@@ -18,14 +18,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import dump_yaml
-from areal_hex.deploy.common import (
-    Bundle,
-    Deployment,
-    resolved_files,
-    secret_files,
-    service_name,
-    slug,
-)
+from areal_hex.deploy.common import Bundle, Deployment, resolved_files, secret_files
 from areal_hex.deploy.k8s_lifecycle import inference_names, lifecycle_objects
 from areal_hex.deploy.k8s_pods import (
     claim_name,
@@ -48,6 +41,7 @@ from areal_hex.deploy.k8s_trainer import (
     placement_affinity,
     rendezvous_env,
 )
+from areal_hex.deploy.names import service_name, slug
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_hex.deploy.common import Deployment, service_name
+from areal_hex.deploy.common import Deployment
 from areal_hex.deploy.k8s_pods import container_security, labels, pod_security
 from areal_hex.deploy.k8s_trainer import JOBSET_API
+from areal_hex.deploy.names import service_name
 
 Obj = dict[str, Any]
 

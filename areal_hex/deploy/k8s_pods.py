@@ -7,14 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from areal_hex.config.deploy import Resources
-from areal_hex.deploy.common import (
-    CONFIG_DIR,
-    SECRETS_DIR,
-    Deployment,
-    entry_argv,
-    gpu_label_value,
-    slug,
-)
+from areal_hex.deploy.common import CONFIG_DIR, SECRETS_DIR, Deployment, entry_argv
+from areal_hex.deploy.names import gpu_label_value, slug
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]

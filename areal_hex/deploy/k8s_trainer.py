@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from areal_hex.config.deploy import NodeMatch
-from areal_hex.deploy.common import Deployment, node_match, service_name
+from areal_hex.deploy.common import Deployment, node_match
+from areal_hex.deploy.names import service_name
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]

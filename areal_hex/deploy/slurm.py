@@ -36,16 +36,9 @@ import yaml
 from areal_hex.config import ConfigError, ExperimentConfig, dump_yaml
 from areal_hex.config.deploy import DeployConfig, RedisDeployConfig, StorageConfig
 from areal_hex.deploy import RenderResult
-from areal_hex.deploy.common import (
-    Deployment,
-    check_plan,
-    load_secrets,
-    object_prefix,
-    refuse_mixed_trainer,
-    resolve_config,
-    run_id,
-    slug,
-)
+from areal_hex.deploy.checks import check_plan, refuse_mixed_trainer
+from areal_hex.deploy.common import Deployment, load_secrets, object_prefix, resolve_config, run_id
+from areal_hex.deploy.names import slug
 from areal_hex.deploy.output import IGNORE_FILES, check_out_dir, write_files
 from areal_hex.deploy.slurm_script import (
     SCRIPT,

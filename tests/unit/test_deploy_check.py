@@ -11,7 +11,8 @@ import yaml
 from areal_hex.config import ConfigError, load_config
 from areal_hex.config.deploy import DeployConfig
 from areal_hex.deploy import render
-from areal_hex.deploy.common import gpu_label_value, normalize_model_name, split_redis_url
+from areal_hex.deploy.common import split_redis_url
+from areal_hex.deploy.names import gpu_label_value, normalize_model_name
 from areal_hex.layout import build_layout
 from areal_hex.plan import load_plan
 

@@ -13,7 +13,7 @@ import yaml
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.config.deploy import DeployConfig
 from areal_hex.deploy import render
-from areal_hex.deploy.common import GPU_PRODUCT_LABELS
+from areal_hex.deploy.names import GPU_PRODUCT_LABELS
 from areal_hex.plan import Plan, load_plan
 from tests.k8s_schema import job_of, validate
 
