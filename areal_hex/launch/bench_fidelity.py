@@ -23,7 +23,9 @@ from areal_hex.launch.bench import DEFAULT_CONFIG, initial_weights, run_once
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML (default: tiny)")
-    p.add_argument("--steps", type=int, default=40, help="trainer.total_steps of both runs")
+    p.add_argument(
+        "--steps", type=int, default=100, help="trainer.total_steps of both runs (default: 100)"
+    )
     p.add_argument("--output-dir", default=None, help="keep the profile, plan and runs here")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.launch.local_devices import LocalDevices, local_devices, pinned
 from areal_hex.launch.predict import LocalProfileFiles
 from areal_hex.launch.profile_controller import (
     LOCAL_GROUP,
@@ -53,72 +54,6 @@ from areal_hex.launch.profile_controller import (
 LOCAL_ZONE = "local"
 REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
 TRAIN_STEPS = 10  # timed after one warm-up step; tokens over seconds, as a run's window
-
-
-@dataclass
-class LocalDevices:
-    kind: str  # "CPU" or the GPU's catalogue name
-    device: str  # "cpu" | "cuda"
-    count: int  # devices the planner may place services on
-    inference_cores: set[int] | None  # pinning while timing generation (CPU)
-    trainer_cores: set[int] | None
-    inference_threads: int
-    trainer_threads: int
-    memory_gb: float  # per device
-
-
-# ---------------------------------------------------------------- devices
-def local_devices(cfg: ExperimentConfig) -> LocalDevices:
-    import torch
-
-    from areal_hex.launch.cores import core_groups
-
-    if cfg.inference.device.startswith("cuda") and torch.cuda.is_available():
-        from scheduler.measure import device_kind
-
-        return LocalDevices(
-            kind=device_kind("cuda"),
-            device="cuda",
-            count=torch.cuda.device_count(),
-            inference_cores=None,
-            trainer_cores=None,
-            inference_threads=1,
-            trainer_threads=1,
-            memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9,
-        )
-    inf, tr = core_groups(cfg.run.pin_cores)
-    total = os.cpu_count() or 1
-    mem = _host_memory_gb()
-    if inf is None or tr is None:  # no pinning: both sides share every core
-        return LocalDevices("CPU", "cpu", 2, None, None, max(1, total // 2), total, mem / 2)
-    per_server = max(1, len(inf) // max(1, cfg.inference.num_servers))
-    return LocalDevices("CPU", "cpu", 2, inf, tr, per_server, len(tr), mem / 2)
-
-
-def _host_memory_gb() -> float:
-    try:
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        return pages * size / 1e9
-    except (ValueError, OSError):
-        return 8.0
-
-
-@contextlib.contextmanager
-def pinned(cores: set[int] | None, threads: int) -> Iterator[None]:
-    """Run the block on `cores` with `threads` torch threads, as `run` starts a service."""
-    import torch
-
-    before_threads = torch.get_num_threads()
-    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if cores is not None and before is not None:
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before_threads)
-        if cores is not None and before is not None:
-            os.sched_setaffinity(0, before)
 
 
 # ---------------------------------------------------------------- generation
@@ -174,15 +109,23 @@ def measure_generation(
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
                 gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
-                rate, cpu, _ = asyncio.run(continuous_load(url, cfg, model_dir, {pid}))
-                gen.continuous_samples_per_s, gen.host_cpu_s_per_sample = rate, cpu
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
-            if dev.inference_cores is not None:
-                with pinned(dev.inference_cores, 1):
-                    load = continuous_load(url, cfg, model_dir, {pid}, reloads=True)
-                    shared, _, reload_shared = asyncio.run(load)
-                gen.continuous_shared_samples_per_s = shared
-                gen.reload_shared_s = reload_shared
+            # the controller beside the trainer, then beside the server, alternated: a
+            # load that a neighbour slows moves one median, not the choice between them
+            alone, shared = [], []
+            for _ in range(REPEATS):
+                with pinned(dev.trainer_cores, 1):
+                    alone.append(asyncio.run(continuous_load(url, cfg, model_dir, {pid})))
+                if dev.inference_cores is not None:
+                    with pinned(dev.inference_cores, 1):
+                        load = continuous_load(url, cfg, model_dir, {pid}, reloads=True)
+                        shared.append(asyncio.run(load))
+            gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
+            gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
+            if shared:
+                gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)
+                pauses = [p for _, _, p in shared if p is not None]
+                gen.reload_shared_s = statistics.median(pauses) if pauses else None
             return gen
 
 

@@ -101,8 +101,6 @@ async def _load_once(
     groups: int,
 ) -> tuple[tuple[float, float, float | None], float]:
     """`continuous_load` with `groups` groups: its figures and the measured window, s."""
-    from rollout_service.client import InferenceClient
-
     total = groups * cfg.rollout.group_size
     marks: list[tuple[float, int, float]] = []
     # no trainer here: nothing may wait on the gate
@@ -117,18 +115,14 @@ async def _load_once(
         pauses: list[float] = []
 
         async def reload_loop() -> None:
-            async with InferenceClient(url, timeout_s=None) as client:
-                version = 1000  # above the versions the profile's reload timings used
-                while True:
-                    await asyncio.sleep(RELOAD_EVERY_S)
-                    version += 1
-                    t0 = time.perf_counter()
-                    await client.pause("retract")
-                    await client.update_weights_from_disk(
-                        str(model_dir), version, abort_all_requests=False
-                    )
-                    await client.resume()
-                    pauses.append(time.perf_counter() - t0)
+            # the controller's own update (gate closed, pause, load, resume), as in a run
+            version = 1000  # above the versions the profile's reload timings used
+            while True:
+                await asyncio.sleep(RELOAD_EVERY_S)
+                version += 1
+                t0 = time.perf_counter()
+                await ctl.update_weights(version, str(model_dir))
+                pauses.append(time.perf_counter() - t0)
 
         watcher = asyncio.create_task(watch())
         reloader = asyncio.create_task(reload_loop()) if reloads else None
