@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.gc_freeze import freeze_startup
 from areal_hex.launch.local_devices import LocalDevices, local_devices, pinned
 from areal_hex.launch.predict import LocalProfileFiles
 from areal_hex.launch.profile_controller import (
@@ -334,17 +336,24 @@ def _train_rate(
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
     vocab = model.config.vocab_size
-    lo = max(1, round(response * 0.5))
-    hi = max(lo, min(cfg.rollout.max_new_tokens, round(response * 1.5)))
+    # answers spread around the measured mean, capped by max_new_tokens, the mean kept:
+    # the padded length (the step's cost) and the tokens counted are then the run's
+    half = max(0.0, min(0.5 * response, cfg.rollout.max_new_tokens - response))
+    lo = max(1, round(response - half))
+    hi = max(lo, round(response + half))
     times, tokens = [], []
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
-    for step in range(TRAIN_STEPS + 1):  # step 0 warms up
-        groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=step)
-        t0 = time.perf_counter()
-        res = optimize(ctx, groups)
-        if step:
-            times.append(time.perf_counter() - t0)
-            tokens.append(res.num_tokens)
+    freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
+    try:
+        for step in range(TRAIN_STEPS + 1):  # step 0 warms up
+            groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=step)
+            t0 = time.perf_counter()
+            res = optimize(ctx, groups)
+            if step:
+                times.append(time.perf_counter() - t0)
+                tokens.append(res.num_tokens)
+    finally:
+        gc.unfreeze()
     return sum(tokens) / sum(times)
 
 
