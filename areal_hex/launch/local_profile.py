@@ -55,7 +55,7 @@ from areal_hex.launch.profile_controller import (
 
 LOCAL_ZONE = "local"
 REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
-TRAIN_STEPS = 10  # timed after one warm-up step; tokens over seconds, as a run's window
+TRAIN_STEPS = 10  # per timed round (REPEATS of them) after a warm-up step
 
 
 # ---------------------------------------------------------------- generation
@@ -341,20 +341,21 @@ def _train_rate(
     half = max(0.0, min(0.5 * response, cfg.rollout.max_new_tokens - response))
     lo = max(1, round(response - half))
     hi = max(lo, round(response + half))
-    times, tokens = [], []
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
+    rates = []
     freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
     try:
-        for step in range(TRAIN_STEPS + 1):  # step 0 warms up
-            groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=step)
-            t0 = time.perf_counter()
-            res = optimize(ctx, groups)
-            if step:
-                times.append(time.perf_counter() - t0)
-                tokens.append(res.num_tokens)
+        optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
+        for r in range(REPEATS):  # rounds of TRAIN_STEPS steps, tokens over seconds each
+            tokens, t0 = 0, time.perf_counter()
+            for step in range(TRAIN_STEPS):
+                seed = 1 + r * TRAIN_STEPS + step
+                groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=seed)
+                tokens += optimize(ctx, groups).num_tokens
+            rates.append(tokens / (time.perf_counter() - t0))
     finally:
         gc.unfreeze()
-    return sum(tokens) / sum(times)
+    return statistics.median(rates)
 
 
 # ---------------------------------------------------------------- files

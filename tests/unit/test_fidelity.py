@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,6 +198,41 @@ def test_host_work_beside_the_servers(tmp_path: Path) -> None:
     unpaused = (20 * 0.02 / 64 + 34 / 16 / 5000) / 0.25
     paused = shared.weight_sync_s * shared.pipeline_samples_per_s / 128
     assert shared.generation_samples_per_s == pytest.approx((1 - paused) / unpaused, rel=1e-3)
+
+
+def test_async_pause_follows_the_generation_slack(tmp_path: Path) -> None:
+    """An asynchronous update finds servers with slack idle (the profile's idle reload),
+    servers at the trainer's rate mid-batch (the in-flight reload), and between the two
+    the share of idle updates grows with the slack; the pipeline rate stays as it was."""
+    from scheduler.predict import IDLE_AT_SLACK, TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    rates = prof.kinds["CPU"]
+    busy = 0.02 + 5 * 2 * m.params / 100e9  # the in-flight reload (the zone's link)
+
+    def at(train_tokens_per_s: float, idle: float | None) -> Any:
+        rates.train_tokens_per_s, rates.reload_idle_s = train_tokens_per_s, idle
+        return predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+
+    slow_trainer = at(600.0, 0.001)  # generation far above training
+    assert slow_trainer.weight_sync_s == pytest.approx(0.001)
+    assert slow_trainer.pipeline_samples_per_s == pytest.approx(
+        at(600.0, None).pipeline_samples_per_s
+    )
+    assert at(600.0, None).weight_sync_s == pytest.approx(busy)  # nothing idle profiled
+    fast_trainer = at(1e7, 0.001)  # generation binds
+    assert fast_trainer.weight_sync_s == pytest.approx(busy)
+    assert fast_trainer.generation_samples_per_s < fast_trainer.training_samples_per_s
+    # a trainer a little slower than generation: part of the updates find idle servers
+    gen = fast_trainer.generation_samples_per_s
+    step_tokens = 128 * 54
+    publish = 2 * m.params / 2e9
+    mid = at(step_tokens / (128 / (gen / 1.1) - publish), 0.001)
+    slack = mid.generation_samples_per_s / mid.training_samples_per_s
+    assert 1.0 < slack < 1.0 + IDLE_AT_SLACK
+    share = (slack - 1.0) / IDLE_AT_SLACK
+    assert mid.weight_sync_s == pytest.approx(busy - (busy - 0.001) * share)
 
 
 def test_sync_phase_times(tmp_path: Path) -> None:
