@@ -288,7 +288,21 @@ async def _generation(
 def measure_training(
     cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
 ) -> float:
-    """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch."""
+    """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch, in a
+    process of its own as the run's trainer is: nothing of the generation measurements
+    in its heap, and DeepSpeed's process groups (cached per process, stale once
+    destroyed) new each time a process profiles."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(_measure_training, cfg, model_dir, dev, prompt_len, response).result()
+
+
+def _measure_training(
+    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+) -> float:
     import torch.distributed as dist
 
     with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):

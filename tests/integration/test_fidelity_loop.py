@@ -101,3 +101,20 @@ def test_profile_local_plan_run(tmp_path: Path) -> None:
         json.loads((run_dir / "prediction.json").read_text())["asynchronous"]
     )
     assert "no plan and no local profile" in predict_run(cfg, None, None)["unavailable"]
+
+
+@pytest.mark.timeout(300)
+def test_training_profile_twice_in_one_process(tmp_path: Path) -> None:
+    """A process that profiles twice (`bench e2e`: one `run.profile_first` per run) times
+    training both times: each measurement gets a process of its own, so DeepSpeed's
+    cached process groups of the first do not break the second."""
+    from areal_hex.config import load_config
+    from areal_hex.launch.local_devices import local_devices
+    from areal_hex.launch.local_profile import measure_training
+    from areal_hex.launch.prepare import materialize_v0
+
+    cfg = load_config(ROOT / "examples/tiny_cpu.yaml", SMALL)
+    model_dir = materialize_v0(cfg, tmp_path)
+    dev = local_devices(cfg)
+    rates = [measure_training(cfg, model_dir, dev, 10, 6.0) for _ in range(2)]
+    assert all(r > 0 for r in rates)
