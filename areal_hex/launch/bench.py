@@ -29,12 +29,25 @@ def run_once(
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out_dir}", "run.run_id=null"])
     cfg.run.run_id = f"bench-{mode}"
+    fresh_run_dir(cfg.run.run_dir())
     plan = load_plan(plan_path) if plan_path is not None else None
     cfg, path = prepare_run(cfg, plan, mode)
     result = execute(cfg, path, plan, progress=False)
     if not result.ok:
         raise RuntimeError(f"{mode} run failed: {failure_message(result)}")
     return result.summary
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """A benchmark's run starts from nothing: in the directory of an earlier one it would
+    resume that run (its steps already done) and report that run's figures as its own."""
+    from areal_hex.config import ConfigError
+
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(
+            f"--output-dir: {run_dir} holds a run of an earlier benchmark, which this one "
+            "would resume and report as its own; pass an empty or new --output-dir"
+        )
 
 
 def out_dir_of(summary: dict[str, Any], out: str) -> str:

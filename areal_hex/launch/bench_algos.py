@@ -39,11 +39,13 @@ def variants(etas: list[int], gspo_eta: int) -> list[tuple[str, int, list[str]]]
 
 def _one(config: str, overrides: list[str], run_id: str, out: str, eval_n: int | None) -> dict:
     from areal_hex.config import load_config
+    from areal_hex.launch.bench import fresh_run_dir
     from areal_hex.launch.evaluate import EvalOptions, evaluate
     from areal_hex.launch.prepare import prepare_run
     from areal_hex.launch.run import execute, failure_message
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", f"run.run_id={run_id}"])
+    fresh_run_dir(cfg.run.run_dir())
     cfg, path = prepare_run(cfg, None, "async")
     result = execute(cfg, path, progress=False)
     if not result.ok:

@@ -183,3 +183,17 @@ def test_warm_start_keeps_the_answer_line_on_the_configured_share() -> None:
     assert without_answer_line("3 + 4 = 7\n#### 7") == "3 + 4 = 7"
     assert without_answer_line("#### 7") == "#### 7"  # nothing would be left
     assert without_answer_line("no answer line") == "no answer line"
+
+
+def test_a_benchmark_refuses_the_run_directory_of_an_earlier_one(tmp_path):
+    """A benchmark's run in an earlier one's directory would resume it and report its
+    figures: refused with the path and what to do, before anything starts."""
+    from areal_hex.config import ConfigError
+    from areal_hex.launch.bench import fresh_run_dir
+
+    fresh_run_dir(tmp_path / "bench-async")  # missing: fine
+    (tmp_path / "bench-async").mkdir()
+    fresh_run_dir(tmp_path / "bench-async")  # empty: fine
+    (tmp_path / "bench-async" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"bench-async holds a run .* new --output-dir"):
+        fresh_run_dir(tmp_path / "bench-async")
