@@ -81,19 +81,22 @@ async def reports_token_versions(client: GenerationClient) -> bool:
 
 async def resolve_pause_mode(mode: str, clients: Sequence[GenerationClient]) -> str:
     """The mode to use for `rollout.update_pause=mode` with these servers:
-    abort stays abort; retract needs every server to report per-token versions (else
-    their tokens are tagged per response, with a warning); auto = retract when all do."""
+    abort stays abort; retract and in_place need every server to report per-token
+    versions (else their tokens are tagged per response, with a warning); auto =
+    retract when all do."""
     if mode == "abort":
         return mode
     ok = await asyncio.gather(*[reports_token_versions(c) for c in clients])
-    if all(ok):
+    if mode in ("retract", "in_place"):
+        if not all(ok):
+            log.warning(
+                "rollout.update_pause=%s, but %d server(s) do not report per-token "
+                "versions: their tokens are tagged with the version of each response",
+                mode,
+                ok.count(False),
+            )
+    elif all(ok):
         mode = "retract"
-    elif mode == "retract":
-        log.warning(
-            "rollout.update_pause=retract, but %d server(s) do not report per-token "
-            "versions: their tokens are tagged with the version of each response",
-            ok.count(False),
-        )
     else:
         mode = "abort"
     log.info("weight updates: %s in-flight requests", mode)
@@ -187,16 +190,17 @@ class WeightSync:
             self.gate.close()
             try:
                 servers = [s for s in self.dispatcher.servers if s.healthy]
-                # retract: the servers keep the requests in flight (and recompute them);
-                # abort (SGLang's default call): they end and the sampler resends them.
-                retract = self.pause_mode == "retract"
-                mode = "retract" if retract else "abort"
+                # retract / in_place: the servers keep the requests in flight (their KV
+                # cache recomputed / kept); abort (SGLang's default call): they end and
+                # the sampler resends them.
+                keep = self.pause_mode in ("retract", "in_place")
+                mode = self.pause_mode if keep else "abort"
                 servers = await self._phase(servers, "pause", lambda s: s.client.pause(mode))
                 servers = await self._phase(
                     servers,
                     "update",
                     lambda s: s.client.update_weights_from_disk(
-                        path, version, abort_all_requests=not retract
+                        path, version, abort_all_requests=not keep
                     ),
                 )
                 await self._phase(servers, "continue", lambda s: s.client.resume())

@@ -50,5 +50,9 @@ class RolloutConfig(Section):
     # partial output and are resent (SGLang's way; each token tagged with the version of
     # the response that returned it). "retract": the servers keep them, recompute their
     # KV cache with the new weights and go on; needs servers that report each token's
-    # version (the built-in engine). "auto": retract when every server does, else abort.
-    update_pause: Literal["auto", "abort", "retract"] = "auto"
+    # version (the built-in engine). "in_place": they keep their KV cache as the old
+    # weights computed it and go on (no recompute; the cheapest update while the servers
+    # are busy, PipelineRL's in-flight update; the behaviour log-probs are still those
+    # that sampled each token). "auto": retract when every server reports token
+    # versions, else abort.
+    update_pause: Literal["auto", "abort", "retract", "in_place"] = "auto"
