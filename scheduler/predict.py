@@ -134,11 +134,11 @@ def _async_pause(
     publishes, so its update finds them idle (the profile's reload with nothing in
     flight); at or below the trainer's rate they are mid-batch (the in-flight reload).
     Between the two, the share of updates that find them busy falls with the slack (the
-    tiny example here: 0.006-0.007 s at 1.22-1.31 x, 0.012-0.018 s at 1.03-1.15 x, 0.029 s
+    tiny example here: 0.006-0.007 s at 1.22-1.31 x, 0.012-0.019 s at 1.03-1.15 x, 0.029 s
     at 0.91 x). The pipeline rate does not depend on it: with slack, training binds."""
     busy = max(p.sync_s.values(), default=0.0)
-    idle = [prof.reload_idle_s(o.kind) for o in opts] if prof is not None else [None]
-    if None in idle or slack <= 1.0:
+    idle = [prof.reload_idle_s(o.kind) for o in opts] if prof is not None else []
+    if not idle or None in idle or slack <= 1.0:
         return busy
     share_idle = min(1.0, (slack - 1.0) / IDLE_AT_SLACK)
     return busy - (busy - max(idle)) * share_idle

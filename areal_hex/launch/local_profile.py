@@ -5,12 +5,14 @@ CPU-only host the two core groups `run.pin_cores` makes (the inference servers' 
 the trainer's cores), each timed while pinned to its own cores with the thread count the
 run gives it. What is timed is the job's own code on the job's model:
 
-- generation: the built-in engine (continuous batching, sampling, log-probs) in this
-  process: decode step time at several batches (from two answer lengths, so the prefill
-  cancels), prefill tokens/s, and the answer lengths the initial policy really produces on
-  the dataset's prompts with the run's sampling parameters;
-- training: `trainer_service.step.optimize` under DeepSpeed (one rank) on groups shaped
-  like the run's batch (prompt and answer lengths as measured);
+- generation: an `areal-hex serve` process on the inference cores, driven over HTTP as
+  the run's controller drives it: decode step time at several batches (from two answer
+  lengths, so the prefill cancels), prefill tokens/s, the answer lengths the initial
+  policy really produces on the dataset's prompts with the run's sampling parameters,
+  and the rate the run's own controller keeps it at (beside the trainer and beside it);
+- training: `trainer_service.step.optimize` under DeepSpeed (one rank, in a process of
+  its own) on groups shaped like the run's batch (prompt and answer lengths as
+  measured);
 - weight sync: the engine's reload of a published weights directory.
 
 Writes `cluster.yaml`, `profile.yaml`, `workload.yaml` and `model/config.json` into one

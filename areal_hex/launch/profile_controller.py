@@ -73,7 +73,7 @@ async def continuous_load(
     an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
     the groups: no start-up, no drain): samples/s, and the CPU seconds per sample of this
     process and its children but the server (`exclude`) and Valkey. With `reloads`, a
-    weight update as the controller makes it (pause with retract, load, resume) every
+    weight update made by the controller itself (`rollout.update_pause`, as in a run) every
     `RELOAD_EVERY_S`: the median pause is the third figure (else None), and samples/s
     are those between pauses. A load whose middle lasts under `MIN_WINDOW_S` (short
     answers, a fast device) is run again, long enough."""
