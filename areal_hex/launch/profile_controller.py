@@ -37,6 +37,8 @@ async def _controller(
     cfg = cfg.model_copy(deep=True)
     cfg.model.path, cfg.model.tokenizer_path = str(model_dir), None
     cfg.buffer.max_staleness = eta
+    # no trainer consumes here: the buffer holds every group the load makes
+    cfg.buffer.max_pending = max(cfg.buffer.max_pending, groups + 1)
     cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None
     tok = load_rollout_tokenizer(cfg)
     endpoint = open_redis(cfg.redis)
