@@ -29,12 +29,19 @@ class ProducerPosition:
     admitted: int  # admissions ever made, by every producer: the next prompt's number
     held: int  # admissions held by live producers (admitted, neither put nor given back)
     given_back: dict[str, int] = field(default_factory=dict)  # by GiveBackReason
+    dropped: int = 0  # groups the trainer dropped as stale (`<run>:dropped_stale`)
 
     @property
     def not_made(self) -> int:
         """Admissions whose group was never made (abandoned at a stop, or reclaimed from
         a dead producer): their prompts are owed to the run."""
         return self.given_back.get("abandoned", 0) + self.given_back.get("reclaimed", 0)
+
+    @property
+    def owed(self) -> int:
+        """Groups the run still needs made in place of others: those never made and those
+        made but dropped untrained (stale, or from weights a restarted trainer lost)."""
+        return self.not_made + self.dropped
 
 
 @dataclass

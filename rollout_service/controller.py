@@ -76,10 +76,15 @@ class RolloutController:
         rewards: RewardPool | None = None,
         gpu_kinds: Sequence[str] = (),
         settle_s: float = 0.0,
+        final_version: int | None = None,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
-        producer (a killed predecessor whose lease has not expired yet) to come back."""
+        producer (a killed predecessor whose lease has not expired yet) to come back.
+        `final_version`: the trainer's last; with it, a controller at `max_groups` waits
+        until that version is published, making the groups the trainer drops meanwhile
+        (owed), so a run always gets its steps' worth."""
         self.cfg = cfg
+        self.final_version = final_version
         self.settle_s = settle_s
         self.gpu_kinds = list(gpu_kinds)  # GPU kind of server i (per-kind mismatch)
         self.producer = producer
@@ -119,6 +124,7 @@ class RolloutController:
         self._reward_sum_total = self._reward_n_total = 0.0
         self._last: dict[str, float] = {}
         self.start = ProducerPosition(0, 0)  # where production stood when this run began
+        self.owed = 0  # groups owed over the whole run, as last read
 
     # ------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -172,10 +178,11 @@ class RolloutController:
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         if pos.admitted:
             log.info(
-                "resuming at prompt %d (%d group(s) owed: abandoned or reclaimed)",
+                "resuming at prompt %d (%d group(s) owed: abandoned, reclaimed or dropped)",
                 pos.admitted,
-                pos.not_made,
+                pos.owed,
             )
+        self.owed = pos.owed
         return pos
 
     async def _produce(self) -> None:
@@ -212,13 +219,38 @@ class RolloutController:
         await self._drain()
 
     async def _want_more(self, seq: int) -> bool:
-        """Another group? Up to `max_groups` kept groups over the whole run (earlier
-        controllers' included; groups abandoned or reclaimed are owed again); with dynamic
-        sampling, filtered groups do not count, so wait for in-flight ones to learn whether
-        they were kept, up to `dynamic_sampling_max_factor` x `max_groups` produced."""
+        """Another group? Up to `max_groups` kept groups over the whole run, plus those
+        owed (see `_wait_owed`)."""
         if self.max_groups is None:
             return True
-        seq -= self.start.not_made
+        while True:
+            if await self._below_target(seq - self.owed):
+                return True
+            if not await self._wait_owed():
+                return False
+
+    async def _wait_owed(self) -> bool:
+        """At the target: until the trainer publishes `final_version` (or a stop), watch
+        for groups it drops; True once more are owed than counted so far."""
+        if self.final_version is None:
+            return False
+        while not self._stop.is_set():
+            pos = await self._buffer_call(self.producer.position, "position")
+            if pos.owed > self.owed:
+                log.info("%d more group(s) owed (dropped by the trainer)", pos.owed - self.owed)
+                self.owed = pos.owed
+                return True
+            if await self._buffer_call(self.producer.version, "version") >= self.final_version:
+                return False
+            await self._until_stop(asyncio.sleep(1.0))
+        return False
+
+    async def _below_target(self, seq: int) -> bool:
+        """Fewer than `max_groups` kept groups (earlier controllers' included, those owed
+        taken off `seq`)? With dynamic sampling, filtered groups do not count, so wait for
+        in-flight ones to learn whether they were kept, up to
+        `dynamic_sampling_max_factor` x `max_groups` produced."""
+        assert self.max_groups is not None
         if not self.cfg.dynamic_sampling:
             return seq < self.max_groups
         if seq >= self.max_groups * self.cfg.dynamic_sampling_max_factor:

@@ -4,7 +4,9 @@ Outstanding work of a server = the tokens its in-flight requests may still touch
 (prompt + tokens so far + tokens still allowed), so a long continuation weighs more than a
 short fresh prompt. A server that fails or times out is marked unhealthy and gets no
 requests until a background probe finds it healthy again (and, if the policy moved on
-meanwhile, has reloaded the current weights: see `on_recover`).
+meanwhile, has reloaded the current weights: see `on_recover`). A healthy server is
+probed too, with a timeout: one that stops answering (hung, not dead) is marked
+unhealthy as stalled, so no new request waits on it (the launcher replaces it).
 """
 
 from __future__ import annotations
@@ -175,6 +177,19 @@ class Dispatcher:
         await asyncio.gather(*[self.probe(s) for s in self.servers if not s.healthy])
         return self.num_healthy
 
+    async def check_live(self, timeout_s: float) -> None:
+        """Probe the healthy servers; one with no answer in `timeout_s` is stalled."""
+
+        async def one(server: ServerState) -> None:
+            try:
+                ok = await asyncio.wait_for(server.client.health(), timeout=timeout_s)
+            except SERVER_ERRORS:
+                ok = False
+            if not ok and server.healthy:
+                self.mark_unhealthy(server, f"stalled: no answer to /health in {timeout_s:g} s")
+
+        await asyncio.gather(*[one(s) for s in self.servers if s.healthy])
+
     async def wait_healthy(self, timeout_s: float, min_servers: int = 1) -> int:
         """Probe until `min_servers` are healthy; raises TimeoutError naming the others."""
 
@@ -200,6 +215,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.probe_interval_s)
             await self.probe_all()
+            await self.check_live(timeout_s=max(5.0, 2 * self.probe_interval_s))
 
     async def aclose(self) -> None:
         for t in list(self._probes):

@@ -53,11 +53,19 @@ def load_prompt_set(cfg: ExperimentConfig, tokenizer: Any) -> PromptSet:
 
 def target_groups(cfg: ExperimentConfig) -> int:
     """`rollout.max_groups`, else the most groups the gate admits by the last step:
-    (trainer.total_steps + buffer.max_staleness + 1) * buffer.groups_per_step."""
+    (trainer.total_steps + buffer.max_staleness + 1) * buffer.groups_per_step. Groups
+    owed (never made, or dropped by the trainer) come on top (`final_version`)."""
     if cfg.rollout.max_groups is not None:
         return cfg.rollout.max_groups
     b = cfg.buffer
     return (cfg.trainer.total_steps + b.max_staleness + 1) * b.groups_per_step
+
+
+def final_version(cfg: ExperimentConfig) -> int | None:
+    """The version the trainer publishes at its last step, until which a controller at
+    its target keeps making the groups owed to the run; None with `rollout.max_groups`
+    (a fixed number of groups, then done)."""
+    return cfg.trainer.total_steps if cfg.rollout.max_groups is None else None
 
 
 def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServer | None:
@@ -129,6 +137,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         gpu_kinds=cfg.inference.gpu_kinds,
         # a killed predecessor's admissions come back once its lease expires
         settle_s=cfg.buffer.lease_ttl_s + 1.0,
+        final_version=final_version(cfg),
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection

@@ -1,12 +1,20 @@
 """The training loop: fetch, optimize, publish, checkpoint-then-acknowledge, log.
 
 Exactly-once: rank 0 acknowledges a group only after a COMPLETE checkpoint containing
-its update exists. The ids are stored in that checkpoint's marker and acknowledged
-again on resume (XACK is idempotent), which covers a crash between commit and ack.
-Groups trained after the last commit stay pending in the buffer: a restarted trainer
-rolls the weights back to the checkpoint and receives them again, so each group ends
-up in the committed weights exactly once. Within a run, a pending group delivered a
-second time (reclaimed while waiting for the next commit) is skipped.
+its update exists, and (but at the last step and at a stop) only once the next
+checkpoint commits too: the groups of the newest checkpoint stay pending, so if that
+checkpoint turns out corrupt on resume (checkpoint.choose_resume sets it aside), the
+run falls back to the previous one and trains them once more. The ids are stored in
+the markers and acknowledged again on resume (XACK is idempotent), which covers a crash
+between commit and ack. Groups trained after the last commit stay pending in the
+buffer: a restarted trainer rolls the weights back to the checkpoint and receives them
+again, so each group ends up in the committed weights exactly once. Within a run, a
+pending group delivered a second time (reclaimed while waiting for a commit) is skipped.
+
+A trainer with no checkpoint to resume from (killed before its first) rejoins the run
+the same way at version 0: the buffer's version and gate are restored and the servers
+reload v0, so groups made by the lost weights' versions are dropped (counted, and owed
+to the controller) rather than trained into the fresh model.
 
 Stopping (SIGTERM / Ctrl-C, `request_stop`): rank 0 stops waiting for a batch, every
 rank leaves the loop after the step under way, and a checkpoint of the last completed
@@ -55,6 +63,8 @@ class TrainerState:
     version: int = 0
     totals: Totals = field(default_factory=Totals)
     unacked: list[str] = field(default_factory=list)  # trained since the last commit
+    # in the newest commit, acknowledged once the next one commits (a fallback target)
+    committed_pending: list[str] = field(default_factory=list)
 
 
 class Trainer:
@@ -109,8 +119,13 @@ class Trainer:
         return self.state
 
     def resume(self) -> None:
-        path = checkpoint.resolve_resume(self.cfg.resume, self.paths.checkpoint_dir)
+        """Restore the newest intact checkpoint, or start at version 0 without one; either
+        way the buffer is brought back to this version (`_republish`)."""
+        path = self._choose_checkpoint()
         if path is None:
+            if self.consumer is not None:
+                checkpoint.rollback(self.committed_log, 0)  # every commit was lost
+            self._republish()
             return
         saved = checkpoint.load(self.ctx.engine, path)
         self.state.step, self.state.version = saved["step"], saved["version"]
@@ -118,22 +133,42 @@ class Trainer:
         if self.rank == 0:
             print(f"trainer: resumed from {path} (step {self.state.step})", flush=True)
         if self.consumer is not None:
-            # the checkpoint holds these updates: make sure they are acknowledged
+            # verified just now and holding these updates: they may leave the buffer
+            # (re-read, they would be dropped as stale while counted as trained)
             checkpoint.record_committed(self.committed_log, saved["step"], saved["ack_ids"])
-            self.consumer.ack(saved["ack_ids"])
+            self.consumer.ack([*saved.get("held_ids", []), *saved["ack_ids"]])
             position = saved.get("data_position", saved.get("replay_position"))
             if position is not None:
                 self.consumer.seek(position)
         self._republish()
 
+    def _choose_checkpoint(self) -> Path | None:
+        """Rank 0 verifies the checkpoints (setting a corrupt newest one aside) and tells
+        every rank which one to load."""
+        import torch.distributed as dist
+
+        chosen: list[str | None] = [None]
+        if self.rank == 0:
+            found = checkpoint.choose_resume(
+                self.cfg.resume, self.paths.checkpoint_dir, lambda m: print(m, flush=True)
+            )
+            chosen[0] = None if found is None else str(found)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        return None if chosen[0] is None else Path(chosen[0])
+
     def _republish(self) -> None:
-        """Announce the restored weights as the current version (written if missing)."""
+        """Announce the restored weights as the current version (written if missing; v0
+        without a checkpoint is the initial model)."""
         import torch.distributed as dist
 
         v = self.state.version
         target = version_dir(self.paths.weights_dir, v)
+        if v == 0 and not (target / "config.json").is_file():
+            target = self.paths.model_dir
         missing = [not (target / "config.json").is_file()]
-        dist.broadcast_object_list(missing, src=0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(missing, src=0)
         if missing[0]:
             tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
             if self.publisher is not None and tensors is not None:
@@ -215,7 +250,7 @@ class Trainer:
         """B fresh groups not trained since the last commit; None if a stop came first.
         Waits in short reads so a stop is noticed; `batch_timeout_s` bounds the wait."""
         assert self.consumer is not None
-        seen = set(self.state.unacked)
+        seen = set(self.state.unacked) | set(self.state.committed_pending)
         out = Batch(entry_ids=[], groups=[])
         limit = self.cfg.batch_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
@@ -225,9 +260,12 @@ class Trainer:
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             try:
                 b = self.consumer.get_batch(n - len(out.groups), timeout_s=max(wait, 0.0))
-            except TimeoutError:
+            except TimeoutError as exc:
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise
+                    raise TimeoutError(
+                        f"trainer: no batch for step {self.state.step + 1} after {limit:g} s "
+                        f"(trainer.batch_timeout_s): {exc}"
+                    ) from None
                 continue  # what was read so far is kept by the consumer
             out.dropped_stale += b.dropped_stale
             out.dead_lettered += b.dead_lettered
@@ -256,8 +294,9 @@ class Trainer:
         return self._checkpoint()
 
     def _checkpoint(self) -> float:
-        """Commit the current step (collective), then acknowledge its groups. Nothing is
-        written when no group was trained since the last commit (or the resume)."""
+        """Commit the current step (collective), then acknowledge the groups of the commit
+        before (and, at the last step or a stop, its own). Nothing is written when no
+        group was trained since the last commit (or the resume)."""
         st = self.state
         if not st.unacked and st.step != self.cfg.total_steps:
             return 0.0
@@ -267,6 +306,7 @@ class Trainer:
             "version": st.version,
             "totals": st.totals.__dict__,
             "ack_ids": list(st.unacked),
+            "held_ids": list(st.committed_pending),  # acknowledged right after this commit
         }
         if self.consumer is not None and self.consumer.position() is not None:
             saved["data_position"] = self.consumer.position()
@@ -275,7 +315,11 @@ class Trainer:
         )
         if self.consumer is not None:
             checkpoint.record_committed(self.committed_log, st.step, st.unacked)
-            self.consumer.ack(st.unacked)  # committed: now they may leave the buffer
+            # in two commits now (or the run ends): they may leave the buffer
+            last = st.step == self.cfg.total_steps or self._stop.is_set()
+            done = st.committed_pending + (st.unacked if last else [])
+            self.consumer.ack(done)
+            st.committed_pending = [] if last else list(st.unacked)
         st.unacked = []
         return time.perf_counter() - t0
 

@@ -17,6 +17,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.errors import UsageError
 from areal_hex.gc_freeze import freeze_startup
+from areal_hex.lifetime import tie_to_launcher
 from areal_hex.prom import (
     BufferCollector,
     MetricsServer,
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    tie_to_launcher()  # a rank of `areal-hex run`'s trainer ends with the launcher
     cfg = load_config(args.config, args.overrides)
     rank = int(os.environ.get("RANK", "0"))
     status(rank, "starting DeepSpeed (a first run builds its communication op)")
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.row_observers.append(trackers.observe)
     try:
         state = trainer.run()
+    except TimeoutError as exc:  # no batch in trainer.batch_timeout_s: say what is missing
+        print(f"trainer: error: {exc}", flush=True)
+        return 1
     finally:
         if metrics is not None:
             metrics.stop()

@@ -5,18 +5,26 @@ Redis/Valkey the config's `redis.url` names.
 consumer use: it returns a `RedisEndpoint` that hands out redis-py clients of either kind
 and, when it started the embedded server, stops it on `close()` / context exit / process
 exit (atexit), and on Linux also when the owning process dies (PR_SET_PDEATHSIG).
+
+One server per data directory: a server started on a kept directory holds an exclusive
+lock on `valkey.lock` beside its append-only file (flock, shared with the valkey-server
+child, so it lasts as long as either lives); a second one on the same directory fails
+with a message naming the holder instead of writing the same file twice.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +40,34 @@ from areal_hex.net import WaitAborted, free_port, wait_until
 
 class EmbeddedServerError(RuntimeError):
     """The embedded Valkey server could not be started."""
+
+
+LOCK_FILE = "valkey.lock"
+
+
+def lock_data_dir(path: Path, timeout_s: float) -> int:
+    """An exclusive lock on `path/valkey.lock` (its file descriptor), waiting up to
+    `timeout_s` for a server that is stopping; raises EmbeddedServerError naming the
+    process that holds it."""
+    lock = path / LOCK_FILE
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise EmbeddedServerError(
+                    f"another Valkey (pid {holder}) serves the data directory {path}; "
+                    "one server per run directory: stop it first"
+                ) from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _death_signal_hook() -> Callable[[], None] | None:
@@ -86,6 +122,7 @@ class EmbeddedValkey:
     die_with_parent: bool = True
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _tmp_dir: str | None = field(default=None, init=False, repr=False)
+    _lock_fd: int | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -136,11 +173,14 @@ class EmbeddedValkey:
                 return self
             except EmbeddedServerError:
                 if fixed or attempt == 2:
+                    self._unlock()
                     raise
         raise AssertionError("unreachable")
 
     def _spawn(self, timeout_s: float) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.data_dir is not None and self._lock_fd is None:
+            self._lock_fd = lock_data_dir(self.dir, timeout_s)
         conf = self.dir / f"valkey-{self.port}.conf"
         conf.touch(mode=0o600)  # it may hold the password
         conf.write_text(self._config_text())
@@ -151,7 +191,12 @@ class EmbeddedValkey:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=_death_signal_hook() if self.die_with_parent else None,
+            # the lock stays held while the server runs, even if this process dies first
+            pass_fds=() if self._lock_fd is None else (self._lock_fd,),
         )
+        if self._lock_fd is not None:  # who holds the lock, for the message of the next
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}, valkey-server {self._proc.pid}\n".encode(), 0)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
         proc = self._proc
         try:
@@ -171,6 +216,11 @@ class EmbeddedValkey:
             self.kill()
             raise EmbeddedServerError(self._failure(f"not ready after {timeout_s:.0f} s"))
 
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the server is gone: its copy was closed with it
+            self._lock_fd = None
+
     def _failure(self, what: str) -> str:
         log = self.dir / "valkey.log"
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
@@ -182,6 +232,7 @@ class EmbeddedValkey:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
+        self._unlock()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (valkey flushes the append-only file), then SIGKILL after `timeout_s`."""
@@ -194,6 +245,7 @@ class EmbeddedValkey:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._unlock()
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir = None

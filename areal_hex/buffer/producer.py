@@ -147,14 +147,15 @@ class RedisTrajectoryProducer:
         return int(await self._release(keys=keys, args=[n, self.holder, reason]))
 
     async def position(self) -> ProducerPosition:
-        """Admissions ever made (the data position), held by live producers and given
-        back by reason, after giving back those of dead producers."""
+        """Admissions ever made (the data position), held by live producers, given back
+        by reason and dropped as stale, after giving back those of dead producers."""
         k = self.keys
         keys = [k.submitted, k.leases, k.given_back("reclaimed"), k.admitted]
         keys += [k.given_back(r) for r in GIVE_BACK_REASONS]
-        admitted, held, *back = await self._position(keys=keys, args=[k.lease("")])
+        keys.append(k.dropped_stale)  # read like a given-back counter
+        admitted, held, *back, dropped = await self._position(keys=keys, args=[k.lease("")])
         given_back = {r: int(x) for r, x in zip(GIVE_BACK_REASONS, back, strict=True)}
-        return ProducerPosition(int(admitted), int(held), given_back)
+        return ProducerPosition(int(admitted), int(held), given_back, int(dropped))
 
     async def give_back_all(self) -> int:
         """Give back every admission this producer still holds (a clean stop: their groups

@@ -107,8 +107,9 @@ return id
 """
 
 # Reclaim what dead holders held, then report the durable position of production.
-# KEYS: submitted, leases, reclaimed, admitted, then one given-back counter per reason.
-# ARGV: heartbeat key prefix.  Returns {admitted, held by live holders, given back...}.
+# KEYS: submitted, leases, reclaimed, admitted, then counters read as they are (one
+# given-back counter per reason, dropped_stale). ARGV: heartbeat key prefix.
+# Returns {admitted, held by live holders, each counter...}.
 POSITION = (
     _RECLAIM
     + """

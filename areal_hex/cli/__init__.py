@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from areal_hex.lifetime import tie_to_launcher
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    tie_to_launcher()  # a service of `areal-hex run` ends with it
     try:
         return int(args.func(args) or 0)
     except (ConfigError, UsageError) as exc:

@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="continue the run in RUN_DIR (its config.yaml; overrides still apply)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: stop processes of the run still alive (e.g. left by a killed "
+        "launcher) instead of refusing",
+    )
     p.set_defaults(func=_run)
 
 
@@ -66,6 +72,27 @@ def _resume_args(args: argparse.Namespace) -> None:
     args.config = str(config)
 
 
+def _check_alone(run_dir: Path, force: bool) -> None:
+    """A run directory is served by one launcher at a time: processes of an earlier one
+    still alive (a launcher killed with SIGKILL, whose services have not ended yet) are
+    refused, naming them, or with `--force` stopped first."""
+    from areal_hex.cli import UsageError
+    from areal_hex.launch.supervisor import live_processes, stop_processes
+
+    # services name their config, `<run_id>/config.yaml`, on their command lines
+    live = live_processes(run_dir / "pids.json", f"{run_dir.name}/")
+    if not live:
+        return
+    named = ", ".join(f"{n} (pid {' '.join(map(str, p))})" for n, p in sorted(live.items()))
+    if not force:
+        raise UsageError(
+            f"{run_dir} is still in use by {named}: wait for them to end, stop them, or "
+            "add --force to stop them first"
+        )
+    _say(f"--force: stopping {named}")
+    stop_processes(live)
+
+
 def _say(text: str) -> None:
     print(f"areal-hex run: {text}", file=sys.stderr, flush=True)
 
@@ -84,6 +111,10 @@ def _run(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan)
     preflight(cfg)  # exit 2 before anything is created
     existed = cfg.run.run_id is not None and cfg.run.run_dir().exists()
+    if existed:
+        _check_alone(cfg.run.run_dir(), args.force)
+    elif args.force:
+        raise UsageError("--force goes with --resume RUN_DIR (a run directory in use)")
     try:
         cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say)
     except (ValueError, OSError) as exc:

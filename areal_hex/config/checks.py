@@ -36,15 +36,16 @@ def check_publish_within_staleness(cfg: ExperimentConfig) -> None:
 
 
 def check_pending_groups(cfg: ExperimentConfig) -> None:
-    """Groups stay pending in the buffer until the checkpoint that holds their update
-    commits, and the producers' backpressure counts them: with room for fewer than
-    (trainer.checkpoint_every + 1) x buffer.groups_per_step the pipeline would stall.
+    """Groups stay pending in the buffer until the checkpoint after the one that holds
+    their update commits (a corrupt newest checkpoint can then fall back to the one
+    before), and the producers' backpressure counts them: with room for fewer than
+    (2 x trainer.checkpoint_every + 1) x buffer.groups_per_step the pipeline would stall.
     Raises ConfigError naming both settings. A trainer fed from a replay file holds
     nothing in the buffer and always passes."""
     if cfg.trainer.replay_path is not None:
         return
     every, b = cfg.trainer.checkpoint_every, cfg.buffer.groups_per_step
-    held = (every + 1) * b
+    held = (2 * every + 1) * b
     if held > cfg.buffer.max_pending:
         raise ConfigError(
             f"trainer.checkpoint_every ({every}) x buffer.groups_per_step ({b}) keeps up "

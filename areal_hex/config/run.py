@@ -32,6 +32,9 @@ class RunConfig(Section):
     max_restarts: int = Field(3, ge=0)
     # Seconds a service may take to become healthy.
     start_timeout_s: float = Field(300.0, gt=0)
+    # Seconds an inference server that answered /health before may go without answering
+    # (hung, e.g. SIGSTOPped) before the launcher kills it and starts it again.
+    hung_after_s: float = Field(30.0, gt=0)
     # Share of the training split used for the tiny model's supervised warm start.
     warm_start_fraction: float = Field(0.5, gt=0, le=1)
     # Share of those warm-start solutions that keep their final `#### answer` line (the

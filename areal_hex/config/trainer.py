@@ -47,8 +47,9 @@ class TrainerConfig(Section):
     # "auto": continue from the newest complete checkpoint if any; "none": start fresh;
     # otherwise a checkpoint directory (…/checkpoints/step<N>).
     resume: str = "auto"
-    # Seconds to wait for a batch from the buffer before failing (None: forever).
-    batch_timeout_s: float | None = Field(None, gt=0)
+    # Seconds to wait for a batch from the buffer before failing with what is missing
+    # (None: forever; a run whose controller stopped short would then hang).
+    batch_timeout_s: float | None = Field(600.0, gt=0)
     # Train from a JSONL file of group records instead of the buffer (replay, tests).
     replay_path: str | None = None
     # Heterogeneous data parallelism: the relative speed of each rank, one value per rank

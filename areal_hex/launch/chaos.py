@@ -1,10 +1,18 @@
-"""Chaos: one short job with a fault at each of several random steps, SIGKILL of every
-process kind (inference server, a trainer rank, controller, Valkey) and SIGTERM of the
-launcher followed by `areal-hex run --resume`; reports per fault whether the job
-recovered, how long until the struck process was back (`restarted_after_s`) and until the
-next step completed (`no_step_s`: a step under way may still finish, and the trainer
-may train on groups already buffered), the restarts it took, and the ledger read live
-after the recovery (groups lost, groups trained twice), and the final ledger.
+"""Chaos: one short job with a fault at each of several random steps, and a report per
+fault of whether the job recovered, how long until the struck process was back
+(`restarted_after_s`) and until the next step completed (`no_step_s`: a step under way
+may still finish, and the trainer may train on groups already buffered), the restarts it
+took, and the ledger read live after the recovery (groups lost, groups trained twice),
+and the final ledger.
+
+The faults (`KINDS`): SIGKILL of every process kind (an inference server, a trainer rank,
+the controller, Valkey); a trainer rank SIGKILLed before the first checkpoint exists
+(`trainer_early`, struck after step 1); SIGTERM of the launcher followed by
+`areal-hex run --resume`, and SIGKILL of it (`launcher_kill`: no process of the run may
+survive it by 10 s, then `--resume`); the newest checkpoint truncated, then a trainer
+rank SIGKILLed so that the restart must set it aside (`corrupt`); SIGSTOP of an
+inference server, which must be found hung and replaced (`sigstop`); and two faults
+overlapping (`overlap`: Valkey SIGKILLed, then the controller 3 s later).
 
 Baseline: the same job's ledger identity holds with no fault at all before the first one
 (the `before_first_fault` ledger), and every number comes from durable state
@@ -31,7 +39,21 @@ from areal_hex.launch.ledger import read_ledger
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
-KINDS = ("inference", "trainer", "controller", "valkey", "launcher")
+KINDS = (
+    "inference",
+    "trainer",
+    "controller",
+    "valkey",
+    "launcher",
+    "trainer_early",
+    "launcher_kill",
+    "corrupt",
+    "sigstop",
+    "overlap",
+)
+EARLY = "trainer_early"  # struck after step 1, before the first checkpoint (step 3)
+OVERLAP_GAP_S = 3.0  # between the two faults of `overlap`
+SURVIVAL_S = 10.0  # no process of the run may outlive a SIGKILLed launcher longer
 RUN_ID = "chaos"
 
 
@@ -61,6 +83,7 @@ def job_overrides(steps: int) -> list[str]:
         "buffer.lease_ttl_s=3",  # a killed controller's admissions come back in 3 s
         "rollout.metrics_interval_s=1.0",
         "run.max_restarts=3",
+        "run.hung_after_s=10",  # a SIGSTOPped server is replaced within seconds
     ]
 
 
@@ -69,12 +92,13 @@ def fault_plan(kinds: list[str], steps: int, seed: int) -> list[tuple[int, str]]
     middle of the job, one per fault, in a random order of kinds, at least half a share of
     the job apart (so each fault's recovery is seen before the next)."""
     rng = random.Random(seed)
-    order = list(kinds)
+    early = [(1, k) for k in kinds if k == EARLY]  # before the first checkpoint
+    order = [k for k in kinds if k != EARLY]
     rng.shuffle(order)
-    lo, hi = 2, max(3, steps - 4)
-    span = (hi - lo) / len(order)
+    lo, hi = 2 + 2 * len(early), max(3, steps - 4)
+    span = (hi - lo) / max(1, len(order))
     at = [int(lo + span * i + rng.random() * span * 0.5) for i in range(len(order))]
-    return list(zip(at, order, strict=True))
+    return early + list(zip(at, order, strict=True))
 
 
 # ---------------------------------------------------------------- the processes
@@ -99,24 +123,66 @@ def _pids(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "pids.json").read_text())
 
 
+def kill_rank(pids: dict[str, int]) -> str:
+    """SIGKILL one trainer rank, not its launcher: the launcher must notice."""
+    launchers = ("deepspeed.launcher", "torch.distributed.run")
+    ranks = [
+        p
+        for p, cmd in _group_members(pids["trainer"])
+        if "-m trainer_service.main" in cmd and not any(x in cmd for x in launchers)
+    ]
+    os.kill(ranks[0], signal.SIGKILL)
+    return f"SIGKILL trainer rank {ranks[0]}"
+
+
+def corrupt_newest(run_dir: Path) -> str:
+    """Truncate the largest file of the newest complete checkpoint to half its size."""
+    from trainer_service.checkpoint import complete_checkpoints
+
+    _, newest = complete_checkpoints(RunPaths.at(run_dir).checkpoint_dir)[-1]
+    victim = max((f for f in newest.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    return f"truncated {victim.relative_to(run_dir)} ({size} -> {size // 2} bytes)"
+
+
 def strike(kind: str, run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
     """Deliver one fault; returns what was hit."""
     pids = _pids(run_dir)
     if kind == "launcher":
         launcher.send_signal(signal.SIGTERM)
         return f"SIGTERM launcher {launcher.pid}"
-    if kind == "trainer":  # one rank, not its launcher: the launcher must notice
-        launchers = ("deepspeed.launcher", "torch.distributed.run")
-        ranks = [
-            p
-            for p, cmd in _group_members(pids["trainer"])
-            if "-m trainer_service.main" in cmd and not any(x in cmd for x in launchers)
-        ]
-        os.kill(ranks[0], signal.SIGKILL)
-        return f"SIGKILL trainer rank {ranks[0]}"
+    if kind == "launcher_kill":
+        launcher.send_signal(signal.SIGKILL)
+        return f"SIGKILL launcher {launcher.pid}"
+    if kind in ("trainer", EARLY):
+        return kill_rank(pids)
+    if kind == "corrupt":  # the restart that follows must find it
+        return f"{corrupt_newest(run_dir)}; {kill_rank(pids)}"
+    if kind == "sigstop":
+        os.killpg(pids["inference-0"], signal.SIGSTOP)
+        return f"SIGSTOP inference-0 (process group {pids['inference-0']})"
+    if kind == "overlap":
+        os.killpg(pids["redis"], signal.SIGKILL)
+        time.sleep(OVERLAP_GAP_S)
+        os.killpg(_pids(run_dir)["controller"], signal.SIGKILL)
+        return f"SIGKILL redis, then controller {OVERLAP_GAP_S:g} s later"
     name = {"inference": "inference-0", "controller": "controller", "valkey": "redis"}[kind]
     os.killpg(pids[name], signal.SIGKILL)
     return f"SIGKILL {name} (process group {pids[name]})"
+
+
+def survivors(run_dir: Path, timeout_s: float) -> dict[str, list[int]]:
+    """Processes of the run still alive `timeout_s` after its launcher died (or none,
+    as soon as they are all gone)."""
+    from areal_hex.launch.supervisor import live_processes
+
+    def left() -> dict[str, list[int]]:
+        return live_processes(run_dir / "pids.json", f"{run_dir.name}/")
+
+    wait_for(lambda: not left(), timeout_s)
+    return left()
 
 
 def start_launcher(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -170,25 +236,39 @@ def wait_for(cond: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
     return False
 
 
-PROCESS = {"inference": "inference-0", "trainer": "trainer", "controller": "controller"}
-PROCESS["valkey"] = "redis"
+PROCESS: dict[str, tuple[str, ...]] = {
+    "inference": ("inference-0",),
+    "sigstop": ("inference-0",),
+    "trainer": ("trainer",),
+    EARLY: ("trainer",),
+    "corrupt": ("trainer",),
+    "controller": ("controller",),
+    "valkey": ("redis",),
+    "overlap": ("redis", "controller"),
+}
 
 
 def restarts_of(run_dir: Path, kind: str, t: float) -> tuple[int, float | None]:
     """How often the struck process was started again after the fault at `t`, and how
-    many seconds after it the first time (the launcher: the attempts started after it)."""
+    many seconds after it the first time (the launcher: the attempts started after it;
+    two processes struck: the fewer restarts, and the later of their first ones)."""
     events = json.loads(RunPaths.at(run_dir).events.read_text())
     attempts = events.get("attempts", [events])
-    if kind == "launcher":
+    if kind in ("launcher", "launcher_kill"):
         times = [a["t_start"] for a in attempts if a["t_start"] > t]
-    else:
+        return len(times), (min(times) - t if times else None)
+    counts, firsts = [], []
+    for name in PROCESS[kind]:
         times = [
             e["time"]
             for a in attempts
             for e in a.get("events", [])
-            if e["process"] == PROCESS[kind] and e["event"] == "restart" and e["time"] > t
+            if e["process"] == name and e["event"] == "restart" and e["time"] > t
         ]
-    return len(times), (min(times) - t if times else None)
+        counts.append(len(times))
+        firsts.append(min(times) - t if times else None)
+    late = None if None in firsts else max(f for f in firsts if f is not None)
+    return min(counts), late
 
 
 # ---------------------------------------------------------------- the job
@@ -224,8 +304,12 @@ class Job:
         fault: dict[str, Any] = {"kind": kind, "at_step": at_step}
         fault["what"] = strike(kind, self.run_dir, self.launcher)
         since = t
-        if kind == "launcher":
+        if kind in ("launcher", "launcher_kill"):
             fault["launcher_exit"] = self.launcher.wait(timeout=180)
+            if kind == "launcher_kill":
+                left = survivors(self.run_dir, SURVIVAL_S)
+                fault["survivors_after_10s"] = sum(len(p) for p in left.values())
+                fault["survivors"] = left
             since = time.time()
             self.launcher = start_launcher(["--resume", str(self.run_dir)], self.log)
         fault["recovered"] = wait_for(
@@ -234,6 +318,9 @@ class Job:
         later = [r for r in steps_done(self.run_dir) if r.time > since]
         fault["no_step_s"] = (later[0].time - t) if later else None
         fault["next_step"] = later[0].step if later else None
+        if kind == "corrupt":
+            root = RunPaths.at(self.run_dir).checkpoint_dir
+            fault["set_aside"] = sorted(p.name for p in root.glob("step*.corrupt*"))
         led = live_ledger(self.run_dir)
         fault["lost"] = led.get("groups_lost") if led else None
         fault["trained_twice"] = led.get("trained_twice") if led else None
@@ -288,7 +375,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         result = run_job(args, out)
     ok = [f for f in result["faults"] if f["completed"] and f["lost"] == 0]
-    ok = [f for f in ok if f["trained_twice"] == 0]
+    ok = [f for f in ok if f["trained_twice"] == 0 and not f.get("survivors_after_10s")]
+    ok = [f for f in ok if f["kind"] != "corrupt" or f.get("set_aside")]
     return {
         "config": args.config,
         "steps": args.steps,

@@ -12,7 +12,9 @@ true across crashes, restarts and resumed attempts.
 - pending: in the stream and not in the committed weights (unconsumed, or trained after
   the last checkpoint and to be trained again after a restart);
 - in_flight: admissions a controller holds (generating);
-- trained_twice: group ids that appear in more than one commit of `committed.jsonl`.
+- trained_twice: group ids that appear in more than one commit of `committed.jsonl`
+  (of the commits that count: those a fallback from a corrupt checkpoint rolled back
+  do not).
 
 Rates are over the time the job actually ran: each attempt from its services being ready
 to its end, less the time the trainer was down between an exit and its restart.
@@ -117,9 +119,16 @@ def ledger(
     return out
 
 
+def committed_ids(committed: dict[str, Any]) -> list[str]:
+    """Ids in the committed weights that may still be in the stream: the newest
+    checkpoint's own (acknowledged once the next commits) and the previous one's
+    (acknowledged right after this commit)."""
+    return [*committed.get("held_ids", []), *committed.get("ack_ids", [])]
+
+
 def read_ledger(client: Any, run_id: str, paths: RunPaths) -> dict[str, Any]:
     committed = committed_state(paths.checkpoint_dir)
-    counters = buffer_counters(client, BufferKeys(run_id), list(committed.get("ack_ids", [])))
+    counters = buffer_counters(client, BufferKeys(run_id), committed_ids(committed))
     return ledger(counters, committed, trained_twice(paths.committed))
 
 
@@ -139,8 +148,7 @@ def ledger_from_aof(valkey_dir: Path, run_id: str, paths: RunPaths) -> dict[str,
         with server:
             client = server_client(server)
             try:
-                ids = list(committed.get("ack_ids", []))
-                counters = buffer_counters(client, BufferKeys(run_id), ids)
+                counters = buffer_counters(client, BufferKeys(run_id), committed_ids(committed))
             finally:
                 client.close()
     except (EmbeddedServerError, OSError):

@@ -48,11 +48,18 @@ def _fmt_duration(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def format_line(state: dict[str, Any], total_steps: int, elapsed_s: float) -> str:
+def format_line(
+    state: dict[str, Any],
+    total_steps: int,
+    elapsed_s: float,
+    stalled: dict[str, float] | None = None,
+) -> str:
     """One status line, e.g. `step 12/40 | reward 0.42 | staleness 1 (max 2) | ...`;
-    before the first step, e.g. `step 0/40 | trainer: loading the model | ...`."""
+    before the first step, e.g. `step 0/40 | trainer: loading the model | ...`; servers
+    that stopped answering first: `STALLED inference-0 (no answer 12 s) | step ...`."""
     step = int(state.get("step", 0))
-    parts = [f"step {step}/{total_steps}"]
+    parts = [f"STALLED {n} (no answer {s:.0f} s)" for n, s in sorted((stalled or {}).items())]
+    parts.append(f"step {step}/{total_steps}")
     if step == 0 and state.get("doing"):
         doing = [f"{name}: {what}" for name, what in state["doing"].items()]
         return " | ".join([*parts, *doing, f"elapsed {_fmt_duration(elapsed_s)}"])
@@ -108,6 +115,8 @@ class Progress:
         self._last_draw = 0.0
         self._last_step_logged = -1
         self._width = 0
+        self.stalled: dict[str, float] = {}  # server -> seconds without an answer
+        self._stalled_logged: Any = set()
 
     def update(self) -> bool:
         """Fold new lines into the state; True if there was any."""
@@ -135,7 +144,7 @@ class Progress:
         if not self.enabled:
             return
         now = time.monotonic()
-        line = format_line(self.state, self.total_steps, now - self.t0)
+        line = format_line(self.state, self.total_steps, now - self.t0, self.stalled)
         if self.tty:
             if now - self._last_draw < self.min_interval_s:
                 return
@@ -147,7 +156,9 @@ class Progress:
             return
         step = int(self.state.get("step", 0))
         new_step = changed and step != self._last_step_logged
-        if new_step or now - self._last_draw >= self.log_interval_s:
+        new_stall = bool(self.stalled) and self.stalled.keys() != self._stalled_logged
+        self._stalled_logged = self.stalled.keys()
+        if new_step or new_stall or now - self._last_draw >= self.log_interval_s:
             self.stream.write(line + "\n")
             self.stream.flush()
             self._last_draw = now
@@ -156,6 +167,8 @@ class Progress:
     def close(self) -> None:
         self.update()
         if self.enabled and self.tty:
-            line = format_line(self.state, self.total_steps, time.monotonic() - self.t0)
+            line = format_line(
+                self.state, self.total_steps, time.monotonic() - self.t0, self.stalled
+            )
             self.stream.write("\r" + line + " " * max(0, self._width - len(line)) + "\n")
             self.stream.flush()

@@ -7,11 +7,15 @@ order, and the report is written), on Ctrl-C / SIGTERM, or when a process fails 
 (its last log lines are printed and the exit code is 1). Any process that dies is
 restarted, up to `run.max_restarts` times each: an inference server or Valkey (on its
 append-only file) whatever its exit code, the trainer (from its newest complete
-checkpoint) and the controller (at its data position) when they fail.
+checkpoint) and the controller (at its data position) when they fail. An inference
+server that stops answering its health probe for `run.hung_after_s` is killed and
+restarted the same way (`HungServers`). No process outlives the launcher, even one
+killed with SIGKILL (areal_hex/lifetime.py).
 
-Each start of a run directory is an attempt: `attempts/<n>/` keeps its events and
-summary; `events.json` lists every attempt and `summary.json` holds the ledger over all of
-them (areal_hex/launch/ledger.py).
+Each start of a run directory is an attempt: `attempts/<n>/` keeps its events (written
+as it goes, so a killed launcher's attempt counts too) and summary; `events.json` lists
+every attempt and `summary.json` holds the ledger over all of them
+(areal_hex/launch/ledger.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +211,58 @@ def run_ledger(cfg: ExperimentConfig) -> dict[str, Any]:
     return ledger_from_aof(valkey_dir, run_id, paths)
 
 
+class HungServers:
+    """Inference servers that stopped answering without dying (e.g. SIGSTOPped): a thread
+    probes each one's /health every `every_s` (with a timeout); one that answered since
+    its start and then stays silent for `run.hung_after_s` is killed, and the supervisor
+    starts it again as it would a dead one."""
+
+    def __init__(self, sup: Supervisor, cfg: ExperimentConfig, layout: Layout) -> None:
+        names = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
+        self.urls = dict(zip(names, cfg.inference.urls(), strict=False))
+        self.sup = sup
+        self.limit_s = cfg.run.hung_after_s
+        self.every_s = min(2.0, self.limit_s / 3)
+        self.last_ok: dict[tuple[str, int], float] = {}  # (name, pid) -> last answer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe_loop, daemon=True)
+        if self.urls:
+            self._thread.start()
+
+    def _probe_loop(self) -> None:
+        import httpx
+
+        while not self._stop.wait(self.every_s):
+            for name, url in self.urls.items():
+                pid = self.sup.pid(name)
+                try:
+                    ok = httpx.get(f"{url}/health", timeout=self.every_s).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok and pid is not None:
+                    self.last_ok[(name, pid)] = time.monotonic()
+
+    def check(self) -> dict[str, float]:
+        """{server: seconds without an answer} of the running servers silent for longer
+        than two probes; kills those silent for `hung_after_s`."""
+        stalled = {}
+        now = time.monotonic()
+        for name in self.urls:
+            pid = self.sup.pid(name)
+            last = self.last_ok.get((name, pid)) if pid is not None else None
+            if last is None or not self.sup.running(name):
+                continue  # starting (or dead: the supervisor's business)
+            silent = now - last
+            if silent > 2 * self.every_s + 1.0:
+                stalled[name] = silent
+            if silent > self.limit_s:
+                self.sup.kill(name, f"no answer to /health for {silent:.0f} s (hung)")
+        return stalled
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 # ---------------------------------------------------------------- the run
 def start_services(
     sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
@@ -249,24 +306,66 @@ def stop_services(
     return stats, ledger
 
 
-def write_events(run_dir: Path, sup: Supervisor, t_start: float, t_ready: float) -> int:
-    """This attempt's events into `attempts/<n>/events.json`, and every attempt's into
-    `events.json` (its top level: this attempt's). Returns n."""
+def begin_attempt(run_dir: Path) -> int:
+    """Number this start of the run directory (`attempts/<n>/`) before anything runs, so
+    that an attempt whose launcher is killed still counts."""
+    paths = RunPaths.at(run_dir)
+    done = paths.attempts()
+    n = (done[-1] + 1) if done else 1
+    paths.attempt(n).mkdir(parents=True, exist_ok=True)
+    return n
+
+
+def write_events(
+    run_dir: Path, sup: Supervisor, t_start: float, t_ready: float, n: int, ended: bool = True
+) -> None:
+    """Attempt n's events into `attempts/<n>/events.json`, and every attempt's into
+    `events.json` (its top level: this attempt's). Written as the attempt goes (`ended`
+    false: `t_end` is the time of the write), so a killed launcher leaves its attempt's
+    events up to its last write."""
     paths = RunPaths.at(run_dir)
     data = {
         "t_start": t_start,
         "t_services_ready": t_ready,
         "t_end": time.time(),
-        "events": [{"time": t, "process": n, "event": e} for t, n, e in sup.events],
-        "restarts": {n: m.restarts for n, m in sup.procs.items()},
+        "ended": ended,
+        "events": [{"time": t, "process": name, "event": e} for t, name, e in sup.events],
+        "restarts": {name: m.restarts for name, m in sup.procs.items()},
     }
-    done = paths.attempts()
-    n = (done[-1] + 1) if done else 1
-    paths.attempt(n).mkdir(parents=True, exist_ok=True)
-    (paths.attempt(n) / "events.json").write_text(json.dumps(data, indent=2))
-    every = [json.loads((paths.attempt(k) / "events.json").read_text()) for k in [*done, n]]
-    paths.events.write_text(json.dumps({**data, "attempt": n, "attempts": every}, indent=2))
-    return n
+    _write_json(paths.attempt(n) / "events.json", data)
+    every = []
+    for k in paths.attempts():
+        f = paths.attempt(k) / "events.json"
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            every.append(json.loads(f.read_text()))
+    _write_json(paths.events, {**data, "attempt": n, "attempts": every})
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)  # a launcher killed mid-write leaves the previous version
+
+
+class AttemptLog:
+    """Keeps the attempt's events file current while the run is watched (on each new
+    event, and every `every_s`)."""
+
+    def __init__(self, run_dir: Path, sup: Supervisor, t_start: float, n: int) -> None:
+        self.run_dir, self.sup, self.t_start, self.n = run_dir, sup, t_start, n
+        self.t_ready = t_start
+        self._seen = -1
+        self._last = 0.0
+
+    def tick(self, every_s: float = 5.0) -> None:
+        now = time.monotonic()
+        if len(self.sup.events) == self._seen and now - self._last < every_s:
+            return
+        self._seen, self._last = len(self.sup.events), now
+        write_events(self.run_dir, self.sup, self.t_start, self.t_ready, self.n, ended=False)
+
+    def end(self) -> None:
+        write_events(self.run_dir, self.sup, self.t_start, self.t_ready, self.n)
 
 
 def profile_first(
@@ -319,22 +418,23 @@ def execute(
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path, host)
-    t_start = time.time()
-    t_ready = t_start
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
+        attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
+        attempt.tick()
         try:
             start_services(sup, cfg, layout, specs)
         except LaunchError as exc:
             stop_services(sup, cfg, layout)
-            write_events(run_dir, sup, t_start, t_ready)
+            attempt.end()
             return RunResult(run_dir, Outcome("failed", None, None, str(exc)))
         except KeyboardInterrupt:
             stop_services(sup, cfg, layout)
-            write_events(run_dir, sup, t_start, t_ready)
+            attempt.end()
             return RunResult(run_dir, Outcome("interrupted"))
-        t_ready = time.time()
+        attempt.t_ready = time.time()
+        hung = HungServers(sup, cfg, layout)
         view = Progress(
             run_dir,
             cfg.trainer.total_steps,
@@ -343,15 +443,22 @@ def execute(
             mode=cfg.run.progress,
             services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
         )
-        outcome = sup.watch(on_tick=view.tick, timeout_s=timeout_s)
+
+        def tick() -> None:
+            view.stalled = hung.check()
+            view.tick()
+            attempt.tick()
+
+        outcome = sup.watch(on_tick=tick, timeout_s=timeout_s)
+        hung.close()
         view.close()
         try:
             stats, ledger = stop_services(sup, cfg, layout)
         except KeyboardInterrupt:
             sup.stop(timeout_s=2)
-        attempt = write_events(run_dir, sup, t_start, t_ready)
+        attempt.end()
     summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status, ledger=ledger)
-    attempt_dir = RunPaths.at(run_dir).attempt(attempt)
+    attempt_dir = RunPaths.at(run_dir).attempt(attempt.n)
     shutil.copyfile(RunPaths.at(run_dir).summary, attempt_dir / "summary.json")
     return RunResult(run_dir, outcome, summary)
 

@@ -4,10 +4,15 @@ restart, stop everything cleanly, and say which process failed and why.
 Each service runs in its own session (process group), so that stopping it also stops
 whatever it spawned (the DeepSpeed launcher's ranks, SGLang's workers) and a Ctrl-C on
 the terminal reaches only the supervisor, which then stops the services in order.
+
+No service outlives the supervisor's process, even one killed by SIGKILL: each child is
+started with a death signal and is told who its launcher is, so that every process of
+its group ends itself once the launcher is gone (areal_hex/lifetime.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from areal_hex import lifetime
 
 OnExit = Literal["fail", "restart", "finish"]
 
@@ -76,11 +83,16 @@ def tail_lines(path: Path, n: int = 30, max_bytes: int = 64_000) -> str:
     return "\n".join(data.splitlines()[-n:])
 
 
-def _set_affinity(cpus: set[int] | None) -> Callable[[], None] | None:
+def _pre_exec(cpus: set[int] | None) -> Callable[[], None] | None:
+    """In the child, between fork and exec: the death signal, and the CPU affinity
+    (inherited by its children)."""
+    die = lifetime.die_with_parent()
     if not cpus or not hasattr(os, "sched_setaffinity"):
-        return None
+        return die
 
-    def apply() -> None:  # in the child, between fork and exec: inherited by its children
+    def apply() -> None:
+        if die is not None:
+            die()
         os.sched_setaffinity(0, cpus)
 
     return apply
@@ -109,6 +121,50 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+LAUNCHER = "launcher"  # the supervisor's own entry in the pid file
+
+
+def live_processes(pid_file: Path, mark: str) -> dict[str, list[int]]:
+    """{name: live pids} of a pid file's processes that still run: every member of each
+    service's process group whose command line holds `mark` (the run directory: their
+    config is there), and the launcher if it is still an areal-hex process, so that a
+    reused pid is not taken for them."""
+    try:
+        pids: dict[str, int] = json.loads(pid_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out: dict[str, list[int]] = {}
+    for name, pid in pids.items():
+        if name == LAUNCHER:
+            cmd = lifetime.command(pid)
+            ours = cmd is not None and "areal" in cmd and pid != os.getpid()
+            if ours:
+                out[name] = [pid]
+            continue
+        members = lifetime.group_members(pid)
+        if any(mark in cmd for _, cmd in members):
+            out[name] = sorted(p for p, _ in members)
+    return out
+
+
+def stop_processes(live: dict[str, list[int]], timeout_s: float = 30.0) -> None:
+    """SIGTERM what `live_processes` found (the launcher first: it stops its services in
+    order), wait up to `timeout_s` for all of it to end, then SIGKILL what is left."""
+    order = sorted(live, key=lambda n: n != LAUNCHER)
+    for name in order:
+        for pid in live[name]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    left = [p for pids in live.values() for p in pids]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if lifetime.command(p) is not None]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class Supervisor:
     """Owns the processes it starts; `stop()` (or leaving the `with` block) ends them all."""
 
@@ -134,7 +190,7 @@ class Supervisor:
     def _spawn(self, m: Managed) -> None:
         spec = m.spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, lifetime.ENV: lifetime.token()}
         with open(spec.log_path, "ab") as log:
             log.write(f"\n=== start {spec.name}: {' '.join(spec.command)}\n".encode())
             log.flush()
@@ -146,7 +202,7 @@ class Supervisor:
                 env=env,
                 cwd=spec.cwd,
                 start_new_session=True,
-                preexec_fn=_set_affinity(spec.cpus),
+                preexec_fn=_pre_exec(spec.cpus),
             )
         m.started_at = time.monotonic()
         m.returncode = None
@@ -157,6 +213,7 @@ class Supervisor:
         if self.pid_file is None:
             return
         pids = {n: m.proc.pid for n, m in self.procs.items() if m.proc is not None}
+        pids[LAUNCHER] = os.getpid()
         tmp = self.pid_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(pids))
         tmp.replace(self.pid_file)
@@ -168,6 +225,16 @@ class Supervisor:
     def pid(self, name: str) -> int | None:
         m = self.procs.get(name)
         return m.proc.pid if m and m.proc else None
+
+    def kill(self, name: str, why: str) -> None:
+        """SIGKILL a process's group (e.g. hung); `check` then treats it as dead."""
+        m = self.procs.get(name)
+        if m is None or m.proc is None or m.proc.poll() is not None:
+            return
+        self.events.append((time.time(), name, f"killed: {why}"))
+        with open(m.spec.log_path, "ab") as log:
+            log.write(f"\n=== {name} killed by the supervisor: {why}\n".encode())
+        self._signal(m.proc, signal.SIGKILL)
 
     def tail(self, name: str, n: int = 30) -> str:
         return tail_lines(self.procs[name].spec.log_path, n)

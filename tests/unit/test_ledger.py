@@ -133,5 +133,8 @@ def test_chaos_plan_strikes_every_kind_once_at_distinct_steps() -> None:
     steps = [s for s, _ in plan]
     assert sorted(k for _, k in plan) == sorted(KINDS)
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
-    assert 2 <= steps[0] and steps[-1] <= 26  # the job runs before the first and after the last
+    # the early trainer kill comes after step 1, before the first checkpoint (step 3); the
+    # job runs before each of the others and after the last
+    assert plan[0] == (1, "trainer_early")
+    assert 4 <= steps[1] and steps[-1] <= 26
     assert fault_plan(list(KINDS), 30, seed=1) == plan != fault_plan(list(KINDS), 30, seed=2)
