@@ -5,10 +5,13 @@ Two mechanisms, because a launcher killed by SIGKILL runs no cleanup of its own:
   starts when the launcher dies (PR_SET_PDEATHSIG; it survives exec, so the DeepSpeed
   runner that `areal-hex train` execs carries it);
 - `tie_to_launcher()`, called by every service process (the CLI entry and each trainer
-  rank): a daemon thread checks the launcher named in `AREAL_HEX_LAUNCHER` and, once it
-  is gone, SIGKILLs the process's whole group (each service is a process group of its
-  own), which reaches what the death signal cannot: DeepSpeed's ranks, the controller's
-  reward workers, a Valkey started by `buffer serve`.
+  rank): it SIGKILLs the process's whole group (each service is a process group of its
+  own) once the launcher named in `AREAL_HEX_LAUNCHER` is gone, which reaches what the
+  death signal cannot: DeepSpeed's ranks, the controller's reward workers, a Valkey
+  started by `buffer serve`. Its own parent's death arrives as SIGHUP (replacing the
+  supervisor's SIGKILL, which would end it before it could end its group), and a
+  daemon thread also checks the launcher, for a death missed while the signal was
+  being set.
 
 The launcher is named by pid and start time (`/proc/<pid>/stat`), so a reused pid is
 not mistaken for it, and a zombie counts as gone.
@@ -77,17 +80,26 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     return hook
 
 
+def _end_group(*_: object) -> None:
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def tie_to_launcher(poll_s: float = 0.5) -> threading.Thread | None:
-    """With `AREAL_HEX_LAUNCHER` set: a daemon thread that SIGKILLs this process group
-    once the launcher is gone. None when no launcher is named (a standalone service)."""
+    """With `AREAL_HEX_LAUNCHER` set: this process group is SIGKILLed once the launcher
+    (or this process's parent) is gone. Returns the watching thread; None when no
+    launcher is named (a standalone service). Call from the main thread."""
     tok = os.environ.get(ENV)
     if not tok:
         return None
+    hook = die_with_parent(signal.SIGHUP)
+    if hook is not None:  # the parent's death: SIGHUP, which ends the group
+        signal.signal(signal.SIGHUP, _end_group)
+        hook()
 
     def watch() -> None:
         while alive(tok):
             time.sleep(poll_s)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        _end_group()
 
     t = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     t.start()

@@ -40,6 +40,7 @@ class FakeServer:
         self.version = 0
         self.down = False
         self.hang = False
+        self.stalled = False  # hung as a whole: not even /health answers
         self.paused = asyncio.Event()  # running requests end as aborted
         self.running = asyncio.Event()  # new tokens may be generated
         self.running.set()
@@ -133,6 +134,8 @@ class FakeServer:
         self.running.set()
 
     async def health(self) -> bool:
+        while self.stalled:
+            await asyncio.sleep(0.01)
         return not self.down
 
     async def server_info(self) -> dict[str, Any]:
@@ -157,6 +160,7 @@ class MemoryProducer:
         self.released = 0
         self.admitted = 0  # every admission ever made (the data position)
         self.given_back: Counter[str] = Counter()
+        self.dropped = 0  # groups the trainer dropped as stale (owed)
         self.max_over: int = 0  # most groups ever admitted beyond the bound (must stay 0)
         self._changed = asyncio.Condition()
         self._updates: asyncio.Queue[VersionUpdate] = asyncio.Queue()
@@ -190,7 +194,7 @@ class MemoryProducer:
 
     async def position(self) -> ProducerPosition:
         held = self.submitted - len(self.groups)
-        return ProducerPosition(self.admitted, held, dict(self.given_back))
+        return ProducerPosition(self.admitted, held, dict(self.given_back), self.dropped)
 
     async def publish(self, version: int, path: str) -> None:
         """The trainer's side (`WeightPublisher.set_version`), for the tests to drive."""

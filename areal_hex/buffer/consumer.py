@@ -218,7 +218,7 @@ class RedisTrajectoryConsumer:
         fresh: list[Item] = []
         stale: list[str] = []
         dead: list[tuple[str, str, bytes]] = []
-        now: list[int] = []  # the version read again, once, for a group newer than `v`
+        ceiling = v  # the newest version a group may have (read again once if passed)
         for entry_id, fields in entries:
             if not fields:
                 dead.append((entry_id, "entry deleted before it was acknowledged", b""))
@@ -233,9 +233,9 @@ class RedisTrajectoryConsumer:
             except DecodeError as exc:
                 dead.append((entry_id, str(exc), payload))
                 continue
-            if version > v and not now:
-                now.append(self.version())  # a publication since `v` was read
-            if version < v - self.cfg.max_staleness or version > max(v, *now):
+            if version > ceiling == v:
+                ceiling = max(v, self.version())  # a publication since `v` was read
+            if version < v - self.cfg.max_staleness or version > ceiling:
                 # older than the bound, or newer than the policy: made by weights a
                 # restarted trainer lost (it rolled back to an older version)
                 stale.append(entry_id)

@@ -217,11 +217,11 @@ class HungServers:
     its start and then stays silent for `run.hung_after_s` is killed, and the supervisor
     starts it again as it would a dead one."""
 
-    def __init__(self, sup: Supervisor, cfg: ExperimentConfig, layout: Layout) -> None:
-        names = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
-        self.urls = dict(zip(names, cfg.inference.urls(), strict=False))
+    def __init__(self, sup: Supervisor, urls: dict[str, str], limit_s: float) -> None:
+        """`urls`: {process name: base URL} of the servers; `limit_s`: run.hung_after_s."""
+        self.urls = urls
         self.sup = sup
-        self.limit_s = cfg.run.hung_after_s
+        self.limit_s = limit_s
         self.every_s = min(2.0, self.limit_s / 3)
         self.last_ok: dict[tuple[str, int], float] = {}  # (name, pid) -> last answer
         self._stop = threading.Event()
@@ -434,7 +434,9 @@ def execute(
             attempt.end()
             return RunResult(run_dir, Outcome("interrupted"))
         attempt.t_ready = time.time()
-        hung = HungServers(sup, cfg, layout)
+        servers = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
+        urls = dict(zip(servers, cfg.inference.urls(), strict=False))
+        hung = HungServers(sup, urls, cfg.run.hung_after_s)
         view = Progress(
             run_dir,
             cfg.trainer.total_steps,

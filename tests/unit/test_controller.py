@@ -159,6 +159,54 @@ async def test_dead_and_hung_servers_requests_finish_elsewhere(rewards, tmp_path
     assert h.failures_total >= 1 and h.last_error == "timeout"  # /health ok: re-probed up
 
 
+async def test_a_stalled_server_is_found_by_its_health_probe() -> None:
+    """Hung, not dead: /health does not answer. A healthy server is probed too, with a
+    timeout, and taken out as stalled; it comes back once it answers again."""
+    a, b = FakeServer("a"), FakeServer("b")
+    d = Dispatcher([a, b], probe_interval_s=0.05)
+    assert await d.probe_all() == 2
+    a.stalled = True
+    await d.check_live(timeout_s=0.1)
+    sa, sb = d.servers
+    assert not sa.healthy and "stalled: no answer to /health in 0.1 s" in sa.last_error
+    assert sb.healthy and d.pick() is sb
+    a.stalled = False
+    assert await d.probe_all() == 2
+
+
+@pytest.mark.timeout(60)
+async def test_groups_the_trainer_drops_are_owed_until_its_last_version(
+    rewards, tmp_path: Path
+) -> None:
+    """At its target the controller waits for the trainer's last version, making one
+    group for each the trainer dropped meanwhile (stale, or from lost weights)."""
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = RolloutController(
+        [FakeServer("a")],
+        producer,
+        _prompts(),
+        _decode,
+        RolloutConfig(group_size=2, max_new_tokens=16, probe_interval_s=0.05),
+        max_groups=4,
+        rewards=rewards,
+        final_version=1,
+    )
+    run = asyncio.create_task(ctl.run())
+    while len(producer.groups) < 4:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    assert not run.done() and len(producer.groups) == 4  # at its target, waiting
+    producer.dropped = 3
+    while len(producer.groups) < 7:
+        await asyncio.sleep(0.02)
+    await producer.publish(1, str(tmp_path / "v1"))
+    await asyncio.wait_for(run, timeout=20)
+    assert len(producer.groups) == 7 and producer.admitted == 7
+    # without a last version to wait for, the controller stops at its target
+    done = _controller([FakeServer("b")], MemoryProducer(100), rewards, tmp_path, max_groups=2)
+    await asyncio.wait_for(done.run(), timeout=20)
+
+
 @pytest.mark.timeout(60)
 async def test_recovered_server_gets_current_weights(rewards, tmp_path: Path) -> None:
     a, b = FakeServer("a"), FakeServer("b")
