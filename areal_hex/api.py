@@ -72,6 +72,9 @@ class VersionUpdate:
 
     version: int
     path: str
+    # Bumped by every restore (areal_hex/buffer/scripts.py RESTORE): a restore may bring
+    # the version back down, and (lineage, version) still only grows.
+    lineage: int = 0
 
 
 class TrajectoryProducer(Protocol):

@@ -120,6 +120,7 @@ class WeightSync:
         self.weights_dir = weights_dir
         self.pause_mode = "abort"
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
+        self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
         self.updates_total = 0
         self.update_s_total = 0.0
         self._lock = asyncio.Lock()
@@ -134,7 +135,7 @@ class WeightSync:
     async def follow(self) -> None:
         """(2) Follow version notifications; reload to the newest one. Versions published
         while a reload runs are coalesced: only the latest is loaded next."""
-        latest: list[tuple[int, str]] = []  # at most one pending (version, path)
+        latest: list[tuple[int, int, str]] = []  # at most one pending (lineage, version, path)
         wake = asyncio.Event()
 
         async def apply() -> None:
@@ -143,15 +144,16 @@ class WeightSync:
             while True:
                 await wake.wait()
                 wake.clear()
-                version, path = latest.pop()
-                if version > self.gate.version:
+                lineage, version, path = latest.pop()
+                if (lineage, version) > (self.lineage, self.gate.version):
+                    self.lineage = lineage  # a restore may go back to a lower version
                     await self.update(version, path)
 
         async def watch() -> None:
             async for upd in self.producer.watch_versions():
-                newest = latest[0][0] if latest else self.gate.version
-                if upd.version > newest:
-                    latest[:] = [(upd.version, upd.path)]
+                newest = latest[0][:2] if latest else (self.lineage, self.gate.version)
+                if (upd.lineage, upd.version) > newest:
+                    latest[:] = [(upd.lineage, upd.version, upd.path)]
                     wake.set()
 
         tasks = {asyncio.create_task(apply()), asyncio.create_task(watch())}

@@ -8,8 +8,8 @@ Delivery guarantees (one consumer group, `trainer`):
   and another consumer reclaims entries idle longer than `reclaim_idle_ms` (XAUTOCLAIM).
 - While the trainer holds delivered entries, a keepalive thread resets their idle time, so
   a slow step is not mistaken for a dead consumer.
-- Groups older than v - eta, or newer than v (their weights were lost to a trainer
-  restart that rolled the version back), are acknowledged, deleted and counted
+- Groups older than v - eta, or with a token newer than v (its weights were lost to a
+  trainer restart that rolled the version back), are acknowledged, deleted and counted
   (`<run>:dropped_stale`) and handed back to the gate;
   malformed entries go to `<run>:dead` with the reason and raw payload (`<run>:dead_count`).
 """
@@ -80,9 +80,12 @@ class RedisWeightPublisher:
         self.keys = BufferKeys(run_id)
         self.cfg = cfg
         self._restore = client.register_script(scripts.RESTORE)
+        self.lineage = int(client.get(self.keys.lineage) or 0)
 
     def set_version(self, version: int, weights_path: str) -> None:
-        msg = json.dumps({"version": int(version), "path": str(weights_path)})
+        msg = json.dumps(
+            {"version": int(version), "path": str(weights_path), "lineage": self.lineage}
+        )
         pipe = self.r.pipeline(transaction=True)
         pipe.set(self.keys.version, int(version))
         pipe.set(self.keys.weights_path, str(weights_path))
@@ -94,12 +97,14 @@ class RedisWeightPublisher:
         recompute the admission count from durable state (acked + dropped + dead-lettered +
         in the stream + held by live producers, at least version * B: a fresh Redis would
         otherwise let the gate open wider than the bound); the data position is raised to
-        at least `position`. Returns the admission count."""
+        at least `position`, and a new lineage begins (the controllers follow the
+        restored version even if it is lower). Returns the admission count."""
         k = self.keys
         keys = [k.version, k.weights_path, k.submitted, k.leases, k.given_back("reclaimed")]
-        keys += [k.acked, k.dropped_stale, k.dead_count, k.traj, k.admitted]
+        keys += [k.acked, k.dropped_stale, k.dead_count, k.traj, k.admitted, k.lineage]
         args = [int(version), str(weights_path), self.cfg.groups_per_step, k.lease("")]
-        count, _ = self._restore(keys=keys, args=[*args, int(position)])
+        count, _, lineage = self._restore(keys=keys, args=[*args, int(position)])
+        self.lineage = int(lineage)
         return int(count)
 
     def position(self) -> int:
@@ -233,9 +238,13 @@ class RedisTrajectoryConsumer:
             except DecodeError as exc:
                 dead.append((entry_id, str(exc), payload))
                 continue
-            if version > ceiling == v:
+            newest = max(
+                (int(c.versions.max()) for c in group.completions if c.versions.size),
+                default=version,
+            )
+            if newest > ceiling == v:
                 ceiling = max(v, self.version())  # a publication since `v` was read
-            if version < v - self.cfg.max_staleness or version > ceiling:
+            if version < v - self.cfg.max_staleness or newest > ceiling:
                 # older than the bound, or newer than the policy: made by weights a
                 # restarted trainer lost (it rolled back to an older version)
                 stale.append(entry_id)

@@ -63,8 +63,12 @@ class BufferKeys:
         return self._k("dead_count")
 
     @property
-    def dropped_stale(self) -> str:  # groups dropped for being older than v - eta
+    def dropped_stale(self) -> str:  # groups dropped: older than v - eta, or newer than v
         return self._k("dropped_stale")
+
+    @property
+    def lineage(self) -> str:  # restores so far: a version after one may be lower
+        return self._k("lineage")
 
     @property
     def acked(self) -> str:  # groups acknowledged (trained) in total

@@ -35,7 +35,8 @@ from areal_hex.record import GroupRecord
 def _parse_update(data: bytes | str) -> VersionUpdate | None:
     try:
         msg = json.loads(data)
-        return VersionUpdate(int(msg["version"]), str(msg.get("path") or ""))
+        lineage = int(msg.get("lineage", 0))
+        return VersionUpdate(int(msg["version"]), str(msg.get("path") or ""), lineage)
     except (ValueError, KeyError, TypeError):
         return None  # a foreign message on our channel: the poll fallback still applies
 
@@ -234,24 +235,30 @@ class RedisTrajectoryProducer:
         return int(await self.r.get(self.keys.version) or 0)
 
     async def current(self) -> VersionUpdate:
-        v, path = await self.r.mget(self.keys.version, self.keys.weights_path)
-        return VersionUpdate(int(v or 0), (path or b"").decode())
+        v, path, lineage = await self.r.mget(
+            self.keys.version, self.keys.weights_path, self.keys.lineage
+        )
+        return VersionUpdate(int(v or 0), (path or b"").decode(), int(lineage or 0))
 
     async def watch_versions(
         self, include_current: bool = True, poll_s: float = 1.0
     ) -> AsyncIterator[VersionUpdate]:
-        """Yield each newer policy version (increasing), from pub/sub with a poll fallback
-        (a missed message is found by reading the version key). With `include_current`, the
-        version at subscription time comes first. A lost connection is retried every
-        `poll_s` seconds; the iterator only ends when the caller stops it."""
-        last = -1 if include_current else (await self.current()).version
+        """Yield each newer policy version ((lineage, version) increasing: a restore may
+        bring the version down), from pub/sub with a poll fallback (a missed message is
+        found by reading the version key). With `include_current`, the version at
+        subscription time comes first. A lost connection is retried every `poll_s`
+        seconds; the iterator only ends when the caller stops it."""
+        last = (-1, -1)
+        if not include_current:
+            now = await self.current()
+            last = (now.lineage, now.version)
         while True:
             pubsub = self.r.pubsub()
             try:
                 await pubsub.subscribe(self.keys.weights_channel)
                 async for upd in self._updates(pubsub, poll_s):
-                    if upd.version > last:
-                        last = upd.version
+                    if (upd.lineage, upd.version) > last:
+                        last = (upd.lineage, upd.version)
                         yield upd
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 await asyncio.sleep(poll_s)  # Redis restarting: resubscribe, re-read the key

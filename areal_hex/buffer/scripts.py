@@ -139,9 +139,11 @@ return n
 # ones are reclaimed first). It is also raised to at least version * B (a server that
 # lost its data must not open the gate wider than the bound), and the data position to
 # at least the checkpoint's.
+# The lineage is bumped: versions published from now on follow the restored one, even
+# when it is lower than what was published before (a trainer that lost its newest).
 # KEYS: version, weights_path, submitted, leases, reclaimed, acked, dropped_stale,
-# dead_count, traj, admitted.  ARGV: version, path, B, heartbeat key prefix, position.
-# Returns {submitted, the count it replaced}.
+# dead_count, traj, admitted, lineage.  ARGV: version, path, B, heartbeat key prefix,
+# position.  Returns {submitted, the count it replaced, lineage}.
 RESTORE = (
     _RECLAIM
     + """
@@ -160,7 +162,7 @@ local pos = tonumber(redis.call('GET', KEYS[10]) or '0')
 if pos < tonumber(ARGV[5]) then
   redis.call('SET', KEYS[10], ARGV[5])
 end
-return {count, before}
+return {count, before, redis.call('INCR', KEYS[11])}
 """
 )
 

@@ -5,6 +5,7 @@ never trained into the fresh model), and one Valkey serves a data directory at a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from areal_hex.buffer import EmbeddedValkey, RedisTrajectoryProducer
+from areal_hex.buffer import EmbeddedValkey, RedisTrajectoryProducer, RedisWeightPublisher
 from areal_hex.buffer.embedded import EmbeddedServerError, RedisEndpoint
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config import BufferConfig, RedisConfig, TrainerConfig
@@ -168,3 +169,37 @@ def test_one_valkey_per_data_directory(tmp_path: Path) -> None:
         except EmbeddedServerError:
             assert time.monotonic() < deadline
             time.sleep(0.2)
+
+
+def test_controllers_follow_a_restore_to_a_lower_version() -> None:
+    """A restore starts a new lineage: its version is followed though lower than what was
+    published before, and a late message of the old lineage is not."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    cfg = BufferConfig(groups_per_step=2)
+    with EmbeddedValkey(appendonly=False) as server:
+        endpoint = RedisEndpoint(server.url)
+        old = RedisWeightPublisher(endpoint.sync_client(), run_id, cfg)
+        old.set_version(3, "/w/v3")
+
+        async def follow() -> list[tuple[int, int]]:
+            p = RedisTrajectoryProducer(endpoint.async_client(), run_id, cfg)
+            seen: list[tuple[int, int]] = []
+            try:
+                async for upd in p.watch_versions(poll_s=0.1):
+                    seen.append((upd.lineage, upd.version))
+                    if len(seen) == 1:  # the restored trainer: back to v0
+                        new = RedisWeightPublisher(endpoint.sync_client(), run_id, cfg)
+                        new.restore(0, "/w/v0")
+                        new.set_version(0, "/w/v0")
+                    if len(seen) == 2:
+                        # a message of the dead trainer's, delivered late, then v1
+                        late = {"version": 4, "path": "/w/v4", "lineage": old.lineage}
+                        old.r.publish(BufferKeys(run_id).weights_channel, json.dumps(late))
+                        new.set_version(1, "/w/v1")
+                    if len(seen) == 3:
+                        return seen
+            finally:
+                await p.aclose()
+            return seen
+
+        assert asyncio.run(asyncio.wait_for(follow(), 20)) == [(0, 3), (1, 0), (1, 1)]
