@@ -182,11 +182,12 @@ class Dispatcher:
 
         async def one(server: ServerState) -> None:
             try:
-                ok = await asyncio.wait_for(server.client.health(), timeout=timeout_s)
+                await asyncio.wait_for(server.client.health(), timeout=timeout_s)
+            except asyncio.TimeoutError:  # an error is a request's to find (and retry)
+                if server.healthy:
+                    self.mark_unhealthy(server, f"stalled: no answer to /health in {timeout_s:g} s")
             except SERVER_ERRORS:
-                ok = False
-            if not ok and server.healthy:
-                self.mark_unhealthy(server, f"stalled: no answer to /health in {timeout_s:g} s")
+                pass
 
         await asyncio.gather(*[one(s) for s in self.servers if s.healthy])
 
@@ -215,7 +216,9 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.probe_interval_s)
             await self.probe_all()
-            await self.check_live(timeout_s=max(5.0, 2 * self.probe_interval_s))
+            # as long as a probe of an unhealthy server may take: a busy server on a
+            # loaded machine answers late, a hung one never
+            await self.check_live(timeout_s=max(10.0, 2 * self.probe_interval_s))
 
     async def aclose(self) -> None:
         for t in list(self._probes):
