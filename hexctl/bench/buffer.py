@@ -110,7 +110,7 @@ class OurPath:
         run_id = f"bench-{uuid.uuid4().hex[:8]}"
         from areal_hex.buffer.consumer import RedisTrajectoryConsumer
         from areal_hex.buffer.producer import RedisTrajectoryProducer
-        from areal_hex.config.redis import BufferConfig
+        from areal_hex.config.buffer import BufferConfig
 
         cfg = BufferConfig(groups_per_step=batch, max_pending=total + 1)
         self.batch = batch

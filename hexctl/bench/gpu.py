@@ -151,8 +151,7 @@ def _train(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, Any], A
 
     from areal_hex.config import AlgoConfig, TrainerConfig
     from areal_hex.models import load_model
-    from hexctl.profile.local import init_single_rank
-    from trainer_service.engine import build_engine
+    from trainer_service.engine import build_engine, init_single_rank
     from trainer_service.publish import full_state_dict
     from trainer_service.step import StepContext, optimize
     from trainer_service.synthetic import synthetic_groups

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from areal_hex.net import WaitAborted, async_wait_until, free_port
+from hexctl.job.processes import stop_process
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {},  # TinyModelConfig defaults
@@ -173,17 +174,8 @@ def _server_rounds(
                     if attempt == 2:
                         raise RuntimeError(f"bench server did not start:\n{tail}") from None
                 finally:
-                    _stop(proc)
+                    stop_process(proc)
     raise AssertionError("not reached")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _root() -> str:

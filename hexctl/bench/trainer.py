@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from trainer_service.engine import init_single_rank
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,19 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--publish-repeats", type=int, default=9)
-
-
-def _init_single_rank() -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                 "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():  # fmt: skip
-        os.environ.setdefault(k, v)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def _torch_step(model: Any, opt: Any, ctx: Any, groups: list, clip: float) -> None:
@@ -168,7 +155,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import ModelConfig, TinyModelConfig
     from areal_hex.models import materialize
 
-    _init_single_rank()
+    init_single_rank()
     tiny = TinyModelConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -24,6 +25,7 @@ from hexctl.deploy.names import service_name, slug
 from hexctl.deploy.output import SECRETS
 from hexctl.job.deploy_config import DeployConfig, NodeMatch
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, build_layout
+from hexctl.job.plan_config import project_plan
 
 CONFIG_DIR = "/etc/areal-hex"  # the ConfigMap (config.yaml, plan.yaml)
 SECRETS_DIR = "/run/secrets/areal-hex"  # the Secret's files (k8s); compose: /run/secrets
@@ -169,7 +171,10 @@ def resolve_config(
     """The config every deployed service loads: run dir on the shared volume, Redis at its
     service address, sizes from the plan; passwords and tokens removed (they reach the
     processes from the Secret at start, see `hexctl.runtime.entry`)."""
-    data = cfg.model_dump(mode="json")
+    planned = project_plan(cfg, plan, "cluster")
+    for line in planned.changes:
+        print(f"areal-hex deploy: {line}", file=sys.stderr)
+    data = planned.config.model_dump(mode="json")
     rid = run_id(cfg, plan)
     data["run"].update(run_id=rid, output_dir=f"{dcfg.storage.mount_path}/runs")
     if dcfg.redis.mode == "internal":
@@ -189,17 +194,11 @@ def resolve_config(
     # route off the host, or the pod network behind NetworkPolicies); the controller
     # reaches each by its service name.
     inf.update(
-        num_servers=len(plan.rollout),
         api_key=None,
         host="0.0.0.0",
         weights_dir=f"{dcfg.storage.mount_path}/runs/{rid}/weights",
     )
     inf["server_urls"] = server_urls  # the controller reaches server i there
-    # num_ranks is per node (the launcher on each node starts that many ranks).
-    t = plan.trainer
-    data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
-    if t.rank_speeds is not None:  # across GPU kinds: each rank's share of a step
-        data["trainer"]["rank_speeds"] = list(t.rank_speeds)
     data["trainer"]["master_port"] = dcfg.master_port
     # Prometheus scrapes a fixed port (a free one, 0, cannot be announced).
     if not data["trainer"].get("metrics_port"):

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section, build, read_yaml
+from areal_hex.config.redis import check_redis_url
 
 SLURM_SIZE = r"^[0-9]+[KMGT]?$"  # --mem: 64G, 512M, 2048 (MB)
 SLURM_TIME = r"^([0-9]+-)?[0-9]+(:[0-9]{2}){0,2}$"  # --time: 30, 4:00:00, 2-00:00:00
@@ -51,9 +52,7 @@ class SiteRedis(Section):
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://")):
-            raise ValueError("expected a redis:// or rediss:// URL")
-        return v
+        return check_redis_url(v)
 
 
 class SiteConfig(Section):

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from areal_hex.config.base import Section
+from areal_hex.config.redis import check_redis_url
 
 # RFC 1123 label: what Kubernetes accepts for namespaces; Service names also need a
 # leading letter (RFC 1035), and every object name starts with `name`.
@@ -106,9 +107,7 @@ class RedisDeployConfig(Section):
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://")):
-            raise ValueError("expected a redis:// or rediss:// URL")
-        return v
+        return check_redis_url(v)
 
 
 class StorageConfig(Section):

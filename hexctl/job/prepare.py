@@ -16,6 +16,7 @@ from areal_hex.errors import UsageError
 from areal_hex.net import free_port, free_port_block, port_free
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
+from hexctl.job.plan_config import project_plan
 from hexctl.job.warm_start import sft_texts
 
 
@@ -120,27 +121,17 @@ def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
     return cfg
 
 
-def apply_plan(cfg: ExperimentConfig, plan: Plan | None) -> ExperimentConfig:
-    """Size the local job as planned: one server per planned instance, the trainer's
-    ranks and ZeRO stage (a planned local run is a single-node one), and for a trainer
-    across GPU kinds the ranks' speeds (`trainer.rank_speeds`)."""
+def apply_plan(
+    cfg: ExperimentConfig, plan: Plan | None, say: Callable[[str], None] | None = None
+) -> ExperimentConfig:
+    """Size the local job as planned (`hexctl.job.plan_config.project_plan`: a planned
+    local run is a single-node one); `say` hears each key the plan changed."""
     if plan is None:
         return cfg
-    cfg = cfg.model_copy(deep=True)
-    cfg.inference.num_servers = len(plan.rollout)
-    cfg.trainer.num_ranks = max(len(p.gpu_ids) for p in plan.trainer.placements)
-    cfg.trainer.zero_stage = plan.trainer.zero_stage
-    if plan.trainer.rank_speeds is not None:
-        cfg.trainer.rank_speeds = local_rank_speeds(plan.trainer.rank_speeds, cfg.trainer.num_ranks)
-    return cfg
-
-
-def local_rank_speeds(planned: list[float], ranks: int) -> list[float]:
-    """Speeds for the `ranks` ranks a local run starts out of the plan's: the middle rank
-    of each of `ranks` equal slices of the planned ranks, so that one node's worth of
-    ranks keeps the plan's mix of GPU kinds (all of them when the counts agree)."""
-    n = len(planned)
-    return [planned[(2 * r + 1) * n // (2 * ranks)] for r in range(ranks)]
+    planned = project_plan(cfg, plan, "local")
+    for line in planned.changes:
+        (say or _to_stderr)(line)
+    return planned.config
 
 
 def default_run_id(cfg: ExperimentConfig) -> str:
@@ -197,7 +188,7 @@ def prepare_run(
     """Resolve `cfg` for a local run and write the run directory. Returns the resolved
     config and the path of its `config.yaml`. A config that already names its run (a
     resume) keeps its run directory, weights v0, checkpoints and Valkey data."""
-    cfg = apply_plan(apply_mode(cfg, mode), plan)
+    cfg = apply_plan(apply_mode(cfg, mode), plan, say)
     if cfg.run.run_id is None:
         cfg.run.run_id = default_run_id(cfg)
     run_dir = cfg.run.run_dir().resolve()

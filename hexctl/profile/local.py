@@ -46,6 +46,7 @@ import yaml
 from areal_hex.config import ExperimentConfig
 from areal_hex.gc_freeze import freeze_startup
 from hexctl.job.predict import LocalProfileFiles
+from hexctl.job.processes import stop_process
 from hexctl.profile.controller import (
     LOCAL_GROUP,
     composed_rate,
@@ -154,12 +155,7 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
         try:
             yield f"http://127.0.0.1:{port}", proc.pid
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 class _Driver:
@@ -308,25 +304,13 @@ def _measure_training(
     import torch.distributed as dist
 
     with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
+        from trainer_service.engine import init_single_rank
+
         init_single_rank(dev.device)
         try:
             return _train_rate(cfg, model_dir, dev, prompt_len, response)
         finally:
             dist.destroy_process_group()
-
-
-def init_single_rank(device: str) -> None:
-    if device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                 "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():  # fmt: skip
-        os.environ[k] = v
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
 
 
 def _train_rate(

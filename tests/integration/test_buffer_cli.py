@@ -22,7 +22,8 @@ from areal_hex.buffer import (
 )
 from areal_hex.buffer.embedded import redact
 from areal_hex.buffer.keys import BufferKeys
-from areal_hex.config.redis import BufferConfig, RedisConfig
+from areal_hex.config.buffer import BufferConfig
+from areal_hex.config.redis import RedisConfig
 from areal_hex.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]

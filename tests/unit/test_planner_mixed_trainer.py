@@ -14,8 +14,9 @@ import yaml
 from areal_hex.config import ConfigError, load_config
 from areal_hex.plan import PlanSources, load_plan, save_plan
 from hexctl.cli import main
+from hexctl.job.plan_config import subsample_rank_speeds
 from hexctl.job.predict import predict_run
-from hexctl.job.prepare import apply_plan, local_rank_speeds
+from hexctl.job.prepare import apply_plan
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
 from scheduler.milp import solve, solve_per_kind
 from scheduler.model_shape import load_model_shape
@@ -197,12 +198,12 @@ def test_run_sets_rank_speeds_from_the_plan(planned, tmp_path) -> None:
     run = apply_plan(cfg, plan)
     speeds = plan.trainer.rank_speeds
     assert speeds is not None and run.trainer.num_ranks == 8
-    assert run.trainer.rank_speeds == local_rank_speeds(speeds, 8)
+    assert run.trainer.rank_speeds == subsample_rank_speeds(speeds, 8)
     # one node's worth of ranks keeps the plan's mix of kinds (16 H800 of the ranks)
     fast, slow = max(speeds), min(speeds)
     assert speeds.count(fast) == 16 and set(run.trainer.rank_speeds) == {fast, slow}
     assert abs(run.trainer.rank_speeds.count(fast) - 8 * 16 / len(speeds)) <= 0.5
-    assert local_rank_speeds(speeds, len(speeds)) == speeds
+    assert subsample_rank_speeds(speeds, len(speeds)) == speeds
     # the run's prediction prices the same trainer across kinds
     w = planned[2]
     plan = plan.model_copy(update={"sources": PlanSources(cluster=str(MIXED), workload=str(LONG))})
