@@ -176,7 +176,7 @@ def strike(kind: str, run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
 def survivors(run_dir: Path, timeout_s: float) -> dict[str, list[int]]:
     """Processes of the run still alive `timeout_s` after its launcher died (or none,
     as soon as they are all gone)."""
-    from areal_hex.launch.supervisor import live_processes
+    from hexctl.launch.supervisor import live_processes
 
     def left() -> dict[str, list[int]]:
         return live_processes(run_dir / "pids.json", f"{run_dir.name}/")

@@ -76,8 +76,8 @@ def _check_alone(run_dir: Path, force: bool) -> None:
     """A run directory is served by one launcher at a time: processes of an earlier one
     still alive (a launcher killed with SIGKILL, whose services have not ended yet) are
     refused, naming them, or with `--force` stopped first."""
-    from areal_hex.cli import UsageError
-    from areal_hex.launch.supervisor import live_processes, stop_processes
+    from hexctl.cli import UsageError
+    from hexctl.launch.supervisor import live_processes, stop_processes
 
     # services name their config, `<run_id>/config.yaml`, on their command lines
     live = live_processes(run_dir / "pids.json", f"{run_dir.name}/")

@@ -25,9 +25,9 @@ from areal_hex.buffer.embedded import EmbeddedServerError, RedisEndpoint
 from areal_hex.buffer.keys import BufferKeys
 from areal_hex.config import BufferConfig, RedisConfig, TrainerConfig
 from areal_hex.config.algo import AlgoConfig
-from areal_hex.launch.ledger import read_ledger
 from areal_hex.record import Completion, GroupRecord
 from areal_hex.run_files import RunPaths
+from hexctl.report.ledger import read_ledger
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.sources import BufferSource
 

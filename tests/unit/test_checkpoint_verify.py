@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hex.launch.ledger import trained_twice
+from hexctl.report.ledger import trained_twice
 from trainer_service.checkpoint import (
     MANIFEST_KEY,
     MARKER,

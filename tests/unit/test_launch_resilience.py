@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from areal_hex.launch.ledger import summary_fields
-from areal_hex.launch.progress import format_line
-from areal_hex.launch.run import AttemptLog, HungServers, begin_attempt
-from areal_hex.launch.supervisor import ProcessSpec, Supervisor
 from areal_hex.run_files import RunPaths
+from hexctl.launch.progress import format_line
+from hexctl.launch.run import AttemptLog, HungServers, begin_attempt
+from hexctl.launch.supervisor import ProcessSpec, Supervisor
+from hexctl.report.ledger import summary_fields
 
 # A server with a /health that answers 200 (a stand-in for an inference server's).
 HEALTH = """

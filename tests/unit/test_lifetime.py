@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from areal_hex import lifetime
-from areal_hex.cli.run_cmd import _check_alone
 from areal_hex.errors import UsageError
-from areal_hex.launch.supervisor import live_processes
+from hexctl.cli.run_cmd import _check_alone
+from hexctl.launch.supervisor import live_processes
 
 # A service of the run: tied to its launcher, with a child of its own (as the DeepSpeed
 # launcher has ranks and `buffer serve` a valkey-server).
@@ -28,7 +28,7 @@ SERVICE = (
 LAUNCHER = f"""
 import sys, time
 from pathlib import Path
-from areal_hex.launch.supervisor import ProcessSpec, Supervisor
+from hexctl.launch.supervisor import ProcessSpec, Supervisor
 run = Path(sys.argv[1])
 sup = Supervisor(pid_file=run / "pids.json")
 cmd = [sys.executable, "-c", {SERVICE!r}, str(run / "config.yaml")]
