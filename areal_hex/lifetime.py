@@ -5,13 +5,14 @@ Two mechanisms, because a launcher killed by SIGKILL runs no cleanup of its own:
   starts when the launcher dies (PR_SET_PDEATHSIG; it survives exec, so the DeepSpeed
   runner that `areal-hex train` execs carries it);
 - `tie_to_launcher()`, called by every service process (the CLI entry and each trainer
-  rank): it SIGKILLs the process's whole group (each service is a process group of its
-  own) once the launcher named in `AREAL_HEX_LAUNCHER` is gone, which reaches what the
-  death signal cannot: DeepSpeed's ranks, the controller's reward workers, a Valkey
-  started by `buffer serve`. Its own parent's death arrives as SIGHUP (replacing the
-  supervisor's SIGKILL, which would end it before it could end its group), and a
-  daemon thread also checks the launcher, for a death missed while the signal was
-  being set.
+  rank): once the launcher named in `AREAL_HEX_LAUNCHER` is gone, it SIGKILLs every
+  process group of the run (`AREAL_HEX_PIDS`, the launcher's pid file: each service is
+  a process group of its own), its own last. That reaches what the death signal cannot:
+  DeepSpeed's ranks, the controller's reward workers, a Valkey started by `buffer
+  serve`, and a service that is stopped (SIGSTOP: it cannot act, but SIGKILL ends it).
+  Its own parent's death arrives as SIGHUP (replacing the supervisor's SIGKILL, which
+  would end it before it could act), and a daemon thread also checks the launcher, for
+  a death missed while the signal was being set.
 
 The launcher is named by pid and start time (`/proc/<pid>/stat`), so a reused pid is
 not mistaken for it, and a zombie counts as gone.
@@ -19,7 +20,9 @@ not mistaken for it, and a zombie counts as gone.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ENV = "AREAL_HEX_LAUNCHER"  # "<pid>:<start time>" of the launcher of this process
+PIDS_ENV = "AREAL_HEX_PIDS"  # the launcher's pid file: {service: its process group}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -80,26 +84,42 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     return hook
 
 
-def _end_group(*_: object) -> None:
+def _end_run(*_: object) -> None:
+    """SIGKILL the run's other service groups (those whose processes name the run
+    directory, so a reused pid is spared), then this process's own group."""
+    pid_file = os.environ.get(PIDS_ENV)
+    if pid_file:
+        mark = f"{Path(pid_file).parent.name}/"
+        try:
+            groups = json.loads(Path(pid_file).read_text())
+        except (OSError, ValueError):
+            groups = {}
+        for name, pgid in groups.items():
+            if name == "launcher" or pgid == os.getpgrp():
+                continue
+            if any(mark in cmd for _, cmd in group_members(int(pgid))):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(int(pgid), signal.SIGKILL)
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def tie_to_launcher(poll_s: float = 0.5) -> threading.Thread | None:
-    """With `AREAL_HEX_LAUNCHER` set: this process group is SIGKILLed once the launcher
-    (or this process's parent) is gone. Returns the watching thread; None when no
-    launcher is named (a standalone service). Call from the main thread."""
+    """With `AREAL_HEX_LAUNCHER` set: the run's process groups, this one's last, are
+    SIGKILLed once the launcher (or this process's parent) is gone. Returns the watching
+    thread; None when no launcher is named (a standalone service). Call from the main
+    thread."""
     tok = os.environ.get(ENV)
     if not tok:
         return None
     hook = die_with_parent(signal.SIGHUP)
     if hook is not None:  # the parent's death: SIGHUP, which ends the group
-        signal.signal(signal.SIGHUP, _end_group)
+        signal.signal(signal.SIGHUP, _end_run)
         hook()
 
     def watch() -> None:
         while alive(tok):
             time.sleep(poll_s)
-        _end_group()
+        _end_run()
 
     t = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     t.start()

@@ -312,9 +312,11 @@ class Job:
                 fault["survivors"] = left
             since = time.time()
             self.launcher = start_launcher(["--resume", str(self.run_dir)], self.log)
-        fault["recovered"] = wait_for(
-            lambda: any(r.time > since for r in steps_done(self.run_dir)), self.left_s()
-        )
+
+        def recovered() -> bool:  # the struck process back, and a step done since
+            return self.restarted(kind, t) and any(r.time > since for r in steps_done(self.run_dir))
+
+        fault["recovered"] = wait_for(recovered, self.left_s())
         later = [r for r in steps_done(self.run_dir) if r.time > since]
         fault["no_step_s"] = (later[0].time - t) if later else None
         fault["next_step"] = later[0].step if later else None
@@ -326,6 +328,16 @@ class Job:
         fault["trained_twice"] = led.get("trained_twice") if led else None
         fault["t"] = t
         return fault
+
+    def restarted(self, kind: str, t: float) -> bool:
+        """Was the struck process started again (a hung server: replaced) since `t`? (the
+        launcher's faults: the resumed attempt is started by this bench)"""
+        if kind in ("launcher", "launcher_kill"):
+            return True
+        try:
+            return restarts_of(self.run_dir, kind, t)[0] >= 1
+        except (OSError, ValueError, KeyError):  # events.json being replaced
+            return False
 
     def finish(self) -> int:
         try:

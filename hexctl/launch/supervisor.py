@@ -191,6 +191,8 @@ class Supervisor:
         spec = m.spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **spec.env, lifetime.ENV: lifetime.token()}
+        if self.pid_file is not None:  # a service left alone ends the others too
+            env[lifetime.PIDS_ENV] = str(self.pid_file.resolve())
         with open(spec.log_path, "ab") as log:
             log.write(f"\n=== start {spec.name}: {' '.join(spec.command)}\n".encode())
             log.flush()

@@ -34,6 +34,7 @@ sup = Supervisor(pid_file=run / "pids.json")
 cmd = [sys.executable, "-c", {SERVICE!r}, str(run / "config.yaml")]
 sup.start(ProcessSpec("svc", cmd, run / "logs" / "svc.log"))
 sup.start(ProcessSpec("bare", ["sleep", "62"], run / "logs" / "bare.log"))  # no tie
+sup.start(ProcessSpec("frozen", cmd, run / "logs" / "frozen.log"))  # to be SIGSTOPped
 time.sleep(60)
 """
 
@@ -60,7 +61,8 @@ def run(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes], dict[st
             pids = json.loads((run_dir / "pids.json").read_text())
         except (OSError, json.JSONDecodeError):
             return False
-        return len(pids) == 3 and len(lifetime.group_members(pids["svc"])) == 2
+        groups = [lifetime.group_members(pids.get(n, -1)) for n in ("svc", "frozen")]
+        return len(pids) == 4 and all(len(g) == 2 for g in groups)
 
     try:
         assert _wait(started, 20), "the services did not start"
@@ -70,7 +72,7 @@ def run(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes], dict[st
             launcher.kill()
         launcher.wait()
         pids = json.loads((run_dir / "pids.json").read_text())
-        for name in ("svc", "bare"):
+        for name in ("svc", "bare", "frozen"):
             try:
                 os.killpg(pids[name], signal.SIGKILL)
             except ProcessLookupError:
@@ -78,12 +80,15 @@ def run(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes], dict[st
 
 
 def test_every_process_dies_with_a_sigkilled_launcher(run) -> None:
+    """A stopped service cannot act on its launcher's death: the others end it."""
     run_dir, launcher, pids = run
     svc = [p for p, _ in lifetime.group_members(pids["svc"])]
+    frozen = [p for p, _ in lifetime.group_members(pids["frozen"])]
     assert len(svc) == 2 and lifetime.command(pids["bare"]) is not None
+    os.killpg(pids["frozen"], signal.SIGSTOP)
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    everyone = [*svc, pids["bare"]]
+    everyone = [*svc, *frozen, pids["bare"]]
     assert _wait(lambda: all(lifetime.command(p) is None for p in everyone), 10), [
         (p, lifetime.command(p)) for p in everyone
     ]
@@ -97,6 +102,7 @@ def test_resume_refuses_while_processes_of_the_run_live(run) -> None:
     assert live["launcher"] == [launcher.pid]
     assert sorted(live["svc"]) == sorted(p for p, _ in lifetime.group_members(pids["svc"]))
     assert "bare" not in live  # its command line does not name the run: not taken for it
+    assert len(live["frozen"]) == 2
     with pytest.raises(UsageError) as err:
         _check_alone(run_dir, force=False)
     msg = str(err.value)
