@@ -223,7 +223,7 @@ class RedisTrajectoryConsumer:
         fresh: list[Item] = []
         stale: list[str] = []
         dead: list[tuple[str, str, bytes]] = []
-        ceiling = v  # the newest version a group may have (read again once if passed)
+        ceiling: float = v  # the newest version a group may carry (read once if passed)
         for entry_id, fields in entries:
             if not fields:
                 dead.append((entry_id, "entry deleted before it was acknowledged", b""))
@@ -243,7 +243,7 @@ class RedisTrajectoryConsumer:
                 default=version,
             )
             if newest > ceiling == v:
-                ceiling = max(v, self.version())  # a publication since `v` was read
+                ceiling = self._ceiling(v)
             if version < v - self.cfg.max_staleness or newest > ceiling:
                 # older than the bound, or newer than the policy: made by weights a
                 # restarted trainer lost (it rolled back to an older version)
@@ -253,6 +253,15 @@ class RedisTrajectoryConsumer:
         if stale or dead:
             self._discard(stale, dead)
         return fresh, len(stale), len(dead)
+
+    def _ceiling(self, v: int) -> float:
+        """The newest version a group may carry: the policy's now (a publication since `v`
+        was read counts). Before any restore (`<run>:lineage` 0) there is none: the
+        versions may be the servers' own numbering (a profile's load), not the buffer's."""
+        version, lineage = self.r.mget(self.keys.version, self.keys.lineage)
+        if not int(lineage or 0):
+            return float("inf")
+        return max(v, int(version or 0))
 
     def _discard(self, stale: list[str], dead: list[tuple[str, str, bytes]]) -> None:
         pipe = self.r.pipeline(transaction=True)

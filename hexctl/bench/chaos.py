@@ -84,6 +84,7 @@ def job_overrides(steps: int) -> list[str]:
         "rollout.metrics_interval_s=1.0",
         "run.max_restarts=3",
         "run.hung_after_s=10",  # a SIGSTOPped server is replaced within seconds
+        "run.profile_first=false",  # the job's recovery is timed, not this machine
     ]
 
 

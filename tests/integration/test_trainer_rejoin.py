@@ -203,3 +203,27 @@ def test_controllers_follow_a_restore_to_a_lower_version() -> None:
             return seen
 
         assert asyncio.run(asyncio.wait_for(follow(), 20)) == [(0, 3), (1, 0), (1, 1)]
+
+
+def test_before_any_restore_a_version_ahead_of_the_buffer_is_kept() -> None:
+    """With no restore yet, versions may be the servers' own numbering (a profile's load
+    reloads them to v1000+ while the buffer stays at 0): nothing is dropped as ahead."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    cfg = BufferConfig(groups_per_step=2, max_staleness=1)
+    with EmbeddedValkey(appendonly=False) as server:
+        endpoint = RedisEndpoint(server.url)
+
+        async def produce() -> None:
+            p = RedisTrajectoryProducer(endpoint.async_client(), run_id, cfg)
+            for i in range(2):
+                await p.admit()
+                await p.put(_group(i, 1001))
+            await p.aclose()
+
+        asyncio.run(produce())
+        source = BufferSource(RedisConfig(url=server.url), cfg, run_id, retry_s=5)
+        try:
+            assert len(source.get_batch(2, timeout_s=5).groups) == 2
+            assert int(endpoint.sync_client().get(BufferKeys(run_id).dropped_stale) or 0) == 0
+        finally:
+            source.close()
