@@ -37,6 +37,7 @@ import yaml
 
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
 from hexctl.report.ledger import read_ledger
+from trainer_service.checkpoint import complete_checkpoints
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
 KINDS = (
@@ -138,8 +139,6 @@ def kill_rank(pids: dict[str, int]) -> str:
 
 def corrupt_newest(run_dir: Path) -> str:
     """Truncate the largest file of the newest complete checkpoint to half its size."""
-    from trainer_service.checkpoint import complete_checkpoints
-
     _, newest = complete_checkpoints(RunPaths.at(run_dir).checkpoint_dir)[-1]
     victim = max((f for f in newest.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     size = victim.stat().st_size
@@ -214,16 +213,16 @@ def live_ledger(run_dir: Path, timeout_s: float = 60.0) -> dict[str, Any] | None
     deadline = time.monotonic() + timeout_s
     out = None
     try:
-        while time.monotonic() < deadline:
+        while True:
             try:
                 out = read_ledger(client, RUN_ID, RunPaths.at(run_dir))
+                if out.get("groups_lost") == 0:
+                    return out
             except redis.RedisError:
-                time.sleep(0.5)
-                continue
-            if out.get("groups_lost") == 0:
+                pass
+            if time.monotonic() >= deadline:
                 return out
             time.sleep(0.5)
-        return out
     finally:
         client.close()
 
@@ -288,9 +287,9 @@ class Job:
     def left_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def reach(self, step: int) -> int:
+    def reach(self, step: int, poll_s: float = 0.2) -> int:
         """Wait until step `step` is done; returns the step done now."""
-        if not wait_for(lambda: self.step() >= step, self.left_s()):
+        if not wait_for(lambda: self.step() >= step, self.left_s(), poll_s):
             raise RuntimeError(f"the job did not reach step {step}; see {self.log}")
         return self.step()
 
@@ -303,6 +302,8 @@ class Job:
         launcher: the step under way still completes before the launcher exits)."""
         at_step, t = self.step(), time.time()
         fault: dict[str, Any] = {"kind": kind, "at_step": at_step}
+        done = complete_checkpoints(RunPaths.at(self.run_dir).checkpoint_dir)
+        fault["checkpoint_at_strike"] = done[-1][0] if done else None
         fault["what"] = strike(kind, self.run_dir, self.launcher)
         since = t
         if kind in ("launcher", "launcher_kill"):
@@ -356,9 +357,10 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     baseline: dict[str, Any] | None = None
     try:
         for at_step, kind in fault_plan(kinds, args.steps, args.seed):
-            job.reach(at_step)
-            if baseline is None:
-                baseline = live_ledger(job.run_dir)
+            early = kind == EARLY  # struck at once: the first checkpoint is steps away
+            job.reach(at_step, poll_s=0.02 if early else 0.2)
+            if baseline is None:  # before any commit no read can race one: read once
+                baseline = live_ledger(job.run_dir, timeout_s=0.0 if early else 60.0)
             faults.append(job.fault(kind))
     finally:
         rc = job.finish()
@@ -390,6 +392,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ok = [f for f in result["faults"] if f["completed"] and f["lost"] == 0]
     ok = [f for f in ok if f["trained_twice"] == 0 and not f.get("survivors_after_10s")]
     ok = [f for f in ok if f["kind"] != "corrupt" or f.get("set_aside")]
+    ok = [f for f in ok if f["kind"] != EARLY or f["checkpoint_at_strike"] is None]
     return {
         "config": args.config,
         "steps": args.steps,
