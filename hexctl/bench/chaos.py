@@ -125,16 +125,22 @@ def _pids(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "pids.json").read_text())
 
 
-def kill_rank(pids: dict[str, int]) -> str:
-    """SIGKILL one trainer rank, not its launcher: the launcher must notice."""
+def rank_pids(pids: dict[str, int]) -> list[int]:
+    """The trainer's ranks (not its launcher's processes)."""
     launchers = ("deepspeed.launcher", "torch.distributed.run")
-    ranks = [
+    return [
         p
         for p, cmd in _group_members(pids["trainer"])
         if "-m trainer_service.main" in cmd and not any(x in cmd for x in launchers)
     ]
-    os.kill(ranks[0], signal.SIGKILL)
-    return f"SIGKILL trainer rank {ranks[0]}"
+
+
+def kill_rank(pids: dict[str, int], rank: int | None = None) -> str:
+    """SIGKILL one trainer rank (`rank`, found ahead, else the first), not its launcher:
+    the launcher must notice."""
+    pid = rank if rank is not None else rank_pids(pids)[0]
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL trainer rank {pid}"
 
 
 def corrupt_newest(run_dir: Path) -> str:
@@ -147,7 +153,9 @@ def corrupt_newest(run_dir: Path) -> str:
     return f"truncated {victim.relative_to(run_dir)} ({size} -> {size // 2} bytes)"
 
 
-def strike(kind: str, run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
+def strike(
+    kind: str, run_dir: Path, launcher: subprocess.Popen[bytes], rank: int | None = None
+) -> str:
     """Deliver one fault; returns what was hit."""
     pids = _pids(run_dir)
     if kind == "launcher":
@@ -157,7 +165,7 @@ def strike(kind: str, run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
         launcher.send_signal(signal.SIGKILL)
         return f"SIGKILL launcher {launcher.pid}"
     if kind in ("trainer", EARLY):
-        return kill_rank(pids)
+        return kill_rank(pids, rank if kind == EARLY else None)
     if kind == "corrupt":  # the restart that follows must find it
         return f"{corrupt_newest(run_dir)}; {kill_rank(pids)}"
     if kind == "sigstop":
@@ -283,6 +291,7 @@ class Job:
         overrides = [*job_overrides(args.steps), *args.overrides]
         first = [args.config, *overrides, f"run.output_dir={out}", f"run.run_id={RUN_ID}"]
         self.launcher = start_launcher(first, self.log)
+        self.rank: int | None = None  # the trainer rank to strike, when found ahead
 
     def left_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -302,9 +311,9 @@ class Job:
         launcher: the step under way still completes before the launcher exits)."""
         at_step, t = self.step(), time.time()
         fault: dict[str, Any] = {"kind": kind, "at_step": at_step}
+        fault["what"] = strike(kind, self.run_dir, self.launcher, self.rank)
         done = complete_checkpoints(RunPaths.at(self.run_dir).checkpoint_dir)
         fault["checkpoint_at_strike"] = done[-1][0] if done else None
-        fault["what"] = strike(kind, self.run_dir, self.launcher)
         since = t
         if kind in ("launcher", "launcher_kill"):
             fault["launcher_exit"] = self.launcher.wait(timeout=180)
@@ -330,6 +339,21 @@ class Job:
         fault["trained_twice"] = led.get("trained_twice") if led else None
         fault["t"] = t
         return fault
+
+    def wait_rank(self) -> int:
+        """The trainer rank's pid, once it runs (found ahead, so a kill is instant)."""
+        found: list[int] = []
+
+        def rank() -> bool:
+            try:
+                found[:] = rank_pids(_pids(self.run_dir))
+            except (OSError, ValueError, KeyError):
+                return False
+            return bool(found)
+
+        if not wait_for(rank, self.left_s()):
+            raise RuntimeError(f"no trainer rank started; see {self.log}")
+        return found[0]
 
     def restarted(self, kind: str, t: float) -> bool:
         """Was the struck process started again (a hung server: replaced) since `t`? (the
@@ -357,10 +381,15 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     baseline: dict[str, Any] | None = None
     try:
         for at_step, kind in fault_plan(kinds, args.steps, args.seed):
-            early = kind == EARLY  # struck at once: the first checkpoint is steps away
-            job.reach(at_step, poll_s=0.02 if early else 0.2)
-            if baseline is None:  # before any commit no read can race one: read once
-                baseline = live_ledger(job.run_dir, timeout_s=0.0 if early else 60.0)
+            if kind == EARLY:  # steps take ~0.1 s here, the first checkpoint is 2 away
+                job.rank = job.wait_rank()
+                if baseline is None:  # nothing trained, nothing committed yet
+                    baseline = live_ledger(job.run_dir)
+                job.reach(at_step, poll_s=0.005)
+            else:
+                job.reach(at_step)
+            if baseline is None:
+                baseline = live_ledger(job.run_dir)
             faults.append(job.fault(kind))
     finally:
         rc = job.finish()
