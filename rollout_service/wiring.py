@@ -96,6 +96,7 @@ def network_source(cfg: ExperimentConfig, redis_client: Any) -> NetworkSource | 
         return None
     from areal_hex.config.checks import weight_sync_ranks_per_server
     from areal_hex.weight_net import Manifest, manifest_key
+    from rollout_service.weight_sync import NetworkSource
 
     run_id = cfg.run.run_id
     assert run_id is not None
