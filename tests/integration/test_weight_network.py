@@ -7,7 +7,11 @@ exactly the broadcast weights. Bad bodies are 400s naming what is wrong."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +199,42 @@ async def test_bad_weight_requests_are_400(weights: Path) -> None:
             info = (await http.get("/get_model_info")).json()
             assert info["weight_version"] == "0"
             assert (await http.get("/health")).status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_short_run_syncs_over_the_network(tmp_path: Path) -> None:
+    """`areal-hex run` of the tiny example with rollout.weight_sync=network: the run
+    completes, every version reached the server over the group and none was written."""
+    root = Path(__file__).resolve().parents[2]
+    steps = 3
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        "run.run_id=net",
+        "run.profile_first=false",
+        "model.tiny.sft_steps=20",
+        f"trainer.total_steps={steps}",
+        f"trainer.checkpoint_every={steps}",
+        "rollout.group_size=4",
+        "buffer.groups_per_step=4",
+        "rollout.weight_sync=network",
+        f"inference.base_port={free_port()}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    example = root / "examples" / "tiny_cpu.yaml"
+    res = subprocess.run(
+        [sys.executable, "-m", "areal_hex.cli", "run", str(example), *overrides, "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=400,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    run = tmp_path / "net"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(1, steps + 1))
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["v0"]  # nothing on disk
+    last = json.loads((run / "rollout.jsonl").read_text().splitlines()[-1])
+    assert last["weight_updates_total"] == steps and last["servers_healthy"] == 1
+    assert "weight update (" not in (run / "logs" / "controller.log").read_text()  # no failure
