@@ -165,21 +165,22 @@ class WeightGroup:
 
     @classmethod
     def join(
-        cls, spec: GroupSpec, rank: int, timeout_s: float, ifname: str | None = None
+        cls,
+        spec: GroupSpec,
+        rank: int,
+        timeout_s: float,
+        ifname: str | None = None,
+        store: Any = None,
     ) -> WeightGroup:
+        """`store`: rank 0's TCPStore from `open_store`, kept across groups (a store
+        made anew on the same port can leave the old listener in the way)."""
         import torch.distributed as dist
 
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} outside the group's world size {spec.world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
-            spec.master_address,
-            spec.master_port,
-            spec.world_size,
-            is_master=rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        if store is None:
+            store = open_store(spec, rank, timeout_s)
         prefixed = dist.PrefixStore(spec.group_name, store)
         if spec.backend == "nccl":
             pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size)
@@ -206,6 +207,21 @@ class WeightGroup:
     def close(self) -> None:
         self._pg = None
         self._store = None
+
+
+def open_store(spec: GroupSpec, rank: int, timeout_s: float) -> Any:
+    """The group's TCPStore: served by rank 0 at the master address, a client elsewhere.
+    Groups of later epochs use it under their own `group_name` prefix."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        spec.master_address,
+        spec.master_port,
+        spec.world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def _gloo_device(master: str, rank: int, ifname: str | None) -> Any:

@@ -30,6 +30,7 @@ from areal_hex.weight_net import (
     GroupSpec,
     Manifest,
     WeightGroup,
+    open_store,
     plan_buckets,
 )
 
@@ -131,6 +132,7 @@ class NetworkSink:
     last_sync_s: float = 0.0
     failures: int = 0
     _group: WeightGroup | None = field(default=None, repr=False)
+    _store: Any = field(default=None, repr=False)  # the TCPStore, kept across groups
 
     def group_spec(self) -> GroupSpec:
         return GroupSpec(
@@ -152,8 +154,12 @@ class NetworkSink:
         self.put_manifest(manifest)
         announce(version, "")  # no directory: the weights come over the group
         try:
+            if self._store is None:
+                self._store = open_store(manifest.group, 0, self.timeout_s)
             if self._group is None:
-                self._group = WeightGroup.join(manifest.group, 0, self.timeout_s, self.ifname)
+                self._group = WeightGroup.join(
+                    manifest.group, 0, self.timeout_s, self.ifname, self._store
+                )
             for bucket in manifest.buckets:
                 self._group.broadcast([tensors[n] for n in bucket.names])
         except RuntimeError as exc:  # a server left or never joined (c10d's errors)

@@ -43,7 +43,9 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def trainer_side(model_dirs: list[str], port: int, manifests: Any, results: Any) -> None:
+def trainer_side(
+    model_dirs: list[str], port: int, manifests: Any, results: Any, timeout_s: float = 60.0
+) -> None:
     """Rank 0 in its own process: publish version i + 1 = the weights of model_dirs[i],
     each over the same group, as the trainer's rank 0 does."""
     from areal_hex.models import load_model
@@ -55,7 +57,7 @@ def trainer_side(model_dirs: list[str], port: int, manifests: Any, results: Any)
         server_ranks=1,
         backend="gloo",
         bucket_bytes=BUCKET_BYTES,
-        timeout_s=60.0,
+        timeout_s=timeout_s,
         put_manifest=lambda m: manifests.put(m.to_json()),
     )
     times = []
@@ -131,6 +133,47 @@ async def test_weights_broadcast_then_generated_with(weights: Path) -> None:
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+async def test_a_group_that_never_formed_is_replaced(weights: Path) -> None:
+    """Version 1's group never forms (no server joins it): the trainer gives up after its
+    timeout and version 2 comes with a new group, which the server joins and receives."""
+    model = load_model(weights / "v1", "cpu", "float32")
+    ctx = mp.get_context("spawn")
+    manifests, results = ctx.Queue(), ctx.Queue()
+    dirs = [str(weights / "v1"), str(weights / "v1")]
+    args = (dirs, free_port(), manifests, results, 3.0)
+    proc = ctx.Process(target=trainer_side, args=args)
+    proc.start()
+    seen: dict[int, Manifest] = {}
+
+    async def read(version: int) -> Manifest | None:
+        while not manifests.empty():
+            m = Manifest.from_json(manifests.get())
+            seen[m.version] = m
+        return seen.get(version)
+
+    try:
+        with start(weights) as url:
+            async with InferenceClient(url, timeout_s=60) as c:
+                d = Dispatcher([c])
+                assert await d.wait_healthy(30) == 1
+                net = NetworkSource(read, timeout_s=60)
+                sync = WeightSync(d, MemoryProducer(), UpdateGate(), None, net)
+                await sync.start("abort")
+                await sync.update(2, "")  # version 1 is skipped: its group never forms
+                assert seen[2].group.group_name != seen[1].group.group_name
+                assert await c.weight_version() == 2
+                prompt = [4, 8, 15, 16]
+                res = await c.generate(prompt, SamplingParams(max_new_tokens=8))
+                expect = recompute(model, prompt, res.output_ids)
+                torch.testing.assert_close(torch.tensor(res.logprobs), expect, atol=1e-4, rtol=0)
+        out = await asyncio.to_thread(results.get, True, 60)
+        assert out["failures"] == 1
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 BAD = [
