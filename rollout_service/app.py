@@ -61,7 +61,7 @@ class ServerSettings:
     health_generate_timeout_s: float = 20.0
     max_body_bytes: int = 64 * 2**20
     served_model_name: str | None = None  # the OpenAI `model` id; default: the model path
-    weights_group_timeout_s: float = 600.0  # joining a weight group, receiving a bucket
+    weights_group_timeout_s: float = 300.0  # joining a weight group, receiving a bucket
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:

@@ -298,7 +298,8 @@ class WeightSync:
                     b, group.group_name, v, abort_all_requests=abort_all
                 ),
             )
-        return members
+        # every server that did not fail goes on, in the group or not
+        return [s for s in servers if s.healthy]
 
     async def _join(self, server: ServerState, group: GroupSpec) -> None:
         url = server.client.base_url

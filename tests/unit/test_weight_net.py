@@ -94,7 +94,7 @@ async def test_controller_joins_once_then_sends_every_bucket_in_order() -> None:
 
 async def test_a_failed_server_is_left_out_until_the_next_group() -> None:
     servers = [FakeServer("s0"), FakeServer("s1")]
-    published = {1: manifest(1), 2: manifest(2), 3: manifest(3, epoch=1)}
+    published = {1: manifest(1), 2: manifest(2), 3: manifest(3), 4: manifest(4, epoch=1)}
 
     async def read(v: int) -> Manifest | None:
         return published.get(v)
@@ -112,8 +112,11 @@ async def test_a_failed_server_is_left_out_until_the_next_group() -> None:
     await sync.recover(d.servers[1])
     assert "s1" not in sync.joined and servers[1].version == 1  # keeps what it had
     d.servers[1].healthy = True
-    await sync.update(3, "")  # the next group: every server joins it
-    assert servers[1].groups == {"areal-hex-weights-1": 2} and servers[1].version == 3
+    await sync.update(3, "")  # the old group still: s1 is not in it, but it goes on
+    assert servers[0].version == 3 and servers[1].version == 1
+    assert servers[1].running.is_set() and not servers[1].groups
+    await sync.update(4, "")  # the next group: every server joins it
+    assert servers[1].groups == {"areal-hex-weights-1": 2} and servers[1].version == 4
 
 
 async def test_a_missing_manifest_leaves_the_weights() -> None:
