@@ -4,7 +4,7 @@ SGLang's protocol (`/init_weights_update_group`, `/update_weights_from_distribut
 torch.distributed group of 1 + S ranks, the trainer's rank 0 the source and server i
 rank 1 + i, joined once and reused for every version; each version goes as buckets of
 tensors, one broadcast per tensor, in the order of the bucket's `names`. The sequence
-across processes is in rollout_service/weight_sync.py.
+across processes is in rollout_service/controller/weight_sync.py.
 
 Here: the group's address (`GroupSpec`), a version's bucket list (`Manifest`, which the
 trainer leaves in Redis for the controller), bucket planning, and `WeightGroup`, a

@@ -1,7 +1,7 @@
 """Weight publication: gather the full weights, then either write an HF directory `v<N>`
 atomically and announce it (disk; old versions are garbage-collected), or announce `v<N>`
 and broadcast it to the inference servers in buckets (network, `NetworkSink`; the
-sequence is in rollout_service/weight_sync.py).
+sequence is in rollout_service/controller/weight_sync.py).
 
 The gather is the only part on the training critical path (it is collective under
 ZeRO-3); writing the files, the rename and `set_version` run on a background thread

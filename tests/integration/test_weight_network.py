@@ -25,9 +25,9 @@ from areal_hex.models import load_model, materialize
 from areal_hex.net import free_port
 from areal_hex.weight_net import Manifest
 from rollout_service.client import InferenceClient
-from rollout_service.dispatch import Dispatcher
-from rollout_service.server import ServerThread, build_server_app
-from rollout_service.weight_sync import NetworkSource, UpdateGate, WeightSync
+from rollout_service.controller.dispatch import Dispatcher
+from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
+from rollout_service.server.main import ServerThread, build_server_app
 from tests.fakes import MemoryProducer
 
 pytestmark = pytest.mark.timeout(180)
@@ -266,7 +266,7 @@ def test_a_short_run_syncs_over_the_network(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     example = root / "examples" / "tiny_cpu.yaml"
     res = subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", "run", str(example), *overrides, "--no-progress"],
+        [sys.executable, "-m", "hexctl.cli", "run", str(example), *overrides, "--no-progress"],
         capture_output=True,
         text=True,
         env=env,

@@ -12,8 +12,8 @@ import torch
 from areal_hex.config import ConfigError, load_config
 from areal_hex.config.checks import check_run, weight_sync_backend
 from areal_hex.weight_net import BucketSpec, GroupSpec, Manifest, parse_dtype, plan_buckets
-from rollout_service.dispatch import Dispatcher
-from rollout_service.weight_sync import NetworkSource, UpdateGate, WeightSync
+from rollout_service.controller.dispatch import Dispatcher
+from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 from tests.fakes import FakeServer, MemoryProducer
 
 
