@@ -112,8 +112,17 @@ async def test_weights_broadcast_then_generated_with(weights: Path) -> None:
                     dispatcher, producer, UpdateGate(), None, NetworkSource(read, timeout_s=60)
                 )
                 await sync.start("in_place")
+                long = SamplingParams(max_new_tokens=480, ignore_eos=True)
                 for version, expect in ((1, models[1]), (2, models[0])):
+                    # in flight through the update: kept (in_place), its later tokens
+                    # sampled by the new weights
+                    running = asyncio.ensure_future(c.generate(prompt, long))
+                    await asyncio.sleep(0.1)
                     await sync.update(version, "")
+                    kept = await running
+                    assert kept.finish_reason == "length" and kept.token_versions is not None
+                    assert kept.token_versions[0] == version - 1
+                    assert kept.token_versions[-1] == version
                     assert await c.weight_version() == version
                     assert len(seen[version].buckets) > 1
                     res = await c.generate(prompt, sampling)
