@@ -30,7 +30,7 @@ from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, We
 from rollout_service.server.main import ServerThread, build_server_app
 from tests.fakes import MemoryProducer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 BUCKET_BYTES = 64 * 1024  # several buckets for the tiny model
 
 
@@ -79,6 +79,13 @@ def recompute(model: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
     return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
+async def tokens_generated(client: InferenceClient) -> float:
+    for line in (await client.metrics_text()).splitlines():
+        if line.startswith("sglang:generation_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("generation_tokens_total missing from /metrics")
+
+
 def start(weights: Path) -> ServerThread:
     inf = InferenceConfig(weights_dir=str(weights))
     return ServerThread(build_server_app(ModelConfig(path=str(weights / "v0")), inf))
@@ -104,20 +111,25 @@ async def test_weights_broadcast_then_generated_with(weights: Path) -> None:
     sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
     try:
         with start(weights) as url:
-            async with InferenceClient(url, timeout_s=60) as c:
+            async with InferenceClient(url, timeout_s=120) as c:
                 dispatcher = Dispatcher([c])
                 assert await dispatcher.wait_healthy(30) == 1
                 producer = MemoryProducer()
                 sync = WeightSync(
-                    dispatcher, producer, UpdateGate(), None, NetworkSource(read, timeout_s=60)
+                    dispatcher, producer, UpdateGate(), None, NetworkSource(read, timeout_s=120)
                 )
                 await sync.start("in_place")
+                # the trainer side is up (its first manifest is out) before requests run
+                assert await NetworkSource(read, timeout_s=120).manifest(1) is not None
                 long = SamplingParams(max_new_tokens=480, ignore_eos=True)
                 for version, expect in ((1, models[1]), (2, models[0])):
                     # in flight through the update: kept (in_place), its later tokens
                     # sampled by the new weights
+                    before = await tokens_generated(c)
                     running = asyncio.ensure_future(c.generate(prompt, long))
-                    await asyncio.sleep(0.1)
+                    while await tokens_generated(c) == before:
+                        await asyncio.sleep(0.005)
+                    await c.pause("in_place")  # held from here: surely in flight
                     await sync.update(version, "")
                     kept = await running
                     assert kept.finish_reason == "length" and kept.token_versions is not None
@@ -167,7 +179,7 @@ async def test_a_group_that_never_formed_is_replaced(weights: Path) -> None:
             async with InferenceClient(url, timeout_s=60) as c:
                 d = Dispatcher([c])
                 assert await d.wait_healthy(30) == 1
-                net = NetworkSource(read, timeout_s=60)
+                net = NetworkSource(read, timeout_s=120)
                 sync = WeightSync(d, MemoryProducer(), UpdateGate(), None, net)
                 await sync.start("abort")
                 await sync.update(2, "")  # version 1 is skipped: its group never forms
