@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from areal_hex.gc_freeze import freeze_startup
-from rollout_service import wire
+from rollout_service import prompts, wire
 from rollout_service.engine import Engine
 from rollout_service.http_common import (
     SSE_DONE,
@@ -59,7 +59,12 @@ class ServerSettings:
     server_args: dict[str, Any] = field(default_factory=dict)  # shown by /get_server_info
     health_generate_timeout_s: float = 20.0
     max_body_bytes: int = 64 * 2**20
+    # characters of one text prompt, checked before tokenizing (None: 32 per context token)
+    max_prompt_chars: int | None = None
     served_model_name: str | None = None  # the OpenAI `model` id; default: the model path
+
+    def prompt_chars(self, context_length: int) -> int:
+        return self.max_prompt_chars or prompts.default_max_chars(context_length)
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -83,6 +88,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     _generation_routes(app)
     _weight_routes(app)
+    _memory_routes(app)
     _info_routes(app)
     add_openai_routes(app)
     return app
@@ -106,7 +112,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         msg = str(err.get("msg"))
         parts.append(f"{'.'.join(str(p) for p in loc)}: {msg}")
         detail.append({"loc": [str(p) for p in loc], "msg": msg, "type": err.get("type")})
-    body = wire.error_body("invalid request: " + "; ".join(parts))
+    first = detail[0]["loc"] if detail else []
+    param = ".".join(first[1:] if first[:1] == ["body"] else first) or None
+    body = wire.error_body("invalid request: " + "; ".join(parts), 400, param)
     body["detail"] = json.loads(json.dumps(detail).encode("utf-8", "backslashreplace"))
     return JSONResponse(body, status_code=400)
 
@@ -119,7 +127,9 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own refusals (unknown route, wrong method, unreadable body) in the
     same error shape as ours."""
     return JSONResponse(
-        wire.error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        wire.error_body(str(exc.detail), exc.status_code),
+        status_code=exc.status_code,
+        headers=exc.headers,
     )
 
 
@@ -134,28 +144,31 @@ class _Item:
     text_in_logprobs: bool = False
 
 
-def _items(engine: Engine, body: wire.GenerateReqInput) -> list[_Item]:
-    """The engine requests of one call: each prompt `n` times (SGLang's parallel
-    sampling: rid `r` becomes `r_0` .. `r_{n-1}`), in prompt-major order."""
+async def _items(engine: Engine, max_chars: int, body: wire.GenerateReqInput) -> list[_Item]:
+    """The engine requests of one call: each prompt `n` times, in prompt-major order.
+    Naming: a batch given one string rid `r` names its prompts `r_0`, `r_1` ... (as
+    SGLang); a prompt asked for n > 1 times with rid `r` names its samples `r_0` ..
+    `r_{n-1}` (SGLang gives them random ids instead: read `meta_info.id`)."""
+    try:
+        parts = [(*body.item(i), *body.logprob_options(i)) for i in range(body.batch_size())]
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    texts = [p[0] for p in parts if isinstance(p[0], str)]
+    encoded = iter(await prompts.encode(engine.tokenizer, texts, "text", max_chars))
     items: list[_Item] = []
-    counts = set()
-    for i in range(body.batch_size()):
-        try:
-            prompt, params, logprob, rid = body.item(i)
-            start, top = body.logprob_options(i)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
-        if isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise EngineError("text: this server has no tokenizer; send input_ids")
-            prompt = list(engine.tokenizer.encode(prompt, add_special_tokens=False))
+    for i, (prompt, params, logprob, rid, start, top) in enumerate(parts):
+        ids = next(encoded) if isinstance(prompt, str) else prompt
         want = LogprobSpec(start, top) if logprob else NO_EXTRA_LOGPROBS
-        engine.validate(prompt, params, want)
-        counts.add(params.n)
+        engine.validate(ids, params, want)
+        if body.is_batch and isinstance(body.rid, str):
+            rid = f"{rid}_{i}"
         rids = [rid] if params.n == 1 else [rid and f"{rid}_{j}" for j in range(params.n)]
-        texts = body.return_text_in_logprobs
-        items += [_Item(prompt, params, logprob, r or uuid.uuid4().hex, want, texts) for r in rids]
-    if len(counts) > 1:
+        texts_in = body.return_text_in_logprobs
+        items += [
+            _Item(ids, params.for_sample(j), logprob, r or uuid.uuid4().hex, want, texts_in)
+            for j, r in enumerate(rids)
+        ]
+    if len({p[1].n for p in parts}) > 1:
         raise EngineError("sampling_params.n: must be the same for every prompt of a batch")
     rids = [it.rid for it in items]
     if len(set(rids)) != len(rids):
@@ -205,6 +218,8 @@ def _output(
         cached_tokens=0,
         weight_version=req.weight_version if final else engine.weight_version,
         e2e_latency=req.latency(),
+        reasoning_tokens=0,
+        total_retractions=req.retractions,
     )
     if item.logprob:
         text = item.text_in_logprobs
@@ -218,6 +233,11 @@ def _output(
         if item.want.top:
             meta.output_top_logprobs = _tops(engine, req.output_top[:n], text)
             meta.input_top_logprobs = _tops(engine, req.input_top, text)
+        if start > 0 and meta.input_token_logprobs:
+            # SGLang gives the first scored position no log-prob, whatever its start
+            meta.input_token_logprobs[0][0] = None
+            if meta.input_top_logprobs:
+                meta.input_top_logprobs[0] = None
         meta.output_token_versions = list(req.versions[:n])
     body = wire.GenerateOutput(
         text=trimmed_text(engine.tokenizer, req, n) if final else _partial(engine, item, ids),
@@ -246,10 +266,11 @@ def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]
 
 
 def _generation_routes(app: FastAPI) -> None:
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])  # SGLang takes both
     async def generate(body: wire.GenerateReqInput, request: Request) -> Response:
         engine: Engine = request.app.state.engine
-        items = _items(engine, body)
+        max_chars = request.app.state.settings.prompt_chars(engine.opts.context_length)
+        items = await _items(engine, max_chars, body)
         many = body.is_batch or len(items) > 1
         if body.stream:
             if many:
@@ -394,6 +415,31 @@ async def _optional_body(model: type[M], request: Request) -> M:
         raise RequestValidationError(errors) from None
 
 
+# ---------------------------------------------------------------------- colocated mode
+def _memory_routes(app: FastAPI) -> None:
+    """SGLang's `/release_memory_occupation` and `/resume_memory_occupation` (AReaL's
+    colocated mode: the trainer takes the GPU between rollouts). Refused (400) while
+    requests are in flight; while memory is released, generation requests get 503."""
+
+    async def change(request: Request, release: bool) -> JSONResponse:
+        body = await _optional_body(wire.MemoryOccupationReq, request)
+        engine: Engine = request.app.state.engine
+        try:
+            moved = await engine.set_memory(release, body.chosen())
+        except EngineError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, exc.status)
+        verb = "released" if release else "resumed"
+        return JSONResponse({"success": True, "message": f"{verb}: {moved}"})
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        return await change(request, True)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        return await change(request, False)
+
+
 # ---------------------------------------------------------------------- health, info, metrics
 def _info_routes(app: FastAPI) -> None:
     @app.get("/health")
@@ -427,6 +473,7 @@ def _info_routes(app: FastAPI) -> None:
             model_path=engine.model_path,
             tokenizer_path=request.app.state.settings.tokenizer_path,
             weight_version=engine.weight_version,
+            model_type=getattr(cfg, "model_type", None),
             architectures=list(archs),
             context_length=engine.opts.context_length,
         ).model_dump()
