@@ -137,9 +137,7 @@ async def test_aborting_base_j_misses_parallel_samples() -> None:
     with ServerThread(fake.app()) as url:
         async with InferenceClient(url) as client:
             call = asyncio.ensure_future(
-                client.generate_raw(
-                    {"input_ids": [1, 2], "sampling_params": {"n": 3}, "rid": "g"}
-                )
+                client.generate_raw({"input_ids": [1, 2], "sampling_params": {"n": 3}, "rid": "g"})
             )
             await until(lambda: len(fake.inflight) == 3)
             for j in range(3):

@@ -195,6 +195,12 @@ def test_text_offset_skips_hidden_special_tokens(client: openai.OpenAI, name: st
 
 
 # ---------------------------------------------------------------------- huge prompts
+def _timed_post(url: str, body: dict[str, Any], answers: dict[str, Any]) -> None:
+    t0 = time.monotonic()
+    answers["resp"] = httpx.post(url, json=body, timeout=60)
+    answers["s"] = time.monotonic() - t0
+
+
 def test_a_huge_prompt_is_refused_at_once_and_stalls_nobody(url: str) -> None:
     huge = "ab" * (5 * 2**20)  # 10 MiB of text
     bodies = [
@@ -204,13 +210,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_nobody(url: str) -> None:
     ]
     for path, body in bodies:
         answers: dict[str, Any] = {}
-
-        def send(path: str = path, body: dict[str, Any] = body) -> None:
-            t0 = time.monotonic()
-            answers["resp"] = httpx.post(url + path, json=body, timeout=60)
-            answers["s"] = time.monotonic() - t0
-
-        sender = threading.Thread(target=send)
+        sender = threading.Thread(target=_timed_post, args=(url + path, body, answers))
         sender.start()
         health = []
         while sender.is_alive():
