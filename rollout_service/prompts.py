@@ -48,11 +48,11 @@ async def encode(
     tokenizer: Any | None, texts: Sequence[str], what: str, max_chars: int
 ) -> list[list[int]]:
     """Token ids of each text (no special tokens added, as SGLang's `/generate`)."""
+    if not texts:
+        return []
     tok = require_tokenizer(tokenizer, what)
     for text in texts:
         check_chars(len(text), what, max_chars)
-    if not texts:
-        return []
     return await asyncio.to_thread(_encode_all, tok, list(texts))
 
 
