@@ -452,8 +452,8 @@ def _info_routes(app: FastAPI) -> None:
         engine: Engine = request.app.state.engine
         if not engine.alive():
             return Response(status_code=503)
-        if engine.paused:  # a weight update is in progress: healthy, not generating
-            return Response(status_code=200)
+        if engine.paused or engine.released:  # a weight update or colocated training:
+            return Response(status_code=200)  # healthy, not generating
         probe = wire.SamplingParamsIn(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         rid = f"health-{uuid.uuid4().hex}"
         timeout = request.app.state.settings.health_generate_timeout_s

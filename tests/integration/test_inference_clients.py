@@ -6,7 +6,12 @@ text_offset). One server for the module."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +23,7 @@ import pytest
 
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_tokenizer, materialize
+from areal_hex.net import free_port
 from rollout_service.server import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,11 +38,42 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# The server runs in its own process, as in production: timings of one request while
+# another is refused are the server's, not the GIL shared with this test's clients.
+SERVE = """
+import sys
+from areal_hex.config import InferenceConfig, ModelConfig
+from rollout_service.server import serve
+weights, context, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+inf = InferenceConfig(weights_dir=weights, context_length=context)
+serve(ModelConfig(path=weights + "/v0"), inf, port)
+"""
+
+
 @pytest.fixture(scope="module")
 def url(weights: Path) -> Any:
-    inf = InferenceConfig(weights_dir=str(weights), context_length=CONTEXT)
-    with ServerThread(build_server_app(ModelConfig(path=str(weights / "v0")), inf)) as u:
+    port = free_port()
+    cmd = [sys.executable, "-c", SERVE, str(weights), str(CONTEXT), str(port)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    u = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(u):
+            assert proc.poll() is None, proc.communicate()[0].decode()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start in 120 s"
+            time.sleep(0.2)
         yield u
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +232,12 @@ def test_text_offset_skips_hidden_special_tokens(client: openai.OpenAI, name: st
 
 
 # ---------------------------------------------------------------------- huge prompts
-def _timed_post(url: str, body: dict[str, Any], answers: dict[str, Any]) -> None:
+def _timed_post(url: str, body: bytes, answers: dict[str, Any]) -> None:
+    """POST a body encoded beforehand (the client and the server share this process:
+    encoding 10 MiB of JSON in the timed window would time the client)."""
+    headers = {"content-type": "application/json"}
     t0 = time.monotonic()
-    answers["resp"] = httpx.post(url, json=body, timeout=60)
+    answers["resp"] = httpx.post(url, content=body, headers=headers, timeout=60)
     answers["s"] = time.monotonic() - t0
 
 
@@ -210,7 +250,8 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_nobody(url: str) -> None:
     ]
     for path, body in bodies:
         answers: dict[str, Any] = {}
-        sender = threading.Thread(target=_timed_post, args=(url + path, body, answers))
+        raw = json.dumps(body).encode()
+        sender = threading.Thread(target=_timed_post, args=(url + path, raw, answers))
         sender.start()
         health = []
         while sender.is_alive():
@@ -235,6 +276,7 @@ def test_release_and_resume_memory(url: str) -> None:
     assert r.status_code == 200 and r.json()["success"] is True
     refused = gen(url, small, 503)
     assert "/resume_memory_occupation" in refused["error"]["message"]
+    assert httpx.get(url + "/health_generate", timeout=10).status_code == 200
     bad = httpx.post(url + "/resume_memory_occupation", json={"tags": ["gpu"]})
     assert bad.status_code == 400 and "tags" in bad.json()["error"]["message"]
     r = httpx.post(url + "/resume_memory_occupation", json={})
@@ -257,6 +299,23 @@ def test_release_and_resume_memory(url: str) -> None:
     finally:
         httpx.post(url + "/abort_request", json={"rid": "slow"})
         running.join()
+
+
+@pytest.mark.gpu
+def test_release_moves_the_weights_off_the_gpu(weights: Path) -> None:
+    import torch
+
+    inf = InferenceConfig(device="cuda", context_length=CONTEXT)
+    app = build_server_app(ModelConfig(path=str(weights / "v0"), dtype="float32"), inf)
+    small = {"input_ids": [20, 21], "sampling_params": {"max_new_tokens": 3}}
+    with ServerThread(app) as u:
+        before = output_ids(u, small)
+        held = torch.cuda.memory_allocated()
+        assert httpx.post(u + "/release_memory_occupation", json={}).json()["success"]
+        assert torch.cuda.memory_allocated() < held
+        assert httpx.post(u + "/resume_memory_occupation", json={}).json()["success"]
+        assert torch.cuda.memory_allocated() >= held
+        assert output_ids(u, small) == before
 
 
 # ---------------------------------------------------------------------- SGLang details
