@@ -20,10 +20,10 @@ from areal_hex.api import SamplingParams
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import materialize
 from rollout_service.client import InferenceClient
-from rollout_service.dispatch import Dispatcher
-from rollout_service.sampler import Sampler
-from rollout_service.server import ServerThread, build_server_app
-from rollout_service.weight_sync import UpdateGate
+from rollout_service.controller.dispatch import Dispatcher
+from rollout_service.controller.sampler import Sampler
+from rollout_service.controller.weight_sync import UpdateGate
+from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(120)
 SP = SamplingParams(max_new_tokens=4, ignore_eos=True)

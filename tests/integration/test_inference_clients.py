@@ -24,7 +24,7 @@ import pytest
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_tokenizer, materialize
 from areal_hex.net import free_port
-from rollout_service.server import ServerThread, build_server_app
+from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(300)
 CONTEXT = 256
@@ -43,7 +43,7 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 SERVE = """
 import sys
 from areal_hex.config import InferenceConfig, ModelConfig
-from rollout_service.server import serve
+from rollout_service.server.main import serve
 weights, context, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 inf = InferenceConfig(weights_dir=weights, context_length=context)
 serve(ModelConfig(path=weights + "/v0"), inf, port)

@@ -13,7 +13,7 @@ import pytest
 
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_tokenizer, materialize
-from rollout_service.server import ServerThread, build_server_app
+from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(300)
 TASKS = Path(__file__).parents[1] / "data" / "lm_eval_tiny"
