@@ -45,7 +45,7 @@ import sys
 from areal_hex.config import InferenceConfig, ModelConfig
 from rollout_service.server.main import serve
 weights, context, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-inf = InferenceConfig(weights_dir=weights, context_length=context)
+inf = InferenceConfig(weights_dir=weights, context_length=context, max_prompt_chars=1000)
 serve(ModelConfig(path=weights + "/v0"), inf, port)
 """
 
@@ -264,9 +264,14 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_nobody(url: str) -> None:
         assert "characters" in resp.json()["error"]["message"]
         assert answers["s"] < 1.0 and max(health, default=0.0) < 1.0, (path, answers, health)
 
-    # under the character bound but over the context: refused by its token count
-    long = {"text": "a" * (CONTEXT + 1), "sampling_params": {"max_new_tokens": 1}}
+    # inference.max_prompt_chars (1000 here) is the bound; under it but over the context,
+    # a prompt is refused by its token count
+    over = {"text": "a" * 1001, "sampling_params": {"max_new_tokens": 1}}
+    assert "limit of 1000" in gen(url, over, 400)["error"]["message"]
+    long = {"text": "a" * 1000, "sampling_params": {"max_new_tokens": 1}}
     assert "context length" in gen(url, long, 400)["error"]["message"]
+    with pytest.raises(ValueError, match="max_prompt_chars"):
+        InferenceConfig(backend="sglang", max_prompt_chars=1000)
 
 
 # ---------------------------------------------------------------------- colocated mode
