@@ -215,7 +215,7 @@ async def _events(
         try:
             yield sse(_output(engine, item, task.result()))
         except EngineError as exc:
-            yield sse(wire.error_body(str(exc)))
+            yield sse(wire.error_body(str(exc), exc.status))
         yield SSE_DONE
     finally:
         if not task.done():  # the client went away: abort the request

@@ -33,7 +33,7 @@ from rollout_service.server.requests import (
     TopEntry,
     trimmed_text,
 )
-from rollout_service.wire import LOGPROB_FLOOR, FinishReason, SamplingParamsIn
+from rollout_service.wire import LOGPROB_FLOOR, FinishReason, SamplingParamsIn, error_body
 
 
 @dataclass
@@ -443,7 +443,7 @@ async def _stream_completion(
             )
             yield sse(usage.model_dump(exclude_none=True))
     except EngineError as exc:
-        yield sse({"error": {"message": str(exc)}})
+        yield sse(error_body(str(exc), exc.status))
     yield SSE_DONE
 
 
@@ -484,5 +484,5 @@ async def _stream_chat(
         if body.include_usage:
             yield chunk([], _usage(jobs, streams.reqs))
     except EngineError as exc:
-        yield sse({"error": {"message": str(exc)}})
+        yield sse(error_body(str(exc), exc.status))
     yield SSE_DONE
