@@ -194,8 +194,8 @@ class InferenceClient:
 
         A group (one prompt n times) goes as n copies of the prompt, never as one request
         with `sampling_params.n`: SGLang gives parallel samples random ids, so only the
-        batch form lets `abort(rid)` reach each sample (its prefix cache, like our
-        engine's shared prefill, computes the repeated prompt once)."""
+        batch form lets `abort(rid)` reach each sample (SGLang's prefix cache and our
+        engine's shared prefill keep the repeated prompt cheap)."""
         body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
 
         def parse() -> list[GenerateResult]:
