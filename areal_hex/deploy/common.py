@@ -8,11 +8,11 @@ layout `areal-hex run` starts locally, so both run one system.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
@@ -20,7 +20,7 @@ import yaml
 from areal_hex.config import ExperimentConfig, ModelConfig, dump_yaml
 from areal_hex.config.deploy import DeployConfig, NodeMatch
 from areal_hex.deploy.checks import check_plan, refuse_mixed_trainer
-from areal_hex.deploy.names import service_name, slug
+from areal_hex.deploy.names import dns_name, service_name, short_hash, slug
 from areal_hex.deploy.output import SECRETS
 from areal_hex.layout import CONFIG_PLACEHOLDER, Layout, build_layout
 from areal_hex.plan import Plan
@@ -71,10 +71,16 @@ class Deployment:
     prefix: str  # object-name prefix (DNS label)
     secrets: DeploySecrets
     source_model: ModelConfig  # the experiment's model, which the prepare job writes as v0
+    # the plan's predicted rates (`prediction.json` in the run directory): the trainer
+    # serves them next to the measured ones, the report holds the run against them
+    prediction: dict[str, Any] = field(default_factory=dict)
 
-    def prepare_command(self) -> list[str]:
-        """Writes v0 = the experiment's model into the run's weights directory."""
+    def prepare_command(self, prediction: str | None = None) -> list[str]:
+        """Writes v0 = the experiment's model into the run's weights directory, and the
+        file `prediction` (the rendered prediction.json) into the run directory."""
         cmd = ["python3", "-m", "areal_hex.deploy.prepare", CONFIG_PLACEHOLDER]
+        if prediction:
+            cmd += ["--prediction", prediction]
         if self.source_model.path:
             cmd += ["--source", self.source_model.path]
         if self.source_model.tokenizer_path:
@@ -88,17 +94,30 @@ class Deployment:
 @dataclass
 class Bundle:
     """What a target writes: relative path -> text; `private` ones are written 0600.
-    `start` is the command that starts the job, `{out}` standing for the folder."""
+    `start` is the command that starts the job, `{out}` standing for the folder;
+    `delete` the one that removes it and nothing else."""
 
     files: dict[str, str]
     private: set[str] = field(default_factory=set)
     start: str = ""
+    delete: str = ""
+
+
+PREDICTION = "prediction.json"
 
 
 def resolved_files(d: Deployment, folder: str) -> dict[str, str]:
-    """Plain copies of the config the services load and of the plan."""
+    """Plain copies of the config the services load, of the plan and its prediction."""
     plan_yaml = yaml.safe_dump(d.plan.model_dump(mode="json"), sort_keys=False)
-    return {f"{folder}config.yaml": dump_yaml(d.cfg), f"{folder}plan.yaml": plan_yaml}
+    return {
+        f"{folder}config.yaml": dump_yaml(d.cfg),
+        f"{folder}plan.yaml": plan_yaml,
+        f"{folder}{PREDICTION}": prediction_text(d.prediction),
+    }
+
+
+def prediction_text(prediction: dict[str, Any]) -> str:
+    return json.dumps(prediction, indent=2) + "\n"
 
 
 def secret_files(d: Deployment) -> dict[str, str]:
@@ -125,25 +144,25 @@ def run_id(cfg: ExperimentConfig, plan: Plan) -> str:
         return cfg.run.run_id
     config = cfg.model_dump(mode="json", exclude={"redis": {"password"}, "inference": {"api_key"}})
     both = json.dumps([plan.model_dump(mode="json"), config], sort_keys=True)
-    return f"{slug(cfg.run.name, 40)}-{_short_hash(both)}"
+    return f"{slug(cfg.run.name, 40)}-{short_hash(both)}"
 
 
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+PREFIX_MAX = 30  # leaves room for the longest part name within a 63-character name
 
 
 def object_prefix(rid: str, name: str | None = None) -> str:
-    """The prefix of every object name: it carries the run id, so two runs in one
-    namespace never share a name. `name` (the deploy config's) replaces the readable
-    part; a long run id keeps its head and a hash of the whole."""
-    s = slug(rid, 63)
+    """The prefix of every object name, one to one with the run id (`names.dns_name`),
+    so two runs in one namespace never share a name. `name` (the deploy config's)
+    replaces the readable part; a hash of the run id follows it."""
     if name is not None:
-        s = f"{name}-{_short_hash(rid)}"
-    elif len(s) > 30:
-        s = f"{s[:21].strip('-')}-{_short_hash(rid)}"
-    if not s[0].isalpha():  # Service names must start with a letter (RFC 1035)
-        s = slug(f"ah-{s}", 33)
-    return s
+        return f"{name}-{short_hash(rid)}"
+    return dns_name(rid, PREFIX_MAX)
+
+
+def instance_label(rid: str) -> str:
+    """The run's `app.kubernetes.io/instance` value: every object of the run carries it,
+    every selector of the run names it (one to one with the run id)."""
+    return dns_name(rid, 63)
 
 
 def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
@@ -156,6 +175,43 @@ def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
     clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
     user = unquote(parts.username) if parts.username else None
     return clean, user, unquote(parts.password) if parts.password is not None else None
+
+
+# ---------------------------------------------------------------- what the plan decided
+# Small projections of the plan into the run's config and files, each usable on its own
+# by whoever turns a plan into a config.
+
+
+def gpu_kinds_from_plan(plan: Plan) -> list[str]:
+    """`inference.gpu_kinds`: the GPU kind of server i (servers are the plan's instances
+    in order), so per-kind metrics and the mismatch report name real kinds."""
+    return [inst.gpu_kind for inst in plan.rollout]
+
+
+def prediction_for_plan(plan: Plan, cfg: ExperimentConfig) -> dict[str, Any]:
+    """The run's `prediction.json` (the launcher's format, `areal_hex/prom.py`
+    `prediction_collectors`, `areal_hex/fidelity.py`) from the plan's own prediction,
+    which is for the asynchronous pipeline at the plan's staleness bound: the
+    synchronous block is empty, so a `run.mode: sync` run shows no predicted series."""
+    p = plan.predicted
+    out: dict[str, Any] = {
+        "source": "plan",
+        "cluster": plan.cluster,
+        "asynchronous": {
+            "pipeline_samples_per_s": p.samples_per_s,
+            "generation_samples_per_s": p.generation_samples_per_s,
+            "training_samples_per_s": p.training_samples_per_s,
+            "weight_sync_s": p.weight_sync_s,
+        },
+        "synchronous": {},
+    }
+    planned = plan.baselines.staleness if plan.baselines else None
+    if planned is not None and planned != cfg.buffer.max_staleness:
+        out["note"] = (
+            f"planned for buffer.max_staleness {planned}; the config runs "
+            f"{cfg.buffer.max_staleness}"
+        )
+    return out
 
 
 def resolve_config(
@@ -195,6 +251,7 @@ def resolve_config(
         weights_dir=f"{dcfg.storage.mount_path}/runs/{rid}/weights",
     )
     inf["server_urls"] = server_urls  # the controller reaches server i there
+    inf["gpu_kinds"] = gpu_kinds_from_plan(plan)
     # num_ranks is per node (the launcher on each node starts that many ranks).
     t = plan.trainer
     data["trainer"].update(num_ranks=t.world_size // max(1, len(t.placements)))
@@ -253,4 +310,5 @@ def prepare(
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)
     secrets_ = load_secrets(cfg, dcfg, out_dir)
-    return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)
+    prediction = prediction_for_plan(plan, resolved)
+    return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model, prediction)

@@ -19,6 +19,7 @@ import yaml
 from areal_hex.config.deploy import Resources
 from areal_hex.deploy.common import (
     CONFIG_DIR,
+    PREDICTION,
     Bundle,
     Deployment,
     entry_argv,
@@ -104,6 +105,7 @@ def compose_file(d: Deployment) -> dict[str, Any]:
         "configs": {
             "areal-config": {"file": "./config.yaml"},
             "areal-plan": {"file": "./plan.yaml"},
+            "areal-prediction": {"file": f"./{PREDICTION}"},
         },
         "secrets": {k: {"file": f"./secrets/{k}"} for k in d.secrets.as_dict()},
         "x-areal-hex": {"run_id": d.cfg.run.run_id, "cluster": d.plan.cluster},
@@ -117,8 +119,9 @@ def compose_file(d: Deployment) -> dict[str, Any]:
 
 
 def _prepare(d: Deployment) -> dict[str, Any]:
-    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    svc = ServiceSpec("prepare", "controller", d.prepare_command(f"{CONFIG_DIR}/{PREDICTION}"))
     out = _app(d, svc, d.dcfg.images.controller, None)
+    out["configs"].append({"source": "areal-prediction", "target": f"{CONFIG_DIR}/{PREDICTION}"})
     out["restart"] = "no"
     out["networks"] = ["internal", "egress"]  # downloads the model from the hub
     return out

@@ -14,11 +14,20 @@ import base64
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from areal_hex.config import dump_yaml
-from areal_hex.deploy.common import Bundle, Deployment, resolved_files, secret_files
+from areal_hex.deploy.common import (
+    CONFIG_DIR,
+    PREDICTION,
+    Bundle,
+    Deployment,
+    prediction_text,
+    resolved_files,
+    secret_files,
+)
 from areal_hex.deploy.k8s_lifecycle import inference_names, lifecycle_objects
 from areal_hex.deploy.k8s_pods import (
     claim_name,
@@ -43,6 +52,7 @@ from areal_hex.deploy.k8s_trainer import (
 )
 from areal_hex.deploy.names import service_name, slug
 from areal_hex.layout import ServiceSpec
+from areal_hex.run_files import RunPaths
 
 Obj = dict[str, Any]
 SECRET_MANIFEST = "secrets/secret.yaml"  # excluded from git like the values
@@ -63,6 +73,7 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "20-controller.yaml": [_controller(d)],
         "30-trainer.yaml": (trainer := _trainer(d)),
         "40-networkpolicy.yaml": _network_policies(d),
+        "45-disruption.yaml": disruption_budgets(d),
         "50-lifecycle.yaml": lifecycle_objects(d, trainer[-1], inference_names(d)),
     }
     if d.dcfg.redis.mode == "internal":
@@ -85,7 +96,32 @@ def render_k8s_bundle(d: Deployment) -> Bundle:
     if SECRET_MANIFEST in files:
         manifests.append(SECRET_MANIFEST)
     files[KUSTOMIZATION] = kustomization(d, manifests)
-    return Bundle(files, private, start="kubectl apply -k {out}   (a kustomize base)")
+    return Bundle(
+        files,
+        private,
+        start="kubectl apply -k {out}   (a kustomize base)",
+        delete=delete_command(d),
+    )
+
+
+# Every kind a run renders (and the PVC its Redis StatefulSet creates), for a delete by
+# the run's label: `all` would miss the JobSet (its CRD is in no category), the PVCs,
+# ConfigMap, Secret, policies and RBAC objects.
+DELETE_KINDS = (
+    "jobsets.jobset.x-k8s.io", "jobs", "deployments", "statefulsets", "services",
+    "configmaps", "secrets", "persistentvolumeclaims", "networkpolicies",
+    "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings",
+)  # fmt: skip
+
+
+def delete_command(d: Deployment) -> str:
+    """Deletes this run and nothing else: every kind it renders, by its instance label
+    (one to one with the run id), never the namespace."""
+    inst = labels(d, "x")["app.kubernetes.io/instance"]
+    return (
+        f"kubectl -n {d.dcfg.namespace} delete {','.join(DELETE_KINDS)} "
+        f"-l app.kubernetes.io/instance={inst}"
+    )
 
 
 def kustomization(d: Deployment, resources: list[str]) -> str:
@@ -95,13 +131,8 @@ def kustomization(d: Deployment, resources: list[str]) -> str:
         f"# areal-hex deploy: run {d.cfg.run.run_id}, plan for cluster {d.plan.cluster}\n"
         "# apply with: kubectl apply -k <this folder>\n"
     )
-    images = [
-        {"name": ref.rsplit("@", 1)[0].rsplit(":", 1)[0], "newTag": ref.rsplit(":", 1)[1]}
-        for ref in sorted(
-            {d.dcfg.images.inference, d.dcfg.images.trainer, d.dcfg.images.controller}
-        )
-        if "@" not in ref and ":" in ref.rsplit("/", 1)[-1]
-    ]
+    refs = {d.dcfg.images.inference, d.dcfg.images.trainer, d.dcfg.images.controller}
+    images = [kustomize_image(ref) for ref in sorted(refs)]
     body = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -112,14 +143,31 @@ def kustomization(d: Deployment, resources: list[str]) -> str:
     return head + yaml.safe_dump(body, sort_keys=False)
 
 
+def kustomize_image(ref: str) -> Obj:
+    """`host/repo:tag` or `host/repo[:tag]@sha256:...` as a kustomize `images` entry
+    (which an overlay's `kustomize edit set image` replaces)."""
+    name, _, digest = ref.partition("@")
+    head, sep, tag = name.rpartition(":")
+    if sep and "/" not in tag:  # a tag, not a registry port
+        name = head
+    else:
+        tag = ""
+    if digest:
+        return {"name": name, "digest": digest}
+    return {"name": name, "newTag": tag}
+
+
 def dump_objects(objs: list[Obj]) -> str:
     return "---\n".join(yaml.safe_dump(o, sort_keys=False) for o in objs)
 
 
 def _namespace(d: Deployment) -> Obj:
-    ns_labels = labels(d, "namespace")
+    # Not labelled with the run: a delete by the run's label never takes the namespace.
     # Every pod below satisfies the "restricted" Pod Security Standard.
-    ns_labels["pod-security.kubernetes.io/enforce"] = "restricted"
+    ns_labels = {
+        "app.kubernetes.io/name": "areal-hex",
+        "pod-security.kubernetes.io/enforce": "restricted",
+    }
     return {
         "apiVersion": "v1",
         "kind": "Namespace",
@@ -144,7 +192,11 @@ def _configmap(d: Deployment) -> Obj:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta(d, f"{d.prefix}-config", "config"),
-        "data": {"config.yaml": dump_yaml(d.cfg), "plan.yaml": plan_yaml},
+        "data": {
+            "config.yaml": dump_yaml(d.cfg),
+            "plan.yaml": plan_yaml,
+            PREDICTION: prediction_text(d.prediction),
+        },
     }
 
 
@@ -166,7 +218,7 @@ def _pvc(d: Deployment) -> Obj:
 
 def _prepare(d: Deployment) -> Obj:
     """One-shot Job writing v0; every other areal-hex pod waits for it (init container)."""
-    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    svc = ServiceSpec("prepare", "controller", d.prepare_command(f"{CONFIG_DIR}/{PREDICTION}"))
     res = d.dcfg.resources.prepare
     spec = pod_spec(d, svc, d.dcfg.images.controller, res, svc.command, wait_weights=False)
     spec["containers"][0]["name"] = "prepare"
@@ -295,6 +347,12 @@ def _trainer_template(
         {"name": "metrics", "containerPort": metrics},  # rank 0 (pod index 0) serves it
     ]
     spec["restartPolicy"] = "Never"
+    if d.dcfg.trainer.liveness_s is not None:
+        # a row in metrics.jsonl after every step (rank 0 writes it to the shared volume,
+        # so every pod of the gang sees a hung step); a killed pod fails the gang, which
+        # the JobSet restarts from the newest checkpoint
+        alive = ["alive", str(RunPaths.of(d.cfg).metrics), str(d.dcfg.trainer.liveness_s)]
+        spec["containers"][0]["livenessProbe"] = probe_exec(alive, 60, 3, delay=60)
     affinity = placement_affinity(d, part, _selector(pod_labels), one_per_node=svc.nodes > 1)
     if affinity is not None:
         spec["affinity"] = affinity
@@ -333,6 +391,7 @@ def _redis(d: Deployment) -> list[Obj]:
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    **_priority(d),
                     # 999: the official image's redis user
                     "securityContext": pod_security(999),
                     "containers": [_redis_container(d)],
@@ -352,6 +411,10 @@ def _redis(d: Deployment) -> list[Obj]:
         },
     }
     return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
+
+
+def _priority(d: Deployment) -> Obj:
+    return {"priorityClassName": d.dcfg.priority_class} if d.dcfg.priority_class else {}
 
 
 def _redis_container(d: Deployment) -> Obj:
@@ -394,7 +457,8 @@ def _redis_claim(d: Deployment) -> Obj:
     }
     if d.dcfg.storage.storage_class:
         spec["storageClassName"] = d.dcfg.storage.storage_class
-    return {"metadata": {"name": "redis-data"}, "spec": spec}
+    # labelled: the PVC the StatefulSet creates from it goes with a delete by the run's label
+    return {"metadata": {"name": "redis-data", "labels": labels(d, "redis")}, "spec": spec}
 
 
 def scrape_all(ports: list[Obj], scrape: Callable[[int], list[Obj]]) -> list[Obj]:
@@ -455,4 +519,61 @@ def _network_policies(d: Deployment) -> list[Obj]:
     if d.dcfg.redis.mode == "internal":
         port = [{"protocol": "TCP", "port": d.dcfg.redis.port}]
         out.append(policy("redis", "redis", [{"from": [job_pods], "ports": port}]))
+    return out + _egress_policies(d, inst)
+
+
+def _egress_policies(d: Deployment, inst: str) -> list[Obj]:
+    """Egress as compose has it: the run's pods reach each other and DNS only; the
+    prepare job (it downloads the model) and the controller (the dataset) reach anything;
+    the reaper reaches the API server; an external Redis is reached on its port."""
+    dns = [{"protocol": p, "port": 53} for p in ("UDP", "TCP")]
+    rules: list[Obj] = [
+        {"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}]},
+        {"ports": dns},
+    ]
+    if d.dcfg.redis.mode == "external":
+        port = urlsplit(d.cfg.redis.url or "").port or 6379
+        rules.append({"ports": [{"protocol": "TCP", "port": port}]})
+
+    def policy(name: str, components: list[str] | None, egress: list[Obj]) -> Obj:
+        sel: Obj = {"matchLabels": {"app.kubernetes.io/instance": inst}}
+        if components:
+            key = "app.kubernetes.io/component"
+            sel["matchExpressions"] = [{"key": key, "operator": "In", "values": components}]
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta(d, f"{d.prefix}-{name}", "network"),
+            "spec": {"podSelector": sel, "policyTypes": ["Egress"], "egress": egress},
+        }
+
+    # The API server's address is not known in advance (nor always a pod or a Service
+    # address a policy can name): its usual ports, to any address.
+    api = [{"protocol": "TCP", "port": p} for p in (443, 6443)]
+    return [
+        policy("egress", None, rules),
+        policy("egress-downloads", ["prepare", "controller"], [{}]),
+        policy("egress-api", ["lifecycle"], [{"ports": api}]),
+    ]
+
+
+def disruption_budgets(d: Deployment) -> list[Obj]:
+    """A drain may not evict a trainer pod (it would fail the gang and redo the steps
+    since the last checkpoint) nor Redis, and evicts inference servers one at a time
+    (the controller sends their work to the others meanwhile)."""
+
+    def pdb(component: str, max_unavailable: int) -> Obj:
+        return {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": meta(d, f"{d.prefix}-{component}-pdb", "disruption"),
+            "spec": {
+                "maxUnavailable": max_unavailable,
+                "selector": {"matchLabels": _selector(labels(d, component))},
+            },
+        }
+
+    out = [pdb("trainer", 0), pdb("inference", 1)]
+    if d.dcfg.redis.mode == "internal":
+        out.append(pdb("redis", 0))
     return out

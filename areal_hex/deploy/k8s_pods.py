@@ -7,8 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from areal_hex.config.deploy import Resources
-from areal_hex.deploy.common import CONFIG_DIR, SECRETS_DIR, Deployment, entry_argv
-from areal_hex.deploy.names import gpu_label_value, slug
+from areal_hex.deploy.common import (
+    CONFIG_DIR,
+    SECRETS_DIR,
+    Deployment,
+    entry_argv,
+    instance_label,
+)
+from areal_hex.deploy.names import gpu_label_value
 from areal_hex.layout import ServiceSpec
 
 Obj = dict[str, Any]
@@ -17,7 +23,7 @@ Obj = dict[str, Any]
 def labels(d: Deployment, component: str, **extra: str) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "areal-hex",
-        "app.kubernetes.io/instance": slug(d.cfg.run.run_id or d.prefix, 63),
+        "app.kubernetes.io/instance": instance_label(d.cfg.run.run_id or d.prefix),
         "app.kubernetes.io/component": component,
     }
     out.update(extra)
@@ -45,9 +51,58 @@ def scrape_annotations(port: int) -> dict[str, str]:
     }
 
 
+_MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_MEMORY_UNITS.update({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40})
+
+
+def cpu_millis(quantity: str) -> int:
+    """A CPU quantity (`4`, `0.5`, `500m`) in millicores."""
+    if quantity.endswith("m"):
+        return int(float(quantity[:-1]))
+    return int(round(float(quantity) * 1000))
+
+
+def memory_bytes(quantity: str) -> int:
+    """A memory quantity (`16Gi`, `512Mi`, `1G`, plain bytes) in bytes."""
+    num = quantity.rstrip("KMGTi")
+    return int(float(num) * _MEMORY_UNITS[quantity[len(num) :]])
+
+
+def cpu_quantity(millis: int) -> str:
+    return str(millis // 1000) if millis % 1000 == 0 else f"{millis}m"
+
+
+def memory_quantity(n: int) -> str:
+    """Bytes as whole Mi (rounded up), or Gi where exact."""
+    mib = -(-n // 2**20)
+    return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"
+
+
+def pod_share(res: Resources, gpus: int) -> Resources:
+    """What a pod with `gpus` GPUs gets from the per-GPU `res` (inference and trainer
+    pods); CPU-only pods (`gpus` 0) get `res` as it is."""
+    if gpus <= 1:
+        return res
+    return Resources(
+        cpu=cpu_quantity(cpu_millis(res.cpu) * gpus),
+        memory=memory_quantity(memory_bytes(res.memory) * gpus),
+        cpu_limit=cpu_quantity(cpu_millis(res.cpu_limit) * gpus) if res.cpu_limit else None,
+        memory_limit=(
+            memory_quantity(memory_bytes(res.memory_limit) * gpus) if res.memory_limit else None
+        ),
+        shm=memory_quantity(memory_bytes(res.shm) * gpus),
+    )
+
+
 def resources(res: Resources, gpus: int) -> Obj:
-    requests: dict[str, str] = {"cpu": res.cpu, "memory": res.memory}
-    limits: dict[str, str] = {"memory": res.memory_limit or res.memory}
+    """Requests and limits of a container whose pod has a memory-backed /dev/shm of
+    `res.shm`: its pages are charged to the container's memory, so the shm size is added
+    to the request and the limit rather than taken out of the processes' memory."""
+    shm = memory_bytes(res.shm)
+    memory = memory_quantity(memory_bytes(res.memory) + shm)
+    limit = memory_quantity(memory_bytes(res.memory_limit or res.memory) + shm)
+    requests: dict[str, str] = {"cpu": res.cpu, "memory": memory}
+    limits: dict[str, str] = {"memory": limit}
     if res.cpu_limit:
         limits["cpu"] = res.cpu_limit
     if gpus:
@@ -165,8 +220,9 @@ def pod_spec(
     env: list[Obj] | None = None,
     wait_weights: bool = True,
 ) -> Obj:
-    """A pod running `args` (a layout command) on `svc`'s GPU kind; with `wait_weights`,
-    it starts once the initial weights exist."""
+    """A pod running `args` (a layout command) on `svc`'s GPU kind, with `res` per GPU
+    (`pod_share`); with `wait_weights`, it starts once the initial weights exist."""
+    res = pod_share(res, svc.gpus)
     vols, mounts = volumes(d, res.shm)
     base_env: list[Obj] = [
         {"name": "HF_HOME", "value": f"{d.dcfg.storage.mount_path}/hf-cache"},
@@ -199,6 +255,8 @@ def pod_spec(
         "containers": [container],
         "volumes": vols,
     }
+    if d.dcfg.priority_class:
+        spec["priorityClassName"] = d.dcfg.priority_class
     if wait_weights:
         spec["initContainers"] = [wait_for_weights(d, image)]
     sel = node_selector(d, svc)

@@ -88,6 +88,8 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
         "-m",
         "areal_hex.deploy.prepare",
         "{config}",
+        "--prediction",
+        "/etc/areal-hex/prediction.json",
         "--source",
         plan.model,
     ]
