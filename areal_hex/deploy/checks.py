@@ -249,14 +249,15 @@ def placement_warning(plan: Plan, dcfg: DeployConfig, target: str) -> str | None
 def image_warnings(dcfg: DeployConfig) -> list[str]:
     """Images a cluster's nodes will not find: `localhost/...` names what a local
     `docker build` tagged, which exists on that machine only."""
-    out = []
-    for role in ("inference", "trainer", "controller", "redis"):
-        ref = getattr(dcfg.images, role)
-        if ref.startswith("localhost/"):
-            out.append(
-                f"images.{role} is {ref}, a local build: a cluster's nodes cannot pull it; "
-                f"push it and name your registry (images.{role}, --image-tag, or "
-                "`kustomize edit set image` on the base), with a digest "
-                "(host/repo@sha256:...) to pin what runs"
-            )
-    return out
+    local = [
+        f"images.{role} {ref}"
+        for role in ("inference", "trainer", "controller", "redis")
+        if (ref := getattr(dcfg.images, role)).startswith("localhost/")
+    ]
+    if not local:
+        return []
+    return [
+        f"{', '.join(local)}: local builds, which a cluster's nodes cannot pull; push them "
+        "and name your registry (`images` in the deploy config, --image-tag, or `kustomize "
+        "edit set image` on the base), with a digest (host/repo@sha256:...) to pin what runs"
+    ]

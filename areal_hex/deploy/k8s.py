@@ -152,9 +152,10 @@ def kustomize_image(ref: str) -> Obj:
         name = head
     else:
         tag = ""
+    entry = {"name": name, "newTag": tag} if tag else {"name": name}
     if digest:
-        return {"name": name, "digest": digest}
-    return {"name": name, "newTag": tag}
+        entry["digest"] = digest  # with a tag, kustomize keeps both: repo:tag@sha256:...
+    return entry
 
 
 def dump_objects(objs: list[Obj]) -> str:

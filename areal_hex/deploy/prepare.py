@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from pathlib import Path
 
 
 def check_config(cfg) -> str | None:  # cfg: ExperimentConfig
@@ -24,6 +25,17 @@ def check_config(cfg) -> str | None:  # cfg: ExperimentConfig
     if cfg.model.path is None:
         return "model.path (the v0 directory) is not set"
     return None
+
+
+def install_prediction(cfg, source: Path) -> Path:  # cfg: ExperimentConfig
+    """The rendered `prediction.json` into the run directory, where the trainer's
+    /metrics (`prom.prediction_collectors`) and the report read it."""
+    from areal_hex.run_files import RunPaths
+
+    dest = RunPaths.of(cfg).prediction
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal_hex.config import ConfigError, load_config
     from areal_hex.models import materialize
-    from areal_hex.run_files import RunPaths
 
     try:
         cfg = load_config(args.config)
@@ -48,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare: error: {problem}", file=sys.stderr)
         return 2
     if args.prediction is not None:
-        dest = RunPaths.of(cfg).prediction
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(args.prediction, dest)
+        install_prediction(cfg, Path(args.prediction))
     source = cfg.model.model_copy(
         update={"path": args.source, "tokenizer_path": args.tokenizer_source}
     )
