@@ -230,10 +230,13 @@ def scrape_targets(d: Deployment) -> dict[str, list[str]]:
 
 def prometheus_config(d: Deployment) -> dict[str, Any]:
     """Scrape every service; the trainer's and controller's /metrics need the service
-    token (the `api-token` secret), the servers' do not."""
+    token (the `api-token` secret), the servers' do not. Every series is labelled `run`
+    with the run id (the dashboard's run filter)."""
     jobs = []
+    run = {"run": d.cfg.run.run_id or ""}
     for job, targets in scrape_targets(d).items():
-        entry: dict[str, Any] = {"job_name": job, "static_configs": [{"targets": targets}]}
+        static = [{"targets": targets, "labels": run}]
+        entry: dict[str, Any] = {"job_name": job, "static_configs": static}
         if job != "inference":
             token = f"{COMPOSE_SECRETS_DIR}/api-token"
             entry["authorization"] = {"type": "Bearer", "credentials_file": token}
