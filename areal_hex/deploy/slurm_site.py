@@ -57,7 +57,7 @@ class KindPlacement(Placement):
     def share(self, gpus: int) -> tuple[int, str]:
         """(--cpus-per-task, --mem) for `gpus` GPUs of one node (the whole `cpus` and
         `mem` on CPU-only nodes)."""
-        if not self.gpus or self.gpus_per_node is None:
+        if not self.gpus or self.gpus_per_node is None or gpus >= self.gpus_per_node:
             return self.cpus, self.mem
         part = min(1.0, gpus / self.gpus_per_node)
         mem_mb = megabytes(self.mem)

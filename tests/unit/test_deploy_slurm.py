@@ -94,8 +94,10 @@ def test_components_and_steps_match_the_plan(tmp_path, plan_file, cfg_file):
         assert comp["gres"] == f"gpu:{place.gres_type}:{gpus}"
         # the share of the node's CPUs and memory that its GPUs are
         share = gpus / place.gpus_per_node
-        assert comp["cpus-per-task"] == str(int(place.cpus * share))
-        assert comp["mem"] == f"{int(megabytes(place.mem) * share)}M"
+        want = (str(place.cpus), place.mem)  # a whole node: as the site file says
+        if share < 1:
+            want = (str(int(place.cpus * share)), f"{int(megabytes(place.mem) * share)}M")
+        assert (comp["cpus-per-task"], comp["mem"]) == want
     t = plan.trainer
     trainer = comps[-1]
     assert trainer["nodes"] == str(len(t.placements))
