@@ -1,20 +1,20 @@
 """Kubernetes rendering: one file per concern, applied in file-name order.
 
-Objects: Namespace, Secret (Redis password, service token), ConfigMap (resolved config and
-plan, no secrets), a ReadWriteMany PVC for runs and weights, Redis (StatefulSet + Service)
-unless external, one inference Deployment + Service per planned instance (each keeps its
-index, port and TP degree; pinned to its GPU kind by node selector), the rollout
-controller, the trainer as an indexed Job with a headless Service for torch.distributed
-rendezvous, and NetworkPolicies (only this job's pods reach Redis and control endpoints).
+Objects: Secret (Redis password, service token), ConfigMap (resolved config, plan and its
+prediction, no secrets), a ReadWriteMany PVC for runs and weights, Redis (StatefulSet +
+Service) unless external, one inference Deployment + Service per planned instance (each
+keeps its index, port and TP degree; pinned to its GPU kind by node selector), the
+rollout controller, the trainer as a JobSet or an indexed Job (`k8s_trainer`),
+NetworkPolicies and PodDisruptionBudgets (`k8s_policy`) and the reaper
+(`k8s_lifecycle`); the Namespace only when asked (`create_namespace`), since a
+namespace holds many runs.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
@@ -34,12 +34,16 @@ from areal_hex.deploy.k8s_pods import (
     container_security,
     http_probes,
     labels,
+    meta,
+    metrics_port,
     pod_security,
     pod_spec,
     probe_exec,
     scrape_annotations,
     secret_name,
+    selector,
 )
+from areal_hex.deploy.k8s_policy import disruption_budgets, network_policies
 from areal_hex.deploy.k8s_trainer import (
     KUEUE_QUEUE,
     NODE_RANK_OFFSET,
@@ -59,10 +63,6 @@ SECRET_MANIFEST = "secrets/secret.yaml"  # excluded from git like the values
 KUSTOMIZATION = "kustomization.yaml"
 
 
-def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
-    return {"name": name, "namespace": d.dcfg.namespace, "labels": labels(d, component, **extra)}
-
-
 def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
     """File name -> objects in it."""
     files: dict[str, list[Obj]] = {
@@ -72,7 +72,7 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "05-prepare.yaml": [_prepare(d)],
         "20-controller.yaml": [_controller(d)],
         "30-trainer.yaml": (trainer := _trainer(d)),
-        "40-networkpolicy.yaml": _network_policies(d),
+        "40-networkpolicy.yaml": network_policies(d),
         "45-disruption.yaml": disruption_budgets(d),
         "50-lifecycle.yaml": lifecycle_objects(d, trainer[-1], inference_names(d)),
     }
@@ -328,7 +328,7 @@ def _trainer(d: Deployment) -> list[Obj]:
         return [jobset(d, job_meta, templates)]
     [(part, template)] = templates  # refuse_mixed_trainer: across kinds it is a JobSet
     template["spec"]["subdomain"] = name
-    headless = headless_service(d, meta(d, name, "trainer"), _selector(pod_labels))
+    headless = headless_service(d, meta(d, name, "trainer"), selector(pod_labels))
     return [headless, indexed_job(d, part, job_meta, template)]
 
 
@@ -354,26 +354,13 @@ def _trainer_template(
         # the JobSet restarts from the newest checkpoint
         alive = ["alive", str(RunPaths.of(d.cfg).metrics), str(d.dcfg.trainer.liveness_s)]
         spec["containers"][0]["livenessProbe"] = probe_exec(alive, 60, 3, delay=60)
-    affinity = placement_affinity(d, part, _selector(pod_labels), one_per_node=svc.nodes > 1)
+    affinity = placement_affinity(d, part, selector(pod_labels), one_per_node=svc.nodes > 1)
     if affinity is not None:
         spec["affinity"] = affinity
     return {
         "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
         "spec": spec,
     }
-
-
-def metrics_port(d: Deployment, component: str) -> int:
-    """The /metrics port of the trainer's rank 0 or of the controller (set by
-    `resolve_config`)."""
-    port = d.cfg.trainer.metrics_port if component == "trainer" else d.cfg.rollout.metrics_port
-    assert port, "resolve_config sets a fixed metrics port"
-    return port
-
-
-def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
-    keys = ("app.kubernetes.io/instance", "app.kubernetes.io/component")
-    return {k: pod_labels[k] for k in keys}
 
 
 def _redis(d: Deployment) -> list[Obj]:
@@ -386,7 +373,7 @@ def _redis(d: Deployment) -> list[Obj]:
         "spec": {
             "serviceName": name,
             "replicas": 1,
-            "selector": {"matchLabels": _selector(pod_labels)},
+            "selector": {"matchLabels": selector(pod_labels)},
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
@@ -411,7 +398,7 @@ def _redis(d: Deployment) -> list[Obj]:
             "volumeClaimTemplates": [_redis_claim(d)],
         },
     }
-    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
+    return [_service(d, name, "redis", port, selector(pod_labels)), sts]
 
 
 def _priority(d: Deployment) -> Obj:
@@ -460,121 +447,3 @@ def _redis_claim(d: Deployment) -> Obj:
         spec["storageClassName"] = d.dcfg.storage.storage_class
     # labelled: the PVC the StatefulSet creates from it goes with a delete by the run's label
     return {"metadata": {"name": "redis-data", "labels": labels(d, "redis")}, "spec": spec}
-
-
-def scrape_all(ports: list[Obj], scrape: Callable[[int], list[Obj]]) -> list[Obj]:
-    return [rule for p in ports for rule in scrape(p["port"])]
-
-
-def _network_policies(d: Deployment) -> list[Obj]:
-    inst = labels(d, "x")["app.kubernetes.io/instance"]
-    job_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}
-
-    def policy(name: str, component: str | None, ingress: list[Obj]) -> Obj:
-        sel = {"app.kubernetes.io/instance": inst}
-        if component:
-            sel["app.kubernetes.io/component"] = component
-        return {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": meta(d, f"{d.prefix}-{name}", "network"),
-            "spec": {
-                "podSelector": {"matchLabels": sel},
-                "policyTypes": ["Ingress"],
-                "ingress": ingress,
-            },
-        }
-
-    inf_ports = [{"protocol": "TCP", "port": s.port} for s in d.layout.by_role("inference")]
-
-    def pods(component: str) -> Obj:
-        sel = {"app.kubernetes.io/instance": inst, "app.kubernetes.io/component": component}
-        return {"podSelector": {"matchLabels": sel}}
-
-    def scrape(port: int) -> list[Obj]:
-        ns = d.dcfg.metrics.prometheus_namespace
-        if ns is None:
-            return []
-        who = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-        return [{"from": [who], "ports": [{"protocol": "TCP", "port": port}]}]
-
-    out = [
-        # Default: nothing reaches this job's pods ...
-        policy("deny-ingress", None, []),
-        # ... but the controller reaches the servers (generation, and the weight-update
-        # calls: weights travel over the shared volume, announced over HTTP),
-        policy(
-            "inference",
-            "inference",
-            [{"from": [pods("controller")], "ports": inf_ports}, *scrape_all(inf_ports, scrape)],
-        ),
-        # trainer ranks reach each other (rendezvous, NCCL),
-        policy(
-            "trainer",
-            "trainer",
-            [{"from": [pods("trainer")]}, *scrape(metrics_port(d, "trainer"))],
-        ),
-        # and Prometheus (if named) reaches the metrics ports.
-        policy("controller", "controller", scrape(metrics_port(d, "controller"))),
-    ]
-    if d.dcfg.redis.mode == "internal":
-        port = [{"protocol": "TCP", "port": d.dcfg.redis.port}]
-        out.append(policy("redis", "redis", [{"from": [job_pods], "ports": port}]))
-    return out + _egress_policies(d, inst)
-
-
-def _egress_policies(d: Deployment, inst: str) -> list[Obj]:
-    """Egress as compose has it: the run's pods reach each other and DNS only; the
-    prepare job (it downloads the model) and the controller (the dataset) reach anything;
-    the reaper reaches the API server; an external Redis is reached on its port."""
-    dns = [{"protocol": p, "port": 53} for p in ("UDP", "TCP")]
-    rules: list[Obj] = [
-        {"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}]},
-        {"ports": dns},
-    ]
-    if d.dcfg.redis.mode == "external":
-        port = urlsplit(d.cfg.redis.url or "").port or 6379
-        rules.append({"ports": [{"protocol": "TCP", "port": port}]})
-
-    def policy(name: str, components: list[str] | None, egress: list[Obj]) -> Obj:
-        sel: Obj = {"matchLabels": {"app.kubernetes.io/instance": inst}}
-        if components:
-            key = "app.kubernetes.io/component"
-            sel["matchExpressions"] = [{"key": key, "operator": "In", "values": components}]
-        return {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": meta(d, f"{d.prefix}-{name}", "network"),
-            "spec": {"podSelector": sel, "policyTypes": ["Egress"], "egress": egress},
-        }
-
-    # The API server's address is not known in advance (nor always a pod or a Service
-    # address a policy can name): its usual ports, to any address.
-    api = [{"protocol": "TCP", "port": p} for p in (443, 6443)]
-    return [
-        policy("egress", None, rules),
-        policy("egress-downloads", ["prepare", "controller"], [{}]),
-        policy("egress-api", ["lifecycle"], [{"ports": api}]),
-    ]
-
-
-def disruption_budgets(d: Deployment) -> list[Obj]:
-    """A drain may not evict a trainer pod (it would fail the gang and redo the steps
-    since the last checkpoint) nor Redis, and evicts inference servers one at a time
-    (the controller sends their work to the others meanwhile)."""
-
-    def pdb(component: str, max_unavailable: int) -> Obj:
-        return {
-            "apiVersion": "policy/v1",
-            "kind": "PodDisruptionBudget",
-            "metadata": meta(d, f"{d.prefix}-{component}-pdb", "disruption"),
-            "spec": {
-                "maxUnavailable": max_unavailable,
-                "selector": {"matchLabels": _selector(labels(d, component))},
-            },
-        }
-
-    out = [pdb("trainer", 0), pdb("inference", 1)]
-    if d.dcfg.redis.mode == "internal":
-        out.append(pdb("redis", 0))
-    return out

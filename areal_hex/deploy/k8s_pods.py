@@ -267,3 +267,20 @@ def pod_spec(
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
     return spec
+
+
+def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
+    return {"name": name, "namespace": d.dcfg.namespace, "labels": labels(d, component, **extra)}
+
+
+def metrics_port(d: Deployment, component: str) -> int:
+    """The /metrics port of the trainer's rank 0 or of the controller (set by
+    `resolve_config`)."""
+    port = d.cfg.trainer.metrics_port if component == "trainer" else d.cfg.rollout.metrics_port
+    assert port, "resolve_config sets a fixed metrics port"
+    return port
+
+
+def selector(pod_labels: dict[str, str]) -> dict[str, str]:
+    keys = ("app.kubernetes.io/instance", "app.kubernetes.io/component")
+    return {k: pod_labels[k] for k in keys}
