@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from areal_hex.config import load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.deploy.reaper import KubeApi, scale_to_zero, wait_for_trainer
 from areal_hex.plan import load_plan
+from hexctl.deploy import render
+from hexctl.job.deploy_config import DeployConfig
+from hexctl.runtime.reaper import KubeApi, scale_to_zero, wait_for_trainer
 from tests.k8s_schema import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,8 +168,10 @@ def test_two_runs_of_one_name_share_no_object_name(tmp_path):
 def test_reaper_takes_its_namespace_from_the_pod(monkeypatch, capsys):
     """No --namespace in the rendered args: the downward API's POD_NAMESPACE, so a
     kustomize overlay's namespace is the one it watches; neither given: exit 2."""
-    from areal_hex.deploy import reaper
+    from hexctl.deploy.k8s_lifecycle import NAMESPACE_ENV
+    from hexctl.runtime import reaper
 
+    assert reaper.NAMESPACE_ENV == NAMESPACE_ENV  # what the rendered Job sets
     seen = {}
 
     def fake_wait(api, ns, kind, name, poll_s):

@@ -19,13 +19,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from areal_hex.config import ConfigError, ExperimentConfig, load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.deploy.k8s import DELETE_KINDS
-from areal_hex.deploy.k8s_pods import cpu_millis, memory_bytes
-from areal_hex.deploy.prepare import install_prediction
 from areal_hex.plan import Baselines, load_plan
 from areal_hex.prom import prediction_collectors, registry_with
+from hexctl.deploy import render
+from hexctl.deploy.k8s import DELETE_KINDS
+from hexctl.deploy.k8s_pods import cpu_millis, memory_bytes
+from hexctl.deploy.prepare import install_prediction
+from hexctl.job.deploy_config import DeployConfig
 from tests.k8s_schema import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,8 +166,8 @@ def test_mixed_kind_scrape_shows_real_gpu_kinds_and_predicted_rates(tmp_path):
     the trainer's predicted-rate collectors from the prediction the prepare job puts in
     the run directory."""
     from rollout_service.client import InferenceClient
-    from rollout_service.dispatch import Dispatcher
-    from rollout_service.wiring import serve_metrics
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.wiring import serve_metrics
 
     plan = load_plan(HETRL_PLAN)
     objs = _render(tmp_path / "out", plan=HETRL_PLAN)
@@ -248,7 +248,7 @@ def test_pod_resources_follow_the_gpus_with_shm_on_top(tmp_path):
 
 
 def test_a_lost_rack_placement_is_a_loud_warning(tmp_path, capsys):
-    from areal_hex.cli import main
+    from hexctl.cli import main
 
     plan = load_plan(PLAN)
     metis = Baselines(placement="metis", first_fit_samples_per_s=41.31)
@@ -290,7 +290,7 @@ def test_budgets_priority_liveness_and_egress(tmp_path):
     pods.append(trainer_pod)
     assert all(p["priorityClassName"] == "rl-batch" for p in pods)
     probe = trainer_pod["containers"][0]["livenessProbe"]["exec"]["command"]
-    assert probe[:4] == ["python3", "-m", "areal_hex.deploy.probe", "alive"]
+    assert probe[:4] == ["python3", "-m", "hexctl.runtime.probe", "alive"]
     assert probe[4].endswith("/metrics.jsonl") and probe[5] == "1800"
 
     policies = [o["spec"] for o in objs if o["kind"] == "NetworkPolicy"]
@@ -309,7 +309,7 @@ def test_budgets_priority_liveness_and_egress(tmp_path):
 
 
 def test_image_digests_are_kept_and_local_images_warned_about(tmp_path, capsys):
-    from areal_hex.cli import main
+    from hexctl.cli import main
 
     deploy_yaml = tmp_path / "deploy.yaml"
     images = {
