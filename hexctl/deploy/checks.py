@@ -230,8 +230,8 @@ def placement_warning(plan: Plan, dcfg: DeployConfig, target: str) -> str | None
     gain = ""
     if b.first_fit_samples_per_s is not None:
         gain = (
-            f" ({plan.predicted.samples_per_s:.2f} samples/s placed, "
-            f"{b.first_fit_samples_per_s:.2f} placed first-fit)"
+            f": {plan.predicted.samples_per_s:.2f} samples/s placed, "
+            f"{b.first_fit_samples_per_s:.2f} first-fit"
         )
     how = {
         "k8s": "map every plan node to its machine (`placement` in the deploy config: a "
@@ -241,7 +241,7 @@ def placement_warning(plan: Plan, dcfg: DeployConfig, target: str) -> str | None
         "`constraint` or `extra: [--nodelist=...]` in the site file",
     }[target]
     return (
-        f"the plan places its pools on the cluster's topology (placement: metis){gain}, "
+        f"the plan places its pools on the cluster's topology (METIS{gain}), "
         f"and this render does not keep it: {how}"
     )
 

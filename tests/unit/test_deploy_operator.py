@@ -258,7 +258,7 @@ def test_a_lost_rack_placement_is_a_loud_warning(tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert "WARNING: the plan places its pools on the cluster's topology" in err
-    assert "41.31 placed first-fit" in err and "placement" in err
+    assert "41.31 first-fit" in err and "placement" in err
     # mapped node by node (here by hostname), the warning goes
     nodes = {i.placement.node for i in plan.rollout} | {p.node for p in plan.trainer.placements}
     mapped = [a for n in sorted(nodes) for a in ("--node", f"{n}={n}")]
