@@ -25,6 +25,7 @@ from hexctl.deploy.common import (
     resolved_files,
     secret_files,
 )
+from hexctl.deploy.quantities import pod_share
 from hexctl.job.deploy_config import Resources
 from hexctl.job.layout import ServiceSpec
 
@@ -152,8 +153,8 @@ def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> 
         "restart": "unless-stopped",
         **HARDENING,
     }
-    if res is not None:
-        out["shm_size"] = docker_size(res.shm)
+    if res is not None:  # per GPU of the service, as the pods get it
+        out["shm_size"] = docker_size(pod_share(res, svc.gpus).shm)
     if svc.gpus:
         devices = [str(g) for g in svc.devices]
         out["deploy"] = {

@@ -79,7 +79,7 @@ class MetricsDeployConfig(Section):
 
 
 CPU_QUANTITY = r"^[0-9]+(\.[0-9]+)?m?$"  # 4, 0.5, 500m
-MEMORY_QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGT]i?)?$"  # 16Gi, 512Mi, 1G, 1073741824
+MEMORY_QUANTITY = r"^[0-9]+([KMGT]i?)?$"  # 16Gi, 512Mi, 1G, 1073741824
 
 
 class Resources(Section):
