@@ -45,7 +45,9 @@ import sys
 from areal_hex.config import InferenceConfig, ModelConfig
 from rollout_service.server.main import serve
 weights, context, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-inf = InferenceConfig(weights_dir=weights, context_length=context, max_prompt_chars=1000)
+inf = InferenceConfig(
+    weights_dir=weights, context_length=context, max_prompt_chars=1000, num_threads=1
+)
 serve(ModelConfig(path=weights + "/v0"), inf, port)
 """
 
