@@ -79,11 +79,11 @@ def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServe
 async def give_back(producer: RedisTrajectoryProducer) -> None:
     """A stopping controller gives back what it still holds, rather than leaving it for
     the lease to expire."""
-    import redis.exceptions
+    from areal_hex.buffer.errors import BUFFER_ERRORS
 
     try:
         n = await producer.give_back_all()
-    except (redis.exceptions.RedisError, OSError) as exc:
+    except BUFFER_ERRORS as exc:
         log.error("could not give back admissions (the lease expiry will): %s", exc)
         return
     if n:
@@ -143,6 +143,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cfg.rollout,
         max_groups=target_groups(cfg),
+        buffer_retry_s=cfg.buffer.retry_s,
         metrics_path=RunPaths.of(cfg).rollout,
         stop_token_ids=[eos] if eos is not None else [],
         weights_dir=cfg.inference.weights_dir,

@@ -90,6 +90,7 @@ class Engine:
             ("gen", "prompt", "requests", "aborted", "updates", "prefills", "steps"), 0
         )
         self.last_error: str | None = None
+        self.released: frozenset[str] = frozenset()  # /release_memory_occupation tags
         self._rate: deque[tuple[float, int]] = deque()
         self._n_running = 0
         self.weight_groups: dict[str, WeightGroup] = {}  # joined weight-update groups
@@ -130,6 +131,10 @@ class Engine:
     ) -> None:
         if not prompt:
             raise EngineError("input_ids: the prompt is empty")
+        if len(prompt) > self.opts.context_length:  # before the checks that read every id
+            raise EngineError(
+                f"prompt: {len(prompt)} tokens exceed the context length {self.opts.context_length}"
+            )
         vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -176,6 +181,12 @@ class Engine:
         """Validate and register a request (EngineError: refused); `run` then sends it.
         `want`: prompt log-probs and top alternatives to compute."""
         self.validate(prompt, sampling, want)
+        if self.released:
+            raise EngineError(
+                f"memory released ({', '.join(sorted(self.released))}): "
+                "call /resume_memory_occupation first",
+                503,
+            )
         assert self._loop is not None and self._gate is not None, "engine not started"
         loop = self._loop
         fut: asyncio.Future[GenRequest] = loop.create_future()
@@ -249,6 +260,14 @@ class Engine:
         assert self._gate is not None
         await self._control("release")
         self._gate.set()
+
+    async def set_memory(self, release: bool, tags: frozenset[str]) -> str:
+        """Release or resume the device memory named by `tags` (SGLang's
+        weights / kv_cache / cuda_graph); while any is released, new requests are refused
+        (503). Returns what moved."""
+        done = str(await self._control("memory", release=release, tags=tags))
+        self.released = (self.released | tags) if release else (self.released - tags)
+        return done
 
     async def update_weights(self, path: str, version: str | None, abort_all: bool) -> int:
         """Load new weights between steps; with `abort_all` in-flight requests end first
