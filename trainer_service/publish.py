@@ -13,6 +13,7 @@ weights is needed. v0 (the initial model) is never deleted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,8 @@ from areal_hex.weight_net import (
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 # files of a model directory that are weights or config; everything else (tokenizer,
 # generation config, chat template) is copied from the initial model as is
@@ -166,10 +169,12 @@ class NetworkSink:
             self.failures += 1
             self.close()
             self.epoch += 1
-            print(
-                f"trainer: weights v{version} not delivered over the network ({exc}); "
-                f"the next version forms group epoch {self.epoch}",
-                flush=True,
+            log.warning(
+                "weights v%d not delivered over the network (%s); the next version forms "
+                "group epoch %d",
+                version,
+                exc,
+                self.epoch,
             )
             return
         self.last_sync_s = time.perf_counter() - t0
