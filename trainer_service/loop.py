@@ -11,10 +11,11 @@ buffer: a restarted trainer rolls the weights back to the checkpoint and receive
 again, so each group ends up in the committed weights exactly once. Within a run, a
 pending group delivered a second time (reclaimed while waiting for a commit) is skipped.
 
-A trainer with no checkpoint to resume from (killed before its first) rejoins the run
-the same way at version 0: the buffer's version and gate are restored and the servers
-reload v0, so groups made by the lost weights' versions are dropped (counted, and owed
-to the controller) rather than trained into the fresh model.
+A trainer with no checkpoint to resume from (killed before its first) whose buffer is
+past version 0 rejoins the run the same way at version 0: the buffer's version and gate
+are restored and the servers reload v0, so groups made by the lost weights' versions
+are dropped (counted, and owed to the controller) rather than trained into the fresh
+model.
 
 Stopping (SIGTERM / Ctrl-C, `request_stop`): rank 0 stops waiting for a batch, every
 rank leaves the loop after the step under way, and a checkpoint of the last completed
@@ -125,9 +126,10 @@ class Trainer:
         way the buffer is brought back to this version (`_republish`)."""
         path = self._choose_checkpoint()
         if path is None:
-            if self.consumer is not None:
-                checkpoint.rollback(self.committed_log, 0)  # every commit was lost
-            self._republish()
+            if self._versions_lost():
+                if self.consumer is not None:
+                    checkpoint.rollback(self.committed_log, 0)  # every commit was lost
+                self._republish()
             return
         saved = checkpoint.load(self.ctx.engine, path)
         self.state.step, self.state.version = saved["step"], saved["version"]
@@ -143,6 +145,16 @@ class Trainer:
             if position is not None:
                 self.consumer.seek(position)
         self._republish()
+
+    def _versions_lost(self) -> bool:
+        """No checkpoint, yet the buffer is past version 0: a trainer before this one
+        published versions that died with it (a fresh run has nothing to rejoin)."""
+        import torch.distributed as dist
+
+        lost = [self.consumer is not None and self.consumer.version() > 0]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(lost, src=0)
+        return bool(lost[0])
 
     def _choose_checkpoint(self) -> Path | None:
         """Rank 0 verifies the checkpoints (setting a corrupt newest one aside) and tells

@@ -227,3 +227,18 @@ def test_before_any_restore_a_version_ahead_of_the_buffer_is_kept() -> None:
             assert int(endpoint.sync_client().get(BufferKeys(run_id).dropped_stale) or 0) == 0
         finally:
             source.close()
+
+
+def test_a_fresh_trainer_has_nothing_to_rejoin(tmp_path: Path) -> None:
+    """No checkpoint and the buffer still at version 0: a fresh run. Nothing is restored
+    or announced (the servers already serve v0)."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    with EmbeddedValkey(appendonly=False) as server:
+        source = BufferSource(RedisConfig(url=server.url), BufferConfig(), run_id, retry_s=5)
+        try:
+            _trainer(tmp_path, source).resume()
+            r = RedisEndpoint(server.url).sync_client()
+            assert r.get(BufferKeys(run_id).lineage) is None
+            assert r.get(BufferKeys(run_id).version) is None
+        finally:
+            source.close()
