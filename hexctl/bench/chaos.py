@@ -390,12 +390,18 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 job.reach(at_step)
             if baseline is None:
                 baseline = live_ledger(job.run_dir)
+            if job.step() >= args.steps:  # the job ran past the fault's step to its end
+                faults.append({"kind": kind, "at_step": job.step(), "struck": False})
+                continue
             faults.append(job.fault(kind))
     finally:
         rc = job.finish()
     summary = json.loads(RunPaths.at(job.run_dir).summary.read_text())
     completed = rc == 0 and summary.get("steps") == args.steps
     for f in faults:
+        if f.get("struck") is False:
+            f.update(completed=completed, lost=None, trained_twice=None)
+            continue
         f["restarts"], f["restarted_after_s"] = restarts_of(job.run_dir, f["kind"], f.pop("t"))
         f["completed"] = completed
     keys = ["groups_admitted", "groups_produced", "groups_trained", "groups_dropped_stale"]
