@@ -17,6 +17,14 @@ from areal_hex.config import ConfigError
 from areal_hex.config.base import Section, build, read_yaml
 from scheduler.catalogue import GpuKind, UnknownGpuKind, resolve_kind
 
+# The largest inventory a spec may describe. The planner's work grows with node groups,
+# not machines, but placement and the plan list every machine; 4,096 GPUs plan in well
+# under a minute (docs/planner.md, Bench).
+MAX_GPUS_PER_NODE = 72  # an NVL72 rack is one NVLink domain
+MAX_NODES_PER_GROUP = 4_096
+MAX_MACHINES = 8_192
+MAX_GPUS = 65_536
+
 
 class IntraNode(Section):
     kind: Literal["nvlink", "pcie"] = "nvlink"
@@ -26,8 +34,8 @@ class IntraNode(Section):
 class NodeGroup(Section):
     name: str
     gpu: str
-    gpus_per_node: int = Field(gt=0)
-    nodes: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE)
+    nodes: int = Field(gt=0, le=MAX_NODES_PER_GROUP)
     zone: str
     usd_per_gpu_hour: float = Field(gt=0)
     intra_node: IntraNode
@@ -119,6 +127,14 @@ def load_cluster(path: str | Path) -> Cluster:
 
 def make_cluster(spec: ClusterSpec, source: str = "cluster spec") -> Cluster:
     errors: list[str] = []
+    machines = sum(g.nodes for g in spec.node_groups)
+    gpus = sum(g.nodes * g.gpus_per_node for g in spec.node_groups)
+    if machines > MAX_MACHINES or gpus > MAX_GPUS:
+        raise ConfigError(
+            f"invalid cluster spec ({source}): node_groups: {machines:,} machines with "
+            f"{gpus:,} GPUs; a spec holds at most {MAX_MACHINES:,} machines and "
+            f"{MAX_GPUS:,} GPUs"
+        )
     zone_of: dict[str, Zone] = {}
     for i, z in enumerate(spec.zones):
         if z.name in zone_of:

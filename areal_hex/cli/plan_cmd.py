@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -96,11 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
     from scheduler.report import sweep_budgets, table
     from scheduler.workload import load_workload
 
-    for flag, v in (("--budget", args.budget), ("--target-rate", args.target_rate)):
-        if v is not None and not v > 0:
-            raise UsageError(f"{flag} must be a positive number, got {v:g}")
-    if args.time_limit <= 0:
-        raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
+    _check_numbers(args, UsageError)
     cl = load_cluster(args.cluster)
     m = load_model_shape(args.model)
     w = load_workload(args.workload)
@@ -179,6 +176,26 @@ def _plan(args: argparse.Namespace) -> int:
             )
         print(f"\nwrote {out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
+
+
+MAX_TUNED = 64  # the most staleness bounds or publish intervals the tuning plans through
+
+
+def _check_numbers(args: argparse.Namespace, error: type[Exception]) -> None:
+    """Every number on the command line finite and in range, named when it is not."""
+    for flag, v in (
+        ("--budget", args.budget),
+        ("--target-rate", args.target_rate),
+        ("--time-limit", args.time_limit),
+    ):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise error(f"{flag} must be a positive finite number, got {v:g}")
+    for flag, v in (
+        ("--max-staleness", args.max_staleness),
+        ("--max-publish-interval", args.max_publish_interval),
+    ):
+        if v is not None and not 0 <= v <= MAX_TUNED:
+            raise error(f"{flag} must be between 0 and {MAX_TUNED}, got {v}")
 
 
 def _profile(args: argparse.Namespace) -> int:
