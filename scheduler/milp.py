@@ -216,19 +216,20 @@ def _model(
     y = {i: prob.add_variable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
     x = {i: prob.add_variable(f"x{i}", lowBound=0, upBound=1, cat="Integer") for i in cis}
     R = prob.add_variable("R", lowBound=target or 0.0)
-    zones = sorted({p.rollouts[i].zone for i in ris})
+    # index the options once: every per-group or per-zone sum below is then linear in
+    # the options, not options × groups (thousands of each at 4,096 GPUs)
+    in_zone: dict[str, list[int]] = {}
+    in_group: dict[str, list[int]] = {}
+    for i in ris:
+        in_zone.setdefault(p.rollouts[i].zone, []).append(i)
+        in_group.setdefault(p.rollouts[i].group, []).append(i)
+    zones = sorted(in_zone)
     G = {z: prob.add_variable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
     for z in zones:
-        prob += G[z] == pulp.lpSum(
-            p.rollouts[i].samples_per_s * y[i] for i in ris if p.rollouts[i].zone == z
-        )
+        prob += G[z] == pulp.lpSum(p.rollouts[i].samples_per_s * y[i] for i in in_zone[z])
     big_m = sum(
         max(
-            (
-                p.rollouts[i].samples_per_s / p.rollouts[i].tp
-                for i in ris
-                if p.rollouts[i].group == g
-            ),
+            (p.rollouts[i].samples_per_s / p.rollouts[i].tp for i in in_group.get(g, [])),
             default=0.0,
         )
         * n
@@ -246,9 +247,7 @@ def _model(
     for g, total in p.gpus.items():
         for t in p.tps.get(g) or [1]:
             lhs = pulp.lpSum(
-                p.rollouts[i].tp * y[i]
-                for i in ris
-                if p.rollouts[i].group == g and p.rollouts[i].tp >= t
+                p.rollouts[i].tp * y[i] for i in in_group.get(g, []) if p.rollouts[i].tp >= t
             )
             lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in users.get(g, [])]
             prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
