@@ -37,6 +37,7 @@ class Assessment:
     cost_ratio: float | None = None
     recommended_mode: str = "async"
     unspent_usd_per_h: float = 0.0
+    one_kind_reason: str | None = None
 
 
 def assess(
@@ -82,9 +83,60 @@ def assess(
     if best_homo > 0:
         out.homogeneous_ratio = round(rate / best_homo, 4)
     out.cost_ratio = cost_ratio
+    out.one_kind_reason = one_kind_reason(cl, m, p, got)
     if sync_rate > rate:
         out.recommended_mode = "synchronous"
     return out
+
+
+def one_kind_reason(cl: Cluster, m: ModelShape, p: PlanSpace, got: Placed) -> str | None:
+    """Why a plan on one GPU kind leaves the inventory's other kinds out, in what a mix
+    would need. Per kind left out, its best rollout instance's useful samples/s per $/h at
+    the plan's rate (weight-sync pauses over its link and the staleness window included)
+    against the plan's own instances': where the pauses take all its time, the link
+    bandwidth or publish interval that would make it pay; where it is simply dearer per
+    sample, the price that would; and, when training binds, the training it buys per $/h."""
+    sol, rate = got.solution, got.rate
+    used = set(sol.trainer.kinds) | {p.rollouts[i].kind for i in sol.replicas}
+    if len(used) > 1 or rate <= 0 or not sol.replicas:
+        return None
+    w, c_idx = p.workload, sol.extra["trainer_index"]
+    period = w.publish_interval * w.samples_per_step / rate  # seconds between publishes
+
+    def useful(r) -> float:  # samples/s per $/h at the plan's rate
+        s = p.sync_s[(r.zone, c_idx)]
+        return generation_at(w, [(r, s, 1)], rate) / r.usd_per_h
+
+    mine = max(useful(p.rollouts[i]) for i in sol.replicas)
+    mine_kind = next(iter(used))
+    notes = []
+    for kind in sorted({r.kind for r in p.rollouts} - used):
+        r = max((r for r in p.rollouts if r.kind == kind), key=useful)
+        s = p.sync_s[(r.zone, c_idx)]
+        alone = r.samples_per_s / r.usd_per_h  # without pauses
+        if alone <= mine:
+            gpu = r.usd_per_h / r.tp
+            notes.append(
+                f"{kind} generates {alone:.3f} samples/s per $/h even without pauses, "
+                f"against {mine:.3f} on {mine_kind} (it would pay below "
+                f"${gpu * alone / mine:.2f}/GPU-h)"
+            )
+            continue
+        need = 1 - mine / alone  # the pause share at which it would pay
+        link = cl.link(sol.trainer.zones[0], r.zone)
+        weights = 2.0 * m.params / 1e9  # bf16 GB
+        bytes_ = w.constants.weight_sync_factor * weights  # the sync's calibrated cost
+        room = need * period - link.latency_ms / 1e3  # seconds of pause it could afford
+        want = f"a link of {bytes_ / room:.1f} GB/s" if room > 0 else "no pause at all"
+        k = int(s * rate / (w.samples_per_step * need)) + 1 if need > 0 else None
+        notes.append(
+            f"{kind} instances would pause {s:.1f} s per weight publish ({weights:.1f} GB over "
+            f"{link.bandwidth_gbs:g} GB/s, x{w.constants.weight_sync_factor:g} as measured) every "
+            f"{period:.1f} s: {useful(r):.3f} samples/s "
+            f"per $/h against {mine:.3f} on {mine_kind}; a mix would need at least {want}"
+            + (f" or trainer.publish_every >= {k}" if k else "")
+        )
+    return "; ".join(notes) or None
 
 
 def _budget_binds(

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster, one_kind
-from scheduler.milp import PlanSpace, solution_for
+from scheduler.milp import PlanSpace, solution_for, solve
 from scheduler.model_shape import ModelShape
-from scheduler.placing import TARGET_TOLERANCE, Placed, placed
+from scheduler.placing import TARGET_TOLERANCE, Placed, placed, polished
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 
@@ -43,17 +43,23 @@ def one_kind_plan(
     from scheduler.planner import problem_for, search  # the planner imports this module
 
     sub = one_kind(cl, kind)
+    found: list[Placed] = []
     try:
         sp = problem_for(sub, m, w, prof)
         got = search(
             sub, m, w, sp, budget=budget, target=target, time_limit_s=time_limit_s, seeds=False
         ).best
+        found.append(_in_full(cl, m, w, p, sp, got))
     except ConfigError:
-        return None
-    full = _in_full(cl, m, w, p, sp, got)
-    if target is not None and full.rate < target * (1 - TARGET_TOLERANCE):
-        return None
-    return full
+        pass
+    if budget is not None:  # phase 1 of the whole inventory, kept to the kind, seeds too
+        sol = solve(p, budget, time_limit_s=time_limit_s, allowed_kinds={kind}, cheapest=False)
+        if sol is not None:
+            start = placed(cl, m, w, p, sol)
+            found.append(polished(cl, m, w, p, start, budget, None, {kind}, cheapest=False)[0])
+        return max(found, key=lambda x: (x.rate, -x.solution.cost), default=None)
+    reach = [x for x in found if x.rate >= target * (1 - TARGET_TOLERANCE)]
+    return min(reach, key=lambda x: x.solution.cost, default=None)
 
 
 def _in_full(

@@ -134,6 +134,8 @@ def _verdict(b) -> str:
             "raises the rate)"
         )
     line = "; ".join(parts)
+    if b.one_kind_reason:
+        line += f"\none kind only: {b.one_kind_reason}"
     if b.recommended_mode == "synchronous":
         line += (
             f"\nrecommended: synchronous colocated training ({b.synchronous_samples_per_s:.3f} "
