@@ -12,6 +12,9 @@ best one-kind plan at the same budget. metis_gain: simulated rate of phase 2's M
 mapping over first-fit placement of the same phase-1 decision on the rack inventory.
 target_rate_ok: share of --target-rate requests at 0.5/0.9/0.99/1.0 x a budget plan's
 reported rate that succeed.
+plan_s_many_groups (and its largest, max_plan_s_many_groups_4096 at the default size): the
+whole plan on an inventory of many small node groups (two 8-GPU machines each, every group
+a price of its own, so no two merge), budget = half its price.
 min_budget_used: the least share of the budget a plan spends where the inventory does
 not bind (budget_used lists those plans); max_unspent_machines: the most any of those
 plans leaves unspent, in prices of the inventory's cheapest machine.
@@ -51,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC limit per solve, s")
     p.add_argument("--plan-sizes", default="1024,4096", help="GPU counts to time the whole plan at")
+    p.add_argument(
+        "--many-groups-sizes",
+        default="4096",
+        help="GPU counts to time the whole plan at on many small node groups",
+    )
 
 
 def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
@@ -77,22 +85,55 @@ def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
         for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True))
         if n > 0
     ]
-    links = [
-        {"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
-        for r in range(4)
-    ]
-    links += [
-        {"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
-        for a in range(4)
-        for b in range(a + 1, 4)
-    ]
     spec = ClusterSpec(
         name=f"generated-{gpus}",
         zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
         node_groups=groups,
-        links=links,
+        links=_generated_links(),
     )
     return make_cluster(spec)
+
+
+def many_groups_cluster(gpus: int, seed: int = 0, gpn: int = 8, machines: int = 2):
+    """`gpus` GPUs as node groups of `machines` machines each, kinds and zones drawn at
+    random over six kinds in 4 regions x 2 zones, every group's price its kind's plus a
+    per-group step (lots bought at different times): no two groups are alike, so the
+    planner cannot merge them and its work is in node groups."""
+    rng = random.Random(seed)
+    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
+    groups = []
+    for i in range(gpus // (gpn * machines)):
+        kind, price = KINDS[rng.randrange(len(KINDS))]
+        groups.append(
+            {
+                "name": f"lot{i}",
+                "gpu": kind,
+                "gpus_per_node": gpn,
+                "nodes": machines,
+                "zone": zones[rng.randrange(len(zones))][0],
+                "usd_per_gpu_hour": round(price * (1 + 0.0005 * i), 5),
+                "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
+            }
+        )
+    spec = ClusterSpec(
+        name=f"many-groups-{gpus}",
+        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
+        node_groups=groups,
+        links=_generated_links(),
+    )
+    return make_cluster(spec)
+
+
+def _generated_links() -> list[dict]:
+    links = [
+        {"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
+        for r in range(4)
+    ]
+    return links + [
+        {"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
+        for a in range(4)
+        for b in range(a + 1, 4)
+    ]
 
 
 def random_small_cluster(seed: int):
@@ -166,6 +207,12 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
         plan_s[str(size)] = round(time.perf_counter() - t0, 3)
+    many = {}
+    for size in [int(s) for s in args.many_groups_sizes.split(",") if s]:
+        cl = many_groups_cluster(size)
+        t0 = time.perf_counter()
+        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
+        many[str(size)] = round(time.perf_counter() - t0, 3)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
     sim_err, speedup, used, targets, unspent, sim_eta_k = {}, {}, {}, [], {}, {}
     for wname in ("long_cot", "math_grpo"):
@@ -195,6 +242,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "solve_s": solve_s,
         "plan_s": plan_s,
+        "plan_s_many_groups": many,
+        **({"max_plan_s_many_groups_4096": many["4096"]} if "4096" in many else {}),
         "mip_gap_by_size": gaps,
         "max_gap_vs_exhaustive": round(gap, 6),
         "exhaustive_clusters_compared": compared,

@@ -219,10 +219,6 @@ def _target_seed(
     more where placement costs rate); else the fastest plan with every GPU affordable,
     searched exactly as a `--budget` plan is (from the MILP pick and every one-kind plan),
     so a target at or below a rate `plan --budget` reported for the inventory is met."""
-    try:
-        return seed_for_target(cl, m, w, p, target, time_limit_s)
-    except ConfigError:
-        pass
     bound = reach_bound(cl, p)
     if target > bound:
         raise ConfigError(
@@ -230,6 +226,10 @@ def _target_seed(
             "samples/s would need every GPU generating, the fastest trainer, and no pause "
             "for weight syncs)"
         )
+    try:
+        return seed_for_target(cl, m, w, p, target, time_limit_s)
+    except ConfigError:
+        pass
     price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
     top = search(cl, m, w, p, budget=price, prof=prof, time_limit_s=time_limit_s, seeds=seeds).best
     if top.rate >= target * (1 - TARGET_TOLERANCE):
@@ -375,12 +375,15 @@ def synchronous_rate(p: PlanSpace, w: Workload, budget: float) -> float:
     decode) + the training step. Searched over the same trainer configurations."""
     best = 0.0
     longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
+    in_group: dict[str, list[RolloutOption]] = {}
+    for r in p.rollouts:
+        in_group.setdefault(r.group, []).append(r)
     for c in p.trainers:
         if c.usd_per_h > budget:
             continue
         gen, tail = 0.0, 0.0
         for g, n in c.parts:
-            opts = [r for r in p.rollouts if r.group == g and r.tp <= n and n % r.tp == 0]
+            opts = [r for r in in_group.get(g, []) if r.tp <= n and n % r.tp == 0]
             if not opts:
                 continue
             r = max(opts, key=lambda r: r.samples_per_s / r.tp)

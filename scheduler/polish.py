@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from scheduler.costmodel import generation_at
 from scheduler.milp import PlanSpace, evaluate, lost_blocks
 
 SCREEN = 4  # candidates placed per round (max rate: the highest bounds)
@@ -195,6 +196,27 @@ def _round(
     use = _Usage(p, reps)
     here = cost_of(p, c, {})
     gen = sum(p.rollouts[i].samples_per_s * n for i, n in reps.items())
+    # the generation function G'(R) of a move falls as R grows, and a move reaching R' ≥ x
+    # has G'(x) ≥ G'(R') ≥ R': so G' at the rate to beat (summed from each instance's
+    # share at that rate, computed once per instance and trainer zone) bounds the move
+    at = cur if target is None else target * (1 - tolerance)
+    share: dict[tuple[int, str], float] = {}
+    base: dict[str, float] = {}
+
+    def one(i: int, c2: int) -> float:
+        key = (i, p.trainers[c2].zones[0])
+        if key not in share:
+            r = p.rollouts[i]
+            share[key] = generation_at(p.workload, [(r, p.sync_s[(r.zone, c2)], 1)], at)
+        return share[key]
+
+    def gen_at(c2: int, out: int | None, add: int | None) -> float:
+        zone = p.trainers[c2].zones[0]
+        if zone not in base:
+            base[zone] = sum(n * one(i, c2) for i, n in reps.items())
+        got = base[zone] + (one(add, c2) if add is not None else 0.0)
+        return got - (one(out, c2) if out is not None else 0.0)
+
     cands: list[tuple[float, Move]] = []
     for c2, out, add in _moves(reps, c, ris, cis):
         k2 = cost - here + p.trainers[c2].usd_per_h
@@ -210,7 +232,12 @@ def _round(
         bound = min(p.trainers[c2].samples_per_s, h)
         if target is None and bound <= cur * (1 + GAIN):
             continue
-        if target is not None and bound < target * (1 - tolerance):
+        if target is not None and bound < at:
+            continue
+        bound = min(bound, gen_at(c2, out, add) * (1 + 1e-9))
+        if target is None and bound <= cur * (1 + GAIN):
+            continue
+        if target is not None and bound < at:
             continue
         if (out is not None and reps[out] == 1 and len(reps) == 1 and add is None) or not (
             use.fits(c2, c, out, add)

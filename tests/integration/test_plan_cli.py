@@ -328,11 +328,22 @@ def test_pinned_plan_deploys(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_bench_plan_small(tmp_path: Path) -> None:
     r = cli(
-        "bench", "plan", "--json", "--sizes", "64", "--plan-sizes", "64", "--random-clusters", "2"
+        "bench",
+        "plan",
+        "--json",
+        "--sizes",
+        "64",
+        "--plan-sizes",
+        "64",
+        "--random-clusters",
+        "2",
+        "--many-groups-sizes",
+        "128",
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc["solve_s"]) == {"64"} and set(doc["plan_s"]) == {"64"}
+    assert set(doc["plan_s_many_groups"]) == {"128"}
     assert doc["max_gap_vs_exhaustive"] == 0.0
     assert doc["max_sim_error"] <= 0.05
     inventories = {p.stem for p in (EX / "clusters").glob("*.yaml")}
