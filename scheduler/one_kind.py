@@ -11,6 +11,9 @@ is faster, or as fast for less, it is the plan.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster, one_kind
 from scheduler.milp import PlanSpace, solution_for, solve
@@ -47,7 +50,15 @@ def one_kind_plan(
     try:
         sp = problem_for(sub, m, w, prof)
         got = search(
-            sub, m, w, sp, budget=budget, target=target, time_limit_s=time_limit_s, seeds=False
+            sub,
+            m,
+            w,
+            sp,
+            budget=budget,
+            target=target,
+            time_limit_s=time_limit_s,
+            seeds=False,
+            cheapest=False,
         ).best
         found.append(_in_full(cl, m, w, p, sp, got))
     except ConfigError:
@@ -60,6 +71,17 @@ def one_kind_plan(
         return max(found, key=lambda x: (x.rate, -x.solution.cost), default=None)
     reach = [x for x in found if x.rate >= target * (1 - TARGET_TOLERANCE)]
     return min(reach, key=lambda x: x.solution.cost, default=None)
+
+
+def one_kind_plans(
+    cl: Cluster, m: ModelShape, w: Workload, p: PlanSpace, kinds: list[str], **kw: object
+) -> list[Placed | None]:
+    """`one_kind_plan` for each of `kinds`, side by side: each is its own CBC subprocess
+    and placement, and the kinds share nothing but the read-only inventory."""
+    if len(kinds) < 2:
+        return [one_kind_plan(cl, m, w, p, kind, **kw) for kind in kinds]  # type: ignore[arg-type]
+    with ThreadPoolExecutor(max_workers=min(len(kinds), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda k: one_kind_plan(cl, m, w, p, k, **kw), kinds))  # type: ignore[arg-type]
 
 
 def _in_full(

@@ -25,7 +25,7 @@ from scheduler.costmodel import (
 )
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
-from scheduler.one_kind import kinds_of, one_kind_plan
+from scheduler.one_kind import kinds_of, one_kind_plans
 from scheduler.partition import (
     Placement,
     PlacementCost,
@@ -178,30 +178,37 @@ def search(
     prof: Profile | None = None,
     time_limit_s: float = 60.0,
     seeds: bool = True,
+    cheapest: bool = True,
 ) -> Searched:
     """The placed plan: the fastest under `budget` (then the cheapest at that rate), or
     the cheapest at `target`. The local search starts from phase 1's pick and, with
     `seeds`, also from the best plan of each one-kind inventory (`one_kind.one_kind_plan`),
-    which the mix then never falls below."""
+    which the mix then never falls below. Without `cheapest` a budget plan keeps the
+    fastest mix found, not the cheapest at its rate (for a baseline, which is a rate)."""
+
+    def per_kind(kinds: list[str], **goal: float) -> list[Placed | None]:
+        return one_kind_plans(cl, m, w, p, kinds, prof=prof, time_limit_s=time_limit_s, **goal)
+
     if target is not None:
         best = _target_seed(cl, m, w, p, target, prof, time_limit_s, seeds)
         pick = best.rate
         best, moves = polished(cl, m, w, p, best, None, target)
         return Searched(best, pick, moves)
-    sol = solve(p, budget=budget, time_limit_s=time_limit_s)
+    sol = solve(p, budget=budget, time_limit_s=time_limit_s, cheapest=cheapest)
     if sol is None:
         raise ConfigError(_infeasible_message(p, budget, time_limit_s))
     best = placed(cl, m, w, p, sol)
     pick = best.rate
-    best, moves = polished(cl, m, w, p, best, budget, None)
+    best, moves = polished(cl, m, w, p, best, budget, None, cheapest=cheapest)
     rates: dict[str, float] = {}
-    for kind in kinds_of(p) if seeds else []:
-        hp = one_kind_plan(cl, m, w, p, kind, budget=budget, prof=prof, time_limit_s=time_limit_s)
+    kinds = kinds_of(p) if seeds else []
+    for kind, hp in zip(kinds, per_kind(kinds, budget=budget), strict=True):
         rates[kind] = hp.rate if hp is not None else 0.0
         if hp is not None and hp.rate > best.rate * (1 + GAIN):
             pick = hp.rate  # searched from, across kinds
             best, moves = polished(cl, m, w, p, hp, budget, None)
-    best = cheaper_at_rate(cl, m, w, p, best, time_limit_s)
+    if cheapest:
+        best = cheaper_at_rate(cl, m, w, p, best, time_limit_s)
     return Searched(best, pick, moves, rates)
 
 
@@ -285,15 +292,16 @@ def make_plan(
         best, cost_ratio = _one_kind_at_rate(cl, m, w, p, best, target, prof, time_limit_s)
         spend = budget if budget is not None else best.solution.cost
         if budget is None:  # at a target: what the plan's money buys on one kind
+            kinds = kinds_of(p)
             homo = {
-                kind: getattr(
-                    one_kind_plan(
-                        cl, m, w, p, kind, budget=spend, prof=prof, time_limit_s=time_limit_s
+                kind: 0.0 if got is None else got.rate
+                for kind, got in zip(
+                    kinds,
+                    one_kind_plans(
+                        cl, m, w, p, kinds, budget=spend, prof=prof, time_limit_s=time_limit_s
                     ),
-                    "rate",
-                    0.0,
+                    strict=True,
                 )
-                for kind in kinds_of(p)
             }
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
@@ -338,10 +346,9 @@ def _one_kind_at_rate(
     Where one is cheaper than the mix, it is the plan (ratio 1): a mix is not worth more
     money than one kind at the same rate."""
     goal = target if target is not None else best.rate
-    plans = [
-        one_kind_plan(cl, m, w, p, kind, target=goal, prof=prof, time_limit_s=time_limit_s)
-        for kind in kinds_of(p)
-    ]
+    plans = one_kind_plans(
+        cl, m, w, p, kinds_of(p), target=goal, prof=prof, time_limit_s=time_limit_s
+    )
     cheapest = min((x for x in plans if x is not None), key=lambda x: x.solution.cost, default=None)
     if cheapest is None:
         return best, None
