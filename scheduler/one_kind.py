@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster, one_kind
-from scheduler.milp import PlanSpace, solution_for, solve
+from scheduler.milp import COST_NODES, PlanSpace, solution_for, solve
 from scheduler.model_shape import ModelShape
 from scheduler.placing import TARGET_TOLERANCE, Placed, placed, polished
 from scheduler.profile import Profile
@@ -64,7 +64,14 @@ def one_kind_plan(
     except ConfigError:
         pass
     if budget is not None:  # phase 1 of the whole inventory, kept to the kind, seeds too
-        sol = solve(p, budget, time_limit_s=time_limit_s, allowed_kinds={kind}, cheapest=False)
+        sol = solve(
+            p,
+            budget,
+            time_limit_s=time_limit_s,
+            allowed_kinds={kind},
+            cheapest=False,
+            max_nodes=COST_NODES,
+        )
         if sol is not None:
             start = placed(cl, m, w, p, sol)
             found.append(polished(cl, m, w, p, start, budget, None, {kind}, cheapest=False)[0])
