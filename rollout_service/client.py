@@ -97,17 +97,6 @@ def parse_generate(body: Any) -> GenerateResult:
     )
 
 
-def _group_base(input_ids: list[list[int]], rids: list[str]) -> str | None:
-    """`base` when the batch is one prompt n > 1 times with rids `base_0` .. `base_{n-1}`."""
-    if len(rids) < 2 or len(input_ids) != len(rids) or not rids[0].endswith("_0"):
-        return None
-    base = rids[0][:-2]
-    if rids != [f"{base}_{i}" for i in range(len(rids))]:
-        return None
-    first = input_ids[0]
-    return base if all(x == first for x in input_ids) else None
-
-
 class InferenceClient:
     def __init__(
         self,
@@ -132,8 +121,6 @@ class InferenceClient:
         self._max_connections = max_inflight + 8
         self._session: aiohttp.ClientSession | None = None  # made on first use, in a loop
         self._slots = asyncio.Semaphore(max_inflight)
-        # whether the server takes `sampling_params.n` (None: not tried yet)
-        self._parallel: bool | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -202,23 +189,14 @@ class InferenceClient:
     async def generate_batch(
         self, input_ids: list[list[int]], sampling: SamplingParams, rids: list[str]
     ) -> list[GenerateResult]:
-        """Several requests in one `/generate` call; each result as `generate` returns
-        it. Takes one in-flight slot. A group (one prompt n times, rids `<base>_0` ..
-        `<base>_{n-1}`) goes as one request with `sampling_params.n` (SGLang's parallel
-        sampling, which names the samples that way); a server that refuses `n` gets the
-        batch form from then on."""
-        base = _group_base(input_ids, rids)
-        if base is not None and self._parallel is not False:
-            try:
-                body = await self._generate(list(input_ids[0]), sampling, base, len(rids))
-                self._parallel = True
-            except GenerationError as exc:
-                if self._parallel or exc.status not in (400, 422):
-                    raise
-                body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
-                self._parallel = False  # the batch form works where `n` did not
-        else:
-            body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
+        """Several requests in one `/generate` call (SGLang's batch form: one rid per
+        request); each result as `generate` returns it. Takes one in-flight slot.
+
+        A group (one prompt n times) goes as n copies of the prompt, never as one request
+        with `sampling_params.n`: SGLang gives parallel samples random ids, so only the
+        batch form lets `abort(rid)` reach each sample (SGLang's prefix cache and our
+        engine's shared prefill keep the repeated prompt cheap)."""
+        body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
 
         def parse() -> list[GenerateResult]:
             if not isinstance(body, list) or len(body) != len(input_ids):
@@ -227,12 +205,8 @@ class InferenceClient:
 
         return self._parsed(parse)
 
-    async def _generate(
-        self, input_ids: Any, sampling: SamplingParams, rid: Any, n: int = 1
-    ) -> Any:
+    async def _generate(self, input_ids: Any, sampling: SamplingParams, rid: Any) -> Any:
         params = sampling.to_wire()
-        if n > 1:
-            params["n"] = n
         payload: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": params,

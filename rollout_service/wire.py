@@ -1,6 +1,6 @@
 """Request and response shapes of the inference server: the SGLang native HTTP subset.
 
-Plain pydantic models, one per endpoint body, used by the server (rollout_service/app.py)
+Plain pydantic models, one per endpoint body, used by the server (rollout_service/server/app.py)
 to read requests and write responses and by the client (rollout_service/client.py) to
 read responses. Like SGLang, a request body ignores unknown top-level keys, but
 `sampling_params` takes only the keys SGLang defines (SGLang refuses others too), and a
@@ -15,6 +15,8 @@ Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "defaul
 
 from __future__ import annotations
 
+import re
+import time
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -113,15 +115,17 @@ class SamplingParamsIn(BaseModel):
     no_stop_trim: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream_interval: int = Field(1, ge=1, le=INT32)
-    # constrained decoding (rollout_service/grammar.py): at most one of them
+    # constrained decoding (rollout_service/server/grammar.py): at most one of them
     regex: Text | None = None
     json_schema: Text | None = None  # a JSON schema, as JSON text
     ebnf: Text | None = None  # GBNF or Lark
+    # a per-request random generator: the same seed draws the same tokens on the same
+    # server (sample j of n > 1 uses seed + j, so the samples differ)
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     # SGLang's, not implemented here: refused when set
     structural_tag: Any = None
     stop_regex: Any = None
     custom_params: Any = None
-    sampling_seed: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -132,7 +136,6 @@ class SamplingParamsIn(BaseModel):
         "structural_tag",
         "stop_regex",
         "custom_params",
-        "sampling_seed",
     )(refuse_if_set)
 
     @field_validator("top_k")
@@ -185,6 +188,12 @@ class SamplingParamsIn(BaseModel):
                 f"({self.max_new_tokens})"
             )
         return self
+
+    def for_sample(self, j: int) -> SamplingParamsIn:
+        """The parameters of sample j of a request asked for n times: its own seed."""
+        if self.sampling_seed is None or j == 0:
+            return self
+        return self.model_copy(update={"sampling_seed": self.sampling_seed + j})
 
     @property
     def greedy(self) -> bool:
@@ -379,6 +388,10 @@ class MetaInfo(Lenient):
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     # ours, beyond SGLang: the weight version that sampled each output token
     output_token_versions: list[str | int] | None = None
+    # SGLang's: tokens inside a reasoning section (no reasoning parser here: 0) and how
+    # often the request was retracted (its KV cache recomputed) while it ran
+    reasoning_tokens: int = 0
+    total_retractions: int = 0
 
 
 class GenerateOutput(Lenient):
@@ -415,6 +428,19 @@ class PauseReq(Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class MemoryOccupationReq(Lenient):
+    """`/release_memory_occupation`, `/resume_memory_occupation`: which memory (SGLang's
+    tags); null: all of it."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
+
+    def chosen(self) -> frozenset[str]:
+        return frozenset(self.tags if self.tags is not None else MEMORY_TAGS)
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
 class AbortReq(Lenient):
     rid: Text | None = None
     abort_all: bool = False
@@ -424,14 +450,41 @@ class ModelInfo(BaseModel):
     model_path: str
     tokenizer_path: str | None
     is_generation: bool = True
+    preferred_sampling_params: dict[str, Any] | None = None
     weight_version: str
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    model_type: str | None = None
     architectures: list[str] = []
     context_length: int = 0
 
 
-def error_body(message: str) -> dict[str, Any]:
-    """SGLang's error shape (a message quoting a lone surrogate keeps it escaped)."""
-    return {"error": {"message": message.encode("utf-8", "backslashreplace").decode("utf-8")}}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]*")
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    """The error shape of both APIs: OpenAI's `{"error": {message, type, param, code}}`
+    (SGLang's native errors carry `message` only; the other keys are extra there).
+    `param`: the field at fault; by default the `field:` a message starts with. A
+    message quoting a lone surrogate keeps it escaped."""
+    head = message.split(": ", 1)[0]
+    if param is None and ": " in message and _FIELD.fullmatch(head):
+        param = head
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {
+        "error": {
+            "message": message.encode("utf-8", "backslashreplace").decode("utf-8"),
+            "type": kind,
+            "param": param,
+            "code": "invalid_api_key" if status == 401 else None,
+        }
+    }
 
 
 class LoadInfo(BaseModel):
@@ -441,3 +494,4 @@ class LoadInfo(BaseModel):
     num_reqs: int  # running + queued
     num_waiting_reqs: int
     num_tokens: int  # prompt + output tokens of the running requests
+    ts_tic: float = Field(default_factory=time.time)  # when this snapshot was taken

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,8 @@ from areal_hex.trackers import open_run_trackers
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.step import StepContext, throttle_factor, throttle_problem
 
+log = logging.getLogger("trainer")
+
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
     run = RunPaths.of(cfg)
@@ -51,7 +54,7 @@ def make_consumer(cfg: ExperimentConfig) -> Any:
     from trainer_service.sources import BufferSource
 
     assert cfg.run.run_id is not None
-    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id, cfg.rollout.buffer_retry_s)
+    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id, cfg.buffer.retry_s)
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -152,7 +155,7 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
     server = MetricsServer(
         registry_with(*collectors), cfg.trainer.metrics_port, token=cfg.inference.api_key
     )
-    print(f"trainer: metrics on port {server.port}", flush=True)
+    log.info("metrics on port %d", server.port)
     return server
 
 
@@ -165,7 +168,7 @@ def status(rank: int, what: str) -> None:
     """A `[status]` line: the launcher's progress display shows the last one until the
     first step is done."""
     if rank == 0:
-        print(f"{STATUS_MARK}{what}", flush=True)
+        log.info("%s%s", STATUS_MARK, what)
 
 
 def stop_on_signals(trainer: Trainer) -> None:
@@ -185,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    # stdout, line by line: the launcher's progress display reads the [status] lines
+    logging.basicConfig(
+        level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stdout, force=True
+    )
     rank = int(os.environ.get("RANK", "0"))
     status(rank, "starting DeepSpeed (a first run builds its communication op)")
     rank, world = init_distributed(cfg.trainer.device)
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     early = trainer.stopped_early
     if rank == 0:
         what = "stopped (checkpointed)" if early else "done"
-        print(f"trainer: {what} at step {state.step}, version {state.version}", flush=True)
+        log.info("%s at step %d, version %d", what, state.step, state.version)
     import torch.distributed as dist
 
     dist.barrier()

@@ -42,8 +42,6 @@ class RolloutConfig(Section):
     metrics_port: int | None = Field(None, ge=0, lt=65536)
     # Seconds between health probes of unhealthy servers.
     probe_interval_s: float = Field(2.0, gt=0)
-    # Buffer calls (admit, put) are retried this long while Redis is unreachable.
-    buffer_retry_s: float = Field(60.0, ge=0)
     # How long `areal-hex rollout` waits at start for the first healthy server.
     startup_timeout_s: float = Field(600.0, gt=0)
     # What a weight update does to the requests in flight. "abort": they end with their

@@ -14,9 +14,9 @@ from areal_hex.config import DataConfig, RolloutConfig
 from areal_hex.data import build_prompts, generate_arithmetic
 from areal_hex.record import GroupRecord
 from areal_hex.rewards import RewardPool
-from rollout_service.controller import RolloutController
-from rollout_service.dispatch import Dispatcher
-from rollout_service.weight_sync import UpdateGate, WeightSync
+from rollout_service.controller.dispatch import Dispatcher
+from rollout_service.controller.rollout import RolloutController
+from rollout_service.controller.weight_sync import UpdateGate, WeightSync
 
 
 def _prompts(n: int = 8):
@@ -35,7 +35,9 @@ async def rewards():
     await pool.aclose()
 
 
-def _controller(servers, producer, rewards, tmp_path: Path, max_groups: int, **cfg):
+def _controller(
+    servers, producer, rewards, tmp_path: Path, max_groups: int, buffer_retry_s=60.0, **cfg
+):
     base = dict(group_size=3, max_new_tokens=16, metrics_interval_s=0.2, probe_interval_s=0.05)
     return RolloutController(
         servers,
@@ -46,6 +48,7 @@ def _controller(servers, producer, rewards, tmp_path: Path, max_groups: int, **c
         max_groups=max_groups,
         metrics_path=tmp_path / "rollout.jsonl",
         rewards=rewards,
+        buffer_retry_s=buffer_retry_s,
     )
 
 
@@ -316,7 +319,7 @@ async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> Non
     from prometheus_client.parser import text_string_to_metric_families
 
     from areal_hex.config import load_config
-    from rollout_service.wiring import serve_metrics
+    from rollout_service.controller.wiring import serve_metrics
 
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller([FakeServer("a")], producer, rewards, tmp_path, max_groups=4)
