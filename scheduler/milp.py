@@ -267,7 +267,7 @@ def _model(
 # a near-cheapest plan early and spends tens of seconds improving it by cents; the local
 # search on the placed plan lowers the cost further anyway. A node count, not a time, so
 # a plan does not depend on the machine's load. Rate-maximising solves run to the end.
-COST_NODES = 200
+COST_NODES = 50
 
 
 def _run_cbc(

@@ -3,6 +3,7 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from areal_hex.config import ConfigError
@@ -186,23 +187,31 @@ def search(
     which the mix then never falls below. Without `cheapest` a budget plan keeps the
     fastest mix found, not the cheapest at its rate (for a baseline, which is a rate)."""
 
-    def per_kind(kinds: list[str], **goal: float) -> list[Placed | None]:
-        return one_kind_plans(cl, m, w, p, kinds, prof=prof, time_limit_s=time_limit_s, **goal)
-
     if target is not None:
         best = _target_seed(cl, m, w, p, target, prof, time_limit_s, seeds)
         pick = best.rate
         best, moves = polished(cl, m, w, p, best, None, target)
         return Searched(best, pick, moves)
-    sol = solve(p, budget=budget, time_limit_s=time_limit_s, cheapest=cheapest)
-    if sol is None:
-        raise ConfigError(_infeasible_message(p, budget, time_limit_s))
-    best = placed(cl, m, w, p, sol)
-    pick = best.rate
-    best, moves = polished(cl, m, w, p, best, budget, None, cheapest=cheapest)
-    rates: dict[str, float] = {}
     kinds = kinds_of(p) if seeds else []
-    for kind, hp in zip(kinds, per_kind(kinds, budget=budget), strict=True):
+    with ThreadPoolExecutor(max_workers=1) as aside:
+        # the one-kind plans need nothing from phase 1's pick: they run beside it (each
+        # solve is a CBC subprocess, so two cores make them about free)
+        seeded = aside.submit(
+            one_kind_plans, cl, m, w, p, kinds, budget=budget, prof=prof, time_limit_s=time_limit_s
+        )
+        try:
+            sol = solve(p, budget=budget, time_limit_s=time_limit_s, cheapest=cheapest)
+            if sol is None:
+                raise ConfigError(_infeasible_message(p, budget, time_limit_s))
+            best = placed(cl, m, w, p, sol)
+            pick = best.rate
+            best, moves = polished(cl, m, w, p, best, budget, None, cheapest=cheapest)
+        except BaseException:
+            seeded.cancel()
+            raise
+        one_kind_best = seeded.result()
+    rates: dict[str, float] = {}
+    for kind, hp in zip(kinds, one_kind_best, strict=True):
         rates[kind] = hp.rate if hp is not None else 0.0
         if hp is not None and hp.rate > best.rate * (1 + GAIN):
             pick = hp.rate  # searched from, across kinds
