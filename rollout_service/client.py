@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ import pydantic
 
 from areal_hex.api import GenerateResult, SamplingParams
 from areal_hex.net import async_wait_until
+from areal_hex.weight_net import BucketSpec, GroupSpec
 from rollout_service import wire
 
 T = TypeVar("T")
@@ -248,6 +249,41 @@ class InferenceClient:
             raise GenerationError(
                 self.base_url + "/update_weights_from_disk", str(out.get("message"))
             )
+
+    async def init_weights_update_group(self, group: GroupSpec, rank_offset: int) -> None:
+        """Join the weight-update group as rank `rank_offset` (returns once every rank has
+        joined: call all servers at once, while the trainer joins as rank 0)."""
+        body = {**asdict(group), "rank_offset": rank_offset}
+        await self._weights_call("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        bucket: BucketSpec,
+        group_name: str,
+        weight_version: int | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Receive one bucket by broadcast from the trainer and load it; returns once
+        loaded. `weight_version` (on a version's last bucket) becomes the server's."""
+        body: dict[str, Any] = {
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "group_name": group_name,
+            "flush_cache": True,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = wire.version_to_wire(weight_version)
+        await self._weights_call("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _weights_call(self, path: str, body: dict[str, Any]) -> None:
+        out = await self._json("POST", path, body, timeout=self.update_timeout_s)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise GenerationError(self.base_url + path, str(out.get("message")))
 
     async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
         body = {

@@ -424,6 +424,61 @@ class UpdateWeightVersionReq(Lenient):
     abort_all_requests: bool = False
 
 
+class InitWeightsUpdateGroupReq(Lenient):
+    """SGLang's body: join the group at `master_address:master_port` as rank
+    `rank_offset` (the trainer is rank 0) of `world_size`."""
+
+    master_address: Text = Field(min_length=1)
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: Text = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitWeightsUpdateGroupReq:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset ({self.rank_offset}) must be below world_size ({self.world_size})"
+            )
+        return self
+
+
+class UpdateWeightsFromDistributedReq(Lenient):
+    """SGLang's body: receive one bucket, tensor i broadcast from rank 0 with
+    `dtypes[i]` and `shapes[i]`, loaded as `names[i]`."""
+
+    names: list[Text] = Field(min_length=1)
+    dtypes: list[Text]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: Text = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Text | None = None
+    load_format: Text | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateWeightsFromDistributedReq:
+        n = len(self.names)
+        if len(self.dtypes) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"names, dtypes and shapes must have the same length, got {n}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        if len(set(self.names)) != n:
+            raise ValueError("names: a tensor name is repeated")
+        if self.load_format is not None:
+            raise ValueError(
+                f"load_format {self.load_format!r}: the built-in engine receives one "
+                "broadcast per tensor (load_format null)"
+            )
+        return self
+
+
+class DestroyWeightsUpdateGroupReq(Lenient):
+    group_name: Text = "weight_update_group"
+
+
 class PauseReq(Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 

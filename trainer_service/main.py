@@ -28,7 +28,9 @@ from areal_hex.prom import (
 )
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
+from areal_hex.weight_net import Manifest
 from trainer_service.loop import Trainer, TrainerPaths
+from trainer_service.publish import NetworkSink
 from trainer_service.step import StepContext, throttle_factor, throttle_problem
 
 log = logging.getLogger("trainer")
@@ -139,7 +141,43 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
             "expected one speed per rank"
         )
     consumer = make_consumer(cfg) if rank == 0 else None
-    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
+    network = make_network_sink(cfg) if rank == 0 else None
+    return Trainer(
+        t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed, network
+    )
+
+
+def make_network_sink(cfg: ExperimentConfig) -> NetworkSink | None:
+    """Rank 0's side of rollout.weight_sync=network: rank 0 of the weight-update group,
+    its manifests left in the buffer's Redis for the controller."""
+    if cfg.rollout.weight_sync != "network":
+        return None
+    from urllib.parse import urlparse
+
+    from areal_hex.buffer import open_redis
+    from areal_hex.config.checks import weight_sync_backend, weight_sync_ranks_per_server
+    from areal_hex.weight_net import MANIFEST_TTL_S, address_toward, free_port, manifest_key
+
+    if cfg.redis.url is None or cfg.run.run_id is None:
+        raise UsageError("rollout.weight_sync=network needs redis.url and run.run_id")
+    t, run_id = cfg.trainer, cfg.run.run_id
+    first = urlparse(cfg.inference.urls()[0]).hostname or "127.0.0.1"
+    address = t.weight_sync_address or address_toward(first)
+    client = open_redis(cfg.redis).sync_client()
+
+    def put_manifest(m: Manifest) -> None:
+        client.set(manifest_key(run_id, m.version), m.to_json(), ex=MANIFEST_TTL_S)
+
+    return NetworkSink(
+        master_address=address,
+        master_port=t.weight_sync_port or free_port(address),
+        server_ranks=len(cfg.inference.urls()) * weight_sync_ranks_per_server(cfg),
+        backend=weight_sync_backend(cfg),
+        bucket_bytes=int(t.weight_sync_bucket_mb * 2**20),
+        timeout_s=t.weight_sync_timeout_s,
+        put_manifest=put_manifest,
+        ifname=t.weight_sync_ifname,
+    )
 
 
 def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | None:

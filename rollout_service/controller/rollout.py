@@ -43,7 +43,7 @@ from areal_hex.rewards import RewardPool
 from areal_hex.run_files import RolloutRow, append_row
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
-from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +67,7 @@ class RolloutController:
         gpu_kinds: Sequence[str] = (),
         settle_s: float = 0.0,
         buffer_retry_s: float = 60.0,
+        network: NetworkSource | None = None,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
         producer (a killed predecessor whose lease has not expired yet) to come back;
@@ -90,7 +91,7 @@ class RolloutController:
         self._owns_rewards = rewards is None
         self.gate = UpdateGate()
         self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
-        self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir)
+        self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir, network)
         self.dispatcher.on_recover = self.weights.recover
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,

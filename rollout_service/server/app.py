@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from areal_hex.gc_freeze import freeze_startup
+from areal_hex.weight_net import GroupSpec
 from rollout_service import wire
 from rollout_service.server import prompts
 from rollout_service.server.engine import Engine
@@ -51,6 +52,7 @@ class ServerSettings:
     # characters of one text prompt, checked before tokenizing (None: 32 per context token)
     max_prompt_chars: int | None = None
     served_model_name: str | None = None  # the OpenAI `model` id; default: the model path
+    weights_group_timeout_s: float = 300.0  # joining a weight group, receiving a bucket
 
     def prompt_chars(self, context_length: int) -> int:
         return self.max_prompt_chars or prompts.default_max_chars(context_length)
@@ -163,11 +165,7 @@ def _weight_routes(app: FastAPI) -> None:
         await request.app.state.engine.set_weight_version(body.new_version, body.abort_all_requests)
         return {"success": True, "message": f"weight version is {body.new_version}"}
 
-    @app.post("/init_weights_update_group")
-    @app.post("/update_weights_from_distributed")
-    async def distributed_unsupported() -> JSONResponse:
-        msg = "the built-in engine reloads weights from disk only (/update_weights_from_disk)"
-        return JSONResponse({"success": False, "message": msg}, status_code=400)
+    _network_weight_routes(app)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:
@@ -193,6 +191,61 @@ def _weight_routes(app: FastAPI) -> None:
         if not request.app.state.engine.can_flush():
             return error("cannot flush the cache while requests are running; retry", 400)
         return JSONResponse({"success": True, "message": "cache flushed"})
+
+
+def _network_weight_routes(app: FastAPI) -> None:
+    """SGLang's weights over the network: join a group whose rank 0 is the trainer,
+    receive buckets by broadcast (rollout_service/controller/weight_sync.py has the
+    sequence). Any refusal or failure is SGLang's `{success: false, message}` with 400."""
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(
+        body: wire.InitWeightsUpdateGroupReq, request: Request
+    ) -> JSONResponse:
+        spec = GroupSpec(
+            master_address=body.master_address,
+            master_port=body.master_port,
+            world_size=body.world_size,
+            group_name=body.group_name,
+            backend=body.backend,
+        )
+        timeout = request.app.state.settings.weights_group_timeout_s
+        engine: Engine = request.app.state.engine
+        return await _answer(
+            engine.init_weights_group(spec, body.rank_offset, timeout),
+            f"joined {body.group_name!r} as rank {body.rank_offset} of {body.world_size}",
+        )
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(
+        body: wire.UpdateWeightsFromDistributedReq, request: Request
+    ) -> JSONResponse:
+        engine: Engine = request.app.state.engine
+        call = engine.update_weights_from_group(
+            body.group_name,
+            body.names,
+            body.dtypes,
+            body.shapes,
+            body.weight_version,
+            body.abort_all_requests,
+        )
+        return await _answer(call, f"received {len(body.names)} tensor(s)")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await _optional_body(wire.DestroyWeightsUpdateGroupReq, request)
+        engine: Engine = request.app.state.engine
+        return await _answer(
+            engine.destroy_weights_group(body.group_name), f"left {body.group_name!r}"
+        )
+
+
+async def _answer(call: Awaitable[Any], done: str) -> JSONResponse:
+    try:
+        await call
+    except EngineError as exc:
+        return JSONResponse({"success": False, "message": str(exc)}, status_code=exc.status)
+    return JSONResponse({"success": True, "message": done})
 
 
 async def _optional_body(model: type[M], request: Request) -> M:

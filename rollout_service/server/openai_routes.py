@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,50 +77,19 @@ def add_openai_routes(app: FastAPI) -> None:
         engine: Engine = request.app.state.engine
         jobs = await _completion_jobs(engine, body, _max_chars(request))
         head = _Head(f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_id(request))
-        if body.stream:
-            if body.echo:
-                raise EngineError("echo: not supported with stream")
-            streams = _open_streams(engine, jobs)
-            events = _stream_completion(engine, head, jobs, streams, body)
-            return StreamingResponse(events, media_type="text/event-stream")
-        done = await run_all(engine, _open(engine, jobs), request)
-        if done is None:
-            return Response(status_code=499)
-        choices = [
-            _completion_choice(engine, job, req, body) for job, req in zip(jobs, done, strict=True)
-        ]
-        resp = ow.CompletionResponse(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=choices,
-            usage=_usage(jobs, done),
-        )
-        return JSONResponse(resp.model_dump())
+        if body.stream and body.echo:
+            raise EngineError("echo: not supported with stream")
+        kind = (_stream_completion, _completion_choice, ow.CompletionResponse)
+        return await _respond(engine, request, head, jobs, body, *kind)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ow.ChatRequest, request: Request) -> Response:
         engine: Engine = request.app.state.engine
         jobs = await _chat_jobs(engine, body, _max_chars(request))
         head = _Head(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_id(request))
-        if body.stream:
-            streams = _open_streams(engine, jobs)
-            events = _stream_chat(engine, head, jobs, streams, body)
-            return StreamingResponse(events, media_type="text/event-stream")
-        done = await run_all(engine, _open(engine, jobs), request)
-        if done is None:
-            return Response(status_code=499)
-        choices = [
-            _chat_choice(engine, job, req, body) for job, req in zip(jobs, done, strict=True)
-        ]
-        resp = ow.ChatResponse(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=choices,
-            usage=_usage(jobs, done),
+        return await _respond(
+            engine, request, head, jobs, body, _stream_chat, _chat_choice, ow.ChatResponse
         )
-        return JSONResponse(resp.model_dump())
 
 
 @dataclass
@@ -232,6 +201,36 @@ def _finish(req: GenRequest) -> tuple[str, int | str | None]:
     f = req.finish
     assert f is not None
     return f.type, f.matched if f.type == "stop" else None
+
+
+async def _respond(
+    engine: Engine,
+    request: Request,
+    head: _Head,
+    jobs: list,
+    body: Any,
+    stream_events: Callable[..., Any],
+    choice: Callable[..., Any],
+    response_type: type,
+) -> Response:
+    """The one path of both OpenAI routes: a stream of events, or every job run to its
+    end and answered as `response_type` with one choice per job (499: the client left)."""
+    if body.stream:
+        streams = _open_streams(engine, jobs)
+        events = stream_events(engine, head, jobs, streams, body)
+        return StreamingResponse(events, media_type="text/event-stream")
+    done = await run_all(engine, _open(engine, jobs), request)
+    if done is None:
+        return Response(status_code=499)
+    choices = [choice(engine, job, req, body) for job, req in zip(jobs, done, strict=True)]
+    resp = response_type(
+        id=head.id,
+        created=head.created,
+        model=head.model,
+        choices=choices,
+        usage=_usage(jobs, done),
+    )
+    return JSONResponse(resp.model_dump())
 
 
 def _usage(jobs: Sequence[_Job], reqs: Sequence[GenRequest]) -> ow.Usage:

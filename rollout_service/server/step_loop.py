@@ -210,6 +210,8 @@ class Core:
         return not self.rows or room >= self.e.opts.admit_at_least() or self.e.num_waiting() <= room
 
     def _reload(self, ctl: Control) -> bool:
+        if ctl.args.get("tensors") is not None:
+            return self._load_received(ctl)
         path, version = ctl.args["path"], ctl.args["version"]
         try:
             # Same architecture (the RL case): copy the tensors into the running model.
@@ -229,6 +231,28 @@ class Core:
             torch.cuda.empty_cache()
         self.e.counters["updates"] += 1
         log.info("loaded weights from %s (version %s)", path, self.e.weight_version)
+        ctl.result.set_result(ctl.args.get("aborted", 0))
+        return True
+
+    def _load_received(self, ctl: Control) -> bool:
+        """One bucket received over the network (`/update_weights_from_distributed`):
+        copy it into the running model. The version changes with the call that names one
+        (the controller names it on a version's last bucket), so a version is counted once."""
+        tensors: dict[str, torch.Tensor] = ctl.args["tensors"]
+        own = self.e.model.state_dict()
+        try:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    own[name].copy_(t)
+        except (KeyError, RuntimeError) as exc:
+            msg = f"failed to load the received weights: {type(exc).__name__}: {exc}"
+            ctl.result.set_exception(EngineError(msg))
+            return False
+        version = ctl.args["version"]
+        if version is not None:
+            self.e.weight_version = version
+            self.e.counters["updates"] += 1
+            log.info("received weights (version %s)", version)
         ctl.result.set_result(ctl.args.get("aborted", 0))
         return True
 
