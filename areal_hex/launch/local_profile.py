@@ -98,6 +98,7 @@ def measure_generation(
         "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
         "inference": {
             "device": cfg.inference.device,
+            "host": dev.address,
             "num_threads": dev.inference_threads,
             "max_running_requests": cfg.inference.max_running_requests,
             "context_length": cfg.inference.context_length,
@@ -143,6 +144,7 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(config), "--port", str(port)]
+    cmd = dev.node_prefix + cmd
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -152,7 +154,7 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
         try:
-            yield f"http://127.0.0.1:{port}", proc.pid
+            yield f"http://{dev.address}:{port}", proc.pid
         finally:
             proc.terminate()
             try:
@@ -307,6 +309,8 @@ def _measure_training(
 ) -> float:
     import torch.distributed as dist
 
+    if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
+        Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
     with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
         init_single_rank(dev.device)
         try:
@@ -376,16 +380,20 @@ def _train_rate(
 
 # ---------------------------------------------------------------- files
 def profile_local(
-    cfg: ExperimentConfig, out: Path, batches: list[int] | None = None
+    cfg: ExperimentConfig,
+    out: Path,
+    batches: list[int] | None = None,
+    dev: LocalDevices | None = None,
 ) -> LocalProfileFiles:
-    """Measure this machine for `cfg`'s job and write the planner's inputs into `out`."""
+    """Measure this machine for `cfg`'s job and write the planner's inputs into `out`;
+    `dev`: the devices to time (default: those `run` uses here)."""
     from scheduler.model_shape import load_model_shape
     from scheduler.profile import DeviceRates, Profile, save_profile
 
     files = LocalProfileFiles(out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(cfg, out)
-    dev = local_devices(cfg)
+    dev = dev or local_devices(cfg)
     cap = cfg.inference.max_running_requests
     batches = sorted({b for b in (batches or [1, 8, 32, cap]) if 0 < b <= cap} | {cap})
     gen = measure_generation(cfg, model_dir, dev, batches)
