@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "scheduler.bench",
     "fidelity": "areal_hex.launch.bench_fidelity",
     "gpu": "areal_hex.launch.bench_gpu",
+    "hetero": "areal_hex.launch.bench_hetero",
 }
 
 

@@ -55,6 +55,7 @@ class NodeState:
     iface: str
     cgroup: str  # the directory whose cgroup.procs a process joins
     cpu: float  # the quota, in cores
+    max_running_requests: int  # the kind's engine batch limit (its KV-cache budget)
 
 
 @dataclass
@@ -202,6 +203,7 @@ def _build(box: Box) -> BoxState:
         _tbf(spine_end, rack.uplink_mbit)  # rack -> spine
     _, cg_root = _cgroup_layout()
     nodes = {n.name: _node(box, n, cg_root / name) for n in box.nodes}
+    _weigh(cg_root, cg_root / name, len(nodes))
     return BoxState(name, box.host_address, plen, nodes, {})
 
 
@@ -219,7 +221,17 @@ def _node(box: Box, node: BoxNode, cg_dir: Path) -> NodeState:
     _tbf(host_end, kind.nic_mbit)  # into the node
     _tbf(NODE_IFACE, kind.nic_mbit, netns=ns)  # out of the node
     cgroup = _make_cgroup(cg_dir / node.name, kind.cpu)
-    return NodeState(node.name, node.kind, rack.name, ns, addr, NODE_IFACE, str(cgroup), kind.cpu)
+    return NodeState(
+        node.name,
+        node.kind,
+        rack.name,
+        ns,
+        addr,
+        NODE_IFACE,
+        str(cgroup),
+        kind.cpu,
+        kind.max_running_requests,
+    )
 
 
 def _make_cgroup(path: Path, cpu: float) -> Path:
@@ -237,6 +249,18 @@ def _make_cgroup(path: Path, cpu: float) -> Path:
         (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
         (path / "cpu.cfs_quota_us").write_text(str(quota))
     return path
+
+
+def _weigh(root: Path, box_dir: Path, nodes: int) -> None:
+    """CPU weights: under contention the scheduler treats a cgroup as one task of its
+    weight against the tasks beside it, so a box at the default weight would get what
+    one process gets, all its nodes together. Weighted as one process per node, each
+    node competes for the machine as a process of its own would (its quota still caps
+    it). The shared parent is weighted for the largest box (99 nodes)."""
+    version, _ = _cgroup_layout()
+    name, unit = ("cpu.weight", 100) if version == "v2" else ("cpu.shares", 1024)
+    (root / name).write_text(str(unit * 99))
+    (box_dir / name).write_text(str(unit * nodes))
 
 
 # ---------------------------------------------------------------- inside a node
@@ -272,9 +296,14 @@ def load_state(box_name: str) -> BoxState:
     path = state_dir(box_name) / "state.json"
     if not path.is_file():
         raise UsageError(f"box {box_name!r} is not up (no {path}); run `areal-hex box up BOX.yaml`")
-    raw = json.loads(path.read_text())
-    raw["nodes"] = {k: NodeState(**v) for k, v in raw["nodes"].items()}
-    return BoxState(**raw)
+    try:
+        raw = json.loads(path.read_text())
+        raw["nodes"] = {k: NodeState(**v) for k, v in raw["nodes"].items()}
+        return BoxState(**raw)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UsageError(
+            f"{path} is not a box state this version reads ({exc}); bring the box up again"
+        ) from None
 
 
 # ---------------------------------------------------------------- down

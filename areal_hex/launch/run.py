@@ -319,6 +319,10 @@ def execute(
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path, host)
+    if cfg.run.box is not None:
+        from areal_hex.launch.box_run import place_on_box
+
+        place_on_box(cfg, layout, specs)
     t_start = time.time()
     t_ready = t_start
     stats: dict[str, Any] | None = None
