@@ -114,6 +114,9 @@ def grpo_advantages(
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
 
 
+K3_CAP = 10.0  # the largest k3 value a clamped estimate keeps (AReaL, verl)
+
+
 def kl_estimate(
     logp: Tensor, ref_logp: Tensor, kind: str = "k3", clamp: float | None = None
 ) -> Tensor:
@@ -123,13 +126,17 @@ def kl_estimate(
     k3+ has k3's value and k2's gradient (straight-through: k2 + sg(k3 - k2)), since the
     gradient of k3 is a biased estimate of the KL gradient and k2's is not.
     `clamp` bounds the log-ratio to [-clamp, clamp] first (exp(-log_ratio) overflows when
-    the policy drifts far from the reference on a token).
+    the policy drifts far from the reference on a token) and, with it, k3's value to at
+    most K3_CAP, as AReaL and verl do (the log-ratio clamp alone leaves e^c - 1 - c:
+    2.2e4 at c = 10).
     """
     log_ratio = logp - ref_logp  # log(pi / pi_ref)
     if clamp is not None:
         log_ratio = log_ratio.clamp(-clamp, clamp)
     k2 = 0.5 * log_ratio.square()
     k3 = (-log_ratio).exp() - 1.0 + log_ratio
+    if clamp is not None:
+        k3 = k3.clamp(max=K3_CAP)
     if kind == "k1":
         return log_ratio
     if kind == "k2":

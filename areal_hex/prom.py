@@ -3,7 +3,7 @@ typed rows (`run_files.TrainerRow`, `RolloutRow`) and buffer snapshot (`api.Buff
 that the report reads, so a scrape and `metrics.jsonl` cannot disagree.
 
 Each collector reads its source at scrape time and each service owns its registry (no
-module-level collectors), as the inference server's `rollout_service/metrics.py` does.
+module-level collectors), as the inference server's `rollout_service/server/metrics.py` does.
 Histograms are filled where the event happens: a step row's phases (trainer), a wait at
 the staleness gate and each generate request (controller, through its observer lists).
 Names follow Prometheus conventions: `areal_hex_<part>_<what>_<unit>`, counters end in
@@ -283,7 +283,7 @@ class BufferCollector(Collector):
 class PredictionCollector(Collector):
     """The cost model's rates for the run (`prediction.json`, which the launcher writes
     from the plan or a local profile; the block of the run's mode), next to which the
-    dashboard draws the measured ones, defined alike (`areal_hex/fidelity.py`)."""
+    dashboard draws the measured ones, defined alike (`hexctl/job/fidelity.py`)."""
 
     def __init__(self, predicted: dict[str, float | None]) -> None:
         self.predicted = predicted

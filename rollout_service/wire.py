@@ -1,6 +1,6 @@
 """Request and response shapes of the inference server: the SGLang native HTTP subset.
 
-Plain pydantic models, one per endpoint body, used by the server (rollout_service/app.py)
+Plain pydantic models, one per endpoint body, used by the server (rollout_service/server/app.py)
 to read requests and write responses and by the client (rollout_service/client.py) to
 read responses. Like SGLang, a request body ignores unknown top-level keys, but
 `sampling_params` takes only the keys SGLang defines (SGLang refuses others too), and a
@@ -113,7 +113,7 @@ class SamplingParamsIn(BaseModel):
     no_stop_trim: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     stream_interval: int = Field(1, ge=1, le=INT32)
-    # constrained decoding (rollout_service/grammar.py): at most one of them
+    # constrained decoding (rollout_service/server/grammar.py): at most one of them
     regex: Text | None = None
     json_schema: Text | None = None  # a JSON schema, as JSON text
     ebnf: Text | None = None  # GBNF or Lark

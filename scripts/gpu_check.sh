@@ -25,4 +25,4 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m areal_hex.cli bench gpu --json "$@"
+exec "$PY" -m hexctl.cli bench gpu --json "$@"

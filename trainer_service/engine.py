@@ -8,6 +8,8 @@ schedule a `LambdaLR` that DeepSpeed steps and checkpoints with the engine.
 from __future__ import annotations
 
 import math
+import os
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +72,22 @@ def ds_config(cfg: TrainerConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def init_single_rank(device: str = "cpu") -> None:
+    """A one-rank process group for DeepSpeed outside its launcher (profiling and benches
+    time the trainer's step in-process): a free loopback port, gloo on CPU, NCCL on CUDA."""
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():  # fmt: skip
+        os.environ[k] = v
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
 
 
 def build_engine(

@@ -26,7 +26,7 @@ from areal_hex.api import Batch, BufferStats
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import DecodeError, decode_group_with_version
 from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import GroupRecord
 
 Entry = tuple[str, dict[bytes, bytes] | None]  # (stream id, fields); fields None: deleted

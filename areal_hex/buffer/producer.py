@@ -28,7 +28,7 @@ from areal_hex.api import GiveBackReason, ProducerPosition, VersionUpdate
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import encode_group
 from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import GroupRecord
 
 

@@ -19,10 +19,11 @@ from areal_hex.config.base import (
     dump_yaml,
     read_yaml,
 )
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.config.data import DataConfig
 from areal_hex.config.inference import InferenceConfig, SGLangConfig
 from areal_hex.config.model import ModelConfig, TinyModelConfig
-from areal_hex.config.redis import BufferConfig, RedisConfig
+from areal_hex.config.redis import RedisConfig
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.config.run import RunConfig
 from areal_hex.config.trainer import TrainerConfig

@@ -62,6 +62,16 @@ class AlgoConfig(Section):
         return v
 
     @model_validator(mode="after")
+    def _dual_clip_needs_a_clipped_ratio(self) -> AlgoConfig:
+        # CISPO's loss -A·sg(w)·log π is <= 0 < -A·c whenever A < 0: the bound never binds.
+        if self.dual_clip is not None and self.objective == "cispo":
+            raise ValueError(
+                "dual_clip has no effect with objective cispo (its loss -A·w·log π never "
+                "exceeds -A·c for A < 0): set dual_clip to null, or use objective ppo or gspo"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _floor_below_cap(self) -> AlgoConfig:
         if self.behav_floor is not None and self.behav_cap is not None:
             if self.behav_floor >= self.behav_cap:

@@ -1,12 +1,21 @@
-"""Redis connection and trajectory-buffer settings."""
+"""Where the trajectory buffer's Redis is (or how the embedded Valkey runs)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
+
+
+def check_redis_url(url: str | None, unix: bool = False) -> str | None:
+    """The one check of a Redis URL's scheme (config, deploy config, Slurm site); `unix`:
+    a unix:// socket is allowed (a local run, not a service another host reaches)."""
+    schemes = ("redis://", "rediss://", "unix://") if unix else ("redis://", "rediss://")
+    if url is not None and not url.startswith(schemes):
+        raise ValueError(f"expected a {', '.join(schemes[:-1])} or {schemes[-1]} URL")
+    return url
 
 
 class RedisConfig(Section):
@@ -28,43 +37,4 @@ class RedisConfig(Section):
     @field_validator("url")
     @classmethod
     def _scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("expected a redis://, rediss:// or unix:// URL")
-        return v
-
-
-class BufferConfig(Section):
-    # B: groups per optimizer step; the staleness gate admits at most (v + eta + 1) * B.
-    groups_per_step: int = Field(8, gt=0)
-    # eta: maximum policy-version lag of a trained group (0 = synchronous RL).
-    max_staleness: int = Field(2, ge=0)
-    # Backpressure: producers wait while this many groups are unconsumed or pending.
-    max_pending: int = Field(1024, gt=0)
-    # Seconds a producer may wait at the gate before it fails with a clear error.
-    gate_timeout_s: float = Field(600.0, gt=0)
-    # Pending entries idle this long are reclaimed from a dead consumer.
-    reclaim_idle_ms: int = Field(30_000, ge=0)
-    # Name of this consumer in the stream's consumer group: a restarted trainer with the
-    # same name re-reads the entries it had not acknowledged.
-    consumer_name: str = Field("trainer-0", pattern=r"^[A-Za-z0-9_.:-]+$")
-    # Poll interval of waiters (gate, consumer) besides pub/sub wake-ups.
-    poll_interval_s: float = Field(0.1, gt=0)
-    # A producer's admissions live as long as its heartbeat: one dead for this long gives
-    # them back to the gate (the next admit of any producer reclaims them).
-    lease_ttl_s: float = Field(10.0, gt=0)
-    # The consumer reads up to this many entries per round trip; the surplus stays pending
-    # to it (and is checked for staleness again) until a later get_batch hands it out.
-    prefetch: int = Field(16, ge=1)
-    # Seed of the within-batch shuffle (oldest groups are taken first, then shuffled).
-    shuffle_seed: int = 0
-
-    @model_validator(mode="after")
-    def _room_for_a_batch(self) -> BufferConfig:
-        # The trainer holds a whole batch pending while it waits for the rest of it; with
-        # less room than that, producers and trainer would wait on each other forever.
-        if self.max_pending < self.groups_per_step:
-            raise ValueError(
-                f"max_pending ({self.max_pending}) must be at least groups_per_step "
-                f"({self.groups_per_step})"
-            )
-        return self
+        return check_redis_url(v, unix=True)

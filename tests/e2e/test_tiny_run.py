@@ -31,7 +31,7 @@ STEPS = 6
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", *args],
+        [sys.executable, "-m", "hexctl.cli", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -80,7 +80,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     ]
     run_dir = tmp_path / "e2e"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_hex.cli", "run", str(EXAMPLE), *overrides, "--no-progress"],
+        [sys.executable, "-m", "hexctl.cli", "run", str(EXAMPLE), *overrides, "--no-progress"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_hex.launch import box
-from areal_hex.launch.box_spec import load_box
+from hexctl.job import box
+from hexctl.job.box_spec import load_box
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_sigkilled_up_is_cleaned_by_the_next_down(tmp_path: Path) -> None:
     path = _spec(tmp_path, name, nodes=6)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_hex.cli", "box", "up", str(path)],
+        [sys.executable, "-m", "hexctl.cli", "box", "up", str(path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
@@ -115,7 +115,7 @@ def test_sigkilled_up_is_cleaned_by_the_next_down(tmp_path: Path) -> None:
         proc.wait()
     assert box.leftovers(name) != []  # killed half-way: something is left ...
     down = subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", "box", "down", str(path)],
+        [sys.executable, "-m", "hexctl.cli", "box", "down", str(path)],
         capture_output=True,
         text=True,
         env=env,

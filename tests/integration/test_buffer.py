@@ -25,7 +25,7 @@ from areal_hex.buffer import (
 )
 from areal_hex.buffer.codec import frame, unframe
 from areal_hex.buffer.keys import BufferKeys
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import Completion, GroupRecord
 
 pytestmark = pytest.mark.timeout(120)

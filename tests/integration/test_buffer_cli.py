@@ -22,7 +22,8 @@ from areal_hex.buffer import (
 )
 from areal_hex.buffer.embedded import redact
 from areal_hex.buffer.keys import BufferKeys
-from areal_hex.config.redis import BufferConfig, RedisConfig
+from areal_hex.config.buffer import BufferConfig
+from areal_hex.config.redis import RedisConfig
 from areal_hex.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", *args],
+        [sys.executable, "-m", "hexctl.cli", *args],
         env=ENV,
         capture_output=True,
         text=True,
@@ -112,7 +113,7 @@ def test_serve_runs_until_sigterm_and_keeps_data(tmp_path: Path) -> None:
     data = tmp_path / "data"
     args = ["buffer", "serve", "run.run_id=x", "--port", str(port), "--dir", str(data)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_hex.cli", *args],
+        [sys.executable, "-m", "hexctl.cli", *args],
         env=ENV,
         stdout=subprocess.PIPE,
         text=True,

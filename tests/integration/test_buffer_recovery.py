@@ -26,7 +26,7 @@ from areal_hex.buffer import (
     encode_group,
 )
 from areal_hex.buffer.keys import BufferKeys
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import Completion, GroupRecord
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ CRASHING_CONSUMER = textwrap.dedent(
     import sys, time
     import redis
     from areal_hex.buffer import RedisTrajectoryConsumer
-    from areal_hex.config.redis import BufferConfig
+    from areal_hex.config.buffer import BufferConfig
     url, run_id, name, out = sys.argv[1:5]
     cfg = BufferConfig(reclaim_idle_ms=int(sys.argv[5]))
     consumer = RedisTrajectoryConsumer(redis.Redis.from_url(url), run_id, cfg, name=name)

@@ -34,7 +34,7 @@ from areal_hex.models import load_model, load_tokenizer, materialize
 from areal_hex.net import free_port
 from areal_hex.record import GroupRecord
 from rollout_service.client import InferenceClient
-from rollout_service.controller import RolloutController
+from rollout_service.controller.rollout import RolloutController
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
@@ -54,7 +54,7 @@ class Stack:
 
 def start_server(config: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(config), "--port", str(port)]
+    cmd = [sys.executable, "-m", "hexctl.cli", "serve", str(config), "--port", str(port)]
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -272,7 +272,7 @@ def test_rollout_cli_runs_and_stops_on_sigterm(stack: Stack, tmp_path: Path) -> 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "areal_hex.cli", "rollout", str(path)]
+    cmd = [sys.executable, "-m", "hexctl.cli", "rollout", str(path)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     metrics = tmp_path / run_id / "rollout.jsonl"
     r = stack.endpoint.sync_client()
@@ -322,7 +322,7 @@ async def test_killed_server_requests_finish_elsewhere(stack: Stack) -> None:
 
 def test_rollout_cli_usage_errors(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    base = [sys.executable, "-m", "areal_hex.cli", "rollout"]
+    base = [sys.executable, "-m", "hexctl.cli", "rollout"]
     cases = [
         (["model.tiny={}"], "run.run_id is not set"),
         (["run.run_id=x", "model.tiny={}"], "redis.url is not set"),

@@ -39,7 +39,7 @@ from areal_hex.buffer import RedisTrajectoryProducer
 from areal_hex.buffer.embedded import RedisEndpoint
 from areal_hex.config import BufferConfig, DataConfig, RolloutConfig
 from areal_hex.data import build_prompts, generate_arithmetic
-from rollout_service.controller import RolloutController
+from rollout_service.controller.rollout import RolloutController
 
 url, run_id, buffer = sys.argv[1], sys.argv[2], BufferConfig(**json.loads(sys.argv[3]))
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_hex.deploy.probe import file_fresh, http_ok
 from areal_hex.net import free_port
+from hexctl.runtime.probe import file_fresh, http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -22,7 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", *args],
+        [sys.executable, "-m", "hexctl.cli", *args],
         env=ENV,
         capture_output=True,
         text=True,
@@ -98,7 +98,7 @@ def test_entry_wrapper_injects_secrets_and_execs(tmp_path):
     show = "import sys,os; p=sys.argv[1]; print(p); print(oct(os.stat(p).st_mode & 0o777))"
     r = subprocess.run(
         [
-            sys.executable, "-m", "areal_hex.deploy.entry",
+            sys.executable, "-m", "hexctl.runtime.entry",
             "--config", str(cfg), "--secrets", str(secrets), "--out", str(out),
             "--", sys.executable, "-c", show, "{config}",
         ],
@@ -131,7 +131,7 @@ def test_probe_http_against_a_real_server(tmp_path):
         assert http_ok(f"http://127.0.0.1:{port}/health")
         assert not http_ok(f"http://127.0.0.1:{port}/other")
         r = subprocess.run(
-            [sys.executable, "-m", "areal_hex.deploy.probe", "http", f"http://127.0.0.1:{port}/x"],
+            [sys.executable, "-m", "hexctl.runtime.probe", "http", f"http://127.0.0.1:{port}/x"],
             env=ENV, capture_output=True, timeout=30,
         )  # fmt: skip
         assert r.returncode == 1
@@ -172,7 +172,7 @@ def test_trainer_pod_environment_drives_the_real_launcher(tmp_path, monkeypatch)
     argv = [a.replace("{config}", str(cfg_file)) for a in container["args"]]
     assert argv[0] == "areal-hex"
     r = subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", *argv[1:], "--print-command"],
+        [sys.executable, "-m", "hexctl.cli", *argv[1:], "--print-command"],
         env={**ENV, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -264,7 +264,7 @@ def test_prepare_writes_v0_once(tmp_path):
     v0 = tmp_path / "weights" / "v0"
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump({"model": {"path": str(v0), "tiny": {"num_layers": 1}}}))
-    cmd = [sys.executable, "-m", "areal_hex.deploy.prepare", str(cfg)]
+    cmd = [sys.executable, "-m", "hexctl.deploy.prepare", str(cfg)]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=100)
     assert r.returncode == 0, r.stderr
     assert f"initial weights ready at {v0}" in r.stdout
@@ -275,12 +275,12 @@ def test_prepare_writes_v0_once(tmp_path):
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=100)
     assert r.returncode == 0 and (v0 / "model.safetensors").stat().st_mtime_ns == stamp
     r = subprocess.run(
-        [sys.executable, "-m", "areal_hex.deploy.probe", "wait", str(v0 / "config.json"), "1"],
+        [sys.executable, "-m", "hexctl.runtime.probe", "wait", str(v0 / "config.json"), "1"],
         env=ENV, capture_output=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 0
     r = subprocess.run(
-        [sys.executable, "-m", "areal_hex.deploy.probe", "wait", str(v0 / "nope"), "0.5"],
+        [sys.executable, "-m", "hexctl.runtime.probe", "wait", str(v0 / "nope"), "0.5"],
         env=ENV, capture_output=True, timeout=30,
     )  # fmt: skip
     assert r.returncode == 1
@@ -316,7 +316,7 @@ def test_rendered_inference_service_runs_with_its_secrets(tmp_path):
     entry[entry.index("--secrets") + 1] = str(out / "secrets")
     entry[entry.index("--out") + 1] = str(tmp_path / "rt" / "config.yaml")
     assert svc["command"][0] == "areal-hex"
-    command = [sys.executable, "-m", "areal_hex.cli", *svc["command"][1:]]
+    command = [sys.executable, "-m", "hexctl.cli", *svc["command"][1:]]
     proc = subprocess.Popen(
         [sys.executable if a == "python3" else a for a in entry] + command,
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -31,7 +31,7 @@ SMALL = [
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", *args],
+        [sys.executable, "-m", "hexctl.cli", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -91,7 +91,7 @@ def test_profile_local_plan_run(tmp_path: Path) -> None:
 
     # a run without a plan is priced for the layout it runs, from the local profile
     from areal_hex.config import load_config
-    from areal_hex.launch.predict import predict_run
+    from hexctl.job.predict import predict_run
 
     cfg = load_config(run_dir / "config.yaml")
     host = json.loads((run_dir / "prediction.json").read_text())["host_cores"]
@@ -109,9 +109,9 @@ def test_training_profile_twice_in_one_process(tmp_path: Path) -> None:
     training both times: each measurement gets a process of its own, so DeepSpeed's
     cached process groups of the first do not break the second."""
     from areal_hex.config import load_config
-    from areal_hex.launch.local_devices import local_devices
-    from areal_hex.launch.local_profile import measure_training
-    from areal_hex.launch.prepare import materialize_v0
+    from hexctl.job.prepare import materialize_v0
+    from hexctl.profile.devices import local_devices
+    from hexctl.profile.local import measure_training
 
     cfg = load_config(ROOT / "examples/tiny_cpu.yaml", SMALL)
     model_dir = materialize_v0(cfg, tmp_path)

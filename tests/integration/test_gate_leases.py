@@ -16,7 +16,7 @@ import pytest
 
 from areal_hex.buffer import EmbeddedValkey, RedisEndpoint, RedisTrajectoryProducer
 from areal_hex.buffer.keys import BufferKeys
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +28,7 @@ import asyncio, json, sys
 import numpy as np
 import redis.asyncio
 from areal_hex.buffer import RedisTrajectoryProducer
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import Completion, GroupRecord
 
 url, run_id, n, cfg = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])

@@ -22,7 +22,7 @@ from areal_hex.buffer import (
     RedisWeightPublisher,
 )
 from areal_hex.buffer.keys import GIVE_BACK_REASONS, BufferKeys
-from areal_hex.config.redis import BufferConfig
+from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import Completion, GroupRecord
 
 pytestmark = pytest.mark.timeout(300)

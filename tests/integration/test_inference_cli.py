@@ -38,7 +38,7 @@ async def test_serve_command_runs_the_builtin_server(tmp_path: Path) -> None:
     }  # fmt: skip
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "areal_hex.cli", "serve", str(path), "--index", "1"]
+    cmd = [sys.executable, "-m", "hexctl.cli", "serve", str(path), "--index", "1"]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         async with InferenceClient(f"http://127.0.0.1:{port}", api_key="k") as c:
@@ -64,7 +64,7 @@ async def test_serve_command_runs_the_builtin_server(tmp_path: Path) -> None:
 
 def test_serve_rejects_bad_index() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", "serve", "model.tiny={}", "--index", "3"],
+        [sys.executable, "-m", "hexctl.cli", "serve", "model.tiny={}", "--index", "3"],
         env=env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "--index 3" in out.stderr and "Traceback" not in out.stderr
@@ -73,7 +73,7 @@ def test_serve_rejects_bad_index() -> None:
 @pytest.mark.timeout(240)
 def test_bench_rollout_json() -> None:
     args = "--requests 6 --batch-size 3 --min-new 4 --max-new 12 --max-prompt 12 --rounds 1".split()
-    cmd = [sys.executable, "-m", "areal_hex.cli", "bench", "rollout", "--json", *args]
+    cmd = [sys.executable, "-m", "hexctl.cli", "bench", "rollout", "--json", *args]
     out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=230)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -93,7 +93,7 @@ def test_bench_cuda_without_cuda_exits_cleanly() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    cmd = [sys.executable, "-m", "areal_hex.cli", "bench", "rollout", "--json",
+    cmd = [sys.executable, "-m", "hexctl.cli", "bench", "rollout", "--json",
            "--device", "cuda", "--model-size", "0.5b"]  # fmt: skip
     out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "CUDA is not available" in out.stderr

@@ -12,8 +12,8 @@ import torch
 
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import build_tiny_model, build_tokenizer
-from rollout_service import batching
-from rollout_service.batching import SamplingTensors
+from rollout_service.server import batching
+from rollout_service.server.batching import SamplingTensors
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ async def test_engine_on_cuda() -> None:
     """The server on CUDA: behaviour log-probs (fp32) match a full forward on the GPU."""
     from areal_hex.api import SamplingParams
     from rollout_service.client import InferenceClient
-    from rollout_service.server import ServerThread, build_server_app
+    from rollout_service.server.main import ServerThread, build_server_app
 
     model_cfg = ModelConfig(tiny=TinyModelConfig(), seed=0)
     app = build_server_app(model_cfg, InferenceConfig(device="cuda"))
@@ -162,10 +162,10 @@ class FailingOnce(torch.nn.Module):
 @pytest.mark.timeout(60)
 async def test_a_failing_step_aborts_the_batch_and_the_server_goes_on(model: Any) -> None:
     from areal_hex.api import SamplingParams
-    from rollout_service.app import ServerSettings, create_app
     from rollout_service.client import InferenceClient
-    from rollout_service.engine import Engine, EngineOptions
-    from rollout_service.server import ServerThread
+    from rollout_service.server.app import ServerSettings, create_app
+    from rollout_service.server.engine import Engine, EngineOptions
+    from rollout_service.server.main import ServerThread
 
     flaky = FailingOnce(model, fail_at=10)
     engine = Engine(flaky, None, lambda p: model, "tiny", "0", EngineOptions())
@@ -193,7 +193,7 @@ async def test_a_queue_joins_the_running_batch_in_few_prefills(model: Any, min_a
     """8 running rows, 32 requests of different lengths: with `min_admit` 4 the queue
     joins in batches of at least 4 (fewer prefill calls than with 1), and every request
     still gets exactly the tokens it asked for."""
-    from rollout_service.engine import Engine, EngineOptions
+    from rollout_service.server.engine import Engine, EngineOptions
     from rollout_service.wire import SamplingParamsIn
 
     opts = EngineOptions(max_running_requests=8, min_admit=min_admit)

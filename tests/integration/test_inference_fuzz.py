@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import materialize
-from rollout_service.server import ServerThread, build_server_app
+from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "fuzz"

@@ -17,7 +17,7 @@ from areal_hex.api import SamplingParams
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_model, materialize
 from rollout_service.client import GenerationError, InferenceClient
-from rollout_service.server import ServerThread, build_server_app
+from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -111,7 +111,7 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
     env["OMP_NUM_THREADS"] = "1"  # a busy machine: spinning intra-op threads cost ~10x
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_hex.cli", "run", str(EXAMPLE), *overrides, "--no-progress"],
+        [sys.executable, "-m", "hexctl.cli", "run", str(EXAMPLE), *overrides, "--no-progress"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -16,7 +16,7 @@ import torch
 
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_model, load_tokenizer, materialize
-from rollout_service.server import ServerThread, build_server_app
+from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(180)
 TOKEN = "oai-token"

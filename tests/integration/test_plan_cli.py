@@ -18,7 +18,7 @@ EX = ROOT / "examples"
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", *args],
+        [sys.executable, "-m", "hexctl.cli", *args],
         capture_output=True,
         text=True,
         env=env,

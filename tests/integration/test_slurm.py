@@ -61,7 +61,7 @@ def _site(tmp_path: Path, partition: str) -> Path:
 def _submit(tmp_path: Path, run_id: str, steps: int) -> str:
     r = subprocess.run(
         [
-            sys.executable, "-m", "areal_hex.cli", "deploy",
+            sys.executable, "-m", "hexctl.cli", "deploy",
             "examples/plans/local_cpu.yaml", "examples/tiny_cpu.yaml",
             f"run.run_id={run_id}", f"trainer.total_steps={steps}",
             "trainer.checkpoint_every=2", "model.tiny.sft_steps=10",

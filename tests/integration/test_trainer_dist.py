@@ -67,7 +67,7 @@ def run_train(
     path = assets["dir"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "areal_hex.cli", "train", str(path)]
+    cmd = [sys.executable, "-m", "hexctl.cli", "train", str(path)]
     log = open(assets["dir"] / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -227,8 +227,8 @@ def test_sigterm_checkpoints_the_last_completed_step(assets: dict[str, Path]) ->
     import redis
 
     from areal_hex.buffer import BufferKeys, EmbeddedValkey
-    from areal_hex.launch.ledger import trained_twice
-    from areal_hex.launch.supervisor import Supervisor
+    from hexctl.launch.supervisor import Supervisor
+    from hexctl.report.ledger import trained_twice
     from trainer_service.checkpoint import read_committed
     from trainer_service.sources import ReplayConsumer
 
@@ -276,7 +276,7 @@ def test_published_weights_serve_the_trainers_log_probs(assets: dict[str, Path])
 
     from areal_hex.config import InferenceConfig, ModelConfig
     from areal_hex.models import load_model
-    from rollout_service.server import build_engine
+    from rollout_service.server.main import build_engine
     from rollout_service.wire import SamplingParamsIn
     from trainer_service.batching import collate, flatten_groups
     from trainer_service.engine import token_logprobs

@@ -63,7 +63,7 @@ def test_zero_on_cuda_bf16(assets: dict[str, Path], stage: int) -> None:
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "areal_hex.cli", "train", str(path)],
+        [sys.executable, "-m", "hexctl.cli", "train", str(path)],
         env=env,
         capture_output=True,
         text=True,

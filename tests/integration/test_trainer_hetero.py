@@ -73,7 +73,7 @@ def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | Non
     log_path = assets["dir"] / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "areal_hex.cli", "train", str(path)],
+            [sys.executable, "-m", "hexctl.cli", "train", str(path)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -82,8 +82,8 @@ def test_services_reconnect_after_a_valkey_restart(tmp_path: Path) -> None:
 
 
 def test_the_ledger_reads_a_stopped_valkeys_append_only_file(tmp_path: Path) -> None:
-    from areal_hex.launch.ledger import ledger_from_aof
     from areal_hex.run_files import RunPaths
+    from hexctl.report.ledger import ledger_from_aof
 
     run_id = "r"
     keys = BufferKeys(run_id)

@@ -12,7 +12,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("areal_hex", "rollout_service", "trainer_service", "scheduler")
+PACKAGES = ("areal_hex", "rollout_service", "trainer_service", "scheduler", "hexctl")
 
 
 def _cycles(adj: dict[str, set[str]]) -> list[list[str]]:
@@ -77,18 +77,61 @@ def test_import_contract_holds() -> None:
     assert "0 broken" in res.stdout
 
 
-def test_every_core_module_is_in_the_contract() -> None:
-    """A new top-level module must take its place in a layer, or nothing checks it."""
+def _layers() -> list[set[str]]:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     layers = cfg["contracts"][0]["layers"]
-    named = {n.strip() for layer in layers for n in layer.replace("|", ":").split(":")}
-    core = {
-        f"areal_hex.{p.stem}" for p in (ROOT / "areal_hex").glob("*.py") if p.stem != "__init__"
-    } | {
-        f"areal_hex.{p.name}"
-        for p in (ROOT / "areal_hex").iterdir()
-        if (p / "__init__.py").exists()
+    return [{n.strip() for n in layer.replace("|", ":").split(":")} for layer in layers]
+
+
+def _children(package: str) -> set[str]:
+    """The modules and subpackages directly inside a package directory."""
+    path = ROOT.joinpath(*package.split("."))
+    mods = {
+        f"{package}.{p.stem}" for p in path.glob("*.py") if p.stem not in ("__init__", "__main__")
     }
-    assert sorted(core - named) == []
+    return mods | {f"{package}.{p.name}" for p in path.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_every_module_is_in_a_layer() -> None:
+    """Every module of the core and every subpackage of the face takes its place in a
+    layer of the contract, or nothing checks its imports; the services and the planner
+    form one layer each, whole."""
+    named = set().union(*_layers())
+    assert sorted(_children("areal_hex") - named) == []
+    assert sorted(_children("hexctl") - named) == []
+    assert {"rollout_service", "trainer_service", "scheduler"} <= named
+
+
+def test_top_level_floors() -> None:
+    """Three floors at the top level, and no import runs back up: the core imports no
+    service and nothing of the face; the services and the planner import nothing of the
+    face."""
+    graph = grimp.build_graph(*PACKAGES)
+    floors = {
+        "areal_hex": 0,
+        "rollout_service": 1,
+        "trainer_service": 1,
+        "scheduler": 1,
+        "hexctl": 2,
+    }
+    upward = sorted(
+        (m, d)
+        for m in graph.modules
+        for d in graph.find_modules_directly_imported_by(m)
+        if floors[d.split(".")[0]] > floors[m.split(".")[0]]
+    )
+    assert upward == []
+
+
+def test_rollout_service_is_two_processes() -> None:
+    """The inference server and the controller each have a subpackage; at the top of
+    rollout_service sit only the modules that join them (wire shapes and the client)."""
+    top = {p.stem for p in (ROOT / "rollout_service").glob("*.py")} - {"__init__"}
+    assert top == {"wire", "openai_wire", "client"}
+    graph = grimp.build_graph("rollout_service")
+    for a, b in (("server", "controller"), ("controller", "server")):
+        assert not graph.chain_exists(
+            f"rollout_service.{a}", f"rollout_service.{b}", as_packages=True
+        )

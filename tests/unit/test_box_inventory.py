@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from areal_hex.errors import UsageError
-from areal_hex.launch import box as box_mod
-from areal_hex.launch.box_profile import inventory
-from areal_hex.launch.box_spec import load_box
+from hexctl.job import box as box_mod
+from hexctl.job.box_spec import load_box
+from hexctl.profile.box import inventory
 from scheduler.cluster import ClusterSpec, make_cluster
 
 BOX = {
@@ -109,9 +109,10 @@ def _plan(trainer: list[str], rollout: list[str]):
 
 def test_a_plan_runs_on_its_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from areal_hex.config import load_config
-    from areal_hex.launch.box_run import apply_box, place_on_box
-    from areal_hex.launch.run import process_specs
-    from areal_hex.layout import build_layout
+    from hexctl.job.box_config import apply_box
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.box_run import place_on_box
+    from hexctl.launch.run import process_specs
 
     state = _state(tmp_path, monkeypatch)
     plan = _plan(["fast-1"], ["mem-0", "mem-3"])
@@ -150,7 +151,7 @@ def test_a_plan_the_box_cannot_run_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from areal_hex.config import load_config
-    from areal_hex.launch.box_run import box_state
+    from hexctl.job.box_config import box_state
 
     _state(tmp_path, monkeypatch)
     root = Path(__file__).resolve().parents[2]

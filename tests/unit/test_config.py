@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from areal_hex.cli import main
 from areal_hex.config import ConfigError, load_config, save_config
+from hexctl.cli import main
 
 
 def test_defaults_and_overrides(tmp_path):

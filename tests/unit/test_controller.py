@@ -14,9 +14,9 @@ from areal_hex.config import DataConfig, RolloutConfig
 from areal_hex.data import build_prompts, generate_arithmetic
 from areal_hex.record import GroupRecord
 from areal_hex.rewards import RewardPool
-from rollout_service.controller import RolloutController
-from rollout_service.dispatch import Dispatcher
-from rollout_service.weight_sync import UpdateGate, WeightSync
+from rollout_service.controller.dispatch import Dispatcher
+from rollout_service.controller.rollout import RolloutController
+from rollout_service.controller.weight_sync import UpdateGate, WeightSync
 
 
 def _prompts(n: int = 8):
@@ -316,7 +316,7 @@ async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> Non
     from prometheus_client.parser import text_string_to_metric_families
 
     from areal_hex.config import load_config
-    from rollout_service.wiring import serve_metrics
+    from rollout_service.controller.wiring import serve_metrics
 
     producer = MemoryProducer(groups_per_step=100)
     ctl = _controller([FakeServer("a")], producer, rewards, tmp_path, max_groups=4)

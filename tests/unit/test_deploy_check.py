@@ -9,12 +9,12 @@ import pytest
 import yaml
 
 from areal_hex.config import ConfigError, load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.deploy.common import split_redis_url
-from areal_hex.deploy.names import gpu_label_value, normalize_model_name
-from areal_hex.layout import build_layout
 from areal_hex.plan import load_plan
+from hexctl.deploy import render
+from hexctl.deploy.common import split_redis_url
+from hexctl.deploy.names import gpu_label_value, normalize_model_name
+from hexctl.job.deploy_config import DeployConfig
+from hexctl.job.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ROOT / "examples/plans/a100_l40s_l4.yaml"
@@ -57,7 +57,7 @@ def test_tp_unset_in_the_config_follows_the_plan_per_instance(tmp_path):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(inst.tp)
     assert {i.tp for i in plan.rollout} == {1, 2}
     # the override is one `areal-hex serve` accepts, and it yields the planned degree
-    from areal_hex.cli import build_parser, config_from_args
+    from hexctl.cli import build_parser, config_from_args
 
     argv = ["serve", str(CONFIG), "inference.sglang.tp_size=2", "--index", "0"]
     args = build_parser().parse_args(argv)
@@ -172,7 +172,7 @@ def test_object_names_start_with_a_letter(tmp_path):
 def test_example_deploy_config_renders(tmp_path):
     import argparse
 
-    from areal_hex.cli.deploy_cmd import deploy_config
+    from hexctl.cli.deploy_cmd import deploy_config
 
     args = argparse.Namespace(
         deploy_config=ROOT / "examples/deploy/deploy.yaml",
@@ -207,6 +207,6 @@ def test_example_deploy_config_renders(tmp_path):
     ],
 )
 def test_image_tag_replacement(image, want):
-    from areal_hex.cli.deploy_cmd import with_tag
+    from hexctl.cli.deploy_cmd import with_tag
 
     assert with_tag(image, "9") == want

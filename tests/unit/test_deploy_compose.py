@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from areal_hex.config import ConfigError, ExperimentConfig, load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.deploy.compose import docker_size
 from areal_hex.plan import load_plan
+from hexctl.deploy import render
+from hexctl.deploy.compose import docker_size
+from hexctl.job.deploy_config import DeployConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "tests/data/compose_spec.json").read_text())
@@ -66,7 +66,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
     for i, inst in enumerate(plan.rollout):
         svc = s[inst.id]
         assert svc["command"] == ["areal-hex", "serve", "{config}", "--index", str(i)]
-        assert svc["entrypoint"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
+        assert svc["entrypoint"][:3] == ["python3", "-m", "hexctl.runtime.entry"]
         port = cfg.inference.base_port + i
         assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
         assert svc["restart"] == "unless-stopped"
@@ -86,7 +86,7 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
     assert s["prepare"]["command"] == [
         "python3",
         "-m",
-        "areal_hex.deploy.prepare",
+        "hexctl.deploy.prepare",
         "{config}",
         "--source",
         plan.model,
@@ -135,7 +135,7 @@ def test_docker_size(q, want):
 @pytest.mark.parametrize("kind", ["inference", "trainer"])
 def test_image_entrypoint_is_the_rendered_wrapper(kind):
     """The images' default ENTRYPOINT is the same secret wrapper the manifests set."""
-    from areal_hex.deploy.k8s_pods import entry_command
+    from hexctl.deploy.k8s_pods import entry_command
 
     text = (ROOT / f"deploy/docker/Dockerfile.{kind}").read_text()
     (line,) = [ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT")]
@@ -159,8 +159,8 @@ def test_cpu_image_runs_the_tiny_example():
 
 def test_layout_environment_is_rendered(tmp_path, monkeypatch):
     """Services carry the layout's env (the same system as `areal-hex run`)."""
-    import areal_hex.deploy.common as common
-    from areal_hex.layout import build_layout
+    import hexctl.deploy.common as common
+    from hexctl.job.layout import build_layout
 
     def with_env(cfg, plan=None):
         layout = build_layout(cfg, plan)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_hex.cli import build_parser, main
-from areal_hex.cli.deploy_cmd import check_services
 from areal_hex.config import load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.layout import CONFIG_PLACEHOLDER, build_layout
 from areal_hex.plan import load_plan
+from hexctl.cli import build_parser, main
+from hexctl.cli.deploy_cmd import check_services
+from hexctl.deploy import render
+from hexctl.job.deploy_config import DeployConfig
+from hexctl.job.layout import CONFIG_PLACEHOLDER, build_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 # example config -> the plan it is deployed with
@@ -97,7 +97,7 @@ def test_check_services_names_each_failing_service(tmp_path):
         ROOT / "examples/deploy/qwen3-1.7b.yaml",
         ["trainer.checkpoint_every=100", "buffer.max_pending=64"],
     )
-    from areal_hex.deploy.common import prepare
+    from hexctl.deploy.common import prepare
 
     errors = check_services(prepare(cfg, plan, DeployConfig(), "k8s", tmp_path))
     assert len(errors) == 1 and errors[0].startswith("trainer (areal-hex train")

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from areal_hex.config import ExperimentConfig, load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.deploy.names import GPU_PRODUCT_LABELS
 from areal_hex.plan import Plan, load_plan
+from hexctl.deploy import render
+from hexctl.deploy.names import GPU_PRODUCT_LABELS
+from hexctl.job.deploy_config import DeployConfig
 from tests.k8s_schema import job_of, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_each_inference_deployment_lands_only_on_its_gpu_kind(rendered):
         # (the config leaves inference.sglang.tp_size at 1: other degrees are overrides)
         tp = [] if inst.tp == 1 else [f"inference.sglang.tp_size={inst.tp}"]
         assert c["args"] == ["areal-hex", "serve", "{config}", *tp, "--index", str(i)]
-        assert c["command"][:3] == ["python3", "-m", "areal_hex.deploy.entry"]
+        assert c["command"][:3] == ["python3", "-m", "hexctl.runtime.entry"]
         port = cfg.inference.base_port + i
         assert c["ports"][0]["containerPort"] == port
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
@@ -272,7 +272,7 @@ def test_pods_are_non_root_and_network_policies_cover_them(rendered):
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
             assert c["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
             mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
-            if "areal_hex.deploy.entry" in c["command"]:  # it writes the runtime config
+            if "hexctl.runtime.entry" in c["command"]:  # it writes the runtime config
                 assert {"/tmp", "/dev/shm"} <= mounts, c["name"]
     assert len(pods) == len([o for o in objs if o["kind"] == "Deployment"]) + 5
     deployed = ExperimentConfig.model_validate(
@@ -393,7 +393,7 @@ def test_initial_weights_are_prepared_once_and_awaited(rendered):
     assert c["args"] == [
         "python3",
         "-m",
-        "areal_hex.deploy.prepare",
+        "hexctl.deploy.prepare",
         "{config}",
         "--source",
         source,

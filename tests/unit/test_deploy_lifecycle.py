@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from areal_hex.config import load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
-from areal_hex.deploy.reaper import KubeApi, scale_to_zero, wait_for_trainer
 from areal_hex.plan import load_plan
+from hexctl.deploy import render
+from hexctl.job.deploy_config import DeployConfig
+from hexctl.runtime.reaper import KubeApi, scale_to_zero, wait_for_trainer
 from tests.k8s_schema import validate
 
 ROOT = Path(__file__).resolve().parents[2]

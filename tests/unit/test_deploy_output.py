@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hex.cli import main
+from hexctl.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = str(ROOT / "examples/plans/workstation_l40s_l4.yaml")
@@ -105,8 +105,8 @@ def test_sglang_gets_its_api_key_from_a_file_not_its_command_line(tmp_path):
     import yaml
 
     from areal_hex.config import load_config
-    from areal_hex.deploy.entry import write_runtime_config
-    from rollout_service.sglang_launcher import launch_command
+    from hexctl.runtime.entry import write_runtime_config
+    from rollout_service.server.sglang_launcher import launch_command
 
     out = tmp_path / "out"
     assert _deploy(out, "k8s") == 0

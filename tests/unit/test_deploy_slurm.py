@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from areal_hex.cli import main
 from areal_hex.config import ConfigError, load_config
-from areal_hex.deploy.slurm import render_slurm
-from areal_hex.deploy.slurm_runtime import write_configs
-from areal_hex.deploy.slurm_site import KindPlacement, SiteConfig, SiteRedis, load_site
 from areal_hex.plan import Plan, load_plan
+from hexctl.cli import main
+from hexctl.deploy.slurm import render_slurm
+from hexctl.deploy.slurm_site import KindPlacement, SiteConfig, SiteRedis, load_site
+from hexctl.runtime.slurm import write_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SITE = ROOT / "examples/slurm/site_cluster.yaml"
@@ -104,7 +104,7 @@ def test_components_and_steps_match_the_plan(tmp_path, plan_file, cfg_file):
     line = steps["trainer"]
     assert f"--het-group={len(comps) - 1} " in line
     assert f"--nodes={len(t.placements)} " in line and f"PET_NNODES={len(t.placements)} " in line
-    assert "PET_NODE_RANK=$SLURM_NODEID" in line and "areal_hex.cli train" in line
+    assert "PET_NODE_RANK=$SLURM_NODEID" in line and "hexctl.cli train" in line
     for name in ("redis", "controller"):
         assert "--het-group=0 " in steps[name] and "--overlap" in steps[name]
     # the script parses

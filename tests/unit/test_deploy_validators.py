@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from areal_hex.config import load_config
-from areal_hex.config.deploy import DeployConfig
-from areal_hex.deploy import render
 from areal_hex.plan import load_plan
+from hexctl.deploy import render
+from hexctl.job.deploy_config import DeployConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted(

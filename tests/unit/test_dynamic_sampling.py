@@ -13,10 +13,10 @@ from fakes import TOK, FakeServer, MemoryProducer
 
 from areal_hex.config import DataConfig, RolloutConfig
 from areal_hex.data import build_prompts, generate_arithmetic
-from areal_hex.launch.report import accounting
 from areal_hex.rewards import RewardPool
 from areal_hex.run_files import RolloutRow, TrainerRow
-from rollout_service.controller import RolloutController
+from hexctl.report.summary import accounting
+from rollout_service.controller.rollout import RolloutController
 
 
 class AlternatingRewards(RewardPool):

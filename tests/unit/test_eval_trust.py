@@ -12,7 +12,7 @@ import pytest
 
 from areal_hex.config import ConfigError, load_config
 from areal_hex.data import DataError, load_problems
-from areal_hex.launch.evaluate import EvalOptions, evaluate
+from hexctl.report.evaluate import EvalOptions, evaluate
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_skipped_prompts_stay_in_the_denominator(weights: Path, tmp_path: Path) 
 @pytest.mark.timeout(180)
 def test_a_server_refusal_scores_zero_and_is_counted(weights: Path, tmp_path: Path) -> None:
     from areal_hex.config import InferenceConfig, ModelConfig
-    from rollout_service.server import ServerThread, build_server_app
+    from rollout_service.server.main import ServerThread, build_server_app
 
     data = _gsm_file(tmp_path / "test.jsonl", QUESTIONS)
     cfg = load_config(

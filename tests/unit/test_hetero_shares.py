@@ -133,8 +133,8 @@ def test_train_preflight_counts_rank_speeds_across_nodes(
     """One speed per rank of the whole job: num_ranks per node x PET_NNODES nodes."""
     import argparse
 
-    from areal_hex.cli.train_cmd import preflight
     from areal_hex.errors import UsageError
+    from hexctl.cli.train_cmd import preflight
 
     root = Path(__file__).resolve().parents[2]
     args = argparse.Namespace(

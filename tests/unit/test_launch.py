@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import load_config
-from areal_hex.launch.cores import core_groups
-from areal_hex.launch.evaluate import EvalError, pass_at_k, resolve_weights
-from areal_hex.launch.prepare import apply_mode
-from areal_hex.launch.run import assign_local_gpus, process_specs
-from areal_hex.layout import build_layout
 from areal_hex.net import free_port_block
-from areal_hex.warm_start import sft_texts, without_answer_line
+from hexctl.job.cores import core_groups
+from hexctl.job.layout import build_layout
+from hexctl.job.prepare import apply_mode
+from hexctl.job.warm_start import sft_texts, without_answer_line
+from hexctl.launch.run import assign_local_gpus, process_specs
+from hexctl.report.evaluate import EvalError, pass_at_k, resolve_weights
 
 
 def test_sync_mode_sets_eta_zero() -> None:
@@ -53,7 +53,7 @@ def test_process_specs_commands_policies_and_pinning(tmp_path: Path) -> None:
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.run_id=r", "run.pin_cores=true"])
     config = tmp_path / "r" / "config.yaml"
     specs = {s.name: s for s in process_specs(cfg, build_layout(cfg), config)}
-    assert specs["trainer"].command == [sys.executable, "-m", "areal_hex.cli", "train", str(config)]
+    assert specs["trainer"].command == [sys.executable, "-m", "hexctl.cli", "train", str(config)]
     assert specs["inference-0"].command[-2:] == ["--index", "0"]
     assert specs["inference-0"].on_exit == "restart"
     assert specs["trainer"].on_exit == "finish" and specs["controller"].on_exit == "fail"
@@ -75,7 +75,7 @@ def test_process_specs_commands_policies_and_pinning(tmp_path: Path) -> None:
 
 
 def test_host_side_follows_the_faster_predicted_pipeline(monkeypatch) -> None:
-    from areal_hex.launch import predict as pr
+    from hexctl.job import predict as pr
 
     rates = {"trainer": 500.0, "inference": 600.0}
 
@@ -147,7 +147,7 @@ def test_core_groups_off_means_no_pinning() -> None:
 def test_bench_steady_rate_skips_the_head_start(tmp_path: Path) -> None:
     import json
 
-    from areal_hex.launch.bench import steady_rate
+    from hexctl.bench.e2e import steady_rate
 
     rows = [  # 3 quick steps (prefilled batches), then one step every 2 s
         {"step": 1, "time": 0.0, "groups_trained_total": 4},
@@ -189,7 +189,7 @@ def test_a_benchmark_refuses_the_run_directory_of_an_earlier_one(tmp_path):
     """A benchmark's run in an earlier one's directory would resume it and report its
     figures: refused with the path and what to do, before anything starts."""
     from areal_hex.config import ConfigError
-    from areal_hex.launch.bench import fresh_run_dir
+    from hexctl.bench.e2e import fresh_run_dir
 
     fresh_run_dir(tmp_path / "bench-async")  # missing: fine
     (tmp_path / "bench-async").mkdir()

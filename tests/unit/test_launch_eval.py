@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import load_config
-from areal_hex.launch.evaluate import EvalOptions, evaluate
+from hexctl.report.evaluate import EvalOptions, evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_eval_matches_direct_greedy_decoding(weights: Path) -> None:
 @pytest.mark.timeout(180)
 def test_eval_cli_json_and_bad_version(weights: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "areal_hex.cli", "eval", *overrides(weights)]
+    base = [sys.executable, "-m", "hexctl.cli", "eval", *overrides(weights)]
     res = subprocess.run(
         [*base, "--weights", str(weights), "--n", "2", "--json"],
         capture_output=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hex.launch.supervisor import ProcessSpec, Supervisor, tail_lines
+from hexctl.launch.supervisor import ProcessSpec, Supervisor, tail_lines
 
 PY = sys.executable
 

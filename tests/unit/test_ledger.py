@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from areal_hex.launch.ledger import (
+from areal_hex.run_files import TrainerRow
+from hexctl.launch.progress import format_line, service_status
+from hexctl.report.ledger import (
     active_seconds,
     committed_state,
     interruptions,
@@ -14,8 +16,6 @@ from areal_hex.launch.ledger import (
     steady_rate,
     trained_twice,
 )
-from areal_hex.launch.progress import format_line, service_status
-from areal_hex.run_files import TrainerRow
 from trainer_service.checkpoint import MARKER, record_committed
 
 
@@ -127,7 +127,7 @@ def test_progress_says_what_each_process_does_before_the_first_step(tmp_path: Pa
 
 
 def test_chaos_plan_strikes_every_kind_once_at_distinct_steps() -> None:
-    from areal_hex.launch.chaos import KINDS, fault_plan
+    from hexctl.bench.chaos import KINDS, fault_plan
 
     plan = fault_plan(list(KINDS), 30, seed=1)
     steps = [s for s, _ in plan]

@@ -200,3 +200,21 @@ def test_batch_normalize_in_batching_keeps_degenerate_groups_at_zero() -> None:
 def test_overlong_buffer_beyond_budget_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="overlong_buffer"):
         load_config(None, ["rollout.max_new_tokens=16", "algo.overlong_buffer=32"])
+
+
+def test_clamped_k3_value_is_capped_like_areal_and_verl() -> None:
+    logp, ref = torch.tensor([-20.0]), torch.tensor([-10.0])  # log(pi/pi_ref) = -10
+    assert kl_estimate(logp, ref, "k3", clamp=10.0).item() == pytest.approx(10.0)
+    assert kl_estimate(logp, ref, "k3+", clamp=10.0).item() == pytest.approx(10.0)
+    # without a clamp the estimator is left as it is (e^10 - 1 - 10)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(10) - 11, rel=1e-5)
+
+
+def test_dual_clip_with_cispo_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from areal_hex.config.algo import AlgoConfig
+
+    with pytest.raises(ValidationError, match="dual_clip has no effect with objective cispo"):
+        AlgoConfig(objective="cispo", dual_clip=3.0)
+    assert AlgoConfig(objective="gspo", dual_clip=3.0).dual_clip == 3.0

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_hex.cli import main
 from areal_hex.config import ConfigError, load_config
-from areal_hex.launch.predict import predict_run
-from areal_hex.launch.prepare import apply_plan, local_rank_speeds
 from areal_hex.plan import PlanSources, load_plan, save_plan
+from hexctl.cli import main
+from hexctl.job.plan_config import subsample_rank_speeds
+from hexctl.job.predict import predict_run
+from hexctl.job.prepare import apply_plan
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
 from scheduler.milp import solve, solve_per_kind
 from scheduler.model_shape import load_model_shape
@@ -197,12 +198,12 @@ def test_run_sets_rank_speeds_from_the_plan(planned, tmp_path) -> None:
     run = apply_plan(cfg, plan)
     speeds = plan.trainer.rank_speeds
     assert speeds is not None and run.trainer.num_ranks == 8
-    assert run.trainer.rank_speeds == local_rank_speeds(speeds, 8)
+    assert run.trainer.rank_speeds == subsample_rank_speeds(speeds, 8)
     # one node's worth of ranks keeps the plan's mix of kinds (16 H800 of the ranks)
     fast, slow = max(speeds), min(speeds)
     assert speeds.count(fast) == 16 and set(run.trainer.rank_speeds) == {fast, slow}
     assert abs(run.trainer.rank_speeds.count(fast) - 8 * 16 / len(speeds)) <= 0.5
-    assert local_rank_speeds(speeds, len(speeds)) == speeds
+    assert subsample_rank_speeds(speeds, len(speeds)) == speeds
     # the run's prediction prices the same trainer across kinds
     w = planned[2]
     plan = plan.model_copy(update={"sources": PlanSources(cluster=str(MIXED), workload=str(LONG))})
@@ -243,7 +244,7 @@ def test_slurm_renders_a_trainer_across_kinds_one_component_per_kind(
     node 0) and one node count, and the second kind's step starts at node rank 2."""
     import subprocess
 
-    from areal_hex.deploy.slurm_site import load_site
+    from hexctl.deploy.slurm_site import load_site
 
     plan_file = save_plan(planned[3].plan, tmp_path / "plan.yaml")
     t = planned[3].plan.trainer
@@ -324,7 +325,7 @@ def test_k8s_renders_a_trainer_across_kinds_one_job_per_kind(planned, tmp_path, 
     resolved = yaml.safe_load((out / "resolved" / "config.yaml").read_text())["trainer"]
     assert resolved["num_ranks"] == 8 and resolved["rank_speeds"] == t.rank_speeds
     # the launcher on an H20 pod with completion index 1 is node rank 3
-    from areal_hex.cli.train_cmd import launcher_env
+    from hexctl.cli.train_cmd import launcher_env
 
     env = {"AREAL_HEX_NODE_RANK_OFFSET": "2", "PET_NODE_RANK": "1", "NODE_RANK": "1"}
     with pytest.MonkeyPatch.context() as mp:

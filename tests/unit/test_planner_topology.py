@@ -262,7 +262,7 @@ def test_tuning_ranks_by_what_the_buffer_replay_sustains() -> None:
 
 
 def test_a_publish_interval_beyond_staleness_plus_one_is_refused(tmp_path: Path) -> None:
-    from areal_hex.cli import main
+    from hexctl.cli import main
 
     wl = tmp_path / "w.yaml"
     wl.write_text("staleness: 1\npublish_interval: 3\n")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_hex.cli import main
 from areal_hex.config import load_config
-from areal_hex.launch.prepare import choose_ports
+from hexctl.cli import main
+from hexctl.job.prepare import choose_ports
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from areal_hex.prom import (
     registry_with,
 )
 from areal_hex.run_files import RolloutRow, TrainerRow
-from rollout_service.dispatch import ServerState
+from rollout_service.controller.dispatch import ServerState
 from scheduler.predict import LayoutRates
 
 
@@ -164,8 +164,8 @@ async def test_controller_feeds_the_histograms(tmp_path: Path) -> None:
     token counts add up to the controller's."""
     from areal_hex.config import DataConfig, ExperimentConfig, RolloutConfig
     from areal_hex.data import build_prompts, generate_arithmetic
-    from rollout_service.controller import RolloutController
-    from rollout_service.wiring import serve_metrics
+    from rollout_service.controller.rollout import RolloutController
+    from rollout_service.controller.wiring import serve_metrics
 
     rollout = RolloutConfig(group_size=3, max_new_tokens=16, metrics_interval_s=0.2)
     prompts = build_prompts(generate_arithmetic(8, "train"), TOK, DataConfig()).prompts
@@ -239,7 +239,7 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
     assert s[("areal_hex_buffer_given_back_total", (("reason", "failed"),))] == 0
 
 
-# prediction.json as the launcher writes it (areal_hex/launch/predict.py: the cost model's
+# prediction.json as the launcher writes it (hexctl/job/predict.py: the cost model's
 # LayoutRates of both modes)
 PREDICTION = {
     "source": "plan",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import load_config
-from areal_hex.launch.progress import Progress, format_line
-from areal_hex.launch.report import accounting, summarize, write_report
 from areal_hex.run_files import RolloutRow, RowTail, TrainerRow
+from hexctl.launch.progress import Progress, format_line
+from hexctl.report.summary import accounting, summarize, write_report
 
 
 def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:

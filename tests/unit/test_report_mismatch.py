@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_hex.launch.report import write_plots
-from areal_hex.launch.report_mismatch import mismatch_series
 from areal_hex.run_files import RunPaths, TrainerRow, append_row
+from hexctl.report.mismatch import mismatch_series
+from hexctl.report.summary import write_plots
 
 
 def m(abs_dlogp: float, k3: float, tokens: int) -> dict[str, float]:

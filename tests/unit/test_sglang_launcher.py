@@ -14,7 +14,7 @@ import pytest
 
 from areal_hex.config import InferenceConfig, ModelConfig, SGLangConfig, TinyModelConfig
 from areal_hex.net import free_port
-from rollout_service.sglang_launcher import (
+from rollout_service.server.sglang_launcher import (
     SGLangLaunchError,
     SGLangProcess,
     launch_command,
@@ -69,7 +69,7 @@ def test_tiny_model_is_refused() -> None:
 
 def test_cli_prints_the_command() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    base = [sys.executable, "-m", "areal_hex.cli", "serve"]
+    base = [sys.executable, "-m", "hexctl.cli", "serve"]
     out = subprocess.run(
         [*base, "model.path=/m", "inference.backend=sglang", "inference.api_key=k9",
          "--index", "0", "--port", "31111", "--print-command"],

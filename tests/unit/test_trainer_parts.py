@@ -158,7 +158,7 @@ def test_replay_roundtrip_and_wraparound(tmp_path: Path) -> None:
 
 
 def test_launcher_commands() -> None:
-    from areal_hex.cli.train_cmd import launcher_command, launcher_env
+    from hexctl.cli.train_cmd import launcher_command, launcher_env
 
     cfg = load_config(None, ["trainer.num_ranks=2", "trainer.master_port=29999"])
     cmd = launcher_command(cfg, "c.yaml", ["trainer.lr=1"])
@@ -174,7 +174,7 @@ def test_launcher_commands() -> None:
 
 
 def test_train_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from areal_hex.cli import main
+    from hexctl.cli import main
 
     assert main(["train", "trainer.zero_stage=4"]) == 2
     assert "trainer.zero_stage" in capsys.readouterr().err

@@ -1,5 +1,0 @@
-import sys
-
-from areal_hex.cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from hexctl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""`areal-hex bench NAME --json`: each benchmark measures its baseline in the same run and
+prints one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+# name -> module providing `add_arguments(parser)` and `run(args) -> dict`
+BENCHMARKS: dict[str, str] = {
+    "buffer": "hexctl.bench.buffer",
+    "rollout": "hexctl.bench.rollout",
+    "controller": "hexctl.bench.controller",
+    "trainer": "hexctl.bench.trainer",
+    "e2e": "hexctl.bench.e2e",
+    "chaos": "hexctl.bench.chaos",
+    "algos": "hexctl.bench.algos",
+    "plan": "hexctl.bench.plan",
+    "fidelity": "hexctl.bench.fidelity",
+    "gpu": "hexctl.bench.gpu",
+    "hetero": "hexctl.bench.hetero",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark against a same-run baseline")
+    names = p.add_subparsers(dest="bench", metavar="NAME")
+    names.required = True
+    for name, module in BENCHMARKS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            continue  # that part is not installed in this tree
+        bp = names.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        bp.add_argument("--json", action="store_true", help="print only the JSON object")
+        mod.add_arguments(bp)
+        bp.set_defaults(func=_runner(mod.run))
+
+
+def _runner(fn: Callable[[argparse.Namespace], dict[str, Any]]) -> Callable[..., int]:
+    def run(args: argparse.Namespace) -> int:
+        result = fn(args)
+        print(json.dumps(result, indent=None if args.json else 2, sort_keys=True))
+        return 0
+
+    return run

@@ -1,0 +1,130 @@
+"""`areal-hex run CONFIG [key=value ...] [--mode sync|async] [--plan plan.yaml]`: run a whole
+job as local processes (Valkey, inference servers, rollout controller, DeepSpeed trainer)
+and write the report into the run directory. `areal-hex run --resume RUN_DIR` continues an
+interrupted or failed run where its durable state (checkpoints, Valkey's append-only
+file) left it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from hexctl.cli import add_config_args
+
+    p = sub.add_parser("run", help="run a whole job locally (buffer, servers, controller, trainer)")
+    add_config_args(p, required=False)  # not with --resume
+    p.add_argument("--mode", choices=["sync", "async"], default=None, help="default: run.mode")
+    p.add_argument("--plan", default=None, help="plan.yaml from `areal-hex plan` (optional)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="directory from `areal-hex profile --local`: predict a run without a plan",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="fail the run after this many seconds"
+    )
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        help="continue the run in RUN_DIR (its config.yaml; overrides still apply)",
+    )
+    p.set_defaults(func=_run)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _resume_args(args: argparse.Namespace) -> None:
+    """`--resume RUN_DIR`: the run's own config.yaml is the config (a CONFIG that looks
+    like an override is one)."""
+    from hexctl.cli import UsageError
+
+    if args.resume is None:
+        if args.config is None:
+            raise UsageError("areal-hex run: give a CONFIG, or --resume RUN_DIR")
+        return
+    config = Path(args.resume) / "config.yaml"
+    if not config.is_file():
+        raise UsageError(
+            f"--resume {args.resume}: no config.yaml there; expected the directory of a run "
+            "started by areal-hex run (runs/<run_id>)"
+        )
+    if args.config is not None and "=" in args.config and not args.config.endswith(".yaml"):
+        args.overrides = [args.config, *args.overrides]
+    elif args.config is not None:
+        raise UsageError("--resume RUN_DIR takes the run's own config: give no CONFIG")
+    args.config = str(config)
+
+
+def _say(text: str) -> None:
+    print(f"areal-hex run: {text}", file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hexctl.cli import UsageError, config_from_args
+    from hexctl.job.prepare import preflight, prepare_run
+    from hexctl.launch.run import execute, failure_message
+
+    _resume_args(args)
+    cfg = config_from_args(args)
+    plan = None
+    if args.plan is not None:
+        from areal_hex.plan import load_plan
+
+        plan = load_plan(args.plan)
+    preflight(cfg)  # exit 2 before anything is created
+    existed = cfg.run.run_id is not None and cfg.run.run_dir().exists()
+    try:
+        cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say)
+    except (ValueError, OSError) as exc:
+        if not existed and cfg.run.run_id is not None:
+            shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)
+        raise UsageError(str(exc)) from None
+    except BaseException:
+        if not existed and cfg.run.run_id is not None:
+            shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)
+        raise
+    run_dir = cfg.run.run_dir()
+    verb = "resuming" if existed else "starting"
+    _say(f"{verb} {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the services as on Ctrl-C
+    result = execute(
+        cfg,
+        config_path,
+        plan,
+        progress=not args.no_progress,
+        timeout_s=args.timeout,
+        profile_dir=Path(args.profile) if args.profile else None,
+    )
+    if result.outcome.status == "interrupted":
+        _say(f"interrupted; all processes stopped (continue with --resume {run_dir})")
+        return 130
+    if not result.ok:
+        _say(f"error: {failure_message(result)}")
+        _say(f"continue with: areal-hex run --resume {run_dir}")
+        return 1
+    keys = [
+        "steps",
+        "final_reward",
+        "max_staleness",
+        "samples_per_s",
+        "wall_time_s",
+        "groups_produced",
+        "groups_trained",
+        "groups_dropped_stale",
+        "groups_lost",
+        "final_version",
+    ]
+    print(json.dumps({k: result.summary.get(k) for k in keys}))
+    _say(f"report in {run_dir / 'summary.json'} and {run_dir / 'report'}")
+    return 0

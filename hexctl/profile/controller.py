@@ -1,0 +1,254 @@
+"""`profile --local`, the parts measured with the run's own controller: the server kept
+full as an asynchronous run keeps it (samples/s and the controller's CPU per sample), and
+a synchronous step's batch timed from the trainer's publish; and the ratios of those to
+what the cost model composes from the engine's timings (`generation_efficiency`,
+`sync_cycle_factor` in the profile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from areal_hex.config import ExperimentConfig
+from hexctl.job.predict import LocalProfileFiles
+
+LOCAL_GROUP = "local"  # the node group `profile --local` writes
+
+
+@contextlib.asynccontextmanager
+async def _controller(
+    url: str, cfg: ExperimentConfig, model_dir: Path, eta: int, groups: int
+) -> AsyncIterator[tuple[Any, Any, int | None]]:
+    """The run's controller (`RolloutController`, the run's rewards and sampling) against
+    the server at `url`, producing `groups` groups into a Valkey of its own at staleness
+    `eta`: (controller, the buffer's endpoint, Valkey's pid)."""
+    from areal_hex.buffer import RedisTrajectoryProducer, open_redis
+    from rollout_service.client import InferenceClient
+    from rollout_service.controller.rollout import RolloutController
+    from rollout_service.controller.wiring import load_prompt_set, load_rollout_tokenizer
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path, cfg.model.tokenizer_path = str(model_dir), None
+    cfg.buffer.max_staleness = eta
+    # no trainer consumes here: the buffer holds every group the load makes
+    cfg.buffer.max_pending = max(cfg.buffer.max_pending, groups + 1)
+    cfg.redis.url, cfg.redis.data_dir, cfg.redis.port = None, None, None
+    tok = load_rollout_tokenizer(cfg)
+    endpoint = open_redis(cfg.redis)
+    inflight = 2 * cfg.inference.max_running_requests  # as `run_rollout` sets it
+    client = InferenceClient(url, timeout_s=None, max_inflight=inflight)
+    redis = endpoint.async_client()
+    eos = tok.eos_token_id
+    ctl = RolloutController(
+        [client],
+        RedisTrajectoryProducer(redis, PROFILE_RUN, cfg.buffer),
+        load_prompt_set(cfg, tok).prompts,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        cfg.rollout,
+        max_groups=groups,
+        stop_token_ids=[eos] if eos is not None else [],
+        seed=cfg.data.seed,
+        weights_dir=str(model_dir.parent),
+    )
+    try:
+        yield ctl, endpoint, endpoint.server.pid if endpoint.server is not None else None
+    finally:
+        await client.close()
+        await redis.aclose()
+        endpoint.close()
+
+
+PROFILE_RUN = "profile"  # the buffer's run id inside the profile's own Valkey
+
+
+async def continuous_load(
+    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int], reloads: bool = False
+) -> tuple[float, float, float | None]:
+    """The run's controller with its gate wide open, so that the server stays as full as
+    an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
+    the groups: no start-up, no drain): samples/s, and the CPU seconds per sample of this
+    process and its children but the server (`exclude`) and Valkey. With `reloads`, a
+    weight update made by the controller itself (`rollout.update_pause`, as in a run) every
+    `RELOAD_EVERY_S`: the median pause is the third figure (else None), and samples/s
+    are those between pauses. A load whose middle lasts under `MIN_WINDOW_S` (short
+    answers, a fast device) is run again, long enough."""
+    groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
+    for _ in range(2):
+        got, window_s = await _load_once(url, cfg, model_dir, exclude, reloads, groups)
+        if window_s >= MIN_WINDOW_S:
+            break
+        groups = int(groups * min(20.0, 1.5 * MIN_WINDOW_S / max(window_s, 1e-3))) + 1
+    return got
+
+
+CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
+MIN_WINDOW_S = 1.0  # the measured middle of a load lasts at least this long
+RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
+TICK_S = 0.1  # how often the load's progress and CPU are read
+
+
+async def _load_once(
+    url: str,
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    exclude: set[int],
+    reloads: bool,
+    groups: int,
+) -> tuple[tuple[float, float, float | None], float]:
+    """`continuous_load` with `groups` groups: its figures and the measured window, s."""
+    total = groups * cfg.rollout.group_size
+    marks: list[tuple[float, int, float]] = []
+    # no trainer here: nothing may wait on the gate
+    async with _controller(url, cfg, model_dir, 1 << 20, groups) as (ctl, _, valkey):
+        skip = exclude | ({valkey} if valkey is not None else set())
+
+        async def watch() -> None:
+            while True:
+                marks.append((time.perf_counter(), ctl.stats["samples_total"], _tree_cpu_s(skip)))
+                await asyncio.sleep(TICK_S)
+
+        pauses: list[float] = []
+
+        async def reload_loop() -> None:
+            # the controller's own update (gate closed, pause, load, resume), as in a run
+            version = 1000  # above the versions the profile's reload timings used
+            while True:
+                await asyncio.sleep(RELOAD_EVERY_S)
+                version += 1
+                t0 = time.perf_counter()
+                await ctl.update_weights(version, str(model_dir))
+                pauses.append(time.perf_counter() - t0)
+
+        watcher = asyncio.create_task(watch())
+        reloader = asyncio.create_task(reload_loop()) if reloads else None
+        try:
+            await ctl.run()
+        finally:
+            watcher.cancel()
+            if reloader is not None:
+                reloader.cancel()
+                await asyncio.gather(reloader, return_exceptions=True)
+    inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
+    if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+        # too short to sample its middle: from the last mark before the first sample to
+        # the first mark after the last one (not the start-up or the shutdown around them)
+        first = next((i for i, m in enumerate(marks) if m[1] > marks[0][1]), len(marks) - 1)
+        last = next(i for i, m in enumerate(marks) if m[1] == marks[-1][1])
+        inside = [marks[max(0, first - 1)], marks[max(last, first)]]
+    (t0, n0, c0), (t1, n1, c1) = inside[0], inside[-1]
+    n = max(1, n1 - n0)
+    rate = n / max(1e-9, t1 - t0)
+    reload_s = statistics.median(pauses) if pauses else None
+    if reload_s is not None:  # the rate while generating: a cycle is the wait + a pause
+        rate *= (RELOAD_EVERY_S + reload_s) / RELOAD_EVERY_S
+    return (rate, max(0.0, c1 - c0) / n, reload_s), t1 - t0
+
+
+SYNC_CYCLES = 6  # timed, after one that includes the controller's start
+
+
+async def sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
+    """The run's controller at η = 0, and in this process a trainer that trains nothing:
+    it takes each batch from the buffer and publishes the next version (the same
+    weights), as a synchronous run's trainer does after its step. The median of the
+    seconds from a publish to the whole next batch: generation of a batch down to its
+    longest answer, the weight reload and every hand-off between them."""
+    from areal_hex.buffer.consumer import RedisTrajectoryConsumer, RedisWeightPublisher
+
+    b = cfg.buffer.groups_per_step
+    async with _controller(url, cfg, model_dir, 0, (SYNC_CYCLES + 2) * b) as (ctl, ep, _):
+        sync_client = ep.sync_client()
+        consumer = RedisTrajectoryConsumer(sync_client, PROFILE_RUN, cfg.buffer)
+        publisher = RedisWeightPublisher(sync_client, PROFILE_RUN, cfg.buffer)
+
+        def trainer() -> list[float]:
+            waits = []
+            for version in range(1, SYNC_CYCLES + 2):
+                t0 = time.perf_counter()
+                batch = consumer.get_batch(b, timeout_s=300)
+                waits.append(time.perf_counter() - t0)
+                consumer.ack(batch.entry_ids)
+                publisher.set_version(version, str(model_dir))
+            return waits[1:]
+
+        producing = asyncio.create_task(ctl.run())
+        try:
+            waits = await asyncio.to_thread(trainer)
+        finally:
+            ctl.request_stop()
+            await asyncio.gather(producing, return_exceptions=True)
+            consumer.close()
+            sync_client.close()
+    return statistics.median(waits)
+
+
+def _tree_cpu_s(exclude: set[int]) -> float:
+    """CPU seconds (user + system) of this process and its live descendants but
+    `exclude` and theirs; this process's own time where /proc is missing."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return time.process_time()
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(fields[1])
+        ticks[int(d.name)] = int(fields[11]) + int(fields[12])
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude:
+            continue
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
+    """Samples/s of one instance of the local kind from the decode and prefill timings
+    alone (the cost model's h_psi before `generation_efficiency`)."""
+    from scheduler.cluster import load_cluster
+    from scheduler.costmodel import rollout_config
+    from scheduler.model_shape import load_model_shape
+    from scheduler.workload import load_workload
+
+    cl = load_cluster(files.cluster)
+    m = load_model_shape(str(files.model))
+    w = load_workload(files.workload)
+    opt = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
+    if opt is None:
+        raise RuntimeError("the profiled model does not fit the local device's memory")
+    return opt.samples_per_s
+
+
+def replayed_cycle_s(files: LocalProfileFiles, prof: Any) -> float:
+    """A synchronous step's generation and reload (its training step left out) as the
+    cost model's replay has them for one instance and one trainer rank here."""
+    from scheduler.cluster import load_cluster
+    from scheduler.model_shape import load_model_shape
+    from scheduler.predict import TrainerLayout, predict_layout
+    from scheduler.workload import load_workload
+
+    cl = load_cluster(files.cluster)
+    w = load_workload(files.workload)
+    trainer = TrainerLayout(((LOCAL_GROUP, 1),), 1)
+    rates = predict_layout(
+        cl, load_model_shape(str(files.model)), w, prof, [(LOCAL_GROUP, 1)], trainer
+    ).synchronous
+    bg = w.samples_per_step
+    return bg / rates.pipeline_samples_per_s - bg / rates.training_samples_per_s

@@ -1,0 +1,2 @@
+"""After (or beside) a run: summary.json, the report's plots, the ledger of groups, and
+evaluation of a weights version."""

@@ -1,0 +1,244 @@
+"""The weight-update protocol, controller side: from a published version to servers that
+generate with it.
+
+The sequence, across processes:
+
+1. publish (trainer, rank 0; trainer_service/publish.py): write `weights/v<N>` (write,
+   then rename), SET `<run>:version` = N and the path, PUBLISH {version, path}
+   (areal_hex/buffer/consumer.py `RedisWeightPublisher.set_version`).
+2. notify (buffer -> controller): `TrajectoryProducer.watch_versions()` yields N;
+   `WeightSync.follow` coalesces versions that arrive during a reload (only the newest
+   is loaded next).
+3. pause: `UpdateGate.close()` stops new requests in this controller; every healthy
+   server gets `/pause_generation` — `abort` (SGLang's way: running requests end with
+   their partial output and are resent by the sampler, from the tokens they have) or
+   `retract` (ours: requests stay, their KV cache is recomputed with the new weights);
+   `resolve_pause_mode` picks one from `rollout.update_pause` and what the servers report.
+4. load: `/update_weights_from_disk` with `weight_version` = N on each paused server
+   (server side: rollout_service/server/app.py `_weight_routes` -> engine.Engine.update_weights
+   -> step_loop.Core reloads between two decode steps and, under retract, recomputes).
+5. resume: `/continue_generation`; the gate reopens at version N and the controller tells
+   the staleness gate that the servers serve N (`set_serving_version`): the buffer admits
+   groups for N only from then on, not from the publish.
+6. per-token versions: every output token carries the version that sampled it (ours in
+   `meta_info.output_token_versions`; SGLang's one `weight_version` per response), so a
+   sample that spans an update has mixed versions and the group's version is its oldest.
+7. recover: a server that failed during any step is marked unhealthy and left out; when
+   the dispatcher's probe finds it healthy again, `WeightSync.recover` reloads the
+   current weights on it (unless it already reports them) and resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from areal_hex.api import GenerationClient, TrajectoryProducer
+from areal_hex.run_files import version_dir
+from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
+
+log = logging.getLogger(__name__)
+
+
+class UpdateGate:
+    """Whether new requests may start (closed during a weight update) and which update
+    epoch is current, so an abort caused by our own update is told from a stray one."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version  # last policy version applied to the servers
+        self.epoch = 0  # incremented when an update starts
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def close(self) -> None:
+        self.epoch += 1
+        self._open.clear()
+
+    def reopen(self, version: int | None = None) -> None:
+        if version is not None:
+            self.version = version
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
+
+
+# ---------------------------------------------------------------- pause mode
+async def reports_token_versions(client: GenerationClient) -> bool:
+    """Whether the server behind `client` tags each output token with its version."""
+    try:
+        return bool((await client.server_info()).get("output_token_versions"))
+    except SERVER_ERRORS:  # unreachable now: treat it as one that does not
+        return False
+
+
+async def resolve_pause_mode(mode: str, clients: Sequence[GenerationClient]) -> str:
+    """The mode to use for `rollout.update_pause=mode` with these servers:
+    abort stays abort; retract and in_place need every server to report per-token
+    versions (else their tokens are tagged per response, with a warning); auto =
+    retract when all do."""
+    if mode == "abort":
+        return mode
+    ok = await asyncio.gather(*[reports_token_versions(c) for c in clients])
+    if mode in ("retract", "in_place"):
+        if not all(ok):
+            log.warning(
+                "rollout.update_pause=%s, but %d server(s) do not report per-token "
+                "versions: their tokens are tagged with the version of each response",
+                mode,
+                ok.count(False),
+            )
+    elif all(ok):
+        mode = "retract"
+    else:
+        mode = "abort"
+    log.info("weight updates: %s in-flight requests", mode)
+    return mode
+
+
+# ---------------------------------------------------------------- the protocol
+class WeightSync:
+    """Keeps the servers of one controller on the newest published weights."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        producer: TrajectoryProducer,
+        gate: UpdateGate,
+        weights_dir: str | None = None,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.producer = producer
+        self.gate = gate
+        self.weights_dir = weights_dir
+        self.pause_mode = "abort"
+        self.applied: tuple[int, str] | None = None  # last (version, path) loaded
+        self.updates_total = 0
+        self.update_s_total = 0.0
+        self._lock = asyncio.Lock()
+
+    async def start(self, update_pause: str) -> None:
+        """Choose the pause mode and report the version served now to the gate."""
+        self.pause_mode = await resolve_pause_mode(
+            update_pause, [s.client for s in self.dispatcher.servers]
+        )
+        self.producer.set_serving_version(self.gate.version)
+
+    async def follow(self) -> None:
+        """(2) Follow version notifications; reload to the newest one. Versions published
+        while a reload runs are coalesced: only the latest is loaded next."""
+        latest: list[tuple[int, str]] = []  # at most one pending (version, path)
+        wake = asyncio.Event()
+
+        async def apply() -> None:
+            # A server that fails a step is handled inside `update` (unhealthy, reloaded
+            # on recovery); anything else raised here is a bug and ends `follow`.
+            while True:
+                await wake.wait()
+                wake.clear()
+                version, path = latest.pop()
+                if version > self.gate.version:
+                    await self.update(version, path)
+
+        async def watch() -> None:
+            async for upd in self.producer.watch_versions():
+                newest = latest[0][0] if latest else self.gate.version
+                if upd.version > newest:
+                    latest[:] = [(upd.version, upd.path)]
+                    wake.set()
+
+        tasks = {asyncio.create_task(apply()), asyncio.create_task(watch())}
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # re-raises the applier's or the watcher's error
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait (up to `timeout_s`) until no update is under way; True if none is."""
+
+        async def idle() -> None:
+            async with self._lock:
+                pass
+
+        try:
+            await asyncio.wait_for(idle(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def update(self, version: int, path: str) -> None:
+        """(3)-(5) Pause every healthy server, load `path` as `version`, resume."""
+        if not path and self.weights_dir:
+            path = str(version_dir(self.weights_dir, version))
+        if not path:
+            log.warning("version %d has no weights path; not reloading", version)
+            self.producer.set_serving_version(version)
+            return
+        async with self._lock:
+            t0 = time.monotonic()
+            self.gate.close()
+            try:
+                servers = [s for s in self.dispatcher.servers if s.healthy]
+                # retract / in_place: the servers keep the requests in flight (their KV
+                # cache recomputed / kept); abort (SGLang's default call): they end and
+                # the sampler resends them.
+                keep = self.pause_mode in ("retract", "in_place")
+                mode = self.pause_mode if keep else "abort"
+                servers = await self._phase(servers, "pause", lambda s: s.client.pause(mode))
+                servers = await self._phase(
+                    servers,
+                    "update",
+                    lambda s: s.client.update_weights_from_disk(
+                        path, version, abort_all_requests=not keep
+                    ),
+                )
+                await self._phase(servers, "continue", lambda s: s.client.resume())
+                self.applied = (version, path)
+            finally:
+                self.gate.reopen(version)
+                self.producer.set_serving_version(version)
+            dt = time.monotonic() - t0
+            self.updates_total += 1
+            self.update_s_total += dt
+            log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
+
+    async def _phase(
+        self,
+        servers: list[ServerState],
+        name: str,
+        call: Callable[[ServerState], Awaitable[Any]],
+    ) -> list[ServerState]:
+        """One step of the update on each server; a server that fails it is marked
+        unhealthy (it reloads on recovery) and left out of the next steps."""
+
+        async def one(s: ServerState) -> bool:
+            try:
+                await call(s)
+                return True
+            except SERVER_ERRORS as exc:
+                self.dispatcher.mark_unhealthy(s, f"weight update ({name}) failed: {exc}")
+                return False
+
+        ok = await asyncio.gather(*[one(s) for s in servers])
+        return [s for s, good in zip(servers, ok, strict=True) if good]
+
+    async def recover(self, server: ServerState) -> None:
+        """(7) A server back from the dead may hold old weights (or still be paused)."""
+        async with self._lock:
+            if self.applied is not None:
+                version, path = self.applied
+                # Skip the reload when a transient error did not cost the server its weights.
+                if await server.client.weight_version() != version:
+                    await server.client.update_weights_from_disk(path, version)
+            await server.client.resume()

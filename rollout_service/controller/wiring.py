@@ -1,0 +1,164 @@
+"""Wiring of `areal-hex rollout`: build the tokenizer, prompts, clients, producer and
+controller from the config and run until done or signalled.
+
+    summary = asyncio.run(run_rollout(cfg))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import TYPE_CHECKING, Any
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.data import PromptSet, build_prompts, load_problems
+from areal_hex.gc_freeze import freeze_startup
+from areal_hex.prom import MetricsServer, RolloutCollector, registry_with
+from areal_hex.run_files import STATUS_MARK, RunPaths
+from areal_hex.trackers import open_run_trackers
+
+if TYPE_CHECKING:
+    from areal_hex.buffer import RedisTrajectoryProducer
+    from rollout_service.controller.rollout import RolloutController
+
+log = logging.getLogger(__name__)
+
+
+def load_rollout_tokenizer(cfg: ExperimentConfig):  # -> PreTrainedTokenizerBase
+    """The tokenizer of `model.tokenizer_path`, else `model.path`, else the tiny one."""
+    from areal_hex import models
+
+    path = cfg.model.tokenizer_path or cfg.model.path
+    if path is None:
+        if cfg.model.tiny is None:
+            raise ValueError("model: set model.path (or model.tokenizer_path) or model.tiny")
+        return models.build_tokenizer()
+    return models.load_tokenizer(path)
+
+
+def load_prompt_set(cfg: ExperimentConfig, tokenizer: Any) -> PromptSet:
+    problems = load_problems(cfg.data, cfg.data.split)
+    prompts = build_prompts(problems, tokenizer, cfg.data)
+    log.info(
+        "%d prompts from %s/%s (%d skipped: longer than data.max_prompt_tokens=%d)",
+        len(prompts.prompts),
+        cfg.data.dataset,
+        cfg.data.split,
+        prompts.skipped_overlong,
+        cfg.data.max_prompt_tokens,
+    )
+    return prompts
+
+
+def target_groups(cfg: ExperimentConfig) -> int:
+    """`rollout.max_groups`, else the most groups the gate admits by the last step:
+    (trainer.total_steps + buffer.max_staleness + 1) * buffer.groups_per_step."""
+    if cfg.rollout.max_groups is not None:
+        return cfg.rollout.max_groups
+    b = cfg.buffer
+    return (cfg.trainer.total_steps + b.max_staleness + 1) * b.groups_per_step
+
+
+def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServer | None:
+    """The controller's /metrics (`rollout.metrics_port`), behind the service token."""
+    if cfg.rollout.metrics_port is None:
+        return None
+    rows = RolloutCollector(ctl.dispatcher.servers, cfg.inference.gpu_kinds)
+    ctl.row_observers.append(rows.observe)
+    ctl.gate_wait_observers.append(rows.observe_gate_wait)
+    ctl.dispatcher.request_observers.append(rows.observe_request)
+    server = MetricsServer(
+        registry_with(rows), cfg.rollout.metrics_port, token=cfg.inference.api_key
+    )
+    log.info("controller metrics on port %d", server.port)
+    return server
+
+
+async def give_back(producer: RedisTrajectoryProducer) -> None:
+    """A stopping controller gives back what it still holds, rather than leaving it for
+    the lease to expire."""
+    import redis.exceptions
+
+    try:
+        n = await producer.give_back_all()
+    except (redis.exceptions.RedisError, OSError) as exc:
+        log.error("could not give back admissions (the lease expiry will): %s", exc)
+        return
+    if n:
+        log.info("gave back %d admission(s)", n)
+
+
+async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Run the controller for `cfg`; SIGTERM/SIGINT stop it cleanly. Returns the final
+    metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
+    from areal_hex.buffer import RedisTrajectoryProducer, open_redis
+    from rollout_service.client import InferenceClient
+    from rollout_service.controller.rollout import RolloutController
+
+    tokenizer = load_rollout_tokenizer(cfg)
+    prompts = load_prompt_set(cfg, tokenizer)
+    run_id = cfg.run.run_id
+    if run_id is None:
+        raise ValueError("run.run_id is not set (the launcher sets it; or pass run.run_id=...)")
+    clients = [
+        InferenceClient(
+            url,
+            api_key=cfg.inference.api_key,
+            timeout_s=None,
+            # enough queued at each server to refill its batch as requests finish
+            max_inflight=2 * cfg.inference.max_running_requests,
+        )
+        for url in cfg.inference.urls()
+    ]
+    endpoint = open_redis(cfg.redis)
+    redis_client = endpoint.async_client()
+    producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
+    eos = tokenizer.eos_token_id
+    ctl = RolloutController(
+        clients,
+        producer,
+        prompts.prompts,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        cfg.rollout,
+        max_groups=target_groups(cfg),
+        metrics_path=RunPaths.of(cfg).rollout,
+        stop_token_ids=[eos] if eos is not None else [],
+        weights_dir=cfg.inference.weights_dir,
+        seed=cfg.data.seed,
+        gpu_kinds=cfg.inference.gpu_kinds,
+        # a killed predecessor's admissions come back once its lease expires
+        settle_s=cfg.buffer.lease_ttl_s + 1.0,
+    )
+    metrics = serve_metrics(cfg, ctl)
+    freeze_startup()  # tokenizer, prompts, imports: out of every later collection
+    trackers = open_run_trackers(cfg, "rollout")
+    if trackers is not None:
+        ctl.row_observers.append(trackers.observe)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctl.request_stop)
+    try:
+        log.info("%swaiting for the inference servers", STATUS_MARK)
+        n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
+        log.info(
+            "%s%d/%d inference servers healthy; producing %d groups of %d",
+            STATUS_MARK,
+            n,
+            len(clients),
+            ctl.max_groups,
+            cfg.rollout.group_size,
+        )
+        return await ctl.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if metrics is not None:
+            metrics.stop()
+        if trackers is not None:
+            trackers.close()
+        await give_back(producer)
+        await producer.aclose()
+        await redis_client.aclose()
+        endpoint.close()
+        await asyncio.gather(*[c.close() for c in clients], return_exceptions=True)

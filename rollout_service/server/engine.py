@@ -1,0 +1,381 @@
+"""The built-in inference engine: HF transformers with continuous batching.
+
+One step-loop thread owns the model and the running batch. Between two decode steps it
+applies control commands (abort, weight reload, in-place pause), prefills newly arrived
+requests and merges them into the running batch; finished rows leave at once. The
+asyncio side (`generate`, `pause`, ...) talks to it through a condition-guarded queue
+and is woken through `loop.call_soon_threadsafe`.
+
+Pausing follows SGLang: while paused, new requests wait before they reach the engine
+(so an `abort_all_requests` weight update does not hit them); mode `abort` ends the
+in-flight ones with their partial output, `in_place`/`retract` keep them and stop
+stepping until `continue`. A reload while paused keeps the held requests: `in_place`
+keeps their KV cache, `retract` recomputes it with the new weights (as if they had been
+aborted and resent, without the round trip). Every output token carries the weight
+version that sampled it (`meta_info.output_token_versions`, beyond SGLang's API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_service.server.grammar import Grammars
+from rollout_service.server.requests import (
+    NO_EXTRA_LOGPROBS,
+    Control,
+    EngineError,
+    EngineOptions,
+    GenRequest,
+    LogprobSpec,
+)
+from rollout_service.server.step_loop import Core
+from rollout_service.wire import FinishReason, SamplingParamsIn
+
+log = logging.getLogger(__name__)
+ModelLoader = Callable[[str], Any]  # weights directory -> model in eval mode on the device
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    paused: bool
+    weight_version: str
+    gen_throughput: float  # generated tokens/s over the last window
+    generation_tokens_total: int
+    prompt_tokens_total: int
+    requests_total: int
+    aborted_total: int
+    weight_updates_total: int
+    prefill_batches_total: int
+    decode_steps_total: int
+    last_error: str | None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any | None,
+        load_model: ModelLoader,
+        model_path: str,
+        weight_version: str,
+        options: EngineOptions,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.weight_version = weight_version
+        self.opts = options
+        self.load_model = load_model
+        self.grammars = Grammars(tokenizer, int(model.config.vocab_size))
+        self._cv = threading.Condition()
+        self._waiting: deque[GenRequest] = deque()
+        self._controls: deque[Control] = deque()
+        self._inflight: dict[str, GenRequest] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gate: asyncio.Event | None = None  # set = not paused
+        self._core: Any = None  # the scheduler's state (rollout_service.server.step_loop.Core)
+        self.counters = dict.fromkeys(
+            ("gen", "prompt", "requests", "aborted", "updates", "prefills", "steps"), 0
+        )
+        self.last_error: str | None = None
+        self._rate: deque[tuple[float, int]] = deque()
+        self._n_running = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the step-loop thread; call from the event loop that serves requests."""
+
+        self._loop = asyncio.get_running_loop()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._core = Core(self)
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def paused(self) -> bool:
+        return self._gate is not None and not self._gate.is_set()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def validate(
+        self, prompt: list[int], sampling: SamplingParamsIn, want: LogprobSpec = NO_EXTRA_LOGPROBS
+    ) -> None:
+        if not prompt:
+            raise EngineError("input_ids: the prompt is empty")
+        vocab = self.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in sampling.bias if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(
+                f"sampling_params.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})"
+            )
+        if want.start >= len(prompt):
+            raise EngineError(
+                f"logprob_start_len ({want.start}) must be below the prompt length ({len(prompt)})"
+            )
+        if want.top > vocab:
+            raise EngineError(f"top_logprobs_num ({want.top}) exceeds the vocabulary ({vocab})")
+        total = len(prompt) + sampling.max_new_tokens
+        if total > self.opts.context_length:
+            raise EngineError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"= {total} exceeds the context length {self.opts.context_length}"
+            )
+
+    async def generate(
+        self,
+        prompt: list[int],
+        sampling: SamplingParamsIn,
+        rid: str,
+        on_token: Callable[[int], None] | None = None,
+        want: LogprobSpec = NO_EXTRA_LOGPROBS,
+    ) -> GenRequest:
+        """Run one request to its end (stop, length or abort); raises EngineError.
+        `on_token(n)` is called on the event loop each time the output reaches n tokens."""
+        req, fut = self.open(prompt, sampling, rid, on_token, want)
+        return await self.run(req, fut)
+
+    def open(
+        self,
+        prompt: list[int],
+        sampling: SamplingParamsIn,
+        rid: str,
+        on_token: Callable[[int], None] | None = None,
+        want: LogprobSpec = NO_EXTRA_LOGPROBS,
+    ) -> tuple[GenRequest, asyncio.Future[GenRequest]]:
+        """Validate and register a request (EngineError: refused); `run` then sends it.
+        `want`: prompt log-probs and top alternatives to compute."""
+        self.validate(prompt, sampling, want)
+        assert self._loop is not None and self._gate is not None, "engine not started"
+        loop = self._loop
+        fut: asyncio.Future[GenRequest] = loop.create_future()
+        req = GenRequest(rid=rid, prompt=list(prompt), sampling=sampling, want=want)
+        if sampling.grammar is not None:
+            req.grammar = self.grammars.matcher(*sampling.grammar)
+        req.on_done = lambda r: loop.call_soon_threadsafe(_resolve, fut, r)
+        if on_token is not None:
+            req.on_token = lambda r: loop.call_soon_threadsafe(on_token, len(r.output_ids))
+        with self._cv:
+            if rid in self._inflight:
+                raise EngineError(f"rid {rid!r}: a request with this id is already in flight")
+            self._inflight[rid] = req
+            self.counters["requests"] += 1
+        return req, fut
+
+    async def run(self, req: GenRequest, fut: asyncio.Future[GenRequest]) -> GenRequest:
+        try:
+            if req.sampling.max_new_tokens == 0 and not req.want.scores_prompt:
+                self.finish(req, FinishReason(type="length", length=0))
+            await self._wait_open(fut)
+            with self._cv:
+                if not req.done:
+                    req.submitted = True
+                    self._waiting.append(req)
+                    self._cv.notify_all()
+            return await fut
+        except asyncio.CancelledError:  # the client went away: free the slot
+            self._submit(Control("abort", {"rid": req.rid, "message": "client disconnected"}))
+            raise
+
+    async def _wait_open(self, fut: asyncio.Future[GenRequest]) -> None:
+        """While paused, wait for `continue` (or for this request to be aborted)."""
+        assert self._gate is not None
+        while not self._gate.is_set() and not fut.done():
+            opened = asyncio.ensure_future(self._gate.wait())
+            try:
+                await asyncio.wait({opened, fut}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                opened.cancel()
+
+    def finish(self, req: GenRequest, reason: FinishReason) -> None:
+        """Mark `req` finished and wake its waiter (any thread)."""
+        if req.done:
+            return
+        req.finish = reason
+        req.weight_version = self.weight_version
+        req.finished_at = time.monotonic()
+        with self._cv:
+            if self._inflight.get(req.rid) is req:
+                del self._inflight[req.rid]
+            if reason.type == "abort":
+                self.counters["aborted"] += 1
+        if req.on_done is not None:
+            req.on_done(req)
+
+    # ------------------------------------------------------------------ control
+    async def abort(self, rid: str | None, message: str = "aborted by request") -> int:
+        """Abort one request (unknown rid: no-op) or all (rid None); returns how many."""
+        return int(await self._control("abort", rid=rid, message=message))
+
+    async def pause(self, mode: str = "abort") -> int:
+        assert self._gate is not None
+        self._gate.clear()
+        if mode == "abort":
+            return await self.abort(None, "generation paused")
+        await self._control("hold", mode=mode)
+        return 0
+
+    async def resume(self) -> None:
+        assert self._gate is not None
+        await self._control("release")
+        self._gate.set()
+
+    async def update_weights(self, path: str, version: str | None, abort_all: bool) -> int:
+        """Load new weights between steps; with `abort_all` in-flight requests end first
+        (partial output, finish_reason abort), else the reload waits for them."""
+        return int(await self._control("reload", path=path, version=version, abort_all=abort_all))
+
+    async def set_weight_version(self, version: str, abort_all: bool) -> None:
+        if abort_all:
+            await self.abort(None, "weight version updated")
+        self.weight_version = version
+
+    def running_tokens(self) -> int:
+        """Prompt + output tokens of the running batch (a snapshot; any thread)."""
+        rows = list(self._core.rows) if self._core is not None else []
+        return sum(len(r.prompt) + len(r.output_ids) for r in rows)
+
+    def can_flush(self) -> bool:
+        with self._cv:
+            return not self._inflight
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        with self._cv:
+            waiting = len(self._waiting)
+            window = [(t, n) for t, n in self._rate if now - t <= self.opts.throughput_window_s]
+            c = dict(self.counters)
+        rate = sum(n for _, n in window) / self.opts.throughput_window_s if window else 0.0
+        return EngineStats(
+            running=self._n_running,
+            waiting=waiting,
+            paused=self.paused,
+            weight_version=self.weight_version,
+            gen_throughput=rate,
+            generation_tokens_total=c["gen"],
+            prompt_tokens_total=c["prompt"],
+            requests_total=c["requests"],
+            aborted_total=c["aborted"],
+            weight_updates_total=c["updates"],
+            prefill_batches_total=c["prefills"],
+            decode_steps_total=c["steps"],
+            last_error=self.last_error,
+        )
+
+    def note_tokens(self, generated: int, prompt: int = 0) -> None:
+        """Called by the scheduler after each forward (a prefill when `prompt` > 0)."""
+        now = time.monotonic()
+        with self._cv:
+            self.counters["gen"] += generated
+            self.counters["prompt"] += prompt
+            self.counters["prefills" if prompt else "steps"] += 1
+            self._rate.append((now, generated))
+            while self._rate and now - self._rate[0][0] > self.opts.throughput_window_s:
+                self._rate.popleft()
+
+    async def _control(self, kind: str, **args: Any) -> Any:
+        ctl = Control(kind, args)
+        self._submit(ctl)
+        return await asyncio.wrap_future(ctl.result)
+
+    def _submit(self, ctl: Control) -> None:
+        with self._cv:
+            if self._stopping:
+                ctl.result.set_exception(EngineError("server is shutting down", 503))
+                return
+            self._controls.append(ctl)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ step-loop thread
+    def num_waiting(self) -> int:
+        with self._cv:
+            return len(self._waiting)
+
+    def take_waiting(self, limit: int, token_budget: int) -> list[GenRequest]:
+        """Pop up to `limit` queued requests whose padded prefill fits `token_budget`."""
+        out: list[GenRequest] = []
+        with self._cv:
+            width = 0
+            while self._waiting and len(out) < limit:
+                nxt = self._waiting[0]
+                w = max(width, len(nxt.prompt))
+                if out and w * (len(out) + 1) > token_budget:
+                    break
+                width = w
+                out.append(self._waiting.popleft())
+        return out
+
+    def find(self, rid: str) -> GenRequest | None:
+        with self._cv:
+            return self._inflight.get(rid)
+
+    def unqueue(self, req: GenRequest) -> None:
+        with self._cv:
+            if req in self._waiting:
+                self._waiting.remove(req)
+
+    def drain_waiting(self) -> list[GenRequest]:
+        with self._cv:
+            out = list(self._waiting)
+            self._waiting.clear()
+        return out
+
+    def _run(self) -> None:
+        core = self._core
+        while True:
+            with self._cv:
+                while not (self._stopping or self._controls or core.has_work(bool(self._waiting))):
+                    self._cv.wait(timeout=1.0)
+                if self._stopping:
+                    break
+                controls = list(self._controls)
+                self._controls.clear()
+            for ctl in controls:
+                core.apply(ctl)
+            try:
+                core.tick()
+            except Exception as exc:  # one bad step must not kill the server
+                log.exception("engine step failed")
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                core.abort_running(f"engine error: {self.last_error}")
+            self._n_running = core.num_running()
+        core.abort_running("server is shutting down")
+        for req in self.drain_waiting():
+            self.finish(req, FinishReason(type="abort", message="server is shutting down"))
+        with self._cv:
+            leftover = list(self._controls)
+            self._controls.clear()
+        for ctl in leftover:
+            ctl.result.set_exception(EngineError("server is shutting down", 503))
+
+
+def _resolve(fut: asyncio.Future[GenRequest], req: GenRequest) -> None:
+    if not fut.done():
+        fut.set_result(req)

@@ -1,0 +1,107 @@
+"""HTTP pieces both APIs of the inference server share (SGLang native in app.py, OpenAI
+in openai_routes.py): error responses, server-sent events, client-disconnect detection,
+the request body limit and the bearer-token check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from rollout_service import wire
+from rollout_service.server.engine import Engine
+from rollout_service.server.requests import GenRequest
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse(wire.error_body(message), status_code=status)
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body is already read, so the
+    next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_all(
+    engine: Engine, opened: list[tuple[GenRequest, Any]], request: Request
+) -> list[GenRequest] | None:
+    """Run the opened requests to their end; None if the client went away first (the
+    requests are then aborted, which frees their batch slots)."""
+    tasks = [asyncio.ensure_future(engine.run(r, f)) for r, f in opened]
+    work = asyncio.gather(*tasks)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    return list(work.result())
+
+
+def token_matches(header: str, key: str) -> bool:
+    """Whether an Authorization header value is `Bearer <key>`. Header values arrive
+    latin-1 decoded; the comparison is on bytes and in constant time, so a non-ASCII
+    token is a mismatch, not an error."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = token.strip().encode("latin-1", errors="replace")
+    return secrets.compare_digest(given, key.encode("utf-8"))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is refused with 413 when its
+    Content-Length says so; a chunked one is cut off when it passes the limit (FastAPI
+    then answers 400, as for any body it cannot read)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            msg = f"request body over {self.max_bytes} bytes (Content-Length: {declared.decode()})"
+            await error(msg, 413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise ValueError(f"request body over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)

@@ -1,0 +1,83 @@
+"""The one projection from a plan to the config (`hexctl.job.plan_config`): every decision
+the plan made, tuned η and k included, reaches the local run's and each deploy target's
+resolved config, and each key the plan changed is said."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_hex.config import load_config
+from areal_hex.plan import Baselines, load_plan
+from hexctl.deploy import prepare_deployment
+from hexctl.deploy.slurm import render_slurm
+from hexctl.deploy.slurm_site import load_site
+from hexctl.job.deploy_config import DeployConfig
+from hexctl.job.plan_config import planned_values, project_plan
+from hexctl.job.prepare import apply_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+ETA, K = 6, 2  # tuned by the planner; the configs below ask for other values
+
+
+def _tuned(plan_file: str):
+    plan = load_plan(ROOT / plan_file)
+    return plan.model_copy(update={"baselines": Baselines(staleness=ETA, publish_interval=K)})
+
+
+def _assert_planned(cfg, plan) -> None:
+    assert cfg.buffer.max_staleness == ETA
+    assert cfg.trainer.publish_every == K
+    assert cfg.inference.num_servers == len(plan.rollout)
+    assert cfg.inference.gpu_kinds == [i.gpu_kind for i in plan.rollout]
+    assert cfg.trainer.zero_stage == plan.trainer.zero_stage
+
+
+def test_local_run_carries_the_tuned_values() -> None:
+    plan = _tuned("examples/plans/local_cpu.yaml")
+    cfg = load_config(ROOT / "examples/tiny_cpu.yaml")
+    assert (cfg.buffer.max_staleness, cfg.trainer.publish_every) != (ETA, K)
+    said: list[str] = []
+    run = apply_plan(cfg, plan, said.append)
+    _assert_planned(run, plan)
+    assert any(s.startswith("buffer.max_staleness:") for s in said)
+    k_line = f"trainer.publish_every: {cfg.trainer.publish_every} -> {K}"
+    assert any(s.startswith(k_line) for s in said)
+
+
+@pytest.mark.parametrize(
+    ("target", "cfg_file", "plan_file"),
+    [
+        ("k8s", "examples/deploy/qwen3-8b.yaml", "examples/plans/h800_h20.yaml"),
+        ("compose", "examples/gsm8k_gpu.yaml", "examples/plans/one_node_8gpu.yaml"),
+    ],
+)
+def test_deploy_targets_carry_the_tuned_values(tmp_path, target, cfg_file, plan_file) -> None:
+    plan = _tuned(plan_file)
+    cfg = load_config(ROOT / cfg_file).model_copy(deep=True)
+    cfg.buffer.max_staleness, cfg.trainer.publish_every = 8, 1
+    d = prepare_deployment(cfg, plan, DeployConfig(), target, tmp_path / "out")
+    _assert_planned(d.cfg, plan)
+
+
+def test_slurm_config_carries_the_tuned_values(tmp_path) -> None:
+    plan = _tuned("examples/plans/h800_h20.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-8b.yaml")
+    site = load_site(ROOT / "examples/slurm/site_cluster.yaml")
+    site = site.model_copy(update={"shared_dir": str(tmp_path / "shared")})
+    render_slurm(cfg, plan, site, tmp_path / "out", "site.yaml")
+    written = yaml.safe_load((tmp_path / "out/config.yaml").read_text())
+    assert written["buffer"]["max_staleness"] == ETA
+    assert written["trainer"]["publish_every"] == K
+    assert written["inference"]["gpu_kinds"] == [i.gpu_kind for i in plan.rollout]
+
+
+def test_a_plan_without_tuning_keeps_the_config_values() -> None:
+    plan = load_plan(ROOT / "examples/plans/local_cpu.yaml").model_copy(update={"baselines": None})
+    cfg = load_config(ROOT / "examples/tiny_cpu.yaml")
+    assert "buffer.max_staleness" not in planned_values(plan, "local")
+    out = project_plan(cfg, plan, "local").config
+    assert out.buffer.max_staleness == cfg.buffer.max_staleness
+    assert out.trainer.publish_every == cfg.trainer.publish_every
