@@ -230,14 +230,17 @@ class _Driver:
         return statistics.median(rates)
 
     async def reload(self, model_dir: Path, version: int, batch: int) -> float:
-        """One weight update as the controller makes it (pause with retract, load,
-        resume), while `batch` samples generate (0: an idle server); the pause's length."""
+        """One weight update as the controller makes it (pause in the run's
+        `rollout.update_pause` mode, retract for auto, load, resume), while `batch`
+        samples generate (0: an idle server); the pause's length. An in-place pause
+        keeps the requests' KV cache, so its length is not a retract's."""
         work = self.groups(batch)
         long_n = max(8, self.r.max_new_tokens)
         task = asyncio.create_task(self.wave(work, self.fixed(long_n))) if work else None
         await asyncio.sleep(0.05)
         t0 = time.perf_counter()
-        await self.client.pause("retract")
+        mode = self.r.update_pause if self.r.update_pause == "in_place" else "retract"
+        await self.client.pause(mode)
         await self.client.update_weights_from_disk(
             str(model_dir), version, abort_all_requests=False
         )
