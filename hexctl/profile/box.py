@@ -86,6 +86,7 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
     workload = yaml.safe_load(files.workload.read_text())
     batches = {k: s.max_running_requests for k, s in box.spec.kinds.items()}
     workload.setdefault("constants", {})["max_running_requests"] = max(batches.values())
+    workload["max_trainer_nodes"] = 1  # `run.box` launches the trainer on one node
     files.workload.write_text(yaml.safe_dump(workload, sort_keys=False))
     kinds, overrides, reloads = {}, {}, []
     for kind, f in per_kind.items():

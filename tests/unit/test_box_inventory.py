@@ -168,3 +168,21 @@ def test_a_plan_the_box_cannot_run_is_refused(
     other = load_config(root / "examples/box/tiny_box.yaml", ["run.box=gone"])
     with pytest.raises(UsageError, match="is not up"):
         box_state(other, _plan(["fast-0"], ["mem-0"]))
+
+
+def test_max_trainer_nodes_keeps_the_trainer_on_one_machine() -> None:
+    from scheduler.model_shape import load_model_shape
+    from scheduler.trainers import trainer_configs, trainer_nodes
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    cl = make_cluster(
+        ClusterSpec.model_validate(
+            yaml.safe_load((root / "examples/clusters/mixed_trainer_h800_h20.yaml").read_text())
+        )
+    )
+    m = load_model_shape("qwen3-8b")
+    w = load_workload(root / "examples/workloads/long_cot.yaml")
+    assert max(trainer_nodes(c) for c in trainer_configs(cl, m, w)) > 1
+    one = w.model_copy(update={"max_trainer_nodes": 1})
+    assert {trainer_nodes(c) for c in trainer_configs(cl, m, one)} == {1}
