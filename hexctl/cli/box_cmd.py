@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +57,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         state = box.up(spec)
     except box.BoxError as exc:
-        print(f"areal-hex box up: {exc}")
+        # a command of the build failed; `up` has removed what it made
+        print(f"areal-hex box up: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(asdict(state), indent=2))
     return 0
