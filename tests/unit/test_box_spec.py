@@ -74,3 +74,16 @@ def test_nodes_follow_the_host_file_numbering(tmp_path: Path) -> None:
 def test_bad_boxes_name_the_field(tmp_path: Path, change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_box(_write(tmp_path, **change))
+
+
+def test_the_shipped_boxes_and_their_job_load() -> None:
+    from areal_hex.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    mix, thin = (load_box(root / f"examples/box/{n}.yaml") for n in ("mix", "thin"))
+    assert {n.kind for n in mix.nodes} == {"fast", "mem"} and len(thin.spec.racks) == 2
+    # thin numbers its nodes across the racks: first-fit's first nodes are in two racks
+    rack = {n.name: thin.spec.racks[n.rack].name for n in thin.nodes}
+    assert rack["fast-0"] != rack["mem-0"]
+    cfg = load_config(root / "examples/box/tiny_box.yaml")
+    assert cfg.run.pin_cores is False and cfg.run.box is None
