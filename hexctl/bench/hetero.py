@@ -179,11 +179,16 @@ def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[st
             "unavailable": block.get("unavailable"),
             "wall_s": r["wall_s"],
         }
+    placed = {k: p.predicted.samples_per_s for k, p in plans.items()}
     for other in ("b", "c", "d"):
         out[f"a/{other}"] = {
             "predicted": _ratio(pred.get("a"), pred.get(other)),
             "measured": _ratio(meas.get("a"), meas.get(other)),
         }
+    # the plans' own rates price each placement on the racks (a run's prediction prices
+    # its layout by kind and zone only): the planner's claim for METIS over first-fit
+    out["a/b"]["predicted_by_plans"] = _ratio(placed["a"], placed["b"])
+    out["a/c"]["predicted_by_plans"] = _ratio(placed["a"], placed["c"])
     out["ranking"] = {"predicted": _ranking(pred), "measured": _ranking(meas)}
     out["ranking_equal"] = out["ranking"]["predicted"] == out["ranking"]["measured"]
     errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]

@@ -14,7 +14,7 @@ from scheduler.cluster import load_cluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _plan(cost: float) -> Plan:
+def _plan(cost: float, rate: float = 1.0) -> Plan:
     slot = {"node": "n-0", "gpu_ids": [0]}
     return Plan.model_validate({
         "cluster": "c", "model": "m", "objective": "throughput",
@@ -22,7 +22,7 @@ def _plan(cost: float) -> Plan:
                      "placement": slot, "predicted_tokens_per_s": 1.0}],
         "trainer": {"gpu_kind": "n", "world_size": 1, "dp": 1, "zero_stage": 0,
                     "placements": [slot], "predicted_tokens_per_s": 1.0},
-        "predicted": {"samples_per_s": 1, "generation_samples_per_s": 1,
+        "predicted": {"samples_per_s": rate, "generation_samples_per_s": 1,
                       "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": cost},
     })  # fmt: skip
 
@@ -38,9 +38,9 @@ def _run(pred: float, meas: float, mode: str = "async") -> dict:
 
 def test_ratios_errors_and_rankings() -> None:
     runs = {"a": _run(130, 100), "b": _run(100, 80), "c": _run(110, 105), "d": _run(60, 50, "sync")}
-    plans = {"a": _plan(6), "b": _plan(3), "c": _plan(6)}
+    plans = {"a": _plan(6, 2.0), "b": _plan(3), "c": _plan(6, 0.5)}
     out = summarise(runs, plans)
-    assert out["a/b"] == {"predicted": 1.3, "measured": 1.25}
+    assert out["a/b"] == {"predicted": 1.3, "measured": 1.25, "predicted_by_plans": 2.0}
     assert out["a/d"] == {"predicted": pytest.approx(130 / 60, abs=1e-4), "measured": 2.0}
     assert out["plans"]["a"]["error"] == 0.3 and out["plans"]["d"]["mode"] == "sync"
     assert out["plans"]["d"]["cost_usd_per_h"] == 6  # d is plan a, run synchronously
@@ -52,6 +52,7 @@ def test_ratios_errors_and_rankings() -> None:
     # predicted a > c > b > d, measured c > a > b > d: not the same ranking
     assert out["ranking"] == {"predicted": ["a", "c", "b", "d"], "measured": ["c", "a", "b", "d"]}
     assert out["ranking_equal"] is False
+    assert out["a/c"]["predicted_by_plans"] == 4.0
     assert out["max_abs_error"] == 0.3
 
 
