@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from areal_hex.record import GroupRecord
+from areal_hex.weight_net import BucketSpec, GroupSpec
 
 # Why an admission went back to the gate unput (see areal_hex/buffer/keys.py)
 GiveBackReason = Literal["filtered", "failed", "abandoned", "reclaimed"]
@@ -196,6 +197,20 @@ class GenerationClient(Protocol):
     async def update_weights_from_disk(
         self, model_path: str, weight_version: int, abort_all_requests: bool = True
     ) -> None: ...
+
+    async def init_weights_update_group(self, group: GroupSpec, rank_offset: int) -> None:
+        """Join the trainer's weight-update group as rank `rank_offset`."""
+
+    async def update_weights_from_distributed(
+        self,
+        bucket: BucketSpec,
+        group_name: str,
+        weight_version: int | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Receive one bucket broadcast by the trainer and load it."""
+
+    async def destroy_weights_update_group(self, group_name: str) -> None: ...
 
     async def pause(self, mode: str = "abort") -> None: ...
 

@@ -1,16 +1,19 @@
 """Experiment trackers (`run.trackers`): TensorBoard, Weights & Biases, MLflow behind one
 small interface, fed the same typed rows that `metrics.jsonl` / `rollout.jsonl` hold.
 
-A row becomes scalars `<source>/<field>` (dict fields flatten to `<field>/<key>`; unset
-values are skipped), logged at the row's step: the optimizer step for the trainer, the
-row's index for the controller. The resolved config is the run's config; the report's
-PNGs go up as images at the end. Each backend is imported only when chosen, and a
-missing package names the extra to install.
+A row becomes scalars `<source>/<field>` (dict fields flatten to `<field>/<key>`, nested
+ones level by level, e.g. `trainer/mismatch/gpu_kind/L40S/k3`; a key's characters other
+than letters, digits, `_`, `.` and `-` become `_`, so a server URL is one level and a
+valid MLflow name; unset values are skipped), logged at the row's step: the optimizer
+step for the trainer, the row's index for the controller. The resolved config is the
+run's config; the report's PNGs go up as images at the end. Each backend is imported
+only when chosen, and a missing package names the extra to install.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,16 +35,23 @@ class Tracker(Protocol):
 
 
 def scalars(row: BaseModel, source: str) -> dict[str, float]:
-    """The numeric fields of a metric row as `<source>/<field>` scalars."""
+    """The numeric fields of a metric row as `<source>/<field>[/<key>...]` scalars."""
     out: dict[str, float] = {}
-    for name, value in row.model_dump().items():
-        if isinstance(value, dict):
-            for key, v in value.items():
-                if isinstance(v, int | float):
-                    out[f"{source}/{name}/{key}"] = float(v)
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            out[f"{source}/{name}"] = float(value)
+    _flatten(row.model_dump(), source, out)
     return out
+
+
+def _flatten(value: Any, tag: str, out: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for key, v in value.items():
+            _flatten(v, f"{tag}/{_tag_part(str(key))}", out)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        out[tag] = float(value)
+
+
+def _tag_part(key: str) -> str:
+    """One level of a tag: `http://10.0.0.7:30000` -> `http___10.0.0.7_30000`."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
 
 def _require(module: str, extra: str) -> Any:

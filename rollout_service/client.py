@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ import pydantic
 
 from areal_hex.api import GenerateResult, SamplingParams
 from areal_hex.net import async_wait_until
+from areal_hex.weight_net import BucketSpec, GroupSpec
 from rollout_service import wire
 
 T = TypeVar("T")
@@ -97,17 +98,6 @@ def parse_generate(body: Any) -> GenerateResult:
     )
 
 
-def _group_base(input_ids: list[list[int]], rids: list[str]) -> str | None:
-    """`base` when the batch is one prompt n > 1 times with rids `base_0` .. `base_{n-1}`."""
-    if len(rids) < 2 or len(input_ids) != len(rids) or not rids[0].endswith("_0"):
-        return None
-    base = rids[0][:-2]
-    if rids != [f"{base}_{i}" for i in range(len(rids))]:
-        return None
-    first = input_ids[0]
-    return base if all(x == first for x in input_ids) else None
-
-
 class InferenceClient:
     def __init__(
         self,
@@ -132,8 +122,6 @@ class InferenceClient:
         self._max_connections = max_inflight + 8
         self._session: aiohttp.ClientSession | None = None  # made on first use, in a loop
         self._slots = asyncio.Semaphore(max_inflight)
-        # whether the server takes `sampling_params.n` (None: not tried yet)
-        self._parallel: bool | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -202,23 +190,14 @@ class InferenceClient:
     async def generate_batch(
         self, input_ids: list[list[int]], sampling: SamplingParams, rids: list[str]
     ) -> list[GenerateResult]:
-        """Several requests in one `/generate` call; each result as `generate` returns
-        it. Takes one in-flight slot. A group (one prompt n times, rids `<base>_0` ..
-        `<base>_{n-1}`) goes as one request with `sampling_params.n` (SGLang's parallel
-        sampling, which names the samples that way); a server that refuses `n` gets the
-        batch form from then on."""
-        base = _group_base(input_ids, rids)
-        if base is not None and self._parallel is not False:
-            try:
-                body = await self._generate(list(input_ids[0]), sampling, base, len(rids))
-                self._parallel = True
-            except GenerationError as exc:
-                if self._parallel or exc.status not in (400, 422):
-                    raise
-                body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
-                self._parallel = False  # the batch form works where `n` did not
-        else:
-            body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
+        """Several requests in one `/generate` call (SGLang's batch form: one rid per
+        request); each result as `generate` returns it. Takes one in-flight slot.
+
+        A group (one prompt n times) goes as n copies of the prompt, never as one request
+        with `sampling_params.n`: SGLang gives parallel samples random ids, so only the
+        batch form lets `abort(rid)` reach each sample (SGLang's prefix cache and our
+        engine's shared prefill keep the repeated prompt cheap)."""
+        body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
 
         def parse() -> list[GenerateResult]:
             if not isinstance(body, list) or len(body) != len(input_ids):
@@ -227,12 +206,8 @@ class InferenceClient:
 
         return self._parsed(parse)
 
-    async def _generate(
-        self, input_ids: Any, sampling: SamplingParams, rid: Any, n: int = 1
-    ) -> Any:
+    async def _generate(self, input_ids: Any, sampling: SamplingParams, rid: Any) -> Any:
         params = sampling.to_wire()
-        if n > 1:
-            params["n"] = n
         payload: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": params,
@@ -274,6 +249,41 @@ class InferenceClient:
             raise GenerationError(
                 self.base_url + "/update_weights_from_disk", str(out.get("message"))
             )
+
+    async def init_weights_update_group(self, group: GroupSpec, rank_offset: int) -> None:
+        """Join the weight-update group as rank `rank_offset` (returns once every rank has
+        joined: call all servers at once, while the trainer joins as rank 0)."""
+        body = {**asdict(group), "rank_offset": rank_offset}
+        await self._weights_call("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        bucket: BucketSpec,
+        group_name: str,
+        weight_version: int | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        """Receive one bucket by broadcast from the trainer and load it; returns once
+        loaded. `weight_version` (on a version's last bucket) becomes the server's."""
+        body: dict[str, Any] = {
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "group_name": group_name,
+            "flush_cache": True,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = wire.version_to_wire(weight_version)
+        await self._weights_call("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _weights_call(self, path: str, body: dict[str, Any]) -> None:
+        out = await self._json("POST", path, body, timeout=self.update_timeout_s)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise GenerationError(self.base_url + path, str(out.get("message")))
 
     async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
         body = {

@@ -4,7 +4,7 @@
 Like SGLang's OpenAI layer, unknown keys are ignored, and SGLang's sampling extensions
 (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 `skip_special_tokens`, `no_stop_trim`) are taken. A key OpenAI or SGLang defines that
-changes the output and that this server does not implement (`seed`, `suffix`, tools,
+changes the output and that this server does not implement (`suffix`, tools,
 structured output, images) is refused with a 400 naming it.
 """
 
@@ -58,11 +58,11 @@ class _Request(BaseModel):
     regex: Text | None = None
     json_schema: Text | None = None
     ebnf: Text | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # SGLang's sampling_seed
     # defined by OpenAI or SGLang, not implemented here: refused when set
-    seed: Any = None
     lora_path: Any = None
 
-    _unsupported = field_validator("seed", "lora_path")(refuse_if_set)
+    _unsupported = field_validator("lora_path")(refuse_if_set)
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +93,7 @@ class _Request(BaseModel):
             "regex": self.regex,
             "json_schema": self.json_schema,
             "ebnf": self.ebnf,
+            "sampling_seed": self.seed,
         }
 
     @property

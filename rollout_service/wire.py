@@ -15,6 +15,8 @@ Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "defaul
 
 from __future__ import annotations
 
+import re
+import time
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -117,11 +119,13 @@ class SamplingParamsIn(BaseModel):
     regex: Text | None = None
     json_schema: Text | None = None  # a JSON schema, as JSON text
     ebnf: Text | None = None  # GBNF or Lark
+    # a per-request random generator: the same seed draws the same tokens on the same
+    # server (sample j of n > 1 uses seed + j, so the samples differ)
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     # SGLang's, not implemented here: refused when set
     structural_tag: Any = None
     stop_regex: Any = None
     custom_params: Any = None
-    sampling_seed: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -132,7 +136,6 @@ class SamplingParamsIn(BaseModel):
         "structural_tag",
         "stop_regex",
         "custom_params",
-        "sampling_seed",
     )(refuse_if_set)
 
     @field_validator("top_k")
@@ -185,6 +188,12 @@ class SamplingParamsIn(BaseModel):
                 f"({self.max_new_tokens})"
             )
         return self
+
+    def for_sample(self, j: int) -> SamplingParamsIn:
+        """The parameters of sample j of a request asked for n times: its own seed."""
+        if self.sampling_seed is None or j == 0:
+            return self
+        return self.model_copy(update={"sampling_seed": self.sampling_seed + j})
 
     @property
     def greedy(self) -> bool:
@@ -379,6 +388,10 @@ class MetaInfo(Lenient):
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     # ours, beyond SGLang: the weight version that sampled each output token
     output_token_versions: list[str | int] | None = None
+    # SGLang's: tokens inside a reasoning section (no reasoning parser here: 0) and how
+    # often the request was retracted (its KV cache recomputed) while it ran
+    reasoning_tokens: int = 0
+    total_retractions: int = 0
 
 
 class GenerateOutput(Lenient):
@@ -411,8 +424,76 @@ class UpdateWeightVersionReq(Lenient):
     abort_all_requests: bool = False
 
 
+class InitWeightsUpdateGroupReq(Lenient):
+    """SGLang's body: join the group at `master_address:master_port` as rank
+    `rank_offset` (the trainer is rank 0) of `world_size`."""
+
+    master_address: Text = Field(min_length=1)
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: Text = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitWeightsUpdateGroupReq:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset ({self.rank_offset}) must be below world_size ({self.world_size})"
+            )
+        return self
+
+
+class UpdateWeightsFromDistributedReq(Lenient):
+    """SGLang's body: receive one bucket, tensor i broadcast from rank 0 with
+    `dtypes[i]` and `shapes[i]`, loaded as `names[i]`."""
+
+    names: list[Text] = Field(min_length=1)
+    dtypes: list[Text]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: Text = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Text | None = None
+    load_format: Text | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateWeightsFromDistributedReq:
+        n = len(self.names)
+        if len(self.dtypes) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"names, dtypes and shapes must have the same length, got {n}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        if len(set(self.names)) != n:
+            raise ValueError("names: a tensor name is repeated")
+        if self.load_format is not None:
+            raise ValueError(
+                f"load_format {self.load_format!r}: the built-in engine receives one "
+                "broadcast per tensor (load_format null)"
+            )
+        return self
+
+
+class DestroyWeightsUpdateGroupReq(Lenient):
+    group_name: Text = "weight_update_group"
+
+
 class PauseReq(Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class MemoryOccupationReq(Lenient):
+    """`/release_memory_occupation`, `/resume_memory_occupation`: which memory (SGLang's
+    tags); null: all of it."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
+
+    def chosen(self) -> frozenset[str]:
+        return frozenset(self.tags if self.tags is not None else MEMORY_TAGS)
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class AbortReq(Lenient):
@@ -424,14 +505,41 @@ class ModelInfo(BaseModel):
     model_path: str
     tokenizer_path: str | None
     is_generation: bool = True
+    preferred_sampling_params: dict[str, Any] | None = None
     weight_version: str
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    model_type: str | None = None
     architectures: list[str] = []
     context_length: int = 0
 
 
-def error_body(message: str) -> dict[str, Any]:
-    """SGLang's error shape (a message quoting a lone surrogate keeps it escaped)."""
-    return {"error": {"message": message.encode("utf-8", "backslashreplace").decode("utf-8")}}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]*")
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    """The error shape of both APIs: OpenAI's `{"error": {message, type, param, code}}`
+    (SGLang's native errors carry `message` only; the other keys are extra there).
+    `param`: the field at fault; by default the `field:` a message starts with. A
+    message quoting a lone surrogate keeps it escaped."""
+    head = message.split(": ", 1)[0]
+    if param is None and ": " in message and _FIELD.fullmatch(head):
+        param = head
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {
+        "error": {
+            "message": message.encode("utf-8", "backslashreplace").decode("utf-8"),
+            "type": kind,
+            "param": param,
+            "code": "invalid_api_key" if status == 401 else None,
+        }
+    }
 
 
 class LoadInfo(BaseModel):
@@ -441,3 +549,4 @@ class LoadInfo(BaseModel):
     num_reqs: int  # running + queued
     num_waiting_reqs: int
     num_tokens: int  # prompt + output tokens of the running requests
+    ts_tic: float = Field(default_factory=time.time)  # when this snapshot was taken

@@ -10,6 +10,7 @@ over the slowest link of the group. Weight sync: bytes over the link between the
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from scheduler.catalogue import GpuKind
@@ -332,8 +333,16 @@ def allreduce_s(
 
 
 def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zone: str) -> float:
-    """Pause of a rollout instance per publish: latency + factor · 2N bytes / link."""
+    """Pause of a rollout instance per publish, over the link between the two zones.
+    disk: latency + factor · 2N bytes / link (AReaL-Hex's calibrated figure). network
+    (the trainer broadcasts buckets): one round trip per bucket and its fixed cost, plus
+    the bytes as sent over the link: latency · (1 + buckets) + buckets · overhead +
+    bytes / link."""
     ln = cl.link(from_zone, to_zone)
-    return ln.latency_ms / 1e3 + w.constants.weight_sync_factor * 2.0 * m.params / (
-        ln.bandwidth_gbs * GB
-    )
+    c = w.constants
+    if w.weight_sync == "network":
+        nbytes = c.weight_sync_bytes_per_param * m.params
+        buckets = math.ceil(nbytes / (c.weight_sync_bucket_mb * 2**20))
+        per_bucket = ln.latency_ms / 1e3 + c.weight_sync_bucket_overhead_ms / 1e3
+        return ln.latency_ms / 1e3 + buckets * per_bucket + nbytes / (ln.bandwidth_gbs * GB)
+    return ln.latency_ms / 1e3 + c.weight_sync_factor * 2.0 * m.params / (ln.bandwidth_gbs * GB)

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from areal_hex.config.base import Section, build, read_yaml
+from areal_hex.config.rollout import WeightSyncMode
 
 
 class CostConstants(Section):
@@ -40,6 +41,12 @@ class CostConstants(Section):
     # Weight sync time = latency + factor * 2N bytes / link bandwidth; AReaL-Hex measured
     # 4-6x the naive bytes/bandwidth figure (reload, pause, resharding), hence 5.
     weight_sync_factor: float = Field(5.0, ge=1)
+    # rollout.weight_sync=network: bytes sent per parameter (bf16 2; a CPU trainer's
+    # fp32 4), the bucket size (trainer.weight_sync_bucket_mb) and the fixed cost of one
+    # bucket (its HTTP call to each server and the load between two decode steps), ms.
+    weight_sync_bytes_per_param: float = Field(2.0, gt=0)
+    weight_sync_bucket_mb: float = Field(512.0, gt=0)
+    weight_sync_bucket_overhead_ms: float = Field(5.0, ge=0)
     # Rank 0 writes the bf16 weights (2N bytes) to shared storage at this rate, GB/s.
     storage_write_gbs: float = Field(2.0, gt=0)
     # Fraction of the DP gradient all-reduce hidden behind backward compute (0: none).
@@ -79,6 +86,9 @@ class Workload(Section):
     # it) or the rollout instances' (each sample does). A local run's layout sets it
     # (`run.host_cores`); GPU kinds are unaffected.
     host_work: Literal["trainer", "rollout"] = "trainer"
+    # How weights reach the rollout instances (rollout.weight_sync): the cost model
+    # charges that mode over the links it crosses (costmodel.weight_sync_s).
+    weight_sync: WeightSyncMode = "disk"
     constants: CostConstants = CostConstants()
 
     @property

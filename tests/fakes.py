@@ -18,6 +18,7 @@ from areal_hex.api import (
 )
 from areal_hex.models import build_tokenizer
 from areal_hex.record import GroupRecord
+from areal_hex.weight_net import BucketSpec, GroupSpec
 
 TOK = build_tokenizer()
 ANSWER = TOK("#### 7", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
@@ -48,6 +49,8 @@ class FakeServer:
         self.batch_calls = 0
         self.updates: list[tuple[str, int]] = []
         self.aborted: set[str] = set()
+        self.groups: dict[str, int] = {}  # weight-update groups joined: name -> rank
+        self.buckets: list[tuple[str, list[str]]] = []  # (group, tensor names) received
 
     def _check_up(self) -> None:
         if self.down:
@@ -119,6 +122,29 @@ class FakeServer:
         self.updates.append((model_path, weight_version))
         await asyncio.sleep(0.05)
         self.version = weight_version
+
+    async def init_weights_update_group(self, group: GroupSpec, rank_offset: int) -> None:
+        self._check_up()
+        self.groups[group.group_name] = rank_offset
+
+    async def update_weights_from_distributed(
+        self,
+        bucket: BucketSpec,
+        group_name: str,
+        weight_version: int | None = None,
+        abort_all_requests: bool = False,
+    ) -> None:
+        self._check_up()
+        if group_name not in self.groups:
+            raise ServerDown(f"{self.base_url}: group {group_name!r} not joined")
+        self.buckets.append((group_name, list(bucket.names)))
+        if weight_version is not None:
+            self.updates.append(("", weight_version))
+            self.version = weight_version
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        self._check_up()
+        self.groups.pop(group_name, None)
 
     async def pause(self, mode: str = "abort") -> None:
         self._check_up()

@@ -28,7 +28,7 @@ from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.trainer import TrainerConfig
 from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
-from trainer_service.publish import AsyncPublisher, full_state_dict
+from trainer_service.publish import AsyncPublisher, NetworkSink, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
 
 
@@ -67,7 +67,9 @@ class Trainer:
         groups_per_step: int,
         consumer: TrajectorySource | None,
         seed: int = 0,
+        network: NetworkSink | None = None,
     ) -> None:
+        """`network`: rank 0 publishes each version over the network instead of to disk."""
         self.cfg, self.algo, self.paths, self.ctx = cfg, algo, paths, ctx
         self.groups_per_step = groups_per_step
         self.seed = seed
@@ -78,7 +80,7 @@ class Trainer:
         if self.rank == 0:
             paths.weights_dir.mkdir(parents=True, exist_ok=True)
             self.publisher = AsyncPublisher(
-                paths.weights_dir, paths.model_dir, cfg.keep_versions, self._announce
+                paths.weights_dir, paths.model_dir, cfg.keep_versions, self._announce, network
             )
         self.metrics_path = RunPaths.at(paths.run_dir).metrics
         # called with every step row rank 0 writes (e.g. the Prometheus collector)
@@ -127,20 +129,25 @@ class Trainer:
         self._republish()
 
     def _republish(self) -> None:
-        """Announce the restored weights as the current version (written if missing)."""
+        """Announce the restored weights as the current version: written first if missing
+        (disk), or broadcast to the servers once the version is restored (network)."""
         import torch.distributed as dist
 
         v = self.state.version
         target = version_dir(self.paths.weights_dir, v)
-        missing = [not (target / "config.json").is_file()]
+        network = self.publisher is not None and self.publisher.network is not None
+        missing = [network or not (target / "config.json").is_file()]
         dist.broadcast_object_list(missing, src=0)
+        tensors = None
         if missing[0]:
             tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
-            if self.publisher is not None and tensors is not None:
-                self.publisher.publish_now(v, tensors, announce=False)
+        if self.publisher is not None and tensors is not None and not network:
+            self.publisher.publish_now(v, tensors, announce=False)
         if self.rank == 0 and self.consumer is not None:
             # also restores the gate's admission count
             self.consumer.restore(v, str(target.resolve()))
+        if self.publisher is not None and tensors is not None and network:
+            self.publisher.publish_now(v, tensors)
 
     def _announce(self, version: int, path: str) -> None:
         if self.consumer is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -27,8 +28,12 @@ from areal_hex.prom import (
 )
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
+from areal_hex.weight_net import Manifest
 from trainer_service.loop import Trainer, TrainerPaths
+from trainer_service.publish import NetworkSink
 from trainer_service.step import StepContext, throttle_factor, throttle_problem
+
+log = logging.getLogger("trainer")
 
 
 def resolve_paths(cfg: ExperimentConfig) -> TrainerPaths:
@@ -51,7 +56,7 @@ def make_consumer(cfg: ExperimentConfig) -> Any:
     from trainer_service.sources import BufferSource
 
     assert cfg.run.run_id is not None
-    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id, cfg.rollout.buffer_retry_s)
+    return BufferSource(cfg.redis, cfg.buffer, cfg.run.run_id, cfg.buffer.retry_s)
 
 
 def init_distributed(device: str) -> tuple[int, int]:
@@ -136,7 +141,43 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
             "expected one speed per rank"
         )
     consumer = make_consumer(cfg) if rank == 0 else None
-    return Trainer(t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed)
+    network = make_network_sink(cfg) if rank == 0 else None
+    return Trainer(
+        t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed, network
+    )
+
+
+def make_network_sink(cfg: ExperimentConfig) -> NetworkSink | None:
+    """Rank 0's side of rollout.weight_sync=network: rank 0 of the weight-update group,
+    its manifests left in the buffer's Redis for the controller."""
+    if cfg.rollout.weight_sync != "network":
+        return None
+    from urllib.parse import urlparse
+
+    from areal_hex.buffer import open_redis
+    from areal_hex.config.checks import weight_sync_backend, weight_sync_ranks_per_server
+    from areal_hex.weight_net import MANIFEST_TTL_S, address_toward, free_port, manifest_key
+
+    if cfg.redis.url is None or cfg.run.run_id is None:
+        raise UsageError("rollout.weight_sync=network needs redis.url and run.run_id")
+    t, run_id = cfg.trainer, cfg.run.run_id
+    first = urlparse(cfg.inference.urls()[0]).hostname or "127.0.0.1"
+    address = t.weight_sync_address or address_toward(first)
+    client = open_redis(cfg.redis).sync_client()
+
+    def put_manifest(m: Manifest) -> None:
+        client.set(manifest_key(run_id, m.version), m.to_json(), ex=MANIFEST_TTL_S)
+
+    return NetworkSink(
+        master_address=address,
+        master_port=t.weight_sync_port or free_port(address),
+        server_ranks=len(cfg.inference.urls()) * weight_sync_ranks_per_server(cfg),
+        backend=weight_sync_backend(cfg),
+        bucket_bytes=int(t.weight_sync_bucket_mb * 2**20),
+        timeout_s=t.weight_sync_timeout_s,
+        put_manifest=put_manifest,
+        ifname=t.weight_sync_ifname,
+    )
 
 
 def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | None:
@@ -152,7 +193,7 @@ def serve_metrics(cfg: ExperimentConfig, trainer: Trainer) -> MetricsServer | No
     server = MetricsServer(
         registry_with(*collectors), cfg.trainer.metrics_port, token=cfg.inference.api_key
     )
-    print(f"trainer: metrics on port {server.port}", flush=True)
+    log.info("metrics on port %d", server.port)
     return server
 
 
@@ -165,7 +206,7 @@ def status(rank: int, what: str) -> None:
     """A `[status]` line: the launcher's progress display shows the last one until the
     first step is done."""
     if rank == 0:
-        print(f"{STATUS_MARK}{what}", flush=True)
+        log.info("%s%s", STATUS_MARK, what)
 
 
 def stop_on_signals(trainer: Trainer) -> None:
@@ -185,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    # stdout, line by line: the launcher's progress display reads the [status] lines
+    logging.basicConfig(
+        level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stdout, force=True
+    )
     rank = int(os.environ.get("RANK", "0"))
     status(rank, "starting DeepSpeed (a first run builds its communication op)")
     rank, world = init_distributed(cfg.trainer.device)
@@ -209,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     early = trainer.stopped_early
     if rank == 0:
         what = "stopped (checkpointed)" if early else "done"
-        print(f"trainer: {what} at step {state.step}, version {state.version}", flush=True)
+        log.info("%s at step %d, version %d", what, state.step, state.version)
     import torch.distributed as dist
 
     dist.barrier()

@@ -1,5 +1,7 @@
-"""Weight publication: gather the full weights, write an HF directory `v<N>` atomically,
-then announce it; old versions are garbage-collected.
+"""Weight publication: gather the full weights, then either write an HF directory `v<N>`
+atomically and announce it (disk; old versions are garbage-collected), or announce `v<N>`
+and broadcast it to the inference servers in buckets (network, `NetworkSink`; the
+sequence is in rollout_service/controller/weight_sync.py).
 
 The gather is the only part on the training critical path (it is collective under
 ZeRO-3); writing the files, the rename and `set_version` run on a background thread
@@ -11,19 +13,32 @@ weights is needed. v0 (the initial model) is never deleted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_hex.run_files import version_dir
+from areal_hex.weight_net import (
+    GROUP_NAME,
+    Backend,
+    GroupSpec,
+    Manifest,
+    WeightGroup,
+    open_store,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 # files of a model directory that are weights or config; everything else (tokenizer,
 # generation config, chat template) is copied from the initial model as is
@@ -98,10 +113,83 @@ def collect_versions(weights_dir: str | Path, keep: int) -> list[Path]:
     return removed
 
 
+@dataclass
+class NetworkSink:
+    """Version N over the network: rank 0 of the weight-update group, the servers ranks
+    1..S. Per version: plan the buckets, leave the manifest for the controller, announce
+    N (the controller then pauses the servers and asks each for every bucket in order),
+    join the group if not yet joined (it forms once every server has joined), broadcast
+    bucket by bucket. A failed broadcast (a server gone) drops the group: the next
+    version forms a new one (`group_name` with the next epoch), which the controller
+    sees in the manifest and has the servers join."""
+
+    master_address: str
+    master_port: int
+    server_ranks: int  # the servers' ranks in the group (SGLang: one per TP rank)
+    backend: Backend
+    bucket_bytes: int
+    timeout_s: float
+    put_manifest: Callable[[Manifest], None]
+    ifname: str | None = None
+    epoch: int = 0
+    last_sync_s: float = 0.0
+    failures: int = 0
+    _group: WeightGroup | None = field(default=None, repr=False)
+    _store: Any = field(default=None, repr=False)  # the TCPStore, kept across groups
+
+    def group_spec(self) -> GroupSpec:
+        return GroupSpec(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            world_size=self.server_ranks + 1,
+            group_name=f"{GROUP_NAME}-{self.epoch}",
+            backend=self.backend,
+        )
+
+    def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], announce: Callable[[int, str], None]
+    ) -> None:
+        t0 = time.perf_counter()
+        # gloo sends host memory; NCCL the device tensors as they are
+        if self.backend == "gloo":
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        manifest = Manifest(version, self.group_spec(), plan_buckets(tensors, self.bucket_bytes))
+        self.put_manifest(manifest)
+        announce(version, "")  # no directory: the weights come over the group
+        try:
+            if self._store is None:
+                self._store = open_store(manifest.group, 0, self.timeout_s)
+            if self._group is None:
+                self._group = WeightGroup.join(
+                    manifest.group, 0, self.timeout_s, self.ifname, self._store
+                )
+            for bucket in manifest.buckets:
+                self._group.broadcast([tensors[n] for n in bucket.names])
+        except RuntimeError as exc:  # a server left or never joined (c10d's errors)
+            self.failures += 1
+            self.close()
+            self.epoch += 1
+            log.warning(
+                "weights v%d not delivered over the network (%s); the next version forms "
+                "group epoch %d",
+                version,
+                exc,
+                self.epoch,
+            )
+            return
+        self.last_sync_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+
 class AsyncPublisher:
-    """Writes versions on one background thread; `announce(version, path)` runs after each
-    write (the buffer's `set_version`). At most one write is in flight: `submit` waits
-    for the previous one, so versions are announced in order."""
+    """Publishes versions on one background thread: to disk (`announce(version, path)`
+    runs after each write: the buffer's `set_version`), or to `network`. At most one
+    publication is in flight: `submit` waits for the previous one, so versions are
+    announced in order."""
 
     def __init__(
         self,
@@ -109,7 +197,9 @@ class AsyncPublisher:
         src_dir: str | Path,
         keep_versions: int,
         announce: Callable[[int, str], None],
+        network: NetworkSink | None = None,
     ) -> None:
+        self.network = network
         self.weights_dir = Path(weights_dir)
         self.src_dir = Path(src_dir)
         self.keep = keep_versions
@@ -154,6 +244,11 @@ class AsyncPublisher:
     def _write(self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True) -> None:
         try:
             t0 = time.perf_counter()
+            if self.network is not None:
+                self.network.publish(version, tensors, self.announce)
+                self.last_write_s = time.perf_counter() - t0
+                self.published.append(version)
+                return
             path = write_model_dir(tensors, self.src_dir, version_dir(self.weights_dir, version))
             self.last_write_s = time.perf_counter() - t0
             if announce:

@@ -7,6 +7,7 @@ recorded run (or a fixed test batch) trains through exactly the same loop.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -16,6 +17,8 @@ import numpy as np
 
 from areal_hex.api import Batch, BufferStats
 from areal_hex.record import Completion, GroupRecord
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -157,17 +160,17 @@ class BufferSource:
         self._position_floor = 0
 
     def _retry(self, call: Callable[[], T], what: str) -> T:
-        import redis.exceptions
+        from areal_hex.buffer.errors import BUFFER_ERRORS, is_connection_error
 
         deadline = time.monotonic() + self.retry_s
         delay = 0.2
         while True:
             try:
                 return call()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                if time.monotonic() + delay > deadline:
+            except BUFFER_ERRORS as exc:
+                if not is_connection_error(exc) or time.monotonic() + delay > deadline:
                     raise
-                print(f"trainer: buffer {what} failed ({exc}); retrying in {delay:.1f} s")
+                log.warning("buffer %s failed (%s); retrying in %.1f s", what, exc, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
 

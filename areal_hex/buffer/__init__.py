@@ -15,6 +15,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "BUFFER_ERRORS": "errors",
+    "is_connection_error": "errors",
     "DecodeError": "codec",
     "decode_group": "codec",
     "encode_group": "codec",
@@ -31,6 +33,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BUFFER_ERRORS",
+    "is_connection_error",
     "BufferKeys",
     "DecodeError",
     "EmbeddedValkey",
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
         read_stats,
     )
     from areal_hex.buffer.embedded import EmbeddedValkey, RedisEndpoint, open_redis
+    from areal_hex.buffer.errors import BUFFER_ERRORS, is_connection_error
     from areal_hex.buffer.keys import GROUP, BufferKeys
     from areal_hex.buffer.producer import RedisTrajectoryProducer, VersionUpdate
 

@@ -29,6 +29,9 @@ class BufferConfig(Section):
     # The consumer reads up to this many entries per round trip; the surplus stays pending
     # to it (and is checked for staleness again) until a later get_batch hands it out.
     prefetch: int = Field(16, ge=1)
+    # While the buffer's server is unreachable, the controller and the trainer retry their
+    # calls with doubling delays for this long, then fail.
+    retry_s: float = Field(60.0, ge=0)
     # Seed of the within-batch shuffle (oldest groups are taken first, then shuffled).
     shuffle_seed: int = 0
 

@@ -3,7 +3,7 @@ starts (by `areal-hex run`, `train` and `deploy`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from areal_hex.config.base import ConfigError
 
@@ -15,6 +15,47 @@ def check_run(cfg: ExperimentConfig) -> None:
     """Every whole-config check below."""
     check_pending_groups(cfg)
     check_publish_within_staleness(cfg)
+    check_weight_sync(cfg)
+
+
+def weight_sync_backend(cfg: ExperimentConfig) -> Literal["gloo", "nccl"]:
+    """The weight-update group's backend: NCCL when the trainer and the servers both run
+    on CUDA, gloo otherwise (host memory on at least one side)."""
+    servers_on_gpu = cfg.inference.backend == "sglang" or cfg.inference.device.startswith("cuda")
+    return "nccl" if cfg.trainer.device == "cuda" and servers_on_gpu else "gloo"
+
+
+def weight_sync_ranks_per_server(cfg: ExperimentConfig) -> int:
+    """Ranks one server takes in the weight-update group (SGLang: one per TP rank)."""
+    return cfg.inference.sglang.tp_size if cfg.inference.backend == "sglang" else 1
+
+
+def check_weight_sync(cfg: ExperimentConfig) -> None:
+    """rollout.weight_sync=network needs a controller to drive the servers (so the buffer,
+    not a replay file), and the trainer's network options only mean something with it."""
+    if cfg.rollout.weight_sync == "network":
+        if cfg.trainer.replay_path is not None:
+            raise ConfigError(
+                "rollout.weight_sync=network needs the buffer: with trainer.replay_path no "
+                "controller asks the servers for the weights the trainer broadcasts; "
+                "use rollout.weight_sync=disk"
+            )
+        return
+    t = cfg.trainer
+    set_ = [
+        name
+        for name, value in (
+            ("weight_sync_address", t.weight_sync_address),
+            ("weight_sync_port", t.weight_sync_port),
+            ("weight_sync_ifname", t.weight_sync_ifname),
+        )
+        if value is not None
+    ]
+    if set_:
+        raise ConfigError(
+            f"trainer.{set_[0]} is set but rollout.weight_sync is 'disk': it only applies "
+            "to rollout.weight_sync=network"
+        )
 
 
 def check_publish_within_staleness(cfg: ExperimentConfig) -> None:

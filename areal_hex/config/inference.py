@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from areal_hex.config.base import Section
 
@@ -45,6 +45,9 @@ class InferenceConfig(Section):
     # Version reported for the weights the server starts with (v0 = the initial model).
     weight_version: str = "0"
     seed: int = 0
+    # Built-in server: characters of one text prompt, checked before tokenizing (None:
+    # 32 per token of context_length; docs/api.md, "Size limits").
+    max_prompt_chars: int | None = Field(None, gt=0)
     # torch intra-op threads of a CPU server (None: torch's default, one per core). On a
     # small machine shared with the trainer, 1 is often much faster for small models.
     num_threads: int | None = Field(None, gt=0)
@@ -52,6 +55,12 @@ class InferenceConfig(Section):
     startup_timeout_s: float = Field(600.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     sglang: SGLangConfig = SGLangConfig()
+
+    @model_validator(mode="after")
+    def _builtin_only(self) -> InferenceConfig:
+        if self.backend == "sglang" and self.max_prompt_chars is not None:
+            raise ValueError("max_prompt_chars: the built-in server's limit; SGLang has none")
+        return self
 
     def urls(self) -> list[str]:
         """Base URLs of the `num_servers` servers, in index order."""

@@ -8,6 +8,12 @@ from pydantic import Field
 
 from areal_hex.config.base import Section
 
+# How a published version reaches the inference servers: "disk" (the trainer writes
+# weights/v<N>, the servers load it: needs a filesystem both see) or "network" (the
+# trainer broadcasts it to the servers over a torch.distributed group, SGLang's
+# /init_weights_update_group + /update_weights_from_distributed).
+WeightSyncMode = Literal["disk", "network"]
+
 
 class RolloutConfig(Section):
     group_size: int = Field(4, gt=0)
@@ -42,8 +48,6 @@ class RolloutConfig(Section):
     metrics_port: int | None = Field(None, ge=0, lt=65536)
     # Seconds between health probes of unhealthy servers.
     probe_interval_s: float = Field(2.0, gt=0)
-    # Buffer calls (admit, put) are retried this long while Redis is unreachable.
-    buffer_retry_s: float = Field(60.0, ge=0)
     # How long `areal-hex rollout` waits at start for the first healthy server.
     startup_timeout_s: float = Field(600.0, gt=0)
     # What a weight update does to the requests in flight. "abort": they end with their
@@ -56,3 +60,6 @@ class RolloutConfig(Section):
     # that sampled each token). "auto": retract when every server reports token
     # versions, else abort.
     update_pause: Literal["auto", "abort", "retract", "in_place"] = "auto"
+    # How new weights reach the servers (WeightSyncMode above); the network side's
+    # address, port, interface and bucket size are trainer.weight_sync_*.
+    weight_sync: WeightSyncMode = "disk"

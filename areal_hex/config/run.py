@@ -5,15 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
+
+RUN_ID_MAX = 128
 
 
 class RunConfig(Section):
     name: str = "areal-hex"
     # Namespaces Redis keys and names the run directory; None: derived from name + time.
-    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=RUN_ID_MAX)
     output_dir: str = "runs"
     mode: Literal["async", "sync"] = "async"
     seed: int = 0
@@ -55,6 +57,17 @@ class RunConfig(Section):
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
     wandb_project: str = "areal-hex"
     wandb_mode: Literal["online", "offline"] = "offline"
+
+    @field_validator("run_id")
+    @classmethod
+    def _a_name_not_a_path(cls, v: str | None) -> str | None:
+        # `..` would put the run directory beside output_dir, `.x` hides it
+        if v is not None and v.startswith("."):
+            raise ValueError(
+                f"run_id {v!r} starts with '.': expected a name that starts with a letter, "
+                "digit, '_' or '-'"
+            )
+        return v
 
     def run_dir(self) -> Path:
         """`output_dir/run_id`; the launcher fills in `run_id` before any process starts."""

@@ -60,6 +60,18 @@ class TrainerConfig(Section):
     # of its forward + backward), starting from `rank_speeds` (or equal shares).
     balance_measured: bool = False
 
+    # rollout.weight_sync=network: the address the servers reach rank 0 at for the
+    # weight-update group (None: this host's address on the route to the first server),
+    # its TCPStore port (None: a free one; the controller reads both from the manifest),
+    # the network interface gloo uses (None: GLOO_SOCKET_IFNAME, else the address's),
+    # the bucket size (one /update_weights_from_distributed call each) and how long a
+    # group may take to form or a bucket to arrive.
+    weight_sync_address: str | None = None
+    weight_sync_port: int | None = Field(None, gt=0, lt=65536)
+    weight_sync_ifname: str | None = None
+    weight_sync_bucket_mb: float = Field(512.0, gt=0)
+    weight_sync_timeout_s: float = Field(300.0, gt=0)
+
     @field_validator("rank_speeds")
     @classmethod
     def _speeds_positive(cls, v: list[float] | None) -> list[float] | None:

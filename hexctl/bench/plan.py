@@ -42,7 +42,7 @@ KINDS = [
     ("L40S", 1.04),
     ("L4", 0.52),
 ]
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -179,7 +179,7 @@ def _server_rounds(
 
 
 def _root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])
 
 
 async def _drive(

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "fidelity": "hexctl.bench.fidelity",
     "gpu": "hexctl.bench.gpu",
     "hetero": "hexctl.bench.hetero",
+    "weight-sync": "hexctl.bench.weight_sync",
 }
 
 

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kueue-queue", metavar="NAME", help="k8s: Kueue LocalQueue of the trainer")
     p.add_argument(
+        "--create-namespace",
+        action="store_true",
+        help="k8s: render the Namespace too (off: deploy into one that exists; `kubectl "
+        "delete -k` of the folder would delete a rendered namespace with every run in it)",
+    )
+    p.add_argument("--priority-class", metavar="NAME", help="k8s: PriorityClass of the run's pods")
+    p.add_argument(
         "--node",
         action="append",
         default=[],
@@ -97,6 +105,10 @@ def deploy_config(args: argparse.Namespace):  # -> DeployConfig
         data.setdefault("trainer", {})["gang"] = args.trainer_gang
     if args.kueue_queue:
         data["kueue_queue"] = args.kueue_queue
+    if args.create_namespace:
+        data["create_namespace"] = True
+    if args.priority_class:
+        data["priority_class"] = args.priority_class
     for item in args.node:
         node, sep, host = item.partition("=")
         if not sep or not node or not host:
@@ -190,4 +202,11 @@ def _run(args: argparse.Namespace) -> int:
     dcfg = deploy_config(args)
     result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())
+    print_warnings(result.warnings)
     return 0
+
+
+def print_warnings(warnings: list[str]) -> None:
+    """On stderr, one block each, so that they stand out from the summary."""
+    for w in warnings:
+        print(f"areal-hex deploy: WARNING: {w}", file=sys.stderr)

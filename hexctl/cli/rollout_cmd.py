@@ -52,11 +52,11 @@ def _run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 1
     except Exception as exc:
-        from rollout_service.controller.rollout import is_connection_error
+        from areal_hex.buffer.errors import is_connection_error
 
         if not is_connection_error(exc):
             raise
-        log.error("lost the buffer at redis.url (retried rollout.buffer_retry_s): %s", exc)
+        log.error("lost the buffer at redis.url (retried buffer.retry_s): %s", exc)
         return 1
     print(json.dumps(final))
     return 0

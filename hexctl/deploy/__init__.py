@@ -18,6 +18,7 @@ from pathlib import Path
 from areal_hex.config import ExperimentConfig
 from areal_hex.errors import UsageError
 from areal_hex.plan import Plan
+from hexctl.deploy.checks import image_warnings, placement_warning
 from hexctl.deploy.common import Bundle, Deployment
 from hexctl.deploy.common import prepare as prepare_deployment
 from hexctl.deploy.output import IGNORE_FILES, check_out_dir, write_files
@@ -54,6 +55,8 @@ class RenderResult:
     gpus_by_kind: dict[str, int] = field(default_factory=dict)
     services: list[str] = field(default_factory=list)
     start: str = ""  # the command that starts the job
+    delete: str = ""  # the command that deletes the job and nothing else
+    warnings: list[str] = field(default_factory=list)  # rendered, but something is lost
 
     def summary(self) -> str:
         """What was rendered, for the terminal; never any secret value."""
@@ -66,6 +69,8 @@ class RenderResult:
         ]
         if self.start:
             lines.append(f"start with: {self.start}")
+        if self.delete:
+            lines.append(f"delete with: {self.delete}")
         return "\n".join(lines)
 
 
@@ -83,12 +88,15 @@ def render(
     service's own start-up checks; only then write the target's files into `out_dir`."""
     if target not in TARGETS:
         raise UsageError(f"unknown target {target!r}: expected one of {', '.join(TARGETS)}")
-    check_out_dir(out_dir, force)
+    check_out_dir(out_dir, force, target)
     d = prepare_deployment(cfg, plan, dcfg, target, out_dir)
     errors = check(d) if check is not None else []
     if errors:
         raise UsageError("a rendered service would refuse to start:\n  " + "\n  ".join(errors))
     bundle = TARGETS[target](d)
+    warnings = [w for w in [placement_warning(plan, dcfg, target)] if w is not None]
+    if target == "k8s":
+        warnings += image_warnings(dcfg)
     files = {**IGNORE_FILES, **bundle.files}
     write_files(out_dir, files, bundle.private)
     gpus: Counter[str] = Counter()
@@ -104,4 +112,6 @@ def render(
         gpus_by_kind=dict(gpus),
         services=[s.name for s in d.layout.services],
         start=bundle.start.format(out=out_dir),
+        delete=bundle.delete,
+        warnings=warnings,
     )

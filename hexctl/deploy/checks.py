@@ -213,3 +213,51 @@ def _unknown_kind(where: str, kind: str, dcfg: DeployConfig) -> str:
         f"{where}: unknown GPU kind {kind!r} (known: {', '.join(known)}; map it with "
         f"gpu_labels in the deploy config or --gpu-label {kind}=<{dcfg.gpu_label_key} value>)"
     )
+
+
+# ---------------------------------------------------------------- warnings
+# What renders but loses something the operator should know of; printed, not refused.
+
+
+def placement_warning(plan: Plan, dcfg: DeployConfig, target: str) -> str | None:
+    """The plan was mapped onto the cluster's topology (phase 2: racks, NICs), but the
+    rendered job lets the scheduler pick machines by GPU kind only, losing that gain."""
+    b = plan.baselines
+    if b is None or b.placement != "metis" or target == "compose":
+        return None
+    if target == "k8s" and (dcfg.pin_nodes or dcfg.placement):
+        return None  # _check_placement: a placement maps every plan node
+    gain = ""
+    if b.first_fit_samples_per_s is not None:
+        gain = (
+            f": {plan.predicted.samples_per_s:.2f} samples/s placed, "
+            f"{b.first_fit_samples_per_s:.2f} first-fit"
+        )
+    how = {
+        "k8s": "map every plan node to its machine (`placement` in the deploy config: a "
+        "hostname, or labels such as a rack; or --node PLAN_NODE=HOSTNAME); without it "
+        "pods land on any node of their GPU kind",
+        "slurm": "Slurm picks the nodes inside each partition; pin them with a component's "
+        "`constraint` or `extra: [--nodelist=...]` in the site file",
+    }[target]
+    return (
+        f"the plan places its pools on the cluster's topology (METIS{gain}), "
+        f"and this render does not keep it: {how}"
+    )
+
+
+def image_warnings(dcfg: DeployConfig) -> list[str]:
+    """Images a cluster's nodes will not find: `localhost/...` names what a local
+    `docker build` tagged, which exists on that machine only."""
+    local = [
+        f"images.{role} {ref}"
+        for role in ("inference", "trainer", "controller", "redis")
+        if (ref := getattr(dcfg.images, role)).startswith("localhost/")
+    ]
+    if not local:
+        return []
+    return [
+        f"{', '.join(local)}: local builds, which a cluster's nodes cannot pull; push them "
+        "and name your registry (`images` in the deploy config, --image-tag, or `kustomize "
+        "edit set image` on the base), with a digest (host/repo@sha256:...) to pin what runs"
+    ]

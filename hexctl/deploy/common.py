@@ -8,12 +8,12 @@ layout `areal-hex run` starts locally, so both run one system.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
@@ -21,11 +21,12 @@ import yaml
 from areal_hex.config import ExperimentConfig, ModelConfig, dump_yaml
 from areal_hex.plan import Plan
 from hexctl.deploy.checks import check_plan, refuse_mixed_trainer
-from hexctl.deploy.names import service_name, slug
+from hexctl.deploy.names import dns_name, service_name, short_hash, slug
 from hexctl.deploy.output import SECRETS
 from hexctl.job.deploy_config import DeployConfig, NodeMatch
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, build_layout
 from hexctl.job.plan_config import project_plan
+from hexctl.job.predict import predict_run
 
 CONFIG_DIR = "/etc/areal-hex"  # the ConfigMap (config.yaml, plan.yaml)
 SECRETS_DIR = "/run/secrets/areal-hex"  # the Secret's files (k8s); compose: /run/secrets
@@ -73,10 +74,16 @@ class Deployment:
     prefix: str  # object-name prefix (DNS label)
     secrets: DeploySecrets
     source_model: ModelConfig  # the experiment's model, which the prepare job writes as v0
+    # the plan's predicted rates (`prediction.json` in the run directory): the trainer
+    # serves them next to the measured ones, the report holds the run against them
+    prediction: dict[str, Any] = field(default_factory=dict)
 
-    def prepare_command(self) -> list[str]:
-        """Writes v0 = the experiment's model into the run's weights directory."""
+    def prepare_command(self, prediction: str | None = None) -> list[str]:
+        """Writes v0 = the experiment's model into the run's weights directory, and the
+        file `prediction` (the rendered prediction.json) into the run directory."""
         cmd = ["python3", "-m", "hexctl.deploy.prepare", CONFIG_PLACEHOLDER]
+        if prediction:
+            cmd += ["--prediction", prediction]
         if self.source_model.path:
             cmd += ["--source", self.source_model.path]
         if self.source_model.tokenizer_path:
@@ -90,17 +97,30 @@ class Deployment:
 @dataclass
 class Bundle:
     """What a target writes: relative path -> text; `private` ones are written 0600.
-    `start` is the command that starts the job, `{out}` standing for the folder."""
+    `start` is the command that starts the job, `{out}` standing for the folder;
+    `delete` the one that removes it and nothing else."""
 
     files: dict[str, str]
     private: set[str] = field(default_factory=set)
     start: str = ""
+    delete: str = ""
+
+
+PREDICTION = "prediction.json"
 
 
 def resolved_files(d: Deployment, folder: str) -> dict[str, str]:
-    """Plain copies of the config the services load and of the plan."""
+    """Plain copies of the config the services load, of the plan and its prediction."""
     plan_yaml = yaml.safe_dump(d.plan.model_dump(mode="json"), sort_keys=False)
-    return {f"{folder}config.yaml": dump_yaml(d.cfg), f"{folder}plan.yaml": plan_yaml}
+    return {
+        f"{folder}config.yaml": dump_yaml(d.cfg),
+        f"{folder}plan.yaml": plan_yaml,
+        f"{folder}{PREDICTION}": prediction_text(d.prediction),
+    }
+
+
+def prediction_text(prediction: dict[str, Any]) -> str:
+    return json.dumps(prediction, indent=2) + "\n"
 
 
 def secret_files(d: Deployment) -> dict[str, str]:
@@ -127,25 +147,25 @@ def run_id(cfg: ExperimentConfig, plan: Plan) -> str:
         return cfg.run.run_id
     config = cfg.model_dump(mode="json", exclude={"redis": {"password"}, "inference": {"api_key"}})
     both = json.dumps([plan.model_dump(mode="json"), config], sort_keys=True)
-    return f"{slug(cfg.run.name, 40)}-{_short_hash(both)}"
+    return f"{slug(cfg.run.name, 40)}-{short_hash(both)}"
 
 
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+PREFIX_MAX = 30  # leaves room for the longest part name within a 63-character name
 
 
 def object_prefix(rid: str, name: str | None = None) -> str:
-    """The prefix of every object name: it carries the run id, so two runs in one
-    namespace never share a name. `name` (the deploy config's) replaces the readable
-    part; a long run id keeps its head and a hash of the whole."""
-    s = slug(rid, 63)
+    """The prefix of every object name, one to one with the run id (`names.dns_name`),
+    so two runs in one namespace never share a name. `name` (the deploy config's)
+    replaces the readable part; a hash of the run id follows it."""
     if name is not None:
-        s = f"{name}-{_short_hash(rid)}"
-    elif len(s) > 30:
-        s = f"{s[:21].strip('-')}-{_short_hash(rid)}"
-    if not s[0].isalpha():  # Service names must start with a letter (RFC 1035)
-        s = slug(f"ah-{s}", 33)
-    return s
+        return f"{name}-{short_hash(rid)}"
+    return dns_name(rid, PREFIX_MAX)
+
+
+def instance_label(rid: str) -> str:
+    """The run's `app.kubernetes.io/instance` value: every object of the run carries it,
+    every selector of the run names it (one to one with the run id)."""
+    return dns_name(rid, 63)
 
 
 def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
@@ -158,6 +178,31 @@ def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
     clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
     user = unquote(parts.username) if parts.username else None
     return clean, user, unquote(parts.password) if parts.password is not None else None
+
+
+def prediction_for_plan(plan: Plan, cfg: ExperimentConfig) -> dict[str, Any]:
+    """The run's `prediction.json` (the launcher's format: `areal_hex.prom`
+    `prediction_collectors`, `hexctl.job.fidelity`): the cost model's rates for the
+    projected config where the plan's inputs (`plan.sources`) are at hand, as
+    `areal-hex run --plan` writes it; else the plan's own prediction, which is for the
+    asynchronous pipeline (its synchronous block is empty, so a `run.mode: sync` run
+    shows no predicted series)."""
+    found = predict_run(cfg, plan)
+    if "unavailable" not in found:
+        return found
+    p = plan.predicted
+    return {
+        "source": "plan",
+        "cluster": plan.cluster,
+        "asynchronous": {
+            "pipeline_samples_per_s": p.samples_per_s,
+            "generation_samples_per_s": p.generation_samples_per_s,
+            "training_samples_per_s": p.training_samples_per_s,
+            "weight_sync_s": p.weight_sync_s,
+        },
+        "synchronous": {},
+        "cost_model": found["unavailable"],  # why not the cost model's own
+    }
 
 
 def resolve_config(
@@ -252,4 +297,5 @@ def prepare(
     resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
     layout = build_layout(resolved, plan)
     secrets_ = load_secrets(cfg, dcfg, out_dir)
-    return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)
+    prediction = prediction_for_plan(plan, resolved)
+    return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model, prediction)

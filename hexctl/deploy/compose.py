@@ -18,12 +18,14 @@ import yaml
 
 from hexctl.deploy.common import (
     CONFIG_DIR,
+    PREDICTION,
     Bundle,
     Deployment,
     entry_argv,
     resolved_files,
     secret_files,
 )
+from hexctl.deploy.quantities import pod_share
 from hexctl.job.deploy_config import Resources
 from hexctl.job.layout import ServiceSpec
 
@@ -104,6 +106,7 @@ def compose_file(d: Deployment) -> dict[str, Any]:
         "configs": {
             "areal-config": {"file": "./config.yaml"},
             "areal-plan": {"file": "./plan.yaml"},
+            "areal-prediction": {"file": f"./{PREDICTION}"},
         },
         "secrets": {k: {"file": f"./secrets/{k}"} for k in d.secrets.as_dict()},
         "x-areal-hex": {"run_id": d.cfg.run.run_id, "cluster": d.plan.cluster},
@@ -117,8 +120,9 @@ def compose_file(d: Deployment) -> dict[str, Any]:
 
 
 def _prepare(d: Deployment) -> dict[str, Any]:
-    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    svc = ServiceSpec("prepare", "controller", d.prepare_command(f"{CONFIG_DIR}/{PREDICTION}"))
     out = _app(d, svc, d.dcfg.images.controller, None)
+    out["configs"].append({"source": "areal-prediction", "target": f"{CONFIG_DIR}/{PREDICTION}"})
     out["restart"] = "no"
     out["networks"] = ["internal", "egress"]  # downloads the model from the hub
     return out
@@ -149,8 +153,8 @@ def _app(d: Deployment, svc: ServiceSpec, image: str, res: Resources | None) -> 
         "restart": "unless-stopped",
         **HARDENING,
     }
-    if res is not None:
-        out["shm_size"] = docker_size(res.shm)
+    if res is not None:  # per GPU of the service, as the pods get it
+        out["shm_size"] = docker_size(pod_share(res, svc.gpus).shm)
     if svc.gpus:
         devices = [str(g) for g in svc.devices]
         out["deploy"] = {
@@ -227,10 +231,13 @@ def scrape_targets(d: Deployment) -> dict[str, list[str]]:
 
 def prometheus_config(d: Deployment) -> dict[str, Any]:
     """Scrape every service; the trainer's and controller's /metrics need the service
-    token (the `api-token` secret), the servers' do not."""
+    token (the `api-token` secret), the servers' do not. Every series is labelled `run`
+    with the run id (the dashboard's run filter)."""
     jobs = []
+    run = {"run": d.cfg.run.run_id or ""}
     for job, targets in scrape_targets(d).items():
-        entry: dict[str, Any] = {"job_name": job, "static_configs": [{"targets": targets}]}
+        static = [{"targets": targets, "labels": run}]
+        entry: dict[str, Any] = {"job_name": job, "static_configs": static}
         if job != "inference":
             token = f"{COMPOSE_SECRETS_DIR}/api-token"
             entry["authorization"] = {"type": "Bearer", "credentials_file": token}

@@ -1,36 +1,50 @@
 """Kubernetes rendering: one file per concern, applied in file-name order.
 
-Objects: Namespace, Secret (Redis password, service token), ConfigMap (resolved config and
-plan, no secrets), a ReadWriteMany PVC for runs and weights, Redis (StatefulSet + Service)
-unless external, one inference Deployment + Service per planned instance (each keeps its
-index, port and TP degree; pinned to its GPU kind by node selector), the rollout
-controller, the trainer as an indexed Job with a headless Service for torch.distributed
-rendezvous, and NetworkPolicies (only this job's pods reach Redis and control endpoints).
+Objects: Secret (Redis password, service token), ConfigMap (resolved config, plan and its
+prediction, no secrets), a ReadWriteMany PVC for runs and weights, Redis (StatefulSet +
+Service) unless external, one inference Deployment + Service per planned instance (each
+keeps its index, port and TP degree; pinned to its GPU kind by node selector), the
+rollout controller, the trainer as a JobSet or an indexed Job (`k8s_trainer`),
+NetworkPolicies and PodDisruptionBudgets (`k8s_policy`) and the reaper
+(`k8s_lifecycle`); the Namespace only when asked (`create_namespace`), since a
+namespace holds many runs.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import yaml
 
 from areal_hex.config import dump_yaml
-from hexctl.deploy.common import Bundle, Deployment, resolved_files, secret_files
+from areal_hex.run_files import RunPaths
+from hexctl.deploy.common import (
+    CONFIG_DIR,
+    PREDICTION,
+    Bundle,
+    Deployment,
+    prediction_text,
+    resolved_files,
+    secret_files,
+)
 from hexctl.deploy.k8s_lifecycle import inference_names, lifecycle_objects
 from hexctl.deploy.k8s_pods import (
     claim_name,
     container_security,
     http_probes,
     labels,
+    meta,
+    metrics_port,
     pod_security,
     pod_spec,
     probe_exec,
     scrape_annotations,
     secret_name,
+    selector,
 )
+from hexctl.deploy.k8s_policy import disruption_budgets, network_policies
 from hexctl.deploy.k8s_trainer import (
     KUEUE_QUEUE,
     NODE_RANK_OFFSET,
@@ -49,10 +63,6 @@ SECRET_MANIFEST = "secrets/secret.yaml"  # excluded from git like the values
 KUSTOMIZATION = "kustomization.yaml"
 
 
-def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
-    return {"name": name, "namespace": d.dcfg.namespace, "labels": labels(d, component, **extra)}
-
-
 def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
     """File name -> objects in it."""
     files: dict[str, list[Obj]] = {
@@ -62,7 +72,8 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         "05-prepare.yaml": [_prepare(d)],
         "20-controller.yaml": [_controller(d)],
         "30-trainer.yaml": (trainer := _trainer(d)),
-        "40-networkpolicy.yaml": _network_policies(d),
+        "40-networkpolicy.yaml": network_policies(d),
+        "45-disruption.yaml": disruption_budgets(d),
         "50-lifecycle.yaml": lifecycle_objects(d, trainer[-1], inference_names(d)),
     }
     if d.dcfg.redis.mode == "internal":
@@ -85,7 +96,32 @@ def render_k8s_bundle(d: Deployment) -> Bundle:
     if SECRET_MANIFEST in files:
         manifests.append(SECRET_MANIFEST)
     files[KUSTOMIZATION] = kustomization(d, manifests)
-    return Bundle(files, private, start="kubectl apply -k {out}   (a kustomize base)")
+    return Bundle(
+        files,
+        private,
+        start="kubectl apply -k {out}   (a kustomize base)",
+        delete=delete_command(d),
+    )
+
+
+# Every kind a run renders (and the PVC its Redis StatefulSet creates), for a delete by
+# the run's label: `all` would miss the JobSet (its CRD is in no category), the PVCs,
+# ConfigMap, Secret, policies and RBAC objects.
+DELETE_KINDS = (
+    "jobsets.jobset.x-k8s.io", "jobs", "deployments", "statefulsets", "services",
+    "configmaps", "secrets", "persistentvolumeclaims", "networkpolicies",
+    "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings",
+)  # fmt: skip
+
+
+def delete_command(d: Deployment) -> str:
+    """Deletes this run and nothing else: every kind it renders, by its instance label
+    (one to one with the run id), never the namespace."""
+    inst = labels(d, "x")["app.kubernetes.io/instance"]
+    return (
+        f"kubectl -n {d.dcfg.namespace} delete {','.join(DELETE_KINDS)} "
+        f"-l app.kubernetes.io/instance={inst}"
+    )
 
 
 def kustomization(d: Deployment, resources: list[str]) -> str:
@@ -95,13 +131,8 @@ def kustomization(d: Deployment, resources: list[str]) -> str:
         f"# areal-hex deploy: run {d.cfg.run.run_id}, plan for cluster {d.plan.cluster}\n"
         "# apply with: kubectl apply -k <this folder>\n"
     )
-    images = [
-        {"name": ref.rsplit("@", 1)[0].rsplit(":", 1)[0], "newTag": ref.rsplit(":", 1)[1]}
-        for ref in sorted(
-            {d.dcfg.images.inference, d.dcfg.images.trainer, d.dcfg.images.controller}
-        )
-        if "@" not in ref and ":" in ref.rsplit("/", 1)[-1]
-    ]
+    refs = {d.dcfg.images.inference, d.dcfg.images.trainer, d.dcfg.images.controller}
+    images = [kustomize_image(ref) for ref in sorted(refs)]
     body = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -112,14 +143,32 @@ def kustomization(d: Deployment, resources: list[str]) -> str:
     return head + yaml.safe_dump(body, sort_keys=False)
 
 
+def kustomize_image(ref: str) -> Obj:
+    """`host/repo:tag` or `host/repo[:tag]@sha256:...` as a kustomize `images` entry
+    (which an overlay's `kustomize edit set image` replaces)."""
+    name, _, digest = ref.partition("@")
+    head, sep, tag = name.rpartition(":")
+    if sep and "/" not in tag:  # a tag, not a registry port
+        name = head
+    else:
+        tag = ""
+    entry = {"name": name, "newTag": tag} if tag else {"name": name}
+    if digest:
+        entry["digest"] = digest  # with a tag, kustomize keeps both: repo:tag@sha256:...
+    return entry
+
+
 def dump_objects(objs: list[Obj]) -> str:
     return "---\n".join(yaml.safe_dump(o, sort_keys=False) for o in objs)
 
 
 def _namespace(d: Deployment) -> Obj:
-    ns_labels = labels(d, "namespace")
+    # Not labelled with the run: a delete by the run's label never takes the namespace.
     # Every pod below satisfies the "restricted" Pod Security Standard.
-    ns_labels["pod-security.kubernetes.io/enforce"] = "restricted"
+    ns_labels = {
+        "app.kubernetes.io/name": "areal-hex",
+        "pod-security.kubernetes.io/enforce": "restricted",
+    }
     return {
         "apiVersion": "v1",
         "kind": "Namespace",
@@ -144,7 +193,11 @@ def _configmap(d: Deployment) -> Obj:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta(d, f"{d.prefix}-config", "config"),
-        "data": {"config.yaml": dump_yaml(d.cfg), "plan.yaml": plan_yaml},
+        "data": {
+            "config.yaml": dump_yaml(d.cfg),
+            "plan.yaml": plan_yaml,
+            PREDICTION: prediction_text(d.prediction),
+        },
     }
 
 
@@ -166,7 +219,7 @@ def _pvc(d: Deployment) -> Obj:
 
 def _prepare(d: Deployment) -> Obj:
     """One-shot Job writing v0; every other areal-hex pod waits for it (init container)."""
-    svc = ServiceSpec("prepare", "controller", d.prepare_command())
+    svc = ServiceSpec("prepare", "controller", d.prepare_command(f"{CONFIG_DIR}/{PREDICTION}"))
     res = d.dcfg.resources.prepare
     spec = pod_spec(d, svc, d.dcfg.images.controller, res, svc.command, wait_weights=False)
     spec["containers"][0]["name"] = "prepare"
@@ -275,7 +328,7 @@ def _trainer(d: Deployment) -> list[Obj]:
         return [jobset(d, job_meta, templates)]
     [(part, template)] = templates  # refuse_mixed_trainer: across kinds it is a JobSet
     template["spec"]["subdomain"] = name
-    headless = headless_service(d, meta(d, name, "trainer"), _selector(pod_labels))
+    headless = headless_service(d, meta(d, name, "trainer"), selector(pod_labels))
     return [headless, indexed_job(d, part, job_meta, template)]
 
 
@@ -295,26 +348,19 @@ def _trainer_template(
         {"name": "metrics", "containerPort": metrics},  # rank 0 (pod index 0) serves it
     ]
     spec["restartPolicy"] = "Never"
-    affinity = placement_affinity(d, part, _selector(pod_labels), one_per_node=svc.nodes > 1)
+    if d.dcfg.trainer.liveness_s is not None:
+        # a row in metrics.jsonl after every step (rank 0 writes it to the shared volume,
+        # so every pod of the gang sees a hung step); a killed pod fails the gang, which
+        # the JobSet restarts from the newest checkpoint
+        alive = ["alive", str(RunPaths.of(d.cfg).metrics), str(d.dcfg.trainer.liveness_s)]
+        spec["containers"][0]["livenessProbe"] = probe_exec(alive, 60, 3, delay=60)
+    affinity = placement_affinity(d, part, selector(pod_labels), one_per_node=svc.nodes > 1)
     if affinity is not None:
         spec["affinity"] = affinity
     return {
         "metadata": {"labels": pod_labels, "annotations": scrape_annotations(metrics)},
         "spec": spec,
     }
-
-
-def metrics_port(d: Deployment, component: str) -> int:
-    """The /metrics port of the trainer's rank 0 or of the controller (set by
-    `resolve_config`)."""
-    port = d.cfg.trainer.metrics_port if component == "trainer" else d.cfg.rollout.metrics_port
-    assert port, "resolve_config sets a fixed metrics port"
-    return port
-
-
-def _selector(pod_labels: dict[str, str]) -> dict[str, str]:
-    keys = ("app.kubernetes.io/instance", "app.kubernetes.io/component")
-    return {k: pod_labels[k] for k in keys}
 
 
 def _redis(d: Deployment) -> list[Obj]:
@@ -327,12 +373,13 @@ def _redis(d: Deployment) -> list[Obj]:
         "spec": {
             "serviceName": name,
             "replicas": 1,
-            "selector": {"matchLabels": _selector(pod_labels)},
+            "selector": {"matchLabels": selector(pod_labels)},
             "template": {
                 "metadata": {"labels": pod_labels},
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    **_priority(d),
                     # 999: the official image's redis user
                     "securityContext": pod_security(999),
                     "containers": [_redis_container(d)],
@@ -351,7 +398,11 @@ def _redis(d: Deployment) -> list[Obj]:
             "volumeClaimTemplates": [_redis_claim(d)],
         },
     }
-    return [_service(d, name, "redis", port, _selector(pod_labels)), sts]
+    return [_service(d, name, "redis", port, selector(pod_labels)), sts]
+
+
+def _priority(d: Deployment) -> Obj:
+    return {"priorityClassName": d.dcfg.priority_class} if d.dcfg.priority_class else {}
 
 
 def _redis_container(d: Deployment) -> Obj:
@@ -394,65 +445,5 @@ def _redis_claim(d: Deployment) -> Obj:
     }
     if d.dcfg.storage.storage_class:
         spec["storageClassName"] = d.dcfg.storage.storage_class
-    return {"metadata": {"name": "redis-data"}, "spec": spec}
-
-
-def scrape_all(ports: list[Obj], scrape: Callable[[int], list[Obj]]) -> list[Obj]:
-    return [rule for p in ports for rule in scrape(p["port"])]
-
-
-def _network_policies(d: Deployment) -> list[Obj]:
-    inst = labels(d, "x")["app.kubernetes.io/instance"]
-    job_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": inst}}}
-
-    def policy(name: str, component: str | None, ingress: list[Obj]) -> Obj:
-        sel = {"app.kubernetes.io/instance": inst}
-        if component:
-            sel["app.kubernetes.io/component"] = component
-        return {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": meta(d, f"{d.prefix}-{name}", "network"),
-            "spec": {
-                "podSelector": {"matchLabels": sel},
-                "policyTypes": ["Ingress"],
-                "ingress": ingress,
-            },
-        }
-
-    inf_ports = [{"protocol": "TCP", "port": s.port} for s in d.layout.by_role("inference")]
-
-    def pods(component: str) -> Obj:
-        sel = {"app.kubernetes.io/instance": inst, "app.kubernetes.io/component": component}
-        return {"podSelector": {"matchLabels": sel}}
-
-    def scrape(port: int) -> list[Obj]:
-        ns = d.dcfg.metrics.prometheus_namespace
-        if ns is None:
-            return []
-        who = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-        return [{"from": [who], "ports": [{"protocol": "TCP", "port": port}]}]
-
-    out = [
-        # Default: nothing reaches this job's pods ...
-        policy("deny-ingress", None, []),
-        # ... but the controller reaches the servers (generation, and the weight-update
-        # calls: weights travel over the shared volume, announced over HTTP),
-        policy(
-            "inference",
-            "inference",
-            [{"from": [pods("controller")], "ports": inf_ports}, *scrape_all(inf_ports, scrape)],
-        ),
-        # trainer ranks reach each other (rendezvous, NCCL),
-        policy(
-            "trainer",
-            "trainer",
-            [{"from": [pods("trainer")]}, *scrape(metrics_port(d, "trainer"))],
-        ),
-        # and Prometheus (if named) reaches the metrics ports.
-        policy("controller", "controller", scrape(metrics_port(d, "controller"))),
-    ]
-    if d.dcfg.redis.mode == "internal":
-        port = [{"protocol": "TCP", "port": d.dcfg.redis.port}]
-        out.append(policy("redis", "redis", [{"from": [job_pods], "ports": port}]))
-    return out
+    # labelled: the PVC the StatefulSet creates from it goes with a delete by the run's label
+    return {"metadata": {"name": "redis-data", "labels": labels(d, "redis")}, "spec": spec}

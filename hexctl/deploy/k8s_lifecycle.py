@@ -12,6 +12,9 @@ from hexctl.deploy.k8s_trainer import JOBSET_API
 from hexctl.deploy.names import service_name
 
 Obj = dict[str, Any]
+# The reaper's namespace: its own pod's (downward API), which `hexctl.runtime.reaper`
+# reads from this variable.
+NAMESPACE_ENV = "POD_NAMESPACE"
 
 
 def lifecycle_objects(d: Deployment, trainer: Obj, servers: list[str]) -> list[Obj]:
@@ -48,7 +51,9 @@ def lifecycle_objects(d: Deployment, trainer: Obj, servers: list[str]) -> list[O
 
 
 def _reaper_job(d: Deployment, name: str, kind: str, trainer: str, servers: list[str]) -> Obj:
-    args = ["--namespace", d.dcfg.namespace, "--trainer-kind", kind, "--trainer", trainer]
+    # The namespace comes from the pod itself (downward API), not from an argument: an
+    # overlay that moves the base to another namespace moves the reaper's target with it.
+    args = ["--trainer-kind", kind, "--trainer", trainer]
     for s in servers:
         args += ["--deployment", s]
     container = {
@@ -57,7 +62,10 @@ def _reaper_job(d: Deployment, name: str, kind: str, trainer: str, servers: list
         "imagePullPolicy": d.dcfg.images.pull_policy,
         "command": ["python3", "-m", "hexctl.runtime.reaper"],
         "args": args,
-        "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+        "env": [
+            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+            {"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ],
         "resources": {
             "requests": {"cpu": "10m", "memory": "128Mi"},
             "limits": {"memory": "128Mi"},
@@ -71,6 +79,7 @@ def _reaper_job(d: Deployment, name: str, kind: str, trainer: str, servers: list
         "securityContext": pod_security(d.dcfg.uid),
         "restartPolicy": "OnFailure",
         "containers": [container],
+        **({"priorityClassName": d.dcfg.priority_class} if d.dcfg.priority_class else {}),
     }
     return {
         "apiVersion": "batch/v1",

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from hexctl.deploy.common import CONFIG_DIR, SECRETS_DIR, Deployment, entry_argv
-from hexctl.deploy.names import gpu_label_value, slug
+from hexctl.deploy.common import (
+    CONFIG_DIR,
+    SECRETS_DIR,
+    Deployment,
+    entry_argv,
+    instance_label,
+)
+from hexctl.deploy.names import gpu_label_value
+from hexctl.deploy.quantities import memory_bytes, memory_quantity, pod_share
 from hexctl.job.deploy_config import Resources
 from hexctl.job.layout import ServiceSpec
 
@@ -17,7 +24,7 @@ Obj = dict[str, Any]
 def labels(d: Deployment, component: str, **extra: str) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "areal-hex",
-        "app.kubernetes.io/instance": slug(d.cfg.run.run_id or d.prefix, 63),
+        "app.kubernetes.io/instance": instance_label(d.cfg.run.run_id or d.prefix),
         "app.kubernetes.io/component": component,
     }
     out.update(extra)
@@ -46,8 +53,14 @@ def scrape_annotations(port: int) -> dict[str, str]:
 
 
 def resources(res: Resources, gpus: int) -> Obj:
-    requests: dict[str, str] = {"cpu": res.cpu, "memory": res.memory}
-    limits: dict[str, str] = {"memory": res.memory_limit or res.memory}
+    """Requests and limits of a container whose pod has a memory-backed /dev/shm of
+    `res.shm`: its pages are charged to the container's memory, so the shm size is added
+    to the request and the limit rather than taken out of the processes' memory."""
+    shm = memory_bytes(res.shm)
+    memory = memory_quantity(memory_bytes(res.memory) + shm)
+    limit = memory_quantity(memory_bytes(res.memory_limit or res.memory) + shm)
+    requests: dict[str, str] = {"cpu": res.cpu, "memory": memory}
+    limits: dict[str, str] = {"memory": limit}
     if res.cpu_limit:
         limits["cpu"] = res.cpu_limit
     if gpus:
@@ -165,8 +178,9 @@ def pod_spec(
     env: list[Obj] | None = None,
     wait_weights: bool = True,
 ) -> Obj:
-    """A pod running `args` (a layout command) on `svc`'s GPU kind; with `wait_weights`,
-    it starts once the initial weights exist."""
+    """A pod running `args` (a layout command) on `svc`'s GPU kind, with `res` per GPU
+    (`pod_share`); with `wait_weights`, it starts once the initial weights exist."""
+    res = pod_share(res, svc.gpus)
     vols, mounts = volumes(d, res.shm)
     base_env: list[Obj] = [
         {"name": "HF_HOME", "value": f"{d.dcfg.storage.mount_path}/hf-cache"},
@@ -199,6 +213,8 @@ def pod_spec(
         "containers": [container],
         "volumes": vols,
     }
+    if d.dcfg.priority_class:
+        spec["priorityClassName"] = d.dcfg.priority_class
     if wait_weights:
         spec["initContainers"] = [wait_for_weights(d, image)]
     sel = node_selector(d, svc)
@@ -209,3 +225,20 @@ def pod_spec(
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
     return spec
+
+
+def meta(d: Deployment, name: str, component: str, **extra: str) -> Obj:
+    return {"name": name, "namespace": d.dcfg.namespace, "labels": labels(d, component, **extra)}
+
+
+def metrics_port(d: Deployment, component: str) -> int:
+    """The /metrics port of the trainer's rank 0 or of the controller (set by
+    `resolve_config`)."""
+    port = d.cfg.trainer.metrics_port if component == "trainer" else d.cfg.rollout.metrics_port
+    assert port, "resolve_config sets a fixed metrics port"
+    return port
+
+
+def selector(pod_labels: dict[str, str]) -> dict[str, str]:
+    keys = ("app.kubernetes.io/instance", "app.kubernetes.io/component")
+    return {k: pod_labels[k] for k in keys}

@@ -3,9 +3,10 @@ node-label value that marks nodes of a planner GPU kind."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
-from hexctl.job.deploy_config import DeployConfig
+from hexctl.job.deploy_config import DNS_1035_LABEL, DeployConfig
 from hexctl.job.layout import ServiceSpec
 
 # Value of `nvidia.com/gpu.product` (set by NVIDIA GPU feature discovery) per planner GPU
@@ -30,6 +31,24 @@ def slug(text: str, max_len: int = 40) -> str:
     """A DNS-1123 label from any text: lowercase, [a-z0-9-], no leading/trailing '-'."""
     s = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
     return s[:max_len].strip("-") or "x"
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def dns_name(text: str, max_len: int) -> str:
+    """`text` as a DNS-1035 label of at most `max_len` characters, one to one: `text`
+    itself when it already is one, else its slug cut to fit plus a hash of all of
+    `text`. So `exp.1`, `exp_1`, `EXP-1` and `exp-1` give four names (the first three
+    `exp-1-<hash>`), and two runs whose ids differ only in case or punctuation never
+    share an object name or a label selector."""
+    if len(text) <= max_len and re.fullmatch(DNS_1035_LABEL, text):
+        return text
+    head = slug(text, max_len - 9)
+    if not head[0].isalpha():  # Service names must start with a letter (RFC 1035)
+        head = slug(f"ah-{head}", max_len - 9)
+    return f"{head}-{short_hash(text)}"
 
 
 def normalize_model_name(name: str) -> str:

@@ -9,6 +9,7 @@ Every check runs before anything is written.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 
@@ -33,9 +34,21 @@ def written_before(out_dir: Path) -> list[str] | None:
     return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
 
 
-def check_out_dir(out_dir: Path, force: bool) -> None:
+# Files a target's job itself writes beside the render (the Slurm job's log and its
+# runtime config), which a re-render leaves alone: no tool reads the folder whole there.
+JOB_OUTPUT = {"slurm": ("slurm-*.out", "runtime/*")}
+# Why a stranger's file in the folder is refused, per target.
+WHY_EMPTY = {
+    "k8s": "`kubectl apply -k` would apply it with the rendered manifests",
+    "compose": "compose would read it with the rendered files",
+    "slurm": "the job reads its config and secrets from this folder",
+}
+
+
+def check_out_dir(out_dir: Path, force: bool, target: str = "k8s") -> None:
     """Refuse, before anything is written, an `--out` that is a file, a folder holding files
-    this command did not write, or an earlier render without `force`."""
+    this command did not write (besides what the target's job writes there), a link
+    leading out of it, or an earlier render without `force`."""
     for p in (out_dir, *out_dir.parents):
         if p.exists() and not p.is_dir():
             raise UsageError(
@@ -46,21 +59,26 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
             break
     if not out_dir.exists():
         return
-    present = sorted(_files_under(out_dir))
+    refuse_links(out_dir)
+    job_output = JOB_OUTPUT.get(target, ())
+    present = sorted(
+        f for f in _files_under(out_dir) if not any(fnmatch.fnmatch(f, g) for g in job_output)
+    )
     if not present:
         return
     ours = written_before(out_dir)
+    why = WHY_EMPTY.get(target, WHY_EMPTY["k8s"])
     if ours is None:
         raise UsageError(
             f"--out {out_dir} is not empty and was not written by areal-hex deploy (no "
             f"{MARKER} file); it holds {_some(present)}. Expected a new or empty folder: "
-            "`kubectl apply` and compose would read those files with the rendered ones"
+            f"{why}"
         )
     foreign = [f for f in present if f not in ours and f != MARKER]
     if foreign:
         raise UsageError(
             f"--out {out_dir} holds files areal-hex deploy did not write: {_some(foreign)}; "
-            "move them elsewhere (they would be applied with the rendered manifests)"
+            f"move them elsewhere ({why})"
         )
     if not force:
         raise UsageError(
@@ -69,27 +87,61 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
         )
 
 
+def refuse_links(out_dir: Path) -> None:
+    """No symbolic link anywhere under `out_dir` (files or folders such as `secrets/`):
+    a write through one would land outside the folder (a --force re-render overwriting
+    whatever it points at), and a link inside it could be swapped for one later."""
+    links = sorted(
+        (Path(dirpath) / n).relative_to(out_dir).as_posix()
+        for dirpath, dirs, names in os.walk(out_dir)
+        for n in [*dirs, *names]
+        if (Path(dirpath) / n).is_symlink()
+    )
+    if links:
+        raise UsageError(
+            f"--out {out_dir} holds symbolic links: {_some(links)}; expected plain files and "
+            "folders (a write through a link would land outside --out): remove them"
+        )
+
+
 def write_files(out_dir: Path, files: dict[str, str], private: set[str]) -> None:
     """Write `files` (relative path -> text), `private` ones 0600 in 0700 folders; remove
     the files an earlier render wrote that this one does not (a stale inference manifest
-    would otherwise be applied again); record what was written in the marker."""
+    would otherwise be applied again); record what was written in the marker. Nothing is
+    written through a symbolic link (`check_out_dir` refused them; O_NOFOLLOW and the
+    folder checks here also catch one made in between)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    refuse_links(out_dir)
     for name in written_before(out_dir) or []:
         path = out_dir / name
-        if name not in files and path.is_file() and _inside(out_dir, path):
+        if name not in files and path.is_file() and not path.is_symlink():
             path.unlink()
-    for name, text in files.items():
-        path = out_dir / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if name.startswith(f"{SECRETS}/"):
-            path.parent.chmod(0o700)
-        mode = 0o600 if name in private else 0o644
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        path.chmod(mode)
+    for name, text in {**files, MARKER: _marker(files)}.items():
+        _write_one(out_dir, name, text, 0o600 if name in private else 0o644)
+
+
+def _marker(files: dict[str, str]) -> str:
     header = "# files written by areal-hex deploy (re-render with --force)\n"
-    (out_dir / MARKER).write_text(header + "\n".join(sorted(files)) + "\n")
+    return header + "\n".join(sorted(files)) + "\n"
+
+
+def _write_one(out_dir: Path, name: str, text: str, mode: int) -> None:
+    path = out_dir / name
+    for folder in reversed(path.relative_to(out_dir).parents[:-1]):  # e.g. secrets/
+        sub = out_dir / folder
+        if sub.is_symlink():
+            raise UsageError(f"--out {out_dir}: {folder} is a symbolic link; expected a folder")
+        sub.mkdir(exist_ok=True)
+        if folder.as_posix() == SECRETS:
+            sub.chmod(0o700)
+    # O_NOFOLLOW: fail rather than write through a link at the file itself
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        raise UsageError(f"--out {out_dir}: cannot write {name}: {exc.strerror}") from exc
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), mode)  # an existing file keeps its mode through O_CREAT
+        fh.write(text)
 
 
 def _files_under(root: Path) -> list[str]:
@@ -98,10 +150,6 @@ def _files_under(root: Path) -> list[str]:
         for n in names:
             out.append((Path(dirpath) / n).relative_to(root).as_posix())
     return out
-
-
-def _inside(root: Path, path: Path) -> bool:
-    return path.resolve().is_relative_to(root.resolve())
 
 
 def _some(names: list[str], n: int = 5) -> str:

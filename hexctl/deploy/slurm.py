@@ -28,6 +28,7 @@ import dataclasses
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,8 +39,17 @@ from areal_hex.errors import UsageError
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
 from hexctl.deploy import RenderResult
-from hexctl.deploy.checks import check_plan, refuse_mixed_trainer
-from hexctl.deploy.common import Deployment, load_secrets, object_prefix, resolve_config, run_id
+from hexctl.deploy.checks import check_plan, placement_warning, refuse_mixed_trainer
+from hexctl.deploy.common import (
+    PREDICTION,
+    Deployment,
+    load_secrets,
+    object_prefix,
+    prediction_for_plan,
+    prediction_text,
+    resolve_config,
+    run_id,
+)
 from hexctl.deploy.names import slug
 from hexctl.deploy.output import IGNORE_FILES, check_out_dir, write_files
 from hexctl.deploy.slurm_script import (
@@ -48,9 +58,14 @@ from hexctl.deploy.slurm_script import (
     SlurmJob,
     Step,
     batch_script,
+)
+from hexctl.deploy.slurm_site import (
+    KindPlacement,
+    Placement,
+    SiteConfig,
+    load_site,
     megabytes,
 )
-from hexctl.deploy.slurm_site import KindPlacement, Placement, SiteConfig, load_site
 from hexctl.job.deploy_config import DeployConfig, RedisDeployConfig, StorageConfig
 from hexctl.job.layout import Layout, ServiceSpec, build_layout
 
@@ -70,6 +85,7 @@ def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str
                 f"{source} (mapped: {known}); add kinds.{kind}: {{partition: ..., gres_type: ...}}"
             )
     errors += _device_errors(cfg, plan, site)
+    errors += _node_size_errors(plan, site, source)
     if cfg.redis.url is None and site.redis.mode == "external" and site.redis.url is None:
         errors.append(f"{source}: redis.mode is external but redis.url is not set")
     if not site.hetjob:
@@ -78,6 +94,26 @@ def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str
             errors.append(
                 f"{source}: hetjob is false (one allocation, one partition) but the plan's "
                 f"pools map to partitions {sorted(str(p) for p in parts)}"
+            )
+    return errors
+
+
+def _node_size_errors(plan: Plan, site: SiteConfig, source: str) -> list[str]:
+    """A plan node of a kind holds at most that kind's `gpus_per_node` GPUs (the shares
+    of CPUs and memory are taken from it)."""
+    used: dict[tuple[str, str], int] = {}
+    slots = [(r.gpu_kind, r.placement) for r in plan.rollout]
+    kinds = plan.trainer.gpu_kinds or [plan.trainer.gpu_kind] * len(plan.trainer.placements)
+    slots += list(zip(kinds, plan.trainer.placements, strict=True))
+    for kind, slot in slots:
+        used[(kind, slot.node)] = used.get((kind, slot.node), 0) + len(slot.gpu_ids)
+    errors = []
+    for (kind, node), n in sorted(used.items()):
+        place = site.placement(kind)
+        if place is not None and place.gpus_per_node is not None and n > place.gpus_per_node:
+            errors.append(
+                f"plan node {node} uses {n} {kind} GPUs but kinds.{kind}.gpus_per_node in "
+                f"{source} is {place.gpus_per_node}; expected at most that many per node"
             )
     return errors
 
@@ -163,7 +199,8 @@ def prepare_job(
     resolved = _resolve(resolve_config(cfg, plan, dcfg, prefix, "slurm", []), site, cfg)
     layout = build_layout(resolved, plan)
     secrets_ = load_secrets(cfg, dcfg, out_dir)
-    d = Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model)
+    prediction = prediction_for_plan(plan, resolved)
+    d = Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model, prediction)
     components, steps, slots = lay_out(layout, site)
     return SlurmJob(d, site, components, steps, slots)
 
@@ -211,7 +248,7 @@ def lay_out(
         for s in servers:
             r = nodes.index(s.node_names[0])
             share = s.gpus / max(1, gpus[s.node_names[0]])
-            steps.append(_server_step(s, k, r, place, share))
+            steps.append(_server_step(s, k, r, comp, share))
             slots.append((k, r))
             comp.services.append(s.name)
     trainer = layout.by_role("trainer")[0]
@@ -220,7 +257,9 @@ def lay_out(
     for i, (kind, first, n) in enumerate(trainer.kind_segments()):
         tplace = _kind(site, str(kind))
         name = "trainer" if i == 0 else f"trainer-{i}"
-        components.append(Component(name, tplace, n, trainer.gpus, [name]))
+        comp = Component(name, tplace, n, trainer.gpus, [name])
+        components.append(comp)
+        cpus, mem = comp.share
         steps.append(
             Step(
                 name,
@@ -229,8 +268,8 @@ def lay_out(
                 trainer.command,
                 list(range(n)),
                 gpus=trainer.gpus if tplace.gpus else 0,
-                cpus=tplace.cpus,
-                mem=tplace.mem,
+                cpus=cpus,
+                mem=mem,
                 devices=trainer.devices,
                 rank_offset=first,
             )
@@ -247,9 +286,12 @@ def _kind(site: SiteConfig, kind: str) -> KindPlacement:
     return place
 
 
-def _server_step(s: ServiceSpec, k: int, r: int, place: KindPlacement, share: float) -> Step:
-    """An inference server gets its GPUs and its share of the node's CPUs and memory."""
-    mem_mb = int(megabytes(place.mem) * share)
+def _server_step(s: ServiceSpec, k: int, r: int, comp: Component, share: float) -> Step:
+    """An inference server gets its GPUs and its share of what its component asks for
+    on the node (itself the share of that node's GPUs)."""
+    cpus, mem = comp.share
+    place = comp.place
+    assert isinstance(place, KindPlacement)
     return Step(
         s.name,
         "inference",
@@ -257,8 +299,8 @@ def _server_step(s: ServiceSpec, k: int, r: int, place: KindPlacement, share: fl
         s.command,
         [r],
         gpus=s.gpus if place.gpus else 0,
-        cpus=max(1, int(place.cpus * share)),
-        mem=f"{max(1, mem_mb)}M",
+        cpus=max(1, int(cpus * share)),
+        mem=f"{max(1, int(megabytes(mem) * share))}M",
         devices=s.devices,
     )
 
@@ -280,7 +322,7 @@ def render_slurm(
     service's own start-up checks; then write `job.sbatch`, `config.yaml`, `plan.yaml`,
     `site.yaml` and `secrets/` into `out_dir` (every node must see it: shared storage)."""
     out_dir = out_dir.resolve()
-    check_out_dir(out_dir, force)
+    check_out_dir(out_dir, force, "slurm")
     job = prepare_job(cfg, plan, site, out_dir, site_source)
     errors = check(_checked_services(job.d)) if check is not None else []
     if errors:
@@ -291,6 +333,7 @@ def render_slurm(
         "config.yaml": dump_yaml(job.d.cfg),
         "plan.yaml": yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False),
         "site.yaml": dump_yaml(site),
+        PREDICTION: prediction_text(job.d.prediction),
     }
     private = set()
     for key, value in job.d.secrets.as_dict().items():
@@ -314,6 +357,7 @@ def render_slurm(
         gpus_by_kind=gpus,
         services=[s.name for s in job.d.layout.services],
         start=f"sbatch {out_dir / SCRIPT}",
+        warnings=[w for w in [placement_warning(plan, job.d.dcfg, "slurm")] if w],
     )
 
 
@@ -364,6 +408,8 @@ def run_slurm_target(
     if do_submit:
         result.start = ""  # submitted below
     print(result.summary())
+    for w in result.warnings:
+        print(f"areal-hex deploy: WARNING: {w}", file=sys.stderr)
     run_dir = Path(site.shared_dir) / "runs" / result.run_id
     if not do_submit:
         return 0

@@ -16,8 +16,8 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hexctl.deploy.common import Deployment
-from hexctl.deploy.slurm_site import KindPlacement, Placement, SiteConfig
+from hexctl.deploy.common import PREDICTION, Deployment
+from hexctl.deploy.slurm_site import KindPlacement, Placement, SiteConfig, megabytes
 from hexctl.job.layout import CONFIG_PLACEHOLDER
 
 SCRIPT = "job.sbatch"
@@ -34,6 +34,13 @@ class Component:
     nodes: int = 1
     gpus_per_node: int = 0
     services: list[str] = field(default_factory=list)
+
+    @property
+    def share(self) -> tuple[int, str]:
+        """(--cpus-per-task, --mem) per node: its GPUs' share of a GPU kind's node."""
+        if isinstance(self.place, KindPlacement):
+            return self.place.share(self.gpus_per_node)
+        return self.place.cpus, self.place.mem
 
     @property
     def gres(self) -> str | None:
@@ -106,8 +113,9 @@ def sbatch_header(job: SlurmJob, out_dir: Path) -> list[str]:
 
 def _component_block(comp: Component, site: SiteConfig) -> list[str]:
     p = comp.place
-    opts = [f"--nodes={comp.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={p.cpus}"]
-    opts.append(f"--mem={p.mem}")
+    cpus, mem = comp.share
+    opts = [f"--nodes={comp.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]
+    opts.append(f"--mem={mem}")
     if comp.gres:
         opts.append(f"--gres={comp.gres}")
     return [f"#SBATCH {o}" for o in [*_common(p, site), *opts, *p.extra]]
@@ -131,8 +139,8 @@ def _single_allocation(job: SlurmJob) -> list[str]:
     largest per-node CPUs and memory, and every component's GPUs on the nodes it uses."""
     comps = job.components
     nodes = max(c.nodes for c in comps)
-    cpus = max(c.place.cpus for c in comps)
-    mem = max((c.place.mem for c in comps), key=megabytes)
+    cpus = max(c.share[0] for c in comps)
+    mem = max((c.share[1] for c in comps), key=megabytes)
     lines = [f"# one allocation for {', '.join(c.name for c in comps)} (site hetjob: false)"]
     opts = [*_common(comps[0].place, job.site), f"--nodes={nodes}", "--ntasks-per-node=1"]
     opts += [f"--cpus-per-task={cpus}", f"--mem={mem}"]
@@ -144,13 +152,6 @@ def _single_allocation(job: SlurmJob) -> list[str]:
     for c in comps:
         opts += [e for e in c.place.extra if e not in opts]
     return lines + [f"#SBATCH {o}" for o in opts]
-
-
-def megabytes(size: str) -> int:
-    units = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
-    if size[-1] in units:
-        return int(int(size[:-1]) * units[size[-1]])
-    return int(size)
 
 
 # ---------------------------------------------------------------- steps
@@ -226,7 +227,8 @@ def batch_script(job: SlurmJob, out_dir: Path) -> str:
         runtime += ' --redis-host "${C0[0]}"'
     if site.redis.password_file:
         runtime += f" --redis-password-file {q(site.redis.password_file)}"
-    prep = Step("prepare", "prepare", 0, job.d.prepare_command(), [0])
+    prediction = job.d.prepare_command(str(out_dir / PREDICTION))
+    prep = Step("prepare", "prepare", 0, prediction, [0])
     prepare = f"srun --job-name=prepare {srun_options(job, prep)} {_argv(prep.command)}"
     nodelist = [
         f'mapfile -t C{k} < <(scontrol show hostnames "$SLURM_JOB_NODELIST'

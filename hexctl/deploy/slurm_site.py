@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from areal_hex.config.base import Section, build, read_yaml
 from areal_hex.config.redis import check_redis_url
@@ -34,11 +34,35 @@ class Placement(Section):
 
 
 class KindPlacement(Placement):
+    """A GPU kind's nodes. `cpus` and `mem` describe a whole node; a component asks for
+    the share of its GPUs (`gpus_per_node`): 1 of 8 GPUs gets 1/8 of the CPUs and memory,
+    so pools that do not fill a node leave the rest to other jobs."""
+
     # --gres=gpu:<gres_type>:<n>; None: --gres=gpu:<n> (any GPU the partition has).
     gres_type: str | None = None
     # False: CPU-only nodes, no --gres (the local profile); the config must then run the
     # trainer and the inference servers on CPU.
     gpus: bool = True
+    # GPUs of one node (`sinfo -o "%P %G"`); required with gpus: true.
+    gpus_per_node: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _node_size(self) -> KindPlacement:
+        if self.gpus and self.gpus_per_node is None:
+            raise ValueError(
+                "gpus_per_node is required with gpus: true (the GPUs of one node: a "
+                "component asks for its GPUs' share of `cpus` and `mem`)"
+            )
+        return self
+
+    def share(self, gpus: int) -> tuple[int, str]:
+        """(--cpus-per-task, --mem) for `gpus` GPUs of one node (the whole `cpus` and
+        `mem` on CPU-only nodes)."""
+        if not self.gpus or self.gpus_per_node is None or gpus >= self.gpus_per_node:
+            return self.cpus, self.mem
+        part = min(1.0, gpus / self.gpus_per_node)
+        mem_mb = megabytes(self.mem)
+        return max(1, int(self.cpus * part)), f"{max(1, int(mem_mb * part))}M"
 
 
 class SiteRedis(Section):
@@ -101,6 +125,14 @@ class SiteConfig(Section):
 
 def _key(kind: str) -> str:
     return "".join(c for c in kind.lower() if c.isalnum())
+
+
+def megabytes(size: str) -> int:
+    """A Slurm size (`64G`, `512M`, `2048` MB) in MB."""
+    units = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+    if size[-1] in units:
+        return int(int(size[:-1]) * units[size[-1]])
+    return int(size)
 
 
 def load_site(path: str | Path) -> SiteConfig:

@@ -19,6 +19,7 @@ from areal_hex.config.redis import check_redis_url
 # leading letter (RFC 1035), and every object name starts with `name`.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
 
 def check_image(ref: str) -> str:
@@ -77,19 +78,32 @@ class MetricsDeployConfig(Section):
     prometheus_port: int = Field(9090, gt=0, lt=65536)
 
 
-class Resources(Section):
-    """Per-container CPU/memory (Kubernetes quantities); GPUs come from the plan."""
+CPU_QUANTITY = r"^[0-9]+(\.[0-9]+)?m?$"  # 4, 0.5, 500m
+MEMORY_QUANTITY = r"^[0-9]+([KMGT]i?)?$"  # 16Gi, 512Mi, 1G, 1073741824
 
-    cpu: str = "4"
-    memory: str = "16Gi"
-    cpu_limit: str | None = None  # None: no CPU limit (throttling hurts tokenizers/NCCL)
-    memory_limit: str | None = None  # None: same as the request
-    shm: str = "16Gi"  # /dev/shm size (NCCL, SGLang and DataLoader workers use it)
+
+class Resources(Section):
+    """Per-container CPU/memory (Kubernetes quantities); GPUs come from the plan.
+
+    For inference servers and trainer pods every quantity is *per GPU* of the pod, so a
+    TP-8 server gets 8 times what a TP-1 server gets. The memory-backed `/dev/shm` is
+    added on top of `memory` in the request and the limit: what a process writes there
+    counts against the container's memory, so it must not eat the processes' share."""
+
+    cpu: str = Field("4", pattern=CPU_QUANTITY)
+    memory: str = Field("16Gi", pattern=MEMORY_QUANTITY)
+    # None: no CPU limit (throttling hurts tokenizers/NCCL)
+    cpu_limit: str | None = Field(None, pattern=CPU_QUANTITY)
+    memory_limit: str | None = Field(None, pattern=MEMORY_QUANTITY)  # None: = memory
+    # /dev/shm size (NCCL, SGLang and DataLoader workers use it)
+    shm: str = Field("16Gi", pattern=MEMORY_QUANTITY)
 
 
 class ResourcesConfig(Section):
-    inference: Resources = Resources(cpu="8", memory="64Gi", shm="32Gi")
-    trainer: Resources = Resources(cpu="16", memory="200Gi", shm="64Gi")
+    # per GPU: a TP-1 server 4 CPUs and 32 + 8 GiB, a TP-8 one 32 CPUs and 320 GiB
+    inference: Resources = Resources(cpu="4", memory="32Gi", shm="8Gi")
+    # per GPU: an 8-GPU trainer pod 48 CPUs and 8 x (32 + 8) GiB
+    trainer: Resources = Resources(cpu="6", memory="32Gi", shm="8Gi")
     controller: Resources = Resources(cpu="4", memory="8Gi", shm="1Gi")
     redis: Resources = Resources(cpu="2", memory="8Gi", shm="64Mi")
     # The one-shot job that writes v0 (loads the model on CPU: memory ~ 2-4x its size).
@@ -140,13 +154,19 @@ class TrainerDeployConfig(Section):
     gang: Literal["jobset", "indexed-job"] = "jobset"
     max_restarts: int = Field(3, ge=0)  # jobset: whole-group restarts before it fails
     backoff_limit: int = Field(2, ge=0)  # indexed-job: pod failures before the Job fails
+    # Liveness: the trainer appends a row to `<run_dir>/metrics.jsonl` after every step;
+    # a pod is restarted (with JobSet: the whole gang) when the file is older than this
+    # many seconds, or counted from the pod's start while the first step is still to
+    # come. Above the longest step plus a checkpoint; None: no liveness probe.
+    liveness_s: int | None = Field(1800, ge=60)
 
 
 class DeployConfig(Section):
     namespace: str = Field("areal-hex", pattern=DNS_LABEL, max_length=63)
-    # Render the Namespace (labelled for the "restricted" Pod Security Standard); off to
-    # deploy into an existing namespace that someone else manages.
-    create_namespace: bool = True
+    # Render the Namespace (labelled for the "restricted" Pod Security Standard). Off by
+    # default: a namespace holds many runs, and `kubectl delete -k` of one run's folder
+    # would delete a namespace it rendered with every other run in it.
+    create_namespace: bool = False
     # Readable part of every object name (a hash of the run id follows it); None: the
     # run id itself.
     name: str | None = Field(None, pattern=DNS_1035_LABEL, max_length=20)
@@ -168,6 +188,9 @@ class DeployConfig(Section):
     trainer: TrainerDeployConfig = TrainerDeployConfig()
     # Kueue LocalQueue for the trainer (label kueue.x-k8s.io/queue-name); None: no Kueue.
     kueue_queue: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
+    # PriorityClass of every pod of the run (it must exist in the cluster); None: the
+    # cluster's default.
+    priority_class: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
     # Use an existing Secret (keys `redis-password`, `api-token`) instead of rendering one.
     existing_secret: str | None = None
     master_port: int = Field(29500, gt=0, lt=65536)  # torch.distributed rendezvous

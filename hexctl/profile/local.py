@@ -493,5 +493,11 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "reference_model": cfg.algo.kl_coef > 0,
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,
-        "constants": {"max_running_requests": cfg.inference.max_running_requests},
+        "weight_sync": cfg.rollout.weight_sync,
+        "constants": {
+            "max_running_requests": cfg.inference.max_running_requests,
+            # a CPU trainer publishes fp32
+            "weight_sync_bytes_per_param": 4.0 if cfg.trainer.device == "cpu" else 2.0,
+            "weight_sync_bucket_mb": cfg.trainer.weight_sync_bucket_mb,
+        },
     }

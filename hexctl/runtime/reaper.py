@@ -2,8 +2,12 @@
 the trainer (a JobSet or a Job) to finish, then scales the run's inference Deployments
 to zero.
 
-    python3 -m hexctl.runtime.reaper --namespace rl --trainer-kind JobSet \
+    python3 -m hexctl.runtime.reaper --trainer-kind JobSet \
         --trainer run-1-trainer --deployment run-1-rollout-h20-0 --deployment ...
+
+The namespace is the pod's own (`POD_NAMESPACE`, set from `metadata.namespace` by the
+downward API), so a kustomize overlay that moves the run moves the reaper's target too;
+`--namespace` overrides it.
 
 Owner references cannot do this (a Deployment created with the trainer cannot be owned
 by it), so the Job talks to the API server with its service account, whose Role allows
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import ssl
 import sys
 import time
@@ -32,6 +37,7 @@ PATHS = {
     "JobSet": "/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets/{name}",
 }
 DONE = {"Complete", "Completed", "Failed"}  # Job: Complete; JobSet: Completed
+NAMESPACE_ENV = "POD_NAMESPACE"
 
 
 @dataclass
@@ -44,8 +50,6 @@ class KubeApi:
 
     @classmethod
     def in_cluster(cls) -> KubeApi:
-        import os
-
         host = os.environ["KUBERNETES_SERVICE_HOST"]
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
@@ -117,12 +121,18 @@ def scale_to_zero(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m hexctl.runtime.reaper")
-    p.add_argument("--namespace", required=True)
+    p.add_argument(
+        "--namespace",
+        default=os.environ.get(NAMESPACE_ENV),
+        help=f"default: ${NAMESPACE_ENV} (the pod's namespace)",
+    )
     p.add_argument("--trainer-kind", choices=sorted(PATHS), required=True)
     p.add_argument("--trainer", required=True, help="name of the trainer JobSet or Job")
     p.add_argument("--deployment", action="append", default=[], help="inference Deployment")
     p.add_argument("--poll-s", type=float, default=30.0)
     args = p.parse_args(argv)
+    if not args.namespace:
+        p.error(f"no namespace: expected --namespace or ${NAMESPACE_ENV} (the downward API)")
     api = KubeApi.in_cluster()
     how = wait_for_trainer(api, args.namespace, args.trainer_kind, args.trainer, args.poll_s)
     print(f"reaper: trainer {args.trainer}: {how}", flush=True)

@@ -27,8 +27,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis.exceptions
-
 from areal_hex.api import (
     GenerationClient,
     GiveBackReason,
@@ -36,6 +34,7 @@ from areal_hex.api import (
     SamplingParams,
     TrajectoryProducer,
 )
+from areal_hex.buffer.errors import BUFFER_ERRORS, is_connection_error
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
 from areal_hex.net import async_retry
@@ -44,19 +43,10 @@ from areal_hex.rewards import RewardPool
 from areal_hex.run_files import RolloutRow, append_row
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
-from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    """Lost connection to the buffer: OS-level, or redis-py's own ConnectionError."""
-    if isinstance(exc, TimeoutError):  # an OSError too, but the gate's "waited too long"
-        return False
-    if isinstance(exc, (ConnectionError, OSError)):
-        return True
-    return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError))
 
 
 class RolloutController:
@@ -76,10 +66,15 @@ class RolloutController:
         rewards: RewardPool | None = None,
         gpu_kinds: Sequence[str] = (),
         settle_s: float = 0.0,
+        buffer_retry_s: float = 60.0,
+        network: NetworkSource | None = None,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
-        producer (a killed predecessor whose lease has not expired yet) to come back."""
+        producer (a killed predecessor whose lease has not expired yet) to come back;
+        `buffer_retry_s` (`buffer.retry_s`): how long a buffer call is retried while the
+        buffer is unreachable."""
         self.cfg = cfg
+        self.buffer_retry_s = buffer_retry_s
         self.settle_s = settle_s
         self.gpu_kinds = list(gpu_kinds)  # GPU kind of server i (per-kind mismatch)
         self.producer = producer
@@ -96,7 +91,7 @@ class RolloutController:
         self._owns_rewards = rewards is None
         self.gate = UpdateGate()
         self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
-        self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir)
+        self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir, network)
         self.dispatcher.on_recover = self.weights.recover
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
@@ -286,7 +281,7 @@ class RolloutController:
         try:
             await self.producer.release(n, reason)
             self.stats["admissions_released_total"] += n
-        except (redis.exceptions.RedisError, OSError) as exc:  # the buffer is gone
+        except BUFFER_ERRORS as exc:  # the buffer is gone
             log.error("could not give back %d admission(s) to the gate: %s", n, exc)
 
     # ------------------------------------------------------------ groups
@@ -366,11 +361,11 @@ class RolloutController:
 
     async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
-        `rollout.buffer_retry_s`; then the error propagates."""
+        `buffer.retry_s`; then the error propagates."""
         return await async_retry(
             call,
             retry_if=is_connection_error,
-            within_s=self.cfg.buffer_retry_s,
+            within_s=self.buffer_retry_s,
             what=f"buffer {what}",
         )
 

@@ -88,10 +88,10 @@ class Sampler:
 
     async def sample_group(self, prompt_ids: list[int], n: int, rid: str) -> list[Sample]:
         """`n` samples of one prompt in one `/generate` call (one HTTP round trip
-        instead of n): one request with `n` (SGLang's parallel sampling, rids
-        `<base>_i`), or the batch form for a server without it (the client picks);
-        samples that come back aborted, or all of them if the call fails, go on one by
-        one through `sample`, from the tokens they have."""
+        instead of n), in the batch form with a rid per sample, so that a timeout can
+        abort each by the id the server knows it by; samples that come back aborted, or
+        all of them if the call fails, go on one by one through `sample`, from the
+        tokens they have."""
         rids = [f"{rid}s{i}" for i in range(n)]
         await self.gate.wait_open()
         server = await self.dispatcher.acquire()

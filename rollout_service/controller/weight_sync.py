@@ -3,9 +3,14 @@ generate with it.
 
 The sequence, across processes:
 
-1. publish (trainer, rank 0; trainer_service/publish.py): write `weights/v<N>` (write,
-   then rename), SET `<run>:version` = N and the path, PUBLISH {version, path}
-   (areal_hex/buffer/consumer.py `RedisWeightPublisher.set_version`).
+1. publish (trainer, rank 0; trainer_service/publish.py), by `rollout.weight_sync`:
+   disk: write `weights/v<N>` (write, then rename), SET `<run>:version` = N and the
+   path, PUBLISH {version, path} (areal_hex/buffer/consumer.py
+   `RedisWeightPublisher.set_version`).
+   network: plan the buckets, SET the manifest `<run>:weights_manifest:<N>` (the group's
+   address and name, each bucket's names, dtypes, shapes: areal_hex/weight_net.py),
+   SET + PUBLISH N with no path; then join the weight-update group as its rank 0 (it
+   forms once every server joined, in step 4) and broadcast bucket after bucket.
 2. notify (buffer -> controller): `TrajectoryProducer.watch_versions()` yields N;
    `WeightSync.follow` coalesces versions that arrive during a reload (only the newest
    is loaded next).
@@ -14,9 +19,17 @@ The sequence, across processes:
    their partial output and are resent by the sampler, from the tokens they have) or
    `retract` (ours: requests stay, their KV cache is recomputed with the new weights);
    `resolve_pause_mode` picks one from `rollout.update_pause` and what the servers report.
-4. load: `/update_weights_from_disk` with `weight_version` = N on each paused server
-   (server side: rollout_service/server/app.py `_weight_routes` -> engine.Engine.update_weights
-   -> step_loop.Core reloads between two decode steps and, under retract, recomputes).
+4. load: disk: `/update_weights_from_disk` with `weight_version` = N on each paused
+   server (server side: rollout_service/server/app.py `_weight_routes` ->
+   engine.Engine.update_weights -> step_loop.Core reloads between two decode steps and,
+   under retract, recomputes).
+   network: read N's manifest; servers not yet in its group join it, all at once
+   (`/init_weights_update_group`, server i as rank 1 + i); then for each bucket in order,
+   every server at once `/update_weights_from_distributed` {names, dtypes, shapes,
+   group_name} — the server receives the trainer's broadcasts into new tensors
+   (engine.Engine.update_weights_from_group) and copies them into the model between two
+   steps, as a reload; the last bucket carries `weight_version` = N. The trainer's
+   broadcast of a bucket completes when every server has received it.
 5. resume: `/continue_generation`; the gate reopens at version N and the controller tells
    the staleness gate that the servers serve N (`set_serving_version`): the buffer admits
    groups for N only from then on, not from the publish.
@@ -25,7 +38,11 @@ The sequence, across processes:
    sample that spans an update has mixed versions and the group's version is its oldest.
 7. recover: a server that failed during any step is marked unhealthy and left out; when
    the dispatcher's probe finds it healthy again, `WeightSync.recover` reloads the
-   current weights on it (unless it already reports them) and resumes it.
+   current weights on it (disk; unless it already reports them) and resumes it. Over
+   the network a server that failed is out of its group: it resumes with the weights it
+   has (its tokens carry their version) until the trainer, whose broadcast failed with
+   it, forms the next group (a new `group_name` in the next manifest) and every server
+   joins that one.
 """
 
 from __future__ import annotations
@@ -38,9 +55,36 @@ from typing import Any
 
 from areal_hex.api import GenerationClient, TrajectoryProducer
 from areal_hex.run_files import version_dir
+from areal_hex.weight_net import GroupSpec, Manifest
 from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
 
 log = logging.getLogger(__name__)
+
+
+class NetworkSource:
+    """Where versions sent over the network are described: their manifests (left by the
+    trainer in the buffer's Redis), read with `read(version)`, which returns None until
+    the manifest is there; `manifest` waits for it up to `timeout_s`."""
+
+    def __init__(
+        self,
+        read: Callable[[int], Awaitable[Manifest | None]],
+        ranks_per_server: int = 1,
+        timeout_s: float = 300.0,
+        poll_s: float = 0.2,
+    ) -> None:
+        self.read = read
+        self.ranks_per_server = ranks_per_server
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+
+    async def manifest(self, version: int) -> Manifest | None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            m = await self.read(version)
+            if m is not None or time.monotonic() >= deadline:
+                return m
+            await asyncio.sleep(self.poll_s)
 
 
 class UpdateGate:
@@ -113,11 +157,15 @@ class WeightSync:
         producer: TrajectoryProducer,
         gate: UpdateGate,
         weights_dir: str | None = None,
+        network: NetworkSource | None = None,
     ) -> None:
+        """`network`: versions arrive over the network (rollout.weight_sync=network)."""
         self.dispatcher = dispatcher
         self.producer = producer
         self.gate = gate
         self.weights_dir = weights_dir
+        self.network = network
+        self.joined: dict[str, str] = {}  # server URL -> weight group it is a member of
         self.pause_mode = "abort"
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
         self.updates_total = 0
@@ -178,10 +226,11 @@ class WeightSync:
         return True
 
     async def update(self, version: int, path: str) -> None:
-        """(3)-(5) Pause every healthy server, load `path` as `version`, resume."""
-        if not path and self.weights_dir:
+        """(3)-(5) Pause every healthy server, load `path` (or, over the network, the
+        trainer's broadcast) as `version`, resume."""
+        if not path and self.weights_dir and self.network is None:
             path = str(version_dir(self.weights_dir, version))
-        if not path:
+        if not path and self.network is None:
             log.warning("version %d has no weights path; not reloading", version)
             self.producer.set_serving_version(version)
             return
@@ -196,13 +245,16 @@ class WeightSync:
                 keep = self.pause_mode in ("retract", "in_place")
                 mode = self.pause_mode if keep else "abort"
                 servers = await self._phase(servers, "pause", lambda s: s.client.pause(mode))
-                servers = await self._phase(
-                    servers,
-                    "update",
-                    lambda s: s.client.update_weights_from_disk(
-                        path, version, abort_all_requests=not keep
-                    ),
-                )
+                if self.network is not None:
+                    servers = await self._receive(servers, version, abort_all=not keep)
+                else:
+                    servers = await self._phase(
+                        servers,
+                        "update",
+                        lambda s: s.client.update_weights_from_disk(
+                            path, version, abort_all_requests=not keep
+                        ),
+                    )
                 await self._phase(servers, "continue", lambda s: s.client.resume())
                 self.applied = (version, path)
             finally:
@@ -212,6 +264,58 @@ class WeightSync:
             self.updates_total += 1
             self.update_s_total += dt
             log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
+
+    async def _receive(
+        self, servers: list[ServerState], version: int, abort_all: bool
+    ) -> list[ServerState]:
+        """(4, network) Join N's group where needed, then every bucket on every server."""
+        assert self.network is not None
+        manifest = await self.network.manifest(version)
+        if manifest is None:
+            log.warning("version %d: no weights manifest arrived; not loading it", version)
+            return servers
+        group = manifest.group
+        members = [s for s in servers if self.joined.get(s.client.base_url) == group.group_name]
+        if group.group_name not in self.joined.values():
+            # a new group forms only with every rank: all servers join together
+            fresh = [s for s in servers if s not in members]
+            fresh = await self._phase(fresh, "join", lambda s: self._join(s, group))
+            members += fresh
+        elif len(members) < len(servers):
+            log.warning(
+                "%d server(s) are not in weight group %s: they keep their weights until "
+                "the next group",
+                len(servers) - len(members),
+                group.group_name,
+            )
+        last = len(manifest.buckets) - 1
+        for i, bucket in enumerate(manifest.buckets):
+            tag = version if i == last else None
+            members = await self._phase(
+                members,
+                f"bucket {i + 1}/{last + 1}",
+                lambda s, b=bucket, v=tag: s.client.update_weights_from_distributed(
+                    b, group.group_name, v, abort_all_requests=abort_all
+                ),
+            )
+        # every server that did not fail goes on, in the group or not
+        return [s for s in servers if s.healthy]
+
+    async def _join(self, server: ServerState, group: GroupSpec) -> None:
+        url = server.client.base_url
+        old = self.joined.pop(url, None)
+        if old is not None:  # leave the broken group first (best effort: it may be gone)
+            try:
+                await server.client.destroy_weights_update_group(old)
+            except SERVER_ERRORS as exc:
+                log.info("%s: leaving weight group %s: %s", url, old, exc)
+        await server.client.init_weights_update_group(group, self.network_rank(server))
+        self.joined[url] = group.group_name
+
+    def network_rank(self, server: ServerState) -> int:
+        """Server i's first rank in the weight-update group (the trainer is rank 0)."""
+        assert self.network is not None
+        return 1 + self.dispatcher.servers.index(server) * self.network.ranks_per_server
 
     async def _phase(
         self,
@@ -236,7 +340,10 @@ class WeightSync:
     async def recover(self, server: ServerState) -> None:
         """(7) A server back from the dead may hold old weights (or still be paused)."""
         async with self._lock:
-            if self.applied is not None:
+            if self.network is not None:
+                # out of its group (see (7)): it joins the next one the trainer forms
+                self.joined.pop(server.client.base_url, None)
+            elif self.applied is not None:
                 version, path = self.applied
                 # Skip the reload when a transient error did not cost the server its weights.
                 if await server.client.weight_version() != version:

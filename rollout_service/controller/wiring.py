@@ -21,6 +21,7 @@ from areal_hex.trackers import open_run_trackers
 if TYPE_CHECKING:
     from areal_hex.buffer import RedisTrajectoryProducer
     from rollout_service.controller.rollout import RolloutController
+    from rollout_service.controller.weight_sync import NetworkSource
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,35 @@ def serve_metrics(cfg: ExperimentConfig, ctl: RolloutController) -> MetricsServe
 async def give_back(producer: RedisTrajectoryProducer) -> None:
     """A stopping controller gives back what it still holds, rather than leaving it for
     the lease to expire."""
-    import redis.exceptions
+    from areal_hex.buffer.errors import BUFFER_ERRORS
 
     try:
         n = await producer.give_back_all()
-    except (redis.exceptions.RedisError, OSError) as exc:
+    except BUFFER_ERRORS as exc:
         log.error("could not give back admissions (the lease expiry will): %s", exc)
         return
     if n:
         log.info("gave back %d admission(s)", n)
+
+
+def network_source(cfg: ExperimentConfig, redis_client: Any) -> NetworkSource | None:
+    """rollout.weight_sync=network: the manifests the trainer leaves in Redis."""
+    if cfg.rollout.weight_sync != "network":
+        return None
+    from areal_hex.config.checks import weight_sync_ranks_per_server
+    from areal_hex.weight_net import Manifest, manifest_key
+    from rollout_service.controller.weight_sync import NetworkSource
+
+    run_id = cfg.run.run_id
+    assert run_id is not None
+
+    async def read(version: int) -> Manifest | None:
+        raw = await redis_client.get(manifest_key(run_id, version))
+        return None if raw is None else Manifest.from_json(raw)
+
+    return NetworkSource(
+        read, weight_sync_ranks_per_server(cfg), timeout_s=cfg.trainer.weight_sync_timeout_s
+    )
 
 
 async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -122,6 +143,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cfg.rollout,
         max_groups=target_groups(cfg),
+        buffer_retry_s=cfg.buffer.retry_s,
         metrics_path=RunPaths.of(cfg).rollout,
         stop_token_ids=[eos] if eos is not None else [],
         weights_dir=cfg.inference.weights_dir,
@@ -129,6 +151,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         gpu_kinds=cfg.inference.gpu_kinds,
         # a killed predecessor's admissions come back once its lease expires
         settle_s=cfg.buffer.lease_ttl_s + 1.0,
+        network=network_source(cfg, redis_client),
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection

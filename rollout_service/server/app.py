@@ -20,31 +20,21 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from areal_hex.gc_freeze import freeze_startup
+from areal_hex.weight_net import GroupSpec
 from rollout_service import wire
+from rollout_service.server import prompts
 from rollout_service.server.engine import Engine
-from rollout_service.server.http_common import (
-    SSE_DONE,
-    BodyLimit,
-    error,
-    run_all,
-    sse,
-    token_matches,
-)
+from rollout_service.server.generate_routes import add_generate_routes
+from rollout_service.server.http_common import BodyLimit, error, token_matches
 from rollout_service.server.metrics import build_registry
 from rollout_service.server.openai_routes import add_openai_routes
-from rollout_service.server.requests import (
-    NO_EXTRA_LOGPROBS,
-    EngineError,
-    GenRequest,
-    LogprobSpec,
-    trimmed_text,
-)
+from rollout_service.server.requests import EngineError
 
 M = TypeVar("M", bound=BaseModel)
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
@@ -59,7 +49,13 @@ class ServerSettings:
     server_args: dict[str, Any] = field(default_factory=dict)  # shown by /get_server_info
     health_generate_timeout_s: float = 20.0
     max_body_bytes: int = 64 * 2**20
+    # characters of one text prompt, checked before tokenizing (None: 32 per context token)
+    max_prompt_chars: int | None = None
     served_model_name: str | None = None  # the OpenAI `model` id; default: the model path
+    weights_group_timeout_s: float = 300.0  # joining a weight group, receiving a bucket
+
+    def prompt_chars(self, context_length: int) -> int:
+        return self.max_prompt_chars or prompts.default_max_chars(context_length)
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -81,8 +77,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
-    _generation_routes(app)
+    add_generate_routes(app)
     _weight_routes(app)
+    _memory_routes(app)
     _info_routes(app)
     add_openai_routes(app)
     return app
@@ -106,7 +103,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         msg = str(err.get("msg"))
         parts.append(f"{'.'.join(str(p) for p in loc)}: {msg}")
         detail.append({"loc": [str(p) for p in loc], "msg": msg, "type": err.get("type")})
-    body = wire.error_body("invalid request: " + "; ".join(parts))
+    first = detail[0]["loc"] if detail else []
+    param = ".".join(first[1:] if first[:1] == ["body"] else first) or None
+    body = wire.error_body("invalid request: " + "; ".join(parts), 400, param)
     body["detail"] = json.loads(json.dumps(detail).encode("utf-8", "backslashreplace"))
     return JSONResponse(body, status_code=400)
 
@@ -119,192 +118,10 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own refusals (unknown route, wrong method, unreadable body) in the
     same error shape as ours."""
     return JSONResponse(
-        wire.error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        wire.error_body(str(exc.detail), exc.status_code),
+        status_code=exc.status_code,
+        headers=exc.headers,
     )
-
-
-# ---------------------------------------------------------------------- /generate
-@dataclass
-class _Item:
-    prompt: list[int]
-    params: wire.SamplingParamsIn
-    logprob: bool
-    rid: str
-    want: LogprobSpec = NO_EXTRA_LOGPROBS
-    text_in_logprobs: bool = False
-
-
-def _items(engine: Engine, body: wire.GenerateReqInput) -> list[_Item]:
-    """The engine requests of one call: each prompt `n` times (SGLang's parallel
-    sampling: rid `r` becomes `r_0` .. `r_{n-1}`), in prompt-major order."""
-    items: list[_Item] = []
-    counts = set()
-    for i in range(body.batch_size()):
-        try:
-            prompt, params, logprob, rid = body.item(i)
-            start, top = body.logprob_options(i)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from None
-        if isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise EngineError("text: this server has no tokenizer; send input_ids")
-            prompt = list(engine.tokenizer.encode(prompt, add_special_tokens=False))
-        want = LogprobSpec(start, top) if logprob else NO_EXTRA_LOGPROBS
-        engine.validate(prompt, params, want)
-        counts.add(params.n)
-        rids = [rid] if params.n == 1 else [rid and f"{rid}_{j}" for j in range(params.n)]
-        texts = body.return_text_in_logprobs
-        items += [_Item(prompt, params, logprob, r or uuid.uuid4().hex, want, texts) for r in rids]
-    if len(counts) > 1:
-        raise EngineError("sampling_params.n: must be the same for every prompt of a batch")
-    rids = [it.rid for it in items]
-    if len(set(rids)) != len(rids):
-        raise EngineError("rid: the batch repeats a request id")
-    return items
-
-
-def _entries(
-    engine: Engine, lps: list[float | None], ids: list[int], with_text: bool
-) -> list[wire.LogprobEntry]:
-    tok = engine.tokenizer if with_text else None
-    return [
-        [
-            None if lp is None else max(lp, wire.LOGPROB_FLOOR),
-            t,
-            tok.decode([t]) if tok is not None else None,
-        ]
-        for lp, t in zip(lps, ids, strict=True)
-    ]
-
-
-def _tops(engine: Engine, tops: list[Any], with_text: bool) -> list[list[wire.LogprobEntry] | None]:
-    out: list[list[wire.LogprobEntry] | None] = []
-    for entry in tops:
-        if entry is None:
-            out.append(None)
-            continue
-        lps, ids = [lp for lp, _ in entry], [t for _, t in entry]
-        out.append(_entries(engine, lps, ids, with_text))
-    return out
-
-
-def _output(
-    engine: Engine, item: _Item, req: GenRequest, upto: int | None = None
-) -> dict[str, Any]:
-    """The response object of a finished request, or (`upto` = n) of its first n output
-    tokens while it still runs (a streaming chunk: no finish reason yet)."""
-    final = upto is None
-    n = len(req.output_ids) if final else min(upto or 0, len(req.output_ids))
-    ids = list(req.output_ids[:n])
-    assert req.finish is not None or not final
-    meta = wire.MetaInfo(
-        id=req.rid,
-        finish_reason=req.finish.to_wire() if final and req.finish else None,
-        prompt_tokens=len(req.prompt),
-        completion_tokens=len(ids),
-        cached_tokens=0,
-        weight_version=req.weight_version if final else engine.weight_version,
-        e2e_latency=req.latency(),
-    )
-    if item.logprob:
-        text = item.text_in_logprobs
-        start = item.want.start
-        meta.output_token_logprobs = _entries(engine, list(req.logprobs[:n]), ids, text)
-        prompt_ids = req.prompt[start:] if start >= 0 else []
-        inputs = req.input_logprobs if len(req.input_logprobs) == len(prompt_ids) else []
-        meta.input_token_logprobs = _entries(
-            engine, list(inputs), prompt_ids if inputs else [], text
-        )
-        if item.want.top:
-            meta.output_top_logprobs = _tops(engine, req.output_top[:n], text)
-            meta.input_top_logprobs = _tops(engine, req.input_top, text)
-        meta.output_token_versions = list(req.versions[:n])
-    body = wire.GenerateOutput(
-        text=trimmed_text(engine.tokenizer, req, n) if final else _partial(engine, item, ids),
-        output_ids=ids,
-        meta_info=meta,
-    )
-    return body.to_wire()
-
-
-def _partial(engine: Engine, item: _Item, ids: list[int]) -> str:
-    tok = engine.tokenizer
-    return tok.decode(ids, skip_special_tokens=item.params.skip_special_tokens) if tok else ""
-
-
-def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]]:
-    """Register every request of a call, or none (a refused one releases the others)."""
-    opened: list[tuple[GenRequest, Any]] = []
-    try:
-        for it in items:
-            opened.append(engine.open(it.prompt, it.params, it.rid, want=it.want))
-    except EngineError:
-        for req, _ in opened:
-            engine.finish(req, wire.FinishReason(type="abort", message="batch refused"))
-        raise
-    return opened
-
-
-def _generation_routes(app: FastAPI) -> None:
-    @app.post("/generate")
-    async def generate(body: wire.GenerateReqInput, request: Request) -> Response:
-        engine: Engine = request.app.state.engine
-        items = _items(engine, body)
-        many = body.is_batch or len(items) > 1
-        if body.stream:
-            if many:
-                raise EngineError("stream: streaming takes one request (n = 1) per call")
-            return _stream(engine, items[0])
-        done = await run_all(engine, _open_all(engine, items), request)
-        if done is None:
-            return Response(status_code=499)
-        outs = [_output(engine, it, req) for it, req in zip(items, done, strict=True)]
-        return JSONResponse(outs if many else outs[0])
-
-
-def _stream(engine: Engine, item: _Item) -> StreamingResponse:
-    """Server-sent events: one cumulative response object per `stream_interval` new
-    tokens (coalesced when the client reads slower), the final one with its finish
-    reason, then [DONE]."""
-    progress: asyncio.Queue[int] = asyncio.Queue()
-    req, fut = engine.open(
-        item.prompt, item.params, item.rid, on_token=progress.put_nowait, want=item.want
-    )
-    task = asyncio.ensure_future(engine.run(req, fut))
-    return StreamingResponse(
-        _events(engine, item, req, task, progress), media_type="text/event-stream"
-    )
-
-
-async def _events(
-    engine: Engine,
-    item: _Item,
-    req: GenRequest,
-    task: asyncio.Future[GenRequest],
-    progress: asyncio.Queue[int],
-) -> AsyncIterator[bytes]:
-    sent = 0
-    try:
-        while not task.done():
-            nxt = asyncio.ensure_future(progress.get())
-            await asyncio.wait({nxt, task}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                nxt.cancel()
-                break
-            n = nxt.result()
-            while not progress.empty():
-                n = progress.get_nowait()
-            if n - sent >= item.params.stream_interval:
-                sent = n
-                yield sse(_output(engine, item, req, upto=n))
-        try:
-            yield sse(_output(engine, item, task.result()))
-        except EngineError as exc:
-            yield sse(wire.error_body(str(exc)))
-        yield SSE_DONE
-    finally:
-        if not task.done():  # the client went away: abort the request
-            task.cancel()
 
 
 # ---------------------------------------------------------------------- weights, control
@@ -348,11 +165,7 @@ def _weight_routes(app: FastAPI) -> None:
         await request.app.state.engine.set_weight_version(body.new_version, body.abort_all_requests)
         return {"success": True, "message": f"weight version is {body.new_version}"}
 
-    @app.post("/init_weights_update_group")
-    @app.post("/update_weights_from_distributed")
-    async def distributed_unsupported() -> JSONResponse:
-        msg = "the built-in engine reloads weights from disk only (/update_weights_from_disk)"
-        return JSONResponse({"success": False, "message": msg}, status_code=400)
+    _network_weight_routes(app)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:
@@ -380,6 +193,61 @@ def _weight_routes(app: FastAPI) -> None:
         return JSONResponse({"success": True, "message": "cache flushed"})
 
 
+def _network_weight_routes(app: FastAPI) -> None:
+    """SGLang's weights over the network: join a group whose rank 0 is the trainer,
+    receive buckets by broadcast (rollout_service/controller/weight_sync.py has the
+    sequence). Any refusal or failure is SGLang's `{success: false, message}` with 400."""
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(
+        body: wire.InitWeightsUpdateGroupReq, request: Request
+    ) -> JSONResponse:
+        spec = GroupSpec(
+            master_address=body.master_address,
+            master_port=body.master_port,
+            world_size=body.world_size,
+            group_name=body.group_name,
+            backend=body.backend,
+        )
+        timeout = request.app.state.settings.weights_group_timeout_s
+        engine: Engine = request.app.state.engine
+        return await _answer(
+            engine.init_weights_group(spec, body.rank_offset, timeout),
+            f"joined {body.group_name!r} as rank {body.rank_offset} of {body.world_size}",
+        )
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(
+        body: wire.UpdateWeightsFromDistributedReq, request: Request
+    ) -> JSONResponse:
+        engine: Engine = request.app.state.engine
+        call = engine.update_weights_from_group(
+            body.group_name,
+            body.names,
+            body.dtypes,
+            body.shapes,
+            body.weight_version,
+            body.abort_all_requests,
+        )
+        return await _answer(call, f"received {len(body.names)} tensor(s)")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await _optional_body(wire.DestroyWeightsUpdateGroupReq, request)
+        engine: Engine = request.app.state.engine
+        return await _answer(
+            engine.destroy_weights_group(body.group_name), f"left {body.group_name!r}"
+        )
+
+
+async def _answer(call: Awaitable[Any], done: str) -> JSONResponse:
+    try:
+        await call
+    except EngineError as exc:
+        return JSONResponse({"success": False, "message": str(exc)}, status_code=exc.status)
+    return JSONResponse({"success": True, "message": done})
+
+
 async def _optional_body(model: type[M], request: Request) -> M:
     """Parse a body that may be empty (SGLang clients send `{}` or nothing)."""
     raw = await request.body()
@@ -394,6 +262,31 @@ async def _optional_body(model: type[M], request: Request) -> M:
         raise RequestValidationError(errors) from None
 
 
+# ---------------------------------------------------------------------- colocated mode
+def _memory_routes(app: FastAPI) -> None:
+    """SGLang's `/release_memory_occupation` and `/resume_memory_occupation` (AReaL's
+    colocated mode: the trainer takes the GPU between rollouts). Refused (400) while
+    requests are in flight; while memory is released, generation requests get 503."""
+
+    async def change(request: Request, release: bool) -> JSONResponse:
+        body = await _optional_body(wire.MemoryOccupationReq, request)
+        engine: Engine = request.app.state.engine
+        try:
+            moved = await engine.set_memory(release, body.chosen())
+        except EngineError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, exc.status)
+        verb = "released" if release else "resumed"
+        return JSONResponse({"success": True, "message": f"{verb}: {moved}"})
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        return await change(request, True)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        return await change(request, False)
+
+
 # ---------------------------------------------------------------------- health, info, metrics
 def _info_routes(app: FastAPI) -> None:
     @app.get("/health")
@@ -406,8 +299,8 @@ def _info_routes(app: FastAPI) -> None:
         engine: Engine = request.app.state.engine
         if not engine.alive():
             return Response(status_code=503)
-        if engine.paused:  # a weight update is in progress: healthy, not generating
-            return Response(status_code=200)
+        if engine.paused or engine.released:  # a weight update or colocated training:
+            return Response(status_code=200)  # healthy, not generating
         probe = wire.SamplingParamsIn(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         rid = f"health-{uuid.uuid4().hex}"
         timeout = request.app.state.settings.health_generate_timeout_s
@@ -427,6 +320,7 @@ def _info_routes(app: FastAPI) -> None:
             model_path=engine.model_path,
             tokenizer_path=request.app.state.settings.tokenizer_path,
             weight_version=engine.weight_version,
+            model_type=getattr(cfg, "model_type", None),
             architectures=list(archs),
             context_length=engine.opts.context_length,
         ).model_dump()

@@ -180,18 +180,29 @@ def _cat_shaping(a: SamplingTensors, b: SamplingTensors) -> LogitShaping | None:
     return LogitShaping.cat(sa, sb)
 
 
+RowGenerators = Sequence[torch.Generator | None]
+
+
 def sample(
-    logits: torch.Tensor, p: SamplingTensors, generator: torch.Generator | None
+    logits: torch.Tensor,
+    p: SamplingTensors,
+    generator: torch.Generator | None,
+    rows: RowGenerators = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: (B, V). Returns tokens (B,) int64 and their
     log-probs (B,) float32 under log_softmax(logits / T) (T = 1 for greedy rows), the
-    logits shaped first when `p.shaping` is set."""
-    tokens, logp = draw(logits, p, generator)
+    logits shaped first when `p.shaping` is set. `rows[b]`, when given and not None, is
+    row b's own generator (a seeded request): its draws depend on its seed only, never
+    on the other rows of the batch."""
+    tokens, logp = draw(logits, p, generator, rows)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
 def draw(
-    logits: torch.Tensor, p: SamplingTensors, generator: torch.Generator | None
+    logits: torch.Tensor,
+    p: SamplingTensors,
+    generator: torch.Generator | None,
+    rows: RowGenerators = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample`, returning the whole log-prob matrix (B, V) instead of the drawn
     tokens' entries (for top_logprobs_num)."""
@@ -205,6 +216,9 @@ def draw(
     # argmax(p / E) with E ~ Exp(1) draws from p (exponential race; faster than
     # torch.multinomial); rows with p = 0 can never win.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    for b, own in enumerate(rows):
+        if own is not None:
+            race[b] = torch.empty_like(probs[b]).exponential_(1.0, generator=own)
     drawn = (probs / race).argmax(dim=-1)  # (B,)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     return tokens, logp

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from areal_hex.weight_net import GroupSpec, WeightGroup, parse_dtype
 from rollout_service.server.grammar import Grammars
 from rollout_service.server.requests import (
     NO_EXTRA_LOGPROBS,
@@ -89,8 +90,11 @@ class Engine:
             ("gen", "prompt", "requests", "aborted", "updates", "prefills", "steps"), 0
         )
         self.last_error: str | None = None
+        self.released: frozenset[str] = frozenset()  # /release_memory_occupation tags
         self._rate: deque[tuple[float, int]] = deque()
         self._n_running = 0
+        self.weight_groups: dict[str, WeightGroup] = {}  # joined weight-update groups
+        self._group_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -127,6 +131,10 @@ class Engine:
     ) -> None:
         if not prompt:
             raise EngineError("input_ids: the prompt is empty")
+        if len(prompt) > self.opts.context_length:  # before the checks that read every id
+            raise EngineError(
+                f"prompt: {len(prompt)} tokens exceed the context length {self.opts.context_length}"
+            )
         vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -173,6 +181,12 @@ class Engine:
         """Validate and register a request (EngineError: refused); `run` then sends it.
         `want`: prompt log-probs and top alternatives to compute."""
         self.validate(prompt, sampling, want)
+        if self.released:
+            raise EngineError(
+                f"memory released ({', '.join(sorted(self.released))}): "
+                "call /resume_memory_occupation first",
+                503,
+            )
         assert self._loop is not None and self._gate is not None, "engine not started"
         loop = self._loop
         fut: asyncio.Future[GenRequest] = loop.create_future()
@@ -247,10 +261,92 @@ class Engine:
         await self._control("release")
         self._gate.set()
 
+    async def set_memory(self, release: bool, tags: frozenset[str]) -> str:
+        """Release or resume the device memory named by `tags` (SGLang's
+        weights / kv_cache / cuda_graph); while any is released, new requests are refused
+        (503). Returns what moved."""
+        done = str(await self._control("memory", release=release, tags=tags))
+        self.released = (self.released | tags) if release else (self.released - tags)
+        return done
+
     async def update_weights(self, path: str, version: str | None, abort_all: bool) -> int:
         """Load new weights between steps; with `abort_all` in-flight requests end first
         (partial output, finish_reason abort), else the reload waits for them."""
         return int(await self._control("reload", path=path, version=version, abort_all=abort_all))
+
+    # ------------------------------------------------------------------ weights over the network
+    async def init_weights_group(self, spec: GroupSpec, rank: int, timeout_s: float) -> None:
+        """Join the weight-update group `spec.group_name` as `rank` (blocks until every
+        rank has joined; EngineError after `timeout_s`)."""
+        async with self._group_lock:
+            if spec.group_name in self.weight_groups:
+                raise EngineError(f"group_name {spec.group_name!r}: already joined")
+            if spec.backend == "nccl" and not self.opts.device.startswith("cuda"):
+                raise EngineError("backend 'nccl' needs a CUDA server; this one runs on CPU")
+            try:
+                group = await asyncio.to_thread(WeightGroup.join, spec, rank, timeout_s)
+            except (RuntimeError, ValueError, OSError) as exc:  # c10d's errors are RuntimeErrors
+                msg = f"failed to join weight group {spec.group_name!r}: {exc}"
+                raise EngineError(msg) from None
+            self.weight_groups[spec.group_name] = group
+
+    async def destroy_weights_group(self, group_name: str) -> None:
+        async with self._group_lock:
+            group = self.weight_groups.pop(group_name, None)
+        if group is None:
+            raise EngineError(f"group_name {group_name!r}: no such weight group")
+        group.close()
+
+    def check_received(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Refuse a bucket that does not fit the model (before receiving any of it)."""
+        own = self.model.state_dict()
+        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+            if name not in own:
+                raise EngineError(f"names: {name!r} is not a weight of this model")
+            if list(own[name].shape) != list(shape):
+                raise EngineError(
+                    f"shapes: {name!r} is {list(shape)}, the model's is {list(own[name].shape)}"
+                )
+            try:
+                parse_dtype(dt)
+            except ValueError as exc:
+                raise EngineError(f"dtypes: {name!r}: {exc}") from None
+
+    async def update_weights_from_group(
+        self,
+        group_name: str,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: str | None,
+        abort_all: bool,
+    ) -> int:
+        """Receive one bucket by broadcast from rank 0 of `group_name`, then load it between
+        steps as a reload does (`abort_all`: in-flight requests end first, else they
+        drain; a paused engine keeps them)."""
+        import torch
+
+        self.check_received(names, dtypes, shapes)
+        group = self.weight_groups.get(group_name)
+        if group is None:
+            raise EngineError(
+                f"group_name {group_name!r}: not joined (call /init_weights_update_group first)"
+            )
+        device = self.opts.device if group.spec.backend == "nccl" else "cpu"
+        bufs = [
+            torch.empty(s, dtype=parse_dtype(d), device=device)
+            for d, s in zip(dtypes, shapes, strict=True)
+        ]
+        async with self._group_lock:  # one bucket at a time: broadcasts pair up in order
+            try:
+                await asyncio.to_thread(group.broadcast, bufs)
+            except RuntimeError as exc:
+                msg = f"receiving the weights from {group_name!r} failed: {exc}"
+                raise EngineError(msg) from None
+        tensors = dict(zip(names, bufs, strict=True))
+        return int(
+            await self._control("reload", tensors=tensors, version=version, abort_all=abort_all)
+        )
 
     async def set_weight_version(self, version: str, abort_all: bool) -> None:
         if abort_all:

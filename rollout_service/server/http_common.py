@@ -25,7 +25,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse(wire.error_body(message), status_code=status)
+    return JSONResponse(wire.error_body(message, status), status_code=status)
 
 
 def sse(obj: Any) -> bytes:

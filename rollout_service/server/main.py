@@ -86,6 +86,7 @@ def server_settings(model_cfg: ModelConfig, inf: InferenceConfig) -> ServerSetti
         weights_dir=inf.weights_dir,
         tokenizer_path=model_cfg.tokenizer_path or model_cfg.path,
         server_args=args,
+        max_prompt_chars=inf.max_prompt_chars,
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from rollout_service import openai_wire as ow
+from rollout_service.server import prompts
 from rollout_service.server.engine import Engine
 from rollout_service.server.http_common import SSE_DONE, run_all, sse
 from rollout_service.server.requests import (
@@ -32,7 +33,7 @@ from rollout_service.server.requests import (
     TopEntry,
     trimmed_text,
 )
-from rollout_service.wire import LOGPROB_FLOOR, FinishReason, SamplingParamsIn
+from rollout_service.wire import LOGPROB_FLOOR, FinishReason, SamplingParamsIn, error_body
 
 
 @dataclass
@@ -50,66 +51,45 @@ class _Job:
 def add_openai_routes(app: FastAPI) -> None:
     started = int(time.time())
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
+    def card(request: Request) -> ow.ModelCard:
         engine: Engine = request.app.state.engine
-        card = ow.ModelCard(
+        return ow.ModelCard(
             id=_model_id(request),
             created=started,
             root=engine.model_path,
             max_model_len=engine.opts.context_length,
         )
-        return ow.ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        return ow.ModelList(data=[card(request)]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        one = card(request)
+        if model_id != one.id:
+            msg = f"model: {model_id!r} is not served here (this server: {one.id!r})"
+            raise EngineError(msg, 404)
+        return one.model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: ow.CompletionRequest, request: Request) -> Response:
         engine: Engine = request.app.state.engine
-        jobs = _completion_jobs(engine, body)
+        jobs = await _completion_jobs(engine, body, _max_chars(request))
         head = _Head(f"cmpl-{uuid.uuid4().hex}", int(time.time()), _model_id(request))
-        if body.stream:
-            if body.echo:
-                raise EngineError("echo: not supported with stream")
-            streams = _open_streams(engine, jobs)
-            events = _stream_completion(engine, head, jobs, streams, body)
-            return StreamingResponse(events, media_type="text/event-stream")
-        done = await run_all(engine, _open(engine, jobs), request)
-        if done is None:
-            return Response(status_code=499)
-        choices = [
-            _completion_choice(engine, job, req, body) for job, req in zip(jobs, done, strict=True)
-        ]
-        resp = ow.CompletionResponse(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=choices,
-            usage=_usage(jobs, done),
-        )
-        return JSONResponse(resp.model_dump())
+        if body.stream and body.echo:
+            raise EngineError("echo: not supported with stream")
+        kind = (_stream_completion, _completion_choice, ow.CompletionResponse)
+        return await _respond(engine, request, head, jobs, body, *kind)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ow.ChatRequest, request: Request) -> Response:
         engine: Engine = request.app.state.engine
-        jobs = _chat_jobs(engine, body)
+        jobs = await _chat_jobs(engine, body, _max_chars(request))
         head = _Head(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), _model_id(request))
-        if body.stream:
-            streams = _open_streams(engine, jobs)
-            events = _stream_chat(engine, head, jobs, streams, body)
-            return StreamingResponse(events, media_type="text/event-stream")
-        done = await run_all(engine, _open(engine, jobs), request)
-        if done is None:
-            return Response(status_code=499)
-        choices = [
-            _chat_choice(engine, job, req, body) for job, req in zip(jobs, done, strict=True)
-        ]
-        resp = ow.ChatResponse(
-            id=head.id,
-            created=head.created,
-            model=head.model,
-            choices=choices,
-            usage=_usage(jobs, done),
+        return await _respond(
+            engine, request, head, jobs, body, _stream_chat, _chat_choice, ow.ChatResponse
         )
-        return JSONResponse(resp.model_dump())
 
 
 @dataclass
@@ -144,24 +124,26 @@ def _sampling(
         raise EngineError(f"{where}: {err['msg']}") from None
 
 
-def _tokenizer(engine: Engine, what: str) -> Any:
-    if engine.tokenizer is None:
-        raise EngineError(f"{what}: this server has no tokenizer; send token ids")
-    return engine.tokenizer
+def _max_chars(request: Request) -> int:
+    engine: Engine = request.app.state.engine
+    return int(request.app.state.settings.prompt_chars(engine.opts.context_length))
 
 
-def _completion_jobs(engine: Engine, body: ow.CompletionRequest) -> list[_Job]:
-    prompts = body.prompts()
-    if not prompts:
+async def _completion_jobs(
+    engine: Engine, body: ow.CompletionRequest, max_chars: int
+) -> list[_Job]:
+    texts_or_ids = body.prompts()
+    if not texts_or_ids:
         raise EngineError("prompt: empty")
     want = NO_EXTRA_LOGPROBS
     if body.logprobs is not None:
         want = LogprobSpec(0 if body.echo else -1, body.logprobs)
+    texts = [p for p in texts_or_ids if isinstance(p, str)]
+    encoded = iter(await prompts.encode(engine.tokenizer, texts, "prompt", max_chars))
     jobs: list[_Job] = []
-    for p in prompts:
+    for p in texts_or_ids:
         if isinstance(p, str):
-            ids = list(_tokenizer(engine, "prompt").encode(p, add_special_tokens=False))
-            echo = p
+            ids, echo = next(encoded), p
         else:
             ids = list(p)
             echo = (
@@ -169,35 +151,27 @@ def _completion_jobs(engine: Engine, body: ow.CompletionRequest) -> list[_Job]:
             )
         params = _sampling(engine, body, body.max_tokens, ids)
         engine.validate(ids, params, want)
-        for _ in range(body.n):
+        for j in range(body.n):
             rid = f"cmpl-{uuid.uuid4().hex}"
-            jobs.append(_Job(len(jobs), ids, params, want, rid, echo if body.echo else ""))
+            jobs.append(
+                _Job(len(jobs), ids, params.for_sample(j), want, rid, echo if body.echo else "")
+            )
     return jobs
 
 
-def _chat_jobs(engine: Engine, body: ow.ChatRequest) -> list[_Job]:
-    tok = _tokenizer(engine, "messages")
-    if not getattr(tok, "chat_template", None):
-        raise EngineError("messages: this model's tokenizer has no chat template")
+async def _chat_jobs(engine: Engine, body: ow.ChatRequest, max_chars: int) -> list[_Job]:
     messages = [m.for_template() for m in body.messages]
-    try:
-        text = tok.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            **(body.chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # the template is user data: any failure is a bad request
-        raise EngineError(
-            f"messages: the chat template failed: {type(exc).__name__}: {exc}"
-        ) from None
-    ids = list(tok.encode(str(text), add_special_tokens=False))
+    kwargs = dict(body.chat_template_kwargs or {})
+    ids = await prompts.encode_chat(engine.tokenizer, messages, kwargs, max_chars)
     want = LogprobSpec(-1, body.top_logprobs or 0) if body.logprobs else NO_EXTRA_LOGPROBS
     if body.top_logprobs and not body.logprobs:
         raise EngineError("top_logprobs: needs logprobs: true")
     params = _sampling(engine, body, body.token_limit, ids)
     engine.validate(ids, params, want)
-    return [_Job(i, ids, params, want, f"chatcmpl-{uuid.uuid4().hex}") for i in range(body.n)]
+    return [
+        _Job(j, ids, params.for_sample(j), want, f"chatcmpl-{uuid.uuid4().hex}")
+        for j in range(body.n)
+    ]
 
 
 def _open(
@@ -229,6 +203,36 @@ def _finish(req: GenRequest) -> tuple[str, int | str | None]:
     return f.type, f.matched if f.type == "stop" else None
 
 
+async def _respond(
+    engine: Engine,
+    request: Request,
+    head: _Head,
+    jobs: list,
+    body: Any,
+    stream_events: Callable[..., Any],
+    choice: Callable[..., Any],
+    response_type: type,
+) -> Response:
+    """The one path of both OpenAI routes: a stream of events, or every job run to its
+    end and answered as `response_type` with one choice per job (499: the client left)."""
+    if body.stream:
+        streams = _open_streams(engine, jobs)
+        events = stream_events(engine, head, jobs, streams, body)
+        return StreamingResponse(events, media_type="text/event-stream")
+    done = await run_all(engine, _open(engine, jobs), request)
+    if done is None:
+        return Response(status_code=499)
+    choices = [choice(engine, job, req, body) for job, req in zip(jobs, done, strict=True)]
+    resp = response_type(
+        id=head.id,
+        created=head.created,
+        model=head.model,
+        choices=choices,
+        usage=_usage(jobs, done),
+    )
+    return JSONResponse(resp.model_dump())
+
+
 def _usage(jobs: Sequence[_Job], reqs: Sequence[GenRequest]) -> ow.Usage:
     seen: set[int] = set()
     prompt = 0
@@ -245,6 +249,11 @@ def _usage(jobs: Sequence[_Job], reqs: Sequence[GenRequest]) -> ow.Usage:
 def _token_texts(engine: Engine, ids: Sequence[int]) -> list[str]:
     tok = engine.tokenizer
     return [str(tok.decode([t])) if tok is not None else str(t) for t in ids]
+
+
+def _special_ids(engine: Engine) -> frozenset[int]:
+    ids = getattr(engine.tokenizer, "all_special_ids", None) if engine.tokenizer else None
+    return frozenset(ids or ())
 
 
 def _floor(lp: float | None) -> float | None:
@@ -273,10 +282,13 @@ def _completion_logprobs(
     lps += req.logprobs[lo:hi]
     tops += req.output_top[lo:hi] if req.output_top else [[] for _ in range(hi - lo)]
     texts = _token_texts(engine, ids)
+    # A special token that `text` leaves out (skip_special_tokens) takes no room in it.
+    hidden = _special_ids(engine) if job.params.skip_special_tokens else frozenset()
+    first_output = len(job.prompt) if job.echo and lo == 0 else 0
     offsets, at = [], text_start
-    for s in texts:
+    for k, (s, t) in enumerate(zip(texts, ids, strict=True)):
         offsets.append(at)
-        at += len(s)
+        at += 0 if k >= first_output and t in hidden else len(s)
     return ow.CompletionLogprobs(
         tokens=texts,
         token_logprobs=[_floor(lp) for lp in lps],
@@ -386,8 +398,11 @@ def _delta(engine: Engine, req: GenRequest, sent: _Sent, finished: bool) -> tupl
         text = text[: max(len(text) - hold, len(sent.text))]
     new = text[len(sent.text) :] if text.startswith(sent.text) else ""
     lo = sent.tokens
-    sent.text += new
-    sent.tokens = upto
+    if new or finished:
+        # Tokens whose text is held back (or that make no text) stay unsent: their
+        # log-probs go out with the next chunk that carries text, or the final one.
+        sent.text += new
+        sent.tokens = upto
     return new, lo, upto
 
 
@@ -402,13 +417,14 @@ async def _stream_completion(
     try:
         async for index, finished in streams.events():
             req = streams.reqs[index]
+            at = len(sent[index].text)
             new, lo, hi = _delta(engine, req, sent[index], finished)
             if not new and not finished:
                 continue
             reason, matched = _finish(req) if finished else (None, None)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _completion_logprobs(engine, jobs[index], req, lo, hi, 0)
+                logprobs = _completion_logprobs(engine, jobs[index], req, lo, hi, at)
             choice = ow.CompletionChoice(
                 index=index, text=new, logprobs=logprobs, finish_reason=reason, matched_stop=matched
             )
@@ -426,7 +442,7 @@ async def _stream_completion(
             )
             yield sse(usage.model_dump(exclude_none=True))
     except EngineError as exc:
-        yield sse({"error": {"message": str(exc)}})
+        yield sse(error_body(str(exc), exc.status))
     yield SSE_DONE
 
 
@@ -467,5 +483,5 @@ async def _stream_chat(
         if body.include_usage:
             yield chunk([], _usage(jobs, streams.reqs))
     except EngineError as exc:
-        yield sse({"error": {"message": str(exc)}})
+        yield sse(error_body(str(exc), exc.status))
     yield SSE_DONE

@@ -49,12 +49,14 @@ class GenRequest:
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopEntry | None] = field(default_factory=list)
     grammar: Any = None  # constrained decoding: the request's matcher (server.grammar)
+    generator: Any = None  # a seeded request's torch.Generator (made by the step loop)
     versions: list[str] = field(default_factory=list)  # weight version of each output token
     finish: FinishReason | None = None
     weight_version: str = ""  # the server's version when the request finished
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
     submitted: bool = False  # handed to the step-loop thread
+    retractions: int = 0  # times its KV cache was recomputed (a retract-mode reload)
     # Called once, from the thread that finishes the request.
     on_done: Callable[[GenRequest], None] | None = None
     # Called after each new output token (step-loop thread), for streaming.

@@ -112,6 +112,8 @@ class Core:
                 self.held = False
                 self.retract = False
                 ctl.result.set_result(None)
+            elif ctl.kind == "memory":
+                ctl.result.set_result(self.memory(ctl.args["release"], ctl.args["tags"]))
             elif ctl.kind == "reload":
                 n = 0
                 if ctl.args["abort_all"]:
@@ -127,6 +129,25 @@ class Core:
         except Exception as exc:
             if not ctl.result.done():
                 ctl.result.set_exception(exc)
+
+    def memory(self, release: bool, tags: frozenset[str]) -> str:
+        """Release (or take back) the device memory of the weights and the KV cache, as
+        SGLang's colocated mode asks; only while no request is in flight. The weights go
+        to host memory and back (on a CPU device they are there already); the KV cache
+        exists only for running requests, so an idle engine holds none (the allocator's
+        cached blocks are returned to the device)."""
+        if self.rows or self.e.num_waiting():
+            raise EngineError(
+                f"{len(self.rows)} requests in flight: pause generation (mode abort) first"
+            )
+        done = []
+        if "weights" in tags and self.device.type != "cpu":
+            self.e.model.to("cpu" if release else self.device)
+            done.append("weights")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            done.append("kv_cache")
+        return ", ".join(done) or "nothing (CPU device: all of it is host memory)"
 
     def abort(self, rid: str | None, message: str) -> int:
         reason = FinishReason(type="abort", message=message)
@@ -189,6 +210,8 @@ class Core:
         return not self.rows or room >= self.e.opts.admit_at_least() or self.e.num_waiting() <= room
 
     def _reload(self, ctl: Control) -> bool:
+        if ctl.args.get("tensors") is not None:
+            return self._load_received(ctl)
         path, version = ctl.args["path"], ctl.args["version"]
         try:
             # Same architecture (the RL case): copy the tensors into the running model.
@@ -211,6 +234,28 @@ class Core:
         ctl.result.set_result(ctl.args.get("aborted", 0))
         return True
 
+    def _load_received(self, ctl: Control) -> bool:
+        """One bucket received over the network (`/update_weights_from_distributed`):
+        copy it into the running model. The version changes with the call that names one
+        (the controller names it on a version's last bucket), so a version is counted once."""
+        tensors: dict[str, torch.Tensor] = ctl.args["tensors"]
+        own = self.e.model.state_dict()
+        try:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    own[name].copy_(t)
+        except (KeyError, RuntimeError) as exc:
+            msg = f"failed to load the received weights: {type(exc).__name__}: {exc}"
+            ctl.result.set_exception(EngineError(msg))
+            return False
+        version = ctl.args["version"]
+        if version is not None:
+            self.e.weight_version = version
+            self.e.counters["updates"] += 1
+            log.info("received weights (version %s)", version)
+        ctl.result.set_result(ctl.args.get("aborted", 0))
+        return True
+
     def _recompute(self) -> None:
         """Rebuild the running batch's KV cache with the current weights: every row's
         prompt and output so far but its last token, which the next decode step feeds."""
@@ -223,8 +268,14 @@ class Core:
             raise
         new.last = self.batch.last
         self.batch = new
+        for r in self.rows:
+            r.retractions += 1
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
+        for r in reqs:
+            seed = r.sampling.sampling_seed
+            if seed is not None and r.generator is None:
+                r.generator = torch.Generator(device=self.device).manual_seed(seed % 2**64)
         prompts = [r.prompt for r in reqs]
         params = SamplingTensors.build([r.sampling for r in reqs], self.device)
         # prompt scoring needs the logits of more than the last prompt position
@@ -274,11 +325,12 @@ class Core:
         if guided:
             logits = grammar.apply(logits, guided)
         top = max((r.want.top for r in reqs), default=0)
+        own = [r.generator for r in reqs] if any(r.generator is not None for r in reqs) else []
         if top == 0:
-            tokens, logps = batching.sample(logits, params, self.gen)
+            tokens, logps = batching.sample(logits, params, self.gen, own)
             tops = None
         else:
-            tokens, logp = batching.draw(logits, params, self.gen)
+            tokens, logp = batching.draw(logits, params, self.gen, own)
             logps = logp.gather(1, tokens[:, None]).squeeze(1)
             tops = [
                 t[: r.want.top] for t, r in zip(batching.top_entries(logp, top), reqs, strict=True)

@@ -6,6 +6,7 @@ untrimmed output."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,13 +246,12 @@ def test_prompt_logprobs_match_a_plain_forward(url: str, model: Any, weights: Pa
         entries = meta["input_token_logprobs"]
         assert [e[1] for e in entries] == prompt[start:]
         assert [e[2] for e in entries] == [tok.decode([t]) for t in prompt[start:]]
-        first = max(start, 1)
+        # the first scored position has no log-prob, whatever the start (as SGLang)
+        first = start + 1
         want = ref[first - 1 :].gather(1, torch.tensor(prompt[first:])[:, None]).squeeze(1)
         got = [e[0] for e in entries]
-        if start == 0:
-            assert got[0] is None and meta["input_top_logprobs"][0] is None
-            got = got[1:]
-        assert got == pytest.approx(want.tolist(), abs=1e-4)
+        assert got[0] is None and meta["input_top_logprobs"][0] is None
+        assert got[1:] == pytest.approx(want.tolist(), abs=1e-4)
         tops = [t for t in meta["input_top_logprobs"] if t is not None]
         vals, idx = ref[first - 1 :].topk(3, dim=-1)
         assert [[e[1] for e in t] for t in tops] == idx.tolist()
@@ -281,7 +281,11 @@ def test_info_routes(url: str) -> None:
     assert info == httpx.get(url + "/get_model_info").json() and info["weight_version"] == "0"
     server = httpx.get(url + "/server_info").json()
     assert server["version"] and server["context_length"] == 128
+    assert info["model_type"] == "qwen3" and info["preferred_sampling_params"] is None
+    assert info["has_image_understanding"] is False and info["has_audio_understanding"] is False
+    before = time.time()
     load = httpx.get(url + "/get_load").json()
+    assert before <= load[0].pop("ts_tic") <= time.time()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
 
 

@@ -228,7 +228,7 @@ def test_errors_and_auth(server: str, client: openai.OpenAI) -> None:
     cases = [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"seed": 7}, "seed"),
+        ({"seed": 2**64}, "seed"),
         ({"extra_body": {"regex": "("}}, "regex"),
         ({"n": 0}, "n"),
         ({"max_tokens": 10_000}, "context length"),
@@ -247,6 +247,11 @@ def test_errors_and_auth(server: str, client: openai.OpenAI) -> None:
                 **kwargs,  # type: ignore[arg-type]
             )
         assert word in str(err.value), (kwargs, str(err.value))
+        # OpenAI's error object: the SDK reads type, param and code from it
+        assert err.value.type == "invalid_request_error" and err.value.code is None
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], n=0)
+    assert err.value.param == "n"
     with pytest.raises(openai.BadRequestError, match="suffix"):
         client.completions.create(model=name, prompt="a", suffix="b")
     with pytest.raises(openai.BadRequestError, match="messages"):

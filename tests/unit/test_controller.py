@@ -35,7 +35,9 @@ async def rewards():
     await pool.aclose()
 
 
-def _controller(servers, producer, rewards, tmp_path: Path, max_groups: int, **cfg):
+def _controller(
+    servers, producer, rewards, tmp_path: Path, max_groups: int, buffer_retry_s=60.0, **cfg
+):
     base = dict(group_size=3, max_new_tokens=16, metrics_interval_s=0.2, probe_interval_s=0.05)
     return RolloutController(
         servers,
@@ -46,6 +48,7 @@ def _controller(servers, producer, rewards, tmp_path: Path, max_groups: int, **c
         max_groups=max_groups,
         metrics_path=tmp_path / "rollout.jsonl",
         rewards=rewards,
+        buffer_retry_s=buffer_retry_s,
     )
 
 

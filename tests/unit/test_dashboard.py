@@ -75,3 +75,19 @@ def test_the_check_catches_a_misspelt_metric() -> None:
     assert metric_names('rate(areal_hex_trainer_tokenz_total{phase="x"}[5m])') == {
         "areal_hex_trainer_tokenz_total"
     }
+
+
+def test_every_query_is_filtered_by_the_run_variable() -> None:
+    """Runs share a Prometheus: each selector of each panel keeps only the chosen runs
+    (`run`, the label the rendered scrape configs attach); "All" also matches series
+    without the label."""
+    dash = json.loads(DASHBOARD.read_text())
+    (var,) = [v for v in dash["templating"]["list"] if v["name"] == "run"]
+    assert var["includeAll"] and var["allValue"] == ".*" and var["multi"]
+    assert "run)" in var["definition"]
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            bare = re.sub(r"\"[^\"]*\"", '""', target["expr"])
+            for name in metric_names(target["expr"]):
+                for m in re.finditer(rf"\b{name}\b(\{{[^}}]*\}})?", bare):
+                    assert m.group(1) and 'run=~""' in m.group(1), (panel["title"], name)

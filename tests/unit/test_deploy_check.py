@@ -166,7 +166,8 @@ def test_object_names_start_with_a_letter(tmp_path):
     plan = load_plan(PLAN)
     render("k8s", load_config(CONFIG, ["run.name=7b-run"]), plan, DeployConfig(), tmp_path)
     text = (tmp_path / "20-controller.yaml").read_text()
-    assert re.search(r"name: ah-7b-run-[0-9a-f]{8}-controller\n", text)  # the run id's hash
+    # not a DNS-1035 label as it is: its slug, then a hash of the run id itself
+    assert re.search(r"name: ah-7b-run-[0-9a-f]{8}-[0-9a-f]{8}-controller\n", text)
 
 
 def test_example_deploy_config_renders(tmp_path):
@@ -180,6 +181,8 @@ def test_example_deploy_config_renders(tmp_path):
         existing_secret=None,
         trainer_gang=None,
         kueue_queue=None,
+        create_namespace=False,
+        priority_class=None,
         node=[],
         gpu_label_key=None,
         storage_class=None,

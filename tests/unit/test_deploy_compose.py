@@ -88,6 +88,8 @@ def test_services_run_the_layout_commands_with_health_checks(rendered):
         "-m",
         "hexctl.deploy.prepare",
         "{config}",
+        "--prediction",
+        "/etc/areal-hex/prediction.json",
         "--source",
         plan.model,
     ]
@@ -220,3 +222,6 @@ def test_optional_prometheus_scrapes_every_service_on_loopback(tmp_path):
     # the trainer's and controller's /metrics sit behind the service token
     assert jobs["trainer"]["authorization"]["credentials_file"] == "/run/secrets/api-token"
     assert "authorization" not in jobs["inference"]
+    # every series carries the run (the dashboard's run filter)
+    for job in jobs.values():
+        assert job["static_configs"][0]["labels"] == {"run": deployed.run.run_id}

@@ -58,8 +58,9 @@ def rendered(request, tmp_path):
 def test_every_object_passes_strict_schema_validation(rendered):
     _, _, _, objs = rendered
     kinds = {o["kind"] for o in objs}
-    assert {"Namespace", "Secret", "ConfigMap", "PersistentVolumeClaim", "StatefulSet"} <= kinds
+    assert {"Secret", "ConfigMap", "PersistentVolumeClaim", "StatefulSet"} <= kinds
     assert {"Deployment", "Service", "Job", "JobSet", "NetworkPolicy"} <= kinds
+    assert "PodDisruptionBudget" in kinds and "Namespace" not in kinds  # not the run's own
     for o in objs:
         # raises on any schema violation, and SchemaNotFoundError on an unknown kind
         assert validate(o, K8S_VERSION) == "1.30"
@@ -395,6 +396,8 @@ def test_initial_weights_are_prepared_once_and_awaited(rendered):
         "-m",
         "hexctl.deploy.prepare",
         "{config}",
+        "--prediction",
+        "/etc/areal-hex/prediction.json",
         "--source",
         source,
     ]

@@ -163,3 +163,28 @@ def test_two_runs_of_one_name_share_no_object_name(tmp_path):
     # the same job rendered again keeps its id (and names): `kubectl apply` updates it
     render("k8s", load_config(CONFIG), plan, DeployConfig(), tmp_path / "a2")
     assert _names(tmp_path / "a2") == _names(a)
+
+
+def test_reaper_takes_its_namespace_from_the_pod(monkeypatch, capsys):
+    """No --namespace in the rendered args: the downward API's POD_NAMESPACE, so a
+    kustomize overlay's namespace is the one it watches; neither given: exit 2."""
+    from hexctl.deploy.k8s_lifecycle import NAMESPACE_ENV
+    from hexctl.runtime import reaper
+
+    assert reaper.NAMESPACE_ENV == NAMESPACE_ENV  # what the rendered Job sets
+    seen = {}
+
+    def fake_wait(api, ns, kind, name, poll_s):
+        seen["ns"] = ns
+        return "Completed"
+
+    monkeypatch.setattr(reaper.KubeApi, "in_cluster", classmethod(lambda cls: cls("x", "t")))
+    monkeypatch.setattr(reaper, "wait_for_trainer", fake_wait)
+    monkeypatch.setattr(reaper, "scale_to_zero", lambda api, ns, names: seen.update(scaled=ns))
+    monkeypatch.setenv(reaper.NAMESPACE_ENV, "team-b")
+    assert reaper.main(["--trainer-kind", "JobSet", "--trainer", "r-trainer"]) == 0
+    assert seen == {"ns": "team-b", "scaled": "team-b"}
+    monkeypatch.delenv(reaper.NAMESPACE_ENV)
+    with pytest.raises(SystemExit) as exc:
+        reaper.main(["--trainer-kind", "JobSet", "--trainer", "r-trainer"])
+    assert exc.value.code == 2 and "POD_NAMESPACE" in capsys.readouterr().err

@@ -167,3 +167,35 @@ def _containers(obj: dict) -> list[dict]:
         spec = spec["replicatedJobs"][0]["template"]["spec"]
     pod = spec.get("template", {}).get("spec", {})
     return pod.get("containers", []) + pod.get("initContainers", [])
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("target", ["k8s", "compose"])
+@pytest.mark.parametrize("where", ["file", "secrets-folder"])
+def test_force_never_writes_through_a_symlink(tmp_path, capsys, target, where):
+    """A link in the output folder (to a file, or `secrets/` itself to a folder) that
+    leads outside it: --force exits 2 and the file outside is unchanged."""
+    out = tmp_path / "out"
+    assert _deploy(out, target) == 0
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    victim = outside / "api-token"
+    victim.write_text("precious\n")
+    before = _sha256(victim)
+    if where == "file":
+        name = "kustomization.yaml" if target == "k8s" else "docker-compose.yaml"
+        (out / name).unlink()
+        (out / name).symlink_to(victim)
+    else:
+        shutil.rmtree(out / "secrets")
+        (out / "secrets").symlink_to(outside, target_is_directory=True)
+    capsys.readouterr()
+    assert _deploy(out, target, "--force") == 2
+    err = capsys.readouterr().err
+    assert "symbolic links" in err and "Traceback" not in err
+    assert _sha256(victim) == before and sorted(p.name for p in outside.iterdir()) == ["api-token"]

@@ -4,18 +4,27 @@ plans a site mapping cannot place refused with the field named (exit 2)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import yaml
 
 from areal_hex.config import ConfigError, load_config
+from areal_hex.errors import UsageError
 from areal_hex.plan import Plan, load_plan
 from hexctl.cli import main
 from hexctl.deploy.slurm import render_slurm
-from hexctl.deploy.slurm_site import KindPlacement, SiteConfig, SiteRedis, load_site
+from hexctl.deploy.slurm_site import (
+    KindPlacement,
+    SiteConfig,
+    SiteRedis,
+    load_site,
+    megabytes,
+)
 from hexctl.runtime.slurm import write_configs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +40,6 @@ CASES = [
 
 def _site(tmp_path: Path, **update) -> SiteConfig:
     site = load_site(CLUSTER_SITE)
-    site.kinds["A100-40GB"] = KindPlacement(partition="a100", gres_type="a100", cpus=64)
     return site.model_copy(update={"shared_dir": str(tmp_path / "shared"), **update})
 
 
@@ -84,7 +92,12 @@ def test_components_and_steps_match_the_plan(tmp_path, plan_file, cfg_file):
         assert comp["partition"] == place.partition
         assert comp["nodes"] == str(nodes)
         assert comp["gres"] == f"gpu:{place.gres_type}:{gpus}"
-        assert comp["cpus-per-task"] == str(place.cpus) and comp["mem"] == place.mem
+        # the share of the node's CPUs and memory that its GPUs are
+        share = gpus / place.gpus_per_node
+        want = (str(place.cpus), place.mem)  # a whole node: as the site file says
+        if share < 1:
+            want = (str(int(place.cpus * share)), f"{int(megabytes(place.mem) * share)}M")
+        assert (comp["cpus-per-task"], comp["mem"]) == want
     t = plan.trainer
     trainer = comps[-1]
     assert trainer["nodes"] == str(len(t.placements))
@@ -132,6 +145,10 @@ def test_resolved_config_for_the_job(tmp_path):
 
 
 def test_unmapped_kind_exits_2_with_the_field(tmp_path, capsys):
+    site = load_site(CLUSTER_SITE)
+    del site.kinds["A100-40GB"]
+    site_file = tmp_path / "site.yaml"
+    site_file.write_text(yaml.safe_dump(site.model_dump(mode="json")))
     rc = main(
         [
             "deploy",
@@ -140,7 +157,7 @@ def test_unmapped_kind_exits_2_with_the_field(tmp_path, capsys):
             "--target",
             "slurm",
             "--site",
-            str(CLUSTER_SITE),
+            str(site_file),
             "--out",
             str(tmp_path / "out"),
         ]
@@ -274,3 +291,63 @@ def test_external_redis_with_a_password_file(tmp_path):
     assert private.redis.url == "redis://redis.site:6380/2"
     assert private.redis.password == "s3cret-from-file"
     assert subprocess.run(["bash", "-n", str(tmp_path / "out/job.sbatch")]).returncode == 0
+
+
+def test_a_one_gpu_pool_asks_for_its_share_of_the_node(tmp_path):
+    """One L4 server on an 4-GPU L4 node gets a quarter of the node's CPUs and memory,
+    not the whole node (the rest is left to other jobs)."""
+    plan = load_plan(ROOT / "tests/data/planner_hetrl_plan.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-1.7b.yaml")
+    site = _site(tmp_path)
+    render_slurm(cfg, plan, site, tmp_path / "out", "site.yaml")
+    comps = _components((tmp_path / "out/job.sbatch").read_text())
+    (l4,) = [c for c in comps if c.get("partition") == "l4"]
+    assert l4["gres"] == "gpu:l4:1"
+    assert l4["cpus-per-task"] == "8" and l4["mem"] == f"{192 * 1024 // 4}M"
+    l4_line = _srun_lines((tmp_path / "out/job.sbatch").read_text())["rollout-l4-0"]
+    assert "--cpus-per-task=8 " in l4_line
+
+
+def test_gpus_per_node_is_required_and_checked(tmp_path):
+    with pytest.raises(ValueError, match="gpus_per_node is required"):
+        KindPlacement(partition="l4", gres_type="l4", cpus=32, mem="192G")
+    site = _site(tmp_path)
+    site.kinds["L40S"] = site.kinds["L40S"].model_copy(update={"gpus_per_node": 2})
+    plan = load_plan(ROOT / "examples/plans/a100_l40s_l4.yaml")
+    with pytest.raises(ConfigError, match="plan node l40s-0 uses 4 L40S GPUs"):
+        render_slurm(
+            load_config(ROOT / "examples/deploy/qwen3-1.7b.yaml"), plan, site, tmp_path / "o", "s"
+        )
+
+
+def test_rerender_beside_the_jobs_own_output(tmp_path, capsys):
+    """After a job ran, its folder holds slurm-<id>.out and runtime/: a re-render with
+    --force keeps them and replaces only what the render wrote; a stranger's file is
+    still refused, with a message about the job, not about manifests."""
+    plan = load_plan(ROOT / "examples/plans/h800_h20.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-8b.yaml")
+    out = tmp_path / "out"
+    render_slurm(cfg, plan, _site(tmp_path), out, "site.yaml")
+    (out / "slurm-48.out").write_text("job log\n")
+    (out / "runtime").mkdir()
+    (out / "runtime/config.yaml").write_text("run: {}\n")
+    render_slurm(cfg, plan, _site(tmp_path), out, "site.yaml", force=True)
+    assert (out / "slurm-48.out").read_text() == "job log\n"
+    assert (out / "runtime/config.yaml").is_file()
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(UsageError, match="did not write: notes.txt") as err:
+        render_slurm(cfg, plan, _site(tmp_path), out, "site.yaml", force=True)
+    assert "manifests" not in str(err.value) and "the job reads" in str(err.value)
+
+
+def test_the_job_installs_the_plans_prediction(tmp_path):
+    plan = load_plan(ROOT / "examples/plans/h800_h20.yaml")
+    cfg = load_config(ROOT / "examples/deploy/qwen3-8b.yaml")
+    out = tmp_path / "out"
+    render_slurm(cfg, plan, _site(tmp_path), out, "site.yaml")
+    prediction = json.loads((out / "prediction.json").read_text())
+    assert prediction["asynchronous"]["pipeline_samples_per_s"] == plan.predicted.samples_per_s
+    script = (out / "job.sbatch").read_text()
+    assert f'hexctl.deploy.prepare "$CONFIG" --prediction {out}/prediction.json' in script
+    resolved = load_config(out / "config.yaml")
+    assert resolved.inference.gpu_kinds == [i.gpu_kind for i in plan.rollout]

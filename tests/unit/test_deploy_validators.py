@@ -105,3 +105,20 @@ def test_kubernetes_validate_strict_command_line(tmp_path):
     bad.write_text(yaml.safe_dump(job))
     r = _run(tool, "--strict", "-k", "1.30.0", str(bad))
     assert r.returncode != 0 and "backofLimit" in r.stdout + r.stderr
+
+
+def test_kubectl_kustomize_builds_the_base(tmp_path):
+    """`kubectl kustomize` (offline) builds the rendered base into exactly the objects
+    its files hold, in the base's namespace."""
+    tool = _tool("kubectl")
+    plan, cfg = "examples/plans/h800_h20.yaml", "examples/deploy/qwen3-8b.yaml"
+    render("k8s", load_config(ROOT / cfg), load_plan(ROOT / plan), DeployConfig(), tmp_path)
+    r = _run(tool, "kustomize", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    built = [o for o in yaml.safe_load_all(r.stdout) if o]
+    kust = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    files = [o for f in kust["resources"] for o in yaml.safe_load_all((tmp_path / f).read_text())]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in built) == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in files
+    )
+    assert {o["metadata"]["namespace"] for o in built} == {"areal-hex"}
