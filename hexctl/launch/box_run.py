@@ -26,6 +26,10 @@ def place_on_box(cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
         node = state.node(svc.node_names[0])
         # more threads than the node's quota only contend for it
         spec.env["OMP_NUM_THREADS"] = str(max(1, math.ceil(node.cpu)))
+        # gloo (the trainer's ranks, and the weight-update group of
+        # rollout.weight_sync=network) on the node's NIC: the host name resolves to an
+        # address of the launcher's namespace, not the node's
+        spec.env["GLOO_SOCKET_IFNAME"] = node.iface
         command = list(spec.command)
         if svc.role == "inference":
             at = command.index("serve") + 2  # after the config path: overrides

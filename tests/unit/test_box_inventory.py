@@ -143,6 +143,7 @@ def test_a_plan_runs_on_its_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     )
     assert server.index(f"inference.host={mem3.address}") < server.index("--index")
     assert by_name["trainer"].command[5] == fast1.netns
+    assert by_name["trainer"].env["GLOO_SOCKET_IFNAME"] == "eth0"
     # the head node: Valkey and the controller stay in the launcher's namespace
     assert by_name["controller"].command[0] != "sh" and by_name["redis"].command[0] != "sh"
 
