@@ -138,8 +138,10 @@ def run_plan(
     result = execute(cfg, path, plan, progress=False)
     if not result.ok:
         raise RuntimeError(f"plan {label} ({mode}) failed: {failure_message(result)}")
-    block = fidelity_block(result.run_dir, load_config(path), from_step=skip)
-    return {"block": block, "wall_s": round(time.monotonic() - t0, 1), "mode": mode}
+    ran = load_config(path)
+    block = fidelity_block(result.run_dir, ran, from_step=skip)
+    wall = round(time.monotonic() - t0, 1)
+    return {"block": block, "wall_s": wall, "mode": mode, "sync": ran.rollout.weight_sync}
 
 
 def _pipeline(block: dict[str, Any], side: str) -> float | None:
@@ -172,7 +174,7 @@ def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[st
             "measured_samples_per_s": meas[label],
             "error": None if err is None else round(err, 4),
             "weight_sync": {
-                "sync_mode": "disk",
+                "sync_mode": r["sync"],
                 "predicted_s": None if ws_p is None else round(ws_p, 4),
                 "measured_s": None if ws_m is None else round(ws_m, 4),
             },

@@ -33,7 +33,7 @@ def _run(pred: float, meas: float, mode: str = "async") -> dict:
         "measured": {"pipeline_samples_per_s": meas, "weight_sync_s": 0.03},
         "relative_error": {"pipeline_samples_per_s": (pred - meas) / meas},
     }
-    return {"block": block, "wall_s": 1.0, "mode": mode}
+    return {"block": block, "wall_s": 1.0, "mode": mode, "sync": "network"}
 
 
 def test_ratios_errors_and_rankings() -> None:
