@@ -45,7 +45,7 @@ def test_ratios_errors_and_rankings() -> None:
     assert out["plans"]["a"]["error"] == 0.3 and out["plans"]["d"]["mode"] == "sync"
     assert out["plans"]["d"]["cost_usd_per_h"] == 6  # d is plan a, run synchronously
     assert out["plans"]["b"]["weight_sync"] == {
-        "sync_mode": "disk",
+        "sync_mode": "network",
         "predicted_s": 0.02,
         "measured_s": 0.03,
     }
