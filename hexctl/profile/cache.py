@@ -30,7 +30,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig
 
 # Fields that name, place or bound a run without changing what a profile measures.
-_RUN_FIELDS = ("mode", "seed", "pin_cores", "host_cores")
+_RUN_FIELDS = ("seed", "pin_cores", "host_cores")  # not mode: its staleness is in buffer
 _RUN_WARM_START = ("warm_start_fraction", "warm_start_answer_fraction")
 _SKIP = {
     "inference": {"base_port", "server_urls", "api_key", "weights_dir", "log_level"},
