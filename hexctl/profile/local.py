@@ -309,22 +309,30 @@ def measure_training(
     prompt_len: int,
     response: float,
     say: Say = _quiet,
+    rounds: tuple[int, int] = (REPEATS, TRAIN_STEPS),
 ) -> float:
     """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch, in a
     process of its own as the run's trainer is: nothing of the generation measurements
     in its heap, and DeepSpeed's process groups (cached per process, stale once
-    destroyed) new each time a process profiles."""
+    destroyed) new each time a process profiles. `rounds`: (timed rounds, steps each),
+    the median round's rate is returned."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    say(f"training: {REPEATS} rounds of {TRAIN_STEPS} steps after a warm-up, in a new process")
+    say(f"training: {rounds[0]} rounds of {rounds[1]} steps after a warm-up, in a new process")
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-        return pool.submit(_measure_training, cfg, model_dir, dev, prompt_len, response).result()
+        args = (cfg, model_dir, dev, prompt_len, response, rounds)
+        return pool.submit(_measure_training, *args).result()
 
 
 def _measure_training(
-    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    prompt_len: int,
+    response: float,
+    rounds: tuple[int, int],
 ) -> float:
     import torch.distributed as dist
 
@@ -333,13 +341,18 @@ def _measure_training(
 
         init_single_rank(dev.device)
         try:
-            return _train_rate(cfg, model_dir, dev, prompt_len, response)
+            return _train_rate(cfg, model_dir, dev, prompt_len, response, rounds)
         finally:
             dist.destroy_process_group()
 
 
 def _train_rate(
-    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    prompt_len: int,
+    response: float,
+    rounds: tuple[int, int],
 ) -> float:
     from areal_hex.models import load_model
     from trainer_service.engine import build_engine
@@ -371,10 +384,11 @@ def _train_rate(
     freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
     try:
         optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
-        for r in range(REPEATS):  # rounds of TRAIN_STEPS steps, tokens over seconds each
+        n_rounds, n_steps = rounds
+        for r in range(n_rounds):  # rounds of n_steps steps, tokens over seconds each
             tokens, t0 = 0, time.perf_counter()
-            for step in range(TRAIN_STEPS):
-                seed = 1 + r * TRAIN_STEPS + step
+            for step in range(n_steps):
+                seed = 1 + r * n_steps + step
                 groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=seed)
                 tokens += optimize(ctx, groups).num_tokens
             rates.append(tokens / (time.perf_counter() - t0))
