@@ -86,6 +86,9 @@ class Workload(Section):
     # A trainer may span GPU kinds (heterogeneous data parallelism); false keeps it on
     # one kind (`plan --one-kind-trainer`: what `deploy` renders).
     mixed_trainer: bool = True
+    # The most machines a trainer may span (None: any). A box (`areal-hex box`) sets 1:
+    # it does not emulate a multi-node DeepSpeed launch.
+    max_trainer_nodes: int | None = Field(None, gt=0)
     # On CPU kinds, whose cores the rollout controller, rewards and Valkey take their CPU
     # from (the profile's `host_cpu_s_per_sample`): the trainer's (each step pays B·G times
     # it) or the rollout instances' (each sample does). A local run's layout sets it

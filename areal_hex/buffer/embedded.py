@@ -152,7 +152,9 @@ class EmbeddedValkey:
             stderr=subprocess.DEVNULL,
             preexec_fn=_death_signal_hook() if self.die_with_parent else None,
         )
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        # the address it binds: a box's Valkey listens on the spine only
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        client = redis.Redis(host=host, port=self.port, password=self.password)
         proc = self._proc
         try:
             # PING answers LOADING while the append-only file is replayed.

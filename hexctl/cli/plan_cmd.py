@@ -81,6 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "uses (CPU core groups of run.pin_cores, or the GPUs) and write cluster.yaml, "
         "profile.yaml, workload.yaml and model/ into --out-dir",
     )
+    q.add_argument(
+        "--box",
+        help="a box that is up (`areal-hex box up BOX.yaml`): time each of its kinds inside "
+        "one of its nodes and write the box as the inventory (cluster.yaml) into --out-dir",
+    )
     q.add_argument("--config", help="--local: the experiment YAML (default: the tiny example)")
     q.add_argument("--out-dir", default="local-profile", help="--local: where to write")
     q.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="--local: config overrides")
@@ -209,6 +214,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches {args.batches!r}: expected integers like 1,4,16") from None
     if not batches or min(batches) < 1:
         raise UsageError(f"--batches {args.batches!r}: expected positive integers")
+    if args.box:
+        return _profile_box(args, batches)
     if args.local:
         return _profile_local(args, batches)
     if args.overrides or args.config:
@@ -265,5 +272,36 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "
         f"plan {files.cluster} --model {files.model} --workload {files.workload} --profile "
         f"{files.profile} --budget {dev['count']} --out plan.yaml"
+    )
+    return 0
+
+
+def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
+    import yaml
+
+    from areal_hex.config import load_config
+    from hexctl.bench.e2e import DEFAULT_CONFIG
+    from hexctl.job import box
+    from hexctl.job.box_spec import load_box
+    from hexctl.profile.box import profile_box
+
+    spec = load_box(args.box)
+    box.check_host()
+    state = box.load_state(spec.name)
+    cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))
+    given = args.batches != "1,4,16"
+    files = profile_box(cfg, spec, state, Path(args.out_dir), batches if given else None)
+    prof = yaml.safe_load(files.profile.read_text())
+    for kind, r in prof["kinds"].items():
+        steps = ", ".join(f"b={b}: {s * 1e3:.2f} ms" for b, s in r["decode_step_s"].items())
+        print(
+            f"{kind}: decode step {steps}; prefill {r['prefill_tokens_per_s']:,.0f} tok/s; "
+            f"train {r['train_tokens_per_s']:,.0f} tok/s; generation efficiency "
+            f"{r['generation_efficiency']:.2f}"
+        )
+    print(
+        f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "
+        f"plan {files.cluster} --model {files.model} --workload {files.workload} --profile "
+        f"{files.profile} --budget USD_PER_H --out plan.yaml"
     )
     return 0
