@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from areal_hex.config.base import load_yaml_text
+
+if TYPE_CHECKING:
+    from areal_hex.config import ExperimentConfig
+    from areal_hex.plan import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-publish-interval",
         type=int,
         help="also try publish intervals k from the workload's up to this one",
+    )
+    p.add_argument(
+        "--print-config",
+        metavar="CONFIG",
+        help="also print CONFIG with every decision of the plan applied, as a deploy renders "
+        "it (the same projection `run --plan` and `deploy` use); changed keys on stderr",
     )
     p.set_defaults(func=_plan)
 
@@ -154,6 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
         profile=str(Path(args.profile).resolve()) if args.profile else None,
     )
     out = save_plan(res.plan, args.out)
+    planned = _planned_config(args.print_config, res.plan) if args.print_config else None
     if args.plot:
         from scheduler.plot import plot
 
@@ -169,6 +184,8 @@ def _plan(args: argparse.Namespace) -> int:
             doc["tuned"] = tried
         if sweep is not None:
             doc["sweep"] = sweep
+        if planned is not None:
+            doc["config"] = planned.model_dump(mode="json")
         print(json.dumps(doc, indent=2))
     else:
         print(table(res, sweep))
@@ -180,7 +197,22 @@ def _plan(args: argparse.Namespace) -> int:
                 f"{b.staleness} trainer.publish_every={b.publish_interval})"
             )
         print(f"\nwrote {out}" + (f" and {args.plot}" if args.plot else ""))
+    if planned is not None and not args.json:
+        from areal_hex.config import dump_yaml
+
+        print(dump_yaml(planned))
     return 0
+
+
+def _planned_config(path: str, plan: Plan) -> ExperimentConfig:
+    """CONFIG with the plan applied as a deploy renders it; each change said on stderr."""
+    from areal_hex.config import load_config
+    from hexctl.job.plan_config import project_plan
+
+    projected = project_plan(load_config(path), plan, "cluster")
+    for line in projected.changes:
+        print(f"areal-hex plan: {line}", file=sys.stderr)
+    return projected.config
 
 
 MAX_TUNED = 64  # the most staleness bounds or publish intervals the tuning plans through
@@ -277,7 +309,6 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
 
 
 def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
-    import yaml
 
     from areal_hex.config import load_config
     from hexctl.bench.e2e import DEFAULT_CONFIG
@@ -291,7 +322,7 @@ def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
     cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))
     given = args.batches != "1,4,16"
     files = profile_box(cfg, spec, state, Path(args.out_dir), batches if given else None)
-    prof = yaml.safe_load(files.profile.read_text())
+    prof = load_yaml_text(files.profile.read_text(), str(files.profile))
     for kind, r in prof["kinds"].items():
         steps = ", ".join(f"b={b}: {s * 1e3:.2f} ms" for b, s in r["decode_step_s"].items())
         print(

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.config.base import load_yaml_text
 from hexctl.job.box import BoxState, node_argv
 from hexctl.job.box_spec import Box
 from hexctl.job.predict import LocalProfileFiles
@@ -83,7 +84,7 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
     """One inventory and one profile from the kinds' own files."""
     from scheduler.profile import Profile, load_profile, save_profile
 
-    workload = yaml.safe_load(files.workload.read_text())
+    workload = load_yaml_text(files.workload.read_text(), str(files.workload))
     batches = {k: s.max_running_requests for k, s in box.spec.kinds.items()}
     workload.setdefault("constants", {})["max_running_requests"] = max(batches.values())
     workload["max_trainer_nodes"] = 1  # `run.box` launches the trainer on one node
@@ -93,10 +94,10 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
         prof = load_profile(f.profile)
         rates = prof.kinds["CPU"].model_copy(update={"device": BOX_DEVICE})
         kinds[kind] = rates
-        cpu = yaml.safe_load(f.cluster.read_text())["gpu_overrides"]["CPU"]
+        cpu = load_yaml_text(f.cluster.read_text(), str(f.cluster))["gpu_overrides"]["CPU"]
         cpu["hbm_gb"] = _hbm_gb(files, workload, batches[kind])
         overrides[kind] = cpu
-        zone = yaml.safe_load(f.cluster.read_text())["zones"][0]
+        zone = load_yaml_text(f.cluster.read_text(), str(f.cluster))["zones"][0]
         reloads.append(zone["inter_node_latency_ms"])
         params = prof.params
     save_profile(Profile(model=str(files.model), params=params, kinds=kinds), files.profile)
