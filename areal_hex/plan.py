@@ -110,6 +110,8 @@ class Baselines(Section):
     cost_ratio: float | None = None  # cheapest one-kind cost at this rate / this cost
     recommended_mode: str = "async"  # "synchronous" when the colocated sync plan is faster
     unspent_usd_per_h: float | None = None
+    # why the plan keeps one kind where the inventory has others (`scheduler/assess.py`)
+    one_kind_reason: str | None = None
     solve_s: float = 0.0
     # local search from the MILP's pick (scheduler/polish.py): moves taken and the
     # placed rate of the pick it started from

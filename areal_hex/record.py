@@ -37,6 +37,24 @@ class Completion:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
 
+    @classmethod
+    def from_checked(
+        cls,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        versions: np.ndarray,
+        finish_reason: str,
+        reward: float,
+        text: str,
+    ) -> Completion:
+        """A completion from fields a decoder has already checked (int32/float32 arrays
+        of one length, a known finish reason): skips the conversions of `__init__`, which
+        would dominate decoding a group of many short completions."""
+        c = cls.__new__(cls)
+        c.token_ids, c.logprobs, c.versions = token_ids, logprobs, versions
+        c.finish_reason, c.reward, c.text = finish_reason, reward, text
+        return c
+
 
 @dataclass
 class GroupRecord:

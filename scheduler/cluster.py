@@ -17,6 +17,14 @@ from areal_hex.config import ConfigError
 from areal_hex.config.base import Section, build, read_yaml
 from scheduler.catalogue import GpuKind, UnknownGpuKind, resolve_kind
 
+# The largest inventory a spec may describe. The planner's work grows with node groups,
+# not machines, but placement and the plan list every machine; 4,096 GPUs plan in well
+# under a minute (docs/planner.md, Bench).
+MAX_GPUS_PER_NODE = 72  # an NVL72 rack is one NVLink domain
+MAX_NODES_PER_GROUP = 4_096
+MAX_MACHINES = 8_192
+MAX_GPUS = 65_536
+
 
 class IntraNode(Section):
     kind: Literal["nvlink", "pcie"] = "nvlink"
@@ -26,8 +34,8 @@ class IntraNode(Section):
 class NodeGroup(Section):
     name: str
     gpu: str
-    gpus_per_node: int = Field(gt=0)
-    nodes: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE)
+    nodes: int = Field(gt=0, le=MAX_NODES_PER_GROUP)
     zone: str
     usd_per_gpu_hour: float = Field(gt=0)
     intra_node: IntraNode
@@ -119,6 +127,14 @@ def load_cluster(path: str | Path) -> Cluster:
 
 def make_cluster(spec: ClusterSpec, source: str = "cluster spec") -> Cluster:
     errors: list[str] = []
+    machines = sum(g.nodes for g in spec.node_groups)
+    gpus = sum(g.nodes * g.gpus_per_node for g in spec.node_groups)
+    if machines > MAX_MACHINES or gpus > MAX_GPUS:
+        raise ConfigError(
+            f"invalid cluster spec ({source}): node_groups: {machines:,} machines with "
+            f"{gpus:,} GPUs; a spec holds at most {MAX_MACHINES:,} machines and "
+            f"{MAX_GPUS:,} GPUs"
+        )
     zone_of: dict[str, Zone] = {}
     for i, z in enumerate(spec.zones):
         if z.name in zone_of:
@@ -143,6 +159,62 @@ def make_cluster(spec: ClusterSpec, source: str = "cluster spec") -> Cluster:
     if errors:
         raise ConfigError(f"invalid cluster spec ({source}):\n  " + "\n  ".join(errors))
     return Cluster(spec, kinds, zone_of, pair_links, rack_of)
+
+
+def one_kind(cl: Cluster, kind: str) -> Cluster:
+    """The inventory's machines of one GPU kind, in their zones and racks (the one-kind
+    inventory a baseline plans on); machine names are unchanged."""
+    groups = [g for g in cl.spec.node_groups if cl.kinds[g.name].name == kind]
+    names = {g.name for g in groups}
+    racks = []
+    for r in cl.spec.racks:
+        members = [mb for mb in r.members if mb.group in names]
+        if members:
+            racks.append(r.model_copy(update={"members": members}))
+    spec = cl.spec.model_copy(
+        update={"name": f"{cl.spec.name} ({kind} only)", "node_groups": groups, "racks": racks}
+    )
+    return make_cluster(spec, spec.name)
+
+
+def merge_identical(cl: Cluster) -> tuple[Cluster, dict[str, str]]:
+    """Node groups whose machines are interchangeable (same GPU, GPUs per node, zone,
+    price, intra-node link and NIC, none in a rack) as one group, so that the planner's
+    work grows with the kinds of machine, not with how they were bought. Returns the
+    merged cluster and the merged machine names that differ from the inventory's (machine
+    i of a merged group is the i-th machine of its members, in spec order)."""
+    racked = {mb.group for r in cl.spec.racks for mb in r.members}
+    members: dict[tuple, list[NodeGroup]] = {}
+    for g in cl.spec.node_groups:
+        key = (
+            (g.name,)
+            if g.name in racked
+            else (
+                g.gpu,
+                g.gpus_per_node,
+                g.zone,
+                g.usd_per_gpu_hour,
+                g.intra_node.kind,
+                g.intra_node.bandwidth_gbs,
+                g.nic_gbs,
+            )
+        )
+        members.setdefault(key, []).append(g)
+    if len(members) == len(cl.spec.node_groups):
+        return cl, {}
+    groups: list[NodeGroup] = []
+    names: dict[str, str] = {}
+    for same in members.values():
+        head = same[0]
+        groups.append(head.model_copy(update={"nodes": sum(g.nodes for g in same)}))
+        offset = 0
+        for g in same:
+            for i in range(g.nodes):
+                if g is not head:
+                    names[machine_name(head.name, offset + i)] = machine_name(g.name, i)
+            offset += g.nodes
+    spec = cl.spec.model_copy(update={"node_groups": groups})
+    return make_cluster(spec, cl.spec.name), names
 
 
 def machine_name(group: str, index: int) -> str:

@@ -160,9 +160,11 @@ def solve(
     time_limit_s: float = 60.0,
     allowed_kinds: set[str] | None = None,
     cheapest: bool = True,
+    max_nodes: int | None = None,
 ) -> Solution | None:
     """max R under `budget`, or min cost with R ≥ `target`. None when infeasible. With
-    `cheapest` (max R only), a second solve picks the cheapest plan at that rate."""
+    `cheapest` (max R only), a second solve picks the cheapest plan at that rate;
+    `max_nodes` caps a max-R solve's branch and bound (a seed, not a proof)."""
     t0 = time.perf_counter()
     ris = [i for i, r in enumerate(p.rollouts) if allowed_kinds is None or r.kind in allowed_kinds]
     cis = [
@@ -175,7 +177,7 @@ def solve(
     prob, y, x, R, cost = _model(p, ris, cis, budget, target)
     prob.sense = pulp.LpMaximize if target is None else pulp.LpMinimize
     prob.setObjective(R if target is None else cost)
-    status, gap = _run_cbc(prob, time_limit_s)
+    status, gap = _run_cbc(prob, time_limit_s, COST_NODES if target is not None else max_nodes)
     if status == "timeout":
         raise SolveTimeout(
             f"CBC found no feasible plan within the {time_limit_s:g} s time limit "
@@ -192,7 +194,7 @@ def solve(
         prob += R >= R.value() * (1 - 1e-6)
         prob.sense = pulp.LpMinimize
         prob.setObjective(cost)
-        if _run_cbc(prob, time_limit_s)[0] == "ok":
+        if _run_cbc(prob, time_limit_s, COST_NODES)[0] == "ok":
             cheaper = solution_for(p, *_read(x, y, cis, ris), status, gap, 0.0)
             if cheaper.eval_rate >= best.eval_rate * (1 - 1e-6):
                 best = cheaper
@@ -216,19 +218,20 @@ def _model(
     y = {i: prob.add_variable(f"y{i}", lowBound=0, cat="Integer") for i in ris}
     x = {i: prob.add_variable(f"x{i}", lowBound=0, upBound=1, cat="Integer") for i in cis}
     R = prob.add_variable("R", lowBound=target or 0.0)
-    zones = sorted({p.rollouts[i].zone for i in ris})
+    # index the options once: every per-group or per-zone sum below is then linear in
+    # the options, not options × groups (thousands of each at 4,096 GPUs)
+    in_zone: dict[str, list[int]] = {}
+    in_group: dict[str, list[int]] = {}
+    for i in ris:
+        in_zone.setdefault(p.rollouts[i].zone, []).append(i)
+        in_group.setdefault(p.rollouts[i].group, []).append(i)
+    zones = sorted(in_zone)
     G = {z: prob.add_variable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
     for z in zones:
-        prob += G[z] == pulp.lpSum(
-            p.rollouts[i].samples_per_s * y[i] for i in ris if p.rollouts[i].zone == z
-        )
+        prob += G[z] == pulp.lpSum(p.rollouts[i].samples_per_s * y[i] for i in in_zone[z])
     big_m = sum(
         max(
-            (
-                p.rollouts[i].samples_per_s / p.rollouts[i].tp
-                for i in ris
-                if p.rollouts[i].group == g
-            ),
+            (p.rollouts[i].samples_per_s / p.rollouts[i].tp for i in in_group.get(g, [])),
             default=0.0,
         )
         * n
@@ -246,9 +249,7 @@ def _model(
     for g, total in p.gpus.items():
         for t in p.tps.get(g) or [1]:
             lhs = pulp.lpSum(
-                p.rollouts[i].tp * y[i]
-                for i in ris
-                if p.rollouts[i].group == g and p.rollouts[i].tp >= t
+                p.rollouts[i].tp * y[i] for i in in_group.get(g, []) if p.rollouts[i].tp >= t
             )
             lost = [(lost_blocks(p.trainers[c], g, p.gpn[g], t), c) for c in users.get(g, [])]
             prob += lhs + pulp.lpSum(v * x[c] for v, c in lost if v) <= total
@@ -261,7 +262,17 @@ def _model(
     return prob, y, x, R, cost
 
 
-def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
+# Branch-and-bound nodes a cost-minimising solve may take: at thousands of GPUs in
+# hundreds of node groups (thousands of trainer candidates, each a big-M row) CBC finds
+# a near-cheapest plan early and spends tens of seconds improving it by cents; the local
+# search on the placed plan lowers the cost further anyway. A node count, not a time, so
+# a plan does not depend on the machine's load. Rate-maximising solves run to the end.
+COST_NODES = 50
+
+
+def _run_cbc(
+    prob: pulp.LpProblem, time_limit_s: float, max_nodes: int | None = None
+) -> tuple[str, float]:
     """Solve; return ("ok" | "infeasible", relative gap parsed from CBC's log)."""
     with tempfile.TemporaryDirectory() as d:
         log = Path(d) / "cbc.log"
@@ -269,7 +280,11 @@ def _run_cbc(prob: pulp.LpProblem, time_limit_s: float) -> tuple[str, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             solver = pulp.PULP_CBC_CMD(
-                msg=False, timeLimit=time_limit_s, threads=1, logPath=str(log)
+                msg=False,
+                timeLimit=time_limit_s,
+                threads=1,
+                logPath=str(log),
+                maxNodes=max_nodes,
             )
         prob.solve(solver)
         text = log.read_text() if log.exists() else ""

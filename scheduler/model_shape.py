@@ -46,7 +46,8 @@ def _m(name: str, L: int, h: int, nh: int, kv: int, inter: int, vocab: int, tied
     return ModelShape(name, L, h, nh, kv, 128, inter, vocab, tied)
 
 
-# Shapes from each model's published config.json (Qwen/Qwen3-*, meta-llama/Meta-Llama-3-*).
+# Shapes from each model's published config.json (Qwen/Qwen3-*, meta-llama/Meta-Llama-3-*,
+# deepseek-ai/DeepSeek-R1-Distill-Qwen-7B: Qwen2.5-Math-7B's shape).
 PRESETS: dict[str, ModelShape] = {
     m.name: m
     for m in (
@@ -58,6 +59,7 @@ PRESETS: dict[str, ModelShape] = {
         _m("Qwen/Qwen3-32B", 64, 5120, 64, 8, 25600, 151936, False),
         _m("meta-llama/Meta-Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, False),
         _m("meta-llama/Meta-Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, False),
+        _m("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 28, 3584, 28, 4, 18944, 152064, False),
     )
 }
 

@@ -100,13 +100,11 @@ def seed_for_target(
     p: PlanSpace,
     target: float,
     time_limit_s: float,
-    fallback: bool = True,
 ) -> Placed:
     """A placed plan reaching `target`, for the local search to make cheaper: phase 1's
     cheapest plan at the target; where its conservative rate or the placement falls
-    short, phase 1 asked for proportionally more; else the fastest plan the budget mode
-    makes with every GPU affordable (searched on the placed rate, as a reported reach
-    was). A target at or below any reach `plan --budget` reported is then met."""
+    short, phase 1 asked for proportionally more. ConfigError where neither reaches it
+    (`planner.search` then seeds from the fastest plan)."""
     ok = target * (1 - TARGET_TOLERANCE)
     sol = solve(p, target=target, time_limit_s=time_limit_s)
     if sol is not None:
@@ -122,19 +120,7 @@ def seed_for_target(
             got = placed(cl, m, w, p, more)
             if got.rate >= ok:
                 return got
-    if not fallback:
-        raise ConfigError(f"phase 1 found no placed plan at {target:g} samples/s")
-    price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
-    top_sol = solve(p, budget=price, time_limit_s=time_limit_s)
-    if top_sol is None:
-        raise ConfigError("no feasible plan: no trainer and rollout pool fit this cluster together")
-    top = polished(cl, m, w, p, placed(cl, m, w, p, top_sol), price, None)[0]
-    if top.rate >= ok:
-        return top
-    raise ConfigError(
-        f"target {target:g} samples/s is above what the cluster can reach ({top.rate:.3f} "
-        f"samples/s, the fastest plan with every GPU affordable, placed on its machines)"
-    )
+    raise ConfigError(f"phase 1 found no placed plan at {target:g} samples/s")
 
 
 def cheaper_at_rate(
@@ -144,7 +130,7 @@ def cheaper_at_rate(
     cost at that rate: kept when it is cheaper (a search from the rate-maximising mix may
     stop at a dearer one)."""
     try:
-        alt = seed_for_target(cl, m, w, p, best.rate, time_limit_s, fallback=False)
+        alt = seed_for_target(cl, m, w, p, best.rate, time_limit_s)
     except ConfigError:
         return best
     alt = polished(cl, m, w, p, alt, None, best.rate)[0]

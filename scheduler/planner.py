@@ -3,7 +3,8 @@ homogeneous and synchronous baselines computed in the same call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 from areal_hex.config import ConfigError
 from areal_hex.plan import (
@@ -15,7 +16,7 @@ from areal_hex.plan import (
     TrainerPlacement,
 )
 from scheduler.assess import Assessment, assess
-from scheduler.cluster import Cluster
+from scheduler.cluster import Cluster, merge_identical
 from scheduler.costmodel import (
     RolloutOption,
     TrainerOption,
@@ -23,14 +24,9 @@ from scheduler.costmodel import (
     kind_constants,
     rollout_configs,
 )
-from scheduler.milp import (
-    PlanSpace,
-    Solution,
-    build_problem,
-    solve,
-    solve_per_kind,
-)
+from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
+from scheduler.one_kind import kinds_of, one_kind_plans
 from scheduler.partition import (
     Placement,
     PlacementCost,
@@ -38,12 +34,14 @@ from scheduler.partition import (
     node_names,
 )
 from scheduler.placing import (
+    TARGET_TOLERANCE,
     Placed,
     cheaper_at_rate,
     placed,
     polished,
     seed_for_target,
 )
+from scheduler.polish import GAIN
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
 from scheduler.topology import Topology
@@ -162,6 +160,112 @@ def tune_staleness_and_interval(
     return tried[0][1], [row for _, _, row in tried]
 
 
+@dataclass
+class Searched:
+    best: Placed
+    pick_rate: float  # the MILP pick's placed rate, where the search started
+    moves: int
+    one_kind: dict[str, float] = field(default_factory=dict)  # kind -> its plan's rate
+
+
+def search(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    *,
+    budget: float | None = None,
+    target: float | None = None,
+    prof: Profile | None = None,
+    time_limit_s: float = 60.0,
+    seeds: bool = True,
+    cheapest: bool = True,
+) -> Searched:
+    """The placed plan: the fastest under `budget` (then the cheapest at that rate), or
+    the cheapest at `target`. The local search starts from phase 1's pick and, with
+    `seeds`, also from the best plan of each one-kind inventory (`one_kind.one_kind_plan`),
+    which the mix then never falls below. Without `cheapest` a budget plan keeps the
+    fastest mix found, not the cheapest at its rate (for a baseline, which is a rate)."""
+
+    if target is not None:
+        best = _target_seed(cl, m, w, p, target, prof, time_limit_s, seeds)
+        pick = best.rate
+        best, moves = polished(cl, m, w, p, best, None, target)
+        return Searched(best, pick, moves)
+    kinds = kinds_of(p) if seeds else []
+    with ThreadPoolExecutor(max_workers=1) as aside:
+        # the one-kind plans need nothing from phase 1's pick: they run beside it (each
+        # solve is a CBC subprocess, so two cores make them about free)
+        seeded = aside.submit(
+            one_kind_plans, cl, m, w, p, kinds, budget=budget, prof=prof, time_limit_s=time_limit_s
+        )
+        try:
+            sol = solve(p, budget=budget, time_limit_s=time_limit_s, cheapest=cheapest)
+            if sol is None:
+                raise ConfigError(_infeasible_message(p, budget, time_limit_s))
+            best = placed(cl, m, w, p, sol)
+            pick = best.rate
+            best, moves = polished(cl, m, w, p, best, budget, None, cheapest=cheapest)
+        except BaseException:
+            seeded.cancel()
+            raise
+        one_kind_best = seeded.result()
+    rates: dict[str, float] = {}
+    for kind, hp in zip(kinds, one_kind_best, strict=True):
+        rates[kind] = hp.rate if hp is not None else 0.0
+        if hp is not None and hp.rate > best.rate * (1 + GAIN):
+            pick = hp.rate  # searched from, across kinds
+            best, moves = polished(cl, m, w, p, hp, budget, None)
+    if cheapest:
+        best = cheaper_at_rate(cl, m, w, p, best, time_limit_s)
+    return Searched(best, pick, moves, rates)
+
+
+def _target_seed(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    target: float,
+    prof: Profile | None,
+    time_limit_s: float,
+    seeds: bool,
+) -> Placed:
+    """A placed plan reaching `target`: phase 1's cheapest plan at the target (asked for
+    more where placement costs rate); else the fastest plan with every GPU affordable,
+    searched exactly as a `--budget` plan is (from the MILP pick and every one-kind plan),
+    so a target at or below a rate `plan --budget` reported for the inventory is met."""
+    bound = reach_bound(cl, p)
+    if target > bound:
+        raise ConfigError(
+            f"target {target:g} samples/s is above what the cluster can reach ({bound:.3f} "
+            "samples/s would need every GPU generating, the fastest trainer, and no pause "
+            "for weight syncs)"
+        )
+    try:
+        return seed_for_target(cl, m, w, p, target, time_limit_s)
+    except ConfigError:
+        pass
+    price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
+    top = search(cl, m, w, p, budget=price, prof=prof, time_limit_s=time_limit_s, seeds=seeds).best
+    if top.rate >= target * (1 - TARGET_TOLERANCE):
+        return top
+    raise ConfigError(
+        f"target {target:g} samples/s is above what the cluster can reach ({top.rate:.3f} "
+        f"samples/s, the fastest plan with every GPU affordable, placed on its machines)"
+    )
+
+
+def reach_bound(cl: Cluster, p: PlanSpace) -> float:
+    """An upper bound of any plan's rate: the fastest trainer, and every GPU generating
+    at its group's best rate per GPU with no pause."""
+    gen: dict[str, float] = {}
+    for r in p.rollouts:
+        gen[r.group] = max(gen.get(r.group, 0.0), r.samples_per_s / r.tp)
+    total = sum(gen.get(g.name, 0.0) * g.nodes * g.gpus_per_node for g in cl.spec.node_groups)
+    return min(total, max((c.samples_per_s for c in p.trainers), default=0.0))
+
+
 def make_plan(
     cl: Cluster,
     m: ModelShape,
@@ -177,33 +281,37 @@ def make_plan(
 ) -> PlanResult:
     if (budget is None) == (target is None):
         raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
+    inventory = cl
+    cl, names = merge_identical(cl)  # the plan speaks the inventory's machine names
     p = problem_for(cl, m, w, prof)
-    if target is not None:
-        best = seed_for_target(cl, m, w, p, target, time_limit_s)
-    else:
-        sol = solve(p, budget=budget, time_limit_s=time_limit_s)
-        if sol is None:
-            raise ConfigError(_infeasible_message(p, budget, time_limit_s))
-        best = placed(cl, m, w, p, sol)
-    pick_rate = best.rate
-    best, moves = polished(cl, m, w, p, best, budget, target)
-    if budget is not None:
-        best = cheaper_at_rate(cl, m, w, p, best, time_limit_s)
-    homo: dict[str, float] = {}
-    sync = 0.0
+    found = search(
+        cl,
+        m,
+        w,
+        p,
+        budget=budget,
+        target=target,
+        prof=prof,
+        time_limit_s=time_limit_s,
+        seeds=len(kinds_of(p)) > 1,
+    )
+    best = found.best
+    homo, sync, cost_ratio = found.one_kind, 0.0, None
     if baselines:
+        best, cost_ratio = _one_kind_at_rate(cl, m, w, p, best, target, prof, time_limit_s)
         spend = budget if budget is not None else best.solution.cost
-        homo_sols = solve_per_kind(p, budget=spend, time_limit_s=time_limit_s, cheapest=False)
-        for kind, hs in homo_sols.items():
-            hp = placed(cl, m, w, p, hs) if hs is not None else None
-            if hp is not None:
-                hp = polished(cl, m, w, p, hp, spend, None, {kind}, cheapest=False)[0]
-            homo[kind] = hp.rate if hp else 0.0
-            # the homogeneous plans are candidates of the same search: if one places
-            # better than the mixed pick, it is the plan (searched from, across kinds)
-            if budget is not None and hp is not None and hp.rate > best.rate:
-                pick_rate = hp.rate
-                best, moves = polished(cl, m, w, p, hp, budget, None)
+        if budget is None:  # at a target: what the plan's money buys on one kind
+            kinds = kinds_of(p)
+            homo = {
+                kind: 0.0 if got is None else got.rate
+                for kind, got in zip(
+                    kinds,
+                    one_kind_plans(
+                        cl, m, w, p, kinds, budget=spend, prof=prof, time_limit_s=time_limit_s
+                    ),
+                    strict=True,
+                )
+            }
         sync = synchronous_rate(p, w, spend)
     sol, placement = best.solution, best.placement
     if best.rate <= 0:
@@ -219,15 +327,52 @@ def make_plan(
         if simulate_plan:
             ff_sim = simulate_solution(cl, m, w, sol, ff.placement, ff.cost)
     train_rate = w.samples_per_step / best.cost.train_step_s
-    verdict = assess(
-        cl, p, best, train_rate, budget, homo, sync, time_limit_s, compare_cost=baselines
-    )
+    verdict = assess(cl, m, p, best, train_rate, budget, homo, sync, time_limit_s, cost_ratio)
+    if names:
+        best = replace(best, placement=_renamed(best.placement, names))
+        ff = None if ff is None else replace(ff, placement=_renamed(ff.placement, names))
+        placement = best.placement
     plan = to_plan(
-        cl, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
+        inventory, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
     )
-    plan.baselines.local_search_moves = moves
-    plan.baselines.milp_pick_samples_per_s = round(pick_rate, 4)
+    plan.baselines.local_search_moves = found.moves
+    plan.baselines.milp_pick_samples_per_s = round(found.pick_rate, 4)
     return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
+
+
+def _one_kind_at_rate(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    best: Placed,
+    target: float | None,
+    prof: Profile | None,
+    time_limit_s: float,
+) -> tuple[Placed, float | None]:
+    """(the plan, cost ratio): the cheapest one-kind plan reaching the plan's rate (the
+    target, at a target) over the plan's cost, None where no one-kind plan reaches it.
+    Where one is cheaper than the mix, it is the plan (ratio 1): a mix is not worth more
+    money than one kind at the same rate."""
+    goal = target if target is not None else best.rate
+    plans = one_kind_plans(
+        cl, m, w, p, kinds_of(p), target=goal, prof=prof, time_limit_s=time_limit_s
+    )
+    cheapest = min((x for x in plans if x is not None), key=lambda x: x.solution.cost, default=None)
+    if cheapest is None:
+        return best, None
+    if cheapest.solution.cost < best.solution.cost - 1e-9:
+        best = cheapest
+    return best, round(cheapest.solution.cost / best.solution.cost, 4)
+
+
+def _renamed(pl: Placement, names: dict[str, str]) -> Placement:
+    """`pl` with merged machine names (`cluster.merge_identical`) as the inventory's."""
+    return replace(
+        pl,
+        trainer=[(names.get(n, n), ids) for n, ids in pl.trainer],
+        rollout=[(rc, names.get(n, n), ids) for rc, n, ids in pl.rollout],
+    )
 
 
 def _infeasible_message(p: PlanSpace, budget: float, time_limit_s: float) -> str:
@@ -246,12 +391,15 @@ def synchronous_rate(p: PlanSpace, w: Workload, budget: float) -> float:
     decode) + the training step. Searched over the same trainer configurations."""
     best = 0.0
     longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
+    in_group: dict[str, list[RolloutOption]] = {}
+    for r in p.rollouts:
+        in_group.setdefault(r.group, []).append(r)
     for c in p.trainers:
         if c.usd_per_h > budget:
             continue
         gen, tail = 0.0, 0.0
         for g, n in c.parts:
-            opts = [r for r in p.rollouts if r.group == g and r.tp <= n and n % r.tp == 0]
+            opts = [r for r in in_group.get(g, []) if r.tp <= n and n % r.tp == 0]
             if not opts:
                 continue
             r = max(opts, key=lambda r: r.samples_per_s / r.tp)

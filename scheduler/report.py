@@ -98,10 +98,11 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             lines.append(_verdict(b))
         search, n = "", b.local_search_moves
         if n and b.milp_pick_samples_per_s:
+            faster = plan.predicted.samples_per_s > b.milp_pick_samples_per_s * (1 + 1e-4)
             what = (
                 f"{b.milp_pick_samples_per_s:.3f} -> {plan.predicted.samples_per_s:.3f} samples/s"
-                if plan.target_samples_per_s is None
-                else "a cheaper mix at the target"
+                if plan.target_samples_per_s is None and faster
+                else "a cheaper mix at the rate"
             )
             search = f"; local search from its pick: {n} move{'s' * (n > 1)}, {what}"
         lines.append(f"MILP: {b.solve_s:.2f} s, gap {b.mip_gap:g}{search}")
@@ -134,6 +135,8 @@ def _verdict(b) -> str:
             "raises the rate)"
         )
     line = "; ".join(parts)
+    if b.one_kind_reason:
+        line += f"\none kind only: {b.one_kind_reason}"
     if b.recommended_mode == "synchronous":
         line += (
             f"\nrecommended: synchronous colocated training ({b.synchronous_samples_per_s:.3f} "

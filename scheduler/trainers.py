@@ -237,4 +237,11 @@ def trainer_configs(
         speed = {kd: rank_speed(m, w, cl.kinds[gs[0].name], prof) for kd, gs in by_kind.items()}
         for seq in _mixed_layouts(cl, speed, w.samples_per_step):
             out += _growing(cl, m, w, seq, prof)
+    if w.max_trainer_nodes is not None:
+        out = [c for c in out if trainer_nodes(c) <= w.max_trainer_nodes]
     return out
+
+
+def trainer_nodes(c: TrainerOption) -> int:
+    """Machines the trainer spans (the same ranks on each)."""
+    return sum(n for _, n in c.parts) // c.per_node

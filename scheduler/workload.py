@@ -14,6 +14,14 @@ from pydantic import Field
 from areal_hex.config.base import Section, build, read_yaml
 from areal_hex.config.rollout import WeightSyncMode
 
+# Bounds on what a workload may ask, far past the RL recipes in use (hundreds of prompts x
+# tens of samples per step): the simulator replays every sample of a step, so a step of
+# 10^8 samples would not finish.
+MAX_SAMPLES_PER_STEP = 65_536
+MAX_GROUP_SIZE = 1_024
+MAX_TOKENS = 1_048_576
+MAX_STALENESS = 64
+
 
 class CostConstants(Section):
     # Fraction of datasheet HBM bandwidth a decode step attains (weights + KV read).
@@ -30,7 +38,7 @@ class CostConstants(Section):
     # CUDA context, allocator slack and kernels' workspaces per GPU, GB.
     runtime_reserve_gb: float = Field(2.0, ge=0)
     # Largest decode batch per instance (SGLang's max_running_requests class of limit).
-    max_running_requests: int = Field(256, gt=0)
+    max_running_requests: int = Field(256, gt=0, le=MAX_SAMPLES_PER_STEP)
     # Scheduler + kernel-launch overhead per decode step, ms (CUDA graphs: a few ms).
     decode_step_overhead_ms: float = Field(2.0, ge=0)
     # Latency of one TP all-reduce, ms (NCCL small-message latency on NVLink/PCIe).
@@ -62,13 +70,13 @@ class CostConstants(Section):
 
 
 class Workload(Section):
-    groups_per_step: int = Field(32, gt=0)  # B: prompts (GRPO groups) per optimizer step
-    group_size: int = Field(8, gt=0)  # G: samples per prompt
-    prompt_tokens: int = Field(512, gt=0)
-    response_tokens: int = Field(2048, gt=0)  # mean generated length
-    max_response_tokens: int = Field(4096, gt=0)  # KV reservation per request
-    staleness: int = Field(4, ge=0)  # η (AReaL's default for maths is 8)
-    publish_interval: int = Field(1, gt=0)  # optimizer steps between weight publishes
+    groups_per_step: int = Field(32, gt=0, le=MAX_SAMPLES_PER_STEP)  # B: prompts per step
+    group_size: int = Field(8, gt=0, le=MAX_GROUP_SIZE)  # G: samples per prompt
+    prompt_tokens: int = Field(512, gt=0, le=MAX_TOKENS)
+    response_tokens: int = Field(2048, gt=0, le=MAX_TOKENS)  # mean generated length
+    max_response_tokens: int = Field(4096, gt=0, le=MAX_TOKENS)  # KV reservation per request
+    staleness: int = Field(4, ge=0, le=MAX_STALENESS)  # η (AReaL's default for maths is 8)
+    publish_interval: int = Field(1, gt=0, le=MAX_STALENESS + 1)  # steps between publishes
     reference_model: bool = False  # KL to a frozen reference: one more forward per token
     # Pin choices to what the experiment config runs (`deploy` checks both against it):
     # every rollout instance at this TP (inference.sglang.tp_size), the trainer at this
@@ -78,6 +86,9 @@ class Workload(Section):
     # A trainer may span GPU kinds (heterogeneous data parallelism); false keeps it on
     # one kind (`plan --one-kind-trainer`: what `deploy` renders).
     mixed_trainer: bool = True
+    # The most machines a trainer may span (None: any). A box (`areal-hex box`) sets 1:
+    # it does not emulate a multi-node DeepSpeed launch.
+    max_trainer_nodes: int | None = Field(None, gt=0)
     # On CPU kinds, whose cores the rollout controller, rewards and Valkey take their CPU
     # from (the profile's `host_cpu_s_per_sample`): the trainer's (each step pays B·G times
     # it) or the rollout instances' (each sample does). A local run's layout sets it
@@ -103,6 +114,13 @@ def load_workload(path: str | Path | None) -> Workload:
         raise ConfigError(
             f"{path}: max_response_tokens ({w.max_response_tokens}) must be >= "
             f"response_tokens ({w.response_tokens})"
+        )
+    if w.samples_per_step > MAX_SAMPLES_PER_STEP:
+        from areal_hex.config import ConfigError
+
+        raise ConfigError(
+            f"{path}: groups_per_step x group_size = {w.samples_per_step:,} samples per step; "
+            f"at most {MAX_SAMPLES_PER_STEP:,}"
         )
     if w.publish_interval > w.staleness + 1:
         from areal_hex.config import ConfigError

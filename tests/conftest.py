@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 # per user). Two checkouts testing at once would rebuild it over each other; each
 # environment keeps its own build.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# Profiles `run.profile_first` keeps across runs: one cache per test session, never the
+# user's (a run of the suite starts from a machine that has profiled nothing).
+os.environ["AREAL_HEX_CACHE_DIR"] = tempfile.mkdtemp(prefix="areal-hex-test-cache-")
 
 
 def _has_cuda() -> bool:

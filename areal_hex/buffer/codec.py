@@ -35,6 +35,8 @@ from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRe
 # Expected dtype of every array field (little-endian on the wire, whatever the host is).
 DTYPES = {"prompt": "<i4", "tokens": "<i4", "logprobs": "<f4", "versions": "<i4"}
 ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in DTYPES.items()}
+# The same as dtype objects: numpy parses a dtype string on every call that is given one.
+_DT = {name: np.dtype(dt) for name, dt in DTYPES.items()}
 
 
 class DecodeError(ValueError):
@@ -78,19 +80,19 @@ def unframe(payload: bytes) -> tuple[dict[str, Any], memoryview]:
 
 
 # ---------------------------------------------------------------- encode
-def _le(arr: np.ndarray, dtype: str) -> np.ndarray:
+def _le(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)  # no copy when already right
 
 
 def encode_group(group: GroupRecord) -> bytes:
     """Serialise a group; the inverse of `decode_group`."""
     comps = group.completions
-    parts = {
-        "prompt": [_le(group.prompt_ids, DTYPES["prompt"])],
-        "tokens": [_le(c.token_ids, DTYPES["tokens"]) for c in comps],
-        "logprobs": [_le(c.logprobs, DTYPES["logprobs"]) for c in comps],
-        "versions": [_le(c.versions, DTYPES["versions"]) for c in comps],
-    }
+    prompt = _le(group.prompt_ids, _DT["prompt"])
+    tokens = [_le(c.token_ids, _DT["tokens"]) for c in comps]
+    logprobs = [_le(c.logprobs, _DT["logprobs"]) for c in comps]
+    versions = [_le(c.versions, _DT["versions"]) for c in comps]
+    lens = [len(t) for t in tokens]
+    total = sum(lens)  # each per-token array holds sum T items
     header = {
         "schema": group.schema_version,
         "pid": group.prompt_id,
@@ -98,13 +100,16 @@ def encode_group(group: GroupRecord) -> bytes:
         "t0": float(group.created_at),
         "t1": float(group.finished_at),
         "meta": dict(group.metadata),
-        "lens": [len(c.token_ids) for c in comps],
+        "lens": lens,
         "finish": [c.finish_reason for c in comps],
         "reward": [float(c.reward) for c in comps],
         "text": [c.text for c in comps],
-        "arrays": [[k, DTYPES[k], sum(a.nbytes for a in parts[k])] for k in ARRAY_ORDER],
+        "arrays": [
+            ["prompt", DTYPES["prompt"], prompt.nbytes],
+            *([k, DTYPES[k], total * ITEMSIZE[k]] for k in ARRAY_ORDER[1:]),
+        ],
     }
-    return frame(header, [memoryview(a) for k in ARRAY_ORDER for a in parts[k]])
+    return frame(header, [prompt, *tokens, *logprobs, *versions])
 
 
 # ---------------------------------------------------------------- decode
@@ -142,9 +147,9 @@ def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, n
         what = "truncated" if declared > len(data) else "trailing bytes"
         raise DecodeError("payload", f"{what}: arrays declare {declared} bytes, got {len(data)}")
     buf, out, off = (bytearray(data) if copy else data), {}, 0
-    for name, dtype, nbytes in table:
+    for name, _dtype, nbytes in table:
         count = nbytes // ITEMSIZE[name]
-        out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=off)
+        out[name] = np.frombuffer(buf, dtype=_DT[name], count=count, offset=off)
         off += nbytes
     return out
 
@@ -190,10 +195,9 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
         if len(arrays[key]) != total:
             n = len(arrays[key])
             raise DecodeError(key, f"{n} items, but completion lengths sum to {total}")
-    # One reduction finds any NaN (a sum with a NaN is NaN; -inf log-probs are allowed).
-    with np.errstate(invalid="ignore"):  # +inf + -inf is NaN too: then look closer
-        total_lp = float(arrays["logprobs"].sum(dtype=np.float64))
-    if total_lp != total_lp and np.isnan(arrays["logprobs"]).any():
+    # One reduction finds any NaN: the minimum of an array holding a NaN is NaN (and
+    # infinite log-probs, allowed, never make one).
+    if total and np.isnan(arrays["logprobs"].min()):
         raise DecodeError("logprobs", "contains NaN")
     finish = _list_of(body, "finish", (str,), g)
     for i, reason in enumerate(finish):
@@ -209,16 +213,12 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
     # Split the concatenated (sum T,) buffers back into per-completion (T_i,) views.
     tokens, logprobs, versions = arrays["tokens"], arrays["logprobs"], arrays["versions"]
     comps, lo = [], 0
-    for i, t in enumerate(lens):
+    for t, reason, reward, text in zip(lens, finish, rewards, texts, strict=True):
         hi = lo + t
+        v = slice(lo, hi)
         comps.append(
-            Completion(
-                token_ids=tokens[lo:hi],
-                logprobs=logprobs[lo:hi],
-                versions=versions[lo:hi],
-                finish_reason=finish[i],
-                reward=float(rewards[i]),
-                text=texts[i],
+            Completion.from_checked(
+                tokens[v], logprobs[v], versions[v], reason, float(reward), text
             )
         )
         lo = hi

@@ -197,7 +197,9 @@ class EmbeddedValkey:
         if self._lock_fd is not None:  # who holds the lock, for the message of the next
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, f"{os.getpid()}, valkey-server {self._proc.pid}\n".encode(), 0)
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+        # the address it binds: a box's Valkey listens on the spine only
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        client = redis.Redis(host=host, port=self.port, password=self.password)
         proc = self._proc
         try:
             # PING answers LOADING while the append-only file is replayed.

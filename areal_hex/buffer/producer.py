@@ -16,6 +16,7 @@ and arrive one version staler than the gate allowed (at eta = 0, never trainable
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -44,6 +45,10 @@ def _parse_update(data: bytes | str) -> VersionUpdate | None:
 PUT_TOKEN_TTL_S = 86_400  # a retried put is recognised for this long
 
 
+def _entry_id(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
 class RedisTrajectoryProducer:
     """`TrajectoryProducer` over a Redis stream. Use from one event loop."""
 
@@ -62,6 +67,7 @@ class RedisTrajectoryProducer:
         self.serving_version: int | None = None
         # This incarnation's admissions are held under `holder` while its heartbeat lives.
         self.holder = uuid.uuid4().hex
+        self._put_seq = itertools.count()
         self._heartbeat: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
 
@@ -212,8 +218,11 @@ class RedisTrajectoryProducer:
 
     # ------------------------------------------------------------ data
     async def put(self, group: GroupRecord) -> str:
-        """Append an admitted group; returns its stream entry id."""
-        return (await self.put_many([group]))[0]
+        """Append an admitted group; returns its stream entry id. One round trip (EVALSHA;
+        the script source is sent again only if the server lost it)."""
+        await self._ensure_group()
+        entry_id = await self._put(keys=self._put_keys(group), args=self._put_args(group))
+        return _entry_id(entry_id)
 
     async def put_many(self, groups: Sequence[GroupRecord]) -> list[str]:
         """Append several admitted groups in one round trip (in order). Each group enters
@@ -222,14 +231,34 @@ class RedisTrajectoryProducer:
         group's put token (kept in its metadata) makes a retried put return the first
         one's entry id (without one, every call appends)."""
         await self._ensure_group()
-        pipe = self.r.pipeline(transaction=False)
-        for g in groups:
-            token = g.metadata.get("put_token") or uuid.uuid4().hex
-            keys = [self.keys.traj, self.keys.leases, self.keys.put_token(token)]
-            args = [PAYLOAD_FIELD, encode_group(g), self.holder, PUT_TOKEN_TTL_S]
-            await self._put(keys=keys, args=args, client=pipe)
-        ids = await pipe.execute()
-        return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        calls = [(self._put_keys(g), self._put_args(g)) for g in groups]
+        # EVALSHA straight into the pipeline: redis-py's own script handling would first
+        # ask SCRIPT EXISTS, a second round trip for every put.
+        for attempt in (0, 1):
+            pipe = self.r.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self._put.sha, len(keys), *keys, *args)
+            replies = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
+                # The server lost its script cache (a restart): load it and send again.
+                # No call ran (the script was missing), and a put token makes a repeated
+                # append return the first one's id anyway.
+                self._put.sha = await self.r.script_load(scripts.PUT)
+                continue
+            for x in replies:
+                if isinstance(x, Exception):
+                    raise x
+            return [_entry_id(x) for x in replies]
+        raise AssertionError("unreachable")
+
+    def _put_keys(self, group: GroupRecord) -> list[str]:
+        # A fresh token when the group has none (the caller did not ask for dedup): unique
+        # as this incarnation's holder id is, without drawing random bytes per put.
+        token = group.metadata.get("put_token") or f"{self.holder}-{next(self._put_seq)}"
+        return [self.keys.traj, self.keys.leases, self.keys.put_token(token)]
+
+    def _put_args(self, group: GroupRecord) -> list[bytes | str | int]:
+        return [PAYLOAD_FIELD, encode_group(group), self.holder, PUT_TOKEN_TTL_S]
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)

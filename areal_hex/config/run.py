@@ -30,6 +30,11 @@ class RunConfig(Section):
     # (`profile --local` into <run_dir>/profile, about a minute for the tiny example), so
     # that the run is held against the cost model's prediction for its layout.
     profile_first: bool = False
+    # A box that is up (`areal-hex box up BOX.yaml`; its name): `run --plan` starts each
+    # service in its planned node (the node's namespace and CPU cgroup), bound to the
+    # node's address, with Valkey and the controller on the box's spine (the launcher's
+    # namespace), reached over the links. None: this machine's own devices.
+    box: str | None = Field(None, pattern=r"^[a-z0-9]{1,6}$")
     # Restarts allowed per crashed inference server before the run fails.
     max_restarts: int = Field(3, ge=0)
     # Seconds a service may take to become healthy.

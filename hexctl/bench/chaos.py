@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from areal_hex.config.base import load_yaml_text
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
 from hexctl.report.ledger import read_ledger
 from trainer_service.checkpoint import complete_checkpoints
@@ -216,7 +215,7 @@ def live_ledger(run_dir: Path, timeout_s: float = 60.0) -> dict[str, Any] | None
     missing; such a read is repeated."""
     import redis
 
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = load_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml"))
     client = redis.Redis.from_url(cfg["redis"]["url"], socket_timeout=5)
     deadline = time.monotonic() + timeout_s
     out = None

@@ -12,6 +12,14 @@ best one-kind plan at the same budget. metis_gain: simulated rate of phase 2's M
 mapping over first-fit placement of the same phase-1 decision on the rack inventory.
 target_rate_ok: share of --target-rate requests at 0.5/0.9/0.99/1.0 x a budget plan's
 reported rate that succeed.
+plan_s_many_groups (and its largest, max_plan_s_many_groups_4096 at the default size): the
+whole plan on an inventory of many small node groups (two 8-GPU machines each, every group
+a price of its own, so no two merge), budget = half its price.
+applied_to_run: 1.0 when every key a plan decides (`hexctl.job.plan_config`: pools, GPU
+kinds, ZeRO, ranks, rank speeds, and the staleness bound and publish interval the planner
+tuned, on the rack inventory with --max-staleness 8 --max-publish-interval 2 --zero-stage
+3) has the plan's value in the resolved config of a local run and of the k8s and Slurm
+renders; applied_mismatches lists any that does not.
 min_budget_used: the least share of the budget a plan spends where the inventory does
 not bind (budget_used lists those plans); max_unspent_machines: the most any of those
 plans leaves unspent, in prices of the inventory's cheapest machine.
@@ -51,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC limit per solve, s")
     p.add_argument("--plan-sizes", default="1024,4096", help="GPU counts to time the whole plan at")
+    p.add_argument(
+        "--many-groups-sizes",
+        default="4096",
+        help="GPU counts to time the whole plan at on many small node groups",
+    )
 
 
 def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
@@ -77,22 +90,55 @@ def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
         for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True))
         if n > 0
     ]
-    links = [
-        {"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
-        for r in range(4)
-    ]
-    links += [
-        {"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
-        for a in range(4)
-        for b in range(a + 1, 4)
-    ]
     spec = ClusterSpec(
         name=f"generated-{gpus}",
         zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
         node_groups=groups,
-        links=links,
+        links=_generated_links(),
     )
     return make_cluster(spec)
+
+
+def many_groups_cluster(gpus: int, seed: int = 0, gpn: int = 8, machines: int = 2):
+    """`gpus` GPUs as node groups of `machines` machines each, kinds and zones drawn at
+    random over six kinds in 4 regions x 2 zones, every group's price its kind's plus a
+    per-group step (lots bought at different times): no two groups are alike, so the
+    planner cannot merge them and its work is in node groups."""
+    rng = random.Random(seed)
+    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
+    groups = []
+    for i in range(gpus // (gpn * machines)):
+        kind, price = KINDS[rng.randrange(len(KINDS))]
+        groups.append(
+            {
+                "name": f"lot{i}",
+                "gpu": kind,
+                "gpus_per_node": gpn,
+                "nodes": machines,
+                "zone": zones[rng.randrange(len(zones))][0],
+                "usd_per_gpu_hour": round(price * (1 + 0.0005 * i), 5),
+                "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
+            }
+        )
+    spec = ClusterSpec(
+        name=f"many-groups-{gpus}",
+        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
+        node_groups=groups,
+        links=_generated_links(),
+    )
+    return make_cluster(spec)
+
+
+def _generated_links() -> list[dict]:
+    links = [
+        {"a": f"r{r}-z0", "b": f"r{r}-z1", "bandwidth_gbs": 25.0, "latency_ms": 1.0}
+        for r in range(4)
+    ]
+    return links + [
+        {"a": f"r{a}", "b": f"r{b}", "bandwidth_gbs": 3.0, "latency_ms": 60.0}
+        for a in range(4)
+        for b in range(a + 1, 4)
+    ]
 
 
 def random_small_cluster(seed: int):
@@ -166,6 +212,12 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
         plan_s[str(size)] = round(time.perf_counter() - t0, 3)
+    many = {}
+    for size in [int(s) for s in args.many_groups_sizes.split(",") if s]:
+        cl = many_groups_cluster(size)
+        t0 = time.perf_counter()
+        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
+        many[str(size)] = round(time.perf_counter() - t0, 3)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
     sim_err, speedup, used, targets, unspent, sim_eta_k = {}, {}, {}, [], {}, {}
     for wname in ("long_cot", "math_grpo"):
@@ -192,9 +244,14 @@ def run(args: argparse.Namespace) -> dict:
                 pv = rv.plan.predicted.samples_per_s
                 sim_eta_k[f"{key}/eta{eta}k{k}"] = round((rv.sim.samples_per_s - pv) / pv, 4)
     gain = metis_gain(m, args.time_limit)
+    applied, mismatches = applied_to_run(args.time_limit)
     return {
+        "applied_to_run": applied,
+        "applied_mismatches": mismatches,
         "solve_s": solve_s,
         "plan_s": plan_s,
+        "plan_s_many_groups": many,
+        **({"max_plan_s_many_groups_4096": many["4096"]} if "4096" in many else {}),
         "mip_gap_by_size": gaps,
         "max_gap_vs_exhaustive": round(gap, 6),
         "exhaustive_clusters_compared": compared,
@@ -244,3 +301,52 @@ def metis_gain(m, time_limit_s: float) -> float:
     wl = load_workload(EXAMPLES / "workloads" / "math_grpo.yaml")
     res = make_plan(cl, m, wl, budget=0.7 * _price(cl), time_limit_s=time_limit_s, baselines=False)
     return round(res.sim.samples_per_s / res.first_fit_sim.samples_per_s, 3)
+
+
+def applied_to_run(time_limit_s: float) -> tuple[float, list[str]]:
+    """Plan with tuned η and k, then read back what the local run and the k8s and Slurm
+    renders would start with: (1.0 if every planned key is there as planned, else 0.0;
+    the keys that are not, as "target key: got != planned")."""
+    import tempfile
+
+    from areal_hex.config import load_config
+    from areal_hex.config.base import load_yaml_text
+    from hexctl.deploy import prepare_deployment
+    from hexctl.deploy.slurm import render_slurm
+    from hexctl.deploy.slurm_site import load_site
+    from hexctl.job.deploy_config import DeployConfig
+    from hexctl.job.plan_config import planned_values
+    from hexctl.job.prepare import apply_plan
+    from scheduler.planner import tune_staleness_and_interval
+
+    cl = load_cluster(EXAMPLES / "clusters" / "racks_h800_h20.yaml")
+    m = load_model_shape("qwen3-8b")
+    w = load_workload(EXAMPLES / "workloads" / "math_grpo.yaml")
+    w = w.model_copy(update={"zero_stage": 3})
+    budget = 150.0
+    w, _ = tune_staleness_and_interval(
+        cl, m, w, max_staleness=8, max_publish_interval=2, budget=budget, time_limit_s=time_limit_s
+    )
+    plan = make_plan(cl, m, w, budget=budget, time_limit_s=time_limit_s, simulate_plan=False).plan
+    cfg = load_config(EXAMPLES / "deploy" / "qwen3-8b.yaml")
+    resolved = {"run": (apply_plan(load_config(EXAMPLES / "tiny_cpu.yaml"), plan, _quiet), "local")}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = prepare_deployment(cfg, plan, DeployConfig(), "k8s", Path(tmp) / "k8s")
+        resolved["k8s"] = (d.cfg, "cluster")
+        site = load_site(EXAMPLES / "slurm" / "site_cluster.yaml")
+        site = site.model_copy(update={"shared_dir": str(Path(tmp) / "shared")})
+        render_slurm(cfg, plan, site, Path(tmp) / "slurm", "site.yaml")
+        data = load_yaml_text((Path(tmp) / "slurm" / "config.yaml").read_text(), "config.yaml")
+        resolved["slurm"] = (type(cfg).model_validate(data), "cluster")
+    bad = []
+    for target, (rcfg, nodes) in resolved.items():
+        for key, want in planned_values(plan, nodes).items():
+            section, name = key.split(".")
+            got = getattr(getattr(rcfg, section), name)
+            if got != want:
+                bad.append(f"{target} {key}: {got!r} != {want!r}")
+    return (0.0 if bad else 1.0), bad
+
+
+def _quiet(line: str) -> None:
+    pass

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "hexctl.bench.plan",
     "fidelity": "hexctl.bench.fidelity",
     "gpu": "hexctl.bench.gpu",
+    "hetero": "hexctl.bench.hetero",
     "weight-sync": "hexctl.bench.weight_sync",
 }
 

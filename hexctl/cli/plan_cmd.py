@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from areal_hex.config.base import load_yaml_text
+
+if TYPE_CHECKING:
+    from areal_hex.config import ExperimentConfig
+    from areal_hex.plan import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +63,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="also try publish intervals k from the workload's up to this one",
     )
+    p.add_argument(
+        "--print-config",
+        metavar="CONFIG",
+        help="also print CONFIG with every decision of the plan applied, as a deploy renders "
+        "it (the same projection `run --plan` and `deploy` use); changed keys on stderr",
+    )
     p.set_defaults(func=_plan)
 
     q = sub.add_parser(
@@ -80,6 +95,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "uses (CPU core groups of run.pin_cores, or the GPUs) and write cluster.yaml, "
         "profile.yaml, workload.yaml and model/ into --out-dir",
     )
+    q.add_argument(
+        "--box",
+        help="a box that is up (`areal-hex box up BOX.yaml`): time each of its kinds inside "
+        "one of its nodes and write the box as the inventory (cluster.yaml) into --out-dir",
+    )
     q.add_argument("--config", help="--local: the experiment YAML (default: the tiny example)")
     q.add_argument("--out-dir", default="local-profile", help="--local: where to write")
     q.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="--local: config overrides")
@@ -96,11 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
     from scheduler.report import sweep_budgets, table
     from scheduler.workload import load_workload
 
-    for flag, v in (("--budget", args.budget), ("--target-rate", args.target_rate)):
-        if v is not None and not v > 0:
-            raise UsageError(f"{flag} must be a positive number, got {v:g}")
-    if args.time_limit <= 0:
-        raise UsageError(f"--time-limit must be positive, got {args.time_limit:g}")
+    _check_numbers(args, UsageError)
     cl = load_cluster(args.cluster)
     m = load_model_shape(args.model)
     w = load_workload(args.workload)
@@ -152,6 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
         profile=str(Path(args.profile).resolve()) if args.profile else None,
     )
     out = save_plan(res.plan, args.out)
+    planned = _planned_config(args.print_config, res.plan) if args.print_config else None
     if args.plot:
         from scheduler.plot import plot
 
@@ -167,6 +184,8 @@ def _plan(args: argparse.Namespace) -> int:
             doc["tuned"] = tried
         if sweep is not None:
             doc["sweep"] = sweep
+        if planned is not None:
+            doc["config"] = planned.model_dump(mode="json")
         print(json.dumps(doc, indent=2))
     else:
         print(table(res, sweep))
@@ -178,7 +197,42 @@ def _plan(args: argparse.Namespace) -> int:
                 f"{b.staleness} trainer.publish_every={b.publish_interval})"
             )
         print(f"\nwrote {out}" + (f" and {args.plot}" if args.plot else ""))
+    if planned is not None and not args.json:
+        from areal_hex.config import dump_yaml
+
+        print(dump_yaml(planned))
     return 0
+
+
+def _planned_config(path: str, plan: Plan) -> ExperimentConfig:
+    """CONFIG with the plan applied as a deploy renders it; each change said on stderr."""
+    from areal_hex.config import load_config
+    from hexctl.job.plan_config import project_plan
+
+    projected = project_plan(load_config(path), plan, "cluster")
+    for line in projected.changes:
+        print(f"areal-hex plan: {line}", file=sys.stderr)
+    return projected.config
+
+
+MAX_TUNED = 64  # the most staleness bounds or publish intervals the tuning plans through
+
+
+def _check_numbers(args: argparse.Namespace, error: type[Exception]) -> None:
+    """Every number on the command line finite and in range, named when it is not."""
+    for flag, v in (
+        ("--budget", args.budget),
+        ("--target-rate", args.target_rate),
+        ("--time-limit", args.time_limit),
+    ):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise error(f"{flag} must be a positive finite number, got {v:g}")
+    for flag, v in (
+        ("--max-staleness", args.max_staleness),
+        ("--max-publish-interval", args.max_publish_interval),
+    ):
+        if v is not None and not 0 <= v <= MAX_TUNED:
+            raise error(f"{flag} must be between 0 and {MAX_TUNED}, got {v}")
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -192,6 +246,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches {args.batches!r}: expected integers like 1,4,16") from None
     if not batches or min(batches) < 1:
         raise UsageError(f"--batches {args.batches!r}: expected positive integers")
+    if args.box:
+        return _profile_box(args, batches)
     if args.local:
         return _profile_local(args, batches)
     if args.overrides or args.config:
@@ -248,5 +304,35 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "
         f"plan {files.cluster} --model {files.model} --workload {files.workload} --profile "
         f"{files.profile} --budget {dev['count']} --out plan.yaml"
+    )
+    return 0
+
+
+def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
+
+    from areal_hex.config import load_config
+    from hexctl.bench.e2e import DEFAULT_CONFIG
+    from hexctl.job import box
+    from hexctl.job.box_spec import load_box
+    from hexctl.profile.box import profile_box
+
+    spec = load_box(args.box)
+    box.check_host()
+    state = box.load_state(spec.name)
+    cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))
+    given = args.batches != "1,4,16"
+    files = profile_box(cfg, spec, state, Path(args.out_dir), batches if given else None)
+    prof = load_yaml_text(files.profile.read_text(), str(files.profile))
+    for kind, r in prof["kinds"].items():
+        steps = ", ".join(f"b={b}: {s * 1e3:.2f} ms" for b, s in r["decode_step_s"].items())
+        print(
+            f"{kind}: decode step {steps}; prefill {r['prefill_tokens_per_s']:,.0f} tok/s; "
+            f"train {r['train_tokens_per_s']:,.0f} tok/s; generation efficiency "
+            f"{r['generation_efficiency']:.2f}"
+        )
+    print(
+        f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "
+        f"plan {files.cluster} --model {files.model} --workload {files.workload} --profile "
+        f"{files.profile} --budget USD_PER_H --out plan.yaml"
     )
     return 0

@@ -199,6 +199,10 @@ def prepare_run(
     if cfg.run.embedded_redis:
         cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
     choose_ports(cfg, say or _to_stderr)
+    if cfg.run.box is not None:
+        from hexctl.job.box_config import apply_box
+
+        apply_box(cfg, plan)
     inf = cfg.inference
     weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
     weights.mkdir(parents=True, exist_ok=True)

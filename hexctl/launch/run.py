@@ -372,24 +372,40 @@ def profile_first(
     cfg: ExperimentConfig, run_dir: Path, stream: TextIO
 ) -> tuple[Path | None, dict[str, str] | None]:
     """`run.profile_first`: this machine measured for the job into <run_dir>/profile (kept
-    by a resumed run). (the directory, None), or (None, why there is no prediction)."""
+    by a resumed run; taken from the profile cache when this machine, job and code were
+    measured before). (the directory, None), or (None, why there is no prediction)."""
     from hexctl.job.predict import LocalProfileFiles
+    from hexctl.profile import cache
     from hexctl.profile.local import profile_local
 
     out = run_dir / "profile"
     if LocalProfileFiles(out).profile.is_file():
         return out, None
-    print(
-        "areal-hex run: measuring this machine for the run's prediction (run.profile_first; "
-        "about a minute for the tiny example)",
-        file=stream,
-        flush=True,
+
+    def say(text: str) -> None:
+        print(f"areal-hex run: {text}", file=stream, flush=True)
+
+    key, parts = cache.key_of(cfg)
+    entry = cache.lookup(key)
+    if entry is not None:
+        cache.restore(entry, out)
+        say(f"reusing this machine's profile for this job (run.profile_first; {entry})")
+        return out, None
+    last = cache.last_seconds(parts)
+    took = "several minutes on 2 cores" if last is None else f"the last one here took {last:.0f} s"
+    say(
+        f"measuring this machine for the run's prediction (run.profile_first; {took}; "
+        "kept for later runs of this job)"
     )
+    t0 = time.monotonic()
     try:
         with contextlib.redirect_stdout(stream):
-            profile_local(cfg, out)
+            profile_local(cfg, out, say=say)
     except Exception as exc:  # the run goes on; its report says why it has no prediction
         return None, {"unavailable": f"run.profile_first: profiling failed: {exc}"}
+    seconds = time.monotonic() - t0
+    stored = cache.store(key, parts, out, seconds)
+    say(f"profiled in {seconds:.0f} s" + (f"; kept in {stored}" if stored else ""))
     return out, None
 
 
@@ -418,6 +434,10 @@ def execute(
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path, host)
+    if cfg.run.box is not None:
+        from hexctl.launch.box_run import place_on_box
+
+        place_on_box(cfg, layout, specs)
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_hex.config import ExperimentConfig
 
@@ -23,6 +23,12 @@ class LocalDevices:
     inference_threads: int
     trainer_threads: int
     memory_gb: float  # per device
+    # A box node (`areal-hex box`): the command prefix that starts a process inside it
+    # (its namespace and cgroup), the address its server binds, the cgroup the trainer's
+    # timing process joins. Empty / loopback / None on this machine's own devices.
+    node_prefix: list[str] = field(default_factory=list)
+    address: str = "127.0.0.1"
+    cgroup: str | None = None
 
 
 def local_devices(cfg: ExperimentConfig) -> LocalDevices:

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,18 @@ from hexctl.profile.devices import LocalDevices, local_devices, pinned
 LOCAL_ZONE = "local"
 REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
 TRAIN_STEPS = 10  # per timed round (REPEATS of them) after a warm-up step
+
+Say = Callable[[str], None]
+
+
+def _quiet(_text: str) -> None:
+    pass
+
+
+def _progress(say: Say) -> Say:
+    """`say` with the seconds since the profile began in front of each line."""
+    t0 = time.monotonic()
+    return lambda text: say(f"profile {time.monotonic() - t0:5.0f} s: {text}")
 
 
 # ---------------------------------------------------------------- generation
@@ -83,7 +95,11 @@ class GenerationRates:
 
 
 def measure_generation(
-    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, batches: list[int]
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    batches: list[int],
+    say: Say = _quiet,
 ) -> GenerationRates:
     """An `areal-hex serve` process on the inference cores, driven over HTTP from this
     process on the trainer cores, where `run` puts the controller: the server's HTTP
@@ -99,6 +115,7 @@ def measure_generation(
         "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
         "inference": {
             "device": cfg.inference.device,
+            "host": dev.address,
             "num_threads": dev.inference_threads,
             "max_running_requests": cfg.inference.max_running_requests,
             "context_length": cfg.inference.context_length,
@@ -110,15 +127,18 @@ def measure_generation(
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
         path = Path(tmp) / "serve.yaml"
         path.write_text(yaml.safe_dump(serve))
+        say(f"starting an inference server; then decode steps at batches {batches}")
         with _server(path, dev, Path(tmp) / "serve.log") as (url, pid):
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
                 gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+                say("decode, prefill and reload timed; a synchronous run's cycle")
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
             # load that a neighbour slows moves one median, not the choice between them
             alone, shared = [], []
-            for _ in range(REPEATS):
+            for k in range(REPEATS):
+                say(f"the run's controller keeping the server busy, round {k + 1}/{REPEATS}")
                 with pinned(dev.trainer_cores, 1):
                     alone.append(asyncio.run(continuous_load(url, cfg, model_dir, {pid})))
                 if dev.inference_cores is not None:
@@ -144,6 +164,7 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "hexctl.cli", "serve", str(config), "--port", str(port)]
+    cmd = dev.node_prefix + cmd
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -153,7 +174,7 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
         try:
-            yield f"http://127.0.0.1:{port}", proc.pid
+            yield f"http://{dev.address}:{port}", proc.pid
         finally:
             stop_process(proc)
 
@@ -228,14 +249,17 @@ class _Driver:
         return statistics.median(rates)
 
     async def reload(self, model_dir: Path, version: int, batch: int) -> float:
-        """One weight update as the controller makes it (pause with retract, load,
-        resume), while `batch` samples generate (0: an idle server); the pause's length."""
+        """One weight update as the controller makes it (pause in the run's
+        `rollout.update_pause` mode, retract for auto, load, resume), while `batch`
+        samples generate (0: an idle server); the pause's length. An in-place pause
+        keeps the requests' KV cache, so its length is not a retract's."""
         work = self.groups(batch)
         long_n = max(8, self.r.max_new_tokens)
         task = asyncio.create_task(self.wave(work, self.fixed(long_n))) if work else None
         await asyncio.sleep(0.05)
         t0 = time.perf_counter()
-        await self.client.pause("retract")
+        mode = self.r.update_pause if self.r.update_pause == "in_place" else "retract"
+        await self.client.pause(mode)
         await self.client.update_weights_from_disk(
             str(model_dir), version, abort_all_requests=False
         )
@@ -284,37 +308,58 @@ async def _generation(
 
 # ---------------------------------------------------------------- training
 def measure_training(
-    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    prompt_len: int,
+    response: float,
+    say: Say = _quiet,
+    rounds: tuple[int, int] = (REPEATS, TRAIN_STEPS),
 ) -> float:
     """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch, in a
     process of its own as the run's trainer is: nothing of the generation measurements
     in its heap, and DeepSpeed's process groups (cached per process, stale once
-    destroyed) new each time a process profiles."""
+    destroyed) new each time a process profiles. `rounds`: (timed rounds, steps each),
+    the median round's rate is returned."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    say(f"training: {rounds[0]} rounds of {rounds[1]} steps after a warm-up, in a new process")
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-        return pool.submit(_measure_training, cfg, model_dir, dev, prompt_len, response).result()
+        args = (cfg, model_dir, dev, prompt_len, response, rounds)
+        return pool.submit(_measure_training, *args).result()
 
 
 def _measure_training(
-    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    prompt_len: int,
+    response: float,
+    rounds: tuple[int, int],
 ) -> float:
     import torch.distributed as dist
 
+    if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
+        Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
     with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
         from trainer_service.engine import init_single_rank
 
         init_single_rank(dev.device)
         try:
-            return _train_rate(cfg, model_dir, dev, prompt_len, response)
+            return _train_rate(cfg, model_dir, dev, prompt_len, response, rounds)
         finally:
             dist.destroy_process_group()
 
 
 def _train_rate(
-    cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices, prompt_len: int, response: float
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    prompt_len: int,
+    response: float,
+    rounds: tuple[int, int],
 ) -> float:
     from areal_hex.models import load_model
     from trainer_service.engine import build_engine
@@ -346,10 +391,11 @@ def _train_rate(
     freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
     try:
         optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
-        for r in range(REPEATS):  # rounds of TRAIN_STEPS steps, tokens over seconds each
+        n_rounds, n_steps = rounds
+        for r in range(n_rounds):  # rounds of n_steps steps, tokens over seconds each
             tokens, t0 = 0, time.perf_counter()
-            for step in range(TRAIN_STEPS):
-                seed = 1 + r * TRAIN_STEPS + step
+            for step in range(n_steps):
+                seed = 1 + r * n_steps + step
                 groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=seed)
                 tokens += optimize(ctx, groups).num_tokens
             rates.append(tokens / (time.perf_counter() - t0))
@@ -360,20 +406,29 @@ def _train_rate(
 
 # ---------------------------------------------------------------- files
 def profile_local(
-    cfg: ExperimentConfig, out: Path, batches: list[int] | None = None
+    cfg: ExperimentConfig,
+    out: Path,
+    batches: list[int] | None = None,
+    dev: LocalDevices | None = None,
+    say: Say | None = None,
 ) -> LocalProfileFiles:
-    """Measure this machine for `cfg`'s job and write the planner's inputs into `out`."""
+    """Measure this machine for `cfg`'s job and write the planner's inputs into `out`;
+    `dev`: the devices to time (default: those `run` uses here); `say` hears each stage
+    as it begins (with the seconds so far)."""
     from scheduler.model_shape import load_model_shape
     from scheduler.profile import DeviceRates, Profile, save_profile
 
     files = LocalProfileFiles(out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(cfg, out)
-    dev = local_devices(cfg)
+    dev = dev or local_devices(cfg)
     cap = cfg.inference.max_running_requests
     batches = sorted({b for b in (batches or [1, 8, 32, cap]) if 0 < b <= cap} | {cap})
-    gen = measure_generation(cfg, model_dir, dev, batches)
-    train = measure_training(cfg, model_dir, dev, int(gen.prompt_tokens), gen.response_tokens)
+    say = _progress(say) if say is not None else _quiet
+    gen = measure_generation(cfg, model_dir, dev, batches, say)
+    prompt = int(gen.prompt_tokens)
+    train = measure_training(cfg, model_dir, dev, prompt, gen.response_tokens, say)
+    say("training timed; writing the profile")
     files.model.mkdir(parents=True, exist_ok=True)
     if files.model.resolve() != model_dir.resolve():
         shutil.copy(model_dir / "config.json", files.model / "config.json")

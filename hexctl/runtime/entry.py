@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from areal_hex.config.base import load_yaml_text
 from hexctl.job.layout import CONFIG_PLACEHOLDER
 
 # Secret file name -> (config section, key).
@@ -39,7 +40,7 @@ def write_runtime_config(
 ) -> Path:
     """Copy `config` to `out` (0600) with every secret file found in `secrets_dir` set;
     with `sglang_config`, an SGLang server's token goes to that file instead."""
-    data = yaml.safe_load(config.read_text()) or {}
+    data = load_yaml_text(config.read_text(), str(config)) or {}
     for name, (section, key) in SECRET_FIELDS.items():
         f = secrets_dir / name
         if f.is_file():

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from areal_hex.config import ConfigError, ExperimentConfig, load_config, save_config
+from areal_hex.config.base import load_yaml_text
 from areal_hex.net import WaitAborted, wait_until
 from areal_hex.run_files import RunPaths
 from hexctl.runtime.entry import write_runtime_config
@@ -56,7 +57,7 @@ def write_configs(
     private.parent.chmod(0o700)
     write_runtime_config(run_config, out_dir / "secrets", private)
     if password_file is not None:
-        data = yaml.safe_load(private.read_text())
+        data = load_yaml_text(private.read_text(), str(private))
         data["redis"]["password"] = password_file.read_text().strip()
         private.write_text(yaml.safe_dump(data, sort_keys=False))
     return private

@@ -98,7 +98,7 @@ def test_plan_writes_yaml_json_and_plot(tmp_path: Path) -> None:
         ("no_link", "have no link"),
         ("fits_nowhere", "fits on no GPU"),
         ("low_budget", r"below the cheapest feasible plan, \$3.70/h"),
-        ("bad_budget", "--budget must be a positive number"),
+        ("bad_budget", "--budget must be a positive finite number"),
         ("high_target", "above what the cluster can reach"),
     ],
 )
@@ -128,6 +128,77 @@ def test_bad_input_exits_2_without_traceback(tmp_path: Path, case: str, match: s
     import re
 
     assert re.search(match, r.stderr), r.stderr
+
+
+def _alias_bomb(depth: int) -> str:
+    """Billion laughs under unknown keys: 9^depth strings from a few hundred bytes."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, depth + 1):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+BAD_INPUTS = {
+    # case: (flags after the cluster, cluster text or None for h800_h20, what stderr names)
+    "budget_inf": (["--budget", "inf"], None, "--budget must be a positive finite number"),
+    "budget_nan": (["--budget", "nan"], None, "--budget must be a positive finite number"),
+    "budget_negative": (["--budget", "-3"], None, "--budget must be a positive finite"),
+    "target_inf": (["--target-rate", "inf"], None, "--target-rate must be a positive finite"),
+    "target_nan": (["--target-rate", "nan"], None, "--target-rate must be a positive finite"),
+    "target_negative": (["--target-rate", "-1"], None, "--target-rate must be a positive"),
+    "time_limit_inf": (["--budget", "50", "--time-limit", "inf"], None, "--time-limit must"),
+    "max_staleness_huge": (
+        ["--budget", "50", "--max-staleness", "1000000000"],
+        None,
+        "--max-staleness must be between 0 and 64",
+    ),
+    "price_inf": (
+        ["--budget", "50"],
+        "price_inf",
+        r"node_groups.1.usd_per_gpu_hour: Input should be a finite number",
+    ),
+    "machines_absurd": (
+        ["--budget", "50"],
+        "machines_absurd",
+        r"node_groups.0.nodes: Input should be less than or equal to 4096 \(got 125000000\)",
+    ),
+    "alias_bomb_9": (["--budget", "50"], "bomb9", r"more than 1,000,000 values with its aliases"),
+    "alias_bomb_5": (["--budget", "50"], "bomb5", r"^  l5: unknown key \(got \[\["),
+    "malformed": (["--budget", "50"], "malformed", r"not valid YAML: line 3, column \d+: "),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_every_bad_input_answered_in_seconds(tmp_path: Path, case: str) -> None:
+    """Exit 2 in < 5 s with a short message naming the field; no traceback, and an error
+    that quotes a value quotes a bounded piece of it (the depth-5 bomb's values spell
+    out to megabytes)."""
+    import re
+    import time
+
+    flags, text, match = BAD_INPUTS[case]
+    path = EX / "clusters" / "h800_h20.yaml"
+    base = path.read_text()
+    if text is not None:
+        path = tmp_path / "c.yaml"
+        path.write_text(
+            {
+                "price_inf": base.replace("usd_per_gpu_hour: 1.85", "usd_per_gpu_hour: .inf"),
+                "machines_absurd": re.sub(r"nodes: \d+", "nodes: 125000000", base, count=1),
+                "bomb9": base + _alias_bomb(9),
+                "bomb5": base + _alias_bomb(5),
+                "malformed": "name: x\nzones: [a, b\nnode_groups: {\n",
+            }[text]
+        )
+    t0 = time.perf_counter()
+    r = cli("plan", str(path), "--model", "qwen3-8b", *flags, "--out", str(tmp_path / "p.yaml"))
+    took = time.perf_counter() - t0
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert re.search(match, r.stderr, re.M), r.stderr[:2000]
+    assert len(r.stderr) < 5000, len(r.stderr)
+    assert took < 5.0, took
 
 
 @pytest.mark.timeout(240)
@@ -257,11 +328,22 @@ def test_pinned_plan_deploys(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_bench_plan_small(tmp_path: Path) -> None:
     r = cli(
-        "bench", "plan", "--json", "--sizes", "64", "--plan-sizes", "64", "--random-clusters", "2"
+        "bench",
+        "plan",
+        "--json",
+        "--sizes",
+        "64",
+        "--plan-sizes",
+        "64",
+        "--random-clusters",
+        "2",
+        "--many-groups-sizes",
+        "128",
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc["solve_s"]) == {"64"} and set(doc["plan_s"]) == {"64"}
+    assert set(doc["plan_s_many_groups"]) == {"128"}
     assert doc["max_gap_vs_exhaustive"] == 0.0
     assert doc["max_sim_error"] <= 0.05
     inventories = {p.stem for p in (EX / "clusters").glob("*.yaml")}

@@ -81,3 +81,23 @@ def test_a_plan_without_tuning_keeps_the_config_values() -> None:
     out = project_plan(cfg, plan, "local").config
     assert out.buffer.max_staleness == cfg.buffer.max_staleness
     assert out.trainer.publish_every == cfg.trainer.publish_every
+
+
+def test_plan_print_config_carries_the_tuned_values(tmp_path, capsys) -> None:
+    from hexctl.cli import main
+
+    out = tmp_path / "plan.yaml"
+    rc = main([
+        "plan", str(ROOT / "examples/clusters/h800_h20.yaml"), "--model", "qwen3-8b",
+        "--workload", str(ROOT / "examples/workloads/math_grpo.yaml"), "--budget", "60",
+        "--max-staleness", "6", "--max-publish-interval", "2", "--no-simulate",
+        "--out", str(out), "--json", "--print-config", str(ROOT / "examples/deploy/qwen3-8b.yaml"),
+    ])  # fmt: skip
+    assert rc == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    b = doc["plan"]["baselines"]
+    assert doc["config"]["buffer"]["max_staleness"] == b["staleness"]
+    assert doc["config"]["trainer"]["publish_every"] == b["publish_interval"]
+    assert doc["config"]["inference"]["num_servers"] == len(doc["plan"]["rollout"])

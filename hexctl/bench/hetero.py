@@ -1,0 +1,251 @@
+"""Heterogeneity measured: a box planned, run and held against its prediction.
+
+One invocation, one budget, on a box (`areal-hex box`, brought up here and down at the
+end): the box's kinds profiled inside their nodes (`profile --box`), then four plans run
+for the same steps from the same initial weights and each held against the cost model:
+
+- a: the planner's plan;
+- b: its best one-kind plan (the planner on the box restricted to each kind in turn, the
+  fastest predicted);
+- c: plan a's mix and trainer placed first-fit (the trainer on the first nodes of its
+  kind, instances in node order) instead of mapped onto the racks by METIS;
+- d: plan a run synchronously (η = 0, the trainer waits for each batch: the baseline every
+  asynchronous speed-up is measured against).
+
+Per plan: predicted and measured pipeline samples/s (the same window and definitions as
+`bench fidelity`, `hexctl/job/fidelity.py`) and the error; the ratios a/b, a/c, a/d
+measured beside predicted; the weight-sync pause measured against predicted for each
+plan, with the mode that moved the weights; and whether the measured ranking of a-d is
+the predicted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
+LABELS = ("a", "b", "c", "d")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--box", required=True, help="box YAML (examples/box/)")
+    p.add_argument("--budget", type=float, required=True, help="$/h every plan is made at")
+    p.add_argument("--config", default=DEFAULT_BOX_CONFIG, help="experiment YAML")
+    p.add_argument("--steps", type=int, default=30, help="trainer.total_steps of every run")
+    p.add_argument("--output-dir", default=None, help="keep the profile, plans and runs here")
+    p.add_argument(
+        "--profile-dir", default=None, help="a `profile --box` of this box to reuse (no profile)"
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+
+
+# ---------------------------------------------------------------- the plans
+def _inputs(files: Any) -> tuple[Any, Any, Any, Any]:
+    from scheduler.cluster import load_cluster
+    from scheduler.model_shape import load_model_shape
+    from scheduler.profile import load_profile
+    from scheduler.workload import load_workload
+
+    cl = load_cluster(files.cluster)
+    m = load_model_shape(str(files.model))
+    return cl, m, load_workload(files.workload), load_profile(files.profile, m.params)
+
+
+def one_kind_cluster(cl: Any, kind: str) -> Any:
+    """The inventory with only node group `kind` (its racks keep only its machines)."""
+    from scheduler.cluster import make_cluster
+
+    spec = cl.spec.model_copy(deep=True)
+    spec.node_groups = [g for g in spec.node_groups if g.name == kind]
+    racks = []
+    for rack in spec.racks:
+        rack.members = [m for m in rack.members if m.group == kind]
+        if rack.members:
+            racks.append(rack)
+    spec.racks = racks
+    return make_cluster(spec, f"{cl.spec.name} ({kind} only)")
+
+
+def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[str, Any]:
+    """Plans a, b, c (d is a, run synchronously), each with the sources the run prices
+    it from."""
+    from areal_hex.config import ConfigError
+    from areal_hex.plan import PlanSources
+    from scheduler.planner import make_plan, to_plan
+
+    cl, m, w, prof = _inputs(files)
+    label = str(files.model)
+    res = make_plan(cl, m, w, budget=budget, prof=prof, model_label=label,
+                    time_limit_s=time_limit_s, baselines=False)  # fmt: skip
+    plans = {"a": res.plan}
+    if res.first_fit is None:
+        raise ConfigError("the box declares no NICs or racks: first-fit is METIS's placement")
+    plans["c"] = to_plan(cl, m, w, res.first_fit, budget, None, label, None, {}, 0.0)
+    one_kind = []
+    for g in cl.spec.node_groups:
+        try:
+            alone = one_kind_cluster(cl, g.name)
+            r = make_plan(alone, m, w, budget=budget, prof=prof, model_label=label,
+                          time_limit_s=time_limit_s, baselines=False)  # fmt: skip
+        except ConfigError:
+            continue  # the kind alone cannot make a plan at this budget
+        one_kind.append(r.plan)
+    if not one_kind:
+        raise ConfigError(f"no one-kind plan fits ${budget:g}/h on this box")
+    plans["b"] = max(one_kind, key=lambda p: p.predicted.samples_per_s)
+    sources = PlanSources(
+        cluster=str(files.cluster.resolve()),
+        workload=str(files.workload.resolve()),
+        profile=str(files.profile.resolve()),
+    )
+    for p in plans.values():
+        p.sources = sources
+    return plans
+
+
+def describe(plan: Any) -> dict[str, Any]:
+    return {
+        "trainer": [p.node for p in plan.trainer.placements],
+        "rollout": [i.placement.node for i in plan.rollout],
+        "cost_usd_per_h": plan.predicted.cost_usd_per_h,
+        "plan_samples_per_s": plan.predicted.samples_per_s,
+    }
+
+
+# ---------------------------------------------------------------- the runs
+def run_plan(
+    config: str, overrides: list[str], out: Path, label: str, plan: Any, mode: str
+) -> dict[str, Any]:
+    """One run of `plan` on the box; its fidelity block over the window after the
+    config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
+    from areal_hex.config import load_config
+    from hexctl.bench.e2e import fresh_run_dir
+    from hexctl.job.fidelity import fidelity_block
+    from hexctl.job.prepare import prepare_run
+    from hexctl.launch.run import execute, failure_message
+
+    cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.run_id=null"])
+    skip = cfg.buffer.max_staleness + 1
+    cfg.run.run_id = f"plan-{label}"
+    fresh_run_dir(cfg.run.run_dir())
+    cfg, path = prepare_run(cfg, plan, mode)
+    t0 = time.monotonic()
+    result = execute(cfg, path, plan, progress=False)
+    if not result.ok:
+        raise RuntimeError(f"plan {label} ({mode}) failed: {failure_message(result)}")
+    ran = load_config(path)
+    block = fidelity_block(result.run_dir, ran, from_step=skip)
+    wall = round(time.monotonic() - t0, 1)
+    return {"block": block, "wall_s": wall, "mode": mode, "sync": ran.rollout.weight_sync}
+
+
+def _pipeline(block: dict[str, Any], side: str) -> float | None:
+    v = (block.get(side) or {}).get("pipeline_samples_per_s")
+    return None if v is None else round(v, 4)
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return None if not x or not y else round(x / y, 4)
+
+
+def _ranking(rates: dict[str, float | None]) -> list[str]:
+    return sorted(rates, key=lambda k: -(rates[k] or 0.0))
+
+
+def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"plans": {}}
+    pred, meas = {}, {}
+    for label, r in runs.items():
+        block = r["block"]
+        pred[label], meas[label] = _pipeline(block, "predicted"), _pipeline(block, "measured")
+        err = (block.get("relative_error") or {}).get("pipeline_samples_per_s")
+        ws_p = (block.get("predicted") or {}).get("weight_sync_s")
+        ws_m = block["measured"].get("weight_sync_s")
+        plan = plans["a" if label == "d" else label]
+        out["plans"][label] = {
+            **describe(plan),
+            "mode": r["mode"],
+            "predicted_samples_per_s": pred[label],
+            "measured_samples_per_s": meas[label],
+            "error": None if err is None else round(err, 4),
+            "weight_sync": {
+                "sync_mode": r["sync"],
+                "predicted_s": None if ws_p is None else round(ws_p, 4),
+                "measured_s": None if ws_m is None else round(ws_m, 4),
+            },
+            "unavailable": block.get("unavailable"),
+            "wall_s": r["wall_s"],
+        }
+    placed = {k: p.predicted.samples_per_s for k, p in plans.items()}
+    for other in ("b", "c", "d"):
+        out[f"a/{other}"] = {
+            "predicted": _ratio(pred.get("a"), pred.get(other)),
+            "measured": _ratio(meas.get("a"), meas.get(other)),
+        }
+    # the plans' own rates price each placement on the racks (a run's prediction prices
+    # its layout by kind and zone only): the planner's claim for METIS over first-fit
+    out["a/b"]["predicted_by_plans"] = _ratio(placed["a"], placed["b"])
+    out["a/c"]["predicted_by_plans"] = _ratio(placed["a"], placed["c"])
+    out["ranking"] = {"predicted": _ranking(pred), "measured": _ranking(meas)}
+    out["ranking_equal"] = out["ranking"]["predicted"] == out["ranking"]["measured"]
+    errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]
+    out["max_abs_error"] = round(max(errors), 4) if errors else None
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from areal_hex.config import load_config
+    from areal_hex.plan import save_plan
+    from hexctl.bench.e2e import initial_weights
+    from hexctl.job import box
+    from hexctl.job.box_spec import load_box
+    from hexctl.job.predict import LocalProfileFiles
+    from hexctl.profile.box import profile_box
+
+    spec = load_box(args.box)
+    box.check_host()
+    overrides = [*args.overrides, f"trainer.total_steps={args.steps}", f"run.box={spec.name}"]
+    load_start = os.getloadavg()[0]
+    state = box.up(spec)
+    try:
+        with tempfile.TemporaryDirectory(prefix="areal-hex-hetero-") as tmp:
+            out = Path(args.output_dir or tmp).resolve()
+            v0 = initial_weights(args.config, overrides, out / "initial")
+            overrides.append(f"model.path={v0}")
+            cfg = load_config(args.config, overrides)
+            if args.profile_dir:
+                files = LocalProfileFiles(Path(args.profile_dir).resolve())
+            else:
+                files = profile_box(cfg, spec, state, out / "profile", None)
+            plans = make_plans(files, args.budget)
+            for label, plan in plans.items():
+                save_plan(plan, out / f"plan-{label}.yaml")
+            runs = {
+                label: run_plan(
+                    args.config,
+                    overrides,
+                    out,
+                    label,
+                    plans["a" if label == "d" else label],
+                    "sync" if label == "d" else "async",
+                )  # fmt: skip
+                for label in LABELS
+            }
+            result = summarise(runs, plans)
+    finally:
+        box.down(spec.name)
+    return {
+        "box": spec.name,
+        "budget_usd_per_h": args.budget,
+        "steps": args.steps,
+        "config": args.config,
+        **result,
+        "cpu_check": state.cpu_check,
+        "left_behind": box.leftovers(spec.name),
+        "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+    }

@@ -1,0 +1,41 @@
+"""`areal-hex run CONFIG --plan PLAN run.box=NAME`, the processes: each inference server
+and the trainer start inside their planned node (namespace and CPU cgroup), each server
+bound to its node's address with its kind's batch limit. Valkey and the controller stay
+in the launcher's namespace, the spine: the head node of the cluster. The addresses in
+the run's config are `hexctl/job/box_config.py`'s."""
+
+from __future__ import annotations
+
+import math
+
+from areal_hex.config import ExperimentConfig
+from hexctl.job.box import load_state, node_argv
+from hexctl.job.layout import Layout
+from hexctl.launch.supervisor import ProcessSpec
+
+
+def place_on_box(cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]) -> None:
+    """Start the servers and the trainer inside their planned nodes."""
+    assert cfg.run.box is not None
+    state = load_state(cfg.run.box)
+    services = {s.name: s for s in layout.services}
+    for spec in specs:
+        svc = services[spec.name]
+        if svc.role not in ("inference", "trainer"):
+            continue  # the head node: the launcher's namespace
+        node = state.node(svc.node_names[0])
+        # more threads than the node's quota only contend for it
+        spec.env["OMP_NUM_THREADS"] = str(max(1, math.ceil(node.cpu)))
+        # gloo (the trainer's ranks, and the weight-update group of
+        # rollout.weight_sync=network) on the node's NIC: the host name resolves to an
+        # address of the launcher's namespace, not the node's
+        spec.env["GLOO_SOCKET_IFNAME"] = node.iface
+        command = list(spec.command)
+        if svc.role == "inference":
+            at = command.index("serve") + 2  # after the config path: overrides
+            command[at:at] = [
+                f"inference.host={node.address}",
+                f"inference.max_running_requests={node.max_running_requests}",
+                f"inference.num_threads={max(1, math.ceil(node.cpu))}",
+            ]
+        spec.command = node_argv(node, command)

@@ -1,0 +1,167 @@
+"""`areal-hex profile --box BOX.yaml`: each emulated kind of a box measured inside one of
+its nodes, and the box written as an inventory `areal-hex plan` reads as any cluster.
+
+Per kind, `profile --local`'s measurements (`local_profile.profile_local`) with the
+devices replaced by one node of the kind: its server started in the node's namespace and
+cgroup and reached at the node's address (over the node's NIC and rack uplink, from the
+launcher on the spine), its training timed in a process that joined the node's cgroup,
+the engine's batch limit the kind's. Each kind's files go to `OUT/kinds/<kind>/`; then
+
+- `cluster.yaml`: one zone; a node group per kind (one device per node, the kind's
+  price and NIC), the racks and their uplinks as the box has them, and per kind the
+  effective compute and bandwidth the measurements imply and an HBM size at which the
+  cost model's KV-cache batch is the kind's `max_running_requests`;
+- `profile.yaml`: the rates of every kind (device `box`: the launcher's controller is
+  not on a node's CPU share, so no trainer pays for it);
+- `workload.yaml`, `model/`: as `profile --local` writes them (the first kind's lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.config.base import load_yaml_text
+from hexctl.job.box import BoxState, node_argv
+from hexctl.job.box_spec import Box
+from hexctl.job.predict import LocalProfileFiles
+from hexctl.profile.devices import LocalDevices
+
+BOX_ZONE = "box"
+BOX_DEVICE = "box"  # DeviceRates.device: a node's share, not the host's cores
+
+
+def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
+    n = state.node(node)
+    threads = max(1, math.ceil(n.cpu))  # more threads than the quota only contend
+    return LocalDevices(
+        kind="CPU",  # profiled as a CPU device; `_merge` files it under the node's kind
+        device="cpu",
+        count=1,
+        inference_cores=None,
+        trainer_cores=None,
+        inference_threads=threads,
+        trainer_threads=threads,
+        memory_gb=memory_gb,
+        node_prefix=node_argv(n, []),
+        address=n.address,
+        cgroup=n.cgroup,
+    )
+
+
+def profile_box(
+    cfg: ExperimentConfig, box: Box, state: BoxState, out: Path, batches: list[int] | None
+) -> LocalProfileFiles:
+    from hexctl.profile.local import _model_dir, profile_local
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = LocalProfileFiles(out)
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.pin_cores = False
+    cfg.model.path = str(_model_dir(cfg, out))  # one initial model for every kind
+    per_kind: dict[str, LocalProfileFiles] = {}
+    for kind, spec in box.spec.kinds.items():
+        node = next(n.name for n in box.nodes if n.kind == kind)
+        kcfg = cfg.model_copy(deep=True)
+        kcfg.inference.max_running_requests = spec.max_running_requests
+        dev = node_devices(state, node, memory_gb=64.0)  # the batch: the engine limit
+        per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev)
+    first = next(iter(per_kind.values()))
+    files.model.mkdir(parents=True, exist_ok=True)
+    shutil.copy(first.model / "config.json", files.model / "config.json")
+    shutil.copy(first.workload, files.workload)
+    _merge(box, per_kind, files)
+    return files
+
+
+def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfileFiles) -> None:
+    """One inventory and one profile from the kinds' own files."""
+    from scheduler.profile import Profile, load_profile, save_profile
+
+    workload = load_yaml_text(files.workload.read_text(), str(files.workload))
+    batches = {k: s.max_running_requests for k, s in box.spec.kinds.items()}
+    workload.setdefault("constants", {})["max_running_requests"] = max(batches.values())
+    workload["max_trainer_nodes"] = 1  # `run.box` launches the trainer on one node
+    files.workload.write_text(yaml.safe_dump(workload, sort_keys=False))
+    kinds, overrides, reloads = {}, {}, []
+    for kind, f in per_kind.items():
+        prof = load_profile(f.profile)
+        rates = prof.kinds["CPU"].model_copy(update={"device": BOX_DEVICE})
+        kinds[kind] = rates
+        cpu = load_yaml_text(f.cluster.read_text(), str(f.cluster))["gpu_overrides"]["CPU"]
+        cpu["hbm_gb"] = _hbm_gb(files, workload, batches[kind])
+        overrides[kind] = cpu
+        zone = load_yaml_text(f.cluster.read_text(), str(f.cluster))["zones"][0]
+        reloads.append(zone["inter_node_latency_ms"])
+        params = prof.params
+    save_profile(Profile(model=str(files.model), params=params, kinds=kinds), files.profile)
+    spec = inventory(box, overrides, max(reloads))
+    files.cluster.write_text(yaml.safe_dump(spec, sort_keys=False))
+    measured = {k: json.loads(f.measured.read_text()) for k, f in per_kind.items()}
+    files.measured.write_text(json.dumps({"kinds": measured}, indent=2))
+
+
+def _hbm_gb(files: LocalProfileFiles, workload: dict[str, Any], batch: int) -> float:
+    """The memory at which the cost model's KV-cache batch (free memory // one request's
+    KV) is `batch`: the kind's engine limit, its emulated KV budget."""
+    from scheduler.model_shape import load_model_shape
+    from scheduler.workload import CostConstants
+
+    m = load_model_shape(str(files.model))
+    k = CostConstants()
+    per_req = (workload["prompt_tokens"] + workload["max_response_tokens"]) * m.kv_bytes_per_token
+    usable = (batch + 0.5) * per_req + 2.0 * m.params + k.runtime_reserve_gb * 1e9
+    return round(usable / k.hbm_utilization / 1e9, 9)
+
+
+def inventory(box: Box, overrides: dict[str, dict[str, Any]], reload_ms: float) -> dict[str, Any]:
+    """The box as a cluster spec (`scheduler/cluster.py`): node group KIND holds the
+    nodes KIND-0, KIND-1, ..., racks as the box has them; bandwidths in GB/s."""
+    counts = {k: sum(1 for n in box.nodes if n.kind == k) for k in box.spec.kinds}
+    fastest = max(s.nic_mbit for s in box.spec.kinds.values())
+    groups = [
+        {
+            "name": kind,
+            "gpu": kind,
+            "gpus_per_node": 1,
+            "nodes": counts[kind],
+            "zone": BOX_ZONE,
+            "usd_per_gpu_hour": s.usd_per_hour,
+            "intra_node": {"kind": "pcie", "bandwidth_gbs": 10.0},
+            "nic_gbs": s.nic_mbit / 8000,
+        }
+        for kind, s in box.spec.kinds.items()
+        if counts[kind]
+    ]
+    racks = []
+    for r, rack in enumerate(box.spec.racks):
+        members = []
+        for n in (n for n in box.nodes if n.rack == r):
+            index = int(n.name.rsplit("-", 1)[1])
+            last = members[-1] if members else None
+            if last and last["group"] == n.kind and last["first"] + last["count"] == index:
+                last["count"] += 1
+            else:
+                members.append({"group": n.kind, "first": index, "count": 1})
+        racks.append({"name": rack.name, "uplink_gbs": rack.uplink_mbit / 8000, "members": members})
+    return {
+        "name": f"box-{box.name}",
+        "zones": [
+            {
+                "name": BOX_ZONE,
+                "region": BOX_ZONE,
+                "inter_node_bandwidth_gbs": fastest / 8000,
+                # a weight update's pause with requests in flight, the slowest kind's
+                "inter_node_latency_ms": reload_ms,
+            }
+        ],
+        "node_groups": groups,
+        "racks": racks,
+        "gpu_overrides": overrides,
+    }

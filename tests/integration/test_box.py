@@ -1,0 +1,133 @@
+"""The box on this machine: a 2-node box comes up with its links shaped and its CPU
+quotas in effect, and `down` leaves nothing of it after success, a failure of `up`
+half-way, and a SIGKILLed `up`. Needs root, network namespaces and tc (CI runs as root);
+skipped otherwise, with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hexctl.job import box
+from hexctl.job.box_spec import load_box
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "the box needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` command"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "network namespaces are not available"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+
+
+def _spec(tmp: Path, name: str, nodes: int = 2, nic: float = 80.0, cpu: float = 0.3) -> Path:
+    data = {
+        "name": name,
+        "kinds": {
+            "slow": {"cpu": cpu, "max_running_requests": 8, "usd_per_hour": 1.0, "nic_mbit": nic}
+        },
+        "racks": [
+            {"name": "a", "uplink_mbit": 1000, "members": [{"kind": "slow", "count": nodes}]}
+        ],
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _name(tag: str) -> str:
+    return f"{tag}{os.getpid() % 10000}"  # unique per test process: boxes may run side by side
+
+
+def _tc_devices() -> str:
+    return subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+
+
+def test_up_shapes_links_and_quotas_then_down_leaves_nothing(tmp_path: Path) -> None:
+    spec = load_box(_spec(tmp_path, _name("ok")))
+    try:
+        state = box.up(spec, cpu_check_s=0.3)
+        a, b = state.node("slow-0"), state.node("slow-1")
+        assert a.address != b.address
+        # 2 MiB over an 80 Mbit/s NIC: 0.21 s if the shaping holds, far less if not
+        seconds = box.transfer_s(a, b, 2)
+        rate_mbit = 2 * 8 * (1 << 20) / 1e6 / seconds
+        assert 0.7 * 80 < rate_mbit < 1.1 * 80, rate_mbit
+        # the quota caps a busy loop at 0.3 cores (less only if the machine is busy)
+        assert all(0.0 < r <= 0.3 * 1.25 + 0.05 for r in state.cpu_check.values())
+        assert box.prefix(spec.name) in _tc_devices()
+    finally:
+        box.down(spec.name)
+    assert box.leftovers(spec.name) == []
+    assert box.prefix(spec.name) not in _tc_devices()
+
+
+def test_failed_up_removes_what_it_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_box(_spec(tmp_path, _name("fl")))
+    made: list[int] = []
+
+    def fail_second(path: Path, cpu: float) -> Path:
+        made.append(1)
+        if len(made) == 2:  # the first node is complete, the second half-made
+            raise box.BoxError("injected failure")
+        return real(path, cpu)
+
+    real = box._make_cgroup
+    monkeypatch.setattr(box, "_make_cgroup", fail_second)
+    with pytest.raises(box.BoxError, match="injected"):
+        box.up(spec)
+    assert box.leftovers(spec.name) == []
+
+
+def test_sigkilled_up_is_cleaned_by_the_next_down(tmp_path: Path) -> None:
+    name = _name("kl")
+    path = _spec(tmp_path, name, nodes=6)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hexctl.cli", "box", "up", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not box.leftover_netns(name) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert box.leftover_netns(name), "box up made no namespace in 60 s"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert box.leftovers(name) != []  # killed half-way: something is left ...
+    down = subprocess.run(
+        [sys.executable, "-m", "hexctl.cli", "box", "down", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert box.leftovers(name) == []  # ... and the next `down` removes it
+
+
+def test_without_root_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from areal_hex.errors import UsageError
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(UsageError, match="needs root"):
+        box.check_host()

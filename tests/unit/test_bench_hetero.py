@@ -1,0 +1,64 @@
+"""`bench hetero`'s figures from four runs' fidelity blocks, and the one-kind inventory
+its plan b is made on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areal_hex.plan import Plan
+from hexctl.bench.hetero import one_kind_cluster, summarise
+from scheduler.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan(cost: float, rate: float = 1.0) -> Plan:
+    slot = {"node": "n-0", "gpu_ids": [0]}
+    return Plan.model_validate({
+        "cluster": "c", "model": "m", "objective": "throughput",
+        "rollout": [{"id": "r", "gpu_kind": "n", "tp": 1, "zone": "z", "region": "z",
+                     "placement": slot, "predicted_tokens_per_s": 1.0}],
+        "trainer": {"gpu_kind": "n", "world_size": 1, "dp": 1, "zero_stage": 0,
+                    "placements": [slot], "predicted_tokens_per_s": 1.0},
+        "predicted": {"samples_per_s": rate, "generation_samples_per_s": 1,
+                      "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": cost},
+    })  # fmt: skip
+
+
+def _run(pred: float, meas: float, mode: str = "async") -> dict:
+    block = {
+        "predicted": {"pipeline_samples_per_s": pred, "weight_sync_s": 0.02},
+        "measured": {"pipeline_samples_per_s": meas, "weight_sync_s": 0.03},
+        "relative_error": {"pipeline_samples_per_s": (pred - meas) / meas},
+    }
+    return {"block": block, "wall_s": 1.0, "mode": mode, "sync": "network"}
+
+
+def test_ratios_errors_and_rankings() -> None:
+    runs = {"a": _run(130, 100), "b": _run(100, 80), "c": _run(110, 105), "d": _run(60, 50, "sync")}
+    plans = {"a": _plan(6, 2.0), "b": _plan(3), "c": _plan(6, 0.5)}
+    out = summarise(runs, plans)
+    assert out["a/b"] == {"predicted": 1.3, "measured": 1.25, "predicted_by_plans": 2.0}
+    assert out["a/d"] == {"predicted": pytest.approx(130 / 60, abs=1e-4), "measured": 2.0}
+    assert out["plans"]["a"]["error"] == 0.3 and out["plans"]["d"]["mode"] == "sync"
+    assert out["plans"]["d"]["cost_usd_per_h"] == 6  # d is plan a, run synchronously
+    assert out["plans"]["b"]["weight_sync"] == {
+        "sync_mode": "network",
+        "predicted_s": 0.02,
+        "measured_s": 0.03,
+    }
+    # predicted a > c > b > d, measured c > a > b > d: not the same ranking
+    assert out["ranking"] == {"predicted": ["a", "c", "b", "d"], "measured": ["c", "a", "b", "d"]}
+    assert out["ranking_equal"] is False
+    assert out["a/c"]["predicted_by_plans"] == 4.0
+    assert out["max_abs_error"] == 0.3
+
+
+def test_the_one_kind_inventory_keeps_only_that_kind() -> None:
+    cl = load_cluster(ROOT / "examples/clusters/racks_h800_h20.yaml")
+    alone = one_kind_cluster(cl, "h20")
+    assert [g.name for g in alone.spec.node_groups] == ["h20"]
+    assert set(alone.rack_of) == {f"h20-{i}" for i in range(8)}
+    assert all(m.group == "h20" for r in alone.spec.racks for m in r.members)

@@ -1,0 +1,189 @@
+"""The box as the planner sees it (`profile --box` output) and a plan's services placed on
+its nodes, without bringing a box up: the state file `box up` writes stands in."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_hex.errors import UsageError
+from hexctl.job import box as box_mod
+from hexctl.job.box_spec import load_box
+from hexctl.profile.box import inventory
+from scheduler.cluster import ClusterSpec, make_cluster
+
+BOX = {
+    "name": "inv",
+    "kinds": {
+        "fast": {"cpu": 0.6, "max_running_requests": 4, "usd_per_hour": 3.0, "nic_mbit": 800},
+        "mem": {"cpu": 0.2, "max_running_requests": 64, "usd_per_hour": 1.0, "nic_mbit": 400},
+    },
+    "racks": [
+        {
+            "name": "a",
+            "uplink_mbit": 16,
+            "members": [{"kind": "fast", "count": 1}, {"kind": "mem", "first": 2, "count": 2}],
+        },
+        {
+            "name": "b",
+            "uplink_mbit": 16,
+            "members": [{"kind": "fast", "count": 1}, {"kind": "mem", "first": 0, "count": 2}],
+        },
+    ],
+}
+FIGURES = {"bf16_tflops": 0.01, "hbm_gb": 2.5, "hbm_gbs": 0.04}
+
+
+def _box(tmp: Path):
+    p = tmp / "box.yaml"
+    p.write_text(yaml.safe_dump(BOX))
+    return load_box(p)
+
+
+def test_the_inventory_is_a_cluster_with_the_box_racks_and_links(tmp_path: Path) -> None:
+    box = _box(tmp_path)
+    spec = inventory(box, {"fast": FIGURES, "mem": FIGURES}, reload_ms=12.0)
+    cl = make_cluster(ClusterSpec.model_validate(spec))
+    groups = {g.name: g for g in cl.spec.node_groups}
+    assert groups["fast"].nodes == 2 and groups["mem"].nodes == 4
+    assert groups["fast"].nic_gbs == pytest.approx(0.1) and groups["mem"].nic_gbs == pytest.approx(
+        0.05
+    )
+    assert groups["mem"].usd_per_gpu_hour == 1.0
+    # machine names are the box's node names, in the racks the box put them
+    assert cl.rack_of == {
+        "fast-0": "a",
+        "mem-2": "a",
+        "mem-3": "a",
+        "fast-1": "b",
+        "mem-0": "b",
+        "mem-1": "b",
+    }
+    assert {r.uplink_gbs for r in cl.spec.racks} == {0.002}
+    assert cl.spec.zones[0].inter_node_latency_ms == 12.0
+
+
+def _state(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> box_mod.BoxState:
+    monkeypatch.setattr(box_mod, "STATE_ROOT", tmp / "run")
+    box = _box(tmp)
+    nodes = {
+        n.name: box_mod.NodeState(
+            n.name,
+            n.kind,
+            box.spec.racks[n.rack].name,
+            box_mod.netns_name("inv", n.name),
+            box.address(n),
+            "eth0",
+            f"/cg/{n.name}",
+            box.spec.kinds[n.kind].cpu,
+            box.spec.kinds[n.kind].max_running_requests,
+        )
+        for n in box.nodes
+    }
+    state = box_mod.BoxState("inv", box.host_address, 24, nodes, {})
+    box_mod.state_dir("inv").mkdir(parents=True)
+    (box_mod.state_dir("inv") / "state.json").write_text(json.dumps(asdict(state)))
+    return state
+
+
+def _plan(trainer: list[str], rollout: list[str]):
+    from areal_hex.plan import Plan
+
+    slot = lambda n: {"node": n, "gpu_ids": [0]}  # noqa: E731
+    return Plan.model_validate({
+        "cluster": "box-inv", "model": "m", "objective": "throughput",
+        "rollout": [{"id": f"rollout-{n}", "gpu_kind": n.split("-")[0], "tp": 1, "zone": "box",
+                     "region": "box", "placement": slot(n), "predicted_tokens_per_s": 1.0}
+                    for n in rollout],
+        "trainer": {"gpu_kind": "fast", "world_size": len(trainer), "dp": len(trainer),
+                    "zero_stage": 0, "placements": [slot(n) for n in trainer],
+                    "predicted_tokens_per_s": 1.0},
+        "predicted": {"samples_per_s": 1, "generation_samples_per_s": 1,
+                      "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": 1},
+    })  # fmt: skip
+
+
+def test_a_plan_runs_on_its_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from areal_hex.config import load_config
+    from hexctl.job.box_config import apply_box
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.box_run import place_on_box
+    from hexctl.launch.run import process_specs
+
+    state = _state(tmp_path, monkeypatch)
+    plan = _plan(["fast-1"], ["mem-0", "mem-3"])
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(
+        root / "examples/box/tiny_box.yaml",
+        ["run.box=inv", "run.run_id=r", f"run.output_dir={tmp_path}"],
+    )
+    cfg.run.embedded_redis, cfg.redis.port = True, 6399
+    cfg.inference.num_servers = 2
+    apply_box(cfg, plan)
+    mem0, mem3, fast1 = (state.node(n) for n in ("mem-0", "mem-3", "fast-1"))
+    assert cfg.redis.url == f"redis://{state.host_address}:6399/0"
+    assert cfg.redis.bind == state.host_address
+    assert cfg.inference.server_urls == [
+        f"http://{mem0.address}:{cfg.inference.base_port}",
+        f"http://{mem3.address}:{cfg.inference.base_port + 1}",
+    ]
+    layout = build_layout(cfg, plan)
+    specs = process_specs(cfg, layout, tmp_path / "config.yaml")
+    place_on_box(cfg, layout, specs)
+    by_name = {s.name: s for s in specs}
+    server = by_name["rollout-mem-3"].command
+    assert server[:5] == ["sh", "-c", server[2], "sh", mem3.cgroup]
+    assert server[5] == mem3.netns
+    assert (
+        f"inference.host={mem3.address}" in server and "inference.max_running_requests=64" in server
+    )
+    assert server.index(f"inference.host={mem3.address}") < server.index("--index")
+    assert by_name["trainer"].command[5] == fast1.netns
+    assert by_name["trainer"].env["GLOO_SOCKET_IFNAME"] == "eth0"
+    # the head node: Valkey and the controller stay in the launcher's namespace
+    assert by_name["controller"].command[0] != "sh" and by_name["redis"].command[0] != "sh"
+
+
+def test_a_plan_the_box_cannot_run_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from areal_hex.config import load_config
+    from hexctl.job.box_config import box_state
+
+    _state(tmp_path, monkeypatch)
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples/box/tiny_box.yaml", ["run.box=inv"])
+    with pytest.raises(UsageError, match="needs --plan"):
+        box_state(cfg, None)
+    with pytest.raises(UsageError, match="must use one node"):
+        box_state(cfg, _plan(["fast-0", "fast-1"], ["mem-0"]))
+    with pytest.raises(UsageError, match="no node 'mem-9'"):
+        box_state(cfg, _plan(["fast-0"], ["mem-9"]))
+    cfg.run.pin_cores = True
+    with pytest.raises(UsageError, match="pin_cores=false"):
+        box_state(cfg, _plan(["fast-0"], ["mem-0"]))
+    other = load_config(root / "examples/box/tiny_box.yaml", ["run.box=gone"])
+    with pytest.raises(UsageError, match="is not up"):
+        box_state(other, _plan(["fast-0"], ["mem-0"]))
+
+
+def test_max_trainer_nodes_keeps_the_trainer_on_one_machine() -> None:
+    from scheduler.model_shape import load_model_shape
+    from scheduler.trainers import trainer_configs, trainer_nodes
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    cl = make_cluster(
+        ClusterSpec.model_validate(
+            yaml.safe_load((root / "examples/clusters/mixed_trainer_h800_h20.yaml").read_text())
+        )
+    )
+    m = load_model_shape("qwen3-8b")
+    w = load_workload(root / "examples/workloads/long_cot.yaml")
+    assert max(trainer_nodes(c) for c in trainer_configs(cl, m, w)) > 1
+    one = w.model_copy(update={"max_trainer_nodes": 1})
+    assert {trainer_nodes(c) for c in trainer_configs(cl, m, one)} == {1}

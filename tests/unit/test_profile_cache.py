@@ -1,0 +1,99 @@
+"""The profile cache: keyed by machine, the job fields a profile reads, and the code."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from areal_hex.config import ExperimentConfig
+from hexctl.launch import run as launch_run
+from hexctl.profile import cache
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AREAL_HEX_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _cfg(**sections: dict) -> ExperimentConfig:
+    return ExperimentConfig(**sections)
+
+
+def test_key_ignores_names_ports_and_lengths_but_not_what_is_measured() -> None:
+    base, _ = cache.key_of(_cfg())
+    same = _cfg(
+        run={"run_id": "other", "output_dir": "/elsewhere"},
+        inference={"base_port": 40123},
+        trainer={"total_steps": 7, "checkpoint_every": 3},
+    )
+    assert cache.key_of(same)[0] == base
+    for changed in (
+        _cfg(rollout={"group_size": 6}),
+        _cfg(inference={"max_running_requests": 8}),
+        _cfg(buffer={"groups_per_step": 2}),
+        _cfg(run={"pin_cores": True}),
+    ):
+        assert cache.key_of(changed)[0] != base
+
+
+def test_key_follows_the_machine_and_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    base, _ = cache.key_of(_cfg())
+    real = cache.machine
+    monkeypatch.setattr(cache, "machine", lambda cfg: {**real(cfg), "cores": 999})
+    assert cache.key_of(_cfg())[0] != base
+    monkeypatch.setattr(cache, "machine", real)
+    monkeypatch.setattr(cache, "code_version", lambda: "changed")
+    assert cache.key_of(_cfg())[0] != base
+
+
+def _fake_profile(calls: list[Path]):  # type: ignore[no-untyped-def]
+    def profile_local(cfg: ExperimentConfig, out: Path, say=None) -> None:  # noqa: ANN001
+        calls.append(out)
+        out.mkdir(parents=True)
+        (out / "profile.yaml").write_text("measured: 1\n")
+        if say is not None:
+            say("a stage")
+
+    return profile_local
+
+
+def test_profile_first_measures_once_then_reuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hexctl.profile.local as local
+
+    calls: list[Path] = []
+    monkeypatch.setattr(local, "profile_local", _fake_profile(calls))
+    cfg = _cfg()
+    first, log1 = io.StringIO(), io.StringIO()
+    out1, failed = launch_run.profile_first(cfg, tmp_path / "run1", first)
+    assert failed is None and len(calls) == 1
+    text = first.getvalue()
+    assert "several minutes" in text and "a stage" in text and "profiled in" in text
+
+    out2, failed = launch_run.profile_first(cfg, tmp_path / "run2", log1)
+    assert failed is None and len(calls) == 1  # not measured again
+    assert (out2 / "profile.yaml").read_text() == "measured: 1\n"
+    assert "reusing" in log1.getvalue()
+
+    other = _cfg(rollout={"group_size": 6})
+    log2 = io.StringIO()
+    launch_run.profile_first(other, tmp_path / "run3", log2)
+    assert len(calls) == 2  # another job: measured, and the last duration is said
+    assert "the last one here took" in log2.getvalue()
+
+
+def test_an_unwritable_cache_leaves_the_run_its_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hexctl.profile.local as local
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("AREAL_HEX_CACHE_DIR", str(blocker))
+    calls: list[Path] = []
+    monkeypatch.setattr(local, "profile_local", _fake_profile(calls))
+    out, failed = launch_run.profile_first(_cfg(), tmp_path / "run", io.StringIO())
+    assert failed is None and out is not None and (out / "profile.yaml").is_file()
