@@ -12,6 +12,7 @@ is faster, or as fast for less, it is the plan.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from areal_hex.config import ConfigError
@@ -21,6 +22,11 @@ from scheduler.model_shape import ModelShape
 from scheduler.placing import TARGET_TOLERANCE, Placed, placed, polished
 from scheduler.profile import Profile
 from scheduler.workload import Workload
+
+# How an inventory is planned: the planner's own search (seeds off), given by the planner,
+# which imports this module: (inventory, model, workload, profile; budget, target,
+# time limit) -> (its plan space, its best plan).
+PlanInventory = Callable[..., "tuple[PlanSpace, Placed]"]
 
 
 def kinds_of(p: PlanSpace) -> list[str]:
@@ -35,6 +41,7 @@ def one_kind_plan(
     p: PlanSpace,
     kind: str,
     *,
+    plan_inventory: PlanInventory,
     budget: float | None = None,
     target: float | None = None,
     prof: Profile | None = None,
@@ -43,23 +50,12 @@ def one_kind_plan(
     """The best plan of `kind`'s machines under `budget` (or the cheapest at `target`),
     as a plan of the whole inventory `p`; None where that kind has no plan (or none that
     reaches the target)."""
-    from scheduler.planner import problem_for, search  # the planner imports this module
-
     sub = one_kind(cl, kind)
     found: list[Placed] = []
     try:
-        sp = problem_for(sub, m, w, prof)
-        got = search(
-            sub,
-            m,
-            w,
-            sp,
-            budget=budget,
-            target=target,
-            time_limit_s=time_limit_s,
-            seeds=False,
-            cheapest=False,
-        ).best
+        sp, got = plan_inventory(
+            sub, m, w, prof, budget=budget, target=target, time_limit_s=time_limit_s
+        )
         found.append(_in_full(cl, m, w, p, sp, got))
     except ConfigError:
         pass

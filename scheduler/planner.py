@@ -168,6 +168,26 @@ class Searched:
     one_kind: dict[str, float] = field(default_factory=dict)  # kind -> its plan's rate
 
 
+def plan_inventory(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    prof: Profile | None,
+    *,
+    budget: float | None = None,
+    target: float | None = None,
+    time_limit_s: float = 60.0,
+) -> tuple[PlanSpace, Placed]:
+    """An inventory's own plan space and its best plan by `search` (no one-kind seeds:
+    the one-kind baselines plan their inventories with this)."""
+    sp = problem_for(cl, m, w, prof)
+    got = search(
+        cl, m, w, sp, budget=budget, target=target, time_limit_s=time_limit_s,
+        seeds=False, cheapest=False,
+    )  # fmt: skip
+    return sp, got.best
+
+
 def search(
     cl: Cluster,
     m: ModelShape,
@@ -197,7 +217,16 @@ def search(
         # the one-kind plans need nothing from phase 1's pick: they run beside it (each
         # solve is a CBC subprocess, so two cores make them about free)
         seeded = aside.submit(
-            one_kind_plans, cl, m, w, p, kinds, budget=budget, prof=prof, time_limit_s=time_limit_s
+            one_kind_plans,
+            cl,
+            m,
+            w,
+            p,
+            kinds,
+            plan_inventory=plan_inventory,
+            budget=budget,
+            prof=prof,
+            time_limit_s=time_limit_s,
         )
         try:
             sol = solve(p, budget=budget, time_limit_s=time_limit_s, cheapest=cheapest)
@@ -307,7 +336,15 @@ def make_plan(
                 for kind, got in zip(
                     kinds,
                     one_kind_plans(
-                        cl, m, w, p, kinds, budget=spend, prof=prof, time_limit_s=time_limit_s
+                        cl,
+                        m,
+                        w,
+                        p,
+                        kinds,
+                        plan_inventory=plan_inventory,
+                        budget=spend,
+                        prof=prof,
+                        time_limit_s=time_limit_s,
                     ),
                     strict=True,
                 )
@@ -356,7 +393,15 @@ def _one_kind_at_rate(
     money than one kind at the same rate."""
     goal = target if target is not None else best.rate
     plans = one_kind_plans(
-        cl, m, w, p, kinds_of(p), target=goal, prof=prof, time_limit_s=time_limit_s
+        cl,
+        m,
+        w,
+        p,
+        kinds_of(p),
+        plan_inventory=plan_inventory,
+        target=goal,
+        prof=prof,
+        time_limit_s=time_limit_s,
     )
     cheapest = min((x for x in plans if x is not None), key=lambda x: x.solution.cost, default=None)
     if cheapest is None:
