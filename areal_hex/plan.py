@@ -88,7 +88,7 @@ class Baselines(Section):
     homogeneous_samples_per_s: float = 0.0
     synchronous_samples_per_s: float = 0.0
     simulated_samples_per_s: float | None = None
-    simulated_max_staleness: int | None = None
+    simulated_max_version_lag: int | None = None
     mip_gap: float = 0.0
     milp_samples_per_s: float | None = None  # the MILP's objective (pauses at t_c's period)
     # phase 1's exact rate before placement: above `predicted` only where racks or NICs

@@ -168,7 +168,7 @@ class TrainerRow(_Row):
     # train-inference mismatch on tokens of the trained version: {"server"|"gpu_kind":
     # {name: {"abs_dlogp": mean |dlog p|, "k3": mean KL(infer || train), "tokens": n}}}
     mismatch: dict[str, dict[str, dict[str, float]]] = {}
-    max_staleness: int = 0
+    max_version_lag: int = 0  # the largest version lag of a group in this batch
     degenerate_groups: int = 0
     sequences: int = 0
     completion_tokens: int = 0

@@ -586,7 +586,7 @@ def to_plan(
             homogeneous_samples_per_s=round(best_homo[1], 4),
             synchronous_samples_per_s=round(sync, 4),
             simulated_samples_per_s=None if sim is None else round(sim.samples_per_s, 4),
-            simulated_max_staleness=None if sim is None else sim.max_staleness,
+            simulated_max_version_lag=None if sim is None else sim.max_version_lag,
             mip_gap=sol.gap,
             solve_s=round(sol.solve_s, 3),
             milp_samples_per_s=round(sol.rate, 4),

@@ -80,7 +80,7 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             )
             lines.append(
                 f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
-                f"{b.simulated_max_staleness}{idle}{gap}"
+                f"{b.simulated_max_version_lag}{idle}{gap}"
             )
         if b.first_fit_samples_per_s is not None:
             sim_ff = b.simulated_first_fit_samples_per_s

@@ -62,7 +62,7 @@ class SimResult:
     samples_per_s: float
     generation_samples_per_s: float
     steps: int
-    max_staleness: int
+    max_version_lag: int
     staleness_hist: dict[int, int]  # versions behind the buffer's -> groups trained
     trainer_idle_frac: float
     rollout_busy_frac: float
@@ -241,7 +241,7 @@ class Simulation:
             samples_per_s=measured * w.batch_groups * w.group_size / span,
             generation_samples_per_s=(self.gen_done - self.gen_warm) / span,
             steps=self.trained,
-            max_staleness=max(self.hist, default=0),
+            max_version_lag=max(self.hist, default=0),
             staleness_hist=dict(sorted(self.hist.items())),
             trainer_idle_frac=self.trainer_idle / span,
             rollout_busy_frac=busy,

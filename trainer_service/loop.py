@@ -370,7 +370,7 @@ class Trainer:
             lr=float(self.ctx.engine.get_lr()[0]),
             staleness_hist=dict(hist),
             mismatch=r.extra.get("mismatch", {}),
-            max_staleness=max(batch.staleness, default=0),
+            max_version_lag=max(batch.staleness, default=0),
             degenerate_groups=r.degenerate_groups,
             sequences=r.num_sequences,
             completion_tokens=int(r.sums["tokens"]),

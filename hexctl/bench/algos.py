@@ -58,7 +58,7 @@ def _one(config: str, overrides: list[str], run_id: str, out: str, eval_n: int |
         "samples_per_s": s.get("samples_per_s"),
         "dropped_stale": s.get("groups_dropped_stale"),
         "final_reward": s.get("final_reward"),
-        "max_staleness": s.get("max_staleness"),
+        "max_version_lag": s.get("max_version_lag"),
     }
 
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, eta, algo in variants(etas, args.gspo_eta):
             ov = [*base, f"buffer.max_staleness={eta}", *algo]
             res = _one(args.config, ov, f"algos-{name}-eta{eta}", out, args.eval_n)
-            rows.append({"objective": name, "eta": eta, **res})
+            rows.append({"objective": name, "max_staleness": eta, **res})
             # each run as it ends (the grid takes long): one JSON line on stderr
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {

@@ -91,21 +91,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         asyn = run_once(args.config, overrides, "async", out)
         # The same window in both runs: after the first eta + 1 steps, whose batches the
         # async run could generate before the trainer started (a head start, not rate).
-        skip = asyn["eta"] + 1
+        skip = asyn["max_staleness"] + 1
         s = steady_rate(Path(out_dir_of(sync, out)), sync["group_size"], skip)
         a = steady_rate(Path(out_dir_of(asyn, out)), asyn["group_size"], skip)
     return {
         "config": args.config,
         "steps": asyn["steps"],
         "window_from_step": skip,
-        "eta": asyn["eta"],
+        "max_staleness": asyn["max_staleness"],
         "sync_samples_per_s": s,
         "async_samples_per_s": a,
         "speedup": a / s if s > 0 else None,
         "sync_wall_s": sync["wall_time_s"],
         "async_wall_s": asyn["wall_time_s"],
-        "max_staleness": asyn["max_staleness"],
-        "max_staleness_sync": sync["max_staleness"],
+        "max_version_lag": asyn["max_version_lag"],
+        "max_version_lag_sync": sync["max_version_lag"],
         "final_reward_sync": sync["final_reward"],
         "final_reward_async": asyn["final_reward"],
         "groups_lost_sync": sync.get("groups_lost"),

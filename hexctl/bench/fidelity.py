@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plan_path = save_plan(plan, out / "plan.yaml")
         asyn = run_once(args.config, overrides, "async", str(out), plan_path)
         sync = run_once(args.config, overrides, "sync", str(out), plan_path)
-        skip = asyn["eta"] + 1  # the same window in both runs
+        skip = asyn["max_staleness"] + 1  # the same window in both runs
         a_dir, s_dir = out / str(asyn["run_id"]), out / str(sync["run_id"])
         a_cfg = load_config(a_dir / "config.yaml")
         s_cfg = load_config(s_dir / "config.yaml")

@@ -10,7 +10,7 @@ import json
 SUMMARY_KEYS = (
     "steps",
     "final_reward",
-    "max_staleness",
+    "max_version_lag",
     "groups_produced",
     "groups_trained",
     "groups_dropped_stale",

@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
     keys = [
         "steps",
         "final_reward",
-        "max_staleness",
+        "max_version_lag",
         "samples_per_s",
         "wall_time_s",
         "groups_produced",

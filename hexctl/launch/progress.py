@@ -54,7 +54,7 @@ def format_line(
     elapsed_s: float,
     stalled: dict[str, float] | None = None,
 ) -> str:
-    """One status line, e.g. `step 12/40 | reward 0.42 | staleness 1 (max 2) | ...`;
+    """One status line, e.g. `step 12/40 | reward 0.42 | version lag 1 (max 2) | ...`;
     before the first step, e.g. `step 0/40 | trainer: loading the model | ...`; servers
     that stopped answering first: `STALLED inference-0 (no answer 12 s) | step ...`."""
     step = int(state.get("step", 0))
@@ -65,8 +65,8 @@ def format_line(
         return " | ".join([*parts, *doing, f"elapsed {_fmt_duration(elapsed_s)}"])
     r = state.get("reward_mean")
     parts.append(f"reward {r:.3f}" if isinstance(r, (int, float)) else "reward -")
-    if "staleness" in state:
-        parts.append(f"staleness {state['staleness']} (max {state.get('max_staleness', 0)})")
+    if "lag" in state:
+        parts.append(f"version lag {state['lag']} (max {state.get('max_lag', 0)})")
     sps = state.get("samples_per_s")
     parts.append(f"{sps:.1f} samples/s" if isinstance(sps, (int, float)) else "- samples/s")
     if "groups_produced_total" in state:
@@ -127,8 +127,8 @@ class Progress:
                 self.state["t_first_step_elapsed"] = time.monotonic() - self.t0
             self.state["step"] = row.step
             self.state["reward_mean"] = row.reward_mean
-            self.state["staleness"] = row.max_staleness
-            self.state["max_staleness"] = max(self.state.get("max_staleness", 0), row.max_staleness)
+            self.state["lag"] = row.max_version_lag
+            self.state["max_lag"] = max(self.state.get("max_lag", 0), row.max_version_lag)
         for r in self.rollout.read():
             changed = True
             self.state["samples_per_s"] = r.samples_per_s

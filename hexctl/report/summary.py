@@ -140,14 +140,14 @@ def summarize(
         "run_id": cfg.run.run_id,
         "mode": cfg.run.mode,
         "outcome": outcome,
-        "eta": cfg.buffer.max_staleness,
+        "max_staleness": cfg.buffer.max_staleness,
         "groups_per_step": cfg.buffer.groups_per_step,
         "group_size": cfg.rollout.group_size,
         "steps": metrics[-1].step if metrics else 0,
         "total_steps": cfg.trainer.total_steps,
         "final_reward": _final_reward(metrics),
         "first_reward": metrics[0].reward_mean if metrics else None,
-        "max_staleness": max((r.max_staleness for r in metrics), default=0),
+        "max_version_lag": max((r.max_version_lag for r in metrics), default=0),
         "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
         "mismatch": mismatch_totals(metrics),
         **_throughput(metrics, cfg.rollout.group_size, t_ready),
@@ -271,7 +271,7 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     times = [r.time for r in [*metrics, *rollout] if r.time]
     t0 = min(times) if times else 0.0
     _plot_reward(plt, metrics, rollout, out)
-    _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("eta", 0), out)
+    _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("max_staleness", 0), out)
     _plot_throughput(plt, metrics, rollout, out, t0)
     _plot_timeline(plt, metrics, rollout, out, t0)
     plot_mismatch(plt, metrics, out)

@@ -102,7 +102,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     metrics = jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
-        assert m["max_staleness"] <= ETA
+        assert m["max_version_lag"] <= ETA
         assert all(int(lag) <= ETA for lag in m["staleness_hist"])
     versions = [m["version"] for m in metrics]
     assert versions == sorted(versions) and versions[-1] > versions[0]
@@ -119,7 +119,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         + full["groups_in_flight"]
     )
     assert full["groups_trained"] == STEPS * 4
-    assert full["max_staleness"] <= ETA
+    assert full["max_version_lag"] <= ETA
     assert full["restarts"]["inference-0"] == 1  # the killed server was restarted
     assert full["samples_per_s"] > 0
     for name in ("reward", "staleness", "throughput", "timeline", "fidelity"):

@@ -45,7 +45,7 @@ def test_simulator_synchronous_gate_serialises() -> None:
     # eta = 0: the next group is admitted only after the step, 0.5 s + 0.1 s per group.
     r = simulate(_one_instance(), **_sim_kw(staleness=0))  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(2 / 0.6, rel=1e-6)
-    assert r.max_staleness == 0
+    assert r.max_version_lag == 0
 
 
 def test_simulator_weight_sync_pause_costs_generation() -> None:
@@ -105,7 +105,7 @@ def test_simulator_drops_groups_older_than_eta_and_counts_them() -> None:
     kw = _sim_kw(group_size=1, staleness=1, steps=60)
     r = simulate([fast, slow], **kw)  # type: ignore[arg-type]
     assert r.dropped > 0
-    assert r.max_staleness <= 1  # nothing older than eta is ever trained
+    assert r.max_version_lag <= 1  # nothing older than eta is ever trained
     assert sum(r.staleness_hist.values()) == r.steps
 
 
@@ -137,7 +137,7 @@ def test_simulator_gate_moves_with_the_published_version() -> None:
     kw = _sim_kw(group_size=1, staleness=1, publish_interval=2, steps=13)
     r = simulate(inst, **kw)  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(1 / 0.35, rel=1e-6)
-    assert r.max_staleness <= 1 and r.dropped == 0
+    assert r.max_version_lag <= 1 and r.dropped == 0
 
 
 @pytest.mark.parametrize("workload", ["math_grpo", "long_cot"])
@@ -150,7 +150,7 @@ def test_simulator_within_five_percent_of_prediction(name: str, workload: str) -
     pred = res.plan.predicted.samples_per_s
     assert res.sim is not None
     assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
-    assert res.sim.max_staleness <= w.staleness
+    assert res.sim.max_version_lag <= w.staleness
 
 
 # ---------------------------------------------------------------- staleness window

@@ -27,7 +27,7 @@ def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
                 "time": t0 + 2.0 * s,
                 "reward_mean": s / steps,
                 "staleness_hist": {"0": b // 2, "1": b - b // 2},
-                "max_staleness": 1 if s > 1 else 0,
+                "max_version_lag": 1 if s > 1 else 0,
                 "groups_trained_total": s * b,
                 "dropped_stale_total": 1,
                 "dead_letter_total": 0,
@@ -53,7 +53,7 @@ def test_summary_numbers_and_plots(tmp_path: Path) -> None:
     s = write_report(tmp_path, cfg, buffer=buffer)
     assert s["steps"] == 10 and s["final_version"] == 10
     assert s["final_reward"] == pytest.approx(0.95)  # mean of the last 2 of 10 steps
-    assert s["max_staleness"] == 1
+    assert s["max_version_lag"] == 1
     assert s["staleness_hist"] == {"0": 20, "1": 20}
     # 9 steps x 4 groups x 8 samples between the first and last step (18 s apart)
     assert s["samples_per_s"] == pytest.approx(9 * 4 * 8 / 18.0)
@@ -116,13 +116,13 @@ def test_format_line_and_eta() -> None:
     state = {
         "step": 5,
         "reward_mean": 0.25,
-        "staleness": 1,
-        "max_staleness": 2,
+        "lag": 1,
+        "max_lag": 2,
         "samples_per_s": 12.5,
         "t_first_step_elapsed": 10.0,
     }
     line = format_line(state, 10, elapsed_s=30.0)  # 4 steps in 20 s after the first
-    assert "step 5/10" in line and "reward 0.250" in line and "staleness 1 (max 2)" in line
+    assert "step 5/10" in line and "reward 0.250" in line and "version lag 1 (max 2)" in line
     assert "12.5 samples/s" in line and "ETA 0m25s" in line
 
 
@@ -131,17 +131,17 @@ def test_progress_plain_lines_when_not_a_tty(tmp_path: Path) -> None:
     view = Progress(tmp_path, 3, out, log_interval_s=1e9)
     view.tick()  # nothing yet: no line
     with open(tmp_path / "metrics.jsonl", "w") as f:
-        f.write(json.dumps({"step": 1, "reward_mean": 0.5, "max_staleness": 0}) + "\n")
+        f.write(json.dumps({"step": 1, "reward_mean": 0.5, "max_version_lag": 0}) + "\n")
     view.tick()
     view.tick()  # nothing new: no extra line
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 2, "reward_mean": 0.75, "max_staleness": 1}) + "\n")
+        f.write(json.dumps({"step": 2, "reward_mean": 0.75, "max_version_lag": 1}) + "\n")
     view.tick()
     view.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and "\r" not in out.getvalue()
     assert lines[0].startswith("step 1/3 | reward 0.500")
-    assert lines[1].startswith("step 2/3 | reward 0.750 | staleness 1 (max 1)")
+    assert lines[1].startswith("step 2/3 | reward 0.750 | version lag 1 (max 1)")
 
 
 def test_progress_redraws_in_place_on_a_tty(tmp_path: Path) -> None:
