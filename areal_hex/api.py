@@ -20,6 +20,11 @@ from typing import Any, Literal, Protocol
 from areal_hex.record import GroupRecord
 from areal_hex.weight_net import BucketSpec, GroupSpec
 
+# What a weight update does to the requests in flight (`rollout.update_pause`, resolved):
+# end them with their partial output (SGLang's default), keep them and recompute their KV
+# cache with the new weights, or keep them and their KV cache.
+PauseMode = Literal["abort", "retract", "in_place"]
+
 # Why an admission went back to the gate unput (see areal_hex/buffer/keys.py)
 GiveBackReason = Literal["filtered", "failed", "abandoned", "reclaimed"]
 
@@ -222,7 +227,7 @@ class GenerationClient(Protocol):
 
     async def destroy_weights_update_group(self, group_name: str) -> None: ...
 
-    async def pause(self, mode: str = "abort") -> None: ...
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
 
     async def resume(self) -> None: ...
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pydantic
 
-from areal_hex.api import GenerateResult, SamplingParams
+from areal_hex.api import GenerateResult, PauseMode, SamplingParams
 from areal_hex.net import async_wait_until
 from areal_hex.weight_net import BucketSpec, GroupSpec
 from rollout_service import wire
@@ -292,7 +292,7 @@ class InferenceClient:
         }
         await self._json("POST", "/update_weight_version", body)
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         """Pause generation; mode `abort` returns once nothing is in flight."""
         await self._json("POST", "/pause_generation", {"mode": mode}, timeout=self.update_timeout_s)
 

@@ -32,6 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from areal_hex.api import PauseMode
+
 # Union branches are tagged so a validation error names the field, not pydantic's
 # internal union member; the app drops these tags from error locations.
 SINGLE, BATCH = "<single>", "<batch>"
@@ -480,7 +482,7 @@ class DestroyWeightsUpdateGroupReq(Lenient):
 
 
 class PauseReq(Lenient):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"
 
 
 class MemoryOccupationReq(Lenient):

@@ -12,6 +12,7 @@ from typing import Any
 from areal_hex.api import (
     GenerateResult,
     GiveBackReason,
+    PauseMode,
     ProducerPosition,
     SamplingParams,
     VersionUpdate,
@@ -147,7 +148,7 @@ class FakeServer:
         self._check_up()
         self.groups.pop(group_name, None)
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         self._check_up()
         self.running.clear()
         if mode == "abort":

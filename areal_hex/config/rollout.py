@@ -15,6 +15,11 @@ from areal_hex.config.base import Section
 WeightSyncMode = Literal["disk", "network"]
 
 
+# `auto`: retract where every server reports per-token versions, else abort; the others
+# are `areal_hex.api.PauseMode`, the mode every layer below carries.
+UpdatePause = Literal["auto", "abort", "retract", "in_place"]
+
+
 class RolloutConfig(Section):
     group_size: int = Field(4, gt=0)
     max_new_tokens: int = Field(32, gt=0)
@@ -59,7 +64,7 @@ class RolloutConfig(Section):
     # are busy, PipelineRL's in-flight update; the behaviour log-probs are still those
     # that sampled each token). "auto": retract when every server reports token
     # versions, else abort.
-    update_pause: Literal["auto", "abort", "retract", "in_place"] = "auto"
+    update_pause: UpdatePause = "auto"
     # How new weights reach the servers (WeightSyncMode above); the network side's
     # address, port, interface and bucket size are trainer.weight_sync_*.
     weight_sync: WeightSyncMode = "disk"

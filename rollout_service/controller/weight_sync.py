@@ -17,8 +17,10 @@ The sequence, across processes:
 3. pause: `UpdateGate.close()` stops new requests in this controller; every healthy
    server gets `/pause_generation` — `abort` (SGLang's way: running requests end with
    their partial output and are resent by the sampler, from the tokens they have) or
-   `retract` (ours: requests stay, their KV cache is recomputed with the new weights);
-   `resolve_pause_mode` picks one from `rollout.update_pause` and what the servers report.
+   `retract` (ours: requests stay, their KV cache is recomputed with the new weights) or
+   `in_place` (requests and their KV cache stay; PipelineRL's in-flight update);
+   `resolve_pause_mode` picks one (an `api.PauseMode`) from `rollout.update_pause` and
+   what the servers report.
 4. load: disk: `/update_weights_from_disk` with `weight_version` = N on each paused
    server (server side: rollout_service/server/app.py `_weight_routes` ->
    engine.Engine.update_weights -> step_loop.Core reloads between two decode steps and,
@@ -53,7 +55,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from areal_hex.api import GenerationClient, TrajectoryProducer
+from areal_hex.api import GenerationClient, PauseMode, TrajectoryProducer
+from areal_hex.config.rollout import UpdatePause
 from areal_hex.run_files import version_dir
 from areal_hex.weight_net import GroupSpec, Manifest
 from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
@@ -123,7 +126,9 @@ async def reports_token_versions(client: GenerationClient) -> bool:
         return False
 
 
-async def resolve_pause_mode(mode: str, clients: Sequence[GenerationClient]) -> str:
+async def resolve_pause_mode(
+    mode: UpdatePause, clients: Sequence[GenerationClient]
+) -> PauseMode:
     """The mode to use for `rollout.update_pause=mode` with these servers:
     abort stays abort; retract and in_place need every server to report per-token
     versions (else their tokens are tagged per response, with a warning); auto =
@@ -139,12 +144,11 @@ async def resolve_pause_mode(mode: str, clients: Sequence[GenerationClient]) -> 
                 mode,
                 ok.count(False),
             )
-    elif all(ok):
-        mode = "retract"
-    else:
-        mode = "abort"
-    log.info("weight updates: %s in-flight requests", mode)
-    return mode
+        log.info("weight updates: %s in-flight requests", mode)
+        return mode
+    chosen: PauseMode = "retract" if all(ok) else "abort"
+    log.info("weight updates: %s in-flight requests", chosen)
+    return chosen
 
 
 # ---------------------------------------------------------------- the protocol
@@ -166,14 +170,14 @@ class WeightSync:
         self.weights_dir = weights_dir
         self.network = network
         self.joined: dict[str, str] = {}  # server URL -> weight group it is a member of
-        self.pause_mode = "abort"
+        self.pause_mode: PauseMode = "abort"
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
         self.updates_total = 0
         self.update_s_total = 0.0
         self._lock = asyncio.Lock()
 
-    async def start(self, update_pause: str) -> None:
+    async def start(self, update_pause: UpdatePause) -> None:
         """Choose the pause mode and report the version served now to the gate."""
         self.pause_mode = await resolve_pause_mode(
             update_pause, [s.client for s in self.dispatcher.servers]
@@ -245,7 +249,7 @@ class WeightSync:
                 # cache recomputed / kept); abort (SGLang's default call): they end and
                 # the sampler resends them.
                 keep = self.pause_mode in ("retract", "in_place")
-                mode = self.pause_mode if keep else "abort"
+                mode = self.pause_mode
                 servers = await self._phase(servers, "pause", lambda s: s.client.pause(mode))
                 if self.network is not None:
                     servers = await self._receive(servers, version, abort_all=not keep)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from areal_hex.api import PauseMode
 from areal_hex.weight_net import GroupSpec, WeightGroup, parse_dtype
 from rollout_service.server.grammar import Grammars
 from rollout_service.server.requests import (
@@ -248,7 +249,7 @@ class Engine:
         """Abort one request (unknown rid: no-op) or all (rid None); returns how many."""
         return int(await self._control("abort", rid=rid, message=message))
 
-    async def pause(self, mode: str = "abort") -> int:
+    async def pause(self, mode: PauseMode = "abort") -> int:
         assert self._gate is not None
         self._gate.clear()
         if mode == "abort":

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from areal_hex.api import PauseMode
 from areal_hex.models import load_weights_in_place
 from rollout_service.server import batching, grammar
 from rollout_service.server.batching import KVBatch, LogitShaping, SamplingTensors
@@ -77,7 +78,8 @@ class Core:
         self.batch: KVBatch | None = None
         self.rows: list[GenRequest] = []  # aligned with the batch's rows
         self.held = False  # paused with the running requests kept
-        self.retract = False  # ... and their KV cache recomputed if the weights change
+        # held requests under "retract" get their KV cache recomputed if the weights change
+        self.held_mode: PauseMode = "abort"
         self.pending_reload: Control | None = None
         self.eos = eos_ids(engine.model, engine.tokenizer)
         tok = engine.tokenizer
@@ -106,11 +108,11 @@ class Core:
                 ctl.result.set_result(self.abort(ctl.args["rid"], ctl.args["message"]))
             elif ctl.kind == "hold":
                 self.held = True
-                self.retract = ctl.args.get("mode") == "retract"
+                self.held_mode = ctl.args["mode"]
                 ctl.result.set_result(None)
             elif ctl.kind == "release":
                 self.held = False
-                self.retract = False
+                self.held_mode = "abort"
                 ctl.result.set_result(None)
             elif ctl.kind == "memory":
                 ctl.result.set_result(self.memory(ctl.args["release"], ctl.args["tags"]))
@@ -189,7 +191,7 @@ class Core:
                 return
             # Nothing running, or paused: held rows continue on the new weights after
             # `continue`, with their KV cache kept (in_place) or recomputed (retract).
-            if self._reload(self.pending_reload) and self.rows and self.retract:
+            if self._reload(self.pending_reload) and self.rows and self.held_mode == "retract":
                 self._recompute()
             self.pending_reload = None
         if self.held:
