@@ -32,7 +32,7 @@ from areal_hex.trackers import open_run_trackers
 from areal_hex.weight_net import Manifest
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.publish import NetworkSink
-from trainer_service.step import StepContext, throttle_factor, throttle_problem
+from trainer_service.step import StepContext
 
 log = logging.getLogger("trainer")
 
@@ -117,9 +117,6 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         ref.requires_grad_(False)
     tok = load_tokenizer(paths.model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    problem = throttle_problem(t.zero_stage)
-    if problem is not None:
-        raise UsageError(problem)
     ctx = StepContext(
         engine=engine,
         algo=cfg.algo,
@@ -133,7 +130,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         max_new_tokens=cfg.rollout.max_new_tokens,
         speeds=list(t.rank_speeds) if t.rank_speeds is not None else None,
         balance_measured=t.balance_measured,
-        throttle=throttle_factor(rank),
+        slowdown=t.emulate_slowdown.get(rank, 1.0),
         lockstep=t.zero_stage >= 2,
     )
     if ctx.speeds is not None and len(ctx.speeds) != world:

@@ -9,7 +9,6 @@ averages gradients over ranks, hence the factor `world` on each backward.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -78,7 +77,7 @@ class StepContext:
     # to follow the speeds the ranks measure (trainer.rank_speeds, balance_measured).
     speeds: list[float] | None = None
     balance_measured: bool = False
-    throttle: float = 1.0  # throttle_factor(rank): > 1 only under the test-only variable
+    slowdown: float = 1.0  # trainer.emulate_slowdown of this rank (1: none)
     # Whether a micro-batch's passes hold a collective (ZeRO-2/3 reduce gradients in every
     # backward, ZeRO-3 gathers parameters in every forward): then every rank runs as many
     # micro-batches as the busiest one. ZeRO-0/1 reduce only in `engine.step()`, so there
@@ -86,45 +85,12 @@ class StepContext:
     lockstep: bool = True
 
 
-THROTTLE_ENV = "AREAL_HEX_TEST_THROTTLE"
-
-
-def throttle_factor(rank: int) -> float:
-    """Test-only stand-in for a slower device: `AREAL_HEX_TEST_THROTTLE=RANK:FACTOR` makes
-    rank RANK take FACTOR times as long over each micro-batch's forward and backward (it
-    sleeps FACTOR - 1 times the compute it just did, so the delay grows with its share of
-    the work). The heterogeneous-share tests set it; runs leave it unset."""
-    value = os.environ.get(THROTTLE_ENV, "")
-    if not value:
-        return 1.0
-    try:
-        who, factor = value.split(":")
-        return float(factor) if int(who) == rank else 1.0
-    except ValueError:
-        raise ValueError(f"{THROTTLE_ENV}={value!r}: expected RANK:FACTOR, e.g. 1:3") from None
-
-
-def throttle_problem(zero_stage: int) -> str | None:
-    """What is wrong with the test-only throttle for a trainer at `zero_stage`, or None."""
-    try:
-        throttle_factor(0)
-    except ValueError as e:
-        return str(e)
-    if os.environ.get(THROTTLE_ENV) and zero_stage >= 2:
-        return (
-            f"{THROTTLE_ENV} (test-only) with trainer.zero_stage = {zero_stage}: the throttle "
-            "stretches compute only where a micro-batch's passes hold no collective; "
-            "expected trainer.zero_stage 0 or 1"
-        )
-    return None
-
-
-def _throttled(ctx: StepContext, t0: float) -> None:
-    """Test-only: stretch this rank's compute since `t0` by its throttle factor. Callers
-    time passes without a collective in them (`lockstep` off), so no wait for another
-    rank is stretched."""
-    if ctx.throttle > 1.0:
-        time.sleep((ctx.throttle - 1.0) * (time.perf_counter() - t0))
+def _slowed(ctx: StepContext, t0: float) -> None:
+    """`trainer.emulate_slowdown`: stretch this rank's compute since `t0` by its factor.
+    Callers time passes without a collective in them (`lockstep` off), so no wait for
+    another rank is stretched."""
+    if ctx.slowdown > 1.0:
+        time.sleep((ctx.slowdown - 1.0) * (time.perf_counter() - t0))
 
 
 def _all_reduce(values: list[float], op: str, device: str) -> list[float]:
@@ -176,7 +142,7 @@ def _reference_pass(
             prox.append(token_logprobs(ctx.engine, mb)[0] if need_prox else None)
             use_ref = ctx.ref_model is not None and ctx.algo.kl_coef > 0
             ref.append(token_logprobs(ctx.ref_model, mb)[0] if use_ref else None)
-            _throttled(ctx, t0)
+            _slowed(ctx, t0)
     return prox, ref
 
 
@@ -311,7 +277,7 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
             entropy=ent,
         )
         ctx.engine.backward(loss * ctx.world)
-        _throttled(ctx, t0)
+        _slowed(ctx, t0)
         m = mb.loss_mask
         sums["loss"] += float(loss.detach())
         sums["tokens"] += float(m.sum())

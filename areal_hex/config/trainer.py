@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from areal_hex.config.base import Section
 
@@ -60,6 +60,12 @@ class TrainerConfig(Section):
     # Share by the speed each rank measured over its previous steps (tokens per second
     # of its forward + backward), starting from `rank_speeds` (or equal shares).
     balance_measured: bool = False
+    # Emulate a slower device for some ranks on identical hardware ({rank: factor}, factor
+    # >= 1): the rank sleeps factor - 1 times the compute of each micro-batch's forward and
+    # backward, so it takes factor times as long. For heterogeneous-trainer experiments on
+    # one kind of device (the box emulates whole nodes by CPU quota instead). ZeRO 0-1 only:
+    # under ZeRO-2/3 a micro-batch's passes hold collectives, whose waits would stretch too.
+    emulate_slowdown: dict[int, float] = {}
 
     # rollout.weight_sync=network: the address the servers reach rank 0 at for the
     # weight-update group (None: this host's address on the route to the first server),
@@ -72,6 +78,24 @@ class TrainerConfig(Section):
     weight_sync_ifname: str | None = None
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+
+    @field_validator("emulate_slowdown")
+    @classmethod
+    def _slowdown_factors(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = {r: f for r, f in v.items() if r < 0 or not f >= 1.0}
+        if bad:
+            raise ValueError(f"expected {{rank >= 0: factor >= 1}}, got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _slowdown_without_collectives(self) -> TrainerConfig:
+        if self.emulate_slowdown and self.zero_stage >= 2:
+            raise ValueError(
+                f"emulate_slowdown with zero_stage {self.zero_stage}: a ZeRO-2/3 micro-batch's "
+                "passes hold collectives, so the waits would stretch too; expected zero_stage "
+                "0 or 1"
+            )
+        return self
 
     @field_validator("rank_speeds")
     @classmethod

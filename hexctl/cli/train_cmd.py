@@ -68,12 +68,6 @@ def preflight(args: argparse.Namespace):  # -> ExperimentConfig
             f"trainer.rank_speeds has {len(speeds)} values for trainer.num_ranks = "
             f"{cfg.trainer.num_ranks}{across}: expected one speed per rank of the job"
         )
-    if os.environ.get("AREAL_HEX_TEST_THROTTLE"):  # test-only: see trainer_service.step
-        from trainer_service.step import throttle_problem
-
-        problem = throttle_problem(cfg.trainer.zero_stage)
-        if problem is not None:
-            raise UsageError(problem)
     return cfg
 
 

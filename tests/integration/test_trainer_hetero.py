@@ -1,5 +1,5 @@
 """Heterogeneous data parallelism on real DeepSpeed (gloo, CPU, ZeRO-0): two ranks, one
-slowed by the test-only throttle (`AREAL_HEX_TEST_THROTTLE=1:4`: rank 1 sleeps 3x the
+slowed by `trainer.emulate_slowdown` ({1: 4}: rank 1 sleeps 3x the
 compute of each of its micro-batches, so it takes 4x as long for the same work), standing
 in for two GPU kinds in one trainer. Shares in proportion to the ranks' speeds (given or
 measured) make the step shorter than equal shares, and the weights still move exactly as
@@ -39,8 +39,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 STEPS = 6
-SLOW = "1:4"  # rank 1 at a quarter of rank 0's speed
-RUNS: dict[str, tuple[dict, str | None]] = {
+SLOW = {1: 4.0}  # rank 1 at a quarter of rank 0's speed (trainer.emulate_slowdown)
+RUNS: dict[str, tuple[dict, dict | None]] = {
     "whole": ({}, None),
     "equal": ({"num_ranks": 2}, SLOW),
     "balanced": ({"num_ranks": 2, "rank_speeds": [4.0, 1.0]}, SLOW),
@@ -48,7 +48,7 @@ RUNS: dict[str, tuple[dict, str | None]] = {
 }
 
 
-def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | None) -> Path:
+def train(assets: dict[str, Path], name: str, trainer: dict, slow: dict | None) -> Path:
     cfg = {
         "run": {"run_id": name, "output_dir": str(assets["dir"] / "runs")},
         "model": {"path": str(assets["model"])},
@@ -62,14 +62,12 @@ def train(assets: dict[str, Path], name: str, trainer: dict, throttle: str | Non
             "checkpoint_every": 100,
             "micro_batch_tokens": 160,  # several micro-batches per rank
             **trainer,
+            **({"emulate_slowdown": slow} if slow is not None else {}),
         },
     }
     path = assets["dir"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("AREAL_HEX_TEST_THROTTLE", None)
-    if throttle is not None:
-        env["AREAL_HEX_TEST_THROTTLE"] = throttle
     log_path = assets["dir"] / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -95,8 +93,8 @@ def run(assets: dict[str, Path]) -> Callable[[str], Path]:
 
     def get(name: str) -> Path:
         if name not in done:
-            trainer, throttle = RUNS[name]
-            done[name] = train(assets, name, trainer, throttle)
+            trainer, slow = RUNS[name]
+            done[name] = train(assets, name, trainer, slow)
         return done[name]
 
     return get

@@ -15,8 +15,6 @@ from trainer_service.step import (
     StepContext,
     _accumulate,
     _prepare,
-    throttle_factor,
-    throttle_problem,
 )
 
 
@@ -51,20 +49,18 @@ def test_shares_follow_speeds() -> None:
         assign_to_ranks(lengths, 2, [1.0])
 
 
-def test_throttle_reads_rank_and_factor(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AREAL_HEX_TEST_THROTTLE", raising=False)
-    assert throttle_factor(1) == 1.0
-    monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "1:3")
-    assert (throttle_factor(0), throttle_factor(1)) == (1.0, 3.0)
-    assert throttle_problem(1) is None
+def test_emulated_slowdown_is_checked_by_the_config() -> None:
+    from pydantic import ValidationError
+
+    from areal_hex.config.trainer import TrainerConfig
+
+    assert TrainerConfig(emulate_slowdown={1: 3.0}).emulate_slowdown == {1: 3.0}
     # ZeRO-2/3 passes hold collectives: stretching them would stretch the waits too
-    assert "expected trainer.zero_stage 0 or 1" in (throttle_problem(2) or "")
-    monkeypatch.setenv("AREAL_HEX_TEST_THROTTLE", "fast")
-    with pytest.raises(ValueError, match="RANK:FACTOR"):
-        throttle_factor(0)
-    assert "RANK:FACTOR" in (throttle_problem(0) or "")
-    monkeypatch.delenv("AREAL_HEX_TEST_THROTTLE")
-    assert throttle_problem(3) is None
+    with pytest.raises(ValidationError, match="expected zero_stage 0 or 1"):
+        TrainerConfig(emulate_slowdown={1: 3.0}, zero_stage=2)
+    with pytest.raises(ValidationError, match="factor >= 1"):
+        TrainerConfig(emulate_slowdown={0: 0.5})
+    assert TrainerConfig(zero_stage=3).emulate_slowdown == {}
 
 
 def _grads(model: Any, groups: list, algo: AlgoConfig, world: int, speeds: list | None) -> dict:
