@@ -13,10 +13,15 @@ import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hexctl.deploy import TARGETS
+
+if TYPE_CHECKING:
+    from areal_hex.config import ExperimentConfig
+    from areal_hex.plan import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", help="plan.yaml written by `areal-hex plan`")
     add_config_args(p)
-    p.add_argument("--target", choices=sorted([*TARGETS, "slurm"]), required=True)
+    p.add_argument("--target", choices=sorted(RUNNERS), required=True)
     p.add_argument("--site", type=Path, help="slurm: the site-mapping YAML (docs/slurm.md)")
     p.add_argument("--submit", action="store_true", help="slurm: sbatch the rendered job")
     p.add_argument(
@@ -187,23 +192,39 @@ def check_services(d) -> list[str]:  # d: hexctl.deploy.common.Deployment
 def _run(args: argparse.Namespace) -> int:
     from areal_hex.plan import load_plan
     from hexctl.cli import UsageError, config_from_args
-    from hexctl.deploy import render
 
     if not Path(args.plan).is_file():
         raise UsageError(f"plan file not found: {args.plan} (write one with `areal-hex plan`)")
     plan = load_plan(args.plan)
     cfg = config_from_args(args)
-    if args.target == "slurm":
-        from hexctl.deploy.slurm import run_slurm_target
+    return RUNNERS[args.target](args, cfg, plan)
 
-        return run_slurm_target(
-            cfg, plan, args.site, args.out, args.submit, force=args.force, check=check_services
-        )
+
+def _manifests(args: argparse.Namespace, cfg: ExperimentConfig, plan: Plan) -> int:
+    """compose and k8s: rendered from the deploy config (--deploy-config and its flags)."""
+    from hexctl.deploy import render
+
     dcfg = deploy_config(args)
     result = render(args.target, cfg, plan, dcfg, args.out, force=args.force, check=check_services)
     print(result.summary())
     print_warnings(result.warnings)
     return 0
+
+
+def _slurm(args: argparse.Namespace, cfg: ExperimentConfig, plan: Plan) -> int:
+    """slurm: rendered from the site mapping (--site), and submitted with --submit."""
+    from hexctl.deploy.slurm import run_slurm_target
+
+    return run_slurm_target(
+        cfg, plan, args.site, args.out, args.submit, force=args.force, check=check_services
+    )
+
+
+# Every target `--target` takes, each with the inputs it renders from.
+RUNNERS: dict[str, Callable[[argparse.Namespace, ExperimentConfig, Plan], int]] = {
+    **{name: _manifests for name in TARGETS},
+    "slurm": _slurm,
+}
 
 
 def print_warnings(warnings: list[str]) -> None:
