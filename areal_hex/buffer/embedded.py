@@ -15,17 +15,13 @@ with a message naming the holder instead of writing the same file twice.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import fcntl
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +31,7 @@ import redis
 import redis.asyncio
 
 from areal_hex.config.redis import RedisConfig
+from areal_hex.lifetime import die_with_parent
 from areal_hex.net import WaitAborted, free_port, wait_until
 
 
@@ -68,27 +65,6 @@ def lock_data_dir(path: Path, timeout_s: float) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def _death_signal_hook() -> Callable[[], None] | None:
-    """A pre-exec hook asking Linux to SIGTERM the child when its parent dies.
-
-    prctl is resolved here, in the parent, so the child (between fork and exec) only makes
-    one foreign call. The signal follows the creating *thread*, so it is only used from
-    the main thread; elsewhere the server relies on stop()/atexit."""
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def hook() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    return hook
 
 
 def _conf_quote(value: str) -> str:
@@ -190,7 +166,7 @@ class EmbeddedValkey:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_death_signal_hook() if self.die_with_parent else None,
+            preexec_fn=die_with_parent(signal.SIGTERM) if self.die_with_parent else None,
             # the lock stays held while the server runs, even if this process dies first
             pass_fds=() if self._lock_fd is None else (self._lock_fd,),
         )
