@@ -98,7 +98,7 @@ class Baselines(Section):
     first_fit_samples_per_s: float | None = None  # the same decision placed naively
     simulated_first_fit_samples_per_s: float | None = None
     # the staleness bound and publish interval the plan assumes (buffer.max_staleness,
-    # trainer.publish_every); tuned within --max-staleness / --max-publish-interval
+    # trainer.publish_every); tuned within --search-max-staleness / --search-publish-every
     staleness: int | None = None
     publish_interval: int | None = None
     # what holds the plan back and what it is worth (scheduler/assess.py)

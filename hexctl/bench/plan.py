@@ -6,7 +6,7 @@ max_gap_vs_exhaustive: relative gap between the MILP and an exhaustive search un
 same cost model on small random clusters. max_sim_error: |simulated - predicted| /
 predicted over every shipped inventory x workload; max_sim_error_eta_k (signed errors in
 sim_error_eta_k): the same with the workloads' staleness and publish interval set to each
-of ETA_K, the choices `plan --max-staleness/--max-publish-interval` weighs.
+of ETA_K, the choices `plan --search-max-staleness/--search-publish-every` weighs.
 speedup_vs_homogeneous (and its minimum, min_hetero_vs_homo): the plan's rate over the
 best one-kind plan at the same budget. metis_gain: simulated rate of phase 2's METIS
 mapping over first-fit placement of the same phase-1 decision on the rack inventory.
@@ -17,7 +17,7 @@ whole plan on an inventory of many small node groups (two 8-GPU machines each, e
 a price of its own, so no two merge), budget = half its price.
 applied_to_run: 1.0 when every key a plan decides (`hexctl.job.plan_config`: pools, GPU
 kinds, ZeRO, ranks, rank speeds, and the staleness bound and publish interval the planner
-tuned, on the rack inventory with --max-staleness 8 --max-publish-interval 2 --zero-stage
+tuned, on the rack inventory with --search-max-staleness 8 --search-publish-every 2 --zero-stage
 3) has the plan's value in the resolved config of a local run and of the k8s and Slurm
 renders; applied_mismatches lists any that does not.
 min_budget_used: the least share of the budget a plan spends where the inventory does

@@ -54,15 +54,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="CBC time limit, s")
     p.add_argument("--no-simulate", action="store_true", help="skip the simulator replay")
     p.add_argument(
-        "--max-staleness",
+        "--search-max-staleness",
         type=int,
-        help="also try staleness bounds from the workload's up to this one (pick the best)",
+        metavar="N",
+        help="also try buffer.max_staleness from the workload's up to N (pick the best)",
     )
     p.add_argument(
-        "--max-publish-interval",
+        "--search-publish-every",
         type=int,
-        help="also try publish intervals k from the workload's up to this one",
+        metavar="K",
+        help="also try trainer.publish_every from the workload's up to K",
     )
+    # the names of an earlier version, refused with the new ones (they read as the bound
+    # itself, not as the end of a search over it)
+    for old in ("--max-staleness", "--max-publish-interval"):
+        dest = "old_" + old[2:].replace("-", "_")
+        p.add_argument(old, type=str, help=argparse.SUPPRESS, dest=dest)
     p.add_argument(
         "--print-config",
         metavar="CONFIG",
@@ -130,13 +137,14 @@ def _plan(args: argparse.Namespace) -> int:
         w = w.model_copy(update={"mixed_trainer": False})
     prof = load_profile(args.profile, m.params) if args.profile else None
     tried = None
-    if args.max_staleness is not None or args.max_publish_interval is not None:
-        eta = args.max_staleness if args.max_staleness is not None else w.staleness
-        k = args.max_publish_interval if args.max_publish_interval is not None else 1
+    if args.search_max_staleness is not None or args.search_publish_every is not None:
+        eta = args.search_max_staleness
+        eta = eta if eta is not None else w.staleness
+        k = args.search_publish_every if args.search_publish_every is not None else 1
         if eta < w.staleness or k < 1:
             raise UsageError(
-                f"--max-staleness must be at least the workload's staleness ({w.staleness}) "
-                f"and --max-publish-interval at least 1; got {eta} and {k}"
+                f"--search-max-staleness must be at least the workload's staleness "
+                f"({w.staleness}) and --search-publish-every at least 1; got {eta} and {k}"
             )
         k = max(k, w.publish_interval)
         w, tried = tune_staleness_and_interval(
@@ -227,9 +235,15 @@ def _check_numbers(args: argparse.Namespace, error: type[Exception]) -> None:
     ):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise error(f"{flag} must be a positive finite number, got {v:g}")
+    for old, new in (
+        ("max-staleness", "--search-max-staleness"),
+        ("max-publish-interval", "--search-publish-every"),
+    ):
+        if getattr(args, f"old_{old}".replace("-", "_"), None) is not None:
+            raise error(f"--{old} is now {new} (the end of the search, not the bound itself)")
     for flag, v in (
-        ("--max-staleness", args.max_staleness),
-        ("--max-publish-interval", args.max_publish_interval),
+        ("--search-max-staleness", args.search_max_staleness),
+        ("--search-publish-every", args.search_publish_every),
     ):
         if v is not None and not 0 <= v <= MAX_TUNED:
             raise error(f"{flag} must be between 0 and {MAX_TUNED}, got {v}")

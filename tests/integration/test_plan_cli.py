@@ -147,10 +147,15 @@ BAD_INPUTS = {
     "target_nan": (["--target-rate", "nan"], None, "--target-rate must be a positive finite"),
     "target_negative": (["--target-rate", "-1"], None, "--target-rate must be a positive"),
     "time_limit_inf": (["--budget", "50", "--time-limit", "inf"], None, "--time-limit must"),
-    "max_staleness_huge": (
-        ["--budget", "50", "--max-staleness", "1000000000"],
+    "old_search_flag": (
+        ["--budget", "50", "--max-staleness", "8"],
         None,
-        "--max-staleness must be between 0 and 64",
+        "--max-staleness is now --search-max-staleness",
+    ),
+    "max_staleness_huge": (
+        ["--budget", "50", "--search-max-staleness", "1000000000"],
+        None,
+        "--search-max-staleness must be between 0 and 64",
     ),
     "price_inf": (
         ["--budget", "50"],

@@ -90,7 +90,7 @@ def test_plan_print_config_carries_the_tuned_values(tmp_path, capsys) -> None:
     rc = main([
         "plan", str(ROOT / "examples/clusters/h800_h20.yaml"), "--model", "qwen3-8b",
         "--workload", str(ROOT / "examples/workloads/math_grpo.yaml"), "--budget", "60",
-        "--max-staleness", "6", "--max-publish-interval", "2", "--no-simulate",
+        "--search-max-staleness", "6", "--search-publish-every", "2", "--no-simulate",
         "--out", str(out), "--json", "--print-config", str(ROOT / "examples/deploy/qwen3-8b.yaml"),
     ])  # fmt: skip
     assert rc == 0
