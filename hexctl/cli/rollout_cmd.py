@@ -42,12 +42,15 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     log = logging.getLogger("areal_hex.rollout")
-    from rollout_service.controller.wiring import run_rollout
+    from rollout_service.controller.wiring import SamplingExhausted, run_rollout
 
     try:
         final = asyncio.run(run_rollout(cfg))
     except DataError as exc:
         raise UsageError(str(exc)) from None
+    except SamplingExhausted as exc:
+        log.error("%s", exc)
+        return 1
     except TimeoutError as exc:  # no server came up, or the gate waited too long
         log.error("%s", exc)
         return 1

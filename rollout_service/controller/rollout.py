@@ -119,6 +119,9 @@ class RolloutController:
         self._last: dict[str, float] = {}
         self.start = ProducerPosition(0, 0)  # where production stood when this run began
         self.owed = 0  # groups owed over the whole run, as last read
+        # dynamic sampling stopped at dynamic_sampling_max_factor: the run cannot get its
+        # steps' worth of kept groups (`areal-hex rollout` then fails, rather than wait)
+        self.sampling_exhausted = False
 
     # ------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -220,7 +223,8 @@ class RolloutController:
         while True:
             if await self._below_target(seq - self.owed):
                 return True
-            if not await self._wait_owed():
+            # dynamic sampling gave up: no group owed can be made either
+            if self.sampling_exhausted or not await self._wait_owed():
                 return False
 
     async def _wait_owed(self) -> bool:
@@ -248,6 +252,7 @@ class RolloutController:
         if not self.cfg.dynamic_sampling:
             return seq < self.max_groups
         if seq >= self.max_groups * self.cfg.dynamic_sampling_max_factor:
+            self.sampling_exhausted = True
             log.error(
                 "dynamic sampling: %d groups produced, %d filtered (all rewards equal); "
                 "stopping at rollout.dynamic_sampling_max_factor=%d",

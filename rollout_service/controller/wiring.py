@@ -52,6 +52,10 @@ def load_prompt_set(cfg: ExperimentConfig, tokenizer: Any) -> PromptSet:
     return prompts
 
 
+class SamplingExhausted(RuntimeError):
+    """The controller stopped short of the run's groups: dynamic sampling filtered too many."""
+
+
 def target_groups(cfg: ExperimentConfig) -> int:
     """`rollout.max_groups`, else the most groups the gate admits by the last step:
     (trainer.total_steps + buffer.max_staleness + 1) * buffer.groups_per_step. Groups
@@ -181,7 +185,14 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             ctl.max_groups,
             cfg.rollout.group_size,
         )
-        return await ctl.run()
+        final = await ctl.run()
+        if ctl.sampling_exhausted and ctl.final_version is not None:
+            raise SamplingExhausted(
+                "dynamic sampling: rollout.dynamic_sampling_max_factor x the run's groups "
+                "were produced and too few were kept (all rewards equal); the trainer cannot "
+                "get its steps' worth: raise the factor, or warm-start the model further"
+            )
+        return final
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -96,13 +96,14 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
         "run.trackers=[tensorboard,wandb]",
         "run.profile_first=false",  # the README's run profiles first; not this one's subject
         "run.warm_start_answer_fraction=1.0",
-        "model.tiny.sft_steps=150",
+        "model.tiny.sft_steps=300",  # rewards that differ within a group (dynamic sampling)
         f"trainer.total_steps={STEPS}",
         "trainer.checkpoint_every=3",
         "trainer.metrics_port=0",
         "rollout.metrics_port=0",
         "rollout.group_size=4",
         "rollout.dynamic_sampling=true",
+        "rollout.dynamic_sampling_max_factor=16",
         "buffer.groups_per_step=4",
         "inference.gpu_kinds=[L40S]",
         f"inference.base_port={server_port}",
