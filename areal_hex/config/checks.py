@@ -90,6 +90,6 @@ def check_pending_groups(cfg: ExperimentConfig) -> None:
     if held > cfg.buffer.max_pending:
         raise ConfigError(
             f"trainer.checkpoint_every ({every}) x buffer.groups_per_step ({b}) keeps up "
-            f"to {held} groups pending, more than buffer.max_pending "
+            f"to (2 x {every} + 1) x {b} = {held} groups pending, more than buffer.max_pending "
             f"({cfg.buffer.max_pending}): lower checkpoint_every or raise max_pending"
         )

@@ -88,7 +88,8 @@ def test_a_service_that_would_refuse_to_start_stops_the_render(tmp_path, capsys)
     err = capsys.readouterr().err
     assert code == 2 and not out.exists()
     assert "trainer (areal-hex train '{config}'): trainer.checkpoint_every (50) x" in err
-    assert "keeps up to 3264 groups pending" in err and "buffer.max_pending (2048)" in err
+    assert "keeps up to (2 x 50 + 1) x 64 = 6464 groups pending" in err
+    assert "buffer.max_pending (2048)" in err
 
 
 def test_check_services_names_each_failing_service(tmp_path):
@@ -107,5 +108,5 @@ def test_check_services_names_each_failing_service(tmp_path):
     args = build_parser().parse_args(
         ["train", str(cfg_file), "trainer.checkpoint_every=100", "buffer.max_pending=64"]
     )
-    with pytest.raises(Exception, match="keeps up to 808 groups pending"):
+    with pytest.raises(Exception, match=r"keeps up to \(2 x 100 \+ 1\) x 8 = 1608 groups pending"):
         args.preflight(args)
