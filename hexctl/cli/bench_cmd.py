@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "hexctl.bench.gpu",
     "hetero": "hexctl.bench.hetero",
     "weight-sync": "hexctl.bench.weight_sync",
+    "trl": "hexctl.bench.trl",
 }
 
 
