@@ -290,7 +290,7 @@ def one_run(
     config_yaml = Path(ours["run_dir"]) / "config.yaml"
     ours["pass@1"] = evaluate(config_yaml, "latest", out / f"eval-areal-{name}.log")
     theirs["pass@1"] = evaluate(config_yaml, spec["final"], out / f"eval-trl-{name}.log")
-    return {
+    result = {
         "seed": seed,
         "first": "areal-hex" if index % 2 == 0 else "trl",
         "load_before": load_before,
@@ -300,6 +300,8 @@ def one_run(
         "ratio": ours["samples_per_s"] / theirs["samples_per_s"],
         "steady_ratio": ours["steady_samples_per_s"] / theirs["steady_samples_per_s"],
     }
+    print(json.dumps(result), file=sys.stderr, flush=True)  # the runs are long: each as it ends
+    return result
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
