@@ -66,6 +66,7 @@ std + algo.std_eps; TRL: sample std + 1e-4); the generation engine (TRL:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -354,13 +355,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if any(p.name.startswith(("areal-", "trl-")) for p in out.iterdir()):
             raise UsageError(f"--output-dir {out} holds an earlier bench's runs; give a new one")
         t0 = time.perf_counter()
-        v0 = materialize_v0(cfg, out / "initial")  # the same v0 `areal-hex run` would write
+        # stdout carries the JSON: what saving the model logs (DeepSpeed's accelerator
+        # line, printed to stdout by the import it triggers) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            v0 = materialize_v0(cfg, out / "initial")  # the same v0 `areal-hex run` writes
+            tokenizer = load_tokenizer(v0)
         v0_s = time.perf_counter() - t0
         n = cfg.trainer.total_steps * cfg.buffer.groups_per_step
         rows = out / "prompts.jsonl"
-        rows.write_text(
-            "".join(json.dumps(r) + "\n" for r in prompt_rows(cfg, load_tokenizer(v0), n))
-        )
+        rows.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(cfg, tokenizer, n)))
         runs = [
             one_run(cfg, args, overrides, v0, rows, out, seed, i * args.seeds + seed)
             for i in range(args.repeats)

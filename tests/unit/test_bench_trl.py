@@ -4,7 +4,6 @@ minutes; TRL itself never runs here)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -116,7 +115,9 @@ def _fake_side(rate: float) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(not HAVE_TRL, reason="trl not installed (pip install -e .[trl])")
-def test_json_of_runs_back_to_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_json_of_runs_back_to_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     order: list[str] = []
     rates = iter([300.0, 200.0, 100.0, 250.0])
 
@@ -138,16 +139,12 @@ def test_json_of_runs_back_to_back(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(bench, "run_trl", trl)
     pass1 = {"latest": 0.5, "final": 0.25, "v0": 0.1}  # areal-hex's, TRL's, v0
     monkeypatch.setattr(bench, "evaluate", lambda cfg, weights, log: pass1[Path(weights).name])
-    args = argparse.Namespace(
-        config=TINY,
-        steps=2,
-        seeds=1,
-        repeats=2,
-        trl_threads=None,
-        output_dir=str(tmp_path),
-        overrides=["model.tiny.sft_steps=0"],
-    )
-    out = bench.run(args)
+    argv = ["bench", "trl", "--json", "--steps", "2", "--repeats", "2", "--output-dir",
+            str(tmp_path), "model.tiny.sft_steps=0"]  # fmt: skip
+    from hexctl.cli import main
+
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)  # stdout is the one JSON object, nothing else
     # the two sides alternate which goes first
     assert order == ["areal-s0-r0", "trl-s0-r0", "trl-s0-r1", "areal-s0-r1"]
     assert out["ratios"] == [300 / 200, 250 / 100]
@@ -157,7 +154,6 @@ def test_json_of_runs_back_to_back(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [r["first"] for r in out["runs"]] == ["areal-hex", "trl"]
     assert out["v0_pass@1"] == 0.1 and out["steps"] == 2
     assert out["grpo_config"]["max_steps"] == 2
-    json.dumps(out)  # what the CLI prints
 
 
 def test_without_trl_the_bench_says_how_to_install_it(
