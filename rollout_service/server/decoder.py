@@ -37,11 +37,40 @@ class _Norm:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # Qwen3RMSNorm / LlamaRMSNorm, op for op (float32 statistics, cast back, scale)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one call to torch's rms_norm: in float32 the same operations as HF's
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Qwen3RMSNorm / LlamaRMSNorm op for op: float32 statistics, cast back, then
+        # scale (rms_norm would scale before the cast)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class _Rope:
+    """HF's rotary embedding as a table over positions, grown by doubling: a decode step
+    looks its rows up instead of recomputing them (the same numbers: each entry is
+    computed per position either way). sin is stored signed as (-sin, +sin) halves, so
+    that rotate_half(x) * sin = swap_halves(x) * signed_sin."""
+
+    def __init__(self, rotary: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.rotary = rotary
+        self.probe = torch.zeros((), dtype=dtype, device=device)
+        self.cos = self.sin = torch.zeros((0, 0), dtype=dtype, device=device)
+
+    def __call__(self, pos: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos: (B, T) positions, all below `end`. Returns cos, signed sin (B, 1, T, D)."""
+        if self.cos.shape[0] < end:
+            self._build(max(2 * end, 64))
+        return self.cos[pos][:, None], self.sin[pos][:, None]
+
+    def _build(self, n: int) -> None:
+        positions = torch.arange(n, device=self.probe.device)[None]  # (1, n)
+        cos, sin = self.rotary(self.probe, positions)  # (1, n, D)
+        half = sin.shape[-1] // 2
+        self.cos = cos[0]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
 
 @dataclass
@@ -102,7 +131,7 @@ class Decoder:
         cfg = model.config
         base = model.model
         self.embed = base.embed_tokens.weight
-        self.rotary = base.rotary_emb  # called per step: handles every RoPE scaling type
+        self.rope = _Rope(base.rotary_emb, self.embed.dtype, self.embed.device)
         self.layers = [_layer(block) for block in base.layers[: cfg.num_hidden_layers]]
         self.norm = _norm(base.norm)
         self.lm_head = model.lm_head.weight
@@ -133,12 +162,9 @@ class Decoder:
         where a query may attend. Returns the logits of the last `keep` positions
         (B, keep, V)."""
         x = F.embedding(tokens, self.embed)  # (B, T, hidden)
-        cos, sin = self.rotary(x, pos)  # (B, T, D) each
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-        # rotate_half(x) * sin == flip(halves of x) * (-sin, +sin): one op fewer per call
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         end = column + tokens.shape[1]
+        # a position never exceeds the row's column count, so `end` bounds them all
+        cos, sin = self.rope(pos, end)  # (B, 1, T, D)
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
             h = layer.norm_in(x)
             x = x + self._attend(layer, h, cos, sin, k_cache, v_cache, column, end, mask)
@@ -201,8 +227,11 @@ def for_model(model: Any) -> Decoder | None:
         return None
     cfg = model.config
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    # dynamic / longrope scaling change the frequencies with the sequence length: no table
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if (
-        getattr(cfg, "_attn_implementation", None) != "sdpa"
+        rope_type in ("dynamic", "longrope")
+        or getattr(cfg, "_attn_implementation", None) != "sdpa"
         or set(layer_types) != {"full_attention"}
         or getattr(cfg, "hidden_act", None) != "silu"
     ):

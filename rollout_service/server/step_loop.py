@@ -147,6 +147,7 @@ class Core:
         done = []
         if "weights" in tags and self.device.type != "cpu":
             self.e.model.to("cpu" if release else self.device)
+            self.decoder = decoder.for_model(self.e.model)  # its tables moved too
             done.append("weights")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
