@@ -359,24 +359,24 @@ def _prebuilt_masks(model: Any) -> bool:
     }
 
 
-def _attention(model: Any, mask: torch.Tensor, queries: int) -> Any:
+def _attention(model: Any, mask: torch.Tensor, queries: int) -> torch.Tensor:
     """The attention mask argument for the last `queries` columns of `mask` (B, L).
 
     Prebuilt: (B, 1, queries, L) bool, True = may attend: causal within the new
-    columns and never to a padding column. A padding query row attends to itself only,
-    so no row is fully masked (SDPA would return NaN for it, and NaN keys/values of
-    padding would then poison real rows through 0 * NaN)."""
+    columns and never to a padding column (HF takes a 4-D mask as it is, in every
+    model). A padding query row attends to itself only, so no row is fully masked (SDPA
+    would return NaN for it, and NaN keys/values of padding would then poison real rows
+    through 0 * NaN)."""
     if not _prebuilt_masks(model):
         return mask.long()
     keys = mask.bool()[:, None, None, :]  # (B, 1, 1, L)
     if queries == 1:
-        return {"full_attention": keys}
+        return keys
     width = mask.shape[1]
     q_pos = torch.arange(width - queries, width, device=mask.device)[:, None]  # (q, 1)
     k_pos = torch.arange(width, device=mask.device)[None, :]  # (1, L)
     causal = (k_pos <= q_pos)[None, None]  # (1, 1, q, L)
-    allowed = (causal & keys) | (k_pos == q_pos)[None, None]
-    return {"full_attention": allowed}
+    return (causal & keys) | (k_pos == q_pos)[None, None]
 
 
 def prefill(
@@ -440,7 +440,7 @@ def _prefill(
     cap = _room(width)
     if decoder is not None:
         keys, values = decoder.empty_cache(len(prompts), cap)
-        allowed = _attention(model, mask, width)["full_attention"]
+        allowed = _attention(model, mask, width)
         logits = decoder.forward(ids, positions, keys, values, 0, allowed, keep)
     else:
         keys, values, logits = _hf_prefill(model, ids, mask, positions, keep, cap)
