@@ -146,9 +146,11 @@ class SamplingTensors:
     need_k: bool = field(init=False, repr=False)
     need_p: bool = field(init=False, repr=False)
     need_min: bool = field(init=False, repr=False)
+    any_greedy: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.greedy = self.temperature <= 0
+        self.any_greedy = bool(self.greedy.any())
         ones = torch.ones_like(self.temperature)
         self.divisor = torch.where(self.greedy, ones, self.temperature)[:, None]
         self.need_k = bool((self.top_k > 0).any())
@@ -237,7 +239,7 @@ def draw(
         if own is not None:
             race[b] = torch.empty_like(probs[b]).exponential_(1.0, generator=own)
     drawn = (probs / race).argmax(dim=-1)  # (B,)
-    tokens = torch.where(p.greedy, logits.argmax(dim=-1), drawn)
+    tokens = torch.where(p.greedy, logits.argmax(dim=-1), drawn) if p.any_greedy else drawn
     return tokens, logp
 
 
@@ -332,20 +334,23 @@ def _room(columns: int) -> int:
 
 def _buffers(parts: Sequence[tuple[torch.Tensor, int]], width: int, cap: int) -> torch.Tensor:
     """Stack (tensor (B_i, ..., L_i, D) or (B_i, L_i), used columns L_i) row-wise into one
-    zeroed buffer of `cap` columns, each part right-aligned at `width`. Zeros, not
-    `empty`: padding is masked out of attention, but NaN garbage there would still
-    poison real rows through 0 * NaN."""
+    buffer of `cap` columns, each part right-aligned at `width`. Columns past `width`
+    stay unset: each is written before it is read. The left padding of a shorter part
+    is zeroed, not left as it was: it is masked out of attention, but NaN garbage there
+    would still poison real rows through 0 * NaN."""
     first = parts[0][0]
     dim = first.dim() - 2 if first.dim() == 4 else 1
     shape = list(first.shape)
     shape[0] = sum(t.shape[0] for t, _ in parts)
     shape[dim] = cap
-    out = first.new_zeros(shape)
+    out = first.new_empty(shape)
     row = 0
     for t, used in parts:
-        n = t.shape[0]
-        out.narrow(0, row, n).narrow(dim, width - used, used).copy_(t.narrow(dim, 0, used))
-        row += n
+        rows = out.narrow(0, row, t.shape[0])
+        rows.narrow(dim, width - used, used).copy_(t.narrow(dim, 0, used))
+        if used < width:
+            rows.narrow(dim, 0, width - used).zero_()
+        row += t.shape[0]
     return out
 
 

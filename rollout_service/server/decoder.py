@@ -60,10 +60,10 @@ class _Rope:
         self.cos = self.sin = torch.zeros((0, 0), dtype=dtype, device=device)
 
     def __call__(self, pos: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos: (B, T) positions, all below `end`. Returns cos, signed sin (B, 1, T, D)."""
+        """pos: (B, T) positions, all below `end`. Returns cos, signed sin (B, T, 1, D)."""
         if self.cos.shape[0] < end:
             self._build(max(2 * end, 64))
-        return self.cos[pos][:, None], self.sin[pos][:, None]
+        return self.cos[pos][:, :, None], self.sin[pos][:, :, None]
 
     def _build(self, n: int) -> None:
         positions = torch.arange(n, device=self.probe.device)[None]  # (1, n)
@@ -141,10 +141,11 @@ class Decoder:
         self.scale = self.head_dim**-0.5
 
     def empty_cache(self, rows: int, cap: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed keys and values, per layer (rows, H_kv, cap, D), in the model's dtype."""
+        """Unset keys and values, per layer (rows, H_kv, cap, D), in the model's dtype (a
+        prefill writes every column it reads)."""
         shape = (rows, self.kv_heads, cap, self.head_dim)
-        keys = [self.embed.new_zeros(shape) for _ in self.layers]
-        return keys, [self.embed.new_zeros(shape) for _ in self.layers]
+        keys = [self.embed.new_empty(shape) for _ in self.layers]
+        return keys, [self.embed.new_empty(shape) for _ in self.layers]
 
     @torch.no_grad()
     def forward(
@@ -164,13 +165,15 @@ class Decoder:
         x = F.embedding(tokens, self.embed)  # (B, T, hidden)
         end = column + tokens.shape[1]
         # a position never exceeds the row's column count, so `end` bounds them all
-        cos, sin = self.rope(pos, end)  # (B, 1, T, D)
+        cos, sin = self.rope(pos, end)  # (B, T, 1, D)
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
             h = layer.norm_in(x)
             x = x + self._attend(layer, h, cos, sin, k_cache, v_cache, column, end, mask)
             h = layer.norm_post(x)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
-        return F.linear(self.norm(x[:, -keep:]), self.lm_head)
+        if keep < x.shape[1]:
+            x = x[:, -keep:]
+        return F.linear(self.norm(x), self.lm_head)
 
     def _attend(
         self,
@@ -185,33 +188,34 @@ class Decoder:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         b, t, d = h.shape[0], h.shape[1], self.head_dim
+        # (B, T, heads, D) throughout: for one query that is already SDPA's packed layout
         q = layer.q(h).view(b, t, self.heads, d)
         k = layer.k(h).view(b, t, self.kv_heads, d)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
-        v = layer.v(h).view(b, t, self.kv_heads, d).transpose(1, 2)
+        v = layer.v(h).view(b, t, self.kv_heads, d)
         q = q * cos + _swap_halves(q) * sin
         k = k * cos + _swap_halves(k) * sin
-        k_cache[:, :, column:end] = k
-        v_cache[:, :, column:end] = v
+        k_cache[:, :, column:end] = k.transpose(1, 2)
+        v_cache[:, :, column:end] = v.transpose(1, 2)
         keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
         rep = self.heads // self.kv_heads
         if t == 1:  # the query heads of a KV head become its rows (HF's pack_gqa)
-            q = q.reshape(b, self.kv_heads, rep, d)
-        elif rep > 1:  # HF's repeat_kv
-            keys = _repeat_kv(keys, rep)
-            values = _repeat_kv(values, rep)
+            q = q.view(b, self.kv_heads, rep, d)
+        else:
+            q = q.transpose(1, 2)  # (B, H, T, D)
+            if rep > 1:  # HF's repeat_kv
+                keys, values = _repeat_kv(keys, rep), _repeat_kv(values, rep)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.reshape(b, self.heads, t, d).transpose(1, 2).reshape(b, t, self.heads * d)
-        return layer.o(out)
+        if t > 1:
+            out = out.transpose(1, 2)  # (B, T, H, D); for one query (B, H_kv, rep, D) is that
+        return layer.o(out.reshape(b, t, self.heads * d))
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     """(x2, x1) for x = (x1, x2) on the last dim; times the signed sin it is
     HF's rotate_half(x) * sin, bit for bit (a negation is exact)."""
-    half = x.shape[-1] // 2
-    return x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    return torch.roll(x, x.shape[-1] // 2, dims=-1)
 
 
 def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
