@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +31,7 @@ from rollout_service import wire
 from rollout_service.server import prompts
 from rollout_service.server.engine import Engine
 from rollout_service.server.generate_routes import add_generate_routes
-from rollout_service.server.http_common import BodyLimit, error, token_matches
+from rollout_service.server.http_common import ApiKeyGate, BodyLimit, error
 from rollout_service.server.metrics import build_registry
 from rollout_service.server.openai_routes import add_openai_routes
 from rollout_service.server.requests import EngineError
@@ -72,7 +72,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="areal-hex inference server", lifespan=lifespan)
-    app.middleware("http")(_auth_middleware)
+    app.add_middleware(ApiKeyGate, open_paths=OPEN_PATHS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
@@ -85,17 +85,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-# ---------------------------------------------------------------------- middleware, errors
-async def _auth_middleware(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    key = request.app.state.settings.api_key
-    if key and request.url.path not in OPEN_PATHS:
-        if not token_matches(request.headers.get("authorization", ""), key):
-            return error("missing or invalid API key (expected 'Authorization: Bearer ...')", 401)
-    return await call_next(request)
-
-
+# ---------------------------------------------------------------------- errors
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     parts, detail = [], []
     for err in exc.errors():
