@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="4096",
         help="GPU counts to time the whole plan at on many small node groups",
     )
+    p.add_argument(
+        "--inventories",
+        default="",
+        help="comma-separated shipped inventories (examples/clusters stems) to plan; all if empty",
+    )
+    p.add_argument(
+        "--workloads", default="long_cot,math_grpo", help="shipped workloads to plan them with"
+    )
 
 
 def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
@@ -195,6 +203,7 @@ def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int
 
 
 def run(args: argparse.Namespace) -> dict:
+    planned = inventories(args.inventories)
     m = load_model_shape(args.model)
     w = Workload()
     solve_s, gaps = {}, {}
@@ -220,9 +229,9 @@ def run(args: argparse.Namespace) -> dict:
         many[str(size)] = round(time.perf_counter() - t0, 3)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
     sim_err, speedup, used, targets, unspent, sim_eta_k = {}, {}, {}, [], {}, {}
-    for wname in ("long_cot", "math_grpo"):
+    for wname in [x for x in args.workloads.split(",") if x]:
         wl = load_workload(EXAMPLES / "workloads" / f"{wname}.yaml")
-        for f in sorted((EXAMPLES / "clusters").glob("*.yaml")):
+        for f in planned:
             cl = load_cluster(f)
             budget = 0.6 * _price(cl)
             res = make_plan(cl, m, wl, budget=budget, time_limit_s=args.time_limit)
@@ -267,8 +276,19 @@ def run(args: argparse.Namespace) -> dict:
         "min_budget_used": min(used.values()),
         "max_unspent_machines": max(unspent.values()),
         "model": args.model,
-        "examples": "every shipped inventory x workload at 60% of the inventory's price",
+        "examples": "each planned inventory x workload at 60% of the inventory's price",
     }
+
+
+def inventories(names: str) -> list[Path]:
+    """The shipped inventories named (all of them when none is)."""
+    found = sorted((EXAMPLES / "clusters").glob("*.yaml"))
+    wanted = {x for x in names.split(",") if x}
+    unknown = wanted - {f.stem for f in found}
+    if unknown:
+        known = ", ".join(f.stem for f in found)
+        raise ConfigError(f"--inventories: no shipped inventory {sorted(unknown)} (known: {known})")
+    return [f for f in found if not wanted or f.stem in wanted]
 
 
 SHARES = (0.5, 0.9, 0.99, 1.0)
