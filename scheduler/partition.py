@@ -160,7 +160,7 @@ def _traffic(
                 edges[tuple(sorted((a, b)))] += ring
     if ranks:
         writer = ranks[0][1]
-        sync = w.constants.weight_sync_factor * 2.0 * m.params / (step * w.publish_interval)
+        sync = w.constants.weight_sync_factor * 2.0 * m.params / (step * w.publish_every)
         for i, t in enumerate(tasks):
             if t.instances:
                 edges[tuple(sorted((writer, i)))] += sync

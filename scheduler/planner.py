@@ -97,13 +97,13 @@ def cheapest_cost(p: PlanSpace, time_limit_s: float) -> float | None:
     return None if sol is None else sol.cost
 
 
-def tune_staleness_and_interval(
+def tune_max_staleness_and_publish_every(
     cl: Cluster,
     m: ModelShape,
     w: Workload,
     *,
-    max_staleness: int,
-    max_publish_interval: int,
+    search_max_staleness: int,
+    search_publish_every: int,
     budget: float | None = None,
     target: float | None = None,
     prof: Profile | None = None,
@@ -118,11 +118,11 @@ def tune_staleness_and_interval(
     cost a fifth or more of the predicted rate. Returns the tuned workload and every
     candidate's figures."""
     tried: list[tuple[tuple[float, int, int], Workload, dict[str, float]]] = []
-    for eta in range(w.staleness, max(w.staleness, max_staleness) + 1):
-        for k in range(w.publish_interval, max(w.publish_interval, max_publish_interval) + 1):
+    for eta in range(w.max_staleness, max(w.max_staleness, search_max_staleness) + 1):
+        for k in range(w.publish_every, max(w.publish_every, search_publish_every) + 1):
             if k > eta + 1:  # the gate would hold the trainer before its next publish
                 continue
-            cand = w.model_copy(update={"staleness": eta, "publish_interval": k})
+            cand = w.model_copy(update={"max_staleness": eta, "publish_every": k})
             try:
                 res = make_plan(
                     cl,
@@ -139,8 +139,8 @@ def tune_staleness_and_interval(
             pred = res.plan.predicted
             sim = res.sim.samples_per_s if res.sim is not None else pred.samples_per_s
             row = {
-                "staleness": eta,
-                "publish_interval": k,
+                "max_staleness": eta,
+                "publish_every": k,
                 "samples_per_s": pred.samples_per_s,
                 "simulated_samples_per_s": round(sim, 4),
                 "cost_usd_per_h": pred.cost_usd_per_h,
@@ -153,8 +153,8 @@ def tune_staleness_and_interval(
             tried.append(((round(score, 6), eta, k), cand, row))
     if not tried:
         raise ConfigError(
-            f"no feasible plan for staleness {w.staleness}..{max_staleness} and publish "
-            f"interval {w.publish_interval}..{max_publish_interval}"
+            f"no feasible plan for staleness {w.max_staleness}..{search_max_staleness} and publish "
+            f"interval {w.publish_every}..{search_publish_every}"
         )
     tried.sort(key=lambda t: t[0])
     return tried[0][1], [row for _, _, row in tried]
@@ -355,7 +355,7 @@ def make_plan(
         raise ConfigError(
             f"no asynchronous plan generates anything on cluster {cl.spec.name!r}: every "
             "rollout instance would spend all its time paused for weight syncs; raise "
-            "the workload's publish_interval or groups_per_step, or run synchronously"
+            "the workload's publish_every or groups_per_step, or run synchronously"
         )
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
     ff = ff_sim = None
@@ -495,8 +495,8 @@ def simulate_solution(
         insts,
         batch_groups=w.groups_per_step,
         group_size=w.group_size,
-        staleness=w.staleness,
-        publish_interval=w.publish_interval,
+        max_staleness=w.max_staleness,
+        publish_every=w.publish_every,
         train_step_s=cost.train_step_s,
         mean_len=w.response_tokens,
         max_len=w.max_response_tokens,
@@ -596,8 +596,8 @@ def to_plan(
             simulated_first_fit_samples_per_s=(
                 None if ff_sim is None else round(ff_sim.samples_per_s, 4)
             ),
-            staleness=w.staleness,
-            publish_interval=w.publish_interval,
+            max_staleness=w.max_staleness,
+            publish_every=w.publish_every,
             **({} if verdict is None else verdict.__dict__),
         ),
     )

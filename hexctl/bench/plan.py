@@ -176,7 +176,7 @@ SMALL_WORKLOAD = Workload(
     prompt_tokens=256,
     response_tokens=1024,
     max_response_tokens=2048,
-    staleness=2,
+    max_staleness=2,
 )
 
 
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
                 unspent[key] = round((budget - res.plan.predicted.cost_usd_per_h) / machine, 3)
             targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
             for eta, k in ETA_K:
-                wv = wl.model_copy(update={"staleness": eta, "publish_interval": k})
+                wv = wl.model_copy(update={"max_staleness": eta, "publish_every": k})
                 rv = make_plan(
                     cl, m, wv, budget=budget, time_limit_s=args.time_limit, baselines=False
                 )
@@ -317,15 +317,21 @@ def applied_to_run(time_limit_s: float) -> tuple[float, list[str]]:
     from hexctl.job.deploy_config import DeployConfig
     from hexctl.job.plan_config import planned_values
     from hexctl.job.prepare import apply_plan
-    from scheduler.planner import tune_staleness_and_interval
+    from scheduler.planner import tune_max_staleness_and_publish_every
 
     cl = load_cluster(EXAMPLES / "clusters" / "racks_h800_h20.yaml")
     m = load_model_shape("qwen3-8b")
     w = load_workload(EXAMPLES / "workloads" / "math_grpo.yaml")
     w = w.model_copy(update={"zero_stage": 3})
     budget = 150.0
-    w, _ = tune_staleness_and_interval(
-        cl, m, w, max_staleness=8, max_publish_interval=2, budget=budget, time_limit_s=time_limit_s
+    w, _ = tune_max_staleness_and_publish_every(
+        cl,
+        m,
+        w,
+        search_max_staleness=8,
+        search_publish_every=2,
+        budget=budget,
+        time_limit_s=time_limit_s,
     )
     plan = make_plan(cl, m, w, budget=budget, time_limit_s=time_limit_s, simulate_plan=False).plan
     cfg = load_config(EXAMPLES / "deploy" / "qwen3-8b.yaml")

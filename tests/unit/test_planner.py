@@ -105,7 +105,7 @@ def test_simulator_agrees_with_milp(name: str, workload: str) -> None:
     pred = res.plan.predicted.samples_per_s
     assert res.sim is not None and pred > 0
     assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
-    assert res.sim.max_version_lag <= w.staleness + 1
+    assert res.sim.max_version_lag <= w.max_staleness + 1
 
 
 def test_budget_below_minimum_states_it() -> None:
