@@ -143,7 +143,7 @@ def _plan(args: argparse.Namespace) -> int:
         k = args.search_publish_every if args.search_publish_every is not None else 1
         if eta < w.max_staleness or k < 1:
             raise UsageError(
-                f"--search-max-staleness must be at least the workload's staleness "
+                f"--search-max-staleness must be at least the workload's max_staleness "
                 f"({w.max_staleness}) and --search-publish-every at least 1; got {eta} and {k}"
             )
         k = max(k, w.publish_every)
