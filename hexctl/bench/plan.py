@@ -317,7 +317,7 @@ def applied_to_run(time_limit_s: float) -> tuple[float, list[str]]:
     from hexctl.job.deploy_config import DeployConfig
     from hexctl.job.plan_config import planned_values
     from hexctl.job.prepare import apply_plan
-    from scheduler.planner import tune_max_staleness_and_publish_every
+    from scheduler.tuning import tune_max_staleness_and_publish_every
 
     cl = load_cluster(EXAMPLES / "clusters" / "racks_h800_h20.yaml")
     m = load_model_shape("qwen3-8b")

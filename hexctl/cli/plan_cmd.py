@@ -118,9 +118,10 @@ def _plan(args: argparse.Namespace) -> int:
     from hexctl.cli import UsageError
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
-    from scheduler.planner import make_plan, tune_max_staleness_and_publish_every
+    from scheduler.planner import make_plan
     from scheduler.profile import load_profile
     from scheduler.report import sweep_budgets, table
+    from scheduler.tuning import tune_max_staleness_and_publish_every
     from scheduler.workload import load_workload
 
     _check_numbers(args, UsageError)

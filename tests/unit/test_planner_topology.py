@@ -215,7 +215,7 @@ def test_synchronous_plan_is_recommended_when_it_wins() -> None:
 
 
 def test_tuning_staleness_and_interval_picks_the_fastest_within_bounds() -> None:
-    from scheduler.planner import tune_max_staleness_and_publish_every
+    from scheduler.tuning import tune_max_staleness_and_publish_every
 
     cl = load_cluster(RACKS)
     m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
@@ -238,8 +238,8 @@ def test_tuning_ranks_by_what_the_buffer_replay_sustains() -> None:
     # math_grpo on the AReaL-Hex setting: publishing every 4 steps at eta = 4 is predicted
     # fastest by the closed form, but the gate opens 4 B groups at a publish and none
     # until the next, so the replay sustains far less; the tuning must not pick it.
-    from scheduler.planner import tune_max_staleness_and_publish_every
     from scheduler.report import table
+    from scheduler.tuning import tune_max_staleness_and_publish_every
 
     cl = load_cluster(EX / "clusters" / "arealhex_setting.yaml")
     m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
