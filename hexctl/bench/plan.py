@@ -66,37 +66,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# 4 regions x 2 zones: (zone, region)
+ZONES = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
+
+
 def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
     """`gpus` GPUs in nodes of `gpn`, spread over six kinds in 4 regions x 2 zones."""
     rng = random.Random(seed)
-    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
     nodes = gpus // gpn
-    slots = [(k, z) for k in range(len(KINDS)) for z in range(len(zones))]
+    slots = [(k, z) for k in range(len(KINDS)) for z in range(len(ZONES))]
     rng.shuffle(slots)
     slots = slots[: max(6, min(len(slots), nodes))]
     counts = [nodes // len(slots)] * len(slots)
     for i in range(nodes - sum(counts)):
         counts[i % len(slots)] += 1
     groups = [
-        {
-            "name": f"g{i}",
-            "gpu": KINDS[k][0],
-            "gpus_per_node": gpn,
-            "nodes": n,
-            "zone": zones[z][0],
-            "usd_per_gpu_hour": KINDS[k][1],
-            "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
-        }
+        _group(f"g{i}", KINDS[k][0], gpn, n, ZONES[z][0], KINDS[k][1])
         for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True))
         if n > 0
     ]
-    spec = ClusterSpec(
-        name=f"generated-{gpus}",
-        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
-        node_groups=groups,
-        links=_generated_links(),
-    )
-    return make_cluster(spec)
+    return _generated(f"generated-{gpus}", groups)
 
 
 def many_groups_cluster(gpus: int, seed: int = 0, gpn: int = 8, machines: int = 2):
@@ -105,24 +94,34 @@ def many_groups_cluster(gpus: int, seed: int = 0, gpn: int = 8, machines: int = 
     per-group step (lots bought at different times): no two groups are alike, so the
     planner cannot merge them and its work is in node groups."""
     rng = random.Random(seed)
-    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
     groups = []
     for i in range(gpus // (gpn * machines)):
         kind, price = KINDS[rng.randrange(len(KINDS))]
+        zone = ZONES[rng.randrange(len(ZONES))][0]
         groups.append(
-            {
-                "name": f"lot{i}",
-                "gpu": kind,
-                "gpus_per_node": gpn,
-                "nodes": machines,
-                "zone": zones[rng.randrange(len(zones))][0],
-                "usd_per_gpu_hour": round(price * (1 + 0.0005 * i), 5),
-                "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
-            }
+            _group(f"lot{i}", kind, gpn, machines, zone, round(price * (1 + 0.0005 * i), 5))
         )
+    return _generated(f"many-groups-{gpus}", groups)
+
+
+def _group(name: str, gpu: str, gpn: int, nodes: int, zone: str, usd: float) -> dict:
+    """One node group of the generated clusters (NVLink inside each machine)."""
+    return {
+        "name": name,
+        "gpu": gpu,
+        "gpus_per_node": gpn,
+        "nodes": nodes,
+        "zone": zone,
+        "usd_per_gpu_hour": usd,
+        "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
+    }
+
+
+def _generated(name: str, groups: list[dict]):
+    """`groups` in the 4 regions x 2 zones, joined by `_generated_links`."""
     spec = ClusterSpec(
-        name=f"many-groups-{gpus}",
-        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
+        name=name,
+        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in ZONES],
         node_groups=groups,
         links=_generated_links(),
     )
