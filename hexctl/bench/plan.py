@@ -30,13 +30,14 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from areal_hex.config import ConfigError
-from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
+from scheduler.cluster import Cluster, ClusterSpec, load_cluster, make_cluster
 from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
-from scheduler.model_shape import load_model_shape
+from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.partition import place
 from scheduler.placing import TARGET_TOLERANCE
 from scheduler.planner import make_plan, problem_for
@@ -179,6 +180,20 @@ SMALL_WORKLOAD = Workload(
 )
 
 
+def _plan_seconds(
+    sizes: str, build: Callable[[int], Cluster], m: ModelShape, w: Workload, time_limit_s: float
+) -> dict[str, float]:
+    """Seconds of a whole `make_plan` at half the price of each cluster `build(size)`
+    makes, one per size of the comma-separated `sizes`."""
+    out = {}
+    for size in [int(s) for s in sizes.split(",") if s]:
+        cl = build(size)
+        t0 = time.perf_counter()
+        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=time_limit_s)
+        out[str(size)] = round(time.perf_counter() - t0, 3)
+    return out
+
+
 def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int]:
     m, worst, n = load_model_shape(model), 0.0, 0
     for s in range(seeds):
@@ -205,18 +220,8 @@ def run(args: argparse.Namespace) -> dict:
         place(cl, m, w, sol.trainer, [(p.rollouts[i], k) for i, k in sol.replicas.items()])
         solve_s[str(size)] = round(time.perf_counter() - t0, 3)
         gaps[str(size)] = sol.gap
-    plan_s = {}
-    for size in [int(s) for s in args.plan_sizes.split(",") if s]:
-        cl = generated_cluster(size)
-        t0 = time.perf_counter()
-        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
-        plan_s[str(size)] = round(time.perf_counter() - t0, 3)
-    many = {}
-    for size in [int(s) for s in args.many_groups_sizes.split(",") if s]:
-        cl = many_groups_cluster(size)
-        t0 = time.perf_counter()
-        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
-        many[str(size)] = round(time.perf_counter() - t0, 3)
+    plan_s = _plan_seconds(args.plan_sizes, generated_cluster, m, w, args.time_limit)
+    many = _plan_seconds(args.many_groups_sizes, many_groups_cluster, m, w, args.time_limit)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
     sim_err, speedup, used, targets, unspent, sim_eta_k = {}, {}, {}, [], {}, {}
     for wname in ("long_cot", "math_grpo"):
