@@ -10,8 +10,8 @@
 | trainer ZeRO stage                           | `trainer.zero_stage`                         |
 | trainer ranks per node                       | `trainer.num_ranks`                          |
 | ranks' speeds across GPU kinds               | `trainer.rank_speeds`                        |
-| tuned staleness bound η (`baselines.max_staleness`) | `buffer.max_staleness`                    |
-| tuned publish interval k                     | `trainer.publish_every`                      |
+| tuned staleness bound η, `baselines.max_staleness` | `buffer.max_staleness`                 |
+| tuned publish interval k, `baselines.publish_every` | `trainer.publish_every`               |
 
 Policy: the plan wins. Where the config asked for another value, the plan's is applied
 and `PlannedConfig.changes` says which key moved from what to what (the CLI prints each
