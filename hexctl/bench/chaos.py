@@ -336,6 +336,7 @@ class Job:
         led = live_ledger(self.run_dir)
         fault["lost"] = led.get("groups_lost") if led else None
         fault["trained_twice"] = led.get("trained_twice") if led else None
+        fault["produced_twice"] = led.get("prompts_produced_twice") if led else None
         fault["t"] = t
         return fault
 
@@ -399,14 +400,14 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     completed = rc == 0 and summary.get("steps") == args.steps
     for f in faults:
         if f.get("struck") is False:
-            f.update(completed=completed, lost=None, trained_twice=None)
+            f.update(completed=completed, lost=None, trained_twice=None, produced_twice=None)
             continue
         f["restarts"], f["restarted_after_s"] = restarts_of(job.run_dir, f["kind"], f.pop("t"))
         f["completed"] = completed
     keys = ["groups_admitted", "groups_produced", "groups_trained", "groups_dropped_stale"]
     keys += ["groups_filtered", "groups_pending", "groups_in_flight", "groups_lost"]
-    keys += ["trained_twice", "attempts", "restarts", "wall_time_s", "active_time_s"]
-    keys += ["samples_per_s", "samples_per_s_wall"]
+    keys += ["trained_twice", "prompts_produced_twice", "attempts", "restarts"]
+    keys += ["wall_time_s", "active_time_s", "samples_per_s", "samples_per_s_wall"]
     before = {k: (baseline or {}).get(k) for k in ("groups_lost", "trained_twice")}
     return {
         "faults": faults,
@@ -425,6 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result = run_job(args, out)
     ok = [f for f in result["faults"] if f["completed"] and f["lost"] == 0]
     ok = [f for f in ok if f["trained_twice"] == 0 and not f.get("survivors_after_10s")]
+    ok = [f for f in ok if not f.get("produced_twice")]
     ok = [f for f in ok if f["kind"] != "corrupt" or f.get("set_aside")]
     ok = [f for f in ok if f["kind"] != EARLY or f["checkpoint_at_strike"] is None]
     return {

@@ -12,6 +12,7 @@ true across crashes, restarts and resumed attempts.
 - pending: in the stream and not in the committed weights (unconsumed, or trained after
   the last checkpoint and to be trained again after a restart);
 - in_flight: admissions a controller holds (generating);
+- prompts_produced_twice: data positions put into the stream by more than one group;
 - trained_twice: group ids that appear in more than one commit of `committed.jsonl`
   (of the commits that count: those a fallback from a corrupt checkpoint rolled back
   do not).
@@ -54,7 +55,19 @@ def buffer_counters(client: Any, keys: BufferKeys, committed_ids: list[str]) -> 
     out["in_flight"] = sum(int(v) for v in held)
     out["in_stream"] = int(length)
     out["committed_in_stream"] = sum(1 for f in found if f)
+    out["produced_twice"] = produced_twice(client, keys)
     return out
+
+
+def produced_twice(client: Any, keys: BufferKeys) -> int:
+    """Prompts (data positions) put into the stream by more than one group: each put
+    leaves a token `<controller>-<seq>` for a day, and a resumed or restarted controller
+    continues the prompt order, so a seq seen twice is a prompt produced twice."""
+    seqs: Counter[str] = Counter()
+    for key in client.scan_iter(match=keys.put_token("*"), count=1000):
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        seqs[name.rsplit("-", 1)[-1]] += 1
+    return sum(1 for n in seqs.values() if n > 1)
 
 
 def committed_state(checkpoint_dir: Path) -> dict[str, Any]:
@@ -113,6 +126,7 @@ def ledger(
             "groups_abandoned": c["given_back_abandoned"],
             "groups_reclaimed": c["given_back_reclaimed"],
             "groups_acked": c["acked"],
+            "prompts_produced_twice": c["produced_twice"],
             "groups_lost": produced - accounted,
         }
     )

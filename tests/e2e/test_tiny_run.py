@@ -111,6 +111,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
 
     full = json.loads((run_dir / "summary.json").read_text())
     assert full["groups_lost"] == 0 and full["trained_twice"] == 0
+    assert full["prompts_produced_twice"] == 0
     assert full["attempts"] == 1 and (run_dir / "attempts" / "1" / "summary.json").is_file()
     assert full["groups_produced"] == (
         full["groups_trained"]

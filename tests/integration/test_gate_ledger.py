@@ -182,3 +182,19 @@ async def test_a_retried_put_appends_its_group_once(endpoint: RedisEndpoint) -> 
         assert await p.put(untokened) != await p.put(untokened)  # no token: each call appends
     finally:
         await p.aclose()
+
+
+def test_a_prompt_put_by_two_controllers_is_counted_produced_twice(
+    endpoint: RedisEndpoint,
+) -> None:
+    """Each put leaves a token `<controller>-<seq>`: two controllers producing the same
+    data position (as a resumed run beside a surviving one would) show up in the ledger."""
+    from hexctl.report.ledger import produced_twice
+
+    keys = BufferKeys(f"twice-{uuid.uuid4().hex[:6]}")
+    r = endpoint.sync_client()
+    for token in ("aaaa-0", "aaaa-1", "bbbb-2", "bbbb-3"):
+        r.set(keys.put_token(token), 1)
+    assert produced_twice(r, keys) == 0
+    r.set(keys.put_token("cccc-1"), 1)  # a second controller made prompt 1 again
+    assert produced_twice(r, keys) == 1

@@ -28,6 +28,7 @@ def counters(**kw: int) -> dict[str, int]:
         "in_flight": 0,
         "in_stream": 0,
         "committed_in_stream": 0,
+        "produced_twice": 0,
     }
     base |= {f"given_back_{r}": 0 for r in ("filtered", "failed", "abandoned", "reclaimed")}
     return base | kw
