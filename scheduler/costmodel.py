@@ -175,7 +175,7 @@ def inflight_cap(w: Workload) -> int:
     for the next step (the trainer takes B at a time), so (η - 1)·B generate (at least B/2).
     A generating group holds its admission until its longest answer ends while its shorter
     answers have already freed their slots: mean length / expected longest of G run."""
-    groups = max(0.5, max(1, w.staleness) - 1) * w.groups_per_step
+    groups = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
     return max(1, int(groups * w.group_size * _group_occupancy(w)))
 
 
@@ -213,7 +213,7 @@ def generation_at(
     """Samples/s the instances (option, pause per publish, count) generate at pipeline
     rate `rate`, less their pauses and (with `window`) the groups that miss the staleness
     window."""
-    k = w.publish_interval * w.samples_per_step
+    k = w.publish_every * w.samples_per_step
     return sum(
         n
         * r.samples_per_s
@@ -234,8 +234,8 @@ def window_fraction(w: Workload, r: RolloutOption, sync_s: float, rate: float) -
     probability (ℓ*/L − 0.5)^G."""
     if rate <= 0:
         return 1.0
-    window = max(0.5, w.staleness - WINDOW_LAG)
-    left = window * w.samples_per_step / rate - window * sync_s / w.publish_interval
+    window = max(0.5, w.max_staleness - WINDOW_LAG)
+    left = window * w.samples_per_step / rate - window * sync_s / w.publish_every
     tokens = (left - r.prefill_s) / r.step_s
     if tokens >= w.max_response_tokens:
         return 1.0
@@ -333,16 +333,22 @@ def allreduce_s(
 
 
 def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zone: str) -> float:
-    """Pause of a rollout instance per publish, over the link between the two zones.
-    disk: latency + factor · 2N bytes / link (AReaL-Hex's calibrated figure). network
-    (the trainer broadcasts buckets): one round trip per bucket and its fixed cost, plus
-    the bytes as sent over the link: latency · (1 + buckets) + buckets · overhead +
-    bytes / link."""
+    """Pause of a rollout instance per publish, over the link between the two zones:
+    `sync_terms`' fixed seconds plus its bytes over the link."""
     ln = cl.link(from_zone, to_zone)
+    nbytes, fixed = sync_terms(m, w, ln.latency_ms / 1e3)
+    return fixed + nbytes / (ln.bandwidth_gbs * GB)
+
+
+def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:
+    """(bytes each rollout machine receives per publish, fixed seconds) for the mode in use.
+    disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure). network (the trainer
+    broadcasts buckets): the bytes as sent, one round trip per bucket and its fixed cost:
+    latency · (1 + buckets) + buckets · overhead."""
     c = w.constants
     if w.weight_sync == "network":
         nbytes = c.weight_sync_bytes_per_param * m.params
         buckets = math.ceil(nbytes / (c.weight_sync_bucket_mb * 2**20))
-        per_bucket = ln.latency_ms / 1e3 + c.weight_sync_bucket_overhead_ms / 1e3
-        return ln.latency_ms / 1e3 + buckets * per_bucket + nbytes / (ln.bandwidth_gbs * GB)
-    return ln.latency_ms / 1e3 + c.weight_sync_factor * 2.0 * m.params / (ln.bandwidth_gbs * GB)
+        per_bucket = latency_s + c.weight_sync_bucket_overhead_ms / 1e3
+        return nbytes, latency_s + buckets * per_bucket
+    return c.weight_sync_factor * 2.0 * m.params, latency_s
