@@ -139,6 +139,8 @@ class Decoder:
         self.kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.scale = self.head_dim**-0.5
+        self.zero = self.embed.new_zeros(())
+        self.minus_inf = self.embed.new_full((), float("-inf"))
 
     def empty_cache(self, rows: int, cap: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Unset keys and values, per layer (rows, H_kv, cap, D), in the model's dtype (a
@@ -163,6 +165,8 @@ class Decoder:
         where a query may attend. Returns the logits of the last `keep` positions
         (B, keep, V)."""
         x = F.embedding(tokens, self.embed)  # (B, T, hidden)
+        # SDPA turns a bool mask into this additive one in every layer; once is enough
+        mask = torch.where(mask, self.zero, self.minus_inf)
         end = column + tokens.shape[1]
         # a position never exceeds the row's column count, so `end` bounds them all
         cos, sin = self.rope(pos, end)  # (B, T, 1, D)

@@ -129,3 +129,27 @@ def test_models_outside_the_scheme_run_hf() -> None:
     assert decoder.for_model(eager) is None
     dynamic = hf_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert decoder.for_model(dynamic) is None
+
+
+def test_the_engine_picks_the_lean_step_and_keeps_it_through_an_in_place_reload(
+    tmp_path: Any,
+) -> None:
+    """The step loop builds the decoder from its model (a wrapped model runs HF); a reload
+    into the running model keeps the decoder, which then computes with the new weights."""
+    from rollout_service.server.engine import Engine, EngineOptions
+    from rollout_service.server.requests import Control
+    from rollout_service.server.step_loop import Core
+
+    model, new = qwen3(4, 2), build_tiny_model(TinyModelConfig(), tokenizer(), seed=1).eval()
+    new.save_pretrained(tmp_path / "v1")
+    core = Core(Engine(model, None, lambda p: model, "tiny", "0", EngineOptions()))
+    lean = core.decoder
+    assert lean is not None
+    reload = Control("reload", {"path": str(tmp_path / "v1"), "version": "1", "abort_all": False})
+    assert core._reload(reload) and core.e.model is model and core.decoder is lean
+    assert torch.equal(run(model, lean)[0], run(new, None)[0])
+
+    wrapped = Wrapped(model)
+    wrapped.generation_config = model.generation_config
+    opts = EngineOptions()
+    assert Core(Engine(wrapped, None, lambda p: model, "tiny", "0", opts)).decoder is None
