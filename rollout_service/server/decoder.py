@@ -1,22 +1,25 @@
-"""A lean decode step for the Llama family (Qwen3, Qwen2, Llama): one token per row, the
-same tensor operations as HF's modules in the same order, without their Python layers.
+"""A lean forward for the Llama family (Qwen3, Qwen2, Llama) over the engine's KV
+buffers: the same tensor operations as HF's modules in the same order, without their
+Python layers. It runs both the prefill (T prompt columns) and the decode step (T = 1).
 
 On a small model a decode step is mostly Python overhead: HF's forward passes through
-about 40 module calls, decorators, output records and config look-ups per layer, which
-cost more than the arithmetic. This step calls the torch operations directly on the
-model's own parameters (so an in-place weight reload and a device move are seen at
-once) and writes each layer's new key/value into the running batch's preallocated
-cache (`batching.KVBatch`) instead of growing it.
+dozens of module calls, decorators, output records and config look-ups per layer, which
+cost more than the arithmetic. This forward calls the torch operations directly on the
+model's own parameters (so an in-place weight reload is seen at once; after a device
+move the step loop builds it anew) and writes each layer's new keys/values into the
+running batch's preallocated cache (`batching.KVBatch`) instead of growing it.
 
-Per layer, as HF computes it (x: (B, 1, hidden)):
+Per layer, as HF computes it (x: (B, T, hidden), the cache's used columns [0, L)):
 
     h = rms(x) ; q, k, v = proj(h)   (q_norm / k_norm on the head dim where the model has them)
-    q, k = rope(q, k) ; cache[:, :, L] = k, v
-    x = x + o_proj(sdpa(q, cache[:, :, :L+1], mask))    (GQA packed as HF does for one query)
-    x = x + down(act(gate(rms(x))) * up(rms(x)))
+    q, k = rope(q, k) ; cache[:, :, L : L + T] = k, v
+    x = x + o_proj(sdpa(q, cache[:, :, : L + T], mask))   (GQA as HF: packed for one query,
+                                                            repeated keys/values otherwise)
+    x = x + down(silu(gate(rms(x))) * up(rms(x)))
 
 `for_model` returns None for any other model (another architecture, eager attention,
-sliding-window layers, a wrapped model); the engine then runs HF's forward.
+sliding-window layers, a length-dependent RoPE, quantized or wrapped modules); the
+engine then runs HF's forward.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def _layer(block: Any) -> _Layer:
 
 
 class Decoder:
-    """The decode step of one HF model (see the module docstring)."""
+    """The prefill/decode forward of one HF model (see the module docstring)."""
 
     def __init__(self, model: Any) -> None:
         cfg = model.config
@@ -242,6 +245,11 @@ def for_model(model: Any) -> Decoder | None:
         or getattr(cfg, "_attn_implementation", None) != "sdpa"
         or set(layer_types) != {"full_attention"}
         or getattr(cfg, "hidden_act", None) != "silu"
+        # F.linear on the weights is right for plain Linear layers only (not quantized ones)
+        or any(
+            isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear
+            for m in model.modules()
+        )
     ):
         return None
     return Decoder(model)

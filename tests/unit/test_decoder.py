@@ -129,6 +129,9 @@ def test_models_outside_the_scheme_run_hf() -> None:
     assert decoder.for_model(eager) is None
     dynamic = hf_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert decoder.for_model(dynamic) is None
+    quantized = qwen3(4, 2)  # a Linear subclass (as quantization libraries swap in)
+    quantized.model.layers[0].mlp.up_proj.__class__ = type("QLinear", (torch.nn.Linear,), {})
+    assert decoder.for_model(quantized) is None
 
 
 def test_the_engine_picks_the_lean_step_and_keeps_it_through_an_in_place_reload(
