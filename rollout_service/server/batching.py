@@ -7,11 +7,11 @@ a decode step is one forward of shape (B, 1) with per-row position ids. The cach
 in preallocated buffers with spare columns (doubled when full): a decode step writes
 its column in place instead of concatenating a new copy of the cache.
 
-- New requests are prefilled together (their own left-padded batch, HF's forward), then
-  merged into the running batch between decode steps (the shorter cache is left-padded
-  to the longer one's length).
-- Decode steps run `decoder.Decoder` (the same operations as HF's modules, without
-  their Python layers) where the model supports it, else HF's forward.
+- New requests are prefilled together (their own left-padded batch), then merged into
+  the running batch between decode steps (the shorter cache is left-padded to the
+  longer one's length).
+- Prefill and decode run `decoder.Decoder` (the same operations as HF's modules,
+  without their Python layers) where the model supports it, else HF's forward.
 - Finished rows leave by index-select; leading columns that became padding in every
   remaining row are cut, so the cache stays as long as the longest live sequence.
 
@@ -477,9 +477,10 @@ def _hf_prefill(
         use_cache=True,
         logits_to_keep=keep,
     )
+    # right-aligned at `width` (a sliding-window layer may keep fewer columns)
     layers = list(out.past_key_values.layers)
-    keys = [_buffers([(layer.keys, width)], width, cap) for layer in layers]
-    values = [_buffers([(layer.values, width)], width, cap) for layer in layers]
+    keys = [_buffers([(x.keys, x.keys.shape[2])], width, cap) for x in layers]
+    values = [_buffers([(x.values, x.values.shape[2])], width, cap) for x in layers]
     return keys, values, out.logits[:, -keep:, :]
 
 
