@@ -1,0 +1,73 @@
+"""The hand-packed MULTI/EXEC a put runs in: the RESP it writes, its errors, and a
+connection left usable (or dropped) after them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from areal_hex.buffer import EmbeddedValkey, RedisEndpoint
+from areal_hex.buffer.transaction import pack, transaction
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[RedisEndpoint]:
+    with EmbeddedValkey(appendonly=False) as server:
+        yield RedisEndpoint(server.url, server=server)
+
+
+def test_pack_writes_resp_with_a_large_argument_as_its_own_chunk() -> None:
+    big = b"x" * 20_000
+    chunks = pack([(b"SET", "k", 7), (b"XADD", "s", b"*", b"d", big)])
+    assert b"".join(chunks) == (
+        b"*1\r\n$5\r\nMULTI\r\n"
+        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n7\r\n"
+        b"*5\r\n$4\r\nXADD\r\n$1\r\ns\r\n$1\r\n*\r\n$1\r\nd\r\n$20000\r\n" + big + b"\r\n"
+        b"*1\r\n$4\r\nEXEC\r\n"
+    )
+    assert big in chunks  # sent as given, not copied into a header
+
+
+async def test_replies_come_back_raw_and_in_order(endpoint: RedisEndpoint) -> None:
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    try:
+        assert await transaction(r, [(b"SET", key, "é"), (b"INCRBY", key + "n", 3)]) == [
+            b"OK",
+            3,
+        ]
+        assert await r.get(key) == "é".encode()
+    finally:
+        await r.aclose()
+
+
+async def test_a_command_refused_when_queued_aborts_the_whole_transaction(
+    endpoint: RedisEndpoint,
+) -> None:
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    try:
+        with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
+            await transaction(r, [(b"SET", key, 1), (b"INCRBY", key)])
+        assert await r.exists(key) == 0  # nothing ran
+        assert await transaction(r, [(b"SET", key, 2)]) == [b"OK"]  # connection still fine
+    finally:
+        await r.aclose()
+
+
+async def test_a_command_failing_when_run_raises_after_the_others_ran(
+    endpoint: RedisEndpoint,
+) -> None:
+    """MULTI/EXEC does not roll back: the caller orders its commands so that the one that
+    can fail at run time (a put's XADD) comes first and the script after it checks."""
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    try:
+        await r.set(key, "a string")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            await transaction(r, [(b"XADD", key, b"*", b"d", b"x"), (b"SET", key + "b", 1)])
+        assert await r.get(key + "b") == b"1"
+    finally:
+        await r.aclose()
