@@ -333,16 +333,22 @@ def allreduce_s(
 
 
 def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zone: str) -> float:
-    """Pause of a rollout instance per publish, over the link between the two zones.
-    disk: latency + factor · 2N bytes / link (AReaL-Hex's calibrated figure). network
-    (the trainer broadcasts buckets): one round trip per bucket and its fixed cost, plus
-    the bytes as sent over the link: latency · (1 + buckets) + buckets · overhead +
-    bytes / link."""
+    """Pause of a rollout instance per publish, over the link between the two zones:
+    `sync_terms`' fixed seconds plus its bytes over the link."""
     ln = cl.link(from_zone, to_zone)
+    nbytes, fixed = sync_terms(m, w, ln.latency_ms / 1e3)
+    return fixed + nbytes / (ln.bandwidth_gbs * GB)
+
+
+def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:
+    """(bytes each rollout machine receives per publish, fixed seconds) for the mode in use.
+    disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure). network (the trainer
+    broadcasts buckets): the bytes as sent, one round trip per bucket and its fixed cost:
+    latency · (1 + buckets) + buckets · overhead."""
     c = w.constants
     if w.weight_sync == "network":
         nbytes = c.weight_sync_bytes_per_param * m.params
         buckets = math.ceil(nbytes / (c.weight_sync_bucket_mb * 2**20))
-        per_bucket = ln.latency_ms / 1e3 + c.weight_sync_bucket_overhead_ms / 1e3
-        return ln.latency_ms / 1e3 + buckets * per_bucket + nbytes / (ln.bandwidth_gbs * GB)
-    return ln.latency_ms / 1e3 + c.weight_sync_factor * 2.0 * m.params / (ln.bandwidth_gbs * GB)
+        per_bucket = latency_s + c.weight_sync_bucket_overhead_ms / 1e3
+        return nbytes, latency_s + buckets * per_bucket
+    return c.weight_sync_factor * 2.0 * m.params, latency_s

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import pymetis
 
 from scheduler.cluster import Cluster, NodeGroup, machine_name
-from scheduler.costmodel import GB, RolloutOption, TrainerOption, allreduce_s
+from scheduler.costmodel import GB, RolloutOption, TrainerOption, allreduce_s, sync_terms
 from scheduler.model_shape import ModelShape
 from scheduler.topology import Topology, Transfer
 from scheduler.workload import Workload
@@ -160,7 +160,7 @@ def _traffic(
                 edges[tuple(sorted((a, b)))] += ring
     if ranks:
         writer = ranks[0][1]
-        sync = w.constants.weight_sync_factor * 2.0 * m.params / (step * w.publish_interval)
+        sync = sync_terms(m, w, 0.0)[0] / (step * w.publish_interval)
         for i, t in enumerate(tasks):
             if t.instances:
                 edges[tuple(sorted((writer, i)))] += sync
@@ -326,11 +326,29 @@ def evaluate(
         lat = max(cl.link(a, b).latency_ms for a in zones for b in zones)
         comm += topo.ring_s(topo.ring_order(machines), ring) + 2 * (n - 1) * lat / 1e3
     step = c.compute_s + (1 - w.constants.comm_overlap) * comm + c.publish_s
-    writer = machines[0]
-    rollout_machines = sorted({node for _, node, _ in pl.rollout})
-    size = w.constants.weight_sync_factor * 2.0 * m.params
-    done = topo.finish_s([Transfer(writer, r, size) for r in rollout_machines])
-    arrive = dict(zip(rollout_machines, done, strict=True))
-    wz = topo.machines[writer].zone
-    sync = [cl.link(wz, rc.zone).latency_ms / 1e3 + arrive[node] for rc, node, _ in pl.rollout]
+    sync = sync_on_topology(cl, m, w, machines[0], [node for _, node, _ in pl.rollout], topo)
     return PlacementCost(step, comm, sync)
+
+
+def sync_on_topology(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    writer: str,
+    rollout_nodes: list[str],
+    topo: Topology | None = None,
+) -> list[float]:
+    """Each rollout instance's weight-sync pause (as `rollout_nodes`, one machine per
+    instance) when the trainer's machine `writer` sends every rollout machine its copy at
+    once (`costmodel.sync_terms` for the mode), NICs and rack uplinks shared."""
+    topo = topo or Topology(cl)
+    machines = sorted(set(rollout_nodes))
+    wz = topo.machines[writer].zone
+    out = {}
+    for node in machines:
+        latency = cl.link(wz, topo.machines[node].zone).latency_ms / 1e3
+        out[node] = sync_terms(m, w, latency)
+    size = {node: out[node][0] for node in machines}
+    done = topo.finish_s([Transfer(writer, node, size[node]) for node in machines])
+    arrive = dict(zip(machines, done, strict=True))
+    return [out[node][1] + arrive[node] for node in rollout_nodes]

@@ -22,13 +22,15 @@ from scheduler.costmodel import (
     RolloutOption,
     TrainerOption,
     decode_step_s,
+    pipeline_rate,
     rollout_config,
     weight_sync_s,
 )
-from scheduler.milp import PlanSpace, build_problem, evaluate
 from scheduler.model_shape import ModelShape
+from scheduler.partition import sync_on_topology
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
+from scheduler.topology import Topology
 from scheduler.trainers import cost_trainer
 from scheduler.workload import Workload
 
@@ -37,6 +39,15 @@ from scheduler.workload import Workload
 class TrainerLayout:
     parts: tuple[tuple[str, int], ...]  # (node group, ranks taken) in rank order
     per_node: int
+
+
+@dataclass(frozen=True)
+class LayoutNodes:
+    """The machines a layout runs on (a plan's placement): the trainer's first machine,
+    which sends the weights, and each rollout instance's machine, in instance order."""
+
+    writer: str
+    rollout: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -86,48 +97,67 @@ def predict_layout(
     instances: list[tuple[str, int]],
     trainer: TrainerLayout,
     max_inflight_groups: int | None = None,
+    nodes: LayoutNodes | None = None,
 ) -> LayoutPrediction:
     """Rates of `instances` ((node group, TP) each) and `trainer` in both modes; `w` holds
-    the asynchronous run's η (the synchronous one runs at η = 0, publishing every step)."""
+    the asynchronous run's η (the synchronous one runs at η = 0, publishing every step).
+    With `nodes` on a cluster that declares racks or NICs, each instance's weight sync
+    is priced over the links its copy crosses (`partition.sync_on_topology`); otherwise
+    over its zone's link."""
     if not instances:
         raise LayoutError("a layout needs at least one rollout instance")
+    if nodes is not None and len(nodes.rollout) != len(instances):
+        raise LayoutError(f"{len(instances)} rollout instances but {len(nodes.rollout)} nodes")
     opts = _rollouts(cl, m, w, prof, instances)
     tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
-    asyn = _asynchronous(cl, m, w, prof, opts, tr)
+    asyn = _asynchronous(w, prof, opts, tr, _syncs(cl, m, w, opts, tr, nodes))
     sync_w = w.model_copy(update={"staleness": 0, "publish_interval": 1})
-    syn = _synchronous(cl, m, sync_w, prof, opts, tr, max_inflight_groups)
+    syn = _synchronous(
+        cl, m, sync_w, prof, opts, tr, max_inflight_groups, _syncs(cl, m, sync_w, opts, tr, nodes)
+    )
     return LayoutPrediction(asyn, syn)
 
 
-def _asynchronous(
+def _syncs(
     cl: Cluster,
     m: ModelShape,
+    w: Workload,
+    opts: list[RolloutOption],
+    tr: TrainerOption,
+    nodes: LayoutNodes | None,
+) -> list[float]:
+    """Each instance's weight-sync pause per publish from the links (no profile)."""
+    if nodes is not None and Topology(cl).declared:
+        return sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout))
+    return [weight_sync_s(cl, m, w, tr.zones[0], o.zone) for o in opts]
+
+
+def _asynchronous(
     w: Workload,
     prof: Profile | None,
     opts: list[RolloutOption],
     tr: TrainerOption,
+    syncs: list[float],
 ) -> LayoutRates:
-    p = build_problem(cl, m, w, opts, [tr])
-    if w.host_work == "rollout" and prof is not None:
+    if w.host_work == "rollout" and prof is not None and w.weight_sync == "disk":
         # the controller beside the servers: their reloads as the profile measured them
-        for o in opts:
-            measured = prof.reload_shared_s(o.kind)
-            if measured is not None:
-                p.sync_s[(o.zone, 0)] = measured
+        measured = [prof.reload_shared_s(o.kind) for o in opts]
+        syncs = [s if r is None else r for s, r in zip(syncs, measured, strict=True)]
     # generation with the weight-sync pauses at the rate reached: a pause holds requests
     # in flight, so it counts as time the servers have work
-    rate, gen_at = evaluate(p, 0, dict.fromkeys(range(len(opts)), 1))
+    items = [(o, s, 1) for o, s in zip(opts, syncs, strict=True)]
+    rate, gen_at = pipeline_rate(w, tr.samples_per_s, items)
     train = w.samples_per_step / tr.step_s
-    return LayoutRates(rate, gen_at, train, _async_pause(p, prof, opts, gen_at / train))
+    return LayoutRates(rate, gen_at, train, _async_pause(syncs, prof, opts, gen_at / train))
 
 
 IDLE_AT_SLACK = 0.25  # generation this much above training: every update finds idle servers
 
 
 def _async_pause(
-    p: PlanSpace, prof: Profile | None, opts: list[RolloutOption], slack: float
+    syncs: list[float], prof: Profile | None, opts: list[RolloutOption], slack: float
 ) -> float:
     """The weight-sync pause an asynchronous run sees. Servers that generate faster than
     the trainer consumes finish the work the staleness gate admitted before the trainer
@@ -136,7 +166,7 @@ def _async_pause(
     Between the two, the share of updates that find them busy falls with the slack (the
     tiny example here: 0.006-0.007 s at 1.22-1.31 x, 0.012-0.019 s at 1.03-1.15 x, 0.029 s
     at 0.91 x). The pipeline rate does not depend on it: with slack, training binds."""
-    busy = max(p.sync_s.values(), default=0.0)
+    busy = max(syncs, default=0.0)
     idle = [prof.reload_idle_s(o.kind) for o in opts] if prof is not None else []
     if not idle or None in idle or slack <= 1.0:
         return busy
@@ -152,6 +182,7 @@ def _synchronous(
     opts: list[RolloutOption],
     tr: TrainerOption,
     max_inflight: int | None,
+    link_syncs: list[float],
 ) -> LayoutRates:
     bg = w.samples_per_step
     ctx = w.prompt_tokens + w.response_tokens / 2
@@ -170,10 +201,10 @@ def _synchronous(
 
             return at(n) * o.step_s / at(o.batch)
 
-        sync = weight_sync_s(cl, m, w, tr.zones[0], o.zone)
+        sync = link_syncs[i]
         idle = prof.reload_idle_s(o.kind) if prof is not None else None
-        if idle is not None:  # measured: nothing is generating when a sync run reloads
-            sync = idle
+        if idle is not None and w.weight_sync == "disk":
+            sync = idle  # measured: nothing is generating when a sync run reloads
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
     # the controller works while the trainer waits for the batch: no host-CPU share

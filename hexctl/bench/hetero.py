@@ -187,8 +187,8 @@ def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[st
             "predicted": _ratio(pred.get("a"), pred.get(other)),
             "measured": _ratio(meas.get("a"), meas.get(other)),
         }
-    # the plans' own rates price each placement on the racks (a run's prediction prices
-    # its layout by kind and zone only): the planner's claim for METIS over first-fit
+    # the plans' own rates (the planner's claim, from the MILP's decision placed on the
+    # racks), beside the runs' predictions (each run's layout and mode, its machines)
     out["a/b"]["predicted_by_plans"] = _ratio(placed["a"], placed["b"])
     out["a/c"]["predicted_by_plans"] = _ratio(placed["a"], placed["c"])
     out["ranking"] = {"predicted": _ranking(pred), "measured": _ranking(meas)}

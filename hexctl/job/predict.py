@@ -90,6 +90,18 @@ def _layout(cfg: ExperimentConfig, plan: Plan | None, cl: Any) -> tuple[list, An
     return inst, TrainerLayout(((group, ranks),), ranks)
 
 
+def _nodes(plan: Plan | None) -> Any:
+    """The plan's machines (the trainer's first, each instance's), for pricing the weights'
+    path on racks and NICs; None without a plan (a local run: one machine)."""
+    from scheduler.predict import LayoutNodes
+
+    if plan is None:
+        return None
+    return LayoutNodes(
+        plan.trainer.placements[0].node, tuple(i.placement.node for i in plan.rollout)
+    )
+
+
 def host_side(
     cfg: ExperimentConfig, plan: Plan | None = None, profile_dir: Path | None = None
 ) -> tuple[str, dict[str, Any]]:
@@ -146,12 +158,20 @@ def predict_run(
                 "publish_interval": cfg.trainer.publish_every,
                 "max_response_tokens": cfg.rollout.max_new_tokens,
                 "host_work": "rollout" if host == "inference" else "trainer",
+                "weight_sync": cfg.rollout.weight_sync,
             }
         )
         prof = load_profile(profile, m.params) if profile else None
         inst, trainer = _layout(cfg, plan, cl)
         pred = predict_layout(
-            cl, m, w, prof, inst, trainer, max_inflight_groups=cfg.rollout.max_concurrent_groups
+            cl,
+            m,
+            w,
+            prof,
+            inst,
+            trainer,
+            max_inflight_groups=cfg.rollout.max_concurrent_groups,
+            nodes=_nodes(plan),
         )
     except (ConfigError, LayoutError) as exc:
         return {"unavailable": str(exc)}

@@ -187,3 +187,40 @@ def test_max_trainer_nodes_keeps_the_trainer_on_one_machine() -> None:
     assert max(trainer_nodes(c) for c in trainer_configs(cl, m, w)) > 1
     one = w.model_copy(update={"max_trainer_nodes": 1})
     assert {trainer_nodes(c) for c in trainer_configs(cl, m, one)} == {1}
+
+
+def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosses(
+    tmp_path: Path,
+) -> None:
+    """Network sync on racks: two servers behind one rack's uplink share it (each gets its
+    own copy), so they wait for two copies' bytes over it; two servers beside the trainer
+    wait for its NIC to send both. The run's prediction prices the plan's machines."""
+    from scheduler.costmodel import GB, sync_terms
+    from scheduler.model_shape import load_model_shape
+    from scheduler.partition import sync_on_topology
+    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
+    spec = inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=12.0)
+    cl = make_cluster(ClusterSpec.model_validate(spec))
+    m = load_model_shape("qwen3-0.6b")
+    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
+        update={"weight_sync": "network", "groups_per_step": 4, "group_size": 8}
+    )
+    nbytes, fixed = sync_terms(m, w, 0.012)
+    assert nbytes == pytest.approx(w.constants.weight_sync_bytes_per_param * m.params)
+    near = sync_on_topology(cl, m, w, "fast-0", ["mem-2", "mem-3"])
+    far = sync_on_topology(cl, m, w, "fast-0", ["mem-0", "mem-1"])
+    # fast-0's 800 Mbit/s NIC sends both copies; behind rack b, its 16 Mbit/s uplinks do
+    assert near == pytest.approx([fixed + 2 * nbytes / (0.1 * GB)] * 2)
+    assert far == pytest.approx([fixed + 2 * nbytes / (0.002 * GB)] * 2)
+
+    layout = [("mem", 1), ("mem", 1)], TrainerLayout((("fast", 1),), 1)
+    a = predict_layout(cl, m, w, None, *layout, nodes=LayoutNodes("fast-0", ("mem-2", "mem-3")))
+    c = predict_layout(cl, m, w, None, *layout, nodes=LayoutNodes("fast-0", ("mem-0", "mem-1")))
+    assert c.asynchronous.weight_sync_s == pytest.approx(far[0])
+    assert a.asynchronous.weight_sync_s == pytest.approx(near[0])
+    assert c.asynchronous.pipeline_samples_per_s < a.asynchronous.pipeline_samples_per_s
+    assert c.synchronous.pipeline_samples_per_s < a.synchronous.pipeline_samples_per_s
