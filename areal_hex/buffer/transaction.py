@@ -10,10 +10,18 @@ the caller decides about retries (a put's token makes its retry safe).
 
 from __future__ import annotations
 
+import asyncio
+import math
+import sys
 from collections.abc import Sequence
 
 import redis
 import redis.asyncio
+
+if sys.version_info >= (3, 11, 3):  # the same choice as redis-py's (which needs
+    from asyncio import timeout as _deadline  # async-timeout before 3.11.3)
+else:
+    from async_timeout import timeout as _deadline
 
 Arg = bytes | str | int
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
@@ -54,21 +62,28 @@ async def transaction(client: redis.asyncio.Redis, commands: Sequence[Sequence[A
     pool = client.connection_pool
     conn = await pool.get_connection()
     queued: list[redis.ResponseError] = []
+    replies = None
     try:
         await conn.send_packed_command(pack(commands))
-        for _ in range(len(commands) + 1):  # +OK for MULTI, then +QUEUED per command
+        # One deadline (the connection's socket timeout) over all the replies: by default
+        # every read_response arms a timer of its own, which cost more client CPU than
+        # the ledger script's whole reply.
+        async with _deadline(conn.socket_timeout):
+            for _ in range(len(commands) + 1):  # +OK for MULTI, then +QUEUED per command
+                try:
+                    await conn.read_response(timeout=math.inf)
+                except redis.ResponseError as exc:  # refused when queued: EXEC aborts
+                    queued.append(exc)
             try:
-                await conn.read_response()
-            except redis.ResponseError as exc:  # refused when queued: EXEC aborts
-                queued.append(exc)
-        try:
-            replies = await conn.read_response()
-        except redis.exceptions.ExecAbortError:
-            replies = None
-    except BaseException:
-        # A reply left unread (a lost connection, a cancelled call) must not be read by
-        # the next user of this connection.
+                replies = await conn.read_response(timeout=math.inf)
+            except redis.exceptions.ExecAbortError:
+                pass
+    except BaseException as exc:
+        # A reply left unread (a lost connection, a timeout, a cancelled call) must not
+        # be read by the next user of this connection.
         await conn.disconnect()
+        if isinstance(exc, asyncio.TimeoutError):
+            raise redis.TimeoutError("Timeout reading from the buffer's server") from None
         raise
     finally:
         await pool.release(conn)

@@ -3,11 +3,13 @@ connection left usable (or dropped) after them."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+import redis.asyncio
 
 from areal_hex.buffer import EmbeddedValkey, RedisEndpoint
 from areal_hex.buffer.transaction import pack, transaction
@@ -71,3 +73,28 @@ async def test_a_command_failing_when_run_raises_after_the_others_ran(
         assert await r.get(key + "b") == b"1"
     finally:
         await r.aclose()
+
+
+async def test_a_silent_server_is_a_client_timeout_and_the_connection_is_dropped() -> None:
+    """A timeout reads as the client's own (`is_connection_error`: the caller retries), not
+    as the gate's TimeoutError, and the half-read connection is not reused."""
+    from areal_hex.buffer.errors import is_connection_error
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answers the client's handshake (+OK per command), then takes a transaction and
+        never answers it."""
+        while b"MULTI" not in (data := await reader.read(1 << 16)) and data:
+            writer.write(b"+OK\r\n" * sum(x.startswith(b"*") for x in data.split(b"\r\n")))
+        await asyncio.sleep(5)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    r = redis.asyncio.Redis(host="127.0.0.1", port=port, socket_timeout=0.2)
+    try:
+        with pytest.raises(redis.TimeoutError, match="buffer's server") as err:
+            await transaction(r, [(b"SET", "k", 1)])
+        assert is_connection_error(err.value)
+        assert not any(c.is_connected for c in r.connection_pool._available_connections)
+    finally:
+        await r.aclose()
+        server.close()
