@@ -24,7 +24,7 @@ ETA, K = 6, 2  # tuned by the planner; the configs below ask for other values
 
 def _tuned(plan_file: str):
     plan = load_plan(ROOT / plan_file)
-    return plan.model_copy(update={"baselines": Baselines(staleness=ETA, publish_interval=K)})
+    return plan.model_copy(update={"baselines": Baselines(max_staleness=ETA, publish_every=K)})
 
 
 def _assert_planned(cfg, plan) -> None:
@@ -98,6 +98,6 @@ def test_plan_print_config_carries_the_tuned_values(tmp_path, capsys) -> None:
 
     doc = json.loads(capsys.readouterr().out)
     b = doc["plan"]["baselines"]
-    assert doc["config"]["buffer"]["max_staleness"] == b["staleness"]
-    assert doc["config"]["trainer"]["publish_every"] == b["publish_interval"]
+    assert doc["config"]["buffer"]["max_staleness"] == b["max_staleness"]
+    assert doc["config"]["trainer"]["publish_every"] == b["publish_every"]
     assert doc["config"]["inference"]["num_servers"] == len(doc["plan"]["rollout"])
