@@ -352,7 +352,7 @@ class RedisTrajectoryConsumer:
             groups=[g for _, g, _ in items],
             dropped_stale=dropped,
             dead_lettered=dead,
-            staleness=[v - gv for _, _, gv in items],
+            version_lags=[v - gv for _, _, gv in items],
         )
 
     def ack(self, entry_ids: Sequence[str]) -> None:

@@ -72,6 +72,9 @@ def planned_values(plan: Plan, nodes: Nodes) -> dict[str, Any]:
     return values
 
 
+SYNC_KEEPS = ("buffer.max_staleness", "trainer.publish_every")
+
+
 def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConfig:
     """`cfg` with every decision of `plan` applied (validated again as a whole), and the
     keys whose value the plan changed."""
@@ -80,6 +83,11 @@ def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConf
     for key, value in planned_values(plan, nodes).items():
         section, name = key.split(".")
         old = data[section].get(name)
+        if key in SYNC_KEEPS and cfg.run.mode == "sync":
+            # a synchronous run is η = 0, k = 1 whatever the plan tuned for its async run
+            if old != value:
+                changes.append(f"{key}: {_short(old)} kept (run.mode=sync; planned {value})")
+            continue
         if old != value:
             changes.append(f"{key}: {_short(old)} -> {_short(value)} (as planned)")
         data[section][name] = value

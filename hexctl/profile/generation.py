@@ -183,16 +183,26 @@ class _Driver:
         return statistics.fmean(len(o.output_ids) for o in outs)
 
     async def decode_step(self, batch: int) -> float:
-        """Seconds per decode step at `batch`: two answer lengths, the prefill cancels."""
+        """Seconds per decode step at `batch`: two answer lengths, the prefill cancels.
+        A pair whose long wave was not longer than its short one (the machine stalled
+        the short one) says nothing and is measured again, up to REPEATS more times;
+        without any usable pair, the long wave's time per token (prefill included: an
+        upper bound) stands in."""
         long_n = max(8, self.r.max_new_tokens)
         short_n = max(2, long_n // 4)
-        diffs = []
-        for _ in range(REPEATS):
+        diffs: list[float] = []
+        per_token: list[float] = []
+        for _ in range(2 * REPEATS):
             work = self.groups(batch)
             t_long, _ = await self.wave(work, self.fixed(long_n))
             t_short, _ = await self.wave(work, self.fixed(short_n))
-            diffs.append(max(1e-6, (t_long - t_short) / (long_n - short_n)))
-        return statistics.median(diffs)
+            per_token.append(t_long / long_n)
+            # a step shorter than a tenth of the long wave's time per token is noise
+            if t_long - t_short > 0.1 * t_long * (long_n - short_n) / long_n:
+                diffs.append((t_long - t_short) / (long_n - short_n))
+            if len(diffs) >= REPEATS:
+                break
+        return statistics.median(diffs) if diffs else statistics.median(per_token)
 
     async def prefill_rate(self, batch: int, step_s: float) -> float:
         """Prompt tokens/s, one prompt per group (the group shares its prefill)."""

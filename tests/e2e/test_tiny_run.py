@@ -76,6 +76,8 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         "rollout.group_size=4",
         "model.tiny.sft_steps=10",
         "trainer.checkpoint_every=3",
+        # a step is 16 samples: the profile the run takes first times batches 1, 8 and 16
+        "inference.max_running_requests=16",
         f"inference.base_port={free_port()}",
     ]
     run_dir = tmp_path / "e2e"

@@ -47,6 +47,21 @@ def test_local_run_carries_the_tuned_values() -> None:
     assert any(s.startswith(k_line) for s in said)
 
 
+def test_a_synchronous_run_of_a_tuned_plan_stays_synchronous() -> None:
+    """`run --mode sync --plan PLAN` (and bench hetero's plan d): the plan's pools apply,
+    its η and k (tuned for the asynchronous run) do not, and the run says so."""
+    from hexctl.job.prepare import apply_mode
+
+    plan = _tuned("examples/plans/local_cpu.yaml")
+    said: list[str] = []
+    run = apply_plan(
+        apply_mode(load_config(ROOT / "examples/tiny_cpu.yaml"), "sync"), plan, said.append
+    )
+    assert (run.buffer.max_staleness, run.trainer.publish_every) == (0, 1)
+    assert run.inference.num_servers == len(plan.rollout)
+    assert f"buffer.max_staleness: 0 kept (run.mode=sync; planned {ETA})" in said
+
+
 @pytest.mark.parametrize(
     ("target", "cfg_file", "plan_file"),
     [
