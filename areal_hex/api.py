@@ -69,7 +69,7 @@ class Batch:
     groups: list[GroupRecord]
     dropped_stale: int = 0  # groups discarded while filling this batch (older than v - eta)
     dead_lettered: int = 0  # malformed entries moved to the dead-letter stream
-    staleness: list[int] = field(default_factory=list)  # v - group.version per group
+    version_lags: list[int] = field(default_factory=list)  # v - group.version per group
 
 
 @dataclass(frozen=True)

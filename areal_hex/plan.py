@@ -11,11 +11,15 @@ from pathlib import Path
 import yaml
 from pydantic import Field, model_validator
 
-from areal_hex.config.base import Section, build, read_yaml
+from areal_hex.config.base import Section, build, read_yaml, refuse_renamed
 
 # 2: a trainer across GPU kinds (`trainer.gpu_kinds`, `trainer.rank_speeds`); version 1
 # files load unchanged (the new fields are optional).
 PLAN_SCHEMA_VERSION = 2
+
+# Keys the planner wrote under other names before it took the config's (a plan's
+# `baselines` and a workload YAML): refused with the new name.
+RENAMED_KEYS = {"staleness": "max_staleness", "publish_interval": "publish_every"}
 
 
 class DeviceSlot(Section):
@@ -97,10 +101,11 @@ class Baselines(Section):
     placement: str = "first-fit"  # phase 2: "metis" (mapped on the topology) | "first-fit"
     first_fit_samples_per_s: float | None = None  # the same decision placed naively
     simulated_first_fit_samples_per_s: float | None = None
-    # the staleness bound and publish interval the plan assumes (buffer.max_staleness,
-    # trainer.publish_every); tuned within --search-max-staleness / --search-publish-every
-    staleness: int | None = None
-    publish_interval: int | None = None
+    # the staleness bound η and publish interval k the plan assumes, under the config's
+    # names (buffer.max_staleness, trainer.publish_every); tuned within
+    # --search-max-staleness / --search-publish-every
+    max_staleness: int | None = None
+    publish_every: int | None = None
     # what holds the plan back and what it is worth (scheduler/assess.py)
     binding: str | None = None  # training | generation | weight sync | staleness gate
     limits: list[str] = []  # budget | inventory
@@ -117,6 +122,11 @@ class Baselines(Section):
     # placed rate of the pick it started from
     local_search_moves: int = 0
     milp_pick_samples_per_s: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_names(cls, data: object) -> object:
+        return refuse_renamed(data, RENAMED_KEYS)
 
 
 class PlanSources(Section):

@@ -45,6 +45,22 @@ STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 
 
+# One unlabelled metric: (name after the prefix, help text, value).
+Sample = tuple[str, str, float]
+
+
+def counters(prefix: str, rows: Iterable[Sample]) -> Iterator[Metric]:
+    """A counter family per row (the text format adds `_total` to the name)."""
+    for name, doc, value in rows:
+        yield CounterMetricFamily(prefix + name, doc, value=value)
+
+
+def gauges(prefix: str, rows: Iterable[Sample]) -> Iterator[Metric]:
+    """A gauge family per row."""
+    for name, doc, value in rows:
+        yield GaugeMetricFamily(prefix + name, doc, value)
+
+
 def device_kind(device: str) -> str:
     """The trainer's `gpu_kind` label: the CUDA device's name ("NVIDIA H100 80GB HBM3"),
     or "cpu"."""
@@ -95,23 +111,24 @@ class TrainerCollector(Collector):
         tokens = CounterMetricFamily(T + "tokens", "tokens trained", labels=["gpu_kind"])
         tokens.add_metric(kind, r.tokens_total)
         yield tokens
-        counters = [
-            ("samples", "samples trained", r.groups_trained_total * self.group_size),
-            ("groups_trained", "groups trained (acknowledged)", r.groups_trained_total),
-            ("dropped_stale", "groups dropped as older than v - eta", r.dropped_stale_total),
-            (
-                "dead_letters",
-                "malformed entries moved to the dead-letter stream",
-                r.dead_letter_total,
-            ),
-            (
-                "degenerate_groups",
-                "groups trained whose rewards were all equal (zero advantage)",
-                r.degenerate_groups_total,
-            ),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(T + name, doc, value=value)
+        yield from counters(
+            T,
+            [
+                ("samples", "samples trained", r.groups_trained_total * self.group_size),
+                ("groups_trained", "groups trained (acknowledged)", r.groups_trained_total),
+                ("dropped_stale", "groups dropped as older than v - eta", r.dropped_stale_total),
+                (
+                    "dead_letters",
+                    "malformed entries moved to the dead-letter stream",
+                    r.dead_letter_total,
+                ),
+                (
+                    "degenerate_groups",
+                    "groups trained whose rewards were all equal (zero advantage)",
+                    r.degenerate_groups_total,
+                ),
+            ],
+        )
         yield _staleness_histogram(self.staleness)
 
 
@@ -186,33 +203,35 @@ class RolloutCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         r = self.row
-        gauges = [
-            ("groups_in_flight", "groups being generated", r.groups_in_flight),
-            ("servers_healthy", "inference servers answering health", r.servers_healthy),
-            ("version", "policy version the controller generates with", r.version),
-            ("tokens_per_second", "generated tokens/s over the last interval", r.tokens_per_s),
-            ("reward_mean", "mean reward over the last interval", r.reward_mean or 0.0),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(R + name, doc, value)
-        counters = [
-            ("groups_produced", "groups generated and scored", r.groups_produced_total),
-            (
-                "groups_filtered",
-                "groups not buffered: all rewards equal (dynamic sampling)",
-                r.groups_filtered_total,
-            ),
-            ("groups_failed", "groups that failed", r.groups_failed_total),
-            ("samples", "samples generated", r.samples_total),
-            ("tokens", "tokens generated", r.tokens_total),
-            ("requests", "generate requests sent", r.requests_total),
-            ("requests_retried", "generate requests retried", r.requests_retried_total),
-            ("weight_updates", "weight updates applied", r.weight_updates_total),
-            ("weight_update_seconds", "time spent in weight updates", r.weight_update_s_total),
-            ("generation_busy_seconds", "time any server had work", r.gen_busy_s),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(R + name, doc, value=value)
+        yield from gauges(
+            R,
+            [
+                ("groups_in_flight", "groups being generated", r.groups_in_flight),
+                ("servers_healthy", "inference servers answering health", r.servers_healthy),
+                ("version", "policy version the controller generates with", r.version),
+                ("tokens_per_second", "generated tokens/s over the last interval", r.tokens_per_s),
+                ("reward_mean", "mean reward over the last interval", r.reward_mean or 0.0),
+            ],
+        )
+        yield from counters(
+            R,
+            [
+                ("groups_produced", "groups generated and scored", r.groups_produced_total),
+                (
+                    "groups_filtered",
+                    "groups not buffered: all rewards equal (dynamic sampling)",
+                    r.groups_filtered_total,
+                ),
+                ("groups_failed", "groups that failed", r.groups_failed_total),
+                ("samples", "samples generated", r.samples_total),
+                ("tokens", "tokens generated", r.tokens_total),
+                ("requests", "generate requests sent", r.requests_total),
+                ("requests_retried", "generate requests retried", r.requests_retried_total),
+                ("weight_updates", "weight updates applied", r.weight_updates_total),
+                ("weight_update_seconds", "time spent in weight updates", r.weight_update_s_total),
+                ("generation_busy_seconds", "time any server had work", r.gen_busy_s),
+            ],
+        )
         yield from self.gate_waits.collect()
         yield from self.requests.collect()
         yield from self._per_server()

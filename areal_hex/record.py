@@ -73,6 +73,25 @@ class GroupRecord:
         if not self.completions:
             raise ValueError(f"group {self.prompt_id!r} has no completions")
 
+    @classmethod
+    def from_checked(
+        cls,
+        prompt_id: str,
+        prompt_ids: np.ndarray,
+        completions: list[Completion],
+        temperature: float,
+        created_at: float,
+        finished_at: float,
+        metadata: dict[str, str],
+    ) -> GroupRecord:
+        """A group from fields a decoder has already checked (an int32 prompt, at least
+        one completion): skips `__post_init__`, as `Completion.from_checked` does."""
+        g = cls.__new__(cls)
+        g.prompt_id, g.prompt_ids, g.completions = prompt_id, prompt_ids, completions
+        g.temperature, g.created_at, g.finished_at = temperature, created_at, finished_at
+        g.metadata, g.schema_version = metadata, SCHEMA_VERSION
+        return g
+
     @property
     def version(self) -> int:
         """Oldest policy version among the group's tokens (a group with no tokens: -1)."""

@@ -7,7 +7,9 @@ read responses. Like SGLang, a request body ignores unknown top-level keys, but
 key SGLang defines that the built-in engine does not implement (image inputs, LoRA,
 structural tags, ...) is refused when set, never accepted and ignored. Every value
 is validated (NaN and infinity included) and a bad one fails with the field's path
-(HTTP 400). The OpenAI-compatible shapes live in rollout_service/openai_wire.py.
+(HTTP 400). The shapes of the control endpoints (weight updates, pause, abort, memory,
+model info, load) live in rollout_service/control_wire.py, the OpenAI-compatible ones
+in rollout_service/openai_wire.py.
 
 Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "default") and
 `int` in Python: `version_from_wire` / `version_to_wire` are the only conversion.
@@ -16,7 +18,6 @@ Policy versions are strings on the wire (SGLang's `weight_version`, e.g. "defaul
 from __future__ import annotations
 
 import re
-import time
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -31,8 +32,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from areal_hex.api import PauseMode
 
 # Union branches are tagged so a validation error names the field, not pydantic's
 # internal union member; the app drops these tags from error locations.
@@ -407,115 +406,6 @@ class GenerateOutput(Lenient):
         return self.model_dump(exclude_unset=True)
 
 
-class UpdateWeightsFromDiskReq(Lenient):
-    model_path: Text = Field(min_length=1)
-    load_format: Text | None = None
-    abort_all_requests: bool = False
-    weight_version: Text | None = None
-    flush_cache: bool = True
-
-
-class UpdateWeightsResp(BaseModel):
-    success: bool
-    message: str
-    num_paused_requests: int = 0
-
-
-class UpdateWeightVersionReq(Lenient):
-    new_version: Text
-    abort_all_requests: bool = False
-
-
-class InitWeightsUpdateGroupReq(Lenient):
-    """SGLang's body: join the group at `master_address:master_port` as rank
-    `rank_offset` (the trainer is rank 0) of `world_size`."""
-
-    master_address: Text = Field(min_length=1)
-    master_port: int = Field(gt=0, lt=65536)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: Text = Field("weight_update_group", min_length=1)
-    backend: Literal["gloo", "nccl"] = "nccl"
-
-    @model_validator(mode="after")
-    def _rank_in_group(self) -> InitWeightsUpdateGroupReq:
-        if self.rank_offset >= self.world_size:
-            raise ValueError(
-                f"rank_offset ({self.rank_offset}) must be below world_size ({self.world_size})"
-            )
-        return self
-
-
-class UpdateWeightsFromDistributedReq(Lenient):
-    """SGLang's body: receive one bucket, tensor i broadcast from rank 0 with
-    `dtypes[i]` and `shapes[i]`, loaded as `names[i]`."""
-
-    names: list[Text] = Field(min_length=1)
-    dtypes: list[Text]
-    shapes: list[list[Annotated[int, Field(ge=0)]]]
-    group_name: Text = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: Text | None = None
-    load_format: Text | None = None
-
-    @model_validator(mode="after")
-    def _aligned(self) -> UpdateWeightsFromDistributedReq:
-        n = len(self.names)
-        if len(self.dtypes) != n or len(self.shapes) != n:
-            raise ValueError(
-                f"names, dtypes and shapes must have the same length, got {n}, "
-                f"{len(self.dtypes)} and {len(self.shapes)}"
-            )
-        if len(set(self.names)) != n:
-            raise ValueError("names: a tensor name is repeated")
-        if self.load_format is not None:
-            raise ValueError(
-                f"load_format {self.load_format!r}: the built-in engine receives one "
-                "broadcast per tensor (load_format null)"
-            )
-        return self
-
-
-class DestroyWeightsUpdateGroupReq(Lenient):
-    group_name: Text = "weight_update_group"
-
-
-class PauseReq(Lenient):
-    mode: PauseMode = "abort"
-
-
-class MemoryOccupationReq(Lenient):
-    """`/release_memory_occupation`, `/resume_memory_occupation`: which memory (SGLang's
-    tags); null: all of it."""
-
-    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
-
-    def chosen(self) -> frozenset[str]:
-        return frozenset(self.tags if self.tags is not None else MEMORY_TAGS)
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class AbortReq(Lenient):
-    rid: Text | None = None
-    abort_all: bool = False
-
-
-class ModelInfo(BaseModel):
-    model_path: str
-    tokenizer_path: str | None
-    is_generation: bool = True
-    preferred_sampling_params: dict[str, Any] | None = None
-    weight_version: str
-    has_image_understanding: bool = False
-    has_audio_understanding: bool = False
-    model_type: str | None = None
-    architectures: list[str] = []
-    context_length: int = 0
-
-
 _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
@@ -542,13 +432,3 @@ def error_body(message: str, status: int = 400, param: str | None = None) -> dic
             "code": "invalid_api_key" if status == 401 else None,
         }
     }
-
-
-class LoadInfo(BaseModel):
-    """One entry of `GET /get_load` (SGLang answers one per data-parallel rank)."""
-
-    dp_rank: int = 0
-    num_reqs: int  # running + queued
-    num_waiting_reqs: int
-    num_tokens: int  # prompt + output tokens of the running requests
-    ts_tic: float = Field(default_factory=time.time)  # when this snapshot was taken

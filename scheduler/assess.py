@@ -101,7 +101,7 @@ def one_kind_reason(cl: Cluster, m: ModelShape, p: PlanSpace, got: Placed) -> st
     if len(used) > 1 or rate <= 0 or not sol.replicas:
         return None
     w, c_idx = p.workload, sol.extra["trainer_index"]
-    period = w.publish_interval * w.samples_per_step / rate  # seconds between publishes
+    period = w.publish_every * w.samples_per_step / rate  # seconds between publishes
 
     def useful(r) -> float:  # samples/s per $/h at the plan's rate
         s = p.sync_s[(r.zone, c_idx)]

@@ -175,7 +175,7 @@ def inflight_cap(w: Workload) -> int:
     for the next step (the trainer takes B at a time), so (η - 1)·B generate (at least B/2).
     A generating group holds its admission until its longest answer ends while its shorter
     answers have already freed their slots: mean length / expected longest of G run."""
-    groups = max(0.5, max(1, w.staleness) - 1) * w.groups_per_step
+    groups = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
     return max(1, int(groups * w.group_size * _group_occupancy(w)))
 
 
@@ -213,7 +213,7 @@ def generation_at(
     """Samples/s the instances (option, pause per publish, count) generate at pipeline
     rate `rate`, less their pauses and (with `window`) the groups that miss the staleness
     window."""
-    k = w.publish_interval * w.samples_per_step
+    k = w.publish_every * w.samples_per_step
     return sum(
         n
         * r.samples_per_s
@@ -234,8 +234,8 @@ def window_fraction(w: Workload, r: RolloutOption, sync_s: float, rate: float) -
     probability (ℓ*/L − 0.5)^G."""
     if rate <= 0:
         return 1.0
-    window = max(0.5, w.staleness - WINDOW_LAG)
-    left = window * w.samples_per_step / rate - window * sync_s / w.publish_interval
+    window = max(0.5, w.max_staleness - WINDOW_LAG)
+    left = window * w.samples_per_step / rate - window * sync_s / w.publish_every
     tokens = (left - r.prefill_s) / r.step_s
     if tokens >= w.max_response_tokens:
         return 1.0

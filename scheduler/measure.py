@@ -16,17 +16,9 @@ from pathlib import Path
 from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.profile import DeviceRates, Profile
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
+# The model `profile` times without a config.json: a tiny Qwen3, seconds on a CPU.
+TINY_SHAPE = ModelShape("tiny-qwen3", 2, 128, 4, 2, 32, 384, 512, True)
+TINY = {**TINY_SHAPE.hf_config(), "max_position_embeddings": 2048}
 
 
 def _device(choice: str) -> str:
@@ -84,7 +76,7 @@ def measure_profile(
         torch.set_num_threads(1)
     if config_path is None:
         cfg = Qwen3Config(**TINY)
-        label = "tiny-qwen3"
+        label = TINY_SHAPE.name
     else:
         cfg = AutoConfig.from_pretrained(
             str(config_path.parent if config_path.is_file() else config_path)

@@ -94,7 +94,7 @@ def build_problem(
     # that pauses least: R ≤ C·(1 − a·R), a = s_min/(kBG), so R ≤ C/(1 + a·C). The
     # smaller bound keeps a fast trainer's publish period off slow rollouts.
     ceiling = _generation_ceiling(cl, rollouts)
-    publish = w.publish_interval * w.samples_per_step
+    publish = w.publish_every * w.samples_per_step
     for i, c in enumerate(trainers):
         for z in zones:
             sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)

@@ -36,6 +36,20 @@ class ModelShape:
         embed = self.vocab * h * (1 if self.tied_embeddings else 2)
         return self.layers * layer + embed + h
 
+    def hf_config(self) -> dict[str, int | bool]:
+        """The HF `config.json` keys of this shape (what `load_model_shape` reads back):
+        `Qwen3Config(**shape.hf_config())` builds a model of it with random weights."""
+        return {
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "tie_word_embeddings": self.tied_embeddings,
+        }
+
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer, bf16: 2 · layers · KV heads · head dim · 2 bytes."""

@@ -160,7 +160,7 @@ def _traffic(
                 edges[tuple(sorted((a, b)))] += ring
     if ranks:
         writer = ranks[0][1]
-        sync = sync_terms(m, w, 0.0)[0] / (step * w.publish_interval)
+        sync = sync_terms(m, w, 0.0)[0] / (step * w.publish_every)
         for i, t in enumerate(tasks):
             if t.instances:
                 edges[tuple(sorted((writer, i)))] += sync

@@ -1,5 +1,7 @@
 """`make_plan`: cost model → phase 1 MILP → phase 2 METIS → simulator → `Plan`, with the
-homogeneous and synchronous baselines computed in the same call."""
+homogeneous and synchronous baselines computed in the same call. The `Plan` record is
+written by `plan_record.to_plan`; the search over η and k that calls `make_plan` per
+pair is `tuning.py`."""
 
 from __future__ import annotations
 
@@ -7,19 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from areal_hex.config import ConfigError
-from areal_hex.plan import (
-    Baselines,
-    DeviceSlot,
-    InferenceInstance,
-    Plan,
-    Prediction,
-    TrainerPlacement,
-)
+from areal_hex.plan import Plan
 from scheduler.assess import Assessment, assess
 from scheduler.cluster import Cluster, merge_identical
 from scheduler.costmodel import (
     RolloutOption,
-    TrainerOption,
     decode_step_s,
     kind_constants,
     rollout_configs,
@@ -27,12 +21,7 @@ from scheduler.costmodel import (
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.one_kind import kinds_of, one_kind_plans
-from scheduler.partition import (
-    Placement,
-    PlacementCost,
-    evaluate,
-    node_names,
-)
+from scheduler.partition import Placement, PlacementCost, evaluate
 from scheduler.placing import (
     TARGET_TOLERANCE,
     Placed,
@@ -41,14 +30,13 @@ from scheduler.placing import (
     polished,
     seed_for_target,
 )
+from scheduler.plan_record import to_plan
 from scheduler.polish import GAIN
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
 from scheduler.topology import Topology
 from scheduler.trainers import trainer_configs
 from scheduler.workload import Workload
-
-SIM_SHORT = 0.05  # a tuning candidate whose replay falls this far short of a target loses
 
 
 @dataclass
@@ -95,69 +83,6 @@ def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = 
 def cheapest_cost(p: PlanSpace, time_limit_s: float) -> float | None:
     sol = solve(p, target=1e-9, time_limit_s=time_limit_s)
     return None if sol is None else sol.cost
-
-
-def tune_staleness_and_interval(
-    cl: Cluster,
-    m: ModelShape,
-    w: Workload,
-    *,
-    max_staleness: int,
-    max_publish_interval: int,
-    budget: float | None = None,
-    target: float | None = None,
-    prof: Profile | None = None,
-    time_limit_s: float = 60.0,
-) -> tuple[Workload, list[dict[str, float]]]:
-    """The staleness bound η and publish interval k (each from the workload's value up to
-    the user's bound, k ≤ η + 1 so the gate never holds the trainer before a publish)
-    whose placed plan is fastest under a budget, or cheapest at a target; ties go to the
-    smaller η, then the smaller k (fresher data). Each candidate is replayed through the
-    buffer's simulator and ranked by the lower of its predicted and simulated rates: the
-    closed form does not model the gate's publish cycle, which at k > 1 (and η = 1) can
-    cost a fifth or more of the predicted rate. Returns the tuned workload and every
-    candidate's figures."""
-    tried: list[tuple[tuple[float, int, int], Workload, dict[str, float]]] = []
-    for eta in range(w.staleness, max(w.staleness, max_staleness) + 1):
-        for k in range(w.publish_interval, max(w.publish_interval, max_publish_interval) + 1):
-            if k > eta + 1:  # the gate would hold the trainer before its next publish
-                continue
-            cand = w.model_copy(update={"staleness": eta, "publish_interval": k})
-            try:
-                res = make_plan(
-                    cl,
-                    m,
-                    cand,
-                    budget=budget,
-                    target=target,
-                    prof=prof,
-                    time_limit_s=time_limit_s,
-                    baselines=False,
-                )
-            except ConfigError:
-                continue
-            pred = res.plan.predicted
-            sim = res.sim.samples_per_s if res.sim is not None else pred.samples_per_s
-            row = {
-                "staleness": eta,
-                "publish_interval": k,
-                "samples_per_s": pred.samples_per_s,
-                "simulated_samples_per_s": round(sim, 4),
-                "cost_usd_per_h": pred.cost_usd_per_h,
-            }
-            if target is None:
-                score = -min(sim, pred.samples_per_s)
-            else:  # short of the target in the replay: after every candidate that meets it
-                short = sim < target * (1 - SIM_SHORT)
-                score = pred.cost_usd_per_h + (1e9 if short else 0.0)
-            tried.append(((round(score, 6), eta, k), cand, row))
-    if not tried:
-        raise ConfigError(
-            f"no feasible plan for staleness {w.staleness}..{max_staleness} and publish "
-            f"interval {w.publish_interval}..{max_publish_interval}"
-        )
-    tried.sort(key=lambda t: t[0])
-    return tried[0][1], [row for _, _, row in tried]
 
 
 @dataclass
@@ -355,7 +280,7 @@ def make_plan(
         raise ConfigError(
             f"no asynchronous plan generates anything on cluster {cl.spec.name!r}: every "
             "rollout instance would spend all its time paused for weight syncs; raise "
-            "the workload's publish_interval or groups_per_step, or run synchronously"
+            "the workload's publish_every or groups_per_step, or run synchronously"
         )
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
     ff = ff_sim = None
@@ -495,109 +420,11 @@ def simulate_solution(
         insts,
         batch_groups=w.groups_per_step,
         group_size=w.group_size,
-        staleness=w.staleness,
-        publish_interval=w.publish_interval,
+        max_staleness=w.max_staleness,
+        publish_every=w.publish_every,
         train_step_s=cost.train_step_s,
         mean_len=w.response_tokens,
         max_len=w.max_response_tokens,
         steps=steps,
         seed=seed,
-    )
-
-
-def _mixed_trainer(
-    cl: Cluster, c: TrainerOption, pl: Placement, toks: int
-) -> dict[str, list[str] | list[float]]:
-    """A trainer across kinds: each placement's GPU kind and each rank's planned training
-    tokens/s (the shares `trainer.rank_speeds` gives the ranks)."""
-    group_of = {name: g.name for g in cl.spec.node_groups for name in node_names(g)}
-    speed = dict(zip(c.part_kinds, c.part_speeds, strict=True))
-    kinds = [cl.kinds[group_of[node]].name for node, _ in pl.trainer]
-    ranks = [
-        round(speed[kind] * toks, 2)
-        for kind, (_, ids) in zip(kinds, pl.trainer, strict=True)
-        for _ in ids
-    ]
-    return {"gpu_kinds": kinds, "rank_speeds": ranks}
-
-
-def to_plan(
-    cl: Cluster,
-    m: ModelShape,
-    w: Workload,
-    best: Placed,
-    budget: float | None,
-    target: float | None,
-    model_label: str | None,
-    sim: SimResult | None,
-    homo: dict[str, float],
-    sync: float,
-    ff: Placed | None = None,
-    ff_sim: SimResult | None = None,
-    verdict: Assessment | None = None,
-) -> Plan:
-    sol, pl = best.solution, best.placement
-    counters: dict[str, int] = {}
-    rollout = []
-    for rc, node, ids in pl.rollout:
-        zone = cl.zone_of[rc.zone]
-        n = counters[rc.kind] = counters.get(rc.kind, -1) + 1
-        rollout.append(
-            InferenceInstance(
-                id=f"rollout-{rc.kind.lower()}-{n}",
-                gpu_kind=rc.kind,
-                tp=rc.tp,
-                zone=rc.zone,
-                region=zone.region,
-                placement=DeviceSlot(node=node, gpu_ids=ids),
-                predicted_tokens_per_s=round(rc.tokens_per_s, 2),
-            )
-        )
-    c = sol.trainer
-    toks = w.prompt_tokens + w.response_tokens
-    trainer = TrainerPlacement(
-        gpu_kind=c.kind,
-        world_size=c.dp,
-        dp=c.dp,
-        tp=1,
-        zero_stage=c.zero,
-        placements=[DeviceSlot(node=n, gpu_ids=ids) for n, ids in pl.trainer],
-        predicted_tokens_per_s=round(c.samples_per_s * toks, 2),
-        **(_mixed_trainer(cl, c, pl, toks) if c.mixed else {}),
-    )
-    best_homo = max(homo.items(), key=lambda kv: kv[1], default=(None, 0.0))
-    return Plan(
-        cluster=cl.name,
-        model=model_label or m.name,
-        objective="throughput" if target is None else "cost",
-        budget_usd_per_h=budget,
-        target_samples_per_s=target,
-        rollout=rollout,
-        trainer=trainer,
-        predicted=Prediction(
-            samples_per_s=round(best.rate, 4),
-            generation_samples_per_s=round(best.gen_rate, 4),
-            training_samples_per_s=round(w.samples_per_step / best.cost.train_step_s, 4),
-            weight_sync_s=round(max(best.cost.sync_s, default=0.0), 3),
-            cost_usd_per_h=round(sol.cost, 2),
-        ),
-        baselines=Baselines(
-            homogeneous_gpu_kind=best_homo[0],
-            homogeneous_samples_per_s=round(best_homo[1], 4),
-            synchronous_samples_per_s=round(sync, 4),
-            simulated_samples_per_s=None if sim is None else round(sim.samples_per_s, 4),
-            simulated_max_version_lag=None if sim is None else sim.max_version_lag,
-            mip_gap=sol.gap,
-            solve_s=round(sol.solve_s, 3),
-            milp_samples_per_s=round(sol.rate, 4),
-            unplaced_samples_per_s=round(sol.eval_rate, 4),
-            placement=pl.method,
-            first_fit_samples_per_s=None if ff is None else round(ff.rate, 4),
-            simulated_first_fit_samples_per_s=(
-                None if ff_sim is None else round(ff_sim.samples_per_s, 4)
-            ),
-            staleness=w.staleness,
-            publish_interval=w.publish_interval,
-            **({} if verdict is None else verdict.__dict__),
-        ),
     )

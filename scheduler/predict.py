@@ -113,7 +113,7 @@ def predict_layout(
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     asyn = _asynchronous(w, prof, opts, tr, _syncs(cl, m, w, opts, tr, nodes))
-    sync_w = w.model_copy(update={"staleness": 0, "publish_interval": 1})
+    sync_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})
     syn = _synchronous(
         cl, m, sync_w, prof, opts, tr, max_inflight_groups, _syncs(cl, m, sync_w, opts, tr, nodes)
     )
@@ -213,8 +213,8 @@ def _synchronous(
         sim_insts,
         batch_groups=w.groups_per_step,
         group_size=w.group_size,
-        staleness=0,
-        publish_interval=1,
+        max_staleness=0,
+        publish_every=1,
         train_step_s=step,
         mean_len=w.response_tokens,
         max_len=w.max_response_tokens,

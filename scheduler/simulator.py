@@ -73,8 +73,8 @@ class SimResult:
 class _Workload:
     batch_groups: int
     group_size: int
-    staleness: int
-    publish_interval: int
+    max_staleness: int
+    publish_every: int
     train_step_s: float
     mean_len: int
     max_len: int
@@ -126,7 +126,7 @@ class Simulation:
         one instance (one batched request, as the controller sends it): the one with the
         most free slots."""
         w = self.w
-        if self.submitted - self.given_back >= (self.served + w.staleness + 1) * w.batch_groups:
+        if self.submitted - self.given_back >= (self.served + w.max_staleness + 1) * w.batch_groups:
             return False
         if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
             return False
@@ -177,7 +177,7 @@ class Simulation:
     def drop_stale(self) -> None:
         """The consumer's rule: a group older than v − η is dropped, counted and handed
         back to the gate."""
-        floor = self.served - self.w.staleness
+        floor = self.served - self.w.max_staleness
         keep: deque[int] = deque()
         for g in self.finished:
             if self.group_ver[g] >= floor:
@@ -210,7 +210,7 @@ class Simulation:
         self.version += 1
         if self.trained == self.w.warmup:
             self.t_warm, self.gen_warm, self.trainer_idle = self.now, self.gen_done, 0.0
-        if self.version % self.w.publish_interval == 0:
+        if self.version % self.w.publish_every == 0:
             self.served = self.version
             for i, inst in enumerate(self.inst):
                 inst.advance(self.now)
@@ -254,8 +254,8 @@ def simulate(
     *,
     batch_groups: int,
     group_size: int,
-    staleness: int,
-    publish_interval: int,
+    max_staleness: int,
+    publish_every: int,
     train_step_s: float,
     mean_len: int,
     max_len: int,
@@ -267,8 +267,8 @@ def simulate(
     w = _Workload(
         batch_groups,
         group_size,
-        staleness,
-        publish_interval,
+        max_staleness,
+        publish_every,
         train_step_s,
         mean_len,
         max_len,

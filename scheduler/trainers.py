@@ -124,7 +124,7 @@ def cost_trainer(
     compute = shared_compute_s(
         w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
     )
-    publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_interval
+    publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_every
     host = 0.0
     if prof is not None and w.host_work == "trainer":
         host = w.samples_per_step * prof.host_cpu_s_per_sample(kinds[0].name)

@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from areal_hex.config.base import Section, build, read_yaml
+from areal_hex.config.base import ConfigError, Section, build, read_yaml, refuse_renamed
+from areal_hex.config.checks import check_publish_every
 from areal_hex.config.rollout import WeightSyncMode
+from areal_hex.plan import RENAMED_KEYS
 
 # Bounds on what a workload may ask, far past the RL recipes in use (hundreds of prompts x
 # tens of samples per step): the simulator replays every sample of a step, so a step of
@@ -75,8 +77,10 @@ class Workload(Section):
     prompt_tokens: int = Field(512, gt=0, le=MAX_TOKENS)
     response_tokens: int = Field(2048, gt=0, le=MAX_TOKENS)  # mean generated length
     max_response_tokens: int = Field(4096, gt=0, le=MAX_TOKENS)  # KV reservation per request
-    staleness: int = Field(4, ge=0, le=MAX_STALENESS)  # η (AReaL's default for maths is 8)
-    publish_interval: int = Field(1, gt=0, le=MAX_STALENESS + 1)  # steps between publishes
+    # η, the config's buffer.max_staleness (AReaL's default for maths is 8)
+    max_staleness: int = Field(4, ge=0, le=MAX_STALENESS)
+    # k, the config's trainer.publish_every: optimizer steps between weight publishes
+    publish_every: int = Field(1, gt=0, le=MAX_STALENESS + 1)
     reference_model: bool = False  # KL to a frozen reference: one more forward per token
     # Pin choices to what the experiment config runs (`deploy` checks both against it):
     # every rollout instance at this TP (inference.sglang.tp_size), the trainer at this
@@ -99,6 +103,11 @@ class Workload(Section):
     weight_sync: WeightSyncMode = "disk"
     constants: CostConstants = CostConstants()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_names(cls, data: object) -> object:
+        return refuse_renamed(data, RENAMED_KEYS)
+
     @property
     def samples_per_step(self) -> int:
         return self.groups_per_step * self.group_size
@@ -109,25 +118,16 @@ def load_workload(path: str | Path | None) -> Workload:
         return Workload()
     w = build(Workload, read_yaml(path), str(path))
     if w.max_response_tokens < w.response_tokens:
-        from areal_hex.config import ConfigError
-
         raise ConfigError(
             f"{path}: max_response_tokens ({w.max_response_tokens}) must be >= "
             f"response_tokens ({w.response_tokens})"
         )
     if w.samples_per_step > MAX_SAMPLES_PER_STEP:
-        from areal_hex.config import ConfigError
-
         raise ConfigError(
             f"{path}: groups_per_step x group_size = {w.samples_per_step:,} samples per step; "
             f"at most {MAX_SAMPLES_PER_STEP:,}"
         )
-    if w.publish_interval > w.staleness + 1:
-        from areal_hex.config import ConfigError
-
-        raise ConfigError(
-            f"{path}: publish_interval ({w.publish_interval}) must be <= staleness + 1 "
-            f"({w.staleness + 1}): the staleness gate lets the trainer run staleness + 1 "
-            "steps past a publish and no further"
-        )
+    check_publish_every(
+        w.publish_every, w.max_staleness, keys=("publish_every", "max_staleness"), source=str(path)
+    )
     return w

@@ -262,7 +262,7 @@ class Trainer:
             groups=[b.groups[i] for i in order],
             dropped_stale=b.dropped_stale,
             dead_lettered=b.dead_lettered,
-            staleness=[b.staleness[i] for i in order],
+            version_lags=[b.version_lags[i] for i in order],
         )
 
     def _take(self, n: int) -> Batch | None:
@@ -288,14 +288,14 @@ class Trainer:
                 continue  # what was read so far is kept by the consumer
             out.dropped_stale += b.dropped_stale
             out.dead_lettered += b.dead_lettered
-            stal = b.staleness or [self.state.version - g.version for g in b.groups]
+            stal = b.version_lags or [self.state.version - g.version for g in b.groups]
             for eid, g, s in zip(b.entry_ids, b.groups, stal, strict=True):
                 if eid in seen:  # trained already, waiting for its commit
                     continue
                 seen.add(eid)
                 out.entry_ids.append(eid)
                 out.groups.append(g)
-                out.staleness.append(int(s))
+                out.version_lags.append(int(s))
         return out
 
     def _maybe_publish(self) -> float:
@@ -350,7 +350,7 @@ class Trainer:
 
         rewards = np.concatenate([g.rewards for g in batch.groups]) if batch.groups else []
         tokens = max(r.sums["tokens"], 1.0)
-        hist = Counter(str(s) for s in batch.staleness)
+        hist = Counter(str(s) for s in batch.version_lags)
         return TrainerRow(
             step=self.state.step,
             version=self.state.version,
@@ -370,7 +370,7 @@ class Trainer:
             lr=float(self.ctx.engine.get_lr()[0]),
             staleness_hist=dict(hist),
             mismatch=r.extra.get("mismatch", {}),
-            max_version_lag=max(batch.staleness, default=0),
+            max_version_lag=max(batch.version_lags, default=0),
             degenerate_groups=r.degenerate_groups,
             sequences=r.num_sequences,
             completion_tokens=int(r.sums["tokens"]),

@@ -99,7 +99,7 @@ class ReplayConsumer:
             groups.append(self.groups[k])
             self._position += 1
         stal = [max(self._version - g.version, 0) for g in groups]
-        return Batch(entry_ids=ids, groups=groups, staleness=stal)
+        return Batch(entry_ids=ids, groups=groups, version_lags=stal)
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         self.acked.extend(entry_ids)

@@ -37,6 +37,9 @@ DTYPES = {"prompt": "<i4", "tokens": "<i4", "logprobs": "<f4", "versions": "<i4"
 ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in DTYPES.items()}
 # The same as dtype objects: numpy parses a dtype string on every call that is given one.
 _DT = {name: np.dtype(dt) for name, dt in DTYPES.items()}
+# Reductions as ufunc methods: ndarray.min/max add a Python-level wrapper per call.
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_FINISH = frozenset(FINISH_REASONS)
 
 
 class DecodeError(ValueError):
@@ -176,12 +179,13 @@ def decode_group(payload: bytes, copy: bool = False) -> GroupRecord:
 
     The arrays are read-only views of `payload` (zero copy) unless `copy` is set; batching
     code that concatenates or pads them copies anyway (`np.concatenate`, `torch.tensor`)."""
-    return decode_group_with_version(payload, copy)[0]
+    return decode_group_with_versions(payload, copy)[0]
 
 
-def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[GroupRecord, int]:
-    """`decode_group` plus the group's version (oldest token version, -1 without tokens),
-    taken in one reduction over the concatenated (sum T,) versions."""
+def decode_group_with_versions(payload: bytes, copy: bool = False) -> tuple[GroupRecord, int, int]:
+    """`decode_group` plus the group's oldest and newest token versions (-1 and -1 without
+    tokens), each one reduction over the concatenated (sum T,) versions: the consumer's
+    staleness checks need both, and per-completion reductions would cost G of each."""
     body, data = unframe(payload)
     _check_schema(body)
     lens = _get(body, "lens", list)
@@ -197,14 +201,14 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
             raise DecodeError(key, f"{n} items, but completion lengths sum to {total}")
     # One reduction finds any NaN: the minimum of an array holding a NaN is NaN (and
     # infinite log-probs, allowed, never make one).
-    if total and np.isnan(arrays["logprobs"].min()):
+    if total and np.isnan(_MIN(arrays["logprobs"])):
         raise DecodeError("logprobs", "contains NaN")
     finish = _list_of(body, "finish", (str,), g)
-    for i, reason in enumerate(finish):
-        if reason not in FINISH_REASONS:
-            raise DecodeError(f"finish[{i}]", f"{reason!r} not in {FINISH_REASONS}")
+    if not _FINISH.issuperset(finish):
+        i, reason = next((i, r) for i, r in enumerate(finish) if r not in _FINISH)
+        raise DecodeError(f"finish[{i}]", f"{reason!r} not in {FINISH_REASONS}")
     rewards = _list_of(body, "reward", (int, float), g)
-    if not all(math.isfinite(r) for r in rewards):
+    if not all(map(math.isfinite, rewards)):
         raise DecodeError("reward", "contains a non-finite reward")
     texts = _list_of(body, "text", (str,), g)
     meta = _get(body, "meta", dict)
@@ -213,16 +217,14 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
     # Split the concatenated (sum T,) buffers back into per-completion (T_i,) views.
     tokens, logprobs, versions = arrays["tokens"], arrays["logprobs"], arrays["versions"]
     comps, lo = [], 0
+    checked = Completion.from_checked
     for t, reason, reward, text in zip(lens, finish, rewards, texts, strict=True):
         hi = lo + t
-        v = slice(lo, hi)
         comps.append(
-            Completion.from_checked(
-                tokens[v], logprobs[v], versions[v], reason, float(reward), text
-            )
+            checked(tokens[lo:hi], logprobs[lo:hi], versions[lo:hi], reason, float(reward), text)
         )
         lo = hi
-    group = GroupRecord(
+    group = GroupRecord.from_checked(
         prompt_id=_get(body, "pid", str),
         prompt_ids=arrays["prompt"],
         completions=comps,
@@ -230,6 +232,7 @@ def decode_group_with_version(payload: bytes, copy: bool = False) -> tuple[Group
         created_at=float(_get(body, "t0", (int, float))),
         finished_at=float(_get(body, "t1", (int, float))),
         metadata=meta,
-        schema_version=SCHEMA_VERSION,
     )
-    return group, int(versions.min()) if len(versions) else -1
+    if not total:
+        return group, -1, -1
+    return group, int(_MIN(versions)), int(_MAX(versions))

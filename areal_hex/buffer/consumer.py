@@ -26,7 +26,7 @@ import redis
 
 from areal_hex.api import Batch, BufferStats
 from areal_hex.buffer import scripts
-from areal_hex.buffer.codec import DecodeError, decode_group_with_version
+from areal_hex.buffer.codec import DecodeError, decode_group_with_versions
 from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
 from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import GroupRecord
@@ -234,14 +234,10 @@ class RedisTrajectoryConsumer:
                 dead.append((entry_id, f"no payload field 'd' (fields: {names})", b""))
                 continue
             try:
-                group, version = decode_group_with_version(payload, self.copy_arrays)
+                group, version, newest = decode_group_with_versions(payload, self.copy_arrays)
             except DecodeError as exc:
                 dead.append((entry_id, str(exc), payload))
                 continue
-            newest = max(
-                (int(c.versions.max()) for c in group.completions if c.versions.size),
-                default=version,
-            )
             if newest > ceiling == v:
                 ceiling = self._ceiling(v)
             if version < v - self.cfg.max_staleness or newest > ceiling:
@@ -356,7 +352,7 @@ class RedisTrajectoryConsumer:
             groups=[g for _, g, _ in items],
             dropped_stale=dropped,
             dead_lettered=dead,
-            staleness=[v - gv for _, _, gv in items],
+            version_lags=[v - gv for _, _, gv in items],
         )
 
     def ack(self, entry_ids: Sequence[str]) -> None:

@@ -7,7 +7,10 @@ from typing import get_args
 
 from areal_hex.api import GiveBackReason
 
-GROUP = "trainer"  # the one consumer group of the trajectory stream
+GROUP = "trainer"  # the consumer group of the trajectory stream
+# A consumer group that never reads: a put moves it to the stream's end to learn the id of
+# the entry it just appended (scripts.PUT_LEDGER).
+TIP_GROUP = "tip"
 PAYLOAD_FIELD = b"d"  # stream entries carry the encoded group in this field
 # Why an admission was given back instead of put: generated but all rewards equal (dynamic
 # sampling), generation failed, cancelled at a stop, or its holder died (reclaimed).

@@ -28,7 +28,14 @@ import redis.asyncio
 from areal_hex.api import GiveBackReason, ProducerPosition, VersionUpdate
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import encode_group
-from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
+from areal_hex.buffer.keys import (
+    GIVE_BACK_REASONS,
+    GROUP,
+    PAYLOAD_FIELD,
+    TIP_GROUP,
+    BufferKeys,
+)
+from areal_hex.buffer.transaction import Arg, transaction
 from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import GroupRecord
 
@@ -43,6 +50,7 @@ def _parse_update(data: bytes | str) -> VersionUpdate | None:
 
 
 PUT_TOKEN_TTL_S = 86_400  # a retried put is recognised for this long
+_PUT_LEDGER = scripts.PUT_LEDGER.encode()
 
 
 def _entry_id(x: bytes | str) -> str:
@@ -59,7 +67,6 @@ class RedisTrajectoryProducer:
         self._admit = client.register_script(scripts.ADMIT)
         self._release = client.register_script(scripts.RELEASE)
         self._position = client.register_script(scripts.POSITION)
-        self._put = client.register_script(scripts.PUT)
         self._group_ready = False
         # Blocked admits wait on this event; the listener swaps in a fresh one per bump.
         self._bump = asyncio.Event()
@@ -218,47 +225,29 @@ class RedisTrajectoryProducer:
 
     # ------------------------------------------------------------ data
     async def put(self, group: GroupRecord) -> str:
-        """Append an admitted group; returns its stream entry id. One round trip (EVALSHA;
-        the script source is sent again only if the server lost it)."""
-        await self._ensure_group()
-        entry_id = await self._put(keys=self._put_keys(group), args=self._put_args(group))
-        return _entry_id(entry_id)
+        """Append an admitted group; returns its stream entry id. One round trip."""
+        return (await self.put_many([group]))[0]
 
     async def put_many(self, groups: Sequence[GroupRecord]) -> list[str]:
         """Append several admitted groups in one round trip (in order). Each group enters
-        the stream and leaves this holder's lease in one atomic step, so a crash can
-        neither reclaim a put group nor keep an unput one; and each is put once: a
-        group's put token (kept in its metadata) makes a retried put return the first
-        one's entry id (without one, every call appends)."""
+        the stream and leaves this holder's lease in one atomic step (one MULTI/EXEC for
+        all), so a crash can neither reclaim a put group nor keep an unput one; and each is
+        put once: a group's put token (kept in its metadata) makes a retried put return
+        the first one's entry id (without one, every call appends)."""
         await self._ensure_group()
-        calls = [(self._put_keys(g), self._put_args(g)) for g in groups]
-        # EVALSHA straight into the pipeline: redis-py's own script handling would first
-        # ask SCRIPT EXISTS, a second round trip for every put.
-        for attempt in (0, 1):
-            pipe = self.r.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(self._put.sha, len(keys), *keys, *args)
-            replies = await pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
-                # The server lost its script cache (a restart): load it and send again.
-                # No call ran (the script was missing), and a put token makes a repeated
-                # append return the first one's id anyway.
-                self._put.sha = await self.r.script_load(scripts.PUT)
-                continue
-            for x in replies:
-                if isinstance(x, Exception):
-                    raise x
-            return [_entry_id(x) for x in replies]
-        raise AssertionError("unreachable")
+        commands: list[tuple[Arg, ...]] = []
+        for g in groups:
+            commands.append((b"XADD", self.keys.traj, b"*", PAYLOAD_FIELD, encode_group(g)))
+            ledger_args = (self.holder, PUT_TOKEN_TTL_S, TIP_GROUP)
+            commands.append((b"EVAL", _PUT_LEDGER, 3, *self._put_keys(g), *ledger_args))
+        replies = await transaction(self.r, commands)
+        return [_entry_id(x) for x in replies[1::2]]  # the ledger's id: the first put's
 
     def _put_keys(self, group: GroupRecord) -> list[str]:
         # A fresh token when the group has none (the caller did not ask for dedup): unique
         # as this incarnation's holder id is, without drawing random bytes per put.
         token = group.metadata.get("put_token") or f"{self.holder}-{next(self._put_seq)}"
         return [self.keys.traj, self.keys.leases, self.keys.put_token(token)]
-
-    def _put_args(self, group: GroupRecord) -> list[bytes | str | int]:
-        return [PAYLOAD_FIELD, encode_group(group), self.holder, PUT_TOKEN_TTL_S]
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)

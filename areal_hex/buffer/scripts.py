@@ -1,6 +1,8 @@
 """Lua scripts: the read-check-write steps that must be atomic on the server.
 
-Each is run with EVALSHA (redis-py's `register_script`), so the source travels once.
+Each is run with EVALSHA (redis-py's `register_script`), so the source travels once, but
+for PUT_LEDGER: it runs inside a MULTI/EXEC after an XADD, where a script the server has
+lost (a restart) would fail after the XADD had run, so it is sent whole (EVAL; small).
 """
 
 from __future__ import annotations
@@ -85,24 +87,40 @@ end
 return sub
 """
 
-# Put one admitted group: append it and end one admission of the holder's lease, once per
-# put token (a retry after a reply lost to a Valkey restart finds the token and returns the
-# first append's id instead of adding the group again).
-# KEYS: traj, leases, token key.  ARGV: payload field, payload, holder, token TTL in s.
+# Put one admitted group, in one MULTI/EXEC with the XADD that appends it (XADD first, this
+# script right after: nothing runs between them, so the stream's newest entry is that
+# group's). The payload never passes through Lua: a 100 kB script argument costs the
+# server more than the XADD itself. The script ends one admission of the holder's lease
+# and records the put token with the entry id, once per token: when the token is already
+# there (a retry of a put whose reply was lost, in whatever order the two ran), the entry
+# just added is deleted again and the first append's id returned.
+# The entry id is read from the helper consumer group `tip`, moved to the stream's end
+# ('$'): reading the newest entry itself would bring its payload into Lua.
+# KEYS: traj, leases, token key.  ARGV: holder, token TTL in s, helper group name.
 # Returns the entry id.
-PUT = """
+PUT_LEDGER = """
+local traj, tip = KEYS[1], ARGV[3]
+if not pcall(redis.call, 'XGROUP', 'SETID', traj, tip, '$') then
+  redis.call('XGROUP', 'CREATE', traj, tip, '$')
+end
+local id
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', traj)) do
+  local f = {}
+  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+  if f['name'] == tip then id = f['last-delivered-id'] end
+end
 local done = redis.call('GET', KEYS[3])
 if done then
+  redis.call('XDEL', traj, id)
   return done
 end
-local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-local held = tonumber(redis.call('HGET', KEYS[2], ARGV[3]) or '0')
+local held = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if held <= 1 then
-  redis.call('HDEL', KEYS[2], ARGV[3])
+  redis.call('HDEL', KEYS[2], ARGV[1])
 else
-  redis.call('HINCRBY', KEYS[2], ARGV[3], -1)
+  redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
 end
-redis.call('SET', KEYS[3], id, 'EX', ARGV[4])
+redis.call('SET', KEYS[3], id, 'EX', ARGV[2])
 return id
 """
 

@@ -41,6 +41,17 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+def refuse_renamed(data: Any, renamed: dict[str, str]) -> Any:
+    """For a `model_validator(mode="before")`: a key an earlier version wrote under
+    another name is refused with its new name, rather than as an unknown key (the file
+    is an old one, not a typo). Returns `data` unchanged otherwise."""
+    if isinstance(data, dict):
+        for old, new in renamed.items():
+            if old in data:
+                raise ValueError(f"key {old!r} is now {new!r}: rename it in the file")
+    return data
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the field path and the expectation."""
 
@@ -90,6 +101,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif err["type"] == "value_error":  # a validator's own sentence, without the label
+            msg = msg.removeprefix("Value error, ")
         got = err.get("input")
         shown = "" if isinstance(got, dict) else f" (got {shorten(_REPR.repr(got))})"
         lines.append(f"  {path}: {msg}{shown}")

@@ -59,17 +59,31 @@ def check_weight_sync(cfg: ExperimentConfig) -> None:
 
 
 def check_publish_within_staleness(cfg: ExperimentConfig) -> None:
+    """`check_publish_every` on the run's settings. A trainer fed from a replay file has
+    no gate and always passes."""
+    if cfg.trainer.replay_path is not None:
+        return
+    check_publish_every(cfg.trainer.publish_every, cfg.buffer.max_staleness)
+
+
+def check_publish_every(
+    publish_every: int,
+    max_staleness: int,
+    *,
+    keys: tuple[str, str] = ("trainer.publish_every", "buffer.max_staleness"),
+    source: str | None = None,
+) -> None:
     """The staleness gate admits (v + max_staleness + 1) x groups_per_step groups, v the
     last published version: the trainer can take max_staleness + 1 steps past a publish
     and no more until the next one. Publishing every more steps than that would wait
-    forever for groups the gate holds back. Raises ConfigError naming both settings. A
-    trainer fed from a replay file has no gate and always passes."""
-    if cfg.trainer.replay_path is not None:
-        return
-    k, eta = cfg.trainer.publish_every, cfg.buffer.max_staleness
+    forever for groups the gate holds back. Raises ConfigError naming both settings by
+    `keys` (the config's, or the planner workload's) and `source`, the file, if given.
+    The one check of this rule: the run's config and the planner's workload both call it."""
+    k, eta = publish_every, max_staleness
     if k > eta + 1:
+        where = f"{source}: " if source else ""
         raise ConfigError(
-            f"trainer.publish_every ({k}) is more than buffer.max_staleness + 1 "
+            f"{where}{keys[0]} ({k}) is more than {keys[1]} + 1 "
             f"({eta + 1}): the staleness gate lets the trainer run {eta + 1} steps past a "
             f"publish, so it would wait forever for its next batch; raise max_staleness to "
             f"at least {k - 1} or publish more often"

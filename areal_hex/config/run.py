@@ -27,8 +27,10 @@ class RunConfig(Section):
     # without one, and always in sync mode, where the trainer waits while they work).
     host_cores: Literal["auto", "trainer", "inference"] = "auto"
     # No plan and no `run --profile DIR`: first measure this machine for the job
-    # (`profile --local` into <run_dir>/profile, about a minute for the tiny example), so
-    # that the run is held against the cost model's prediction for its layout.
+    # (`profile --local` into <run_dir>/profile: minutes for the tiny example on 2 cores,
+    # more the larger inference.max_running_requests, whose batches it times; reused from
+    # ~/.cache/areal-hex by later runs of the job), so that the run is held against the
+    # cost model's prediction for its layout.
     profile_first: bool = False
     # A box that is up (`areal-hex box up BOX.yaml`; its name): `run --plan` starts each
     # service in its planned node (the node's namespace and CPU cgroup), bound to the

@@ -26,19 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    torch_dtype="bfloat16",
-)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=64, help="decode: requests at once")
@@ -99,8 +86,13 @@ def _random_model(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from scheduler.model_shape import load_model_shape
+
+    # Qwen3-0.6B's published shape (the planner's preset), random weights
+    shape = load_model_shape("qwen3-0.6b").hf_config()
+    config = Qwen3Config(**shape, max_position_embeddings=4096, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_0_6B), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(out))
     return out
 

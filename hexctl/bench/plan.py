@@ -30,13 +30,14 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from areal_hex.config import ConfigError
-from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
+from scheduler.cluster import Cluster, ClusterSpec, load_cluster, make_cluster
 from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
-from scheduler.model_shape import load_model_shape
+from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.partition import place
 from scheduler.placing import TARGET_TOLERANCE
 from scheduler.planner import make_plan, problem_for
@@ -64,39 +65,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="4096",
         help="GPU counts to time the whole plan at on many small node groups",
     )
+    p.add_argument(
+        "--inventories",
+        default="",
+        help="comma-separated shipped inventories (examples/clusters stems) to plan; all if empty",
+    )
+    p.add_argument(
+        "--workloads", default="long_cot,math_grpo", help="shipped workloads to plan them with"
+    )
+
+
+# 4 regions x 2 zones: (zone, region)
+ZONES = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
 
 
 def generated_cluster(gpus: int, seed: int = 0, gpn: int = 8):
     """`gpus` GPUs in nodes of `gpn`, spread over six kinds in 4 regions x 2 zones."""
     rng = random.Random(seed)
-    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
     nodes = gpus // gpn
-    slots = [(k, z) for k in range(len(KINDS)) for z in range(len(zones))]
+    slots = [(k, z) for k in range(len(KINDS)) for z in range(len(ZONES))]
     rng.shuffle(slots)
     slots = slots[: max(6, min(len(slots), nodes))]
     counts = [nodes // len(slots)] * len(slots)
     for i in range(nodes - sum(counts)):
         counts[i % len(slots)] += 1
     groups = [
-        {
-            "name": f"g{i}",
-            "gpu": KINDS[k][0],
-            "gpus_per_node": gpn,
-            "nodes": n,
-            "zone": zones[z][0],
-            "usd_per_gpu_hour": KINDS[k][1],
-            "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
-        }
+        _group(f"g{i}", KINDS[k][0], gpn, n, ZONES[z][0], KINDS[k][1])
         for i, ((k, z), n) in enumerate(zip(slots, counts, strict=True))
         if n > 0
     ]
-    spec = ClusterSpec(
-        name=f"generated-{gpus}",
-        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
-        node_groups=groups,
-        links=_generated_links(),
-    )
-    return make_cluster(spec)
+    return _generated(f"generated-{gpus}", groups)
 
 
 def many_groups_cluster(gpus: int, seed: int = 0, gpn: int = 8, machines: int = 2):
@@ -105,24 +103,34 @@ def many_groups_cluster(gpus: int, seed: int = 0, gpn: int = 8, machines: int = 
     per-group step (lots bought at different times): no two groups are alike, so the
     planner cannot merge them and its work is in node groups."""
     rng = random.Random(seed)
-    zones = [(f"r{r}-z{z}", f"r{r}") for r in range(4) for z in range(2)]
     groups = []
     for i in range(gpus // (gpn * machines)):
         kind, price = KINDS[rng.randrange(len(KINDS))]
+        zone = ZONES[rng.randrange(len(ZONES))][0]
         groups.append(
-            {
-                "name": f"lot{i}",
-                "gpu": kind,
-                "gpus_per_node": gpn,
-                "nodes": machines,
-                "zone": zones[rng.randrange(len(zones))][0],
-                "usd_per_gpu_hour": round(price * (1 + 0.0005 * i), 5),
-                "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
-            }
+            _group(f"lot{i}", kind, gpn, machines, zone, round(price * (1 + 0.0005 * i), 5))
         )
+    return _generated(f"many-groups-{gpus}", groups)
+
+
+def _group(name: str, gpu: str, gpn: int, nodes: int, zone: str, usd: float) -> dict:
+    """One node group of the generated clusters (NVLink inside each machine)."""
+    return {
+        "name": name,
+        "gpu": gpu,
+        "gpus_per_node": gpn,
+        "nodes": nodes,
+        "zone": zone,
+        "usd_per_gpu_hour": usd,
+        "intra_node": {"kind": "nvlink", "bandwidth_gbs": 300},
+    }
+
+
+def _generated(name: str, groups: list[dict]):
+    """`groups` in the 4 regions x 2 zones, joined by `_generated_links`."""
     spec = ClusterSpec(
-        name=f"many-groups-{gpus}",
-        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in zones],
+        name=name,
+        zones=[{"name": z, "region": r, "inter_node_bandwidth_gbs": 50.0} for z, r in ZONES],
         node_groups=groups,
         links=_generated_links(),
     )
@@ -176,8 +184,22 @@ SMALL_WORKLOAD = Workload(
     prompt_tokens=256,
     response_tokens=1024,
     max_response_tokens=2048,
-    staleness=2,
+    max_staleness=2,
 )
+
+
+def _plan_seconds(
+    sizes: str, build: Callable[[int], Cluster], m: ModelShape, w: Workload, time_limit_s: float
+) -> dict[str, float]:
+    """Seconds of a whole `make_plan` at half the price of each cluster `build(size)`
+    makes, one per size of the comma-separated `sizes`."""
+    out = {}
+    for size in [int(s) for s in sizes.split(",") if s]:
+        cl = build(size)
+        t0 = time.perf_counter()
+        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=time_limit_s)
+        out[str(size)] = round(time.perf_counter() - t0, 3)
+    return out
 
 
 def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int]:
@@ -195,6 +217,7 @@ def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int
 
 
 def run(args: argparse.Namespace) -> dict:
+    planned = inventories(args.inventories)
     m = load_model_shape(args.model)
     w = Workload()
     solve_s, gaps = {}, {}
@@ -206,23 +229,13 @@ def run(args: argparse.Namespace) -> dict:
         place(cl, m, w, sol.trainer, [(p.rollouts[i], k) for i, k in sol.replicas.items()])
         solve_s[str(size)] = round(time.perf_counter() - t0, 3)
         gaps[str(size)] = sol.gap
-    plan_s = {}
-    for size in [int(s) for s in args.plan_sizes.split(",") if s]:
-        cl = generated_cluster(size)
-        t0 = time.perf_counter()
-        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
-        plan_s[str(size)] = round(time.perf_counter() - t0, 3)
-    many = {}
-    for size in [int(s) for s in args.many_groups_sizes.split(",") if s]:
-        cl = many_groups_cluster(size)
-        t0 = time.perf_counter()
-        make_plan(cl, m, w, budget=0.5 * _price(cl), time_limit_s=args.time_limit)
-        many[str(size)] = round(time.perf_counter() - t0, 3)
+    plan_s = _plan_seconds(args.plan_sizes, generated_cluster, m, w, args.time_limit)
+    many = _plan_seconds(args.many_groups_sizes, many_groups_cluster, m, w, args.time_limit)
     gap, compared = gap_vs_exhaustive(args.random_clusters)
     sim_err, speedup, used, targets, unspent, sim_eta_k = {}, {}, {}, [], {}, {}
-    for wname in ("long_cot", "math_grpo"):
+    for wname in [x for x in args.workloads.split(",") if x]:
         wl = load_workload(EXAMPLES / "workloads" / f"{wname}.yaml")
-        for f in sorted((EXAMPLES / "clusters").glob("*.yaml")):
+        for f in planned:
             cl = load_cluster(f)
             budget = 0.6 * _price(cl)
             res = make_plan(cl, m, wl, budget=budget, time_limit_s=args.time_limit)
@@ -237,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
                 unspent[key] = round((budget - res.plan.predicted.cost_usd_per_h) / machine, 3)
             targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
             for eta, k in ETA_K:
-                wv = wl.model_copy(update={"staleness": eta, "publish_interval": k})
+                wv = wl.model_copy(update={"max_staleness": eta, "publish_every": k})
                 rv = make_plan(
                     cl, m, wv, budget=budget, time_limit_s=args.time_limit, baselines=False
                 )
@@ -267,8 +280,19 @@ def run(args: argparse.Namespace) -> dict:
         "min_budget_used": min(used.values()),
         "max_unspent_machines": max(unspent.values()),
         "model": args.model,
-        "examples": "every shipped inventory x workload at 60% of the inventory's price",
+        "examples": "each planned inventory x workload at 60% of the inventory's price",
     }
+
+
+def inventories(names: str) -> list[Path]:
+    """The shipped inventories named (all of them when none is)."""
+    found = sorted((EXAMPLES / "clusters").glob("*.yaml"))
+    wanted = {x for x in names.split(",") if x}
+    unknown = wanted - {f.stem for f in found}
+    if unknown:
+        known = ", ".join(f.stem for f in found)
+        raise ConfigError(f"--inventories: no shipped inventory {sorted(unknown)} (known: {known})")
+    return [f for f in found if not wanted or f.stem in wanted]
 
 
 SHARES = (0.5, 0.9, 0.99, 1.0)
@@ -317,15 +341,21 @@ def applied_to_run(time_limit_s: float) -> tuple[float, list[str]]:
     from hexctl.job.deploy_config import DeployConfig
     from hexctl.job.plan_config import planned_values
     from hexctl.job.prepare import apply_plan
-    from scheduler.planner import tune_staleness_and_interval
+    from scheduler.tuning import tune_max_staleness_and_publish_every
 
     cl = load_cluster(EXAMPLES / "clusters" / "racks_h800_h20.yaml")
     m = load_model_shape("qwen3-8b")
     w = load_workload(EXAMPLES / "workloads" / "math_grpo.yaml")
     w = w.model_copy(update={"zero_stage": 3})
     budget = 150.0
-    w, _ = tune_staleness_and_interval(
-        cl, m, w, max_staleness=8, max_publish_interval=2, budget=budget, time_limit_s=time_limit_s
+    w, _ = tune_max_staleness_and_publish_every(
+        cl,
+        m,
+        w,
+        search_max_staleness=8,
+        search_publish_every=2,
+        budget=budget,
+        time_limit_s=time_limit_s,
     )
     plan = make_plan(cl, m, w, budget=budget, time_limit_s=time_limit_s, simulate_plan=False).plan
     cfg = load_config(EXAMPLES / "deploy" / "qwen3-8b.yaml")

@@ -118,9 +118,10 @@ def _plan(args: argparse.Namespace) -> int:
     from hexctl.cli import UsageError
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
-    from scheduler.planner import make_plan, tune_staleness_and_interval
+    from scheduler.planner import make_plan
     from scheduler.profile import load_profile
     from scheduler.report import sweep_budgets, table
+    from scheduler.tuning import tune_max_staleness_and_publish_every
     from scheduler.workload import load_workload
 
     _check_numbers(args, UsageError)
@@ -139,20 +140,20 @@ def _plan(args: argparse.Namespace) -> int:
     tried = None
     if args.search_max_staleness is not None or args.search_publish_every is not None:
         eta = args.search_max_staleness
-        eta = eta if eta is not None else w.staleness
+        eta = eta if eta is not None else w.max_staleness
         k = args.search_publish_every if args.search_publish_every is not None else 1
-        if eta < w.staleness or k < 1:
+        if eta < w.max_staleness or k < 1:
             raise UsageError(
-                f"--search-max-staleness must be at least the workload's staleness "
-                f"({w.staleness}) and --search-publish-every at least 1; got {eta} and {k}"
+                f"--search-max-staleness must be at least the workload's max_staleness "
+                f"({w.max_staleness}) and --search-publish-every at least 1; got {eta} and {k}"
             )
-        k = max(k, w.publish_interval)
-        w, tried = tune_staleness_and_interval(
+        k = max(k, w.publish_every)
+        w, tried = tune_max_staleness_and_publish_every(
             cl,
             m,
             w,
-            max_staleness=eta,
-            max_publish_interval=k,
+            search_max_staleness=eta,
+            search_publish_every=k,
             budget=args.budget,
             target=args.target_rate,
             prof=prof,
@@ -201,8 +202,8 @@ def _plan(args: argparse.Namespace) -> int:
             b = res.plan.baselines
             print(
                 f"tuned over {len(tried)} (staleness, publish interval) pairs: staleness "
-                f"{b.staleness}, publish every {b.publish_interval} (buffer.max_staleness="
-                f"{b.staleness} trainer.publish_every={b.publish_interval})"
+                f"{b.max_staleness}, publish every {b.publish_every} (buffer.max_staleness="
+                f"{b.max_staleness} trainer.publish_every={b.publish_every})"
             )
         print(f"\nwrote {out}" + (f" and {args.plot}" if args.plot else ""))
     if planned is not None and not args.json:

@@ -23,6 +23,7 @@ name, with or without the state file `up` writes under /run/areal-hex-box/<box>/
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -38,7 +39,12 @@ from hexctl.job.box_spec import Box, BoxNode
 STATE_ROOT = Path("/run/areal-hex-box")
 CGROUP_NAME = "areal-hex-box"
 NODE_IFACE = "eth0"  # the node's side of its NIC pair, inside its namespace
-CFS_PERIOD_US = 100_000
+# A node's CPU quota is enforced per period: at the kernel's default 100 ms a fifth of a
+# core runs 20 ms, then waits 80, longer than a decode step or a short request, so short
+# timings swing with where they fall in the period. 10 ms keeps the share even at the
+# scale of a step; a quota is at least the kernel's 1 ms, so tiny shares get longer periods.
+CFS_PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000
 
 
 class BoxError(RuntimeError):
@@ -236,17 +242,18 @@ def _node(box: Box, node: BoxNode, cg_dir: Path) -> NodeState:
 
 def _make_cgroup(path: Path, cpu: float) -> Path:
     version, root = _cgroup_layout()
-    quota = max(1000, int(cpu * CFS_PERIOD_US))
+    period = max(CFS_PERIOD_US, math.ceil(MIN_QUOTA_US / cpu))
+    quota = max(MIN_QUOTA_US, int(cpu * period))
     if version == "v2":
         for d in (root.parent, root, path.parent):
             d.mkdir(exist_ok=True)
             # children of `d` may only use the controllers its subtree_control enables
             (d / "cgroup.subtree_control").write_text("+cpu")
         path.mkdir(exist_ok=True)
-        (path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+        (path / "cpu.max").write_text(f"{quota} {period}")
     else:
         path.mkdir(parents=True, exist_ok=True)
-        (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (path / "cpu.cfs_period_us").write_text(str(period))
         (path / "cpu.cfs_quota_us").write_text(str(quota))
     return path
 

@@ -10,8 +10,8 @@
 | trainer ZeRO stage                           | `trainer.zero_stage`                         |
 | trainer ranks per node                       | `trainer.num_ranks`                          |
 | ranks' speeds across GPU kinds               | `trainer.rank_speeds`                        |
-| tuned staleness bound η (`baselines.staleness`) | `buffer.max_staleness`                    |
-| tuned publish interval k                     | `trainer.publish_every`                      |
+| tuned staleness bound η, `baselines.max_staleness` | `buffer.max_staleness`                 |
+| tuned publish interval k, `baselines.publish_every` | `trainer.publish_every`               |
 
 Policy: the plan wins. Where the config asked for another value, the plan's is applied
 and `PlannedConfig.changes` says which key moved from what to what (the CLI prints each
@@ -65,11 +65,14 @@ def planned_values(plan: Plan, nodes: Nodes) -> dict[str, Any]:
     if t.rank_speeds is not None:
         values["trainer.rank_speeds"] = subsample_rank_speeds(list(t.rank_speeds), ranks_started)
     b = plan.baselines
-    if b is not None and b.staleness is not None:
-        values["buffer.max_staleness"] = b.staleness
-    if b is not None and b.publish_interval is not None:
-        values["trainer.publish_every"] = b.publish_interval
+    if b is not None and b.max_staleness is not None:
+        values["buffer.max_staleness"] = b.max_staleness
+    if b is not None and b.publish_every is not None:
+        values["trainer.publish_every"] = b.publish_every
     return values
+
+
+SYNC_KEEPS = ("buffer.max_staleness", "trainer.publish_every")
 
 
 def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConfig:
@@ -80,6 +83,11 @@ def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConf
     for key, value in planned_values(plan, nodes).items():
         section, name = key.split(".")
         old = data[section].get(name)
+        if key in SYNC_KEEPS and cfg.run.mode == "sync":
+            # a synchronous run is η = 0, k = 1 whatever the plan tuned for its async run
+            if old != value:
+                changes.append(f"{key}: {_short(old)} kept (run.mode=sync; planned {value})")
+            continue
         if old != value:
             changes.append(f"{key}: {_short(old)} -> {_short(value)} (as planned)")
         data[section][name] = value

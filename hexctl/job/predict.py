@@ -154,8 +154,8 @@ def predict_run(
             update={
                 "groups_per_step": cfg.buffer.groups_per_step,
                 "group_size": cfg.rollout.group_size,
-                "staleness": cfg.buffer.max_staleness,
-                "publish_interval": cfg.trainer.publish_every,
+                "max_staleness": cfg.buffer.max_staleness,
+                "publish_every": cfg.trainer.publish_every,
                 "max_response_tokens": cfg.rollout.max_new_tokens,
                 "host_work": "rollout" if host == "inference" else "trainer",
                 "weight_sync": cfg.rollout.weight_sync,

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from areal_hex.config import ExperimentConfig
+
+REPEATS = 3  # median of: the machine may be shared, and the run will see the same load
+
+Say = Callable[[str], None]  # hears each stage of a profile as it begins
+
+
+def quiet(_text: str) -> None:
+    pass
 
 
 @dataclass

@@ -167,6 +167,22 @@ def summarize(
 
 
 # ---------------------------------------------------------------- plots
+def _save(
+    plt: Any, fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str | None = None
+) -> None:
+    """Label and title a plot (a legend where it has labelled lines), write it at 100 dpi
+    and free the figure."""
+    ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _plot_reward(plt: Any, metrics: list[TrainerRow], rollout: list[RolloutRow], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r.step for r in metrics]
@@ -178,14 +194,10 @@ def _plot_reward(plt: Any, metrics: list[TrainerRow], rollout: list[RolloutRow],
         for i in range(len(rew))
     ]
     ax.plot(steps, smooth, "-", label=f"moving mean ({k} steps)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
-    ax.legend(loc="best")
-    ax.set_title("Training reward")
-    fig.tight_layout()
-    fig.savefig(out / "reward.png", dpi=100)
-    plt.close(fig)
+    _save(
+        plt, fig, ax, out / "reward.png", "Training reward", "optimizer step", "reward / accuracy"
+    )
 
 
 def _plot_staleness(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None:
@@ -193,13 +205,8 @@ def _plot_staleness(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None
     lags = sorted(int(k) for k in hist) or [0]
     ax.bar(lags, [hist.get(str(k), 0) for k in lags], color="tab:blue")
     ax.axvline(eta + 0.5, color="tab:red", ls="--", label=f"bound eta = {eta}")
-    ax.set_xlabel("staleness (policy versions behind)")
-    ax.set_ylabel("groups trained")
-    ax.legend()
-    ax.set_title("Staleness of trained groups")
-    fig.tight_layout()
-    fig.savefig(out / "staleness.png", dpi=100)
-    plt.close(fig)
+    title, xlabel = "Staleness of trained groups", "staleness (policy versions behind)"
+    _save(plt, fig, ax, out / "staleness.png", title, xlabel, "groups trained")
 
 
 def _plot_throughput(
@@ -223,13 +230,7 @@ def _plot_throughput(
                 xs.append(b.time - t0)
                 ys.append((b.sequences or g) / dt)
         ax.plot(xs, ys, "-s", ms=3, label="trained samples/s (trainer)")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("samples/s")
-    ax.legend(loc="best")
-    ax.set_title("Throughput")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, out / "throughput.png", "Throughput", "time since start (s)", "samples/s")
 
 
 def _plot_timeline(
@@ -250,11 +251,8 @@ def _plot_timeline(
             )
         prev_t, prev_busy = t, busy
     ax.set_yticks([1.0, 2.0], ["trainer (compute)", "inference (busy)"])
-    ax.set_xlabel("time since start (s)")
-    ax.set_title("Generation vs training busy time")
-    fig.tight_layout()
-    fig.savefig(out / "timeline.png", dpi=100)
-    plt.close(fig)
+    title = "Generation vs training busy time"
+    _save(plt, fig, ax, out / "timeline.png", title, "time since start (s)")
 
 
 def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +27,11 @@ from starlette.exceptions import HTTPException
 
 from areal_hex.gc_freeze import freeze_startup
 from areal_hex.weight_net import GroupSpec
-from rollout_service import wire
+from rollout_service import control_wire, wire
 from rollout_service.server import prompts
 from rollout_service.server.engine import Engine
 from rollout_service.server.generate_routes import add_generate_routes
-from rollout_service.server.http_common import BodyLimit, error, token_matches
+from rollout_service.server.http_common import ApiKeyGate, BodyLimit, error
 from rollout_service.server.metrics import build_registry
 from rollout_service.server.openai_routes import add_openai_routes
 from rollout_service.server.requests import EngineError
@@ -72,7 +72,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="areal-hex inference server", lifespan=lifespan)
-    app.middleware("http")(_auth_middleware)
+    app.add_middleware(ApiKeyGate, open_paths=OPEN_PATHS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
@@ -85,17 +85,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-# ---------------------------------------------------------------------- middleware, errors
-async def _auth_middleware(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    key = request.app.state.settings.api_key
-    if key and request.url.path not in OPEN_PATHS:
-        if not token_matches(request.headers.get("authorization", ""), key):
-            return error("missing or invalid API key (expected 'Authorization: Bearer ...')", 401)
-    return await call_next(request)
-
-
+# ---------------------------------------------------------------------- errors
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     parts, detail = [], []
     for err in exc.errors():
@@ -143,7 +133,7 @@ def _check_weights_path(settings: ServerSettings, model_path: str) -> Path:
 def _weight_routes(app: FastAPI) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(
-        body: wire.UpdateWeightsFromDiskReq, request: Request
+        body: control_wire.UpdateWeightsFromDiskReq, request: Request
     ) -> JSONResponse:
         """A refusal answers SGLang's `{success: false, message}` (400, 403 for a path
         outside the weights directory)."""
@@ -153,15 +143,19 @@ def _weight_routes(app: FastAPI) -> None:
             path = _check_weights_path(state.settings, body.model_path)
             n = await engine.update_weights(str(path), body.weight_version, body.abort_all_requests)
         except EngineError as exc:
-            resp = wire.UpdateWeightsResp(success=False, message=str(exc))
+            resp = control_wire.UpdateWeightsResp(success=False, message=str(exc))
             return JSONResponse(resp.model_dump(), status_code=exc.status)
         msg = f"loaded {path} as weight version {engine.weight_version}"
         return JSONResponse(
-            wire.UpdateWeightsResp(success=True, message=msg, num_paused_requests=n).model_dump()
+            control_wire.UpdateWeightsResp(
+                success=True, message=msg, num_paused_requests=n
+            ).model_dump()
         )
 
     @app.post("/update_weight_version")
-    async def update_weight_version(body: wire.UpdateWeightVersionReq, request: Request) -> dict:
+    async def update_weight_version(
+        body: control_wire.UpdateWeightVersionReq, request: Request
+    ) -> dict:
         await request.app.state.engine.set_weight_version(body.new_version, body.abort_all_requests)
         return {"success": True, "message": f"weight version is {body.new_version}"}
 
@@ -169,7 +163,7 @@ def _weight_routes(app: FastAPI) -> None:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict:
-        body = await _optional_body(wire.PauseReq, request)
+        body = await _optional_body(control_wire.PauseReq, request)
         n = await request.app.state.engine.pause(body.mode)
         return {"success": True, "message": f"paused ({body.mode})", "num_aborted_requests": n}
 
@@ -179,7 +173,7 @@ def _weight_routes(app: FastAPI) -> None:
         return {"success": True, "message": "generation continues"}
 
     @app.post("/abort_request")
-    async def abort_request(body: wire.AbortReq, request: Request) -> dict:
+    async def abort_request(body: control_wire.AbortReq, request: Request) -> dict:
         engine: Engine = request.app.state.engine
         if not body.abort_all and body.rid is None:
             raise EngineError("abort_request: give rid or abort_all: true")
@@ -200,7 +194,7 @@ def _network_weight_routes(app: FastAPI) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(
-        body: wire.InitWeightsUpdateGroupReq, request: Request
+        body: control_wire.InitWeightsUpdateGroupReq, request: Request
     ) -> JSONResponse:
         spec = GroupSpec(
             master_address=body.master_address,
@@ -218,7 +212,7 @@ def _network_weight_routes(app: FastAPI) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(
-        body: wire.UpdateWeightsFromDistributedReq, request: Request
+        body: control_wire.UpdateWeightsFromDistributedReq, request: Request
     ) -> JSONResponse:
         engine: Engine = request.app.state.engine
         call = engine.update_weights_from_group(
@@ -233,7 +227,7 @@ def _network_weight_routes(app: FastAPI) -> None:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
-        body = await _optional_body(wire.DestroyWeightsUpdateGroupReq, request)
+        body = await _optional_body(control_wire.DestroyWeightsUpdateGroupReq, request)
         engine: Engine = request.app.state.engine
         return await _answer(
             engine.destroy_weights_group(body.group_name), f"left {body.group_name!r}"
@@ -269,7 +263,7 @@ def _memory_routes(app: FastAPI) -> None:
     requests are in flight; while memory is released, generation requests get 503."""
 
     async def change(request: Request, release: bool) -> JSONResponse:
-        body = await _optional_body(wire.MemoryOccupationReq, request)
+        body = await _optional_body(control_wire.MemoryOccupationReq, request)
         engine: Engine = request.app.state.engine
         try:
             moved = await engine.set_memory(release, body.chosen())
@@ -316,7 +310,7 @@ def _info_routes(app: FastAPI) -> None:
         engine: Engine = request.app.state.engine
         cfg = engine.model.config
         archs = getattr(cfg, "architectures", None) or [type(engine.model).__name__]
-        return wire.ModelInfo(
+        return control_wire.ModelInfo(
             model_path=engine.model_path,
             tokenizer_path=request.app.state.settings.tokenizer_path,
             weight_version=engine.weight_version,
@@ -330,7 +324,7 @@ def _info_routes(app: FastAPI) -> None:
         engine: Engine = request.app.state.engine
         s = engine.stats()
         return [
-            wire.LoadInfo(
+            control_wire.LoadInfo(
                 num_reqs=s.running + s.waiting,
                 num_waiting_reqs=s.waiting,
                 num_tokens=engine.running_tokens(),

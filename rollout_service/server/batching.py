@@ -1,13 +1,17 @@
 """The running batch of the built-in engine: one KV cache for all live sequences.
 
 Sequences are stacked with LEFT padding: row b of every cache tensor holds that
-sequence's keys/values right-aligned at the end, and `mask[b]` marks its real columns.
-All rows therefore write their next key/value at the same column, so a decode step is
-one forward of shape (B, 1) over HF's DynamicCache, with per-row position ids.
+sequence's keys/values right-aligned at the batch's current length, and `mask[b]` marks
+its real columns. All rows therefore write their next key/value at the same column, so
+a decode step is one forward of shape (B, 1) with per-row position ids. The cache lives
+in preallocated buffers with spare columns (doubled when full): a decode step writes
+its column in place instead of concatenating a new copy of the cache.
 
 - New requests are prefilled together (their own left-padded batch), then merged into
   the running batch between decode steps (the shorter cache is left-padded to the
   longer one's length).
+- Prefill and decode run `decoder.Decoder` (the same operations as HF's modules,
+  without their Python layers) where the model supports it, else HF's forward.
 - Finished rows leave by index-select; leading columns that became padding in every
   remaining row are cut, so the cache stays as long as the longest live sequence.
 
@@ -21,11 +25,12 @@ batch in which no row asks for them carries no shaping state and pays nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rollout_service.server.decoder import Decoder
 from rollout_service.wire import GREEDY_BELOW
 
 
@@ -135,6 +140,22 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64, -1 = all
     min_p: torch.Tensor  # float32
     shaping: LogitShaping | None = None
+    # Derived once per batch, not per step (each `.any()` is a host sync).
+    greedy: torch.Tensor = field(init=False, repr=False)  # (B,) bool
+    divisor: torch.Tensor = field(init=False, repr=False)  # (B, 1): T, 1 for greedy rows
+    need_k: bool = field(init=False, repr=False)
+    need_p: bool = field(init=False, repr=False)
+    need_min: bool = field(init=False, repr=False)
+    any_greedy: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.greedy = self.temperature <= 0
+        self.any_greedy = bool(self.greedy.any())
+        ones = torch.ones_like(self.temperature)
+        self.divisor = torch.where(self.greedy, ones, self.temperature)[:, None]
+        self.need_k = bool((self.top_k > 0).any())
+        self.need_p = bool((self.top_p < 1).any())
+        self.need_min = bool((self.min_p > 0).any())
 
     @staticmethod
     def build(rows: Sequence[Any], device: torch.device) -> SamplingTensors:
@@ -209,9 +230,7 @@ def draw(
     logits = logits.float()
     if p.shaping is not None:
         logits = p.shaping.apply(logits)
-    greedy = p.temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # (B, V)
+    logp = torch.log_softmax(logits / p.divisor, dim=-1)  # (B, V)
     probs = _restrict(logp.exp(), p)
     # argmax(p / E) with E ~ Exp(1) draws from p (exponential race; faster than
     # torch.multinomial); rows with p = 0 can never win.
@@ -220,7 +239,7 @@ def draw(
         if own is not None:
             race[b] = torch.empty_like(probs[b]).exponential_(1.0, generator=own)
     drawn = (probs / race).argmax(dim=-1)  # (B,)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    tokens = torch.where(p.greedy, logits.argmax(dim=-1), drawn) if p.any_greedy else drawn
     return tokens, logp
 
 
@@ -252,9 +271,7 @@ def prompt_logprobs(
 
 def _restrict(probs: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """Zero out tokens outside top-k / top-p / min-p, row by row. probs: (B, V)."""
-    need_k = bool((p.top_k > 0).any())
-    need_p = bool((p.top_p < 1).any())
-    need_min = bool((p.min_p > 0).any())
+    need_k, need_p, need_min = p.need_k, p.need_p, p.need_min
     if not (need_k or need_p or need_min):
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
@@ -275,28 +292,66 @@ def _restrict(probs: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
 
 @dataclass
 class KVBatch:
-    """Left-padded KV state of B live sequences.
+    """Left-padded KV state of B live sequences, in preallocated buffers.
 
-    cache: HF DynamicCache, each layer's keys/values (B, H_kv, L, D)
-    mask: (B, L) int64, 1 where the column holds a real token of that row
+    keys, values: per layer (B, H_kv, cap, D); columns [0, length) are in use, each row's
+        entries right-aligned at `length` (its left padding before them)
+    cols: (B, cap) bool, True where the column holds a real token of that row
+    length: columns in use; a decode step writes column `length` of every row in place
+        (the buffers double when it reaches cap), so a token costs no copy of the cache
     pos: (B,) int64, the position id of each row's next token
     last: (B,) int64, the token each row feeds into the next decode step
     params: per-row sampling parameters
     """
 
-    cache: Any
-    mask: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cols: torch.Tensor
+    length: int
     pos: torch.Tensor
     last: torch.Tensor
     params: SamplingTensors
 
     @property
     def size(self) -> int:
-        return int(self.mask.shape[0])
+        return int(self.cols.shape[0])
 
     @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
+    def capacity(self) -> int:
+        return int(self.cols.shape[1])
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, length) bool: the real columns of each row."""
+        return self.cols[:, : self.length]
+
+
+def _room(columns: int) -> int:
+    """Buffer columns for a batch of `columns`: twice as many, so that growing by one
+    column a step copies the cache O(log n) times, not n."""
+    return max(32, 2 * columns)
+
+
+def _buffers(parts: Sequence[tuple[torch.Tensor, int]], width: int, cap: int) -> torch.Tensor:
+    """Stack (tensor (B_i, ..., L_i, D) or (B_i, L_i), used columns L_i) row-wise into one
+    buffer of `cap` columns, each part right-aligned at `width`. Columns past `width`
+    stay unset: each is written before it is read. The left padding of a shorter part
+    is zeroed, not left as it was: it is masked out of attention, but NaN garbage there
+    would still poison real rows through 0 * NaN."""
+    first = parts[0][0]
+    dim = first.dim() - 2 if first.dim() == 4 else 1
+    shape = list(first.shape)
+    shape[0] = sum(t.shape[0] for t, _ in parts)
+    shape[dim] = cap
+    out = first.new_empty(shape)
+    row = 0
+    for t, used in parts:
+        rows = out.narrow(0, row, t.shape[0])
+        rows.narrow(dim, width - used, used).copy_(t.narrow(dim, 0, used))
+        if used < width:
+            rows.narrow(dim, 0, width - used).zero_()
+        row += t.shape[0]
+    return out
 
 
 def _prebuilt_masks(model: Any) -> bool:
@@ -309,38 +364,48 @@ def _prebuilt_masks(model: Any) -> bool:
     }
 
 
-def _attention(model: Any, mask: torch.Tensor, queries: int) -> Any:
+def _attention(model: Any, mask: torch.Tensor, queries: int) -> torch.Tensor:
     """The attention mask argument for the last `queries` columns of `mask` (B, L).
 
     Prebuilt: (B, 1, queries, L) bool, True = may attend: causal within the new
-    columns and never to a padding column. A padding query row attends to itself only,
-    so no row is fully masked (SDPA would return NaN for it, and NaN keys/values of
-    padding would then poison real rows through 0 * NaN)."""
+    columns and never to a padding column (HF takes a 4-D mask as it is, in every
+    model). A padding query row attends to itself only, so no row is fully masked (SDPA
+    would return NaN for it, and NaN keys/values of padding would then poison real rows
+    through 0 * NaN)."""
     if not _prebuilt_masks(model):
-        return mask
+        return mask.long()
     keys = mask.bool()[:, None, None, :]  # (B, 1, 1, L)
     if queries == 1:
-        return {"full_attention": keys}
+        return keys
     width = mask.shape[1]
     q_pos = torch.arange(width - queries, width, device=mask.device)[:, None]  # (q, 1)
     k_pos = torch.arange(width, device=mask.device)[None, :]  # (1, L)
     causal = (k_pos <= q_pos)[None, None]  # (1, 1, q, L)
-    allowed = (causal & keys) | (k_pos == q_pos)[None, None]
-    return {"full_attention": allowed}
+    return (causal & keys) | (k_pos == q_pos)[None, None]
 
 
 def prefill(
-    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingTensors,
+    pad_id: int,
+    decoder: Decoder | None = None,
 ) -> tuple[KVBatch, torch.Tensor]:
     """Run the prompts as one left-padded batch. Returns the batch (its `last` not yet
-    set) and the logits of each prompt's final position, (B, V)."""
-    batch, logits = prefill_keep(model, prompts, params, pad_id, 1)
+    set) and the logits of each prompt's final position, (B, V). With `decoder` the
+    lean forward runs, else HF's."""
+    batch, logits = prefill_keep(model, prompts, params, pad_id, 1, decoder)
     return batch, logits[:, -1]
 
 
 @torch.no_grad()
 def prefill_keep(
-    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int, keep: int
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingTensors,
+    pad_id: int,
+    keep: int,
+    decoder: Decoder | None = None,
 ) -> tuple[KVBatch, torch.Tensor]:
     """`prefill`, returning the logits of the last `keep` columns, (B, keep, V) (prompt
     log-probs need more than the final position).
@@ -350,20 +415,23 @@ def prefill_keep(
     first: dict[tuple[int, ...], int] = {}
     rows = [first.setdefault(tuple(p), len(first)) for p in prompts]
     if len(first) == len(prompts):
-        return _prefill(model, prompts, params, pad_id, keep)
+        return _prefill(model, prompts, params, pad_id, keep, decoder)
     uniq = [list(p) for p in first]
     idx = torch.tensor([rows.index(i) for i in range(len(uniq))], device=params.temperature.device)
-    batch, logits = _prefill(model, uniq, params.select(idx), pad_id, keep)
+    batch, logits = _prefill(model, uniq, params.select(idx), pad_id, keep, decoder)
     batch = select(batch, rows)
     batch.params = params
     return batch, logits[rows]
 
 
 def _prefill(
-    model: Any, prompts: Sequence[Sequence[int]], params: SamplingTensors, pad_id: int, keep: int
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingTensors,
+    pad_id: int,
+    keep: int,
+    decoder: Decoder | None,
 ) -> tuple[KVBatch, torch.Tensor]:
-    from transformers import DynamicCache
-
     device = params.temperature.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -373,58 +441,110 @@ def _prefill(
         mask[b, width - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, L)
-    cache = DynamicCache(config=model.config)
+    pos = mask.sum(dim=1)
+    cap = _room(width)
+    if decoder is not None:
+        keys, values = decoder.empty_cache(len(prompts), cap)
+        allowed = _attention(model, mask, width)
+        logits = decoder.forward(ids, positions, keys, values, 0, allowed, keep)
+    else:
+        keys, values, logits = _hf_prefill(model, ids, mask, positions, keep, cap)
+    batch = KVBatch(
+        keys=keys,
+        values=values,
+        cols=_buffers([(mask.bool(), width)], width, cap),
+        length=width,
+        pos=pos,
+        last=pos.clone(),
+        params=params,
+    )
+    return batch, logits
+
+
+def _hf_prefill(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int, cap: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """HF's forward over a left-padded batch: the cache in buffers of `cap` columns, and
+    the logits of the last `keep` positions (B, keep, V)."""
+    from transformers import DynamicCache
+
+    width = ids.shape[1]
     out = model(
         input_ids=ids,
         attention_mask=_attention(model, mask, width),
         position_ids=positions,
-        past_key_values=cache,
+        past_key_values=DynamicCache(config=model.config),
         use_cache=True,
         logits_to_keep=keep,
     )
-    pos = mask.sum(dim=1)
-    batch = KVBatch(cache=out.past_key_values, mask=mask, pos=pos, last=pos.clone(), params=params)
-    return batch, out.logits[:, -keep:, :]
+    # right-aligned at `width` (a sliding-window layer may keep fewer columns)
+    layers = list(out.past_key_values.layers)
+    keys = [_buffers([(x.keys, x.keys.shape[2])], width, cap) for x in layers]
+    values = [_buffers([(x.values, x.values.shape[2])], width, cap) for x in layers]
+    return keys, values, out.logits[:, -keep:, :]
 
 
 @torch.no_grad()
-def decode_step(model: Any, batch: KVBatch) -> torch.Tensor:
-    """Feed each row's `last` token; returns next-token logits (B, V)."""
-    ones = torch.ones((batch.size, 1), dtype=batch.mask.dtype, device=batch.mask.device)
-    batch.mask = torch.cat([batch.mask, ones], dim=1)
+def decode_step(model: Any, batch: KVBatch, decoder: Decoder | None = None) -> torch.Tensor:
+    """Feed each row's `last` token; returns next-token logits (B, V). With `decoder`
+    (`decoder.for_model(model)`) the lean step runs, else HF's forward."""
+    if batch.length == batch.capacity:
+        _grow(batch)
+    column = batch.length
+    batch.cols[:, column] = True
+    if decoder is not None:
+        mask = batch.cols[:, None, None, : column + 1]  # (B, 1, 1, L + 1)
+        cache = batch.keys, batch.values
+        logits = decoder.forward(batch.last[:, None], batch.pos[:, None], *cache, column, mask)
+        logits = logits[:, -1]
+    else:
+        logits = _hf_decode(model, batch, column)
+    batch.length = column + 1
+    batch.pos = batch.pos + 1
+    return logits
+
+
+def _hf_decode(model: Any, batch: KVBatch, column: int) -> torch.Tensor:
+    """HF's forward over the cache's used columns; its new column is copied back in."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        cache.update(k[:, :, :column], v[:, :, :column], i)
     out = model(
         input_ids=batch.last[:, None],
-        attention_mask=_attention(model, batch.mask, 1),
+        attention_mask=_attention(model, batch.cols[:, : column + 1], 1),
         position_ids=batch.pos[:, None],
-        past_key_values=batch.cache,
+        past_key_values=cache,
         use_cache=True,
     )
-    batch.pos = batch.pos + 1
+    for layer, k, v in zip(out.past_key_values.layers, batch.keys, batch.values, strict=True):
+        k[:, :, column : column + 1] = layer.keys[:, :, -1:]
+        v[:, :, column : column + 1] = layer.values[:, :, -1:]
     return out.logits[:, -1, :]
 
 
-def _layers(cache: Any) -> list[Any]:
-    return list(cache.layers)
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    extra = width - t.shape[dim]
-    if extra == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+def _grow(batch: KVBatch) -> None:
+    """Double the buffers' columns (the cache is full)."""
+    n, cap = batch.length, 2 * batch.capacity
+    batch.keys = [_buffers([(k, n)], n, cap) for k in batch.keys]
+    batch.values = [_buffers([(v, n)], n, cap) for v in batch.values]
+    batch.cols = _buffers([(batch.cols, n)], n, cap)
 
 
 def merge(a: KVBatch, b: KVBatch) -> KVBatch:
-    """Stack b's rows under a's (a's cache object is reused)."""
+    """Stack b's rows under a's, both right-aligned at the longer one's length."""
     width = max(a.length, b.length)
-    for la, lb in zip(_layers(a.cache), _layers(b.cache), strict=True):
-        la.keys = torch.cat([_left_pad(la.keys, width, 2), _left_pad(lb.keys, width, 2)])
-        la.values = torch.cat([_left_pad(la.values, width, 2), _left_pad(lb.values, width, 2)])
+    cap = _room(width)
+
+    def stack(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _buffers([(x, a.length), (y, b.length)], width, cap)
+
     return KVBatch(
-        cache=a.cache,
-        mask=torch.cat([_left_pad(a.mask, width, 1), _left_pad(b.mask, width, 1)]),
+        keys=[stack(x, y) for x, y in zip(a.keys, b.keys, strict=True)],
+        values=[stack(x, y) for x, y in zip(a.values, b.values, strict=True)],
+        cols=stack(a.cols, b.cols),
+        length=width,
         pos=torch.cat([a.pos, b.pos]),
         last=torch.cat([a.last, b.last]),
         params=SamplingTensors.cat(a.params, b.params),
@@ -433,16 +553,21 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
 
 def select(batch: KVBatch, keep: list[int]) -> KVBatch:
     """Keep rows `keep` (in that order) and cut columns that are padding in all of them."""
-    idx = torch.tensor(keep, dtype=torch.long, device=batch.mask.device)
+    idx = torch.tensor(keep, dtype=torch.long, device=batch.cols.device)
     mask = batch.mask.index_select(0, idx)
     live = mask.any(dim=0).nonzero()
-    start = int(live[0]) if live.numel() else mask.shape[1]
-    for layer in _layers(batch.cache):
-        layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
-        layer.values = layer.values.index_select(0, idx)[:, :, start:]
+    start = int(live[0]) if live.numel() else batch.length
+    n = batch.length - start
+    cap = _room(n)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:  # rows `keep`, columns [start, length)
+        return _buffers([(t.narrow(-2, start, n).index_select(0, idx), n)], n, cap)
+
     return KVBatch(
-        cache=batch.cache,
-        mask=mask[:, start:],
+        keys=[cut(k) for k in batch.keys],
+        values=[cut(v) for v in batch.values],
+        cols=_buffers([(mask[:, start:], n)], n, cap),
+        length=n,
         pos=batch.pos.index_select(0, idx),
         last=batch.last.index_select(0, idx),
         params=batch.params.select(idx),

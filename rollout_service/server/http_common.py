@@ -75,6 +75,27 @@ def token_matches(header: str, key: str) -> bool:
     return secrets.compare_digest(given, key.encode("utf-8"))
 
 
+class ApiKeyGate:
+    """ASGI middleware: with `app.state.settings.api_key` set, every path but `open_paths`
+    needs `Authorization: Bearer <key>` (401 otherwise). Plain ASGI rather than
+    `@app.middleware("http")`, which costs a task and a memory stream per request."""
+
+    def __init__(self, app: ASGIApp, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            key = scope["app"].state.settings.api_key
+            request = Request(scope)
+            if key and request.url.path not in self.open_paths:
+                if not token_matches(request.headers.get("authorization", ""), key):
+                    msg = "missing or invalid API key (expected 'Authorization: Bearer ...')"
+                    await error(msg, 401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` is refused with 413 when its
     Content-Length says so; a chunked one is cut off when it passes the limit (FastAPI

@@ -15,7 +15,7 @@ import torch
 
 from areal_hex.api import PauseMode
 from areal_hex.models import load_weights_in_place
-from rollout_service.server import batching, grammar
+from rollout_service.server import batching, decoder, grammar
 from rollout_service.server.batching import KVBatch, LogitShaping, SamplingTensors
 from rollout_service.server.requests import (
     Control,
@@ -82,6 +82,8 @@ class Core:
         self.held_mode: PauseMode = "abort"
         self.pending_reload: Control | None = None
         self.eos = eos_ids(engine.model, engine.tokenizer)
+        # the lean decode step of this model (None: HF's forward); rebuilt with the model
+        self.decoder = decoder.for_model(engine.model)
         tok = engine.tokenizer
         self.pad_id = int(tok.pad_token_id) if tok is not None and tok.pad_token_id else 0
         self.gen = torch.Generator(device=self.device)
@@ -145,6 +147,7 @@ class Core:
         done = []
         if "weights" in tags and self.device.type != "cpu":
             self.e.model.to("cpu" if release else self.device)
+            self.decoder = decoder.for_model(self.e.model)  # its tables moved too
             done.append("weights")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -228,6 +231,8 @@ class Core:
         if version is not None:
             self.e.weight_version = version
         self.eos = eos_ids(model, self.e.tokenizer)
+        if model is not old:
+            self.decoder = decoder.for_model(model)
         del old
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -264,7 +269,9 @@ class Core:
         assert self.batch is not None
         seqs = [r.prompt + r.output_ids[:-1] for r in self.rows]
         try:
-            new, _ = batching.prefill(self.e.model, seqs, self.batch.params, self.pad_id)
+            new, _ = batching.prefill(
+                self.e.model, seqs, self.batch.params, self.pad_id, self.decoder
+            )
         except Exception as exc:
             self.abort_running(f"engine error recomputing the KV cache: {exc}")
             raise
@@ -286,7 +293,9 @@ class Core:
             default=1,
         )
         try:
-            new, logits = batching.prefill_keep(self.e.model, prompts, params, self.pad_id, keep)
+            new, logits = batching.prefill_keep(
+                self.e.model, prompts, params, self.pad_id, keep, self.decoder
+            )
         except Exception as exc:
             msg = f"engine error in prefill: {type(exc).__name__}: {exc}"
             for r in reqs:
@@ -347,7 +356,7 @@ class Core:
 
     def _decode(self) -> None:
         assert self.batch is not None
-        logits = batching.decode_step(self.e.model, self.batch)
+        logits = batching.decode_step(self.e.model, self.batch, self.decoder)
         tokens, logps, tops = self._sample(logits, self.batch.params, self.rows)
         self.batch.last = tokens
         self.e.note_tokens(len(self.rows))

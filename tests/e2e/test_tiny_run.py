@@ -76,6 +76,8 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         "rollout.group_size=4",
         "model.tiny.sft_steps=10",
         "trainer.checkpoint_every=3",
+        # a step is 16 samples: the profile the run takes first times batches 1, 8 and 16
+        "inference.max_running_requests=16",
         f"inference.base_port={free_port()}",
     ]
     run_dir = tmp_path / "e2e"
@@ -147,6 +149,7 @@ def test_unrecoverable_server_fails_the_run_with_its_log(tmp_path: Path) -> None
     overrides = [
         f"run.output_dir={tmp_path}",
         "run.run_id=bad",
+        "run.profile_first=false",  # the failure to start is the subject, not this machine
         "model.tiny.sft_steps=0",
         "inference.backend=sglang",
         "inference.sglang.python=/nonexistent/python",

@@ -218,7 +218,7 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
     consumer = RedisTrajectoryConsumer(r, run_id, c)
     batch = consumer.get_batch(3, timeout_s=5)  # v - eta = 2: versions 0, 1, 0 go
     assert sorted(g.prompt_id for g in batch.groups) == ["p2", "p3", "p5"]
-    assert sorted(batch.staleness) == [0, 0, 1]
+    assert sorted(batch.version_lags) == [0, 0, 1]
     assert batch.dropped_stale == 3
     consumer.ack(batch.entry_ids)
     stats = consumer.stats()

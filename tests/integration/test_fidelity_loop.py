@@ -111,7 +111,7 @@ def test_training_profile_twice_in_one_process(tmp_path: Path) -> None:
     from areal_hex.config import load_config
     from hexctl.job.prepare import materialize_v0
     from hexctl.profile.devices import local_devices
-    from hexctl.profile.local import measure_training
+    from hexctl.profile.training import measure_training
 
     cfg = load_config(ROOT / "examples/tiny_cpu.yaml", SMALL)
     model_dir = materialize_v0(cfg, tmp_path)

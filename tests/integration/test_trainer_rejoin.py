@@ -86,7 +86,7 @@ def test_a_trainer_restarted_without_a_checkpoint_rejoins_at_v0(tmp_path: Path) 
         batch = trainer._take(2)
         assert batch is not None
         assert sorted(g.prompt_id for g in batch.groups) == ["p0", "p1"]  # made by v0
-        assert batch.staleness == [0, 0]  # nothing from the lost versions, no negative lag
+        assert batch.version_lags == [0, 0]  # nothing from the lost versions, no negative lag
         # the next batch: the v3 groups still unread are dropped too, which opens the
         # gate (at v0 it counts (0 + 1 + 1) x 2) for the controller's groups made by v0
         with ThreadPoolExecutor(1) as pool:

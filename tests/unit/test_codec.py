@@ -9,7 +9,7 @@ from areal_hex.buffer.codec import (
     ARRAY_ORDER,
     DecodeError,
     decode_group,
-    decode_group_with_version,
+    decode_group_with_versions,
     encode_group,
     frame,
     unframe,
@@ -68,7 +68,10 @@ def assert_same(a: GroupRecord, b: GroupRecord) -> None:
         assert (x.finish_reason, x.reward, x.text) == (y.finish_reason, y.reward, y.text)
         assert y.token_ids.dtype == np.int32 and y.logprobs.dtype == np.float32
     assert a.version == b.version
-    assert decode_group_with_version(encode_group(a))[1] == a.version
+    _, oldest, newest = decode_group_with_versions(encode_group(a))
+    assert oldest == a.version
+    tokens = [int(c.versions.max()) for c in a.completions if len(c.versions)]
+    assert newest == max(tokens, default=-1)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -98,7 +98,7 @@ def _local_cluster(tmp_path: Path) -> tuple:
                         prefill_tokens_per_s=5000, train_tokens_per_s=6000)  # fmt: skip
     prof = Profile(model="m", params=m.params, kinds={"CPU": rates})
     w = Workload(groups_per_step=8, group_size=16, prompt_tokens=34, response_tokens=20,
-                 max_response_tokens=24, staleness=2, rollout_tp=1, zero_stage=0,
+                 max_response_tokens=24, max_staleness=2, rollout_tp=1, zero_stage=0,
                  constants={"max_running_requests": 64})  # fmt: skip
     return load_cluster(tmp_path / "c.yaml"), m, w, prof
 

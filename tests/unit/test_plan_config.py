@@ -24,7 +24,7 @@ ETA, K = 6, 2  # tuned by the planner; the configs below ask for other values
 
 def _tuned(plan_file: str):
     plan = load_plan(ROOT / plan_file)
-    return plan.model_copy(update={"baselines": Baselines(staleness=ETA, publish_interval=K)})
+    return plan.model_copy(update={"baselines": Baselines(max_staleness=ETA, publish_every=K)})
 
 
 def _assert_planned(cfg, plan) -> None:
@@ -45,6 +45,21 @@ def test_local_run_carries_the_tuned_values() -> None:
     assert any(s.startswith("buffer.max_staleness:") for s in said)
     k_line = f"trainer.publish_every: {cfg.trainer.publish_every} -> {K}"
     assert any(s.startswith(k_line) for s in said)
+
+
+def test_a_synchronous_run_of_a_tuned_plan_stays_synchronous() -> None:
+    """`run --mode sync --plan PLAN` (and bench hetero's plan d): the plan's pools apply,
+    its η and k (tuned for the asynchronous run) do not, and the run says so."""
+    from hexctl.job.prepare import apply_mode
+
+    plan = _tuned("examples/plans/local_cpu.yaml")
+    said: list[str] = []
+    run = apply_plan(
+        apply_mode(load_config(ROOT / "examples/tiny_cpu.yaml"), "sync"), plan, said.append
+    )
+    assert (run.buffer.max_staleness, run.trainer.publish_every) == (0, 1)
+    assert run.inference.num_servers == len(plan.rollout)
+    assert f"buffer.max_staleness: 0 kept (run.mode=sync; planned {ETA})" in said
 
 
 @pytest.mark.parametrize(
@@ -98,6 +113,6 @@ def test_plan_print_config_carries_the_tuned_values(tmp_path, capsys) -> None:
 
     doc = json.loads(capsys.readouterr().out)
     b = doc["plan"]["baselines"]
-    assert doc["config"]["buffer"]["max_staleness"] == b["staleness"]
-    assert doc["config"]["trainer"]["publish_every"] == b["publish_interval"]
+    assert doc["config"]["buffer"]["max_staleness"] == b["max_staleness"]
+    assert doc["config"]["trainer"]["publish_every"] == b["publish_every"]
     assert doc["config"]["inference"]["num_servers"] == len(doc["plan"]["rollout"])

@@ -38,6 +38,16 @@ def test_presets_parameter_counts() -> None:
         load_model_shape("qwen9-1b")
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_shape_written_as_an_hf_config_reads_back_the_same(tmp_path: Path, name: str) -> None:
+    import json
+
+    shape = PRESETS[name]
+    (tmp_path / "config.json").write_text(json.dumps(shape.hf_config()))
+    back = load_model_shape(str(tmp_path))
+    assert back.__dict__ | {"name": name} == shape.__dict__ and back.params == shape.params
+
+
 def test_zero_memory_and_allreduce_formulas() -> None:
     m, w = load_model_shape("qwen3-8b"), Workload()
     # ZeRO-3 shards all 16 bytes/param; ZeRO-0 keeps them whole.
@@ -105,7 +115,7 @@ def test_simulator_agrees_with_milp(name: str, workload: str) -> None:
     pred = res.plan.predicted.samples_per_s
     assert res.sim is not None and pred > 0
     assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
-    assert res.sim.max_version_lag <= w.staleness + 1
+    assert res.sim.max_version_lag <= w.max_staleness + 1
 
 
 def test_budget_below_minimum_states_it() -> None:

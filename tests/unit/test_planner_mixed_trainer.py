@@ -212,7 +212,7 @@ def test_run_sets_rank_speeds_from_the_plan(planned, tmp_path) -> None:
         [
             f"buffer.groups_per_step={w.groups_per_step}",
             f"rollout.group_size={w.group_size}",
-            f"buffer.max_staleness={w.staleness}",
+            f"buffer.max_staleness={w.max_staleness}",
             f"rollout.max_new_tokens={w.max_response_tokens}",
             f"inference.context_length={w.prompt_tokens + w.max_response_tokens}",
         ],

@@ -23,8 +23,8 @@ def _sim_kw(**over: object) -> dict[str, object]:
     kw: dict[str, object] = dict(
         batch_groups=1,
         group_size=2,
-        staleness=4,
-        publish_interval=1,
+        max_staleness=4,
+        publish_every=1,
         train_step_s=0.1,
         mean_len=100,
         max_len=50,
@@ -43,7 +43,7 @@ def test_simulator_async_rate_is_generation_bound() -> None:
 
 def test_simulator_synchronous_gate_serialises() -> None:
     # eta = 0: the next group is admitted only after the step, 0.5 s + 0.1 s per group.
-    r = simulate(_one_instance(), **_sim_kw(staleness=0))  # type: ignore[arg-type]
+    r = simulate(_one_instance(), **_sim_kw(max_staleness=0))  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(2 / 0.6, rel=1e-6)
     assert r.max_version_lag == 0
 
@@ -102,7 +102,7 @@ def test_simulator_drops_groups_older_than_eta_and_counts_them() -> None:
     # One-sample groups, so each group lives on one instance.
     fast = SimInstance("fast", slots=1, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)
     slow = SimInstance("slow", slots=1, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.1)
-    kw = _sim_kw(group_size=1, staleness=1, steps=60)
+    kw = _sim_kw(group_size=1, max_staleness=1, steps=60)
     r = simulate([fast, slow], **kw)  # type: ignore[arg-type]
     assert r.dropped > 0
     assert r.max_version_lag <= 1  # nothing older than eta is ever trained
@@ -123,7 +123,7 @@ def test_simulator_publishes_every_k_steps() -> None:
     # A 0.25 s sync every step costs 2/0.75 samples/s (see above); every 3 steps, a third.
     inst = _one_instance()
     inst[0].sync_s = 0.25
-    r = simulate(inst, **_sim_kw(publish_interval=3, steps=15))  # type: ignore[arg-type]
+    r = simulate(inst, **_sim_kw(publish_every=3, steps=15))  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(2 / (0.5 + 0.25 / 3), rel=0.05)
     assert r.dropped == 0
 
@@ -134,7 +134,7 @@ def test_simulator_gate_moves_with_the_published_version() -> None:
     # each publish, so two steps take 0.5 s of generation + 0.2 s of training. (Counting
     # the trainer's own steps, as the gate does not, would give 2 / 0.6.)
     inst = [SimInstance("n0", slots=8, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.01)]
-    kw = _sim_kw(group_size=1, staleness=1, publish_interval=2, steps=13)
+    kw = _sim_kw(group_size=1, max_staleness=1, publish_every=2, steps=13)
     r = simulate(inst, **kw)  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(1 / 0.35, rel=1e-6)
     assert r.max_version_lag <= 1 and r.dropped == 0
@@ -150,7 +150,7 @@ def test_simulator_within_five_percent_of_prediction(name: str, workload: str) -
     pred = res.plan.predicted.samples_per_s
     assert res.sim is not None
     assert abs(res.sim.samples_per_s - pred) / pred <= 0.05
-    assert res.sim.max_version_lag <= w.staleness
+    assert res.sim.max_version_lag <= w.max_staleness
 
 
 # ---------------------------------------------------------------- staleness window
@@ -183,12 +183,12 @@ def test_pipeline_rate_discounts_groups_that_miss_the_window() -> None:
     insts = [SimInstance(f"f{i}", 32, 0.0, 2.0, lambda n: 0.005) for i in range(4)]
     insts += [SimInstance(f"s{i}", 32, 0.0, 2.0, lambda n: 0.02) for i in range(8)]
     sim = simulate(
-        insts, batch_groups=32, group_size=8, staleness=4, publish_interval=1,
+        insts, batch_groups=32, group_size=8, max_staleness=4, publish_every=1,
         train_step_s=256 / 100.0, mean_len=2048, max_len=4096, steps=30,
     )  # fmt: skip
     assert sim.dropped > 0
     assert abs(sim.samples_per_s - mixed) / mixed <= 0.10, (sim.samples_per_s, mixed)
-    without_window = pipeline_rate(w.model_copy(update={"staleness": 1000}), 100.0, [
+    without_window = pipeline_rate(w.model_copy(update={"max_staleness": 1000}), 100.0, [
         (fast, 2.0, 4), (slow, 2.0, 8)])[0]  # fmt: skip
     assert abs(sim.samples_per_s - mixed) < abs(sim.samples_per_s - without_window)
 

@@ -202,7 +202,7 @@ def test_synchronous_plan_is_recommended_when_it_wins() -> None:
     m = load_model_shape("qwen3-14b")
     # η = 1 and long answers on a small budget: the colocated synchronous plan, which
     # also generates on the trainer's GPUs, beats every asynchronous split
-    w = load_workload(EX / "workloads" / "long_cot.yaml").model_copy(update={"staleness": 1})
+    w = load_workload(EX / "workloads" / "long_cot.yaml").model_copy(update={"max_staleness": 1})
     res = make_plan(cl, m, w, budget=20, simulate_plan=False)
     b = res.plan.baselines
     assert b.synchronous_samples_per_s > res.plan.predicted.samples_per_s
@@ -215,21 +215,21 @@ def test_synchronous_plan_is_recommended_when_it_wins() -> None:
 
 
 def test_tuning_staleness_and_interval_picks_the_fastest_within_bounds() -> None:
-    from scheduler.planner import tune_staleness_and_interval
+    from scheduler.tuning import tune_max_staleness_and_publish_every
 
     cl = load_cluster(RACKS)
     m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
-    tuned, rows = tune_staleness_and_interval(
-        cl, m, w, max_staleness=6, max_publish_interval=2, budget=200, time_limit_s=30
+    tuned, rows = tune_max_staleness_and_publish_every(
+        cl, m, w, search_max_staleness=6, search_publish_every=2, budget=200, time_limit_s=30
     )
-    assert len(rows) == (6 - w.staleness + 1) * 2
+    assert len(rows) == (6 - w.max_staleness + 1) * 2
     best = max(min(r["samples_per_s"], r["simulated_samples_per_s"]) for r in rows)
     assert min(rows[0]["samples_per_s"], rows[0]["simulated_samples_per_s"]) == best
-    assert (tuned.staleness, tuned.publish_interval) == (
-        rows[0]["staleness"],
-        rows[0]["publish_interval"],
+    assert (tuned.max_staleness, tuned.publish_every) == (
+        rows[0]["max_staleness"],
+        rows[0]["publish_every"],
     )
-    assert w.staleness <= tuned.staleness <= 6 and 1 <= tuned.publish_interval <= 2
+    assert w.max_staleness <= tuned.max_staleness <= 6 and 1 <= tuned.publish_every <= 2
     base = make_plan(cl, m, w, budget=200, baselines=False)
     assert best >= min(base.plan.predicted.samples_per_s, base.sim.samples_per_s)
 
@@ -238,25 +238,25 @@ def test_tuning_ranks_by_what_the_buffer_replay_sustains() -> None:
     # math_grpo on the AReaL-Hex setting: publishing every 4 steps at eta = 4 is predicted
     # fastest by the closed form, but the gate opens 4 B groups at a publish and none
     # until the next, so the replay sustains far less; the tuning must not pick it.
-    from scheduler.planner import tune_staleness_and_interval
     from scheduler.report import table
+    from scheduler.tuning import tune_max_staleness_and_publish_every
 
     cl = load_cluster(EX / "clusters" / "arealhex_setting.yaml")
     m, w = load_model_shape("qwen3-8b"), load_workload(EX / "workloads" / "math_grpo.yaml")
     budget = 102.67
-    tuned, rows = tune_staleness_and_interval(
-        cl, m, w, max_staleness=4, max_publish_interval=4, budget=budget, time_limit_s=30
+    tuned, rows = tune_max_staleness_and_publish_every(
+        cl, m, w, search_max_staleness=4, search_publish_every=4, budget=budget, time_limit_s=30
     )
     top_pred = max(rows, key=lambda r: r["samples_per_s"])
     assert top_pred["simulated_samples_per_s"] < 0.9 * top_pred["samples_per_s"]
     chosen = rows[0]
     assert chosen["simulated_samples_per_s"] > top_pred["simulated_samples_per_s"]
-    assert (tuned.staleness, tuned.publish_interval) == (
-        chosen["staleness"],
-        chosen["publish_interval"],
+    assert (tuned.max_staleness, tuned.publish_every) == (
+        chosen["max_staleness"],
+        chosen["publish_every"],
     )
     # the table says when the replay and the prediction part
-    k4 = w.model_copy(update={"publish_interval": 4})
+    k4 = w.model_copy(update={"publish_every": 4})
     text = table(make_plan(cl, m, k4, budget=budget, baselines=True))
     assert "against the prediction: expect the simulated rate" in text
 
@@ -265,10 +265,44 @@ def test_a_publish_interval_beyond_staleness_plus_one_is_refused(tmp_path: Path)
     from hexctl.cli import main
 
     wl = tmp_path / "w.yaml"
-    wl.write_text("staleness: 1\npublish_interval: 3\n")
-    with pytest.raises(ConfigError, match=r"publish_interval \(3\) must be <= staleness \+ 1"):
+    wl.write_text("max_staleness: 1\npublish_every: 3\n")
+    with pytest.raises(ConfigError, match=r"publish_every \(3\) is more than max_staleness \+ 1"):
         load_workload(wl)
     assert (
         main(["plan", str(RACKS), "--model", "qwen3-8b", "--workload", str(wl), "--budget", "100"])
         == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("staleness", "max_staleness"), ("publish_interval", "publish_every")]
+)
+def test_a_workload_with_an_old_key_is_refused_with_the_new_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str
+) -> None:
+    from hexctl.cli import main
+
+    wl = tmp_path / "w.yaml"
+    wl.write_text(f"{old}: 2\n")
+    with pytest.raises(ConfigError, match=f"key '{old}' is now '{new}'"):
+        load_workload(wl)
+    argv = ["plan", str(RACKS), "--model", "qwen3-8b", "--workload", str(wl), "--budget", "100"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"key '{old}' is now '{new}'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("staleness", "max_staleness"), ("publish_interval", "publish_every")]
+)
+def test_a_plan_with_an_old_baselines_key_is_refused_with_the_new_name(
+    tmp_path: Path, old: str, new: str
+) -> None:
+    from areal_hex.plan import load_plan
+
+    data = yaml.safe_load((EX / "plans" / "local_cpu.yaml").read_text())
+    data.setdefault("baselines", {})[old] = 2
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=f"baselines: .*key '{old}' is now '{new}'"):
+        load_plan(path)

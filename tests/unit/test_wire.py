@@ -7,14 +7,8 @@ from pydantic import ValidationError
 
 from areal_hex.config import InferenceConfig
 from rollout_service.client import parse_generate
-from rollout_service.wire import (
-    UNION_TAGS,
-    FinishReason,
-    GenerateReqInput,
-    PauseReq,
-    SamplingParamsIn,
-    UpdateWeightsFromDiskReq,
-)
+from rollout_service.control_wire import PauseReq, UpdateWeightsFromDiskReq
+from rollout_service.wire import UNION_TAGS, FinishReason, GenerateReqInput, SamplingParamsIn
 
 
 def locs(exc: ValidationError) -> list[str]:

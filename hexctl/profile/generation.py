@@ -1,0 +1,271 @@
+"""`profile --local`, generation: an `areal-hex serve` process on the inference cores,
+driven over HTTP as the run's controller drives it: decode step time at several batches
+(from two answer lengths, so the prefill cancels), prefill tokens/s, the answer lengths
+the initial policy really produces on the dataset's prompts with the run's sampling
+parameters, a weight update's pause, and the rate the run's own controller keeps the
+server at (beside the trainer and beside it, `controller.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from areal_hex.config import ExperimentConfig
+from hexctl.job.processes import stop_process
+from hexctl.profile.controller import continuous_load, sync_cycle
+from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+
+
+@dataclass
+class GenerationRates:
+    decode_step_s: dict[int, float]
+    prefill_tokens_per_s: float
+    prompt_tokens: float  # mean over the dataset's prompts
+    response_tokens: float  # mean answer length of the initial policy
+    reload_s: float  # pause -> load -> resume of a server with requests in flight
+    reload_idle_s: float  # the same with nothing in flight (a synchronous run's case)
+    # The run's own controller keeping the server full (an asynchronous run's load):
+    continuous_samples_per_s: float  # samples/s generated
+    host_cpu_s_per_sample: float  # the controller's CPU (HTTP, decoding, rewards, records)
+    # ... with the controller, its Valkey and reward workers on the server's cores
+    # (None without pinning: they share every core anyway)
+    continuous_shared_samples_per_s: float | None
+    reload_shared_s: float | None  # a weight update's pause under that load
+    # ... and as a synchronous run drives it: a trainer that only publishes a version and
+    # takes the next batch; seconds from the publish to the whole batch (median)
+    sync_cycle_s: float
+
+
+def measure_generation(
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    batches: list[int],
+    say: Say = quiet,
+) -> GenerationRates:
+    """An `areal-hex serve` process on the inference cores, driven over HTTP from this
+    process on the trainer cores, where `run` puts the controller: the server's HTTP
+    handling and the client's work are in the figures, as they are in a run."""
+    from rollout_service.controller.wiring import load_prompt_set, load_rollout_tokenizer
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path = str(model_dir)
+    cfg.model.tokenizer_path = None
+    tok = load_rollout_tokenizer(cfg)
+    prompts = [p.input_ids for p in load_prompt_set(cfg, tok).prompts]
+    serve = {
+        "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
+        "inference": {
+            "device": cfg.inference.device,
+            "host": dev.address,
+            "num_threads": dev.inference_threads,
+            "max_running_requests": cfg.inference.max_running_requests,
+            "context_length": cfg.inference.context_length,
+            "weights_dir": str(model_dir.parent),
+        },
+        "data": {"max_prompt_tokens": cfg.data.max_prompt_tokens},
+        "rollout": {"max_new_tokens": cfg.rollout.max_new_tokens},
+    }
+    with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
+        path = Path(tmp) / "serve.yaml"
+        path.write_text(yaml.safe_dump(serve))
+        say(f"starting an inference server; then decode steps at batches {batches}")
+        with _server(path, dev, Path(tmp) / "serve.log") as (url, pid):
+            with pinned(dev.trainer_cores, 1):
+                eos = tok.eos_token_id
+                gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+                say("decode, prefill and reload timed; a synchronous run's cycle")
+                gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
+            # the controller beside the trainer, then beside the server, alternated: a
+            # load that a neighbour slows moves one median, not the choice between them
+            alone, shared = [], []
+            for k in range(REPEATS):
+                say(f"the run's controller keeping the server busy, round {k + 1}/{REPEATS}")
+                with pinned(dev.trainer_cores, 1):
+                    alone.append(asyncio.run(continuous_load(url, cfg, model_dir, {pid})))
+                if dev.inference_cores is not None:
+                    with pinned(dev.inference_cores, 1):
+                        load = continuous_load(url, cfg, model_dir, {pid}, reloads=True)
+                        shared.append(asyncio.run(load))
+            gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
+            gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
+            if shared:
+                gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)
+                pauses = [p for _, _, p in shared if p is not None]
+                gen.reload_shared_s = statistics.median(pauses) if pauses else None
+            return gen
+
+
+@contextlib.contextmanager
+def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[str, int]]:
+    from areal_hex.net import free_port
+
+    port = free_port()
+    cores = dev.inference_cores
+    env = dict(os.environ, OMP_NUM_THREADS=str(dev.inference_threads))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "hexctl.cli", "serve", str(config), "--port", str(port)]
+    cmd = dev.node_prefix + cmd
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+        )
+        try:
+            yield f"http://{dev.address}:{port}", proc.pid
+        finally:
+            stop_process(proc)
+
+
+class _Driver:
+    """Sends work to the server as the controller does: one batched call per group."""
+
+    def __init__(self, client: Any, cfg: ExperimentConfig, prompts: list[list[int]]) -> None:
+        import random
+
+        self.client, self.r, self.prompts = client, cfg.rollout, prompts
+        self.g = cfg.rollout.group_size
+        self.rng = random.Random(0)
+
+    def groups(self, n: int) -> list[list[int]]:
+        """`n` samples in groups of G sharing a prompt."""
+        out: list[list[int]] = []
+        while len(out) < n:
+            out += [self.rng.choice(self.prompts)] * min(self.g, n - len(out))
+        return out
+
+    def fixed(self, n: int) -> Any:
+        from areal_hex.api import SamplingParams
+
+        return SamplingParams(max_new_tokens=n, temperature=self.r.temperature, ignore_eos=True)
+
+    async def wave(self, work: list[list[int]], sp: Any) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        chunks = [work[i : i + self.g] for i in range(0, len(work), self.g)]
+        calls = [
+            self.client.generate_batch(c, sp, [f"p{t0}-{i}-{j}" for j in range(len(c))])
+            for i, c in enumerate(chunks)
+        ]
+        outs = await asyncio.gather(*calls)
+        return time.perf_counter() - t0, [o for out in outs for o in out]
+
+    async def answer_length(self, eos: int | None) -> float:
+        """Mean answer length: G samples of a few prompts, sampled as the run samples."""
+        from areal_hex.api import SamplingParams
+
+        r = self.r
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=[eos] if eos is not None else [],
+        )
+        picked = self.rng.sample(self.prompts, min(8, len(self.prompts)))
+        _, outs = await self.wave([p for p in picked for _ in range(self.g)], sampling)
+        return statistics.fmean(len(o.output_ids) for o in outs)
+
+    async def decode_step(self, batch: int) -> float:
+        """Seconds per decode step at `batch`: two answer lengths, the prefill cancels.
+        A pair whose long wave was not longer than its short one (the machine stalled
+        the short one) says nothing and is measured again, up to REPEATS more times;
+        without any usable pair, the long wave's time per token (prefill included: an
+        upper bound) stands in."""
+        long_n = max(8, self.r.max_new_tokens)
+        short_n = max(2, long_n // 4)
+        diffs: list[float] = []
+        per_token: list[float] = []
+        for _ in range(2 * REPEATS):
+            work = self.groups(batch)
+            t_long, _ = await self.wave(work, self.fixed(long_n))
+            t_short, _ = await self.wave(work, self.fixed(short_n))
+            per_token.append(t_long / long_n)
+            # a step shorter than a tenth of the long wave's time per token is noise
+            if t_long - t_short > 0.1 * t_long * (long_n - short_n) / long_n:
+                diffs.append((t_long - t_short) / (long_n - short_n))
+            if len(diffs) >= REPEATS:
+                break
+        return statistics.median(diffs) if diffs else statistics.median(per_token)
+
+    async def prefill_rate(self, batch: int, step_s: float) -> float:
+        """Prompt tokens/s, one prompt per group (the group shares its prefill)."""
+        rates = []
+        for _ in range(REPEATS):
+            work = self.groups(batch)
+            t, _ = await self.wave(work, self.fixed(1))
+            rates.append(sum(len(p) for p in work[:: self.g]) / max(1e-9, t - step_s))
+        return statistics.median(rates)
+
+    async def reload(self, model_dir: Path, version: int, batch: int) -> float:
+        """One weight update as the controller makes it (pause in the run's
+        `rollout.update_pause` mode, retract for auto, load, resume), while `batch`
+        samples generate (0: an idle server); the pause's length. An in-place pause
+        keeps the requests' KV cache, so its length is not a retract's."""
+        work = self.groups(batch)
+        long_n = max(8, self.r.max_new_tokens)
+        task = asyncio.create_task(self.wave(work, self.fixed(long_n))) if work else None
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        mode = self.r.update_pause if self.r.update_pause == "in_place" else "retract"
+        await self.client.pause(mode)
+        await self.client.update_weights_from_disk(
+            str(model_dir), version, abort_all_requests=False
+        )
+        await self.client.resume()
+        took = time.perf_counter() - t0
+        if task is not None:
+            await task
+        return took
+
+
+async def _generation(
+    url: str,
+    cfg: ExperimentConfig,
+    prompts: list[list[int]],
+    eos: int | None,
+    batches: list[int],
+    model_dir: Path,
+) -> GenerationRates:
+    from rollout_service.client import InferenceClient
+
+    async with InferenceClient(url, timeout_s=None) as client:
+        await client.wait_healthy(timeout_s=180, interval_s=0.2)
+        d = _Driver(client, cfg, prompts)
+        await d.wave([prompts[0]], d.fixed(4))  # warm-up: first-call allocations
+        response = await d.answer_length(eos)
+        steps = {b: await d.decode_step(b) for b in batches}
+        top = max(batches)
+        prefill = await d.prefill_rate(top, steps[top])
+        versions = range(1, REPEATS + 1)
+        busy = [await d.reload(model_dir, 2 * v, top) for v in versions]
+        idle = [await d.reload(model_dir, 2 * v + 1, 0) for v in versions]
+    return GenerationRates(
+        decode_step_s=steps,
+        prefill_tokens_per_s=prefill,
+        prompt_tokens=statistics.fmean(len(p) for p in prompts),
+        response_tokens=response,
+        reload_s=statistics.median(busy),
+        reload_idle_s=statistics.median(idle),
+        continuous_samples_per_s=0.0,
+        continuous_shared_samples_per_s=None,
+        reload_shared_s=None,
+        host_cpu_s_per_sample=0.0,
+        sync_cycle_s=0.0,
+    )

@@ -1,0 +1,118 @@
+"""`profile --local`, training: `trainer_service.step.optimize` under DeepSpeed (one
+rank, in a process of its own) on groups shaped like the run's batch, prompt and answer
+lengths as measured."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.gc_freeze import freeze_startup
+from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+
+TRAIN_STEPS = 10  # per timed round (REPEATS of them) after a warm-up step
+
+
+def measure_training(
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    dev: LocalDevices,
+    prompt_len: int,
+    response: float,
+    say: Say = quiet,
+    rounds: tuple[int, int] = (REPEATS, TRAIN_STEPS),
+) -> float:
+    """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch, in a
+    process of its own as the run's trainer is: nothing of the generation measurements
+    in its heap, and DeepSpeed's process groups (cached per process, stale once
+    destroyed) new each time a process profiles. `rounds`: (timed rounds, steps each),
+    the median round's rate is returned."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    say(f"training: {rounds[0]} rounds of {rounds[1]} steps after a warm-up, in a new process")
+    spawn = multiprocessing.get_context("spawn")
+    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds)
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(_measure_training, job).result()
+
+
+@dataclass(frozen=True)
+class _TrainingJob:
+    """What the timing process needs (pickled to it)."""
+
+    cfg: ExperimentConfig
+    model_dir: Path
+    dev: LocalDevices
+    prompt_len: int
+    response: float  # mean answer length, tokens
+    rounds: tuple[int, int]  # (timed rounds, steps each)
+
+
+def _measure_training(job: _TrainingJob) -> float:
+    import torch.distributed as dist
+
+    dev = job.dev
+
+    if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
+        Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
+        from trainer_service.engine import init_single_rank
+
+        init_single_rank(dev.device)
+        try:
+            return _train_rate(job)
+        finally:
+            dist.destroy_process_group()
+
+
+def _train_rate(job: _TrainingJob) -> float:
+    from areal_hex.models import load_model
+    from trainer_service.engine import build_engine
+    from trainer_service.step import StepContext, optimize
+    from trainer_service.synthetic import synthetic_groups
+
+    cfg, dev, prompt_len, response = job.cfg, job.dev, job.prompt_len, job.response
+    t = cfg.trainer
+    model = load_model(job.model_dir, dev.device, "float32" if dev.device == "cpu" else "bfloat16")
+    engine = build_engine(model.train(), t, world_size=1)
+    ctx = StepContext(
+        engine,
+        cfg.algo,
+        t.micro_batch_tokens,
+        cfg.rollout.max_new_tokens,
+        0,
+        rank=0,
+        world=1,
+        device=dev.device,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
+    vocab = model.config.vocab_size
+    # answers spread around the measured mean, capped by max_new_tokens, the mean kept:
+    # the padded length (the step's cost) and the tokens counted are then the run's
+    half = max(0.0, min(0.5 * response, cfg.rollout.max_new_tokens - response))
+    lo = max(1, round(response - half))
+    hi = max(lo, round(response + half))
+    b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
+    rates = []
+    freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
+    try:
+        optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
+        n_rounds, n_steps = job.rounds
+        for r in range(n_rounds):  # rounds of n_steps steps, tokens over seconds each
+            tokens, t0 = 0, time.perf_counter()
+            for step in range(n_steps):
+                seed = 1 + r * n_steps + step
+                groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=seed)
+                tokens += optimize(ctx, groups).num_tokens
+            rates.append(tokens / (time.perf_counter() - t0))
+    finally:
+        gc.unfreeze()
+    return statistics.median(rates)

@@ -1,0 +1,100 @@
+"""The hand-packed MULTI/EXEC a put runs in: the RESP it writes, its errors, and a
+connection left usable (or dropped) after them."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+import redis.asyncio
+
+from areal_hex.buffer import EmbeddedValkey, RedisEndpoint
+from areal_hex.buffer.transaction import pack, transaction
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[RedisEndpoint]:
+    with EmbeddedValkey(appendonly=False) as server:
+        yield RedisEndpoint(server.url, server=server)
+
+
+def test_pack_writes_resp_with_a_large_argument_as_its_own_chunk() -> None:
+    big = b"x" * 20_000
+    chunks = pack([(b"SET", "k", 7), (b"XADD", "s", b"*", b"d", big)])
+    assert b"".join(chunks) == (
+        b"*1\r\n$5\r\nMULTI\r\n"
+        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n7\r\n"
+        b"*5\r\n$4\r\nXADD\r\n$1\r\ns\r\n$1\r\n*\r\n$1\r\nd\r\n$20000\r\n" + big + b"\r\n"
+        b"*1\r\n$4\r\nEXEC\r\n"
+    )
+    assert big in chunks  # sent as given, not copied into a header
+
+
+async def test_replies_come_back_raw_and_in_order(endpoint: RedisEndpoint) -> None:
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    try:
+        assert await transaction(r, [(b"SET", key, "é"), (b"INCRBY", key + "n", 3)]) == [
+            b"OK",
+            3,
+        ]
+        assert await r.get(key) == "é".encode()
+    finally:
+        await r.aclose()
+
+
+async def test_a_command_refused_when_queued_aborts_the_whole_transaction(
+    endpoint: RedisEndpoint,
+) -> None:
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    try:
+        with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
+            await transaction(r, [(b"SET", key, 1), (b"INCRBY", key)])
+        assert await r.exists(key) == 0  # nothing ran
+        assert await transaction(r, [(b"SET", key, 2)]) == [b"OK"]  # connection still fine
+    finally:
+        await r.aclose()
+
+
+async def test_a_command_failing_when_run_raises_after_the_others_ran(
+    endpoint: RedisEndpoint,
+) -> None:
+    """MULTI/EXEC does not roll back: the caller orders its commands so that the one that
+    can fail at run time (a put's XADD) comes first and the script after it checks."""
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    try:
+        await r.set(key, "a string")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            await transaction(r, [(b"XADD", key, b"*", b"d", b"x"), (b"SET", key + "b", 1)])
+        assert await r.get(key + "b") == b"1"
+    finally:
+        await r.aclose()
+
+
+async def test_a_silent_server_is_a_client_timeout_and_the_connection_is_dropped() -> None:
+    """A timeout reads as the client's own (`is_connection_error`: the caller retries), not
+    as the gate's TimeoutError, and the half-read connection is not reused."""
+    from areal_hex.buffer.errors import is_connection_error
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answers the client's handshake (+OK per command), then takes a transaction and
+        never answers it."""
+        while b"MULTI" not in (data := await reader.read(1 << 16)) and data:
+            writer.write(b"+OK\r\n" * sum(x.startswith(b"*") for x in data.split(b"\r\n")))
+        await asyncio.sleep(5)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    r = redis.asyncio.Redis(host="127.0.0.1", port=port, socket_timeout=0.2)
+    try:
+        with pytest.raises(redis.TimeoutError, match="buffer's server") as err:
+            await transaction(r, [(b"SET", "k", 1)])
+        assert is_connection_error(err.value)
+        assert not any(c.is_connected for c in r.connection_pool._available_connections)
+    finally:
+        await r.aclose()
+        server.close()

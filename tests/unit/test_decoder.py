@@ -1,0 +1,158 @@
+"""The lean prefill/decode forward against HF's forward on the same running batch: the
+same logits bit for bit (CPU), through prefill, merge, decode steps past the buffers'
+growth, and a select that cuts columns; and the models it must leave to HF."""
+
+from __future__ import annotations
+
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from areal_hex.config import TinyModelConfig
+from areal_hex.models import build_tiny_model, build_tokenizer
+from rollout_service.server import batching, decoder
+from rollout_service.server.batching import SamplingTensors
+
+VOCAB = 103
+
+
+def params(n: int) -> SamplingTensors:
+    row = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0)
+    return SamplingTensors.build([row] * n, torch.device("cpu"))
+
+
+@cache
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+def qwen3(heads: int, kv_heads: int) -> Any:
+    cfg = TinyModelConfig(num_heads=heads, num_kv_heads=kv_heads)
+    return build_tiny_model(cfg, tokenizer(), seed=0).eval()
+
+
+def hf_model(kind: str, **extra: Any) -> Any:
+    """A 2-layer model of another supported family, built from a config (random weights)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config_cls, model_cls = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[kind]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **extra,
+    )
+    config._attn_implementation = "sdpa"
+    return model_cls(config).eval()
+
+
+def run(model: Any, dec: decoder.Decoder | None) -> tuple[torch.Tensor, list[int]]:
+    """Prefill (with prompt logits), merge a longer batch under it, decode (the buffers
+    double from 32 to 64 columns), drop the longest row (its columns are cut), decode
+    on. Returns every logit computed, and the capacity before each step."""
+    seqs = [[7, 8, 9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38], [7, 8]]
+    a, first = batching.prefill_keep(model, seqs[:2], params(2), 0, 3, dec)
+    b, second = batching.prefill(model, seqs[2:], params(2), 0, dec)
+    a.last, b.last = torch.tensor([40, 41]), torch.tensor([42, 43])
+    batch = batching.merge(a, b)
+    out, caps = [first.flatten(0, 1), second], []
+    for i in range(40):
+        caps.append(batch.capacity)
+        logits = batching.decode_step(model, batch, dec)
+        out.append(logits)
+        batch.last = logits.argmax(-1)
+        if i == 30:
+            batch = batching.select(batch, [1, 0, 3])
+    return torch.cat(out), caps
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qwen3(4, 2),
+        lambda: qwen3(4, 1).to(torch.bfloat16),
+        lambda: hf_model("qwen2"),
+        lambda: hf_model("llama", attention_bias=True, mlp_bias=True),
+    ],
+    ids=["qwen3", "qwen3-bf16-one-kv-head", "qwen2-bias", "llama-bias"],
+)
+def test_lean_forward_gives_hf_logits_bit_for_bit(make: Any) -> None:
+    model = make()
+    dec = decoder.for_model(model)
+    assert dec is not None
+    lean, caps = run(model, dec)
+    hf, _ = run(model, None)
+    assert torch.equal(lean, hf)
+    assert caps[:3] == [32, 32, 32] and 64 in caps[:31]  # grew once, then cut
+
+
+def test_prompt_logits_are_hf_prefill_logits() -> None:
+    """The lean prefill's last positions are those of a plain forward of each prompt."""
+    model = qwen3(4, 2)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    _, logits = batching.prefill_keep(model, prompts, params(2), 0, 2, decoder.for_model(model))
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0, -2:]
+        torch.testing.assert_close(logits[row], want, atol=1e-5, rtol=0)
+
+
+class Wrapped(torch.nn.Module):
+    """A model whose forward does more than HF's (the engine must call it)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.inner(**kwargs)
+
+
+def test_models_outside_the_scheme_run_hf() -> None:
+    model = qwen3(4, 2)
+    assert decoder.for_model(model) is not None
+    assert decoder.for_model(Wrapped(model)) is None
+    eager = hf_model("qwen2")
+    eager.config._attn_implementation = "eager"
+    assert decoder.for_model(eager) is None
+    dynamic = hf_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert decoder.for_model(dynamic) is None
+    quantized = qwen3(4, 2)  # a Linear subclass (as quantization libraries swap in)
+    quantized.model.layers[0].mlp.up_proj.__class__ = type("QLinear", (torch.nn.Linear,), {})
+    assert decoder.for_model(quantized) is None
+
+
+def test_the_engine_picks_the_lean_step_and_keeps_it_through_an_in_place_reload(
+    tmp_path: Any,
+) -> None:
+    """The step loop builds the decoder from its model (a wrapped model runs HF); a reload
+    into the running model keeps the decoder, which then computes with the new weights."""
+    from rollout_service.server.engine import Engine, EngineOptions
+    from rollout_service.server.requests import Control
+    from rollout_service.server.step_loop import Core
+
+    model, new = qwen3(4, 2), build_tiny_model(TinyModelConfig(), tokenizer(), seed=1).eval()
+    new.save_pretrained(tmp_path / "v1")
+    core = Core(Engine(model, None, lambda p: model, "tiny", "0", EngineOptions()))
+    lean = core.decoder
+    assert lean is not None
+    reload = Control("reload", {"path": str(tmp_path / "v1"), "version": "1", "abort_all": False})
+    assert core._reload(reload) and core.e.model is model and core.decoder is lean
+    assert torch.equal(run(model, lean)[0], run(new, None)[0])
+
+    wrapped = Wrapped(model)
+    wrapped.generation_config = model.generation_config
+    opts = EngineOptions()
+    assert Core(Engine(wrapped, None, lambda p: model, "tiny", "0", opts)).decoder is None
