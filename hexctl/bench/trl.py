@@ -229,7 +229,7 @@ def run_areal(config: str, overrides: list[str], out: Path, run_id: str) -> dict
         "run_dir": str(run_dir),
         "samples_per_s": s["samples_per_s_wall"],
         "steady_samples_per_s": s["samples_per_s"],
-        "rl_s": s["active_time_s"],
+        "rl_s": s.get("active_time_s"),  # the ledger's; absent in a report from files alone
         "wall_s": round(wall, 2),
         "steps": s["steps"],
         "samples_trained": s["groups_trained"] * s["group_size"],
