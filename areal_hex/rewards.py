@@ -28,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from areal_hex.data import last_boxed
+from areal_hex.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,14 @@ def score_each(fn: RewardFn, completions: Sequence[str], gold: str) -> list[floa
     return out
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
+    # a worker must not outlive the process that scores through it (a SIGKILLed
+    # controller would leave it idle forever)
+    hook = die_with_parent()
+    if hook is not None:
+        hook()
+    if os.getppid() != parent:  # the parent died before the hook took effect
+        os._exit(0)
     import math_verify  # noqa: F401  (import once per worker, not inside the timed call)
 
 
@@ -139,7 +147,9 @@ class RewardPool:
     async def _new_pool(self) -> None:
         # spawn, not fork: the controller has threads (HTTP, tokenizer) a fork would copy.
         ctx = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init)
+        pool = ProcessPoolExecutor(
+            self.workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)
+        )
         pings = [asyncio.wrap_future(pool.submit(_ping)) for _ in range(self.workers)]
         await asyncio.gather(*pings)
         self._pool = pool

@@ -176,3 +176,46 @@ async def test_answers_are_checked_once_per_final_answer_and_gold() -> None:
         assert pool.stats.failures == 2 and pool.stats.calls == 3
     finally:
         await pool.aclose()
+
+
+@pytest.mark.timeout(120)
+def test_workers_die_with_a_sigkilled_owner(tmp_path) -> None:
+    """A controller SIGKILLed mid-run leaves no reward worker behind (they are the owner's
+    children: without a death signal they would idle under init forever)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import asyncio, json, os, signal\n"
+        "from areal_hex.rewards import RewardPool\n"
+        "async def main():\n"
+        "    pool = RewardPool(workers=2, timeout_s=5.0)\n"
+        "    await pool.start()\n"
+        "    print(json.dumps([p.pid for p in pool._pool._processes.values()]), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    workers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(workers) == 2
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in workers if _alive(p)]
+        time.sleep(0.1)
+    assert alive == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
+    except FileNotFoundError:
+        return False
