@@ -347,7 +347,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(args.config, overrides)
     grpo_config_kwargs(cfg, 0, "")  # refuse an unmappable config before any work
     from areal_hex.models import load_tokenizer
-    from hexctl.job.prepare import materialize_v0
+    from hexctl.job.prepare import check_model_path, materialize_v0
+
+    check_model_path(cfg)  # as `areal-hex run` does: a missing model.path, said in one line
 
     with tempfile.TemporaryDirectory(prefix="areal-hex-bench-trl-") as tmp:
         out = Path(args.output_dir or tmp).resolve()

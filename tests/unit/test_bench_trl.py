@@ -164,3 +164,16 @@ def test_without_trl_the_bench_says_how_to_install_it(
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl -> ImportError
     assert main(["bench", "trl", "--json"]) == 2
     assert "pip install -e .[trl]" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAVE_TRL, reason="trl not installed (pip install -e .[trl])")
+def test_a_missing_model_path_is_named(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "hexctl.cli", "bench", "trl", "--json", "--steps", "1"]
+    argv += ["--output-dir", str(tmp_path / "out"), f"model.path={tmp_path / 'nowhere'}"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"model.path {tmp_path / 'nowhere'}: does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
