@@ -15,8 +15,8 @@ import torch
 
 from areal_hex.api import PauseMode
 from areal_hex.models import load_weights_in_place
-from rollout_service.server import batching, decoder, grammar
-from rollout_service.server.batching import KVBatch, LogitShaping, SamplingTensors
+from rollout_service.server import batching, decoder, grammar, sampling
+from rollout_service.server.batching import KVBatch
 from rollout_service.server.requests import (
     Control,
     EngineError,
@@ -25,6 +25,7 @@ from rollout_service.server.requests import (
     TopEntry,
     check_stop,
 )
+from rollout_service.server.sampling import LogitShaping, SamplingTensors
 from rollout_service.wire import FinishReason
 
 
@@ -323,7 +324,7 @@ class Core:
         for i, r in enumerate(reqs):
             if not r.want.scores_prompt:
                 continue
-            r.input_logprobs, r.input_top = batching.prompt_logprobs(
+            r.input_logprobs, r.input_top = sampling.prompt_logprobs(
                 logits[i], r.prompt, r.want.start, r.sampling.temperature, r.want.top
             )
 
@@ -338,13 +339,13 @@ class Core:
         top = max((r.want.top for r in reqs), default=0)
         own = [r.generator for r in reqs] if any(r.generator is not None for r in reqs) else []
         if top == 0:
-            tokens, logps = batching.sample(logits, params, self.gen, own)
+            tokens, logps = sampling.sample(logits, params, self.gen, own)
             tops = None
         else:
-            tokens, logp = batching.draw(logits, params, self.gen, own)
+            tokens, logp = sampling.draw(logits, params, self.gen, own)
             logps = logp.gather(1, tokens[:, None]).squeeze(1)
             tops = [
-                t[: r.want.top] for t, r in zip(batching.top_entries(logp, top), reqs, strict=True)
+                t[: r.want.top] for t, r in zip(sampling.top_entries(logp, top), reqs, strict=True)
             ]
         if params.shaping is not None:
             params.shaping.observe(tokens)

@@ -12,8 +12,8 @@ import torch
 
 from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import build_tiny_model, build_tokenizer
-from rollout_service.server import batching
-from rollout_service.server.batching import SamplingTensors
+from rollout_service.server import batching, sampling
+from rollout_service.server.sampling import SamplingTensors
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ def test_sampling_rules() -> None:
     logits = torch.randn(4, 50, generator=gen)
     best = logits.argmax(-1)
     for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}, {"temperature": 0.0}):
-        tokens, _ = batching.sample(logits, params(4, **kw), gen)
+        tokens, _ = sampling.sample(logits, params(4, **kw), gen)
         assert tokens.tolist() == best.tolist(), kw
     # top-k: 200 draws stay inside each row's 5 most likely tokens
     many = logits.repeat(50, 1)
-    tokens, lp = batching.sample(many, params(200, top_k=5, temperature=2.0), gen)
+    tokens, lp = sampling.sample(many, params(200, top_k=5, temperature=2.0), gen)
     top5 = many.topk(5, dim=-1).indices
     assert bool((top5 == tokens[:, None]).any(-1).all())
     # log-probs are those of log_softmax(logits / T), not of the restricted distribution
@@ -49,7 +49,7 @@ def test_sampling_rules() -> None:
     torch.testing.assert_close(lp, want)
     # greedy rows report log_softmax of the raw logits
     mixed = SamplingTensors.cat(params(2, temperature=0.0), params(2, temperature=0.5))
-    tokens, lp = batching.sample(logits, mixed, gen)
+    tokens, lp = sampling.sample(logits, mixed, gen)
     assert tokens[:2].tolist() == best[:2].tolist()
     torch.testing.assert_close(lp[:2], torch.log_softmax(logits[:2], -1).max(-1).values)
     want = torch.log_softmax(logits[2:] / 0.5, -1).gather(1, tokens[2:, None]).squeeze(1)
@@ -60,7 +60,7 @@ def test_sampling_rules() -> None:
 def test_draws_follow_the_tempered_distribution(temperature: float) -> None:
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(20000, 1)
     gen = torch.Generator().manual_seed(2)
-    tokens, _ = batching.sample(logits, params(20000, temperature=temperature), gen)
+    tokens, _ = sampling.sample(logits, params(20000, temperature=temperature), gen)
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     want = torch.softmax(logits[0] / temperature, -1)
     torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
@@ -70,7 +70,7 @@ def test_top_p_keeps_the_nucleus() -> None:
     # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two only
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     gen = torch.Generator().manual_seed(1)
-    tokens, _ = batching.sample(probs.log().repeat(400, 1), params(400, top_p=0.7), gen)
+    tokens, _ = sampling.sample(probs.log().repeat(400, 1), params(400, top_p=0.7), gen)
     assert set(tokens.tolist()) == {0, 1}
 
 

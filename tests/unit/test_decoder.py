@@ -14,7 +14,7 @@ import torch
 from areal_hex.config import TinyModelConfig
 from areal_hex.models import build_tiny_model, build_tokenizer
 from rollout_service.server import batching, decoder
-from rollout_service.server.batching import SamplingTensors
+from rollout_service.server.sampling import SamplingTensors
 
 VOCAB = 103
 

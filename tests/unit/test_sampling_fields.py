@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rollout_service.server.batching import LogitShaping, SamplingTensors, prompt_logprobs
 from rollout_service.server.requests import GenRequest, trimmed_text
+from rollout_service.server.sampling import LogitShaping, SamplingTensors, prompt_logprobs
 from rollout_service.wire import FinishReason, SamplingParamsIn
 
 CPU = torch.device("cpu")
