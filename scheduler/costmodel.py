@@ -343,12 +343,13 @@ def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zo
 def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:
     """(bytes each rollout machine receives per publish, fixed seconds) for the mode in use.
     disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure). network (the trainer
-    broadcasts buckets): the bytes as sent, one round trip per bucket and its fixed cost:
-    latency · (1 + buckets) + buckets · overhead."""
+    broadcasts buckets): the bytes as sent, the pause once and each bucket's fixed cost (its
+    call to the server and the load between two decode steps): latency + buckets · overhead.
+    The zone's latency is the pause of an update with requests in flight, once per update,
+    not per bucket: the server pauses once and takes every bucket in that pause."""
     c = w.constants
     if w.weight_sync == "network":
         nbytes = c.weight_sync_bytes_per_param * m.params
         buckets = math.ceil(nbytes / (c.weight_sync_bucket_mb * 2**20))
-        per_bucket = latency_s + c.weight_sync_bucket_overhead_ms / 1e3
-        return nbytes, latency_s + buckets * per_bucket
+        return nbytes, latency_s + buckets * c.weight_sync_bucket_overhead_ms / 1e3
     return c.weight_sync_factor * 2.0 * m.params, latency_s

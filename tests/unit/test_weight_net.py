@@ -163,9 +163,9 @@ def test_cost_model_charges_the_mode_over_the_link(tmp_path: Path) -> None:
     n = m.params
     # disk: latency + 5 x 2N / 1.25 GB/s (today's calibrated term)
     assert weight_sync_s(cl, m, disk, "a", "b") == pytest.approx(0.01 + 5 * 2 * n / 1.25e9)
-    # network: 2N bytes in ceil(2N / 256 MiB) buckets, a round trip + 5 ms each
+    # network: 2N bytes in ceil(2N / 256 MiB) buckets, one pause and 5 ms per bucket
     buckets = -(-2 * n // (256 * 2**20))
-    want = 0.01 + buckets * (0.01 + 0.005) + 2 * n / 1.25e9
+    want = 0.01 + buckets * 0.005 + 2 * n / 1.25e9
     assert weight_sync_s(cl, m, net, "a", "b") == pytest.approx(want)
     # the same mode inside one zone crosses its faster link
     assert weight_sync_s(cl, m, net, "a", "a") < weight_sync_s(cl, m, net, "a", "b") / 20
