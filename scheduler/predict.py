@@ -205,6 +205,8 @@ def _synchronous(
         idle = prof.reload_idle_s(o.kind) if prof is not None else None
         if idle is not None and w.weight_sync == "disk":
             sync = idle  # measured: nothing is generating when a sync run reloads
+        elif idle is not None:  # network: the same idle pause, the bytes over the links
+            sync += idle - cl.link(tr.zones[0], o.zone).latency_ms / 1e3
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
     # the controller works while the trainer waits for the batch: no host-CPU share

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +16,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 # Profiles `run.profile_first` keeps across runs: one cache per test session, never the
 # user's (a run of the suite starts from a machine that has profiled nothing).
 os.environ["AREAL_HEX_CACHE_DIR"] = tempfile.mkdtemp(prefix="areal-hex-test-cache-")
+atexit.register(shutil.rmtree, os.environ["AREAL_HEX_CACHE_DIR"], ignore_errors=True)
 
 
 def _has_cuda() -> bool:

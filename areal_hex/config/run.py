@@ -28,10 +28,12 @@ class RunConfig(Section):
     host_cores: Literal["auto", "trainer", "inference"] = "auto"
     # No plan and no `run --profile DIR`: first measure this machine for the job
     # (`profile --local` into <run_dir>/profile: minutes for the tiny example on 2 cores,
-    # more the larger inference.max_running_requests, whose batches it times; reused from
-    # ~/.cache/areal-hex by later runs of the job), so that the run is held against the
-    # cost model's prediction for its layout.
-    profile_first: bool = False
+    # more the larger inference.max_running_requests, whose batches it times; kept
+    # in ~/.cache/areal-hex for later runs of the job), so that the run is held against the
+    # cost model's prediction for its layout. "cached": only a profile this machine already
+    # has for the job (from an earlier `run.profile_first=true`); without one the run goes
+    # on at once, with no prediction, and says how to get one.
+    profile_first: bool | Literal["cached"] = False
     # A box that is up (`areal-hex box up BOX.yaml`; its name): `run --plan` starts each
     # service in its planned node (the node's namespace and CPU cgroup), bound to the
     # node's address, with Valkey and the controller on the box's spine (the launcher's

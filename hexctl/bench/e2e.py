@@ -27,7 +27,10 @@ def run_once(
     from hexctl.job.prepare import prepare_run
     from hexctl.launch.run import execute, failure_message
 
-    cfg = load_config(config, [*overrides, f"run.output_dir={out_dir}", "run.run_id=null"])
+    # Each run is held against its prediction and placed by it: the machine is profiled
+    # for the job (once; later runs reuse it), whatever the config says, unless overridden.
+    first = ["run.profile_first=true"]
+    cfg = load_config(config, [*first, *overrides, f"run.output_dir={out_dir}", "run.run_id=null"])
     cfg.run.run_id = f"bench-{mode}"
     fresh_run_dir(cfg.run.run_dir())
     plan = load_plan(plan_path) if plan_path is not None else None

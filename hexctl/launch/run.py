@@ -373,7 +373,8 @@ def profile_first(
 ) -> tuple[Path | None, dict[str, str] | None]:
     """`run.profile_first`: this machine measured for the job into <run_dir>/profile (kept
     by a resumed run; taken from the profile cache when this machine, job and code were
-    measured before). (the directory, None), or (None, why there is no prediction)."""
+    measured before; with "cached", only from there). (the directory, None), or (None,
+    why there is no prediction)."""
     from hexctl.job.predict import LocalProfileFiles
     from hexctl.profile import cache
     from hexctl.profile.local import profile_local
@@ -393,6 +394,14 @@ def profile_first(
         return out, None
     last = cache.last_seconds(parts)
     took = "several minutes on 2 cores" if last is None else f"the last one here took {last:.0f} s"
+    if cfg.run.profile_first == "cached":
+        say(
+            "no prediction for this run: this machine has no profile for this job yet "
+            f"(run.profile_first=cached); run.profile_first=true measures it first ({took}) "
+            "and keeps it for later runs"
+        )
+        return None, {"unavailable": "run.profile_first=cached: no profile of this machine "
+                      "for this job yet; run.profile_first=true measures one"}  # fmt: skip
     say(
         f"measuring this machine for the run's prediction (run.profile_first; {took}; "
         "kept for later runs of this job)"

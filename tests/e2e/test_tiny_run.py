@@ -79,6 +79,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         # a step is 16 samples: the profile the run takes first times batches 1, 8 and 16
         "inference.max_running_requests=16",
         f"inference.base_port={free_port()}",
+        "run.profile_first=true",  # the example reuses a profile only; this run takes one
     ]
     run_dir = tmp_path / "e2e"
     proc = subprocess.Popen(

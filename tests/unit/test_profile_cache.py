@@ -97,3 +97,30 @@ def test_an_unwritable_cache_leaves_the_run_its_profile(
     monkeypatch.setattr(local, "profile_local", _fake_profile(calls))
     out, failed = launch_run.profile_first(_cfg(), tmp_path / "run", io.StringIO())
     assert failed is None and out is not None and (out / "profile.yaml").is_file()
+
+
+def test_cached_uses_a_kept_profile_and_never_takes_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run.profile_first: cached` (the README's example): no profile kept, the run starts
+    at once without a prediction and says how to get one; once one is kept, it is used."""
+    import hexctl.profile.local as local
+
+    calls: list[Path] = []
+    monkeypatch.setattr(local, "profile_local", _fake_profile(calls))
+    log = io.StringIO()
+    out, failed = launch_run.profile_first(
+        _cfg(run={"profile_first": "cached"}), tmp_path / "r1", log
+    )
+    assert out is None and calls == []
+    assert failed is not None and "run.profile_first=true" in failed["unavailable"]
+    assert "no prediction" in log.getvalue() and "run.profile_first=true" in log.getvalue()
+
+    launch_run.profile_first(_cfg(run={"profile_first": True}), tmp_path / "r2", io.StringIO())
+    assert len(calls) == 1
+    log = io.StringIO()
+    out, failed = launch_run.profile_first(
+        _cfg(run={"profile_first": "cached"}), tmp_path / "r3", log
+    )
+    assert failed is None and out is not None and len(calls) == 1
+    assert (out / "profile.yaml").read_text() == "measured: 1\n" and "reusing" in log.getvalue()
