@@ -245,3 +245,23 @@ def test_sync_phase_times(tmp_path: Path) -> None:
         append_row(paths.metrics, TrainerRow(step=s, time=10 + 2.5 * s, wait_s=1.5))
     gen, train = phase_times(tmp_path, from_step=3)
     assert (gen, train) == (pytest.approx(1.5), pytest.approx(1.0))
+
+
+def test_a_synchronous_update_pauses_idle_servers_in_either_mode(tmp_path: Path) -> None:
+    """A synchronous run reloads servers with nothing in flight: disk sync pauses for the
+    profile's idle reload; network sync for that pause once plus its buckets' fixed cost
+    and bytes over the link, where the asynchronous run pays the in-flight pause (the
+    zone's latency) instead."""
+    from scheduler.costmodel import weight_sync_s
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    prof.kinds["CPU"].reload_idle_s = 0.004
+    trainer = TrainerLayout((("local", 1),), 1)
+    disk = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    assert disk.synchronous.weight_sync_s == pytest.approx(0.004)
+    net_w = w.model_copy(update={"weight_sync": "network"})
+    net = predict_layout(cl, m, net_w, prof, [("local", 1)], trainer)
+    in_flight = weight_sync_s(cl, m, net_w, "z", "z")  # the zone's 20 ms pause, once
+    assert in_flight > 0.020 + net_w.constants.weight_sync_bucket_overhead_ms / 1e3
+    assert net.synchronous.weight_sync_s == pytest.approx(in_flight - 0.020 + 0.004)
