@@ -16,7 +16,9 @@ Per plan: predicted and measured pipeline samples/s (the same window and definit
 `bench fidelity`, `hexctl/job/fidelity.py`) and the error; the ratios a/b, a/c, a/d
 measured beside predicted; the weight-sync pause measured against predicted for each
 plan, with the mode that moved the weights; and whether the measured ranking of a-d is
-the predicted one.
+the predicted one (`ranking_equal`), and whether every order the prediction states holds
+(`ranking_holds`: plans predicted at the same rate, such as a and a first-fit placement
+identical to it, are tied, and the order their runs measure is not counted).
 """
 
 from __future__ import annotations
@@ -157,6 +159,20 @@ def _ranking(rates: dict[str, float | None]) -> list[str]:
     return sorted(rates, key=lambda k: -(rates[k] or 0.0))
 
 
+def ranking_holds(pred: dict[str, float | None], meas: dict[str, float | None]) -> bool:
+    """Whether every order the prediction states holds when measured: for each pair of
+    plans predicted at different rates, the faster one measured faster. Plans predicted
+    at the same rate (c when first-fit places a's mix as METIS does: the same plan) state
+    no order between them, and the order their runs happen to measure is not counted."""
+    labels = [k for k in pred if pred[k] is not None and meas.get(k) is not None]
+    for x in labels:
+        for y in labels:
+            px, py = pred[x] or 0.0, pred[y] or 0.0
+            if px > py * (1 + 1e-6) and not (meas[x] or 0.0) > (meas[y] or 0.0):
+                return False
+    return len(labels) == len(pred)
+
+
 def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"plans": {}}
     pred, meas = {}, {}
@@ -193,6 +209,7 @@ def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[st
     out["a/c"]["predicted_by_plans"] = _ratio(placed["a"], placed["c"])
     out["ranking"] = {"predicted": _ranking(pred), "measured": _ranking(meas)}
     out["ranking_equal"] = out["ranking"]["predicted"] == out["ranking"]["measured"]
+    out["ranking_holds"] = ranking_holds(pred, meas)  # the same, plans predicted alike tied
     errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]
     out["max_abs_error"] = round(max(errors), 4) if errors else None
     return out

@@ -51,9 +51,21 @@ def test_ratios_errors_and_rankings() -> None:
     }
     # predicted a > c > b > d, measured c > a > b > d: not the same ranking
     assert out["ranking"] == {"predicted": ["a", "c", "b", "d"], "measured": ["c", "a", "b", "d"]}
-    assert out["ranking_equal"] is False
+    assert out["ranking_equal"] is False and out["ranking_holds"] is False
     assert out["a/c"]["predicted_by_plans"] == 4.0
     assert out["max_abs_error"] == 0.3
+
+
+def test_plans_predicted_alike_are_tied_in_the_ranking() -> None:
+    """c placed as a (one plan, one prediction) states no order between a and c: either
+    measured order holds; an order between plans predicted apart still has to hold."""
+    from hexctl.bench.hetero import ranking_holds
+
+    pred = {"a": 200.0, "b": 90.0, "c": 200.0, "d": 80.0}
+    assert ranking_holds(pred, {"a": 227.0, "b": 85.0, "c": 235.0, "d": 70.0})
+    assert ranking_holds(pred, {"a": 235.0, "b": 85.0, "c": 227.0, "d": 70.0})
+    assert not ranking_holds(pred, {"a": 227.0, "b": 85.0, "c": 235.0, "d": 96.0})
+    assert not ranking_holds(pred, {"a": 227.0, "b": 85.0, "c": 235.0, "d": None})
 
 
 def test_the_one_kind_inventory_keeps_only_that_kind() -> None:
