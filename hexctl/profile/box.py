@@ -35,6 +35,10 @@ from hexctl.profile.devices import LocalDevices
 
 BOX_ZONE = "box"
 BOX_DEVICE = "box"  # DeviceRates.device: a node's share, not the host's cores
+# A node's quota throttles it every 10 ms: its continuous load is measured in 5 rounds
+# of at least 4 s each, and its reloads 5 times (a machine's own cores: 3, 1 s).
+BOX_REPEATS = 5
+BOX_MIN_WINDOW_S = 4.0
 
 
 def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
@@ -52,6 +56,8 @@ def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
         node_prefix=node_argv(n, []),
         address=n.address,
         cgroup=n.cgroup,
+        repeats=BOX_REPEATS,
+        min_window_s=BOX_MIN_WINDOW_S,
     )
 
 

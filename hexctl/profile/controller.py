@@ -69,7 +69,12 @@ PROFILE_RUN = "profile"  # the buffer's run id inside the profile's own Valkey
 
 
 async def continuous_load(
-    url: str, cfg: ExperimentConfig, model_dir: Path, exclude: set[int], reloads: bool = False
+    url: str,
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    exclude: set[int],
+    reloads: bool = False,
+    min_window_s: float = 1.0,
 ) -> tuple[float, float, float | None]:
     """The run's controller with its gate wide open, so that the server stays as full as
     an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
@@ -77,19 +82,18 @@ async def continuous_load(
     process and its children but the server (`exclude`) and Valkey. With `reloads`, a
     weight update made by the controller itself (`rollout.update_pause`, as in a run) every
     `RELOAD_EVERY_S`: the median pause is the third figure (else None), and samples/s
-    are those between pauses. A load whose middle lasts under `MIN_WINDOW_S` (short
-    answers, a fast device) is run again, long enough."""
+    are those between pauses. A load whose middle lasts under `min_window_s` (short
+    answers, a fast device) is run again, long enough (`min_window_s`)."""
     groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
     for _ in range(2):
         got, window_s = await _load_once(url, cfg, model_dir, exclude, reloads, groups)
-        if window_s >= MIN_WINDOW_S:
+        if window_s >= min_window_s:
             break
-        groups = int(groups * min(20.0, 1.5 * MIN_WINDOW_S / max(window_s, 1e-3))) + 1
+        groups = int(groups * min(20.0, 1.5 * min_window_s / max(window_s, 1e-3))) + 1
     return got
 
 
 CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
-MIN_WINDOW_S = 1.0  # the measured middle of a load lasts at least this long
 RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
 TICK_S = 0.1  # how often the load's progress and CPU are read
 

@@ -86,19 +86,23 @@ def measure_generation(
         with _server(path, dev, Path(tmp) / "serve.log") as (url, pid):
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
-                gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir))
+                gen = asyncio.run(
+                    _generation(url, cfg, prompts, eos, batches, model_dir, dev.repeats)
+                )
                 say("decode, prefill and reload timed; a synchronous run's cycle")
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
             # load that a neighbour slows moves one median, not the choice between them
             alone, shared = [], []
-            for k in range(REPEATS):
-                say(f"the run's controller keeping the server busy, round {k + 1}/{REPEATS}")
+            window = dev.min_window_s
+            for k in range(dev.repeats):
+                say(f"the run's controller keeping the server busy, round {k + 1}/{dev.repeats}")
                 with pinned(dev.trainer_cores, 1):
-                    alone.append(asyncio.run(continuous_load(url, cfg, model_dir, {pid})))
+                    load = continuous_load(url, cfg, model_dir, {pid}, min_window_s=window)
+                    alone.append(asyncio.run(load))
                 if dev.inference_cores is not None:
                     with pinned(dev.inference_cores, 1):
-                        load = continuous_load(url, cfg, model_dir, {pid}, reloads=True)
+                        load = continuous_load(url, cfg, model_dir, {pid}, True, window)
                         shared.append(asyncio.run(load))
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
             gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
@@ -242,6 +246,7 @@ async def _generation(
     eos: int | None,
     batches: list[int],
     model_dir: Path,
+    repeats: int = REPEATS,
 ) -> GenerationRates:
     from rollout_service.client import InferenceClient
 
@@ -253,7 +258,7 @@ async def _generation(
         steps = {b: await d.decode_step(b) for b in batches}
         top = max(batches)
         prefill = await d.prefill_rate(top, steps[top])
-        versions = range(1, REPEATS + 1)
+        versions = range(1, repeats + 1)
         busy = [await d.reload(model_dir, 2 * v, top) for v in versions]
         idle = [await d.reload(model_dir, 2 * v + 1, 0) for v in versions]
     return GenerationRates(

@@ -41,3 +41,27 @@ def test_without_a_usable_pair_the_long_wave_per_token_stands_in() -> None:
     stalled = (long_n * 0.02, long_n * 0.02)
     d = _Timed([stalled] * 6)
     assert asyncio.run(d.decode_step(4)) == pytest.approx(0.02)
+
+
+def test_a_continuous_load_shorter_than_its_window_runs_again_longer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load whose measured middle is shorter than `min_window_s` (a box node's is 4 s:
+    its quota throttles every 10 ms) is run again with proportionally more groups; one
+    long enough stands."""
+    import hexctl.profile.controller as ctl
+
+    calls: list[int] = []
+
+    async def load_once(url, cfg, model_dir, exclude, reloads, groups):  # noqa: ANN001, ANN202
+        calls.append(groups)
+        return (100.0 * groups, 0.0, None), groups / 40  # 40 groups per measured second
+
+    monkeypatch.setattr(ctl, "_load_once", load_once)
+    cfg = ExperimentConfig()
+    first = ctl.CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
+    asyncio.run(ctl.continuous_load("http://x", cfg, None, set(), min_window_s=first / 40))  # type: ignore[arg-type]
+    assert calls == [first]
+    calls.clear()
+    got = asyncio.run(ctl.continuous_load("http://x", cfg, None, set(), min_window_s=4.0))  # type: ignore[arg-type]
+    assert calls[0] == first and calls[1] / 40 >= 4.0 and got[0] == 100.0 * calls[1]
