@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import ExperimentConfig
-from hexctl.launch import run as launch_run
+from hexctl.launch import first_profile as launch_run
 from hexctl.profile import cache
 
 
