@@ -102,7 +102,9 @@ def measure_generation(
                     alone.append(asyncio.run(load))
                 if dev.inference_cores is not None:
                     with pinned(dev.inference_cores, 1):
-                        load = continuous_load(url, cfg, model_dir, {pid}, True, window)
+                        load = continuous_load(
+                            url, cfg, model_dir, {pid}, reloads=True, min_window_s=window
+                        )
                         shared.append(asyncio.run(load))
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
             gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
