@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +33,11 @@ from typing import Any
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
+
+
+def _say(text: str) -> None:
+    """Progress on stderr; the JSON result alone goes to stdout."""
+    print(f"bench hetero: {text}", file=sys.stderr, flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -238,21 +244,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.profile_dir:
                 files = LocalProfileFiles(Path(args.profile_dir).resolve())
             else:
-                files = profile_box(cfg, spec, state, out / "profile", None)
+                files = profile_box(cfg, spec, state, out / "profile", None, say=_say)
             plans = make_plans(files, args.budget)
             for label, plan in plans.items():
                 save_plan(plan, out / f"plan-{label}.yaml")
-            runs = {
-                label: run_plan(
-                    args.config,
-                    overrides,
-                    out,
-                    label,
-                    plans["a" if label == "d" else label],
-                    "sync" if label == "d" else "async",
-                )  # fmt: skip
-                for label in LABELS
-            }
+            runs = {}
+            for label in LABELS:
+                mode = "sync" if label == "d" else "async"
+                _say(f"running plan {label} ({mode}, {args.steps} steps)")
+                plan = plans["a" if label == "d" else label]
+                runs[label] = run_plan(args.config, overrides, out, label, plan, mode)
             result = summarise(runs, plans)
     finally:
         box.down(spec.name)

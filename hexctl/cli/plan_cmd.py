@@ -288,6 +288,11 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(text: str) -> None:
+    """A profile's stage as it begins, on stderr (stdout carries the result)."""
+    print(f"areal-hex profile: {text}", file=sys.stderr, flush=True)
+
+
 def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
     from areal_hex.config import load_config
     from hexctl.bench.e2e import DEFAULT_CONFIG
@@ -295,7 +300,7 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
 
     cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))
     given = args.batches != "1,4,16"  # the default is for the tiny HF profile
-    files = profile_local(cfg, Path(args.out_dir), batches if given else None)
+    files = profile_local(cfg, Path(args.out_dir), batches if given else None, say=_progress)
     measured = json.loads(files.measured.read_text())
     if args.json:
         print(json.dumps(measured, indent=2))
@@ -336,7 +341,9 @@ def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
     state = box.load_state(spec.name)
     cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))
     given = args.batches != "1,4,16"
-    files = profile_box(cfg, spec, state, Path(args.out_dir), batches if given else None)
+    files = profile_box(
+        cfg, spec, state, Path(args.out_dir), batches if given else None, say=_progress
+    )
     prof = load_yaml_text(files.profile.read_text(), str(files.profile))
     for kind, r in prof["kinds"].items():
         steps = ", ".join(f"b={b}: {s * 1e3:.2f} ms" for b, s in r["decode_step_s"].items())

@@ -31,7 +31,7 @@ from areal_hex.config.base import load_yaml_text
 from hexctl.job.box import BoxState, node_argv
 from hexctl.job.box_spec import Box
 from hexctl.job.predict import LocalProfileFiles
-from hexctl.profile.devices import LocalDevices
+from hexctl.profile.devices import LocalDevices, Say
 
 BOX_ZONE = "box"
 BOX_DEVICE = "box"  # DeviceRates.device: a node's share, not the host's cores
@@ -62,8 +62,15 @@ def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
 
 
 def profile_box(
-    cfg: ExperimentConfig, box: Box, state: BoxState, out: Path, batches: list[int] | None
+    cfg: ExperimentConfig,
+    box: Box,
+    state: BoxState,
+    out: Path,
+    batches: list[int] | None,
+    say: Say | None = None,
 ) -> LocalProfileFiles:
+    """Each kind of `box` profiled inside one of its nodes, merged into one inventory and
+    profile in `out`; `say` hears each stage, prefixed with the kind."""
     from hexctl.profile.local import _model_dir, profile_local
 
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +84,8 @@ def profile_box(
         kcfg = cfg.model_copy(deep=True)
         kcfg.inference.max_running_requests = spec.max_running_requests
         dev = node_devices(state, node, memory_gb=64.0)  # the batch: the engine limit
-        per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev)
+        told = None if say is None else (lambda text, k=kind: say(f"{k}: {text}"))
+        per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev, told)
     first = next(iter(per_kind.values()))
     files.model.mkdir(parents=True, exist_ok=True)
     shutil.copy(first.model / "config.json", files.model / "config.json")

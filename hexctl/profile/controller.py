@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import statistics
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -96,6 +97,11 @@ async def continuous_load(
 CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
 RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
 TICK_S = 0.1  # how often the load's progress and CPU are read
+STALL_S = 120.0  # a load without a new sample this long fails the profile
+
+
+class ProfileStalled(RuntimeError):
+    """A load made no progress: the server or the controller is stuck."""
 
 
 async def _load_once(
@@ -114,8 +120,18 @@ async def _load_once(
         skip = exclude | ({valkey} if valkey is not None else set())
 
         async def watch() -> None:
+            # a load that makes no sample for STALL_S is stuck: an error, not a wait
+            moved, seen = time.perf_counter(), -1
             while True:
-                marks.append((time.perf_counter(), ctl.stats["samples_total"], _tree_cpu_s(skip)))
+                now, n = time.perf_counter(), ctl.stats["samples_total"]
+                marks.append((now, n, _tree_cpu_s(skip)))
+                if n != seen:
+                    moved, seen = now, n
+                elif now - moved > STALL_S:
+                    raise ProfileStalled(
+                        f"the run's controller made no sample in {STALL_S:.0f} s against "
+                        f"the server at {url} ({n} of {total} samples made)"
+                    )
                 await asyncio.sleep(TICK_S)
 
         pauses: list[float] = []
@@ -132,13 +148,21 @@ async def _load_once(
 
         watcher = asyncio.create_task(watch())
         reloader = asyncio.create_task(reload_loop()) if reloads else None
+        running = asyncio.create_task(ctl.run())
         try:
-            await ctl.run()
+            await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not running.done():
+                running.cancel()
+                watcher.result()  # raises ProfileStalled
+            running.result()
         finally:
-            watcher.cancel()
-            if reloader is not None:
-                reloader.cancel()
-                await asyncio.gather(reloader, return_exceptions=True)
+            for task in (watcher, reloader, running):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(
+                *(t for t in (watcher, reloader, running) if t is not None),
+                return_exceptions=True,
+            )
     inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
     if len(inside) < 2 or inside[-1][1] == inside[0][1]:
         # too short to sample its middle: from the last mark before the first sample to
@@ -172,17 +196,32 @@ async def sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
         consumer = RedisTrajectoryConsumer(sync_client, PROFILE_RUN, cfg.buffer)
         publisher = RedisWeightPublisher(sync_client, PROFILE_RUN, cfg.buffer)
 
+        stopped = threading.Event()  # the controller ended: no batch will come
+
+        def next_batch() -> Any:
+            t0 = time.perf_counter()
+            while True:
+                try:
+                    return consumer.get_batch(b, timeout_s=1.0)
+                except TimeoutError:
+                    if stopped.is_set() or time.perf_counter() - t0 > STALL_S:
+                        raise ProfileStalled(
+                            f"a synchronous step's batch did not come from the server at "
+                            f"{url} in {time.perf_counter() - t0:.0f} s"
+                        ) from None
+
         def trainer() -> list[float]:
             waits = []
             for version in range(1, SYNC_CYCLES + 2):
                 t0 = time.perf_counter()
-                batch = consumer.get_batch(b, timeout_s=300)
+                batch = next_batch()
                 waits.append(time.perf_counter() - t0)
                 consumer.ack(batch.entry_ids)
                 publisher.set_version(version, str(model_dir))
             return waits[1:]
 
         producing = asyncio.create_task(ctl.run())
+        producing.add_done_callback(lambda _: stopped.set())
         try:
             waits = await asyncio.to_thread(trainer)
         finally:

@@ -28,6 +28,8 @@ from hexctl.job.processes import stop_process
 from hexctl.profile.controller import continuous_load, sync_cycle
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
 
+WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
+
 
 @dataclass
 class GenerationRates:
@@ -252,7 +254,8 @@ async def _generation(
 ) -> GenerationRates:
     from rollout_service.client import InferenceClient
 
-    async with InferenceClient(url, timeout_s=None) as client:
+    # a request unanswered for WAVE_TIMEOUT_S is a stuck server: an error, not a wait
+    async with InferenceClient(url, timeout_s=WAVE_TIMEOUT_S) as client:
         await client.wait_healthy(timeout_s=180, interval_s=0.2)
         d = _Driver(client, cfg, prompts)
         await d.wave([prompts[0]], d.fixed(4))  # warm-up: first-call allocations

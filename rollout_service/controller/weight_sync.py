@@ -126,9 +126,7 @@ async def reports_token_versions(client: GenerationClient) -> bool:
         return False
 
 
-async def resolve_pause_mode(
-    mode: UpdatePause, clients: Sequence[GenerationClient]
-) -> PauseMode:
+async def resolve_pause_mode(mode: UpdatePause, clients: Sequence[GenerationClient]) -> PauseMode:
     """The mode to use for `rollout.update_pause=mode` with these servers:
     abort stays abort; retract and in_place need every server to report per-token
     versions (else their tokens are tagged per response, with a warning); auto =
@@ -152,6 +150,9 @@ async def resolve_pause_mode(
 
 
 # ---------------------------------------------------------------- the protocol
+FINISH_ON_CANCEL_S = 30.0  # an update under way when its task is cancelled: time to end
+
+
 class WeightSync:
     """Keeps the servers of one controller on the newest published weights."""
 
@@ -241,35 +242,50 @@ class WeightSync:
             self.producer.set_serving_version(version)
             return
         async with self._lock:
-            t0 = time.monotonic()
-            self.gate.close()
+            # Cancelled between the pause and the resume, the servers would stay paused
+            # and every later request would wait on them: the update is given up to
+            # FINISH_ON_CANCEL_S to end (a server that hangs does not hold a stop for
+            # long), then the cancellation goes on.
+            work = asyncio.ensure_future(self._pause_load_resume(version, path))
             try:
-                servers = [s for s in self.dispatcher.servers if s.healthy]
-                # retract / in_place: the servers keep the requests in flight (their KV
-                # cache recomputed / kept); abort (SGLang's default call): they end and
-                # the sampler resends them.
-                keep = self.pause_mode in ("retract", "in_place")
-                mode = self.pause_mode
-                servers = await self._phase(servers, "pause", lambda s: s.client.pause(mode))
-                if self.network is not None:
-                    servers = await self._receive(servers, version, abort_all=not keep)
-                else:
-                    servers = await self._phase(
-                        servers,
-                        "update",
-                        lambda s: s.client.update_weights_from_disk(
-                            path, version, abort_all_requests=not keep
-                        ),
-                    )
-                await self._phase(servers, "continue", lambda s: s.client.resume())
-                self.applied = (version, path)
-            finally:
-                self.gate.reopen(version)
-                self.producer.set_serving_version(version)
-            dt = time.monotonic() - t0
-            self.updates_total += 1
-            self.update_s_total += dt
-            log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                _, late = await asyncio.wait({work}, timeout=FINISH_ON_CANCEL_S)
+                for t in late:
+                    t.cancel()
+                raise
+
+    async def _pause_load_resume(self, version: int, path: str) -> None:
+        """`update`'s steps (3)-(5), under its lock."""
+        t0 = time.monotonic()
+        self.gate.close()
+        try:
+            servers = [s for s in self.dispatcher.servers if s.healthy]
+            # retract / in_place: the servers keep the requests in flight (their KV
+            # cache recomputed / kept); abort (SGLang's default call): they end and
+            # the sampler resends them.
+            keep = self.pause_mode in ("retract", "in_place")
+            mode = self.pause_mode
+            servers = await self._phase(servers, "pause", lambda s: s.client.pause(mode))
+            if self.network is not None:
+                servers = await self._receive(servers, version, abort_all=not keep)
+            else:
+                servers = await self._phase(
+                    servers,
+                    "update",
+                    lambda s: s.client.update_weights_from_disk(
+                        path, version, abort_all_requests=not keep
+                    ),
+                )
+            await self._phase(servers, "continue", lambda s: s.client.resume())
+            self.applied = (version, path)
+        finally:
+            self.gate.reopen(version)
+            self.producer.set_serving_version(version)
+        dt = time.monotonic() - t0
+        self.updates_total += 1
+        self.update_s_total += dt
+        log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
 
     async def _receive(
         self, servers: list[ServerState], version: int, abort_all: bool

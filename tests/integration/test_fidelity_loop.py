@@ -46,6 +46,8 @@ def test_profile_local_plan_run(tmp_path: Path) -> None:
     r = cli("profile", "--local", "--out-dir", str(lp), "--batches", "1,16", *SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "next: areal-hex plan" in r.stdout
+    # each stage said on stderr as it begins, with the seconds so far
+    assert "areal-hex profile: profile" in r.stderr and "training" in r.stderr
     spec = yaml.safe_load((lp / "cluster.yaml").read_text())
     assert spec["node_groups"][0]["gpu"] == "CPU" and spec["node_groups"][0]["gpus_per_node"] == 2
     rates = yaml.safe_load((lp / "profile.yaml").read_text())["kinds"]["CPU"]

@@ -409,3 +409,30 @@ async def test_stopping_waits_for_a_weight_update_under_way() -> None:
     # what the controller's stop waits for: loaded, counted, the server running again
     assert ws.updates_total == 1 and server.version == 1 and server.running.is_set()
     await task
+
+
+@pytest.mark.timeout(60)
+async def test_a_weight_update_cancelled_halfway_still_resumes_the_servers() -> None:
+    """The task that runs an update is cancelled while the servers are paused (a caller
+    stopping its reload loop): they are resumed, not left paused for every later request."""
+
+    class SlowReload(FakeServer):
+        async def update_weights_from_disk(
+            self, model_path: str, weight_version: int, abort_all_requests: bool = True
+        ) -> None:
+            await asyncio.sleep(0.3)
+            await super().update_weights_from_disk(model_path, weight_version)
+
+    server = SlowReload("a")
+    d = Dispatcher([server])
+    await d.probe_all()
+    gate = UpdateGate()
+    ws = WeightSync(d, MemoryProducer(), gate)
+    task = asyncio.create_task(ws.update(1, "/w/v1"))
+    await asyncio.sleep(0.05)
+    assert not server.running.is_set()  # paused, reloading
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert server.running.is_set() and server.version == 1 and gate.version == 1
+    assert await ws.settle(0.01)
