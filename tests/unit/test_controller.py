@@ -387,15 +387,18 @@ async def test_metrics_endpoint_carries_the_rows(rewards, tmp_path: Path) -> Non
     assert got["areal_hex_rollout_generation_busy_seconds_total"] == final["gen_busy_s"]
 
 
+class SlowReload(FakeServer):
+    """A server whose weight load takes 0.3 s."""
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int, abort_all_requests: bool = True
+    ) -> None:
+        await asyncio.sleep(0.3)
+        await super().update_weights_from_disk(model_path, weight_version)
+
+
 @pytest.mark.timeout(60)
 async def test_stopping_waits_for_a_weight_update_under_way() -> None:
-    class SlowReload(FakeServer):
-        async def update_weights_from_disk(
-            self, model_path: str, weight_version: int, abort_all_requests: bool = True
-        ) -> None:
-            await asyncio.sleep(0.3)
-            await super().update_weights_from_disk(model_path, weight_version)
-
     server = SlowReload("a")
     d = Dispatcher([server])
     await d.probe_all()
@@ -415,13 +418,6 @@ async def test_stopping_waits_for_a_weight_update_under_way() -> None:
 async def test_a_weight_update_cancelled_halfway_still_resumes_the_servers() -> None:
     """The task that runs an update is cancelled while the servers are paused (a caller
     stopping its reload loop): they are resumed, not left paused for every later request."""
-
-    class SlowReload(FakeServer):
-        async def update_weights_from_disk(
-            self, model_path: str, weight_version: int, abort_all_requests: bool = True
-        ) -> None:
-            await asyncio.sleep(0.3)
-            await super().update_weights_from_disk(model_path, weight_version)
 
     server = SlowReload("a")
     d = Dispatcher([server])
