@@ -6,7 +6,9 @@ generation 1,381 samples/s."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,3 +67,48 @@ def test_a_continuous_load_shorter_than_its_window_runs_again_longer(
     calls.clear()
     got = asyncio.run(ctl.continuous_load("http://x", cfg, None, set(), min_window_s=4.0))  # type: ignore[arg-type]
     assert calls[0] == first and calls[1] / 40 >= 4.0 and got[0] == 100.0 * calls[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_load_against_a_server_that_never_answers_fails_instead_of_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that answers its health checks but never a generation (stuck, or left
+    paused): the profile's continuous load raises ProfileStalled after STALL_S without a
+    sample, naming the server, instead of waiting for ever."""
+    from aiohttp import web
+
+    from areal_hex import models
+    from areal_hex.config import load_config
+    from hexctl.profile import controller as ctl
+
+    model_dir = tmp_path / "v0"
+    models.build_tokenizer().save_pretrained(model_dir)
+    cfg = load_config(None, ["rollout.group_size=2", "rollout.max_concurrent_groups=2"])
+    monkeypatch.setattr(ctl, "STALL_S", 1.5)
+
+    async def stuck(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        return web.json_response({})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def main() -> float:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/generate", stuck)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ctl.ProfileStalled, match=f"127.0.0.1:{port}"):
+                await ctl.continuous_load(f"http://127.0.0.1:{port}", cfg, model_dir, set())
+        finally:
+            await runner.cleanup()
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 60
