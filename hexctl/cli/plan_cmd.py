@@ -261,10 +261,16 @@ def _profile(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches {args.batches!r}: expected integers like 1,4,16") from None
     if not batches or min(batches) < 1:
         raise UsageError(f"--batches {args.batches!r}: expected positive integers")
-    if args.box:
-        return _profile_box(args, batches)
-    if args.local:
-        return _profile_local(args, batches)
+    from hexctl.profile.controller import ProfileFailed
+
+    try:
+        if args.box:
+            return _profile_box(args, batches)
+        if args.local:
+            return _profile_local(args, batches)
+    except ProfileFailed as exc:
+        print(f"areal-hex profile: error: {exc}", file=sys.stderr)
+        return 1
     if args.overrides or args.config:
         raise UsageError("--config and KEY=VALUE overrides apply to --local only")
     prof = measure_profile(

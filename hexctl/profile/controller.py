@@ -100,8 +100,8 @@ TICK_S = 0.1  # how often the load's progress and CPU are read
 STALL_S = 120.0  # a load without a new sample this long fails the profile
 
 
-class ProfileStalled(RuntimeError):
-    """A load made no progress: the server or the controller is stuck."""
+class ProfileFailed(RuntimeError):
+    """The profile cannot go on: a load made no progress, or its server is stuck or gone."""
 
 
 async def _load_once(
@@ -128,7 +128,7 @@ async def _load_once(
                 if n != seen:
                     moved, seen = now, n
                 elif now - moved > STALL_S:
-                    raise ProfileStalled(
+                    raise ProfileFailed(
                         f"the run's controller made no sample in {STALL_S:.0f} s against "
                         f"the server at {url} ({n} of {total} samples made)"
                     )
@@ -153,7 +153,7 @@ async def _load_once(
             await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not running.done():
                 running.cancel()
-                watcher.result()  # raises ProfileStalled
+                watcher.result()  # raises ProfileFailed
             running.result()
         finally:
             for task in (watcher, reloader, running):
@@ -205,7 +205,7 @@ async def sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
                     return consumer.get_batch(b, timeout_s=1.0)
                 except TimeoutError:
                     if stopped.is_set() or time.perf_counter() - t0 > STALL_S:
-                        raise ProfileStalled(
+                        raise ProfileFailed(
                             f"a synchronous step's batch did not come from the server at "
                             f"{url} in {time.perf_counter() - t0:.0f} s"
                         ) from None

@@ -25,10 +25,12 @@ import yaml
 
 from areal_hex.config import ExperimentConfig
 from hexctl.job.processes import stop_process
-from hexctl.profile.controller import continuous_load, sync_cycle
+from hexctl.profile.controller import ProfileFailed, continuous_load, sync_cycle
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+from rollout_service.client import GenerationError
 
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
+SERVER_LOG_LINES = 15  # of the server's log, in the error when a profile cannot go on
 
 
 @dataclass
@@ -138,6 +140,11 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
         )
         try:
             yield f"http://{dev.address}:{port}", proc.pid
+        except (ProfileFailed, GenerationError) as exc:
+            # the profile cannot go on without its server: what the server said last
+            tail = log_path.read_text(errors="replace").splitlines()[-SERVER_LOG_LINES:]
+            lines = "\n".join(f"  {line}" for line in tail)
+            raise ProfileFailed(f"{exc}\nthe server's last log lines:\n{lines}") from exc
         finally:
             stop_process(proc)
 

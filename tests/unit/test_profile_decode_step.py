@@ -74,7 +74,7 @@ def test_a_load_against_a_server_that_never_answers_fails_instead_of_waiting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server that answers its health checks but never a generation (stuck, or left
-    paused): the profile's continuous load raises ProfileStalled after STALL_S without a
+    paused): the profile's continuous load raises ProfileFailed after STALL_S without a
     sample, naming the server, instead of waiting for ever."""
     from aiohttp import web
 
@@ -105,10 +105,31 @@ def test_a_load_against_a_server_that_never_answers_fails_instead_of_waiting(
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         t0 = time.monotonic()
         try:
-            with pytest.raises(ctl.ProfileStalled, match=f"127.0.0.1:{port}"):
+            with pytest.raises(ctl.ProfileFailed, match=f"127.0.0.1:{port}"):
                 await ctl.continuous_load(f"http://127.0.0.1:{port}", cfg, model_dir, set())
         finally:
             await runner.cleanup()
         return time.monotonic() - t0
 
     assert asyncio.run(main()) < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_profile_says_what_its_server_logged_last(tmp_path: Path) -> None:
+    from hexctl.profile import generation
+    from hexctl.profile.controller import ProfileFailed
+    from hexctl.profile.devices import LocalDevices
+
+    dev = LocalDevices("CPU", "cpu", 1, None, None, 1, 1, 1.0)
+    missing = tmp_path / "no-such-config.yaml"
+    with pytest.raises(ProfileFailed) as got:
+        with generation._server(missing, dev, tmp_path / "serve.log") as (_, pid):
+            deadline = time.monotonic() + 60
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                    break  # exited, not yet reaped
+                time.sleep(0.1)
+            raise ProfileFailed("no sample in 120 s")
+    text = str(got.value)
+    assert text.startswith("no sample in 120 s") and "the server's last log lines" in text
+    assert "no-such-config.yaml" in text  # the server's own complaint
