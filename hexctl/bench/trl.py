@@ -5,9 +5,13 @@ One invocation writes v0 once (the tiny Qwen3 of the config, its character token
 its supervised warm start, `hexctl.job.prepare.materialize_v0`, as `areal-hex run`
 does), then for each seed (`--seeds N`: 0..N-1) and repeat (`--repeats N`), back to back:
 
-1. `areal-hex run CONFIG model.path=V0 run.profile_first=false --no-progress` in a
-   subprocess (seed s: `run.seed=s inference.seed=s`; the data and its order stay those
-   of `data.seed`);
+1. `areal-hex run CONFIG model.path=V0 --profile PROFILE --no-progress` in a subprocess
+   (seed s: `run.seed=s inference.seed=s`; the data and its order stay those of
+   `data.seed`). PROFILE is `areal-hex profile --local` of the job, taken once before
+   the first run and outside every window (`profile_seconds`), as the README's run
+   reuses the profile it keeps: with it `run.host_cores: auto` can put Valkey and the
+   controller where the profile measured them faster. `--no-profile`: runs with
+   `run.profile_first=false` instead;
 2. TRL's GRPOTrainer in a fresh process (`hexctl.bench.trl_worker`) on a copy of V0, with
    the controller's prompts in the controller's order (`areal_hex.data.build_prompts` of
    the train split, then `iterate_prompts(data.seed)`: the rendered chat-template text,
@@ -100,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per seed, back to back")
     p.add_argument("--trl-threads", type=int, default=None, help="torch threads of TRL's run")
     p.add_argument("--output-dir", default=None, help="keep v0, the runs and TRL's models here")
+    p.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="areal-hex runs without a profile of this machine (run.profile_first=false; "
+        "by default the machine is profiled once for the job, outside every window, and "
+        "each run is given it with --profile, as a run reuses its kept profile)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
@@ -216,10 +227,24 @@ def _child(argv: list[str], what: str, log: Path) -> None:
         raise RuntimeError(f"{what} failed (exit {rc}); last lines of {log}:\n{tail}")
 
 
-def run_areal(config: str, overrides: list[str], out: Path, run_id: str) -> dict[str, Any]:
-    """`areal-hex run` as a user runs it; returns its summary.json and timings."""
+def profile_machine(config: str, overrides: list[str], out: Path) -> tuple[Path, float]:
+    """`areal-hex profile --local` for the job (once, before the runs, outside every
+    window): its directory and seconds."""
+    argv = ["hexctl.cli", "profile", "--local", "--config", config, "--out-dir",
+            str(out / "profile"), *overrides]  # fmt: skip
+    t0 = time.perf_counter()
+    _child(argv, "areal-hex profile --local", out / "profile.log")
+    return out / "profile", time.perf_counter() - t0
+
+
+def run_areal(
+    config: str, overrides: list[str], out: Path, run_id: str, profile: Path | None = None
+) -> dict[str, Any]:
+    """`areal-hex run` as a user runs it (`--profile`: on a machine profiled for the job,
+    as the README's run is once its profile is kept); its summary.json and timings."""
+    first = ["--profile", str(profile)] if profile is not None else ["run.profile_first=false"]
     argv = ["hexctl.cli", "run", config, *overrides, f"run.output_dir={out}",
-            f"run.run_id={run_id}", "run.profile_first=false", "--no-progress"]  # fmt: skip
+            f"run.run_id={run_id}", *first, "--no-progress"]  # fmt: skip
     t0 = time.perf_counter()
     _child(argv, "areal-hex run", out / f"{run_id}.log")
     wall = time.perf_counter() - t0
@@ -265,7 +290,7 @@ def _load() -> list[float]:
 
 def one_run(
     cfg: ExperimentConfig, args: argparse.Namespace, overrides: list[str], v0: Path,
-    rows: Path, out: Path, seed: int, index: int,
+    rows: Path, out: Path, seed: int, index: int, profile: Path | None,
 ) -> dict[str, Any]:  # fmt: skip
     """areal-hex and TRL on the same work (alternating which goes first), then eval."""
     name = f"s{seed}-r{index}"
@@ -282,11 +307,11 @@ def one_run(
     seeded = [*overrides, f"model.path={v0}", f"run.seed={seed}", f"inference.seed={seed}"]
     load_before = _load()
     if index % 2 == 0:
-        ours = run_areal(args.config, seeded, out, f"areal-{name}")
+        ours = run_areal(args.config, seeded, out, f"areal-{name}", profile=profile)
         theirs = run_trl(spec, out, f"trl-{name}")
     else:
         theirs = run_trl(spec, out, f"trl-{name}")
-        ours = run_areal(args.config, seeded, out, f"areal-{name}")
+        ours = run_areal(args.config, seeded, out, f"areal-{name}", profile=profile)
     load_after = _load()
     config_yaml = Path(ours["run_dir"]) / "config.yaml"
     ours["pass@1"] = evaluate(config_yaml, "latest", out / f"eval-areal-{name}.log")
@@ -366,8 +391,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = cfg.trainer.total_steps * cfg.buffer.groups_per_step
         rows = out / "prompts.jsonl"
         rows.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(cfg, tokenizer, n)))
+        profile, profile_s = None, None
+        if not args.no_profile:
+            profile, profile_s = profile_machine(args.config, [*overrides, f"model.path={v0}"], out)
         runs = [
-            one_run(cfg, args, overrides, v0, rows, out, seed, i * args.seeds + seed)
+            one_run(cfg, args, overrides, v0, rows, out, seed, i * args.seeds + seed, profile)
             for i in range(args.repeats)
             for seed in range(args.seeds)
         ]
@@ -382,6 +410,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate": RATE_DEFINITION,
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "v0_seconds": round(v0_s, 1),
+        "profile_seconds": None if profile_s is None else round(profile_s, 1),
         "v0_pass@1": v0_pass,
         "grpo_config": grpo_config_kwargs(cfg, 0, "<per run>"),
         **summarise(runs),

@@ -121,8 +121,11 @@ def test_json_of_runs_back_to_back(
     order: list[str] = []
     rates = iter([300.0, 200.0, 100.0, 250.0])
 
-    def areal(config: str, overrides: list[str], out: Path, run_id: str) -> dict[str, Any]:
+    def areal(
+        config: str, overrides: list[str], out: Path, run_id: str, profile: Path | None = None
+    ) -> dict[str, Any]:
         order.append(run_id)
+        assert profile == tmp_path / "profile"  # the machine profiled once, given to each run
         seed = next(o for o in overrides if o.startswith("run.seed="))
         assert f"inference.{seed[4:]}" in overrides and any("model.path=" in o for o in overrides)
         run_dir = out / run_id
@@ -135,8 +138,15 @@ def test_json_of_runs_back_to_back(
         assert len(Path(spec["rows"]).read_text().splitlines()) == 2 * 8
         return _fake_side(next(rates))
 
+    profiled: list[list[str]] = []
+
+    def profile(config: str, overrides: list[str], out: Path) -> tuple[Path, float]:
+        profiled.append(overrides)
+        return out / "profile", 12.34
+
     monkeypatch.setattr(bench, "run_areal", areal)
     monkeypatch.setattr(bench, "run_trl", trl)
+    monkeypatch.setattr(bench, "profile_machine", profile)
     pass1 = {"latest": 0.5, "final": 0.25, "v0": 0.1}  # areal-hex's, TRL's, v0
     monkeypatch.setattr(bench, "evaluate", lambda cfg, weights, log: pass1[Path(weights).name])
     argv = ["bench", "trl", "--json", "--steps", "2", "--repeats", "2", "--output-dir",
@@ -154,6 +164,8 @@ def test_json_of_runs_back_to_back(
     assert [r["first"] for r in out["runs"]] == ["areal-hex", "trl"]
     assert out["v0_pass@1"] == 0.1 and out["steps"] == 2
     assert out["grpo_config"]["max_steps"] == 2
+    assert len(profiled) == 1 and any(o.startswith("model.path=") for o in profiled[0])
+    assert out["profile_seconds"] == 12.3
 
 
 def test_without_trl_the_bench_says_how_to_install_it(
