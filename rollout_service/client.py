@@ -29,6 +29,12 @@ from rollout_service import wire
 T = TypeVar("T")
 
 
+# Idle connections are dropped before the server closes them (uvicorn, SGLang's server
+# too, closes a keep-alive connection after 5 s idle): a request sent on one the server
+# is closing fails with ServerDisconnectedError, and the one retry may pick another.
+KEEPALIVE_S = 4.0
+
+
 class GenerationError(RuntimeError):
     """A call the server refused or could not answer. `status` is None when the server
     could not be reached (connection refused, timeout): worth a retry elsewhere."""
@@ -127,7 +133,9 @@ class InferenceClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
+                ),
                 json_serialize=json.dumps,
             )
         return self._session

@@ -147,3 +147,14 @@ async def test_aborting_base_j_misses_parallel_samples() -> None:
                 await client.abort(rid)
             outs = await call
             assert sorted(o["meta_info"]["id"] for o in outs) == sorted(fake.aborted)
+
+
+def test_the_client_drops_idle_connections_before_the_server_closes_them() -> None:
+    """uvicorn closes a keep-alive connection after `timeout_keep_alive` s idle; a client
+    that keeps it longer can send a request on a connection being closed
+    (ServerDisconnectedError: a weight update's pause failed this way after a 5 s lull)."""
+    import uvicorn
+
+    from rollout_service.client import KEEPALIVE_S
+
+    assert KEEPALIVE_S < uvicorn.Config(app=None).timeout_keep_alive
