@@ -96,15 +96,22 @@ def _wait_end(job: str, out: Path, timeout_s: float) -> str:
     pytest.fail(f"job {job} not done after {timeout_s:.0f} s; its output:\n{_read(out)}")
 
 
+REQUEUE_START_S = 5  # after the requeue, the second start (the credential's whole second)
+
+
 def _start_when_requeued(job: str, timeout_s: float) -> None:
     """Slurm holds a requeued job about two minutes before it may start again (here the
     second start came 156 s after the requeue); what is tested is the requeue and the
-    resume, not that wait, so the requeued job is made eligible at once."""
+    resume, not that wait, so the requeued job is made eligible 5 s later. Not at once:
+    slurmd revokes the first start's credential at the requeue, with a time in whole
+    seconds, and kills a start whose new credential falls in that same second ("Job
+    credential revoked"; the job then ends FAILED)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = _state(job)
         if state == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+            cmd = ["scontrol", "update", f"JobId={job}", f"StartTime=now+{REQUEUE_START_S}"]
+            subprocess.run(cmd, check=False)
             return
         if state in END_STATES or state == "GONE":
             return
