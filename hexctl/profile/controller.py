@@ -156,13 +156,10 @@ async def _load_once(
                 watcher.result()  # raises ProfileFailed
             running.result()
         finally:
-            for task in (watcher, reloader, running):
-                if task is not None:
-                    task.cancel()
-            await asyncio.gather(
-                *(t for t in (watcher, reloader, running) if t is not None),
-                return_exceptions=True,
-            )
+            tasks = [t for t in (watcher, reloader, running) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
     if len(inside) < 2 or inside[-1][1] == inside[0][1]:
         # too short to sample its middle: from the last mark before the first sample to
