@@ -57,8 +57,12 @@ _LEN = struct.Struct("<I")  # header length prefix
 # ---------------------------------------------------------------- framing
 def frame(header: dict[str, Any], data: list[Any]) -> bytes:
     """Length-prefixed msgpack header + the concatenation of `data` (bytes-like objects)."""
+    return b"".join([_head(header), *data])
+
+
+def _head(header: dict[str, Any]) -> bytes:
     head = msgpack.packb(header, use_bin_type=True)
-    return b"".join([_LEN.pack(len(head)), head, *data])
+    return _LEN.pack(len(head)) + head
 
 
 def unframe(payload: bytes) -> tuple[dict[str, Any], memoryview]:
@@ -89,6 +93,13 @@ def _le(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def encode_group(group: GroupRecord) -> bytes:
     """Serialise a group; the inverse of `decode_group`."""
+    return b"".join(encode_group_parts(group)[1])
+
+
+def encode_group_parts(group: GroupRecord) -> tuple[int, list[Any]]:
+    """`encode_group` as buffers to write one after the other (the header, then each
+    array as it is) and their total length: a writer that sends them in turn copies the
+    arrays once, into its socket, instead of first into one payload."""
     comps = group.completions
     prompt = _le(group.prompt_ids, _DT["prompt"])
     tokens = [_le(c.token_ids, _DT["tokens"]) for c in comps]
@@ -112,7 +123,10 @@ def encode_group(group: GroupRecord) -> bytes:
             *([k, DTYPES[k], total * ITEMSIZE[k]] for k in ARRAY_ORDER[1:]),
         ],
     }
-    return frame(header, [prompt, *tokens, *logprobs, *versions])
+    head = _head(header)
+    nbytes = len(head) + prompt.nbytes + total * (ITEMSIZE["tokens"] + ITEMSIZE["logprobs"])
+    nbytes += total * ITEMSIZE["versions"]
+    return nbytes, [head, prompt, *tokens, *logprobs, *versions]
 
 
 # ---------------------------------------------------------------- decode

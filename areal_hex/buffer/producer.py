@@ -27,7 +27,7 @@ import redis.asyncio
 
 from areal_hex.api import GiveBackReason, ProducerPosition, VersionUpdate
 from areal_hex.buffer import scripts
-from areal_hex.buffer.codec import encode_group
+from areal_hex.buffer.codec import encode_group_parts
 from areal_hex.buffer.keys import (
     GIVE_BACK_REASONS,
     GROUP,
@@ -35,7 +35,7 @@ from areal_hex.buffer.keys import (
     TIP_GROUP,
     BufferKeys,
 )
-from areal_hex.buffer.transaction import Arg, transaction
+from areal_hex.buffer.transaction import Arg, Link, Parts
 from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import GroupRecord
 
@@ -68,6 +68,7 @@ class RedisTrajectoryProducer:
         self._release = client.register_script(scripts.RELEASE)
         self._position = client.register_script(scripts.POSITION)
         self._group_ready = False
+        self._link = Link(client)  # the connection puts go through
         # Blocked admits wait on this event; the listener swaps in a fresh one per bump.
         self._bump = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
@@ -237,10 +238,11 @@ class RedisTrajectoryProducer:
         await self._ensure_group()
         commands: list[tuple[Arg, ...]] = []
         for g in groups:
-            commands.append((b"XADD", self.keys.traj, b"*", PAYLOAD_FIELD, encode_group(g)))
+            payload = Parts(*encode_group_parts(g))
+            commands.append((b"XADD", self.keys.traj, b"*", PAYLOAD_FIELD, payload))
             ledger_args = (self.holder, PUT_TOKEN_TTL_S, TIP_GROUP)
             commands.append((b"EVAL", _PUT_LEDGER, 3, *self._put_keys(g), *ledger_args))
-        replies = await transaction(self.r, commands)
+        replies = await self._link.transaction(commands)
         return [_entry_id(x) for x in replies[1::2]]  # the ledger's id: the first put's
 
     def _put_keys(self, group: GroupRecord) -> list[str]:
@@ -306,3 +308,4 @@ class RedisTrajectoryProducer:
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)
         self._listener = self._heartbeat = None
+        await self._link.aclose()

@@ -1,19 +1,22 @@
-"""One MULTI/EXEC on a pooled redis-py asyncio connection, packed and read by hand.
+"""One MULTI/EXEC on a redis-py asyncio connection, packed and read by hand.
 
 A put is one transaction per group (the XADD of its payload, then the ledger script), so
 the client's cost per transaction is paid per group. redis-py's pipeline does the same
 work through its command stack, per-command packing and response callbacks, and retries a
 transaction whose reply was lost; here a transaction is packed in one pass (a large
-argument, the payload, is written as its own chunk, not copied into the header) and
-the caller decides about retries (a put's token makes its retry safe).
+argument, the payload, is written as its own chunks, not copied into the header), its
+replies are parsed straight off the connection's stream, and the caller decides about
+retries (a put's token makes its retry safe). A `Link` keeps one connection for its
+transactions instead of taking one from the pool each time (the pool's checks cost a
+put about as much as reading its replies).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio
@@ -23,13 +26,26 @@ if sys.version_info >= (3, 11, 3):  # the same choice as redis-py's (which needs
 else:
     from async_timeout import timeout as _deadline
 
-Arg = bytes | str | int
+
+@dataclass(frozen=True)
+class Parts:
+    """A bulk-string argument given as buffers to send one after the other (an encoded
+    group's header and arrays), so it is never joined into one bytes object here."""
+
+    nbytes: int
+    parts: Sequence[bytes | memoryview]
+
+
+Arg = bytes | str | int | Parts
 _MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 _EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 _BIG = 16_384  # bulk strings this long or longer travel as their own chunk
+# From 3.12 a transport sends a list of buffers with sendmsg and, after a partial send,
+# slices each buffer by the bytes sent: every part must then count its length in bytes.
+_BYTE_VIEWS = sys.version_info >= (3, 12)
 
 
-def _bytes(arg: Arg) -> bytes:
+def _bytes(arg: bytes | str | int) -> bytes:
     if isinstance(arg, bytes):
         return arg
     if isinstance(arg, int):
@@ -37,13 +53,19 @@ def _bytes(arg: Arg) -> bytes:
     return arg.encode()
 
 
-def pack(commands: Sequence[Sequence[Arg]]) -> list[bytes]:
+def pack(commands: Sequence[Sequence[Arg]]) -> list[bytes | memoryview]:
     """MULTI, the commands and EXEC in RESP, as chunks to write in order."""
-    chunks: list[bytes] = []
+    chunks: list[bytes | memoryview] = []
     buf = [_MULTI]
     for command in commands:
         buf.append(b"*%d\r\n" % len(command))
         for arg in command:
+            if isinstance(arg, Parts):
+                buf.append(b"$%d\r\n" % arg.nbytes)
+                parts = [memoryview(p).cast("B") for p in arg.parts] if _BYTE_VIEWS else arg.parts
+                chunks += [b"".join(buf), *parts]
+                buf = [b"\r\n"]
+                continue
             x = _bytes(arg)
             buf.append(b"$%d\r\n" % len(x))
             if len(x) >= _BIG:
@@ -56,40 +78,98 @@ def pack(commands: Sequence[Sequence[Arg]]) -> list[bytes]:
     return chunks
 
 
-async def transaction(client: redis.asyncio.Redis, commands: Sequence[Sequence[Arg]]) -> list:
-    """Run `commands` in one MULTI/EXEC, sent in one write; returns their raw replies (no
-    response callbacks: bytes, ints, lists) or raises the first error."""
-    pool = client.connection_pool
-    conn = await pool.get_connection()
-    queued: list[redis.ResponseError] = []
-    replies = None
+async def _reply(conn: redis.asyncio.Connection) -> object:
+    """One RESP2/RESP3 reply from the connection's stream: bytes, int, None, a list, or
+    the exception an error reply stands for (returned, not raised)."""
+    line = await conn._reader.readline()
+    if not line.endswith(b"\r\n"):
+        raise redis.ConnectionError("Connection closed by the buffer's server")
+    kind, rest = line[:1], line[1:-2]
+    if kind == b"+":
+        return rest
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        n = int(rest)
+        return None if n < 0 else (await conn._reader.readexactly(n + 2))[:-2]
+    if kind in (b"*", b"~"):
+        n = int(rest)
+        return None if n < 0 else [await _reply(conn) for _ in range(n)]
+    if kind == b"-":
+        return conn._parser.parse_error(rest.decode(errors="replace"))
+    if kind == b"_":
+        return None
+    raise redis.exceptions.InvalidResponse(f"unexpected reply from the buffer's server: {line!r}")
+
+
+async def _exchange(conn: redis.asyncio.Connection, commands: Sequence[Sequence[Arg]]) -> list:
+    queued: list[BaseException] = []
     try:
-        await conn.send_packed_command(pack(commands))
-        # One deadline (the connection's socket timeout) over all the replies: by default
-        # every read_response arms a timer of its own, which cost more client CPU than
-        # the ledger script's whole reply.
+        # One deadline (the connection's socket timeout) over the write and all the
+        # replies: by default every read arms a timer of its own, which cost more client
+        # CPU than the ledger script's whole reply.
         async with _deadline(conn.socket_timeout):
+            if not conn.is_connected:
+                await conn.connect()
+            conn._writer.writelines(pack(commands))
+            await conn._writer.drain()
             for _ in range(len(commands) + 1):  # +OK for MULTI, then +QUEUED per command
-                try:
-                    await conn.read_response(timeout=math.inf)
-                except redis.ResponseError as exc:  # refused when queued: EXEC aborts
-                    queued.append(exc)
-            try:
-                replies = await conn.read_response(timeout=math.inf)
-            except redis.exceptions.ExecAbortError:
-                pass
+                x = await _reply(conn)
+                if isinstance(x, BaseException):  # refused when queued: EXEC aborts
+                    queued.append(x)
+            replies = await _reply(conn)
     except BaseException as exc:
         # A reply left unread (a lost connection, a timeout, a cancelled call) must not
         # be read by the next user of this connection.
         await conn.disconnect()
         if isinstance(exc, asyncio.TimeoutError):
             raise redis.TimeoutError("Timeout reading from the buffer's server") from None
+        if isinstance(exc, OSError | asyncio.IncompleteReadError):
+            raise redis.ConnectionError(f"Lost the buffer's server: {exc!r}") from None
         raise
+    if not isinstance(replies, list):  # EXECABORT (an error) or a null EXEC
+        if queued:
+            raise queued[0]
+        if isinstance(replies, BaseException):
+            raise replies
+        raise redis.exceptions.ExecAbortError("EXEC aborted")
+    for x in replies:
+        if isinstance(x, BaseException):
+            raise x
+    return replies
+
+
+async def transaction(client: redis.asyncio.Redis, commands: Sequence[Sequence[Arg]]) -> list:
+    """Run `commands` in one MULTI/EXEC on a connection of `client`'s pool, sent in one
+    write; returns their raw replies (no response callbacks: bytes, ints, lists) or
+    raises the first error."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        return await _exchange(conn, commands)
     finally:
         await pool.release(conn)
-    if replies is None:
-        raise queued[0] if queued else redis.exceptions.ExecAbortError("EXEC aborted")
-    for x in replies:
-        if isinstance(x, Exception):
-            raise x
-    return list(replies)
+
+
+class Link:
+    """`transaction` on one connection of `client`'s pool kept for this link, one
+    transaction at a time (callers on the same event loop queue for it). A connection
+    lost mid-way is dropped and opened again by the next transaction."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self._pool = client.connection_pool
+        self._conn: redis.asyncio.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def transaction(self, commands: Sequence[Sequence[Arg]]) -> list:
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await self._pool.get_connection()
+            return await _exchange(self._conn, commands)
+
+    async def aclose(self) -> None:
+        """Give the connection back to the pool (which closes it with the client)."""
+        async with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                await self._pool.release(conn)

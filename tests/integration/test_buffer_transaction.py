@@ -12,7 +12,7 @@ import redis
 import redis.asyncio
 
 from areal_hex.buffer import EmbeddedValkey, RedisEndpoint
-from areal_hex.buffer.transaction import pack, transaction
+from areal_hex.buffer.transaction import Link, Parts, pack, transaction
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,6 +33,49 @@ def test_pack_writes_resp_with_a_large_argument_as_its_own_chunk() -> None:
         b"*1\r\n$4\r\nEXEC\r\n"
     )
     assert big in chunks  # sent as given, not copied into a header
+
+
+def test_pack_writes_an_argument_given_in_parts_as_those_parts() -> None:
+    import numpy as np
+
+    arr = np.arange(4, dtype=np.int32)
+    chunks = pack([(b"XADD", "s", b"*", b"d", Parts(3 + arr.nbytes, [b"abc", arr]))])
+    assert b"".join(chunks) == (
+        b"*1\r\n$5\r\nMULTI\r\n*5\r\n$4\r\nXADD\r\n$1\r\ns\r\n$1\r\n*\r\n$1\r\nd\r\n$19\r\n"
+        b"abc" + arr.tobytes() + b"\r\n*1\r\n$4\r\nEXEC\r\n"
+    )
+    assert any(c is arr or (isinstance(c, memoryview) and c.obj is arr) for c in chunks)
+
+
+def test_a_group_encoded_in_parts_is_the_group_encoded_whole() -> None:
+    from areal_hex.buffer.codec import decode_group, encode_group, encode_group_parts
+    from hexctl.bench.buffer import make_groups
+
+    group = make_groups(1, 3, 17)[0]
+    nbytes, parts = encode_group_parts(group)
+    whole = b"".join(parts)
+    assert len(whole) == nbytes and whole == encode_group(group)
+    assert decode_group(whole).prompt_id == group.prompt_id
+
+
+async def test_a_link_keeps_one_connection_and_reopens_it_after_a_loss(
+    endpoint: RedisEndpoint,
+) -> None:
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    link = Link(r)
+    try:
+        await link.transaction([(b"CLIENT", b"SETNAME", b"link")])
+        first = (await link.transaction([(b"CLIENT", b"ID")]))[0]
+        assert (await link.transaction([(b"CLIENT", b"ID")]))[0] == first  # the same one
+        await r.client_kill_filter(_id=first)  # the server drops it (a restart would)
+        with pytest.raises(redis.ConnectionError):
+            await link.transaction([(b"SET", key, 1)])
+        assert await link.transaction([(b"SET", key, 2)]) == [b"OK"]  # opened again
+        assert (await link.transaction([(b"CLIENT", b"ID")]))[0] != first
+        assert await r.get(key) == b"2"
+    finally:
+        await link.aclose()
+        await r.aclose()
 
 
 async def test_replies_come_back_raw_and_in_order(endpoint: RedisEndpoint) -> None:
