@@ -28,7 +28,16 @@ def _has_cuda() -> bool:
         return False
 
 
+# Tests of one machine-wide resource (the network namespaces a box makes, the local
+# Slurm cluster) run one after another on one worker when the suite runs in parallel.
+_ONE_WORKER = {"test_box.py": "box", "test_slurm.py": "slurm"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _ONE_WORKER.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
