@@ -11,5 +11,16 @@ source .venv/bin/activate
 pip install -q torch==2.13.0
 # deepspeed ships as an sdist whose build imports torch: build it against the torch above.
 pip install -q --no-build-isolation "deepspeed>=0.16"
+# DeepSpeed compiles its CPU shared-memory comm op on first use; compile it now, into the
+# environment (where the trainer looks: trainer_service/engine.py cpu_environment), while
+# the rest installs, rather than in the first trainer that starts.
+( DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" python -c \
+    "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" \
+    > .venv/deepspeed-op-build.log 2>&1 ) &
+op_build=$!
 pip install -q -e ".[dev]"
+if ! wait "$op_build"; then
+  echo "DeepSpeed's CPU comm op not compiled now (it will be on first use):" \
+    "see .venv/deepspeed-op-build.log" >&2
+fi
 echo "installed: $(python -c 'import areal_hex; print("areal-hex", areal_hex.__version__)')"

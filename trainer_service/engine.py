@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,11 +75,21 @@ def ds_config(cfg: TrainerConfig, world_size: int) -> dict[str, Any]:
     }
 
 
+def cpu_environment(env: dict[str, str] | os._Environ[str]) -> None:
+    """DeepSpeed on CPU: its CPU accelerator, and its JIT-compiled ops (the shared-memory
+    comm op, compiled on first use) kept in this environment's own directory, where
+    scripts/install.sh compiles them, unless TORCH_EXTENSIONS_DIR says otherwise or the
+    environment is not writable (torch's per-user directory then)."""
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    if "TORCH_EXTENSIONS_DIR" not in env and os.access(sys.prefix, os.W_OK):
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+
+
 def init_single_rank(device: str = "cpu") -> None:
     """A one-rank process group for DeepSpeed outside its launcher (profiling and benches
     time the trainer's step in-process): a free loopback port, gloo on CPU, NCCL on CUDA."""
     if device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        cpu_environment(os.environ)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -43,7 +43,10 @@ def launcher_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
             if env.get(key, "").isdigit():
                 env[key] = str(int(offset) + int(env[key]))
     if cfg.trainer.device == "cpu":
+        from trainer_service.engine import cpu_environment
+
         env["DS_ACCELERATOR"] = "cpu"
+        cpu_environment(env)
         # ranks share the cores: one rank's intra-op threads must not starve the others
         per_rank = max(1, (os.cpu_count() or 1) // cfg.trainer.num_ranks)
         env.setdefault("OMP_NUM_THREADS", str(per_rank))
