@@ -24,6 +24,12 @@ class DeviceRates(Section):
     decode_context: int = Field(gt=0)  # context length the decode steps were timed at
     prefill_tokens_per_s: float = Field(gt=0)
     train_tokens_per_s: float = Field(gt=0)  # forward + backward + optimizer, one device
+    # What a trainer step on this kind spends beyond its optimizer step, as the run's
+    # trainer does it (`profile --local`): one weight publish's share of the step (the
+    # gather and the hand-off to the writing thread, and the wait for the previous write),
+    # s per publish; and one checkpoint, s. Replace the cluster's storage estimate.
+    train_publish_s: float | None = Field(None, ge=0)
+    train_checkpoint_s: float | None = Field(None, ge=0)
     # Weight reload of an idle server, s (`profile --local`): the pause of a synchronous
     # run, where nothing is generating when new weights arrive. The pause with requests
     # in flight is the cluster link's latency.
@@ -102,6 +108,20 @@ class Profile(Section):
 
     def sync_cycle_factor(self, kind: str) -> float:
         return (self.kinds[kind].sync_cycle_factor or 1.0) if kind in self.kinds else 1.0
+
+    def train_extra_s(
+        self, kind: str, publish_every: int, checkpoint_every: int | None
+    ) -> float | None:
+        """Seconds per trainer step on `kind` beyond the optimizer step: a publish every
+        `publish_every` steps and a checkpoint every `checkpoint_every` (None: not
+        counted); None where the profile did not time the publish."""
+        rates = self.kinds.get(kind)
+        if rates is None or rates.train_publish_s is None:
+            return None
+        extra = rates.train_publish_s / publish_every
+        if checkpoint_every and rates.train_checkpoint_s is not None:
+            extra += rates.train_checkpoint_s / checkpoint_every
+        return extra
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

@@ -125,6 +125,9 @@ def cost_trainer(
         w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
     )
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_every
+    if prof is not None:  # rank 0 publishes; what its kind measured doing it replaces that
+        extra = prof.train_extra_s(kinds[0].name, w.publish_every, w.checkpoint_every)
+        publish = publish if extra is None else extra
     host = 0.0
     if prof is not None and w.host_work == "trainer":
         host = w.samples_per_step * prof.host_cpu_s_per_sample(kinds[0].name)

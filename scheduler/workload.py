@@ -81,6 +81,9 @@ class Workload(Section):
     max_staleness: int = Field(4, ge=0, le=MAX_STALENESS)
     # k, the config's trainer.publish_every: optimizer steps between weight publishes
     publish_every: int = Field(1, gt=0, le=MAX_STALENESS + 1)
+    # the config's trainer.checkpoint_every: a profiled checkpoint's time is spread over
+    # these steps (None: checkpoints not priced)
+    checkpoint_every: int | None = Field(None, gt=0)
     reference_model: bool = False  # KL to a frozen reference: one more forward per token
     # Pin choices to what the experiment config runs (`deploy` checks both against it):
     # every rollout instance at this TP (inference.sglang.tp_size), the trainer at this

@@ -299,6 +299,12 @@ def _progress(text: str) -> None:
     print(f"areal-hex profile: {text}", file=sys.stderr, flush=True)
 
 
+def _trainer_extras(measured: dict) -> str:
+    pub, ckpt = measured.get("train_publish_s"), measured.get("train_checkpoint_s")
+    out = "" if pub is None else f", a weight publish {pub * 1e3:.1f} ms of a step"
+    return out + ("" if ckpt is None else f", a checkpoint {ckpt * 1e3:.0f} ms")
+
+
 def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
     from areal_hex.config import load_config
     from hexctl.bench.e2e import DEFAULT_CONFIG
@@ -318,7 +324,7 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
     print(
         f"{dev['kind']} x {dev['count']} ({dev['device']}): decode step {steps}; prefill "
         f"{gen['prefill_tokens_per_s']:,.0f} tok/s; train {measured['train_tokens_per_s']:,.0f} "
-        f"tok/s; {reload}; prompt {gen['prompt_tokens']:.0f} and answer "
+        f"tok/s{_trainer_extras(measured)}; {reload}; prompt {gen['prompt_tokens']:.0f} and answer "
         f"{gen['response_tokens']:.1f} tokens on average; the run's controller keeping the "
         f"server full: {gen['continuous_samples_per_s']:,.1f} samples/s (efficiency "
         f"{measured['generation_efficiency']:.2f}), {gen['host_cpu_s_per_sample'] * 1e3:.2f} "

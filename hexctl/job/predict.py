@@ -156,6 +156,7 @@ def predict_run(
                 "group_size": cfg.rollout.group_size,
                 "max_staleness": cfg.buffer.max_staleness,
                 "publish_every": cfg.trainer.publish_every,
+                "checkpoint_every": cfg.trainer.checkpoint_every,
                 "max_response_tokens": cfg.rollout.max_new_tokens,
                 "host_work": "rollout" if host == "inference" else "trainer",
                 "weight_sync": cfg.rollout.weight_sync,

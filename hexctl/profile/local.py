@@ -82,11 +82,13 @@ def profile_local(
         decode_step_s=gen.decode_step_s,
         decode_context=int(gen.prompt_tokens + gen.response_tokens / 2),
         prefill_tokens_per_s=gen.prefill_tokens_per_s,
-        train_tokens_per_s=train,
+        train_tokens_per_s=train.tokens_per_s,
+        train_publish_s=train.publish_s,
+        train_checkpoint_s=train.checkpoint_s,
         reload_idle_s=gen.reload_idle_s,
     )
     prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
-    spec = cluster_spec(dev, shape.params, gen, train)
+    spec = cluster_spec(dev, shape.params, gen, train.tokens_per_s)
     files.cluster.write_text(yaml.safe_dump(spec, sort_keys=False))
     files.workload.write_text(yaml.safe_dump(workload_for(cfg, gen), sort_keys=False))
     # what the timings compose to for this job, against what the controller then reached
@@ -106,7 +108,9 @@ def profile_local(
     measured = {
         "devices": {**dev.__dict__, **cores},
         "generation": gen.__dict__,
-        "train_tokens_per_s": train,
+        "train_tokens_per_s": train.tokens_per_s,
+        "train_publish_s": train.publish_s,
+        "train_checkpoint_s": train.checkpoint_s,
         "generation_efficiency": mine.generation_efficiency,
         "generation_efficiency_shared": mine.generation_efficiency_shared,
         "sync_cycle_factor": mine.sync_cycle_factor,
@@ -178,6 +182,7 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "max_response_tokens": cfg.rollout.max_new_tokens,
         "max_staleness": cfg.buffer.max_staleness,
         "publish_every": cfg.trainer.publish_every,
+        "checkpoint_every": cfg.trainer.checkpoint_every,
         "reference_model": cfg.algo.kl_coef > 0,
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -18,6 +19,16 @@ from areal_hex.gc_freeze import freeze_startup
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
 
 TRAIN_STEPS = 10  # per timed round (REPEATS of them) after a warm-up step
+CHECKPOINTS = 2  # timed after the rounds
+
+
+@dataclass(frozen=True)
+class TrainingRates:
+    tokens_per_s: float  # prompt + answer tokens over the optimizer steps' seconds
+    # per weight publish: what the step waits for (gather, hand-off); None: no step
+    # published (fewer steps timed than trainer.publish_every)
+    publish_s: float | None
+    checkpoint_s: float  # per checkpoint
 
 
 def measure_training(
@@ -28,12 +39,14 @@ def measure_training(
     response: float,
     say: Say = quiet,
     rounds: tuple[int, int] = (REPEATS, TRAIN_STEPS),
-) -> float:
-    """Tokens/s (prompt + answer) of the trainer's step on one rank, the run's batch, in a
-    process of its own as the run's trainer is: nothing of the generation measurements
-    in its heap, and DeepSpeed's process groups (cached per process, stale once
-    destroyed) new each time a process profiles. `rounds`: (timed rounds, steps each),
-    the median round's rate is returned."""
+) -> TrainingRates:
+    """The trainer's step on one rank, the run's batch, in a process of its own as the
+    run's trainer is: nothing of the generation measurements in its heap, and
+    DeepSpeed's process groups (cached per process, stale once destroyed) new each time
+    a process profiles. The steps publish the weights every `trainer.publish_every` as
+    the run's do (to disk, the writing thread sharing the cores with the next step), and
+    checkpoints are timed after them. `rounds`: (timed rounds, steps each); the median
+    round's rate is returned."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -56,7 +69,7 @@ class _TrainingJob:
     rounds: tuple[int, int]  # (timed rounds, steps each)
 
 
-def _measure_training(job: _TrainingJob) -> float:
+def _measure_training(job: _TrainingJob) -> TrainingRates:
     import torch.distributed as dist
 
     dev = job.dev
@@ -73,9 +86,13 @@ def _measure_training(job: _TrainingJob) -> float:
             dist.destroy_process_group()
 
 
-def _train_rate(job: _TrainingJob) -> float:
+def _train_rate(job: _TrainingJob) -> TrainingRates:
+    import tempfile
+
     from areal_hex.models import load_model
+    from trainer_service import checkpoint
     from trainer_service.engine import build_engine
+    from trainer_service.publish import AsyncPublisher, full_state_dict
     from trainer_service.step import StepContext, optimize
     from trainer_service.synthetic import synthetic_groups
 
@@ -101,18 +118,45 @@ def _train_rate(job: _TrainingJob) -> float:
     lo = max(1, round(response - half))
     hi = max(lo, round(response + half))
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
-    rates = []
+    rates: list[float] = []
+    published: list[float] = []
+    saved: list[float] = []
+    scratch = Path(tempfile.mkdtemp(prefix="areal-hex-profile-train-"))
+    publisher = AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None)
+    ctx.before_update = publisher.wait  # the next step waits for the write, as the run's
+
+    def publish(version: int) -> None:
+        t0 = time.perf_counter()
+        publisher.submit(version, full_state_dict(engine, t.zero_stage, 0) or {})
+        published.append(time.perf_counter() - t0)
+
     freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
     try:
         optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
         n_rounds, n_steps = job.rounds
         for r in range(n_rounds):  # rounds of n_steps steps, tokens over seconds each
-            tokens, t0 = 0, time.perf_counter()
+            tokens, busy = 0, 0.0
             for step in range(n_steps):
-                seed = 1 + r * n_steps + step
-                groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=seed)
+                k = 1 + r * n_steps + step
+                groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=k)
+                t0 = time.perf_counter()
                 tokens += optimize(ctx, groups).num_tokens
-            rates.append(tokens / (time.perf_counter() - t0))
+                busy += time.perf_counter() - t0
+                if k % t.publish_every == 0:
+                    publish(k)
+            rates.append(tokens / busy)
+        publisher.wait()
+        for i in range(CHECKPOINTS):
+            t0 = time.perf_counter()
+            checkpoint.save(engine, scratch / "checkpoints", i + 1, {}, keep=1)
+            saved.append(time.perf_counter() - t0)
     finally:
         gc.unfreeze()
-    return statistics.median(rates)
+        with contextlib.suppress(Exception):
+            publisher.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return TrainingRates(
+        tokens_per_s=statistics.median(rates),
+        publish_s=statistics.median(published) if published else None,
+        checkpoint_s=statistics.median(saved),
+    )

@@ -133,6 +133,25 @@ def test_layout_prediction_in_both_modes(tmp_path: Path) -> None:
         predict_layout(cl, m, w, prof, [("gpu", 1)], trainer)
 
 
+def test_the_trainers_publish_and_checkpoint_as_profiled(tmp_path: Path) -> None:
+    """A kind whose profile timed the trainer's publish and checkpoint: a step pays the
+    publish every `publish_every` steps and the checkpoint every `checkpoint_every`,
+    instead of the storage estimate; a checkpoint interval unknown to the workload is not
+    priced."""
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    compute = 128 * 54 / 6000
+    rates = prof.kinds["CPU"]
+    rates.train_publish_s, rates.train_checkpoint_s = 0.03, 0.5
+    p = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    assert 128 / p.training_samples_per_s == pytest.approx(compute + 0.03, rel=1e-6)
+    w2 = w.model_copy(update={"publish_every": 2, "checkpoint_every": 10})
+    p2 = predict_layout(cl, m, w2, prof, [("local", 1)], trainer).asynchronous
+    assert 128 / p2.training_samples_per_s == pytest.approx(compute + 0.015 + 0.05, rel=1e-6)
+
+
 def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
     """`generation_efficiency` scales the kind's generation; `host_cpu_s_per_sample`
     lengthens an asynchronous step by B·G times it on a CPU kind only (the controller
