@@ -139,22 +139,12 @@ async def _exchange(conn: redis.asyncio.Connection, commands: Sequence[Sequence[
     return replies
 
 
-async def transaction(client: redis.asyncio.Redis, commands: Sequence[Sequence[Arg]]) -> list:
-    """Run `commands` in one MULTI/EXEC on a connection of `client`'s pool, sent in one
-    write; returns their raw replies (no response callbacks: bytes, ints, lists) or
-    raises the first error."""
-    pool = client.connection_pool
-    conn = await pool.get_connection()
-    try:
-        return await _exchange(conn, commands)
-    finally:
-        await pool.release(conn)
-
-
 class Link:
-    """`transaction` on one connection of `client`'s pool kept for this link, one
-    transaction at a time (callers on the same event loop queue for it). A connection
-    lost mid-way is dropped and opened again by the next transaction."""
+    """MULTI/EXEC transactions on one connection of `client`'s pool kept for this link,
+    one at a time (callers on the same event loop queue for it). Each is sent in one
+    write and returns its commands' raw replies (no response callbacks: bytes, ints,
+    lists) or raises the first error. A connection lost mid-way is dropped and opened
+    again by the next transaction."""
 
     def __init__(self, client: redis.asyncio.Redis) -> None:
         self._pool = client.connection_pool

@@ -12,7 +12,7 @@ import redis
 import redis.asyncio
 
 from areal_hex.buffer import EmbeddedValkey, RedisEndpoint
-from areal_hex.buffer.transaction import Link, Parts, pack, transaction
+from areal_hex.buffer.transaction import Link, Parts, pack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,8 +80,9 @@ async def test_a_link_keeps_one_connection_and_reopens_it_after_a_loss(
 
 async def test_replies_come_back_raw_and_in_order(endpoint: RedisEndpoint) -> None:
     r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    link = Link(r)
     try:
-        assert await transaction(r, [(b"SET", key, "é"), (b"INCRBY", key + "n", 3)]) == [
+        assert await link.transaction([(b"SET", key, "é"), (b"INCRBY", key + "n", 3)]) == [
             b"OK",
             3,
         ]
@@ -94,11 +95,12 @@ async def test_a_command_refused_when_queued_aborts_the_whole_transaction(
     endpoint: RedisEndpoint,
 ) -> None:
     r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    link = Link(r)
     try:
         with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
-            await transaction(r, [(b"SET", key, 1), (b"INCRBY", key)])
+            await link.transaction([(b"SET", key, 1), (b"INCRBY", key)])
         assert await r.exists(key) == 0  # nothing ran
-        assert await transaction(r, [(b"SET", key, 2)]) == [b"OK"]  # connection still fine
+        assert await link.transaction([(b"SET", key, 2)]) == [b"OK"]  # connection still fine
     finally:
         await r.aclose()
 
@@ -112,7 +114,7 @@ async def test_a_command_failing_when_run_raises_after_the_others_ran(
     try:
         await r.set(key, "a string")
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-            await transaction(r, [(b"XADD", key, b"*", b"d", b"x"), (b"SET", key + "b", 1)])
+            await Link(r).transaction([(b"XADD", key, b"*", b"d", b"x"), (b"SET", key + "b", 1)])
         assert await r.get(key + "b") == b"1"
     finally:
         await r.aclose()
@@ -133,11 +135,12 @@ async def test_a_silent_server_is_a_client_timeout_and_the_connection_is_dropped
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     r = redis.asyncio.Redis(host="127.0.0.1", port=port, socket_timeout=0.2)
+    link = Link(r)
     try:
         with pytest.raises(redis.TimeoutError, match="buffer's server") as err:
-            await transaction(r, [(b"SET", "k", 1)])
+            await link.transaction([(b"SET", "k", 1)])
         assert is_connection_error(err.value)
-        assert not any(c.is_connected for c in r.connection_pool._available_connections)
+        assert link._conn is not None and not link._conn.is_connected
     finally:
         await r.aclose()
         server.close()
