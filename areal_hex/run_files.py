@@ -176,6 +176,9 @@ class TrainerRow(_Row):
     tokens_per_s: float = 0.0
     wait_s: float = 0.0  # waiting for the batch
     compute_s: float = 0.0  # log-prob recompute + optimizer step
+    # rank 0's tokens per second of its own passes, without its waits for other ranks
+    # (with several ranks, tokens_per_s over own_tokens_per_s shows how long it waited)
+    own_tokens_per_s: float = 0.0
     publish_s: float = 0.0
     publish_wait_s: float = 0.0  # waiting for the previous weight write
     checkpoint_s: float = 0.0

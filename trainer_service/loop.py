@@ -378,6 +378,7 @@ class Trainer:
             tokens_per_s=r.num_tokens / max(compute_s, 1e-9),
             wait_s=wait_s,
             compute_s=compute_s,
+            own_tokens_per_s=r.extra.get("own_tokens_per_s", 0.0),
             publish_s=publish_s,
             **self.state.totals.__dict__,
         )

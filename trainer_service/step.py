@@ -334,7 +334,12 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         degenerate_groups=sum(p.degenerate for p in prepared),
         advantages=np.concatenate([p.all_adv for p in prepared]),
         grad_norm=float(norm) if norm is not None else None,
-        extra={"publish_fence_s": fence_s, "mismatch": mismatch, "rank_speeds": speeds},
+        extra={
+            "publish_fence_s": fence_s,
+            "mismatch": mismatch,
+            "rank_speeds": speeds,
+            "own_tokens_per_s": own / max(forward_s + busy_s, 1e-9),
+        },
     )
 
 

@@ -107,6 +107,15 @@ def step_seconds(run_dir: Path) -> list[float]:
     return [r["compute_s"] for r in rows]
 
 
+def step_units(run_dir: Path) -> list[float]:
+    """Each step's length in rank 0's own token-times: its compute seconds times its own
+    tokens per second. Other load on the machine slows every pass of a step alike (and
+    the emulated slowdown sleeps in proportion to the measured pass), so this compares
+    steps run minutes apart, under different load, where seconds would not."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["compute_s"] * r["own_tokens_per_s"] for r in rows]
+
+
 def weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -116,15 +125,18 @@ def weights(run_dir: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_balanced_shares_shorten_the_step(run: Callable[[str], Path]) -> None:
-    times = {name: step_seconds(run(name)) for name in ("equal", "balanced", "measured")}
-    print("hetero step seconds:", {k: [round(t, 3) for t in v] for k, v in times.items()})
-    equal = statistics.median(times["equal"][1:])  # the first step warms up
-    balanced = statistics.median(times["balanced"][1:])
+    names = ("equal", "balanced", "measured")
+    seconds = {name: step_seconds(run(name)) for name in names}
+    units = {name: step_units(run(name)) for name in names}
+    print("hetero step seconds:", {k: [round(t, 3) for t in v] for k, v in seconds.items()})
+    print("hetero step token-times:", {k: [round(t) for t in v] for k, v in units.items()})
+    equal = statistics.median(units["equal"][1:])  # the first step warms up
+    balanced = statistics.median(units["balanced"][1:])
     # measured shares start equal and move half-way to the measured speeds each step
-    measured = statistics.median(times["measured"][2:])
+    measured = statistics.median(units["measured"][2:])
     print(
-        f"hetero median step: equal {equal:.3f} s, balanced {balanced:.3f} s, "
-        f"measured {measured:.3f} s"
+        f"hetero median step in rank 0's token-times: equal {equal:.0f}, "
+        f"balanced {balanced:.0f}, measured {measured:.0f}"
     )
     # equal shares: rank 1 does half the work at 4x (2 units); balanced 4:1: both ranks
     # do 0.8 units, 40 % of the equal-share step before fixed costs
