@@ -225,8 +225,12 @@ def _synchronous(
     )
     # per second of server work: a synchronous batch ends in a tail of few requests
     gen = res.generation_samples_per_s / max(1e-9, res.rollout_busy_frac)
-    # the hand-offs the profile measured around a synchronous batch (one kind only)
-    kinds = {o.kind for o in opts}
-    factor = prof.sync_cycle_factor(kinds.pop()) if prof is not None and len(kinds) == 1 else 1.0
+    # the profile's cycle over the replay's, measured with the whole batch on one
+    # instance: a fitted correction, so it prices that layout only. Split over several
+    # instances it did not hold (docs/fidelity.md, "The synchronous cycle on several
+    # instances"): there the replay alone
+    factor = 1.0
+    if prof is not None and len(opts) == 1:
+        factor = prof.sync_cycle_factor(opts[0].kind)
     cycle = factor * max(0.0, bg / res.samples_per_s - step)
     return LayoutRates(bg / (cycle + step), gen, bg / step, max(syncs, default=0.0))
