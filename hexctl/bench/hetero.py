@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -33,6 +34,10 @@ from typing import Any
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _say(text: str) -> None:
@@ -232,6 +237,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = load_box(args.box)
     box.check_host()
+    # SIGTERM (a scheduler's stop, `kill`) ends the bench as Ctrl-C does: through the
+    # `finally` below, which takes the box down
+    signal.signal(signal.SIGTERM, _interrupt)
     overrides = [*args.overrides, f"trainer.total_steps={args.steps}", f"run.box={spec.name}"]
     load_start = os.getloadavg()[0]
     state = box.up(spec)

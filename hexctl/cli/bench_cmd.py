@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "hetero": "hexctl.bench.hetero",
     "weight-sync": "hexctl.bench.weight_sync",
     "trl": "hexctl.bench.trl",
+    "host": "hexctl.bench.host",
 }
 
 
