@@ -6,7 +6,10 @@ one the plan prints: a trainer a size larger, or one more rollout instance, can 
 placed rate where the MILP saw none (on `examples/clusters/racks_h800_h20.yaml` with
 `math_grpo`, +6 %). From the pick, single moves are tried:
 
-- another trainer configuration (same instances), or another with one instance fewer;
+- another trainer configuration (same instances), or another with one instance fewer, or
+  with one more instance of a configuration in use (a faster trainer that only pays with
+  more generation to feed it: neither change alone gains, so a search of single changes
+  stops short of it);
 - one more instance of any configuration;
 - one instance swapped for one of another configuration.
 
@@ -111,6 +114,9 @@ def _moves(reps: dict[int, int], c: int, ris: list[int], cis: list[int]) -> Iter
             yield c2, None, None
             for i in reps:
                 yield c2, i, None
+                # a faster trainer is often worth it only with one more instance to feed
+                # it (alone, neither change gains: the pair is one move)
+                yield c2, None, i
     for j in ris:
         yield c, None, j
     for i in reps:

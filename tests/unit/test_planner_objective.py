@@ -91,3 +91,22 @@ def test_local_search_in_cost_mode_keeps_the_target_and_never_costs_more(
     assert pick.plan.baselines.local_search_moves == 0
     assert res.plan.predicted.samples_per_s >= target * (1 - 1e-4)
     assert res.plan.predicted.cost_usd_per_h < pick.plan.predicted.cost_usd_per_h
+
+
+def test_a_faster_trainer_that_needs_one_more_instance_is_reached() -> None:
+    """A profile of the thin box (`examples/box/thin.yaml`, measured by `bench hetero`) at
+    $5/h: the MILP picks a trainer on a mem node and one mem instance (71 samples/s, the
+    trainer binds); a trainer on a fast node ($3) gains only with a second mem instance,
+    and neither change alone gains. The search takes the two as one move."""
+    from scheduler.profile import load_profile
+
+    d = Path(__file__).resolve().parents[1] / "data" / "box_thin_profile"
+    cl = load_cluster(d / "cluster.yaml")
+    m = load_model_shape(str(d / "model"))
+    w = load_workload(d / "workload.yaml")
+    prof = load_profile(d / "profile.yaml", m.params)
+    res = make_plan(cl, m, w, budget=5, prof=prof, simulate_plan=False, baselines=False)
+    assert res.plan.trainer.gpu_kind == "fast"
+    assert sorted(i.gpu_kind for i in res.plan.rollout) == ["mem", "mem"]
+    assert res.plan.baselines.milp_pick_samples_per_s < 72  # the pick: mem trains
+    assert res.plan.predicted.samples_per_s > 1.5 * res.plan.baselines.milp_pick_samples_per_s
