@@ -127,6 +127,42 @@ def test_sigkilled_up_is_cleaned_by_the_next_down(tmp_path: Path) -> None:
     assert box.leftovers(name) == []  # ... and the next `down` removes it
 
 
+def test_sigterm_to_bench_hetero_takes_its_box_down(tmp_path: Path) -> None:
+    """A scheduler's stop or a `kill` mid-profile: the bench ends as on Ctrl-C (exit
+    130), its box and the servers in it gone."""
+    name = _name("tm")
+    path = _spec(tmp_path, name)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = ["bench", "hetero", "--json", "--box", str(path), "--budget", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hexctl.cli", *argv, "--output-dir", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # the box is up and the profile's first server runs in one of its namespaces
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(box._netns_pids(ns) for ns in box.leftover_netns(name)):
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert any(box._netns_pids(ns) for ns in box.leftover_netns(name)), "no server started"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        left = box.leftovers(name)  # what the bench itself left, before any cleanup here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        box.down(name)
+    assert proc.returncode == 130, err[-2000:]
+    assert "bench: interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert left == []
+
+
 def test_without_root_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from areal_hex.errors import UsageError
 
