@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -34,10 +33,6 @@ from typing import Any
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def _say(text: str) -> None:
@@ -233,13 +228,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hexctl.job import box
     from hexctl.job.box_spec import load_box
     from hexctl.job.predict import LocalProfileFiles
+    from hexctl.job.processes import sigterm_as_ctrl_c
     from hexctl.profile.box import profile_box
 
     spec = load_box(args.box)
     box.check_host()
     # SIGTERM (a scheduler's stop, `kill`) ends the bench as Ctrl-C does: through the
     # `finally` below, which takes the box down
-    signal.signal(signal.SIGTERM, _interrupt)
+    sigterm_as_ctrl_c()
     overrides = [*args.overrides, f"trainer.total_steps={args.steps}", f"run.box={spec.name}"]
     load_start = os.getloadavg()[0]
     state = box.up(spec)

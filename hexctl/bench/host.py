@@ -13,6 +13,7 @@ reported). Run it alone, on a quiet machine, before trusting a fidelity figure t
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -86,8 +87,6 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _check(args)
-    import math
-
     import torch  # noqa: F401  (imported before the clock starts)
 
     samples: list[dict[str, float]] = []

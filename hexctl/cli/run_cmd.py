@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,10 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "launcher) instead of refusing",
     )
     p.set_defaults(func=_run)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
 
 
 def _resume_args(args: argparse.Namespace) -> None:
@@ -100,6 +93,7 @@ def _say(text: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     from hexctl.cli import UsageError, config_from_args
     from hexctl.job.prepare import preflight, prepare_run
+    from hexctl.job.processes import sigterm_as_ctrl_c
     from hexctl.launch.run import execute, failure_message
 
     _resume_args(args)
@@ -115,20 +109,16 @@ def _run(args: argparse.Namespace) -> int:
         _check_alone(cfg.run.run_dir(), args.force)
     elif args.force:
         raise UsageError("--force goes with --resume RUN_DIR (a run directory in use)")
-    try:
+    # from here SIGTERM stops the run as Ctrl-C does: a half-prepared run directory is
+    # removed, a started run's services are stopped
+    sigterm_as_ctrl_c()
+    try:  # a new run's half-made directory is removed by prepare_run itself
         cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say)
     except (ValueError, OSError) as exc:
-        if not existed and cfg.run.run_id is not None:
-            shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)
         raise UsageError(str(exc)) from None
-    except BaseException:
-        if not existed and cfg.run.run_id is not None:
-            shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)
-        raise
     run_dir = cfg.run.run_dir()
     verb = "resuming" if existed else "starting"
     _say(f"{verb} {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})")
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the services as on Ctrl-C
     result = execute(
         cfg,
         config_path,

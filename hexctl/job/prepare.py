@@ -5,6 +5,7 @@ reads (see docs/running.md)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -193,22 +194,28 @@ def prepare_run(
         cfg.run.run_id = default_run_id(cfg)
     run_dir = cfg.run.run_dir().resolve()
     cfg.run.output_dir = str(run_dir.parent)
-    RunPaths.at(run_dir).logs.mkdir(parents=True, exist_ok=True)
-    if cfg.redis.url is None:  # embedded Valkey: the `redis` service of the layout
-        cfg.run.embedded_redis = True
-    if cfg.run.embedded_redis:
-        cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
-    choose_ports(cfg, say or _to_stderr)
-    if cfg.run.box is not None:
-        from hexctl.job.box_config import apply_box
+    new = not run_dir.exists()
+    try:
+        RunPaths.at(run_dir).logs.mkdir(parents=True, exist_ok=True)
+        if cfg.redis.url is None:  # embedded Valkey: the `redis` service of the layout
+            cfg.run.embedded_redis = True
+        if cfg.run.embedded_redis:
+            cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
+        choose_ports(cfg, say or _to_stderr)
+        if cfg.run.box is not None:
+            from hexctl.job.box_config import apply_box
 
-        apply_box(cfg, plan)
-    inf = cfg.inference
-    weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
-    weights.mkdir(parents=True, exist_ok=True)
-    inf.weights_dir = str(weights)
-    v0 = materialize_v0(cfg, weights)
-    cfg.model.path = str(v0)
-    cfg.model.tokenizer_path = None
-    path = save_config(cfg, RunPaths.at(run_dir).config)
+            apply_box(cfg, plan)
+        inf = cfg.inference
+        weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
+        weights.mkdir(parents=True, exist_ok=True)
+        inf.weights_dir = str(weights)
+        v0 = materialize_v0(cfg, weights)
+        cfg.model.path = str(v0)
+        cfg.model.tokenizer_path = None
+        path = save_config(cfg, RunPaths.at(run_dir).config)
+    except BaseException:  # a failure or an interrupt: no half-made run directory
+        if new:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     return cfg, path

@@ -127,6 +127,13 @@ def test_sigkilled_up_is_cleaned_by_the_next_down(tmp_path: Path) -> None:
     assert box.leftovers(name) == []  # ... and the next `down` removes it
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_sigterm_to_bench_hetero_takes_its_box_down(tmp_path: Path) -> None:
     """A scheduler's stop or a `kill` mid-profile: the bench ends as on Ctrl-C (exit
     130), its box and the servers in it gone."""
@@ -141,15 +148,18 @@ def test_sigterm_to_bench_hetero_takes_its_box_down(tmp_path: Path) -> None:
         text=True,
         env=env,
     )
+
+    def servers() -> list[int]:  # the profile's inference server, not `box up`'s own checks
+        pids = [p for ns in box.leftover_netns(name) for p in box._netns_pids(ns)]
+        return [p for p in pids if b"serve" in _cmdline(p)]
+
     try:
         deadline = time.monotonic() + 120
         # the box is up and the profile's first server runs in one of its namespaces
-        while time.monotonic() < deadline and proc.poll() is None:
-            if any(box._netns_pids(ns) for ns in box.leftover_netns(name)):
-                break
+        while time.monotonic() < deadline and proc.poll() is None and not servers():
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert any(box._netns_pids(ns) for ns in box.leftover_netns(name)), "no server started"
+        assert servers(), "no server started in 120 s"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
         left = box.leftovers(name)  # what the bench itself left, before any cleanup here

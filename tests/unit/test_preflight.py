@@ -80,3 +80,21 @@ def test_taken_ports_are_replaced_and_named(taken_port: int) -> None:
         said[1]
         == f"inference.base_port: port(s) {taken_port} taken; the servers use {base}-{base} instead"
     )
+
+
+def test_an_interrupt_while_preparing_leaves_no_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C, or SIGTERM, which `run` turns into it, while v0 is written: the run's
+    directory, named by the run itself (no run.run_id), is removed and the run says so."""
+    import hexctl.job.prepare as prepare
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "materialize_v0", interrupted)
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+    args = ["run", "--no-progress", str(example), f"run.output_dir={tmp_path}"]
+    assert main(args) == 130
+    assert "areal-hex run: interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
