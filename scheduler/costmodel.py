@@ -35,6 +35,8 @@ class RolloutOption:
     samples_per_s: float  # h_ψ
     tokens_per_s: float
     usd_per_h: float
+    # seconds of each weight-sync pause that still generate (`Profile.reload_overlap_s`)
+    pause_overlap_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ def rollout_config(
         samples_per_s=1.0 / per_sample,
         tokens_per_s=w.response_tokens / per_sample,
         usd_per_h=tp * g.usd_per_gpu_hour,
+        pause_overlap_s=prof.reload_overlap_s(kind.name) if prof is not None else 0.0,
     )
 
 
@@ -211,13 +214,13 @@ def generation_at(
     window: bool = True,
 ) -> float:
     """Samples/s the instances (option, pause per publish, count) generate at pipeline
-    rate `rate`, less their pauses and (with `window`) the groups that miss the staleness
-    window."""
+    rate `rate`, less their pauses but the seconds of each that still generate (`pause_overlap_s`)
+    and (with `window`) the groups that miss the staleness window."""
     k = w.publish_every * w.samples_per_step
     return sum(
         n
         * r.samples_per_s
-        * max(0.0, 1 - s * rate / k)
+        * max(0.0, 1 - max(0.0, s - r.pause_overlap_s) * rate / k)
         * (window_fraction(w, r, s, rate) if window else 1.0)
         for r, s, n in instances
     )

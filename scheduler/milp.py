@@ -91,14 +91,16 @@ def build_problem(
     # The pause share at rate R is s·R/(kBG). Charged at an upper bound of R, the MILP's
     # rate stays a lower bound of the exact one. R is at most the trainer's rate, and at
     # most what every GPU of the inventory C could generate with the pauses of the zone
-    # that pauses least: R ≤ C·(1 − a·R), a = s_min/(kBG), so R ≤ C/(1 + a·C). The
+    # that pauses least, less the longest overlap of a pause with generation:
+    # R ≤ C·(1 − a·R), a = s_min/(kBG), so R ≤ C/(1 + a·C). The
     # smaller bound keeps a fast trainer's publish period off slow rollouts.
     ceiling = _generation_ceiling(cl, rollouts)
     publish = w.publish_every * w.samples_per_step
+    overlap = max((r.pause_overlap_s for r in rollouts), default=0.0)  # pauses least
     for i, c in enumerate(trainers):
         for z in zones:
             sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)
-        a = min((sync[(z, i)] for z in zones), default=0.0) / publish
+        a = min((max(0.0, sync[(z, i)] - overlap) for z in zones), default=0.0) / publish
         bound = min(c.samples_per_s, ceiling / (1 + a * ceiling))
         for z in zones:
             pause[(z, i)] = min(1.0, sync[(z, i)] * bound / publish)
@@ -135,9 +137,21 @@ def lost_blocks(c: TrainerOption, group: str, gpn: int, t: int) -> int:
     return machines * t * (gpn // t - (gpn - c.per_node) // t)
 
 
+def _paused(p: PlanSpace, zone: str, overlap_s: float, c_idx: int) -> float:
+    """The share of time an instance in `zone` that generates through `overlap_s` of
+    each pause loses to trainer c's weight syncs (the pause share, charged at the
+    MILP's bound of the rate, for the part of the pause that does not generate)."""
+    sync = p.sync_s[(zone, c_idx)]
+    if sync <= 0:
+        return 0.0
+    return p.pause[(zone, c_idx)] * max(0.0, sync - overlap_s) / sync
+
+
 def gen_rate(p: PlanSpace, c_idx: int, y: dict[int, int]) -> float:
     return sum(
-        n * p.rollouts[i].samples_per_s * (1 - p.pause[(p.rollouts[i].zone, c_idx)])
+        n
+        * p.rollouts[i].samples_per_s
+        * (1 - _paused(p, p.rollouts[i].zone, p.rollouts[i].pause_overlap_s, c_idx))
         for i, n in y.items()
     )
 
@@ -220,15 +234,16 @@ def _model(
     R = prob.add_variable("R", lowBound=target or 0.0)
     # index the options once: every per-group or per-zone sum below is then linear in
     # the options, not options × groups (thousands of each at 4,096 GPUs)
-    in_zone: dict[str, list[int]] = {}
+    # generation is summed per zone and seconds of a pause that still generate (per kind)
     in_group: dict[str, list[int]] = {}
+    in_zs: dict[tuple[str, float], list[int]] = {}
     for i in ris:
-        in_zone.setdefault(p.rollouts[i].zone, []).append(i)
         in_group.setdefault(p.rollouts[i].group, []).append(i)
-    zones = sorted(in_zone)
-    G = {z: prob.add_variable(f"G_{k}", lowBound=0) for k, z in enumerate(zones)}
-    for z in zones:
-        prob += G[z] == pulp.lpSum(p.rollouts[i].samples_per_s * y[i] for i in in_zone[z])
+        in_zs.setdefault((p.rollouts[i].zone, p.rollouts[i].pause_overlap_s), []).append(i)
+    keys = sorted(in_zs)
+    G = {zs: prob.add_variable(f"G_{k}", lowBound=0) for k, zs in enumerate(keys)}
+    for zs in keys:
+        prob += G[zs] == pulp.lpSum(p.rollouts[i].samples_per_s * y[i] for i in in_zs[zs])
     big_m = sum(
         max(
             (p.rollouts[i].samples_per_s / p.rollouts[i].tp for i in in_group.get(g, [])),
@@ -241,7 +256,8 @@ def _model(
     prob += R <= pulp.lpSum(p.trainers[c].samples_per_s * x[c] for c in cis)
     prob += R <= pulp.lpSum(G.values())
     for c in cis:
-        prob += R <= pulp.lpSum((1 - p.pause[(z, c)]) * G[z] for z in zones) + big_m * (1 - x[c])
+        kept = pulp.lpSum((1 - _paused(p, z, ov, c)) * G[(z, ov)] for z, ov in keys)
+        prob += R <= kept + big_m * (1 - x[c])
     users: dict[str, list[int]] = {}  # node group -> trainers taking GPUs of it
     for c in cis:
         for g in dict.fromkeys(g for g, _ in p.trainers[c].parts):

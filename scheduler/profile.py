@@ -53,6 +53,14 @@ class DeviceRates(Section):
     # `profile --local`) over the replay's figure for the same layout: the hand-offs
     # between them. Multiplies that part of a synchronous step on this kind.
     sync_cycle_factor: float | None = Field(None, gt=0)
+    # Seconds of a weight update's pause (requests in flight) in which the server still
+    # generates: the pause reaches a busy server late, and it resumes before the
+    # controller's update call returns. Measured (`profile --box`) as the run's
+    # controller keeping the server full without and with an update every
+    # `RELOAD_EVERY_S`: the pause's length less the seconds of samples the load lost per
+    # update. Taken off each pause in the generation charge (not in the staleness
+    # window, which waits the whole pause); unmeasured: 0.
+    reload_overlap_s: float | None = Field(None, ge=0)
 
 
 class Profile(Section):
@@ -122,6 +130,10 @@ class Profile(Section):
         if checkpoint_every and rates.train_checkpoint_s is not None:
             extra += rates.train_checkpoint_s / checkpoint_every
         return extra
+
+    def reload_overlap_s(self, kind: str) -> float:
+        rates = self.kinds.get(kind)
+        return (rates.reload_overlap_s or 0.0) if rates is not None else 0.0
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

@@ -94,6 +94,20 @@ async def continuous_load(
     return got
 
 
+def pause_overlap_s(plain: float, paused: float, pause_s: float | None) -> float | None:
+    """Seconds of an update's pause in which generation went on: `plain` samples/s
+    without updates, `paused` those between updates of `pause_s` each, one every
+    `RELOAD_EVERY_S` (as `continuous_load` reports them). Over one cycle of a wait and a
+    pause the load made `paused`·wait samples where `plain` makes them in
+    made/`plain` seconds: the rest of the cycle was lost; the pause less that, within
+    [0, pause]. None without an update."""
+    if not pause_s or plain <= 0:
+        return None
+    made = paused * RELOAD_EVERY_S
+    lost_s = RELOAD_EVERY_S + pause_s - made / plain
+    return min(pause_s, max(0.0, pause_s - lost_s))
+
+
 CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
 RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
 TICK_S = 0.1  # how often the load's progress and CPU are read

@@ -25,7 +25,12 @@ import yaml
 
 from areal_hex.config import ExperimentConfig
 from hexctl.job.processes import stop_process
-from hexctl.profile.controller import ProfileFailed, continuous_load, sync_cycle
+from hexctl.profile.controller import (
+    ProfileFailed,
+    continuous_load,
+    pause_overlap_s,
+    sync_cycle,
+)
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
 from rollout_service.client import GenerationError
 
@@ -51,6 +56,10 @@ class GenerationRates:
     # ... and as a synchronous run drives it: a trainer that only publishes a version and
     # takes the next batch; seconds from the publish to the whole batch (median)
     sync_cycle_s: float
+    # seconds of an update's pause in which the load still generated (`reload_overlap_s`;
+    # measured on a box node only): the median, and each round's
+    reload_overlap_s: float | None = None
+    reload_overlaps_s: list[float] | None = None
 
 
 def measure_generation(
@@ -97,13 +106,20 @@ def measure_generation(
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
             # load that a neighbour slows moves one median, not the choice between them
-            alone, shared = [], []
+            alone, shared, overlaps = [], [], []
             window = dev.min_window_s
             for k in range(dev.repeats):
                 say(f"the run's controller keeping the server busy, round {k + 1}/{dev.repeats}")
                 with pinned(dev.trainer_cores, 1):
                     load = continuous_load(url, cfg, model_dir, {pid}, min_window_s=window)
                     alone.append(asyncio.run(load))
+                if dev.cgroup is not None:  # a box node: the same with updates, right after
+                    load = continuous_load(
+                        url, cfg, model_dir, {pid}, reloads=True, min_window_s=window
+                    )
+                    rate, _, pause = asyncio.run(load)
+                    overlap = pause_overlap_s(alone[-1][0], rate, pause)
+                    overlaps += [] if overlap is None else [overlap]
                 if dev.inference_cores is not None:
                     with pinned(dev.inference_cores, 1):
                         load = continuous_load(
@@ -111,6 +127,9 @@ def measure_generation(
                         )
                         shared.append(asyncio.run(load))
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
+            if overlaps:
+                gen.reload_overlap_s = statistics.median(overlaps)
+                gen.reload_overlaps_s = overlaps
             gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
             if shared:
                 gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)

@@ -99,6 +99,7 @@ def profile_local(
         mine.generation_efficiency_shared = gen.continuous_shared_samples_per_s / composed
         mine.reload_shared_s = gen.reload_shared_s
     mine.host_cpu_s_per_sample = gen.host_cpu_s_per_sample
+    mine.reload_overlap_s = gen.reload_overlap_s
     mine.sync_cycle_factor = gen.sync_cycle_s / replayed_cycle_s(files, prof)
     save_profile(prof, files.profile)
     cores = {
@@ -114,6 +115,7 @@ def profile_local(
         "generation_efficiency": mine.generation_efficiency,
         "generation_efficiency_shared": mine.generation_efficiency_shared,
         "sync_cycle_factor": mine.sync_cycle_factor,
+        "reload_overlap_s": mine.reload_overlap_s,
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files

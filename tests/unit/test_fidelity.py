@@ -200,6 +200,52 @@ def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
     )
 
 
+def test_a_pause_costs_generation_all_but_its_measured_overlap(tmp_path: Path) -> None:
+    """`reload_overlap_s` comes off each pause in the generation charge only: the same
+    layout generates (1 - (pause - overlap)·R/(B·G))/per-sample, the weight-sync figure
+    and the training rate stay, and an overlap longer than the pause charges nothing."""
+    from scheduler.costmodel import rollout_config
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    full = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    prof.kinds["CPU"].reload_overlap_s = 0.015
+    part = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    assert part.weight_sync_s == pytest.approx(full.weight_sync_s)
+    assert part.training_samples_per_s == pytest.approx(full.training_samples_per_s)
+    per_sample = 20 * 0.02 / 64 + 34 / 16 / 5000
+    paused = (part.weight_sync_s - 0.015) * part.pipeline_samples_per_s / 128
+    assert part.generation_samples_per_s == pytest.approx((1 - paused) / per_sample, rel=1e-3)
+    assert part.generation_samples_per_s > full.generation_samples_per_s
+    opt = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
+    assert opt is not None and opt.pause_overlap_s == 0.015
+    prof.kinds["CPU"].reload_overlap_s = 10.0  # the whole pause generates
+    none = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    assert none.generation_samples_per_s == pytest.approx(1 / per_sample, rel=1e-3)
+    prof.kinds["CPU"].reload_overlap_s = None  # unmeasured: the whole pause is lost
+    again = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    assert again.generation_samples_per_s == pytest.approx(full.generation_samples_per_s)
+
+
+def test_the_measured_overlap_of_a_pause() -> None:
+    """`pause_overlap_s` from a load without and with updates: a pause that stops the
+    load for its length overlaps nothing, one the load makes up overlaps all of it."""
+    from hexctl.profile.controller import RELOAD_EVERY_S, pause_overlap_s
+
+    e, p = RELOAD_EVERY_S, 0.05
+    # the rate between updates equals the plain rate: every pause lost its length
+    assert pause_overlap_s(100.0, 100.0, p) == pytest.approx(0.0)
+    # as many samples per cycle as without updates: nothing lost
+    assert pause_overlap_s(100.0, 100.0 * (e + p) / e, p) == pytest.approx(p)
+    # in between: 40 % of the pause lost, 60 % of it (0.03 s) generated
+    assert pause_overlap_s(100.0, 100.0 * (e + 0.6 * p) / e, p) == pytest.approx(0.03)
+    # noise outside [0, pause] is clipped; no update measured: None
+    assert pause_overlap_s(100.0, 50.0, p) == 0.0
+    assert pause_overlap_s(100.0, 500.0, p) == p
+    assert pause_overlap_s(100.0, 100.0, None) is None
+
+
 def test_host_work_beside_the_servers(tmp_path: Path) -> None:
     """`host_work: rollout` (`run.host_cores: inference`): the trainer's step pays
     nothing for the controller; the instance's generation is the one measured sharing its

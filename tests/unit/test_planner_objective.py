@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,38 @@ def test_a_faster_trainer_that_needs_one_more_instance_is_reached() -> None:
     assert sorted(i.gpu_kind for i in res.plan.rollout) == ["mem", "mem"]
     assert res.plan.baselines.milp_pick_samples_per_s < 72  # the pick: mem trains
     assert res.plan.predicted.samples_per_s > 1.5 * res.plan.baselines.milp_pick_samples_per_s
+
+
+def test_the_milp_charges_only_the_pause_that_does_not_generate() -> None:
+    """The thin box's profile with the mem kind generating through part of each pause
+    (`reload_overlap_s`): the MILP's generation bound and the exact evaluation both
+    charge the rest, so the MILP's rate stays a lower bound of the exact one and the
+    same budget plans at least the rate it planned before."""
+    from scheduler.milp import build_problem, evaluate, gen_rate, solve
+    from scheduler.profile import load_profile
+
+    d = Path(__file__).resolve().parents[1] / "data" / "box_thin_profile"
+    cl = load_cluster(d / "cluster.yaml")
+    m = load_model_shape(str(d / "model"))
+    w = load_workload(d / "workload.yaml")
+    prof = load_profile(d / "profile.yaml", m.params)
+    before = make_plan(cl, m, w, budget=5, prof=prof, simulate_plan=False, baselines=False)
+    prof.kinds["mem"].reload_overlap_s = 0.04
+    after = make_plan(cl, m, w, budget=5, prof=prof, simulate_plan=False, baselines=False)
+    assert after.plan.predicted.samples_per_s >= before.plan.predicted.samples_per_s - 1e-6
+    from scheduler.costmodel import rollout_configs
+    from scheduler.trainers import trainer_configs
+
+    p = build_problem(cl, m, w, rollout_configs(cl, m, w, prof), trainer_configs(cl, m, w, prof))
+    sol = solve(p, budget=5)
+    assert sol is not None
+    c = p.trainers.index(sol.trainer)
+    rate, _ = evaluate(p, c, sol.replicas)
+    assert sol.rate <= rate + 1e-6
+    mem = [i for i, r in enumerate(p.rollouts) if r.kind == "mem"]
+    assert all(p.rollouts[i].pause_overlap_s == 0.04 for i in mem)
+    # the same instances, their overlap ignored: the generation bound charges more
+    y = {mem[0]: 2}
+    with_overlap = gen_rate(p, c, y)
+    p.rollouts[mem[0]] = dataclasses.replace(p.rollouts[mem[0]], pause_overlap_s=0.0)
+    assert gen_rate(p, c, y) < with_overlap
