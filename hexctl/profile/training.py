@@ -16,9 +16,9 @@ from pathlib import Path
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.gc_freeze import freeze_startup
-from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+from hexctl.profile.devices import LocalDevices, Say, pinned, quiet
 
-TRAIN_STEPS = 10  # per timed round (REPEATS of them) after a warm-up step
+TRAIN_STEPS = 10  # per timed round (the device's repeats of them) after a warm-up step
 CHECKPOINTS = 2  # timed after the rounds
 
 
@@ -38,19 +38,25 @@ def measure_training(
     prompt_len: int,
     response: float,
     say: Say = quiet,
-    rounds: tuple[int, int] = (REPEATS, TRAIN_STEPS),
+    rounds: tuple[int, int] | None = None,
 ) -> TrainingRates:
     """The trainer's step on one rank, the run's batch, in a process of its own as the
     run's trainer is: nothing of the generation measurements in its heap, and
     DeepSpeed's process groups (cached per process, stale once destroyed) new each time
     a process profiles. The steps publish the weights every `trainer.publish_every` as
     the run's do (to disk, the writing thread sharing the cores with the next step), and
-    checkpoints are timed after them. `rounds`: (timed rounds, steps each); the median
-    round's rate is returned."""
+    checkpoints are timed after them. `rounds`: (timed rounds, steps each; by default the
+    device's repeats and `TRAIN_STEPS`), and a round goes on past its steps until it has
+    trained for the device's `min_window_s` (a box node's share moves within seconds);
+    the median round's rate is returned."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    say(f"training: {rounds[0]} rounds of {rounds[1]} steps after a warm-up, in a new process")
+    rounds = rounds or (dev.repeats, TRAIN_STEPS)
+    say(
+        f"training: {rounds[0]} rounds of {rounds[1]} steps and at least "
+        f"{dev.min_window_s:g} s each after a warm-up, in a new process"
+    )
     spawn = multiprocessing.get_context("spawn")
     job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
@@ -134,10 +140,11 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
     try:
         optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
         n_rounds, n_steps = job.rounds
-        for r in range(n_rounds):  # rounds of n_steps steps, tokens over seconds each
-            tokens, busy = 0, 0.0
-            for step in range(n_steps):
-                k = 1 + r * n_steps + step
+        k = 0
+        for _ in range(n_rounds):  # rounds of n_steps steps or more, tokens over seconds
+            tokens, busy, steps = 0, 0.0, 0
+            while steps < n_steps or busy < dev.min_window_s:
+                k, steps = k + 1, steps + 1
                 groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=k)
                 t0 = time.perf_counter()
                 tokens += optimize(ctx, groups).num_tokens
