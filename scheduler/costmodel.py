@@ -155,7 +155,12 @@ def rollout_config(
         samples_per_s=1.0 / per_sample,
         tokens_per_s=w.response_tokens / per_sample,
         usd_per_h=tp * g.usd_per_gpu_hour,
-        pause_overlap_s=prof.reload_overlap_s(kind.name) if prof is not None else 0.0,
+        # measured with updates from disk: over the network the pause is charged whole
+        pause_overlap_s=(
+            prof.reload_overlap_s(kind.name)
+            if prof is not None and w.weight_sync == "disk"
+            else 0.0
+        ),
     )
 
 

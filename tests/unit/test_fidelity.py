@@ -203,7 +203,8 @@ def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
 def test_a_pause_costs_generation_all_but_its_measured_overlap(tmp_path: Path) -> None:
     """`reload_overlap_s` comes off each pause in the generation charge only: the same
     layout generates (1 - (pause - overlap)·R/(B·G))/per-sample, the weight-sync figure
-    and the training rate stay, and an overlap longer than the pause charges nothing."""
+    and the training rate stay, and an overlap longer than the pause charges nothing.
+    The overlap is measured with updates from disk, and taken off their pauses only."""
     from scheduler.costmodel import rollout_config
     from scheduler.predict import TrainerLayout, predict_layout
 
@@ -223,6 +224,11 @@ def test_a_pause_costs_generation_all_but_its_measured_overlap(tmp_path: Path) -
     prof.kinds["CPU"].reload_overlap_s = 10.0  # the whole pause generates
     none = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
     assert none.generation_samples_per_s == pytest.approx(1 / per_sample, rel=1e-3)
+    # measured with updates from disk: a network update's pause is charged whole
+    net = w.model_copy(update={"weight_sync": "network"})
+    over = predict_layout(cl, m, net, prof, [("local", 1)], trainer).asynchronous
+    paused = over.weight_sync_s * over.pipeline_samples_per_s / 128
+    assert over.generation_samples_per_s == pytest.approx((1 - paused) / per_sample, rel=1e-3)
     prof.kinds["CPU"].reload_overlap_s = None  # unmeasured: the whole pause is lost
     again = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
     assert again.generation_samples_per_s == pytest.approx(full.generation_samples_per_s)

@@ -114,17 +114,17 @@ def test_a_faster_trainer_that_needs_one_more_instance_is_reached() -> None:
 
 
 def test_the_milp_charges_only_the_pause_that_does_not_generate() -> None:
-    """The thin box's profile with the mem kind generating through part of each pause
-    (`reload_overlap_s`): the MILP's generation bound and the exact evaluation both
-    charge the rest, so the MILP's rate stays a lower bound of the exact one and the
-    same budget plans at least the rate it planned before."""
+    """The thin box's profile, weights from disk, with the mem kind generating through
+    part of each pause (`reload_overlap_s`): the MILP's generation bound and the exact
+    evaluation both charge the rest, so the MILP's rate stays a lower bound of the exact
+    one and the same budget plans at least the rate it planned before."""
     from scheduler.milp import build_problem, evaluate, gen_rate, solve
     from scheduler.profile import load_profile
 
     d = Path(__file__).resolve().parents[1] / "data" / "box_thin_profile"
     cl = load_cluster(d / "cluster.yaml")
     m = load_model_shape(str(d / "model"))
-    w = load_workload(d / "workload.yaml")
+    w = load_workload(d / "workload.yaml").model_copy(update={"weight_sync": "disk"})
     prof = load_profile(d / "profile.yaml", m.params)
     before = make_plan(cl, m, w, budget=5, prof=prof, simulate_plan=False, baselines=False)
     prof.kinds["mem"].reload_overlap_s = 0.04
