@@ -219,8 +219,8 @@ def generation_at(
     window: bool = True,
 ) -> float:
     """Samples/s the instances (option, pause per publish, count) generate at pipeline
-    rate `rate`, less their pauses but the seconds of each that still generate (`pause_overlap_s`)
-    and (with `window`) the groups that miss the staleness window."""
+    rate `rate`, less their pauses (but the seconds of each that still generate,
+    `pause_overlap_s`) and (with `window`) the groups that miss the staleness window."""
     k = w.publish_every * w.samples_per_step
     return sum(
         n

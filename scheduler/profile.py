@@ -54,12 +54,13 @@ class DeviceRates(Section):
     # between them. Multiplies that part of a synchronous step on this kind.
     sync_cycle_factor: float | None = Field(None, gt=0)
     # Seconds of a weight update's pause (requests in flight) in which the server still
-    # generates: the pause reaches a busy server late, and it resumes before the
-    # controller's update call returns. Measured (`profile --box`) as the run's
-    # controller keeping the server full without and with an update every
-    # `RELOAD_EVERY_S`: the pause's length less the seconds of samples the load lost per
-    # update. Taken off each pause in the generation charge (not in the staleness
-    # window, which waits the whole pause); unmeasured: 0.
+    # generates: the controller's pause reaches a busy server late, and the server
+    # resumes before the controller's call returns. Measured (`profile --box`) as the
+    # run's controller keeping the server full without and with an update from disk
+    # every `RELOAD_EVERY_S`: the pause's length less the seconds of samples the load
+    # lost per update. Taken off each pause from disk in the generation charge (not in
+    # the staleness window, which waits the whole pause; not over the network, where it
+    # was not measured); unmeasured: 0.
     reload_overlap_s: float | None = Field(None, ge=0)
 
 
