@@ -57,9 +57,11 @@ class GenerationRates:
     # takes the next batch; seconds from the publish to the whole batch (median)
     sync_cycle_s: float
     # seconds of an update's pause in which the load still generated (`reload_overlap_s`;
-    # measured on a box node only): the median, and each round's
+    # measured on a box node only): the median, and each round's; and each round's
+    # median pause (the controller's update under that load)
     reload_overlap_s: float | None = None
     reload_overlaps_s: list[float] | None = None
+    reload_under_load_s: list[float] | None = None
 
 
 def measure_generation(
@@ -106,7 +108,7 @@ def measure_generation(
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
             # load that a neighbour slows moves one median, not the choice between them
-            alone, shared, overlaps = [], [], []
+            alone, shared, overlaps, pauses = [], [], [], []
             window = dev.min_window_s
             for k in range(dev.repeats):
                 say(f"the run's controller keeping the server busy, round {k + 1}/{dev.repeats}")
@@ -120,6 +122,7 @@ def measure_generation(
                     rate, _, pause = asyncio.run(load)
                     overlap = pause_overlap_s(alone[-1][0], rate, pause)
                     overlaps += [] if overlap is None else [overlap]
+                    pauses += [] if pause is None else [pause]
                 if dev.inference_cores is not None:
                     with pinned(dev.inference_cores, 1):
                         load = continuous_load(
@@ -130,6 +133,7 @@ def measure_generation(
             if overlaps:
                 gen.reload_overlap_s = statistics.median(overlaps)
                 gen.reload_overlaps_s = overlaps
+                gen.reload_under_load_s = pauses
             gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
             if shared:
                 gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)
