@@ -62,6 +62,9 @@ class TrainerOption:
     # (`trainer.rank_speeds`). `kind` is then a label, the kinds joined by "+".
     part_kinds: tuple[str, ...] = field(default=())
     part_speeds: tuple[float, ...] = field(default=())
+    # Of a synchronous run's step, the compute: its weight write is not beside it (the
+    # profile's rate for that where measured; None: `compute_s`).
+    sync_compute_s: float | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -155,12 +158,8 @@ def rollout_config(
         samples_per_s=1.0 / per_sample,
         tokens_per_s=w.response_tokens / per_sample,
         usd_per_h=tp * g.usd_per_gpu_hour,
-        # measured with updates from disk: over the network the pause is charged whole
-        pause_overlap_s=(
-            prof.reload_overlap_s(kind.name)
-            if prof is not None and w.weight_sync == "disk"
-            else 0.0
-        ),
+        # measured in one mode: a pause of the other is charged whole
+        pause_overlap_s=0.0 if prof is None else prof.reload_overlap_s(kind.name, w.weight_sync),
     )
 
 

@@ -209,8 +209,11 @@ def _synchronous(
             sync += idle - cl.link(tr.zones[0], o.zone).latency_ms / 1e3
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
-    # the controller works while the trainer waits for the batch: no host-CPU share
+    # the controller works while the trainer waits for the batch: no host-CPU share;
+    # nor does the weight write share the step (it ends in the wait)
     step = tr.step_s - tr.host_s
+    if tr.sync_compute_s is not None:
+        step += tr.sync_compute_s - tr.compute_s
     res = simulate(
         sim_insts,
         batch_groups=w.groups_per_step,

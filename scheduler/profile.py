@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field
@@ -24,6 +25,10 @@ class DeviceRates(Section):
     decode_context: int = Field(gt=0)  # context length the decode steps were timed at
     prefill_tokens_per_s: float = Field(gt=0)
     train_tokens_per_s: float = Field(gt=0)  # forward + backward + optimizer, one device
+    # ... with no weight write beside the step (`profile --box`: rounds that publish
+    # nothing, between the others): a synchronous run's step, whose write ends while it
+    # waits for its next batch; unmeasured: `train_tokens_per_s`
+    train_sync_tokens_per_s: float | None = Field(None, gt=0)
     # What a trainer step on this kind spends beyond its optimizer step, as the run's
     # trainer does it (`profile --local`): one weight publish's share of the step (the
     # gather and the hand-off to the writing thread, and the wait for the previous write),
@@ -56,12 +61,14 @@ class DeviceRates(Section):
     # Seconds of a weight update's pause (requests in flight) in which the server still
     # generates: the controller's pause reaches a busy server late, and the server
     # resumes before the controller's call returns. Measured (`profile --box`) as the
-    # run's controller keeping the server full without and with an update from disk
-    # every `RELOAD_EVERY_S`: the pause's length less the seconds of samples the load
-    # lost per update. Taken off each pause from disk in the generation charge (not in
-    # the staleness window, which waits the whole pause; not over the network, where it
-    # was not measured); unmeasured: 0.
+    # run's controller keeping the server full without and with an update every
+    # `RELOAD_EVERY_S`, made as `reload_overlap_sync` says (from disk, or over the
+    # network from a rank 0 beside the server): the pause's length less the seconds of
+    # samples the load lost per update. Taken off each pause of that mode in the
+    # generation charge (not in the staleness window, which waits the whole pause; not
+    # off the other mode's, where it was not measured); unmeasured: 0.
     reload_overlap_s: float | None = Field(None, ge=0)
+    reload_overlap_sync: Literal["disk", "network"] = "disk"
 
 
 class Profile(Section):
@@ -94,8 +101,13 @@ class Profile(Section):
     def prefill_tokens_per_s(self, kind: str) -> float:
         return self.kinds[kind].prefill_tokens_per_s
 
-    def train_tokens_per_s(self, kind: str) -> float:
-        return self.kinds[kind].train_tokens_per_s
+    def train_tokens_per_s(self, kind: str, sync: bool = False) -> float:
+        """`sync`: a synchronous run's step (its weight write not beside it), where
+        measured."""
+        rates = self.kinds[kind]
+        if sync and rates.train_sync_tokens_per_s is not None:
+            return rates.train_sync_tokens_per_s
+        return rates.train_tokens_per_s
 
     def generation_efficiency(self, kind: str) -> float:
         return (self.kinds[kind].generation_efficiency or 1.0) if kind in self.kinds else 1.0
@@ -132,9 +144,12 @@ class Profile(Section):
             extra += rates.train_checkpoint_s / checkpoint_every
         return extra
 
-    def reload_overlap_s(self, kind: str) -> float:
+    def reload_overlap_s(self, kind: str, sync: str = "disk") -> float:
+        """Of a pause of mode `sync` on `kind`: the seconds measured to still generate."""
         rates = self.kinds.get(kind)
-        return (rates.reload_overlap_s or 0.0) if rates is not None else 0.0
+        if rates is None or rates.reload_overlap_sync != sync:
+            return 0.0
+        return rates.reload_overlap_s or 0.0
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

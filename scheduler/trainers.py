@@ -80,11 +80,15 @@ def _links(cl: Cluster, groups: list[NodeGroup]) -> tuple[float, float]:
     return bw, lat
 
 
-def rank_speed(m: ModelShape, w: Workload, kind: GpuKind, prof: Profile | None) -> float:
+def rank_speed(
+    m: ModelShape, w: Workload, kind: GpuKind, prof: Profile | None, sync: bool = False
+) -> float:
     """Samples per second one rank of `kind` trains: the profile's tokens/s where it
-    measured the kind, else the kind's peak at its `train_mfu` over a sample's FLOPs."""
+    measured the kind (`sync`: a synchronous run's step), else the kind's peak at its
+    `train_mfu` over a sample's FLOPs."""
     if prof is not None and prof.has(kind.name):
-        return prof.train_tokens_per_s(kind.name) / (w.prompt_tokens + w.response_tokens)
+        tokens = prof.train_tokens_per_s(kind.name, sync)
+        return tokens / (w.prompt_tokens + w.response_tokens)
     k = kind_constants(w.constants, kind)
     return kind.bf16_tflops * 1e12 * k.train_mfu / train_flops_per_sample(m, w)
 
@@ -124,6 +128,10 @@ def cost_trainer(
     compute = shared_compute_s(
         w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
     )
+    sync_speeds = [rank_speed(m, w, kd, prof, sync=True) for kd in kinds]
+    sync_compute = shared_compute_s(
+        w.samples_per_step, [(n, s) for (_, n), s in zip(parts, sync_speeds, strict=True)]
+    )
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_every
     if prof is not None:  # rank 0 publishes; what its kind measured doing it replaces that
         extra = prof.train_extra_s(kinds[0].name, w.publish_every, w.checkpoint_every)
@@ -159,6 +167,7 @@ def cost_trainer(
             part_kinds=tuple(kd.name for kd in kinds),
             part_speeds=speeds,
             host_s=host,
+            sync_compute_s=sync_compute,
         )
         # Same GPUs, same price: keep the fastest stage, and among equals the leanest.
         if best is None or cand.step_s <= best.step_s * (1 + 1e-9):

@@ -257,3 +257,62 @@ class AsyncPublisher:
             collect_versions(self.weights_dir, self.keep)
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
+
+
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
+
+
+def broadcast_versions(
+    model_dir: str,
+    address: str,
+    port: int | None,
+    bucket_mb: float,
+    go: Any,
+    out: Any,
+    netns: str | None = None,
+    epoch: int = 0,
+) -> None:
+    """A trainer's rank 0 on its own (the target of a spawned process): on each version
+    `go` gives, the weights of `model_dir` over a `NetworkSink`, the trainer's own code;
+    None ends it, "regroup" leaves the group (the next version forms a new one). `out`
+    hears ("manifest", JSON, time) once the manifest is left and ("sent", seconds,
+    failures) once the broadcast is done. `netns`: the network
+    namespace (`ip netns` name) to join first, before any socket is made; `port`: None
+    takes a free one at `address` there; `epoch`: the first group's (a new name for a
+    server that joined an earlier one)."""
+    if netns is not None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
+        finally:
+            os.close(fd)
+    from areal_hex.models import load_model
+    from areal_hex.weight_net import free_port
+
+    model = load_model(model_dir, "cpu", "float32")
+    # tied to the embedding: published once, as the trainer's state dict has it
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sink = NetworkSink(
+        master_address=address,
+        master_port=port if port is not None else free_port(address),
+        server_ranks=1,
+        backend="gloo",
+        bucket_bytes=int(bucket_mb * 2**20),
+        timeout_s=120.0,
+        put_manifest=lambda m: out.put(("manifest", m.to_json(), time.time())),
+        epoch=epoch,
+    )
+    try:
+        while (version := go.get()) is not None:
+            if version == "regroup":
+                sink.close()
+                sink.epoch += 1
+                continue
+            sink.publish(version, tensors, lambda v, p: None)
+            out.put(("sent", sink.last_sync_s, sink.failures))
+    finally:
+        sink.close()

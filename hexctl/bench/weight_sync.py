@@ -30,28 +30,6 @@ from pathlib import Path
 from typing import Any
 
 
-def rank0(model_dir: str, address: str, port: int, bucket_mb: float, go: Any, out: Any) -> None:
-    """The trainer's side: on each `go` (a version), broadcast the model's weights."""
-    from areal_hex.models import load_model
-    from trainer_service.publish import NetworkSink
-
-    model = load_model(model_dir, "cpu", "float32")
-    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    sink = NetworkSink(
-        master_address=address,
-        master_port=port,
-        server_ranks=1,
-        backend="gloo",
-        bucket_bytes=int(bucket_mb * 2**20),
-        timeout_s=120.0,
-        put_manifest=lambda m: out.put(("manifest", m.to_json(), time.time())),
-    )
-    while (version := go.get()) is not None:
-        sink.publish(version, tensors, lambda v, p: None)
-        out.put(("sent", sink.last_sync_s, sink.failures))
-    sink.close()
-
-
 async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
     from areal_hex.models import load_model, materialize
@@ -61,7 +39,7 @@ async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from rollout_service.controller.dispatch import Dispatcher
     from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
     from rollout_service.server.main import ServerThread, build_server_app
-    from trainer_service.publish import write_model_dir
+    from trainer_service.publish import broadcast_versions, write_model_dir
 
     tiny = TinyModelConfig(num_layers=args.layers, hidden_size=args.hidden,
                            intermediate_size=2 * args.hidden)  # fmt: skip
@@ -74,7 +52,8 @@ async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     go, out = ctx.Queue(), ctx.Queue()
     port = free_port()
-    proc = ctx.Process(target=rank0, args=(str(src), args.address, port, args.bucket_mb, go, out))
+    rank0 = (str(src), args.address, port, args.bucket_mb, go, out)
+    proc = ctx.Process(target=broadcast_versions, args=rank0)
     proc.start()
     manifests: dict[int, Manifest] = {}
 

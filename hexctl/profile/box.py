@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
         node_prefix=node_argv(n, []),
         address=n.address,
         cgroup=n.cgroup,
+        netns=n.netns,
         repeats=BOX_REPEATS,
         min_window_s=BOX_MIN_WINDOW_S,
     )
@@ -112,13 +114,35 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
         cpu["hbm_gb"] = _hbm_gb(files, workload, batches[kind])
         overrides[kind] = cpu
         zone = load_yaml_text(f.cluster.read_text(), str(f.cluster))["zones"][0]
-        reloads.append(zone["inter_node_latency_ms"])
+        gen = json.loads(f.measured.read_text())["generation"]
+        reloads.append(_pause_ms(files, gen) or zone["inter_node_latency_ms"])
         params = prof.params
     save_profile(Profile(model=str(files.model), params=params, kinds=kinds), files.profile)
     spec = inventory(box, overrides, max(reloads))
     files.cluster.write_text(yaml.safe_dump(spec, sort_keys=False))
     measured = {k: json.loads(f.measured.read_text()) for k, f in per_kind.items()}
     files.measured.write_text(json.dumps({"kinds": measured}, indent=2))
+
+
+def _pause_ms(files: LocalProfileFiles, gen: dict[str, Any]) -> float | None:
+    """The link latency that prices a kind's weight update as its update rounds measured
+    it (`reload_under_load_s`: the run's controller updating the server under the run's
+    load, from disk or over the network as the run will, about 20 updates a round): the
+    median pause, less the fixed seconds the cost model adds for that mode
+    (`costmodel.sync_terms` at no latency: each bucket's call over the network), so
+    that the link's latency plus them is the pause measured; None if not measured."""
+    from scheduler.costmodel import sync_terms
+    from scheduler.model_shape import load_model_shape
+    from scheduler.workload import load_workload
+
+    pauses = gen.get("reload_under_load_s")
+    if not pauses:
+        return None
+    w = load_workload(files.workload)
+    if gen.get("reload_under_load_sync") not in (None, w.weight_sync):
+        return None  # measured in the other mode than the workload's
+    _, fixed = sync_terms(load_model_shape(str(files.model)), w, 0.0)
+    return round(max(0.0, statistics.median(pauses) - fixed) * 1e3, 3)
 
 
 def _hbm_gb(files: LocalProfileFiles, workload: dict[str, Any], batch: int) -> float:

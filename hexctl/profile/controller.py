@@ -13,7 +13,8 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,17 @@ LOCAL_GROUP = "local"  # the node group `profile --local` writes
 
 @contextlib.asynccontextmanager
 async def _controller(
-    url: str, cfg: ExperimentConfig, model_dir: Path, eta: int, groups: int
+    url: str,
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    eta: int,
+    groups: int,
+    network: Any = None,
 ) -> AsyncIterator[tuple[Any, Any, int | None]]:
     """The run's controller (`RolloutController`, the run's rewards and sampling) against
     the server at `url`, producing `groups` groups into a Valkey of its own at staleness
-    `eta`: (controller, the buffer's endpoint, Valkey's pid)."""
+    `eta`: (controller, the buffer's endpoint, Valkey's pid). `network`: where versions
+    sent over the network are described (a `NetworkSource`), None: from disk."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
     from rollout_service.controller.rollout import RolloutController
@@ -57,6 +64,7 @@ async def _controller(
         stop_token_ids=[eos] if eos is not None else [],
         seed=cfg.data.seed,
         weights_dir=str(model_dir.parent),
+        network=network,
     )
     try:
         yield ctl, endpoint, endpoint.server.pid if endpoint.server is not None else None
@@ -74,24 +82,42 @@ async def continuous_load(
     cfg: ExperimentConfig,
     model_dir: Path,
     exclude: set[int],
-    reloads: bool = False,
+    reloads: Reloads | None = None,
     min_window_s: float = 1.0,
+    rank0: Rank0 | None = None,
 ) -> tuple[float, float, float | None]:
     """The run's controller with its gate wide open, so that the server stays as full as
     an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
     the groups: no start-up, no drain): samples/s, and the CPU seconds per sample of this
     process and its children but the server (`exclude`) and Valkey. With `reloads`, a
     weight update made by the controller itself (`rollout.update_pause`, as in a run) every
-    `RELOAD_EVERY_S`: the median pause is the third figure (else None), and samples/s
-    are those between pauses. A load whose middle lasts under `min_window_s` (short
-    answers, a fast device) is run again, long enough (`min_window_s`)."""
+    `RELOAD_EVERY_S`, from disk or over the network as `reloads` says: the median pause
+    is the third figure (else None), and samples/s are those between pauses. A load
+    whose middle lasts under `min_window_s` (short answers, a fast device) is run again,
+    long enough (`min_window_s`). Over the network, `rank0` (from `broadcaster`) is
+    the broadcasting rank 0 to use (None: one for this load alone)."""
     groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
     for _ in range(2):
-        got, window_s = await _load_once(url, cfg, model_dir, exclude, reloads, groups)
+        got, window_s = await _load_once(url, cfg, model_dir, exclude, reloads, groups, rank0)
         if window_s >= min_window_s:
             break
         groups = int(groups * min(20.0, 1.5 * min_window_s / max(window_s, 1e-3))) + 1
     return got
+
+
+@dataclass(frozen=True)
+class Reloads:
+    """How `continuous_load` updates the server: "disk" (`update_weights_from_disk` of
+    the initial model) or "network": a trainer's rank 0 on its own
+    (`trainer_service.publish.broadcast_versions`) in `netns` (None: this machine's),
+    master address `address` (the server's own: the bytes cross no shaped link, and the
+    cost model adds them over the run's links), broadcasting in buckets of `bucket_mb`;
+    the controller asks the server for each bucket, as a run's does."""
+
+    sync: str = "disk"
+    netns: str | None = None
+    address: str = "127.0.0.1"
+    bucket_mb: float = 512.0
 
 
 def pause_overlap_s(plain: float, paused: float, pause_s: float | None) -> float | None:
@@ -109,6 +135,7 @@ def pause_overlap_s(plain: float, paused: float, pause_s: float | None) -> float
 
 
 CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
+FIRST_VERSION = 1001  # of the updates: above the versions the reload timings used
 RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
 TICK_S = 0.1  # how often the load's progress and CPU are read
 STALL_S = 120.0  # a load without a new sample this long fails the profile
@@ -123,14 +150,34 @@ async def _load_once(
     cfg: ExperimentConfig,
     model_dir: Path,
     exclude: set[int],
-    reloads: bool,
+    reloads: Reloads | None,
     groups: int,
+    rank0: Rank0 | None = None,
 ) -> tuple[tuple[float, float, float | None], float]:
     """`continuous_load` with `groups` groups: its figures and the measured window, s."""
+    if reloads is None or reloads.sync != "network":
+        return await _load_with(url, cfg, model_dir, exclude, reloads, groups, None)
+    if rank0 is not None:
+        rank0.regroup()  # a new controller: the server joins a group of its own
+        return await _load_with(url, cfg, model_dir, exclude, reloads, groups, rank0)
+    with broadcaster(model_dir, reloads) as own:
+        return await _load_with(url, cfg, model_dir, exclude, reloads, groups, own)
+
+
+async def _load_with(
+    url: str,
+    cfg: ExperimentConfig,
+    model_dir: Path,
+    exclude: set[int],
+    reloads: Reloads | None,
+    groups: int,
+    rank0: Rank0 | None,
+) -> tuple[tuple[float, float, float | None], float]:
     total = groups * cfg.rollout.group_size
     marks: list[tuple[float, int, float]] = []
+    network = rank0.source() if rank0 is not None else None
     # no trainer here: nothing may wait on the gate
-    async with _controller(url, cfg, model_dir, 1 << 20, groups) as (ctl, _, valkey):
+    async with _controller(url, cfg, model_dir, 1 << 20, groups, network) as (ctl, _, valkey):
         skip = exclude | ({valkey} if valkey is not None else set())
 
         async def watch() -> None:
@@ -149,31 +196,59 @@ async def _load_once(
                 await asyncio.sleep(TICK_S)
 
         pauses: list[float] = []
+        stop = asyncio.Event()
 
         async def reload_loop() -> None:
             # the controller's own update (gate closed, pause, load, resume), as in a run
-            version = 1000  # above the versions the profile's reload timings used
-            while True:
-                await asyncio.sleep(RELOAD_EVERY_S)
+            # (over the network once its manifest is left, as a run's trainer announces
+            # it); RELOAD_EVERY_S between the end of a pause and the start of the next,
+            # the announcement's round trip (`lead`, as last measured) inside it. Told to
+            # stop, it ends between updates: one announced is always taken (its rank 0
+            # waits in the broadcast until the server takes it)
+            version, ended, lead = FIRST_VERSION, time.perf_counter(), 0.0
+            while not stop.is_set():
+                wait = RELOAD_EVERY_S - (time.perf_counter() - ended) - lead
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(0.0, wait))
+                    return
+                if rank0 is None:
+                    t0 = time.perf_counter()
+                    await ctl.update_weights(version, str(model_dir))
+                else:
+                    t = time.perf_counter()
+                    await rank0.publish(version)
+                    t0 = time.perf_counter()
+                    lead = t0 - t
+                    await ctl.update_weights(version, "")
+                    await rank0.sent()
+                ended = time.perf_counter()
+                pauses.append(ended - t0)
                 version += 1
-                t0 = time.perf_counter()
-                await ctl.update_weights(version, str(model_dir))
-                pauses.append(time.perf_counter() - t0)
 
+        if rank0 is not None:  # the group forms first, as a run forms it once at its start
+            await ctl.dispatcher.probe_all()
+            await ctl.weights.start(cfg.rollout.update_pause)
+            await rank0.publish(FIRST_VERSION - 1)
+            await ctl.update_weights(FIRST_VERSION - 1, "")
+            await rank0.sent()
         watcher = asyncio.create_task(watch())
-        reloader = asyncio.create_task(reload_loop()) if reloads else None
+        reloader = asyncio.create_task(reload_loop()) if reloads is not None else None
         running = asyncio.create_task(ctl.run())
         try:
-            await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            watched = {running, watcher} | ({reloader} if reloader is not None else set())
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if reloader is not None and reloader.done():
+                reloader.result()  # raises ProfileFailed (a broadcast that failed)
             if not running.done():
                 running.cancel()
                 watcher.result()  # raises ProfileFailed
             running.result()
         finally:
-            tasks = [t for t in (watcher, reloader, running) if t is not None]
+            stop.set()
+            tasks = [t for t in (watcher, running) if t is not None]
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, reloader or asyncio.sleep(0), return_exceptions=True)
     inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
     if len(inside) < 2 or inside[-1][1] == inside[0][1]:
         # too short to sample its middle: from the last mark before the first sample to
@@ -188,6 +263,80 @@ async def _load_once(
     if reload_s is not None:  # the rate while generating: a cycle is the wait + a pause
         rate *= (RELOAD_EVERY_S + reload_s) / RELOAD_EVERY_S
     return (rate, max(0.0, c1 - c0) / n, reload_s), t1 - t0
+
+
+class Rank0:
+    """A spawned `broadcast_versions` process and the manifests it left."""
+
+    def __init__(self, proc: Any, go: Any, out: Any) -> None:
+        self.proc, self.go, self.out = proc, go, out
+        self.manifests: dict[int, Any] = {}
+
+    def source(self) -> Any:
+        from rollout_service.controller.weight_sync import NetworkSource
+
+        async def read(version: int) -> Any:
+            return self.manifests.get(version)
+
+        return NetworkSource(read, timeout_s=RANK0_TIMEOUT_S)
+
+    async def _next(self, what: str) -> tuple[Any, ...]:
+        import queue
+
+        try:
+            got = await asyncio.to_thread(self.out.get, True, RANK0_TIMEOUT_S)
+        except queue.Empty:
+            raise ProfileFailed(
+                f"the profile's broadcasting rank 0 gave no {what} in {RANK0_TIMEOUT_S:.0f} s"
+                f" (alive: {self.proc.is_alive()})"
+            ) from None
+        if got[0] != what:
+            raise ProfileFailed(f"the profile's broadcasting rank 0 said {got[0]}, not {what}")
+        return tuple(got)
+
+    async def publish(self, version: int) -> None:
+        from areal_hex.weight_net import Manifest
+
+        self.go.put(version)
+        _, text, _ = await self._next("manifest")
+        self.manifests[version] = Manifest.from_json(text)
+
+    def regroup(self) -> None:
+        """Leave the group: the next version forms a new one (a new name)."""
+        self.go.put("regroup")
+
+    async def sent(self) -> None:
+        _, _, failures = await self._next("sent")
+        if failures:
+            raise ProfileFailed("a weight broadcast of the profile's update rounds failed")
+
+
+RANK0_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def broadcaster(model_dir: Path, reloads: Reloads) -> Iterator[Rank0]:
+    """A trainer's rank 0 broadcasting `model_dir` (`Reloads`), for as long as the block;
+    its groups named anew each time (a server keeps the groups it joined before)."""
+    import multiprocessing as mp
+
+    from trainer_service.publish import broadcast_versions
+
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Queue(), ctx.Queue()
+    epoch = time.monotonic_ns() % 10**9
+    args = (str(model_dir), reloads.address, None, reloads.bucket_mb, go, out)
+    proc = ctx.Process(target=broadcast_versions, args=args, daemon=True,
+                       kwargs={"netns": reloads.netns, "epoch": epoch})  # fmt: skip
+    proc.start()
+    try:
+        yield Rank0(proc, go, out)
+    finally:
+        go.put(None)
+        proc.join(10)
+        if proc.is_alive():  # stuck in a broadcast nobody takes
+            proc.kill()
+            proc.join(5)
 
 
 SYNC_CYCLES = 6  # timed, after one that includes the controller's start

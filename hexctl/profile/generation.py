@@ -27,6 +27,8 @@ from areal_hex.config import ExperimentConfig
 from hexctl.job.processes import stop_process
 from hexctl.profile.controller import (
     ProfileFailed,
+    Reloads,
+    broadcaster,
     continuous_load,
     pause_overlap_s,
     sync_cycle,
@@ -62,6 +64,7 @@ class GenerationRates:
     reload_overlap_s: float | None = None
     reload_overlaps_s: list[float] | None = None
     reload_under_load_s: list[float] | None = None
+    reload_under_load_sync: str | None = None  # how those updates went: disk | network
 
 
 def measure_generation(
@@ -110,30 +113,43 @@ def measure_generation(
             # load that a neighbour slows moves one median, not the choice between them
             alone, shared, overlaps, pauses = [], [], [], []
             window = dev.min_window_s
-            for k in range(dev.repeats):
-                say(f"the run's controller keeping the server busy, round {k + 1}/{dev.repeats}")
-                with pinned(dev.trainer_cores, 1):
-                    load = continuous_load(url, cfg, model_dir, {pid}, min_window_s=window)
-                    alone.append(asyncio.run(load))
-                if dev.cgroup is not None:  # a box node: the same with updates, right after
-                    load = continuous_load(
-                        url, cfg, model_dir, {pid}, reloads=True, min_window_s=window
-                    )
-                    rate, _, pause = asyncio.run(load)
-                    overlap = pause_overlap_s(alone[-1][0], rate, pause)
-                    overlaps += [] if overlap is None else [overlap]
-                    pauses += [] if pause is None else [pause]
-                if dev.inference_cores is not None:
-                    with pinned(dev.inference_cores, 1):
+            # a box node's updates go as the run's will: from disk or over the network
+            # (a rank 0 in the node's namespace, so no shaped link is in the pause)
+            updates = Reloads(
+                sync=cfg.rollout.weight_sync,
+                netns=dev.netns,
+                address=dev.address,
+                bucket_mb=cfg.trainer.weight_sync_bucket_mb,
+            )
+            networked = dev.cgroup is not None and updates.sync == "network"
+            rank0 = broadcaster(model_dir, updates) if networked else contextlib.nullcontext()
+            n = dev.repeats
+            with rank0 as sender:  # one rank 0 for every round
+                for k in range(n):
+                    say(f"the run's controller keeping the server busy, round {k + 1}/{n}")
+                    with pinned(dev.trainer_cores, 1):
+                        load = continuous_load(url, cfg, model_dir, {pid}, min_window_s=window)
+                        alone.append(asyncio.run(load))
+                    if dev.cgroup is not None:  # a box node: the same with updates, right after
                         load = continuous_load(
-                            url, cfg, model_dir, {pid}, reloads=True, min_window_s=window
+                            url, cfg, model_dir, {pid}, updates, window, rank0=sender
                         )
-                        shared.append(asyncio.run(load))
+                        rate, _, pause = asyncio.run(load)
+                        overlap = pause_overlap_s(alone[-1][0], rate, pause)
+                        overlaps += [] if overlap is None else [overlap]
+                        pauses += [] if pause is None else [pause]
+                    if dev.inference_cores is not None:
+                        with pinned(dev.inference_cores, 1):
+                            load = continuous_load(
+                                url, cfg, model_dir, {pid}, reloads=Reloads(), min_window_s=window
+                            )
+                            shared.append(asyncio.run(load))
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
             if overlaps:
                 gen.reload_overlap_s = statistics.median(overlaps)
                 gen.reload_overlaps_s = overlaps
                 gen.reload_under_load_s = pauses
+                gen.reload_under_load_sync = updates.sync
             gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
             if shared:
                 gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)

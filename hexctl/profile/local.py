@@ -83,6 +83,7 @@ def profile_local(
         decode_context=int(gen.prompt_tokens + gen.response_tokens / 2),
         prefill_tokens_per_s=gen.prefill_tokens_per_s,
         train_tokens_per_s=train.tokens_per_s,
+        train_sync_tokens_per_s=train.quiet_tokens_per_s,
         train_publish_s=train.publish_s,
         train_checkpoint_s=train.checkpoint_s,
         reload_idle_s=gen.reload_idle_s,
@@ -100,6 +101,8 @@ def profile_local(
         mine.reload_shared_s = gen.reload_shared_s
     mine.host_cpu_s_per_sample = gen.host_cpu_s_per_sample
     mine.reload_overlap_s = gen.reload_overlap_s
+    if gen.reload_under_load_sync is not None:
+        mine.reload_overlap_sync = gen.reload_under_load_sync  # type: ignore[assignment]
     mine.sync_cycle_factor = gen.sync_cycle_s / replayed_cycle_s(files, prof)
     save_profile(prof, files.profile)
     cores = {
@@ -110,6 +113,7 @@ def profile_local(
         "devices": {**dev.__dict__, **cores},
         "generation": gen.__dict__,
         "train_tokens_per_s": train.tokens_per_s,
+        "train_sync_tokens_per_s": train.quiet_tokens_per_s,
         "train_publish_s": train.publish_s,
         "train_checkpoint_s": train.checkpoint_s,
         "generation_efficiency": mine.generation_efficiency,

@@ -29,6 +29,9 @@ class TrainingRates:
     # published (fewer steps timed than trainer.publish_every)
     publish_s: float | None
     checkpoint_s: float  # per checkpoint
+    # tokens/s in rounds that publish nothing (timed on a box node only, between the
+    # others): a synchronous run's step, whose weight write ends while it waits
+    quiet_tokens_per_s: float | None = None
 
 
 def measure_training(
@@ -48,14 +51,17 @@ def measure_training(
     checkpoints are timed after them. `rounds`: (timed rounds, steps each; by default the
     device's repeats and `TRAIN_STEPS`), and a round goes on past its steps until it has
     trained for the device's `min_window_s` (a box node's share moves within seconds);
-    the median round's rate is returned."""
+    the median round's rate is returned. On a box node each round is followed by one
+    that publishes nothing: the writing thread shares the node's quota with the next
+    step, which a synchronous run's step does not (its write ends while it waits)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     rounds = rounds or (dev.repeats, TRAIN_STEPS)
+    quiet_too = ", each followed by one that publishes nothing" if dev.cgroup else ""
     say(
         f"training: {rounds[0]} rounds of {rounds[1]} steps and at least "
-        f"{dev.min_window_s:g} s each after a warm-up, in a new process"
+        f"{dev.min_window_s:g} s each after a warm-up{quiet_too}, in a new process"
     )
     spawn = multiprocessing.get_context("spawn")
     job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds)
@@ -125,6 +131,7 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
     hi = max(lo, round(response + half))
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
     rates: list[float] = []
+    alone: list[float] = []
     published: list[float] = []
     saved: list[float] = []
     scratch = Path(tempfile.mkdtemp(prefix="areal-hex-profile-train-"))
@@ -141,7 +148,10 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
         optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
         n_rounds, n_steps = job.rounds
         k = 0
-        for _ in range(n_rounds):  # rounds of n_steps steps or more, tokens over seconds
+
+        def timed_round(publishing: bool) -> float:
+            """n_steps steps or more, tokens over seconds."""
+            nonlocal k
             tokens, busy, steps = 0, 0.0, 0
             while steps < n_steps or busy < dev.min_window_s:
                 k, steps = k + 1, steps + 1
@@ -149,9 +159,15 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
                 t0 = time.perf_counter()
                 tokens += optimize(ctx, groups).num_tokens
                 busy += time.perf_counter() - t0
-                if k % t.publish_every == 0:
+                if publishing and k % t.publish_every == 0:
                     publish(k)
-            rates.append(tokens / busy)
+            publisher.wait()  # the last write is not the next round's
+            return tokens / busy
+
+        for _ in range(n_rounds):
+            rates.append(timed_round(publishing=True))
+            if dev.cgroup is not None:  # a box node: the step alone, right after
+                alone.append(timed_round(publishing=False))
         publisher.wait()
         for i in range(CHECKPOINTS):
             t0 = time.perf_counter()
@@ -164,6 +180,7 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
         shutil.rmtree(scratch, ignore_errors=True)
     return TrainingRates(
         tokens_per_s=statistics.median(rates),
+        quiet_tokens_per_s=statistics.median(alone) if alone else None,
         publish_s=statistics.median(published) if published else None,
         checkpoint_s=statistics.median(saved),
     )

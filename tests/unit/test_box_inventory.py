@@ -224,3 +224,46 @@ def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosse
     assert a.asynchronous.weight_sync_s == pytest.approx(near[0])
     assert c.asynchronous.pipeline_samples_per_s < a.asynchronous.pipeline_samples_per_s
     assert c.synchronous.pipeline_samples_per_s < a.synchronous.pipeline_samples_per_s
+
+
+def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path: Path) -> None:
+    """A kind's update rounds (`reload_under_load_s`) price its pause: their median, less
+    the fixed seconds the cost model adds for the mode (a bucket's call over the
+    network), so the link's latency plus them is the pause measured. Rounds made in the
+    other mode than the workload's, or none, leave the in-flight reload (None)."""
+    from hexctl.job.predict import LocalProfileFiles
+    from hexctl.profile.box import _pause_ms
+    from scheduler.costmodel import sync_terms
+    from scheduler.model_shape import load_model_shape
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    files = LocalProfileFiles(tmp_path)
+    files.model.mkdir(parents=True)
+    files.model.joinpath("config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "vocab_size": 1000,
+                "tie_word_embeddings": True,
+            }
+        )  # fmt: skip
+    )
+    work = yaml.safe_load((root / "examples/workloads/math_grpo.yaml").read_text())
+    gen = {"reload_under_load_s": [0.070, 0.060, 0.065], "reload_under_load_sync": "disk"}
+    for sync in ("disk", "network"):
+        files.workload.write_text(yaml.safe_dump({**work, "weight_sync": sync}))
+        w = load_workload(files.workload)
+        _, fixed = sync_terms(load_model_shape(str(files.model)), w, 0.0)
+        gen["reload_under_load_sync"] = sync
+        assert _pause_ms(files, gen) == pytest.approx((0.065 - fixed) * 1e3, abs=1e-3)
+        assert (fixed > 0) == (sync == "network")
+    files.workload.write_text(yaml.safe_dump({**work, "weight_sync": "disk"}))
+    assert _pause_ms(files, {**gen, "reload_under_load_sync": "network"}) is None
+    assert _pause_ms(files, {"reload_under_load_s": None}) is None

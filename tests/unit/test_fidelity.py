@@ -152,6 +152,32 @@ def test_the_trainers_publish_and_checkpoint_as_profiled(tmp_path: Path) -> None
     assert 128 / p2.training_samples_per_s == pytest.approx(compute + 0.015 + 0.05, rel=1e-6)
 
 
+def test_a_synchronous_step_trains_at_the_rate_without_a_write_beside_it(
+    tmp_path: Path,
+) -> None:
+    """Where the profile timed steps that publish nothing (`train_sync_tokens_per_s`), a
+    synchronous step computes at that rate, publish still paid; an asynchronous one,
+    whose write shares the next step's cores, keeps the publishing rate."""
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    rates = prof.kinds["CPU"]
+    rates.train_publish_s = 0.03
+    before = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    rates.train_sync_tokens_per_s = 8000.0  # the publishing rate is 6000
+    after = predict_layout(cl, m, w, prof, [("local", 1)], trainer)
+    a0, a1 = before.asynchronous, after.asynchronous
+    assert a1.training_samples_per_s == pytest.approx(a0.training_samples_per_s)
+    assert a1.pipeline_samples_per_s == pytest.approx(a0.pipeline_samples_per_s)
+    # the synchronous rate is B·G over (cycle + step): the step is 128·54/8000 + 0.03 s
+    # where it was 128·54/6000 + 0.03 s, the cycle the same
+    s0, s1 = before.synchronous, after.synchronous
+    step0, step1 = 128 * 54 / 6000 + 0.03, 128 * 54 / 8000 + 0.03
+    cycle = 128 / s0.pipeline_samples_per_s - step0
+    assert 128 / s1.pipeline_samples_per_s == pytest.approx(cycle + step1, rel=1e-6)
+
+
 def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
     """`generation_efficiency` scales the kind's generation; `host_cpu_s_per_sample`
     lengthens an asynchronous step by B·G times it on a CPU kind only (the controller
@@ -229,6 +255,14 @@ def test_a_pause_costs_generation_all_but_its_measured_overlap(tmp_path: Path) -
     over = predict_layout(cl, m, net, prof, [("local", 1)], trainer).asynchronous
     paused = over.weight_sync_s * over.pipeline_samples_per_s / 128
     assert over.generation_samples_per_s == pytest.approx((1 - paused) / per_sample, rel=1e-3)
+    # measured over the network: taken off a network update's pause, not off disk's
+    prof.kinds["CPU"].reload_overlap_s, prof.kinds["CPU"].reload_overlap_sync = 0.015, "network"
+    over = predict_layout(cl, m, net, prof, [("local", 1)], trainer).asynchronous
+    paused = (over.weight_sync_s - 0.015) * over.pipeline_samples_per_s / 128
+    assert over.generation_samples_per_s == pytest.approx((1 - paused) / per_sample, rel=1e-3)
+    disk = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
+    assert disk.generation_samples_per_s == pytest.approx(full.generation_samples_per_s)
+    prof.kinds["CPU"].reload_overlap_sync = "disk"
     prof.kinds["CPU"].reload_overlap_s = None  # unmeasured: the whole pause is lost
     again = predict_layout(cl, m, w, prof, [("local", 1)], trainer).asynchronous
     assert again.generation_samples_per_s == pytest.approx(full.generation_samples_per_s)

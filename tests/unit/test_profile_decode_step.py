@@ -55,7 +55,7 @@ def test_a_continuous_load_shorter_than_its_window_runs_again_longer(
 
     calls: list[int] = []
 
-    async def load_once(url, cfg, model_dir, exclude, reloads, groups):  # noqa: ANN001, ANN202
+    async def load_once(url, cfg, model_dir, exclude, reloads, groups, rank0):  # noqa: ANN001, ANN202
         calls.append(groups)
         return (100.0 * groups, 0.0, None), groups / 40  # 40 groups per measured second
 
