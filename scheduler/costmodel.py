@@ -349,7 +349,8 @@ def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zo
 
 def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:
     """(bytes each rollout machine receives per publish, fixed seconds) for the mode in use.
-    disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure). network (the trainer
+    disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure; no bytes where the
+    storage is beside every node, `storage_on_links`). network (the trainer
     broadcasts buckets): the bytes as sent, the pause once and each bucket's fixed cost (its
     call to the server and the load between two decode steps): latency + buckets · overhead.
     The zone's latency is the pause of an update with requests in flight, once per update,
@@ -359,4 +360,6 @@ def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, flo
         nbytes = c.weight_sync_bytes_per_param * m.params
         buckets = math.ceil(nbytes / (c.weight_sync_bucket_mb * 2**20))
         return nbytes, latency_s + buckets * c.weight_sync_bucket_overhead_ms / 1e3
+    if not c.storage_on_links:  # the read is in the latency (a profiled pause)
+        return 0.0, latency_s
     return c.weight_sync_factor * 2.0 * m.params, latency_s

@@ -51,6 +51,11 @@ class CostConstants(Section):
     # Weight sync time = latency + factor * 2N bytes / link bandwidth; AReaL-Hex measured
     # 4-6x the naive bytes/bandwidth figure (reload, pause, resharding), hence 5.
     weight_sync_factor: float = Field(5.0, ge=1)
+    # Where disk sync's files are read from: shared storage over the cluster's links
+    # (True: the bytes above cross them), or storage beside every node (False: a box on
+    # one machine, whose profiled update pause already holds the read), the update then
+    # costing the link's latency only.
+    storage_on_links: bool = True
     # rollout.weight_sync=network: bytes sent per parameter (bf16 2; a CPU trainer's
     # fp32 4), the bucket size (trainer.weight_sync_bucket_mb) and the fixed cost of one
     # bucket (its HTTP call to each server and the load between two decode steps), ms.

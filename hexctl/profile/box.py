@@ -102,7 +102,10 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
 
     workload = load_yaml_text(files.workload.read_text(), str(files.workload))
     batches = {k: s.max_running_requests for k, s in box.spec.kinds.items()}
-    workload.setdefault("constants", {})["max_running_requests"] = max(batches.values())
+    constants = workload.setdefault("constants", {})
+    constants["max_running_requests"] = max(batches.values())
+    # disk sync reads the host's own disk, on no link; the rounds' pause holds the read
+    constants["storage_on_links"] = False
     workload["max_trainer_nodes"] = 1  # `run.box` launches the trainer on one node
     files.workload.write_text(yaml.safe_dump(workload, sort_keys=False))
     kinds, overrides, reloads = {}, {}, []

@@ -136,7 +136,7 @@ def pause_overlap_s(plain: float, paused: float, pause_s: float | None) -> float
 
 CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
 FIRST_VERSION = 1001  # of the updates: above the versions the reload timings used
-RELOAD_EVERY_S = 0.2  # weight updates during `continuous_load(..., reloads=True)`
+RELOAD_EVERY_S = 0.2  # between weight updates of `continuous_load(..., reloads=...)`
 TICK_S = 0.1  # how often the load's progress and CPU are read
 STALL_S = 120.0  # a load without a new sample this long fails the profile
 
@@ -154,101 +154,92 @@ async def _load_once(
     groups: int,
     rank0: Rank0 | None = None,
 ) -> tuple[tuple[float, float, float | None], float]:
-    """`continuous_load` with `groups` groups: its figures and the measured window, s."""
-    if reloads is None or reloads.sync != "network":
-        return await _load_with(url, cfg, model_dir, exclude, reloads, groups, None)
-    if rank0 is not None:
-        rank0.regroup()  # a new controller: the server joins a group of its own
-        return await _load_with(url, cfg, model_dir, exclude, reloads, groups, rank0)
-    with broadcaster(model_dir, reloads) as own:
-        return await _load_with(url, cfg, model_dir, exclude, reloads, groups, own)
+    """`continuous_load` with `groups` groups: its figures and the measured window, s.
+    Over the network, `rank0` (None: one for this load alone) leaves its group first:
+    a new controller has the server join a group of its own."""
+    with contextlib.ExitStack() as stack:
+        if reloads is None or reloads.sync != "network":
+            rank0 = None
+        elif rank0 is None:
+            rank0 = stack.enter_context(broadcaster(model_dir, reloads))
+        else:
+            rank0.regroup()
+        total = groups * cfg.rollout.group_size
+        marks: list[tuple[float, int, float]] = []
+        network = rank0.source() if rank0 is not None else None
+        # no trainer here: nothing may wait on the gate
+        async with _controller(url, cfg, model_dir, 1 << 20, groups, network) as (ctl, _, valkey):
+            skip = exclude | ({valkey} if valkey is not None else set())
 
+            async def watch() -> None:
+                # a load that makes no sample for STALL_S is stuck: an error, not a wait
+                moved, seen = time.perf_counter(), -1
+                while True:
+                    now, n = time.perf_counter(), ctl.stats["samples_total"]
+                    marks.append((now, n, _tree_cpu_s(skip)))
+                    if n != seen:
+                        moved, seen = now, n
+                    elif now - moved > STALL_S:
+                        raise ProfileFailed(
+                            f"the run's controller made no sample in {STALL_S:.0f} s against "
+                            f"the server at {url} ({n} of {total} samples made)"
+                        )
+                    await asyncio.sleep(TICK_S)
 
-async def _load_with(
-    url: str,
-    cfg: ExperimentConfig,
-    model_dir: Path,
-    exclude: set[int],
-    reloads: Reloads | None,
-    groups: int,
-    rank0: Rank0 | None,
-) -> tuple[tuple[float, float, float | None], float]:
-    total = groups * cfg.rollout.group_size
-    marks: list[tuple[float, int, float]] = []
-    network = rank0.source() if rank0 is not None else None
-    # no trainer here: nothing may wait on the gate
-    async with _controller(url, cfg, model_dir, 1 << 20, groups, network) as (ctl, _, valkey):
-        skip = exclude | ({valkey} if valkey is not None else set())
+            pauses: list[float] = []
+            stop = asyncio.Event()
 
-        async def watch() -> None:
-            # a load that makes no sample for STALL_S is stuck: an error, not a wait
-            moved, seen = time.perf_counter(), -1
-            while True:
-                now, n = time.perf_counter(), ctl.stats["samples_total"]
-                marks.append((now, n, _tree_cpu_s(skip)))
-                if n != seen:
-                    moved, seen = now, n
-                elif now - moved > STALL_S:
-                    raise ProfileFailed(
-                        f"the run's controller made no sample in {STALL_S:.0f} s against "
-                        f"the server at {url} ({n} of {total} samples made)"
-                    )
-                await asyncio.sleep(TICK_S)
+            async def reload_loop() -> None:
+                # the controller's own update (gate closed, pause, load, resume), as in a run
+                # (over the network once its manifest is left, as a run's trainer announces
+                # it); RELOAD_EVERY_S between the end of a pause and the start of the next,
+                # the announcement's round trip (`lead`, as last measured) inside it. Told to
+                # stop, it ends between updates: one announced is always taken (its rank 0
+                # waits in the broadcast until the server takes it)
+                version, ended, lead = FIRST_VERSION, time.perf_counter(), 0.0
+                while not stop.is_set():
+                    wait = RELOAD_EVERY_S - (time.perf_counter() - ended) - lead
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), max(0.0, wait))
+                        return
+                    if rank0 is None:
+                        t0 = time.perf_counter()
+                        await ctl.update_weights(version, str(model_dir))
+                    else:
+                        t = time.perf_counter()
+                        await rank0.publish(version)
+                        t0 = time.perf_counter()
+                        lead = t0 - t
+                        await ctl.update_weights(version, "")
+                        await rank0.sent()
+                    ended = time.perf_counter()
+                    pauses.append(ended - t0)
+                    version += 1
 
-        pauses: list[float] = []
-        stop = asyncio.Event()
-
-        async def reload_loop() -> None:
-            # the controller's own update (gate closed, pause, load, resume), as in a run
-            # (over the network once its manifest is left, as a run's trainer announces
-            # it); RELOAD_EVERY_S between the end of a pause and the start of the next,
-            # the announcement's round trip (`lead`, as last measured) inside it. Told to
-            # stop, it ends between updates: one announced is always taken (its rank 0
-            # waits in the broadcast until the server takes it)
-            version, ended, lead = FIRST_VERSION, time.perf_counter(), 0.0
-            while not stop.is_set():
-                wait = RELOAD_EVERY_S - (time.perf_counter() - ended) - lead
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), max(0.0, wait))
-                    return
-                if rank0 is None:
-                    t0 = time.perf_counter()
-                    await ctl.update_weights(version, str(model_dir))
-                else:
-                    t = time.perf_counter()
-                    await rank0.publish(version)
-                    t0 = time.perf_counter()
-                    lead = t0 - t
-                    await ctl.update_weights(version, "")
-                    await rank0.sent()
-                ended = time.perf_counter()
-                pauses.append(ended - t0)
-                version += 1
-
-        if rank0 is not None:  # the group forms first, as a run forms it once at its start
-            await ctl.dispatcher.probe_all()
-            await ctl.weights.start(cfg.rollout.update_pause)
-            await rank0.publish(FIRST_VERSION - 1)
-            await ctl.update_weights(FIRST_VERSION - 1, "")
-            await rank0.sent()
-        watcher = asyncio.create_task(watch())
-        reloader = asyncio.create_task(reload_loop()) if reloads is not None else None
-        running = asyncio.create_task(ctl.run())
-        try:
-            watched = {running, watcher} | ({reloader} if reloader is not None else set())
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-            if reloader is not None and reloader.done():
-                reloader.result()  # raises ProfileFailed (a broadcast that failed)
-            if not running.done():
-                running.cancel()
-                watcher.result()  # raises ProfileFailed
-            running.result()
-        finally:
-            stop.set()
-            tasks = [t for t in (watcher, running) if t is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, reloader or asyncio.sleep(0), return_exceptions=True)
+            if rank0 is not None:  # the group forms first, as a run forms it once at its start
+                await ctl.dispatcher.probe_all()
+                await ctl.weights.start(cfg.rollout.update_pause)
+                await rank0.publish(FIRST_VERSION - 1)
+                await ctl.update_weights(FIRST_VERSION - 1, "")
+                await rank0.sent()
+            watcher = asyncio.create_task(watch())
+            reloader = asyncio.create_task(reload_loop()) if reloads is not None else None
+            running = asyncio.create_task(ctl.run())
+            try:
+                watched = {running, watcher} | ({reloader} if reloader is not None else set())
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                if reloader is not None and reloader.done():
+                    reloader.result()  # raises ProfileFailed (a broadcast that failed)
+                if not running.done():
+                    running.cancel()
+                    watcher.result()  # raises ProfileFailed
+                running.result()
+            finally:
+                stop.set()
+                for task in (watcher, running):
+                    task.cancel()
+                ends = [watcher, running] + ([reloader] if reloader is not None else [])
+                await asyncio.gather(*ends, return_exceptions=True)
     inside = [m for m in marks if total / 4 <= m[1] <= 0.9 * total]
     if len(inside) < 2 or inside[-1][1] == inside[0][1]:
         # too short to sample its middle: from the last mark before the first sample to

@@ -267,3 +267,31 @@ def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path:
     files.workload.write_text(yaml.safe_dump({**work, "weight_sync": "disk"}))
     assert _pause_ms(files, {**gen, "reload_under_load_sync": "network"}) is None
     assert _pause_ms(files, {"reload_under_load_s": None}) is None
+
+
+def test_disk_sync_on_a_box_crosses_no_link(tmp_path: Path) -> None:
+    """A box's files are on the host's own disk (`storage_on_links: false`, which
+    `profile --box` writes): a disk update costs the link's latency, the profiled pause
+    with the read in it, wherever the servers sit; shared storage charges the bytes over
+    the links as before."""
+    from scheduler.costmodel import sync_terms
+    from scheduler.model_shape import load_model_shape
+    from scheduler.partition import sync_on_topology
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
+    spec = inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=12.0)
+    cl = make_cluster(ClusterSpec.model_validate(spec))
+    m = load_model_shape("qwen3-0.6b")
+    shared = load_workload(root / "examples/workloads/math_grpo.yaml")
+    assert shared.weight_sync == "disk" and shared.constants.storage_on_links
+    local = shared.model_copy(
+        update={"constants": shared.constants.model_copy(update={"storage_on_links": False})}
+    )
+    assert sync_terms(m, local, 0.012) == (0.0, 0.012)
+    assert sync_terms(m, shared, 0.012)[0] > 0
+    far = sync_on_topology(cl, m, local, "fast-0", ["mem-0", "mem-1"])
+    near = sync_on_topology(cl, m, local, "fast-0", ["mem-2", "mem-3"])
+    assert far == pytest.approx([0.012, 0.012]) and near == far
+    assert sync_on_topology(cl, m, shared, "fast-0", ["mem-0", "mem-1"])[0] > 0.012
