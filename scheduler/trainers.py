@@ -128,10 +128,12 @@ def cost_trainer(
     compute = shared_compute_s(
         w.samples_per_step, [(n, s) for (_, n), s in zip(parts, speeds, strict=True)]
     )
-    sync_speeds = [rank_speed(m, w, kd, prof, sync=True) for kd in kinds]
-    sync_compute = shared_compute_s(
-        w.samples_per_step, [(n, s) for (_, n), s in zip(parts, sync_speeds, strict=True)]
-    )
+    sync_speeds = tuple(rank_speed(m, w, kd, prof, sync=True) for kd in kinds)
+    sync_compute = None  # a synchronous step's rate: only where the profile timed it
+    if sync_speeds != speeds:
+        sync_compute = shared_compute_s(
+            w.samples_per_step, [(n, s) for (_, n), s in zip(parts, sync_speeds, strict=True)]
+        )
     publish = 2.0 * m.params / (k.storage_write_gbs * GB) / w.publish_every
     if prof is not None:  # rank 0 publishes; what its kind measured doing it replaces that
         extra = prof.train_extra_s(kinds[0].name, w.publish_every, w.checkpoint_every)
