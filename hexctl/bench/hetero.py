@@ -33,6 +33,10 @@ from typing import Any
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
+# each plan's steps: a window (from step η + 1) of 75 steps. On a shared machine one
+# 5-s sample moves by a third and an 80-s mean by a few per cent (`bench host`); 30
+# steps left the fastest plans a window of about 5 s
+STEPS = 80
 
 
 def _say(text: str) -> None:
@@ -44,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--box", required=True, help="box YAML (examples/box/)")
     p.add_argument("--budget", type=float, required=True, help="$/h every plan is made at")
     p.add_argument("--config", default=DEFAULT_BOX_CONFIG, help="experiment YAML")
-    p.add_argument("--steps", type=int, default=30, help="trainer.total_steps of every run")
+    p.add_argument("--steps", type=int, default=STEPS, help="trainer.total_steps of every run")
     p.add_argument("--output-dir", default=None, help="keep the profile, plans and runs here")
     p.add_argument(
         "--profile-dir", default=None, help="a `profile --box` of this box to reuse (no profile)"

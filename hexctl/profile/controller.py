@@ -134,6 +134,17 @@ def pause_overlap_s(plain: float, paused: float, pause_s: float | None) -> float
     return min(pause_s, max(0.0, pause_s - lost_s))
 
 
+def round_overlaps(plain: list[float], updated: list[tuple[float, float | None]]) -> list[float]:
+    """Each round's `pause_overlap_s`: its load with updates (samples/s, median pause)
+    against the median of every round's load without them: one plain load is a sample
+    of a few seconds, their median the steadier reference for every round."""
+    if not plain:
+        return []
+    ref = statistics.median(plain)
+    got = (pause_overlap_s(ref, rate, pause) for rate, pause in updated)
+    return [o for o in got if o is not None]
+
+
 CONTINUOUS_ROUNDS = 5  # groups produced: at least this many times the in-flight groups
 FIRST_VERSION = 1001  # of the updates: above the versions the reload timings used
 RELOAD_EVERY_S = 0.2  # between weight updates of `continuous_load(..., reloads=...)`

@@ -30,7 +30,7 @@ from hexctl.profile.controller import (
     Reloads,
     broadcaster,
     continuous_load,
-    pause_overlap_s,
+    round_overlaps,
     sync_cycle,
 )
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
@@ -64,6 +64,9 @@ class GenerationRates:
     reload_overlap_s: float | None = None
     reload_overlaps_s: list[float] | None = None
     reload_under_load_s: list[float] | None = None
+    # each round's samples/s without and with updates (the latter while generating)
+    continuous_rounds_samples_per_s: list[float] | None = None
+    reload_rounds_samples_per_s: list[float] | None = None
     reload_under_load_sync: str | None = None  # how those updates went: disk | network
 
 
@@ -111,7 +114,7 @@ def measure_generation(
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
             # load that a neighbour slows moves one median, not the choice between them
-            alone, shared, overlaps, pauses = [], [], [], []
+            alone, shared, updated = [], [], []
             window = dev.min_window_s
             # a box node's updates go as the run's will: from disk or over the network
             # (a rank 0 in the node's namespace, so no shaped link is in the pause)
@@ -135,9 +138,7 @@ def measure_generation(
                             url, cfg, model_dir, {pid}, updates, window, rank0=sender
                         )
                         rate, _, pause = asyncio.run(load)
-                        overlap = pause_overlap_s(alone[-1][0], rate, pause)
-                        overlaps += [] if overlap is None else [overlap]
-                        pauses += [] if pause is None else [pause]
+                        updated.append((rate, pause))
                     if dev.inference_cores is not None:
                         with pinned(dev.inference_cores, 1):
                             load = continuous_load(
@@ -145,11 +146,14 @@ def measure_generation(
                             )
                             shared.append(asyncio.run(load))
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
+            overlaps = round_overlaps([r for r, _, _ in alone], updated)
             if overlaps:
                 gen.reload_overlap_s = statistics.median(overlaps)
                 gen.reload_overlaps_s = overlaps
-                gen.reload_under_load_s = pauses
+                gen.reload_under_load_s = [p for _, p in updated if p is not None]
                 gen.reload_under_load_sync = updates.sync
+                gen.continuous_rounds_samples_per_s = [r for r, _, _ in alone]
+                gen.reload_rounds_samples_per_s = [r for r, _ in updated]
             gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
             if shared:
                 gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)

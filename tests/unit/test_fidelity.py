@@ -286,6 +286,22 @@ def test_the_measured_overlap_of_a_pause() -> None:
     assert pause_overlap_s(100.0, 100.0, None) is None
 
 
+def test_each_rounds_overlap_is_against_the_pooled_plain_rate() -> None:
+    """A round's overlap is taken against the median of all the plain rounds, not the
+    one load beside it: a plain load that ran fast by chance does not make its round's
+    pause look lost."""
+    from hexctl.profile.controller import RELOAD_EVERY_S, round_overlaps
+
+    e, p = RELOAD_EVERY_S, 0.05
+    made_up = 100.0 * (e + 0.6 * p) / e  # 0.03 s of the pause generated at 100/s
+    plain = [100.0, 130.0, 95.0, 100.0, 105.0]  # round 2's plain load ran 30 % fast
+    got = round_overlaps(plain, [(made_up, p)] * 5)
+    assert got == pytest.approx([0.03] * 5)
+    # rounds without a pause measured are left out; no plain round: nothing
+    assert round_overlaps(plain, [(made_up, p), (made_up, None)]) == pytest.approx([0.03])
+    assert round_overlaps([], [(made_up, p)]) == []
+
+
 def test_host_work_beside_the_servers(tmp_path: Path) -> None:
     """`host_work: rollout` (`run.host_cores: inference`): the trainer's step pays
     nothing for the controller; the instance's generation is the one measured sharing its
