@@ -114,6 +114,8 @@ def profile_local(
         "generation": gen.__dict__,
         "train_tokens_per_s": train.tokens_per_s,
         "train_sync_tokens_per_s": train.quiet_tokens_per_s,
+        "train_publish_sync": train.publish_sync,
+        "train_broadcast_s": train.broadcast_s,
         "train_publish_s": train.publish_s,
         "train_checkpoint_s": train.checkpoint_s,
         "generation_efficiency": mine.generation_efficiency,

@@ -13,10 +13,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.gc_freeze import freeze_startup
 from hexctl.profile.devices import LocalDevices, Say, pinned, quiet
+
+if TYPE_CHECKING:
+    from trainer_service.publish import NetworkSink
 
 TRAIN_STEPS = 10  # per timed round (the device's repeats of them) after a warm-up step
 CHECKPOINTS = 2  # timed after the rounds
@@ -32,6 +36,9 @@ class TrainingRates:
     # tokens/s in rounds that publish nothing (timed on a box node only, between the
     # others): a synchronous run's step, whose weight write ends while it waits
     quiet_tokens_per_s: float | None = None
+    publish_sync: str = "disk"  # how the steps published: disk | network
+    # over the network: seconds of a version's broadcast as the sender saw it (median)
+    broadcast_s: float | None = None
 
 
 def measure_training(
@@ -42,6 +49,7 @@ def measure_training(
     response: float,
     say: Say = quiet,
     rounds: tuple[int, int] | None = None,
+    network: bool | None = None,
 ) -> TrainingRates:
     """The trainer's step on one rank, the run's batch, in a process of its own as the
     run's trainer is: nothing of the generation measurements in its heap, and
@@ -53,18 +61,24 @@ def measure_training(
     trained for the device's `min_window_s` (a box node's share moves within seconds);
     the median round's rate is returned. On a box node each round is followed by one
     that publishes nothing: the writing thread shares the node's quota with the next
-    step, which a synchronous run's step does not (its write ends while it waits)."""
+    step, which a synchronous run's step does not (its write ends while it waits).
+    `network` (None: on a box node whose run syncs over the network): the steps publish
+    as such a run's trainer does, broadcasting each version to a receiver of their own
+    (`WeightReceiver`, outside the node's quota, as a server on another node is), so the
+    broadcast's share of the node is in the rate."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     rounds = rounds or (dev.repeats, TRAIN_STEPS)
+    if network is None:
+        network = dev.cgroup is not None and cfg.rollout.weight_sync == "network"
     quiet_too = ", each followed by one that publishes nothing" if dev.cgroup else ""
     say(
         f"training: {rounds[0]} rounds of {rounds[1]} steps and at least "
         f"{dev.min_window_s:g} s each after a warm-up{quiet_too}, in a new process"
     )
     spawn = multiprocessing.get_context("spawn")
-    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds)
+    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds, network)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(_measure_training, job).result()
 
@@ -79,6 +93,7 @@ class _TrainingJob:
     prompt_len: int
     response: float  # mean answer length, tokens
     rounds: tuple[int, int]  # (timed rounds, steps each)
+    network: bool = False  # publish over the network to a `WeightReceiver`
 
 
 def _measure_training(job: _TrainingJob) -> TrainingRates:
@@ -86,19 +101,104 @@ def _measure_training(job: _TrainingJob) -> TrainingRates:
 
     dev = job.dev
 
-    if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
-        Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
-    with pinned(dev.trainer_cores, dev.trainer_threads), contextlib.redirect_stdout(sys.stderr):
+    with contextlib.ExitStack() as stack:
+        # started before this process joins the node's cgroup: it stays outside the quota
+        receiver = stack.enter_context(WeightReceiver()) if job.network else None
+        if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
+            Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
+        stack.enter_context(pinned(dev.trainer_cores, dev.trainer_threads))
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         from trainer_service.engine import init_single_rank
 
         init_single_rank(dev.device)
         try:
-            return _train_rate(job)
+            return _train_rate(job, receiver)
         finally:
             dist.destroy_process_group()
 
 
-def _train_rate(job: _TrainingJob) -> TrainingRates:
+RECEIVE_TIMEOUT_S = 60.0  # a version's broadcast not taken in this long fails the profile
+
+
+class WeightReceiver:
+    """A server's side of the weight-update group on its own: a spawned process that
+    joins each group a manifest names (rank 1) and takes every bucket of each version,
+    so that the profile's steps publish over the network as the run's trainer does. The
+    bytes go over this machine's loopback: the sender's work is the subject, not a link."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.inbox, self.done = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=receive_versions, args=(self.inbox, self.done), daemon=True)
+
+    def __enter__(self) -> WeightReceiver:
+        self.proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inbox.put(None)
+        self.proc.join(10)
+        if self.proc.is_alive():  # stuck in a broadcast nobody sends
+            self.proc.kill()
+            self.proc.join(5)
+
+    def sink(self, bucket_mb: float) -> NetworkSink:
+        """The trainer's `NetworkSink` toward this receiver."""
+        from areal_hex.weight_net import free_port
+        from trainer_service.publish import NetworkSink
+
+        return NetworkSink(
+            master_address=LOOPBACK,
+            master_port=free_port(LOOPBACK),
+            server_ranks=1,
+            backend="gloo",
+            bucket_bytes=int(bucket_mb * 2**20),
+            timeout_s=RECEIVE_TIMEOUT_S,
+            put_manifest=lambda m: self.inbox.put(m.to_json()),
+        )
+
+    def received(self) -> list[int]:
+        """The versions taken whole so far."""
+        import queue
+
+        got = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                got.append(self.done.get_nowait())
+        return got
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def receive_versions(inbox: Any, done: Any) -> None:
+    """`WeightReceiver`'s process: each manifest's buckets received (None ends it), the
+    version put on `done` once whole."""
+    import torch
+
+    from areal_hex.weight_net import Manifest, WeightGroup, parse_dtype
+
+    torch.set_num_threads(1)
+    group = None
+    try:
+        while (text := inbox.get()) is not None:
+            m = Manifest.from_json(text)
+            if group is None or group.spec.group_name != m.group.group_name:
+                if group is not None:
+                    group.close()
+                group = WeightGroup.join(m.group, 1, RECEIVE_TIMEOUT_S)
+            for b in m.buckets:
+                kinds = zip(b.shapes, b.dtypes, strict=True)
+                group.broadcast([torch.empty(shape, dtype=parse_dtype(d)) for shape, d in kinds])
+            done.put(m.version)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> TrainingRates:
     import tempfile
 
     from areal_hex.models import load_model
@@ -134,14 +234,18 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
     alone: list[float] = []
     published: list[float] = []
     saved: list[float] = []
+    broadcasts: list[float] = []
     scratch = Path(tempfile.mkdtemp(prefix="areal-hex-profile-train-"))
-    publisher = AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None)
+    sink = receiver.sink(t.weight_sync_bucket_mb) if receiver is not None else None
+    publisher = AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None, sink)
     ctx.before_update = publisher.wait  # the next step waits for the write, as the run's
 
     def publish(version: int) -> None:
         t0 = time.perf_counter()
         publisher.submit(version, full_state_dict(engine, t.zero_stage, 0) or {})
         published.append(time.perf_counter() - t0)
+        if sink is not None and sink.last_sync_s > 0:  # the version before, now sent
+            broadcasts.append(sink.last_sync_s)
 
     freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
     try:
@@ -162,6 +266,11 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
                 if publishing and k % t.publish_every == 0:
                     publish(k)
             publisher.wait()  # the last write is not the next round's
+            if sink is not None and sink.failures:
+                raise RuntimeError(
+                    f"the profile's steps could not broadcast their weights: {sink.failures} "
+                    f"version(s) not taken by its receiver in {RECEIVE_TIMEOUT_S:.0f} s"
+                )
             return tokens / busy
 
         for _ in range(n_rounds):
@@ -177,10 +286,14 @@ def _train_rate(job: _TrainingJob) -> TrainingRates:
         gc.unfreeze()
         with contextlib.suppress(Exception):
             publisher.wait()
+        if sink is not None:
+            sink.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return TrainingRates(
         tokens_per_s=statistics.median(rates),
         quiet_tokens_per_s=statistics.median(alone) if alone else None,
         publish_s=statistics.median(published) if published else None,
         checkpoint_s=statistics.median(saved),
+        publish_sync="network" if sink is not None else "disk",
+        broadcast_s=statistics.median(broadcasts) if broadcasts else None,
     )

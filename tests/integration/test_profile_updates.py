@@ -7,6 +7,7 @@ pause comes back."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,44 @@ def test_update_rounds_pause_the_server_and_load_each_version(tmp_path: Path, sy
     # the updates reached the server: over the network, an update without a manifest
     # (or a group) would leave the version where it was
     assert version >= FIRST_VERSION
+
+
+def test_a_receiver_takes_every_version_a_trainers_sink_broadcasts() -> None:
+    """The training profile's receiver (`WeightReceiver`): the trainer's own
+    `NetworkSink` publishes to it as to a server; several buckets, a new group after a
+    regroup, each version taken whole."""
+    import torch
+
+    from hexctl.profile.training import WeightReceiver
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3)}
+    with WeightReceiver() as receiver:
+        sink = receiver.sink(bucket_mb=20 / 2**20)  # 20 bytes: a bucket per tensor
+        for version in (1, 2):
+            sink.publish(version, tensors, lambda v, p: None)
+        sink.close()
+        sink.epoch += 1  # the next version forms a new group, which it joins
+        sink.publish(3, tensors, lambda v, p: None)
+        sink.close()
+        assert sink.failures == 0
+        got: list[int] = []
+        for _ in range(50):
+            got += receiver.received()
+            if len(got) == 3:
+                break
+            time.sleep(0.1)
+    assert got == [1, 2, 3]
+
+
+def test_training_rounds_publish_over_the_network(tmp_path: Path) -> None:
+    """`measure_training(..., network=True)`: the steps broadcast each version to a
+    receiver, as a box node's run that syncs over the network does."""
+    from hexctl.profile.devices import local_devices
+    from hexctl.profile.training import measure_training
+
+    cfg = load_config(ROOT / "examples/tiny_cpu.yaml", SMALL)
+    v0 = materialize_v0(cfg, tmp_path)
+    rates = measure_training(cfg, v0, local_devices(cfg), 10, 6.0, rounds=(1, 2), network=True)
+    assert rates.publish_sync == "network"
+    assert rates.tokens_per_s > 0 and rates.publish_s is not None
+    assert rates.broadcast_s is not None and 0 < rates.broadcast_s < 30
