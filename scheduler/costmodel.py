@@ -37,6 +37,9 @@ class RolloutOption:
     usd_per_h: float
     # seconds of each weight-sync pause that still generate (`Profile.reload_overlap_s`)
     pause_overlap_s: float = 0.0
+    # the kind's own update pause in the workload's mode (`Profile.update_pause_s`): the
+    # latency of a link within its zone when placed on nodes; None: the link's
+    update_pause_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ def rollout_config(
         usd_per_h=tp * g.usd_per_gpu_hour,
         # measured in one mode: a pause of the other is charged whole
         pause_overlap_s=0.0 if prof is None else prof.reload_overlap_s(kind.name, w.weight_sync),
+        update_pause_s=None if prof is None else prof.update_pause_s(kind.name, w.weight_sync),
     )
 
 

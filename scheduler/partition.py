@@ -326,7 +326,9 @@ def evaluate(
         lat = max(cl.link(a, b).latency_ms for a in zones for b in zones)
         comm += topo.ring_s(topo.ring_order(machines), ring) + 2 * (n - 1) * lat / 1e3
     step = c.compute_s + (1 - w.constants.comm_overlap) * comm + c.publish_s
-    sync = sync_on_topology(cl, m, w, machines[0], [node for _, node, _ in pl.rollout], topo)
+    nodes = [node for _, node, _ in pl.rollout]
+    pauses = [opt.update_pause_s for opt, _, _ in pl.rollout]
+    sync = sync_on_topology(cl, m, w, machines[0], nodes, topo, pauses)
     return PlacementCost(step, comm, sync)
 
 
@@ -337,16 +339,24 @@ def sync_on_topology(
     writer: str,
     rollout_nodes: list[str],
     topo: Topology | None = None,
+    pauses: list[float | None] | None = None,
 ) -> list[float]:
     """Each rollout instance's weight-sync pause (as `rollout_nodes`, one machine per
     instance) when the trainer's machine `writer` sends every rollout machine its copy at
-    once (`costmodel.sync_terms` for the mode), NICs and rack uplinks shared."""
+    once (`costmodel.sync_terms` for the mode), NICs and rack uplinks shared. `pauses`:
+    each instance's own update pause where its kind's profile measured one
+    (`RolloutOption.update_pause_s`), the latency of a link within the writer's zone in
+    place of the zone's (a link across zones keeps its own)."""
     topo = topo or Topology(cl)
     machines = sorted(set(rollout_nodes))
     wz = topo.machines[writer].zone
+    own = dict(zip(rollout_nodes, pauses or [None] * len(rollout_nodes), strict=True))
     out = {}
     for node in machines:
-        latency = cl.link(wz, topo.machines[node].zone).latency_ms / 1e3
+        zone = topo.machines[node].zone
+        latency = cl.link(wz, zone).latency_ms / 1e3
+        if own[node] is not None and zone == wz:
+            latency = own[node]
         out[node] = sync_terms(m, w, latency)
     size = {node: out[node][0] for node in machines}
     done = topo.finish_s([Transfer(writer, node, size[node]) for node in machines])

@@ -130,7 +130,8 @@ def _syncs(
 ) -> list[float]:
     """Each instance's weight-sync pause per publish from the links (no profile)."""
     if nodes is not None and Topology(cl).declared:
-        return sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout))
+        pauses = [o.update_pause_s for o in opts]
+        return sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), pauses=pauses)
     return [weight_sync_s(cl, m, w, tr.zones[0], o.zone) for o in opts]
 
 

@@ -69,6 +69,11 @@ class DeviceRates(Section):
     # off the other mode's, where it was not measured); unmeasured: 0.
     reload_overlap_s: float | None = Field(None, ge=0)
     reload_overlap_sync: Literal["disk", "network"] = "disk"
+    # The same rounds' pause (their median), less the fixed seconds the cost model adds
+    # for that mode (`costmodel.sync_terms` at no latency): what an update of this kind
+    # costs on a link within its zone, in place of the link's latency (the zone's is the
+    # slowest kind's). Measured in `reload_overlap_sync`'s mode only; None: the link's.
+    update_pause_s: float | None = Field(None, ge=0)
 
 
 class Profile(Section):
@@ -150,6 +155,14 @@ class Profile(Section):
         if rates is None or rates.reload_overlap_sync != sync:
             return 0.0
         return rates.reload_overlap_s or 0.0
+
+    def update_pause_s(self, kind: str, sync: str = "disk") -> float | None:
+        """`kind`'s own update pause in mode `sync` (stands for a link's latency within
+        its zone); None where not measured in that mode."""
+        rates = self.kinds.get(kind)
+        if rates is None or rates.reload_overlap_sync != sync:
+            return None
+        return rates.update_pause_s
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

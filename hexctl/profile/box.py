@@ -118,7 +118,10 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
         overrides[kind] = cpu
         zone = load_yaml_text(f.cluster.read_text(), str(f.cluster))["zones"][0]
         gen = json.loads(f.measured.read_text())["generation"]
-        reloads.append(_pause_ms(files, gen) or zone["inter_node_latency_ms"])
+        own = _pause_ms(files, gen)
+        reloads.append(own or zone["inter_node_latency_ms"])
+        if own is not None:  # the kind's own, in place of the zone's (the slowest kind's)
+            rates.update_pause_s = own / 1e3
         params = prof.params
     save_profile(Profile(model=str(files.model), params=params, kinds=kinds), files.profile)
     spec = inventory(box, overrides, max(reloads))

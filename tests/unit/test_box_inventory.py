@@ -226,6 +226,59 @@ def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosse
     assert c.synchronous.pipeline_samples_per_s < a.synchronous.pipeline_samples_per_s
 
 
+def test_each_kinds_own_update_pause_stands_for_the_zones_latency(tmp_path: Path) -> None:
+    """The box's zone latency is its slowest kind's pause; an instance of a kind whose
+    rounds measured a pause of its own in the run's mode pays that one instead, on the
+    plan's nodes (`update_pause_s` into `sync_on_topology`, which prices both the plan's
+    placement and the run's prediction). Measured in the other mode, the zone's stands."""
+    from scheduler.costmodel import sync_terms
+    from scheduler.model_shape import load_model_shape
+    from scheduler.partition import sync_on_topology
+    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.profile import DeviceRates, Profile
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
+    spec = inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=60.0)
+    cl = make_cluster(ClusterSpec.model_validate(spec))
+    m = load_model_shape("qwen3-0.6b")
+    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
+        update={"weight_sync": "disk", "groups_per_step": 4, "group_size": 8}
+    )
+    zone = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"])
+    own = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"], pauses=[0.015, None])
+    assert own[0] == pytest.approx(zone[0] - 0.060 + 0.015)  # its own 15 ms, not 60
+    assert own[1] == pytest.approx(zone[1])  # unmeasured: the zone's
+    assert sync_terms(m, w, 0.015)[1] == pytest.approx(0.015)
+
+    rates = {
+        "device": "box",
+        "train_tokens_per_s": 1e4,
+        "prefill_tokens_per_s": 1e5,
+        "decode_context": 128,
+        "decode_step_s": {1: 0.01, 8: 0.02},
+    }
+    prof = Profile(
+        model="m",
+        params=m.params,
+        kinds={
+            "fast": DeviceRates(update_pause_s=0.015, reload_overlap_sync="disk", **rates),
+            "mem": DeviceRates(**rates),
+        },
+    )
+    assert prof.update_pause_s("fast", "disk") == 0.015
+    assert prof.update_pause_s("fast", "network") is None  # measured from disk only
+    assert prof.update_pause_s("mem", "disk") is None
+    layout = [("fast", 1)], TrainerLayout((("fast", 1),), 1)
+    nodes = LayoutNodes("fast-0", ("fast-1",))
+    with_own = predict_layout(cl, m, w, prof, *layout, nodes=nodes)
+    assert with_own.asynchronous.weight_sync_s == pytest.approx(own[0])
+    net = w.model_copy(update={"weight_sync": "network"})
+    whole = predict_layout(cl, m, net, prof, *layout, nodes=nodes).asynchronous.weight_sync_s
+    assert whole == pytest.approx(sync_on_topology(cl, m, net, "fast-0", ["fast-1"])[0])
+
+
 def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path: Path) -> None:
     """A kind's update rounds (`reload_under_load_s`) price its pause: their median, less
     the fixed seconds the cost model adds for the mode (a bucket's call over the
