@@ -68,6 +68,9 @@ class TrainerOption:
     # Of a synchronous run's step, the compute: its weight write is not beside it (the
     # profile's rate for that where measured; None: `compute_s`).
     sync_compute_s: float | None = None
+    # Over the network: the seconds rank 0's kind was measured to take sending a version
+    # (`Profile.train_broadcast_s`), the shortest any update pause can be; 0: unmeasured.
+    broadcast_s: float = 0.0
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -99,7 +99,7 @@ def build_problem(
     overlap = max((r.pause_overlap_s for r in rollouts), default=0.0)  # pauses least
     for i, c in enumerate(trainers):
         for z in zones:
-            sync[(z, i)] = weight_sync_s(cl, m, w, c.zones[0], z)
+            sync[(z, i)] = max(weight_sync_s(cl, m, w, c.zones[0], z), c.broadcast_s)
         a = min((max(0.0, sync[(z, i)] - overlap) for z in zones), default=0.0) / publish
         bound = min(c.samples_per_s, ceiling / (1 + a * ceiling))
         for z in zones:

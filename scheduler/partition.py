@@ -329,7 +329,7 @@ def evaluate(
     nodes = [node for _, node, _ in pl.rollout]
     pauses = [opt.update_pause_s for opt, _, _ in pl.rollout]
     sync = sync_on_topology(cl, m, w, machines[0], nodes, topo, pauses)
-    return PlacementCost(step, comm, sync)
+    return PlacementCost(step, comm, [max(s, c.broadcast_s) for s in sync])
 
 
 def sync_on_topology(

@@ -128,11 +128,28 @@ def _syncs(
     tr: TrainerOption,
     nodes: LayoutNodes | None,
 ) -> list[float]:
-    """Each instance's weight-sync pause per publish from the links (no profile)."""
+    """Each instance's weight-sync pause per publish over the links, with its kind's own
+    update pause where profiled (`_latency_s`)."""
     if nodes is not None and Topology(cl).declared:
         pauses = [o.update_pause_s for o in opts]
-        return sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), pauses=pauses)
-    return [weight_sync_s(cl, m, w, tr.zones[0], o.zone) for o in opts]
+        links = sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), pauses=pauses)
+    else:
+        links = [
+            weight_sync_s(cl, m, w, tr.zones[0], o.zone)
+            - cl.link(tr.zones[0], o.zone).latency_ms / 1e3
+            + _latency_s(cl, tr, o)
+            for o in opts
+        ]
+    return links
+
+
+def _latency_s(cl: Cluster, tr: TrainerOption, o: RolloutOption) -> float:
+    """The latency in an instance's update: its kind's own update pause on a link within
+    the trainer's zone where profiled (`RolloutOption.update_pause_s`), else the link's
+    (as `partition.sync_on_topology` takes it)."""
+    if o.update_pause_s is not None and o.zone == tr.zones[0]:
+        return o.update_pause_s
+    return cl.link(tr.zones[0], o.zone).latency_ms / 1e3
 
 
 def _asynchronous(
@@ -146,12 +163,15 @@ def _asynchronous(
         # the controller beside the servers: their reloads as the profile measured them
         measured = [prof.reload_shared_s(o.kind) for o in opts]
         syncs = [s if r is None else r for s, r in zip(syncs, measured, strict=True)]
+    # no pause shorter than the trainer's broadcast (over the network, where profiled)
+    syncs = [max(s, tr.broadcast_s) for s in syncs]
     # generation with the weight-sync pauses at the rate reached: a pause holds requests
     # in flight, so it counts as time the servers have work
     items = [(o, s, 1) for o, s in zip(opts, syncs, strict=True)]
     rate, gen_at = pipeline_rate(w, tr.samples_per_s, items)
     train = w.samples_per_step / tr.step_s
-    return LayoutRates(rate, gen_at, train, _async_pause(syncs, prof, opts, gen_at / train))
+    pause = max(_async_pause(syncs, prof, opts, gen_at / train), tr.broadcast_s)
+    return LayoutRates(rate, gen_at, train, pause)
 
 
 IDLE_AT_SLACK = 0.25  # generation this much above training: every update finds idle servers
@@ -207,7 +227,8 @@ def _synchronous(
         if idle is not None and w.weight_sync == "disk":
             sync = idle  # measured: nothing is generating when a sync run reloads
         elif idle is not None:  # network: the same idle pause, the bytes over the links
-            sync += idle - cl.link(tr.zones[0], o.zone).latency_ms / 1e3
+            sync += idle - _latency_s(cl, tr, o)
+        sync = max(sync, tr.broadcast_s)  # no shorter than the trainer's broadcast
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
     # the controller works while the trainer waits for the batch: no host-CPU share;

@@ -34,6 +34,10 @@ class DeviceRates(Section):
     # gather and the hand-off to the writing thread, and the wait for the previous write),
     # s per publish; and one checkpoint, s. Replace the cluster's storage estimate.
     train_publish_s: float | None = Field(None, ge=0)
+    # Over the network (`profile --box` with network sync): seconds of one version's
+    # broadcast as the trainer's rank 0 sent it while training, to a receiver outside
+    # the node's quota. No server's update pause ends before the sender is done.
+    train_broadcast_s: float | None = Field(None, ge=0)
     train_checkpoint_s: float | None = Field(None, ge=0)
     # Weight reload of an idle server, s (`profile --local`): the pause of a synchronous
     # run, where nothing is generating when new weights arrive. The pause with requests
@@ -155,6 +159,9 @@ class Profile(Section):
         if rates is None or rates.reload_overlap_sync != sync:
             return 0.0
         return rates.reload_overlap_s or 0.0
+
+    def train_broadcast_s(self, kind: str) -> float | None:
+        return self.kinds[kind].train_broadcast_s if kind in self.kinds else None
 
     def update_pause_s(self, kind: str, sync: str = "disk") -> float | None:
         """`kind`'s own update pause in mode `sync` (stands for a link's latency within

@@ -85,6 +85,7 @@ def profile_local(
         train_tokens_per_s=train.tokens_per_s,
         train_sync_tokens_per_s=train.quiet_tokens_per_s,
         train_publish_s=train.publish_s,
+        train_broadcast_s=train.broadcast_s,
         train_checkpoint_s=train.checkpoint_s,
         reload_idle_s=gen.reload_idle_s,
     )

@@ -279,6 +279,56 @@ def test_each_kinds_own_update_pause_stands_for_the_zones_latency(tmp_path: Path
     assert whole == pytest.approx(sync_on_topology(cl, m, net, "fast-0", ["fast-1"])[0])
 
 
+def test_no_network_pause_ends_before_the_trainers_broadcast(tmp_path: Path) -> None:
+    """Over the network a server takes its version as fast as rank 0 sends it: a
+    trainer's kind measured to take `train_broadcast_s` sending one while it trains
+    sets the shortest pause (`TrainerOption.broadcast_s`), in either mode's
+    prediction; from disk it plays no part."""
+    from scheduler.model_shape import load_model_shape
+    from scheduler.partition import sync_on_topology
+    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.profile import DeviceRates, Profile
+    from scheduler.trainers import cost_trainer
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
+    cl = make_cluster(
+        ClusterSpec.model_validate(
+            inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=20.0)
+        )
+    )
+    m = load_model_shape("qwen3-0.6b")
+    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
+        update={"weight_sync": "network", "groups_per_step": 4, "group_size": 8}
+    )
+    rates = {
+        "device": "box",
+        "train_tokens_per_s": 1e4,
+        "prefill_tokens_per_s": 1e5,
+        "decode_context": 128,
+        "decode_step_s": {1: 0.01, 8: 0.02},
+    }
+    prof = Profile(
+        model="m",
+        params=m.params,
+        kinds={"fast": DeviceRates(**rates), "mem": DeviceRates(train_broadcast_s=100.0, **rates)},
+    )
+    links = sync_on_topology(cl, m, w, "mem-0", ["mem-1"])[0]
+    assert links < 100.0
+    tr = cost_trainer(cl, m, w, (("mem", 1),), 1, prof)
+    assert tr is not None and tr.broadcast_s == 100.0
+    layout = [("mem", 1)], TrainerLayout((("mem", 1),), 1)
+    got = predict_layout(cl, m, w, prof, *layout, nodes=LayoutNodes("mem-0", ("mem-1",)))
+    assert got.asynchronous.weight_sync_s == pytest.approx(100.0)
+    assert got.synchronous.weight_sync_s == pytest.approx(100.0)
+    # a trainer of the other kind, or weights from disk: no floor
+    fast = cost_trainer(cl, m, w, (("fast", 1),), 1, prof)
+    assert fast is not None and fast.broadcast_s == 0.0
+    disk = cost_trainer(cl, m, w.model_copy(update={"weight_sync": "disk"}), (("mem", 1),), 1, prof)
+    assert disk is not None and disk.broadcast_s == 0.0
+
+
 def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path: Path) -> None:
     """A kind's update rounds (`reload_under_load_s`) price its pause: their median, less
     the fixed seconds the cost model adds for the mode (a bucket's call over the
