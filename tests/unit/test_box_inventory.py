@@ -15,6 +15,7 @@ from hexctl.job import box as box_mod
 from hexctl.job.box_spec import load_box
 from hexctl.profile.box import inventory
 from scheduler.cluster import ClusterSpec, make_cluster
+from scheduler.profile import DeviceRates, Profile
 
 BOX = {
     "name": "inv",
@@ -189,6 +190,21 @@ def test_max_trainer_nodes_keeps_the_trainer_on_one_machine() -> None:
     assert {trainer_nodes(c) for c in trainer_configs(cl, m, one)} == {1}
 
 
+def _priced(tmp: Path, reload_ms: float, sync: str) -> tuple:
+    """The box's inventory as a cluster (its kinds as one GPU), qwen3-0.6b, and the math
+    workload at `sync` with a small batch."""
+    from scheduler.model_shape import load_model_shape
+    from scheduler.workload import load_workload
+
+    root = Path(__file__).resolve().parents[2]
+    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
+    spec = inventory(_box(tmp), {"fast": gpu, "mem": gpu}, reload_ms=reload_ms)
+    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
+        update={"weight_sync": sync, "groups_per_step": 4, "group_size": 8}
+    )
+    return make_cluster(ClusterSpec.model_validate(spec)), load_model_shape("qwen3-0.6b"), w
+
+
 def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosses(
     tmp_path: Path,
 ) -> None:
@@ -196,19 +212,10 @@ def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosse
     own copy), so they wait for two copies' bytes over it; two servers beside the trainer
     wait for its NIC to send both. The run's prediction prices the plan's machines."""
     from scheduler.costmodel import GB, sync_terms
-    from scheduler.model_shape import load_model_shape
     from scheduler.partition import sync_on_topology
     from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
-    from scheduler.workload import load_workload
 
-    root = Path(__file__).resolve().parents[2]
-    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
-    spec = inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=12.0)
-    cl = make_cluster(ClusterSpec.model_validate(spec))
-    m = load_model_shape("qwen3-0.6b")
-    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
-        update={"weight_sync": "network", "groups_per_step": 4, "group_size": 8}
-    )
+    cl, m, w = _priced(tmp_path, 12.0, "network")
     nbytes, fixed = sync_terms(m, w, 0.012)
     assert nbytes == pytest.approx(w.constants.weight_sync_bytes_per_param * m.params)
     near = sync_on_topology(cl, m, w, "fast-0", ["mem-2", "mem-3"])
@@ -226,32 +233,8 @@ def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosse
     assert c.synchronous.pipeline_samples_per_s < a.synchronous.pipeline_samples_per_s
 
 
-def test_each_kinds_own_update_pause_stands_for_the_zones_latency(tmp_path: Path) -> None:
-    """The box's zone latency is its slowest kind's pause; an instance of a kind whose
-    rounds measured a pause of its own in the run's mode pays that one instead, on the
-    plan's nodes (`update_pause_s` into `sync_on_topology`, which prices both the plan's
-    placement and the run's prediction). Measured in the other mode, the zone's stands."""
-    from scheduler.costmodel import sync_terms
-    from scheduler.model_shape import load_model_shape
-    from scheduler.partition import sync_on_topology
-    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
-    from scheduler.profile import DeviceRates, Profile
-    from scheduler.workload import load_workload
-
-    root = Path(__file__).resolve().parents[2]
-    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
-    spec = inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=60.0)
-    cl = make_cluster(ClusterSpec.model_validate(spec))
-    m = load_model_shape("qwen3-0.6b")
-    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
-        update={"weight_sync": "disk", "groups_per_step": 4, "group_size": 8}
-    )
-    zone = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"])
-    own = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"], pauses=[0.015, None])
-    assert own[0] == pytest.approx(zone[0] - 0.060 + 0.015)  # its own 15 ms, not 60
-    assert own[1] == pytest.approx(zone[1])  # unmeasured: the zone's
-    assert sync_terms(m, w, 0.015)[1] == pytest.approx(0.015)
-
+def _profile(params: int, **own: dict) -> Profile:
+    """A box profile of kinds fast and mem with the same rates, plus each kind's `own`."""
     rates = {
         "device": "box",
         "train_tokens_per_s": 1e4,
@@ -259,14 +242,27 @@ def test_each_kinds_own_update_pause_stands_for_the_zones_latency(tmp_path: Path
         "decode_context": 128,
         "decode_step_s": {1: 0.01, 8: 0.02},
     }
-    prof = Profile(
-        model="m",
-        params=m.params,
-        kinds={
-            "fast": DeviceRates(update_pause_s=0.015, reload_overlap_sync="disk", **rates),
-            "mem": DeviceRates(**rates),
-        },
-    )
+    kinds = {k: DeviceRates(**rates, **own.get(k, {})) for k in ("fast", "mem")}
+    return Profile(model="m", params=params, kinds=kinds)
+
+
+def test_each_kinds_own_update_pause_stands_for_the_zones_latency(tmp_path: Path) -> None:
+    """The box's zone latency is its slowest kind's pause; an instance of a kind whose
+    rounds measured a pause of its own in the run's mode pays that one instead, on the
+    plan's nodes (`update_pause_s` into `sync_on_topology`, which prices both the plan's
+    placement and the run's prediction). Measured in the other mode, the zone's stands."""
+    from scheduler.costmodel import sync_terms
+    from scheduler.partition import sync_on_topology
+    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+
+    cl, m, w = _priced(tmp_path, 60.0, "disk")
+    zone = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"])
+    own = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"], pauses=[0.015, None])
+    assert own[0] == pytest.approx(zone[0] - 0.060 + 0.015)  # its own 15 ms, not 60
+    assert own[1] == pytest.approx(zone[1])  # unmeasured: the zone's
+    assert sync_terms(m, w, 0.015)[1] == pytest.approx(0.015)
+
+    prof = _profile(m.params, fast={"update_pause_s": 0.015, "reload_overlap_sync": "disk"})
     assert prof.update_pause_s("fast", "disk") == 0.015
     assert prof.update_pause_s("fast", "network") is None  # measured from disk only
     assert prof.update_pause_s("mem", "disk") is None
@@ -284,36 +280,12 @@ def test_no_network_pause_ends_before_the_trainers_broadcast(tmp_path: Path) -> 
     trainer's kind measured to take `train_broadcast_s` sending one while it trains
     sets the shortest pause (`TrainerOption.broadcast_s`), in either mode's
     prediction; from disk it plays no part."""
-    from scheduler.model_shape import load_model_shape
     from scheduler.partition import sync_on_topology
     from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
-    from scheduler.profile import DeviceRates, Profile
     from scheduler.trainers import cost_trainer
-    from scheduler.workload import load_workload
 
-    root = Path(__file__).resolve().parents[2]
-    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
-    cl = make_cluster(
-        ClusterSpec.model_validate(
-            inventory(_box(tmp_path), {"fast": gpu, "mem": gpu}, reload_ms=20.0)
-        )
-    )
-    m = load_model_shape("qwen3-0.6b")
-    w = load_workload(root / "examples/workloads/math_grpo.yaml").model_copy(
-        update={"weight_sync": "network", "groups_per_step": 4, "group_size": 8}
-    )
-    rates = {
-        "device": "box",
-        "train_tokens_per_s": 1e4,
-        "prefill_tokens_per_s": 1e5,
-        "decode_context": 128,
-        "decode_step_s": {1: 0.01, 8: 0.02},
-    }
-    prof = Profile(
-        model="m",
-        params=m.params,
-        kinds={"fast": DeviceRates(**rates), "mem": DeviceRates(train_broadcast_s=100.0, **rates)},
-    )
+    cl, m, w = _priced(tmp_path, 20.0, "network")
+    prof = _profile(m.params, mem={"train_broadcast_s": 100.0})
     links = sync_on_topology(cl, m, w, "mem-0", ["mem-1"])[0]
     assert links < 100.0
     tr = cost_trainer(cl, m, w, (("mem", 1),), 1, prof)
