@@ -131,7 +131,8 @@ class WeightReceiver:
 
         ctx = mp.get_context("spawn")
         self.inbox, self.done = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=receive_versions, args=(self.inbox, self.done), daemon=True)
+        args = (self.inbox, self.done, os.getpid())
+        self.proc = ctx.Process(target=receive_versions, args=args, daemon=True)
 
     def __enter__(self) -> WeightReceiver:
         self.proc.start()
@@ -173,9 +174,13 @@ class WeightReceiver:
 LOOPBACK = "127.0.0.1"
 
 
-def receive_versions(inbox: Any, done: Any) -> None:
+def receive_versions(inbox: Any, done: Any, parent: int) -> None:
     """`WeightReceiver`'s process: each manifest's buckets received (None ends it), the
-    version put on `done` once whole."""
+    version put on `done` once whole. It ends by itself once `parent` (the process that
+    started it) is gone, a profile killed outright: this process is in neither the
+    node's cgroup nor its namespace, where `box down` looks."""
+    import queue
+
     import torch
 
     from areal_hex.weight_net import Manifest, WeightGroup, parse_dtype
@@ -183,7 +188,15 @@ def receive_versions(inbox: Any, done: Any) -> None:
     torch.set_num_threads(1)
     group = None
     try:
-        while (text := inbox.get()) is not None:
+        while True:
+            try:
+                text = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the profile was killed: nobody will send
+                    return
+                continue
+            if text is None:
+                return
             m = Manifest.from_json(text)
             if group is None or group.spec.group_name != m.group.group_name:
                 if group is not None:

@@ -99,3 +99,37 @@ def test_training_rounds_publish_over_the_network(tmp_path: Path) -> None:
     assert rates.publish_sync == "network"
     assert rates.tokens_per_s > 0 and rates.publish_s is not None
     assert rates.broadcast_s is not None and 0 < rates.broadcast_s < 30
+
+
+def test_the_receiver_ends_when_the_profile_is_killed(tmp_path: Path) -> None:
+    """SIGKILL of the process that started a `WeightReceiver` (a profile killed outright)
+    leaves no receiver: it is in neither the node's cgroup nor its namespace, where
+    `box down` looks, so it notices its parent is gone and ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from hexctl.profile.training import WeightReceiver\n"
+        "with WeightReceiver() as r:\n"
+        "    print(r.proc.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        for _ in range(100):  # it polls for its parent every second
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail(f"the receiver {child} outlived its killed parent by 10 s")
+    finally:
+        proc.kill()
