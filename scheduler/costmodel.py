@@ -346,11 +346,27 @@ def allreduce_s(
     return t
 
 
-def weight_sync_s(cl: Cluster, m: ModelShape, w: Workload, from_zone: str, to_zone: str) -> float:
+def update_latency_s(cl: Cluster, from_zone: str, to_zone: str, own: float | None) -> float:
+    """The latency in an instance's update: its kind's own update pause (`own`,
+    `RolloutOption.update_pause_s`) on a link within one zone where profiled, else the
+    link's."""
+    if own is not None and from_zone == to_zone:
+        return own
+    return cl.link(from_zone, to_zone).latency_ms / 1e3
+
+
+def weight_sync_s(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    from_zone: str,
+    to_zone: str,
+    own: float | None = None,
+) -> float:
     """Pause of a rollout instance per publish, over the link between the two zones:
-    `sync_terms`' fixed seconds plus its bytes over the link."""
+    `sync_terms`' fixed seconds (at `update_latency_s`) plus its bytes over the link."""
     ln = cl.link(from_zone, to_zone)
-    nbytes, fixed = sync_terms(m, w, ln.latency_ms / 1e3)
+    nbytes, fixed = sync_terms(m, w, update_latency_s(cl, from_zone, to_zone, own))
     return fixed + nbytes / (ln.bandwidth_gbs * GB)
 
 

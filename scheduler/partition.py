@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 import pymetis
 
 from scheduler.cluster import Cluster, NodeGroup, machine_name
-from scheduler.costmodel import GB, RolloutOption, TrainerOption, allreduce_s, sync_terms
+from scheduler.costmodel import (
+    GB,
+    RolloutOption,
+    TrainerOption,
+    allreduce_s,
+    sync_terms,
+    update_latency_s,
+)
 from scheduler.model_shape import ModelShape
 from scheduler.topology import Topology, Transfer
 from scheduler.workload import Workload
@@ -353,10 +360,7 @@ def sync_on_topology(
     own = dict(zip(rollout_nodes, pauses or [None] * len(rollout_nodes), strict=True))
     out = {}
     for node in machines:
-        zone = topo.machines[node].zone
-        latency = cl.link(wz, zone).latency_ms / 1e3
-        if own[node] is not None and zone == wz:
-            latency = own[node]
+        latency = update_latency_s(cl, wz, topo.machines[node].zone, own[node])
         out[node] = sync_terms(m, w, latency)
     size = {node: out[node][0] for node in machines}
     done = topo.finish_s([Transfer(writer, node, size[node]) for node in machines])

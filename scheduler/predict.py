@@ -24,6 +24,7 @@ from scheduler.costmodel import (
     decode_step_s,
     pipeline_rate,
     rollout_config,
+    update_latency_s,
     weight_sync_s,
 )
 from scheduler.model_shape import ModelShape
@@ -129,27 +130,11 @@ def _syncs(
     nodes: LayoutNodes | None,
 ) -> list[float]:
     """Each instance's weight-sync pause per publish over the links, with its kind's own
-    update pause where profiled (`_latency_s`)."""
+    update pause where profiled (`costmodel.update_latency_s`)."""
     if nodes is not None and Topology(cl).declared:
         pauses = [o.update_pause_s for o in opts]
-        links = sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), pauses=pauses)
-    else:
-        links = [
-            weight_sync_s(cl, m, w, tr.zones[0], o.zone)
-            - cl.link(tr.zones[0], o.zone).latency_ms / 1e3
-            + _latency_s(cl, tr, o)
-            for o in opts
-        ]
-    return links
-
-
-def _latency_s(cl: Cluster, tr: TrainerOption, o: RolloutOption) -> float:
-    """The latency in an instance's update: its kind's own update pause on a link within
-    the trainer's zone where profiled (`RolloutOption.update_pause_s`), else the link's
-    (as `partition.sync_on_topology` takes it)."""
-    if o.update_pause_s is not None and o.zone == tr.zones[0]:
-        return o.update_pause_s
-    return cl.link(tr.zones[0], o.zone).latency_ms / 1e3
+        return sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), pauses=pauses)
+    return [weight_sync_s(cl, m, w, tr.zones[0], o.zone, o.update_pause_s) for o in opts]
 
 
 def _asynchronous(
@@ -227,7 +212,7 @@ def _synchronous(
         if idle is not None and w.weight_sync == "disk":
             sync = idle  # measured: nothing is generating when a sync run reloads
         elif idle is not None:  # network: the same idle pause, the bytes over the links
-            sync += idle - _latency_s(cl, tr, o)
+            sync += idle - update_latency_s(cl, tr.zones[0], o.zone, o.update_pause_s)
         sync = max(sync, tr.broadcast_s)  # no shorter than the trainer's broadcast
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
