@@ -33,10 +33,10 @@ from typing import Any
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
-# each plan's steps: a window (from step η + 1) of 75 steps. On a shared machine one
-# 5-s sample moves by a third and an 80-s mean by a few per cent (`bench host`); 30
-# steps left the fastest plans a window of about 5 s
-STEPS = 80
+# each plan's steps: a window (from step η + 1) of 35 steps of the box job's 8 groups.
+# On a shared machine one 5-s sample moves by a third and an 80-s mean by a few per cent
+# (`bench host`); 30 steps of 4 groups left the fastest plans a window of about 5 s
+STEPS = 40
 
 
 def _say(text: str) -> None:
