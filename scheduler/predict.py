@@ -211,7 +211,10 @@ def _synchronous(
         idle = prof.reload_idle_s(o.kind) if prof is not None else None
         if idle is not None and w.weight_sync == "disk":
             sync = idle  # measured: nothing is generating when a sync run reloads
-        elif idle is not None:  # network: the same idle pause, the bytes over the links
+        elif idle is not None:  # network: the idle pause, the bytes over the links
+            assert prof is not None
+            own = prof.update_pause_idle_s(o.kind, w.weight_sync)
+            idle = idle if own is None else own  # measured over the network, else disk's
             sync += idle - update_latency_s(cl, tr.zones[0], o.zone, o.update_pause_s)
         sync = max(sync, tr.broadcast_s)  # no shorter than the trainer's broadcast
         syncs.append(sync)

@@ -78,6 +78,10 @@ class DeviceRates(Section):
     # costs on a link within its zone, in place of the link's latency (the zone's is the
     # slowest kind's). Measured in `reload_overlap_sync`'s mode only; None: the link's.
     update_pause_s: float | None = Field(None, ge=0)
+    # ... and over the network with nothing in flight (a synchronous run's update: the
+    # controller's pause, each bucket from a rank 0 beside the server, the resume), less
+    # the same fixed seconds. None: the idle reload from disk stands for it.
+    update_pause_idle_s: float | None = Field(None, ge=0)
 
 
 class Profile(Section):
@@ -170,6 +174,14 @@ class Profile(Section):
         if rates is None or rates.reload_overlap_sync != sync:
             return None
         return rates.update_pause_s
+
+    def update_pause_idle_s(self, kind: str, sync: str = "disk") -> float | None:
+        """`kind`'s update pause with nothing in flight in mode `sync`, as
+        `update_pause_s` is priced; None where not measured in that mode."""
+        rates = self.kinds.get(kind)
+        if rates is None or rates.reload_overlap_sync != sync:
+            return None
+        return rates.update_pause_idle_s
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None

@@ -122,6 +122,9 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
         reloads.append(own or zone["inter_node_latency_ms"])
         if own is not None:  # the kind's own, in place of the zone's (the slowest kind's)
             rates.update_pause_s = own / 1e3
+        idle = _pause_ms(files, gen, "reload_idle_network_s")
+        if idle is not None:  # a synchronous run's, nothing in flight
+            rates.update_pause_idle_s = idle / 1e3
         params = prof.params
     save_profile(Profile(model=str(files.model), params=params, kinds=kinds), files.profile)
     spec = inventory(box, overrides, max(reloads))
@@ -130,18 +133,21 @@ def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfile
     files.measured.write_text(json.dumps({"kinds": measured}, indent=2))
 
 
-def _pause_ms(files: LocalProfileFiles, gen: dict[str, Any]) -> float | None:
+def _pause_ms(
+    files: LocalProfileFiles, gen: dict[str, Any], measured: str = "reload_under_load_s"
+) -> float | None:
     """The link latency that prices a kind's weight update as its update rounds measured
     it (`reload_under_load_s`: the run's controller updating the server under the run's
-    load, from disk or over the network as the run will, about 20 updates a round): the
-    median pause, less the fixed seconds the cost model adds for that mode
+    load, from disk or over the network as the run will, about 20 updates a round; or
+    `measured`: `reload_idle_network_s`, the same over the network with nothing in
+    flight): the median pause, less the fixed seconds the cost model adds for that mode
     (`costmodel.sync_terms` at no latency: each bucket's call over the network), so
     that the link's latency plus them is the pause measured; None if not measured."""
     from scheduler.costmodel import sync_terms
     from scheduler.model_shape import load_model_shape
     from scheduler.workload import load_workload
 
-    pauses = gen.get("reload_under_load_s")
+    pauses = gen.get(measured)
     if not pauses:
         return None
     w = load_workload(files.workload)

@@ -344,6 +344,28 @@ def broadcaster(model_dir: Path, reloads: Reloads) -> Iterator[Rank0]:
 SYNC_CYCLES = 6  # timed, after one that includes the controller's start
 
 
+async def idle_updates(
+    url: str, cfg: ExperimentConfig, model_dir: Path, rank0: Rank0, n: int
+) -> list[float]:
+    """A synchronous run's update over the network: the run's controller pausing the
+    server with nothing in flight, asking for each bucket `rank0` broadcasts, resuming.
+    Each of `n` updates' seconds, after one that forms the group (as a run's first)."""
+    rank0.regroup()
+    pauses = []
+    async with _controller(url, cfg, model_dir, 0, 1, rank0.source()) as (ctl, _, _):
+        await ctl.dispatcher.probe_all()
+        await ctl.weights.start(cfg.rollout.update_pause)
+        for i in range(n + 1):
+            version = FIRST_VERSION - 1 + i
+            await rank0.publish(version)
+            t0 = time.perf_counter()
+            await ctl.update_weights(version, "")
+            await rank0.sent()
+            if i:
+                pauses.append(time.perf_counter() - t0)
+    return pauses
+
+
 async def sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
     """The run's controller at η = 0, and in this process a trainer that trains nothing:
     it takes each batch from the buffer and publishes the next version (the same

@@ -30,6 +30,7 @@ from hexctl.profile.controller import (
     Reloads,
     broadcaster,
     continuous_load,
+    idle_updates,
     round_overlaps,
     sync_cycle,
 )
@@ -37,6 +38,7 @@ from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
 from rollout_service.client import GenerationError
 
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
+IDLE_UPDATES = 9  # a synchronous run's network updates timed on a box node
 SERVER_LOG_LINES = 15  # of the server's log, in the error when a profile cannot go on
 
 
@@ -68,6 +70,8 @@ class GenerationRates:
     continuous_rounds_samples_per_s: list[float] | None = None
     reload_rounds_samples_per_s: list[float] | None = None
     reload_under_load_sync: str | None = None  # how those updates went: disk | network
+    # over the network, the same updates with nothing in flight (a synchronous run's)
+    reload_idle_network_s: list[float] | None = None
 
 
 def measure_generation(
@@ -145,6 +149,10 @@ def measure_generation(
                                 url, cfg, model_dir, {pid}, reloads=Reloads(), min_window_s=window
                             )
                             shared.append(asyncio.run(load))
+                if networked:
+                    say("a synchronous run's updates over the network, nothing in flight")
+                    idle = idle_updates(url, cfg, model_dir, sender, IDLE_UPDATES)
+                    gen.reload_idle_network_s = asyncio.run(idle)
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
             overlaps = round_overlaps([r for r, _, _ in alone], updated)
             if overlaps:

@@ -14,7 +14,13 @@ import pytest
 
 from areal_hex.config import InferenceConfig, ModelConfig, load_config
 from hexctl.job.prepare import materialize_v0
-from hexctl.profile.controller import FIRST_VERSION, Reloads, broadcaster, continuous_load
+from hexctl.profile.controller import (
+    FIRST_VERSION,
+    Reloads,
+    broadcaster,
+    continuous_load,
+    idle_updates,
+)
 from rollout_service.client import InferenceClient
 from rollout_service.server.main import ServerThread, build_server_app
 
@@ -47,6 +53,9 @@ def test_update_rounds_pause_the_server_and_load_each_version(tmp_path: Path, sy
                     load = continuous_load(url, cfg, v0, set(), reloads, 0.5, rank0=rank0)
                     again = asyncio.run(load)[2]
                     assert again is not None and 0 < again < 5.0
+                # a synchronous run's: nothing in flight, the same rank 0, a group anew
+                idle = asyncio.run(idle_updates(url, cfg, v0, rank0, 3))
+                assert len(idle) == 3 and all(0 < p < 5.0 for p in idle)
 
         async def served() -> int:
             async with InferenceClient(url, timeout_s=30) as client:
@@ -58,6 +67,8 @@ def test_update_rounds_pause_the_server_and_load_each_version(tmp_path: Path, sy
     # the updates reached the server: over the network, an update without a manifest
     # (or a group) would leave the version where it was
     assert version >= FIRST_VERSION
+    if sync == "network":  # the last of the idle updates: FIRST_VERSION - 1, then 3 more
+        assert version == FIRST_VERSION + 2
 
 
 def test_a_receiver_takes_every_version_a_trainers_sink_broadcasts() -> None:

@@ -301,6 +301,36 @@ def test_no_network_pause_ends_before_the_trainers_broadcast(tmp_path: Path) -> 
     assert disk is not None and disk.broadcast_s == 0.0
 
 
+def test_a_synchronous_network_update_is_priced_at_the_idle_network_pause(
+    tmp_path: Path,
+) -> None:
+    """A synchronous run's update over the network finds its servers idle: the pause is
+    the kind's update with nothing in flight as measured over the network
+    (`update_pause_idle_s`), plus the bytes over the links, in place of the idle reload
+    from disk; measured in the other mode, or not at all, the disk's stands in."""
+    from scheduler.partition import sync_on_topology
+    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+
+    cl, m, w = _priced(tmp_path, 20.0, "network")
+    links = sync_on_topology(cl, m, w, "fast-0", ["mem-2"])[0]
+    layout = [("mem", 1)], TrainerLayout((("fast", 1),), 1)
+    nodes = LayoutNodes("fast-0", ("mem-2",))
+
+    def sync_pause(**mem: float | str) -> float:
+        prof = _profile(m.params, mem={"reload_idle_s": 0.005, **mem})
+        return predict_layout(cl, m, w, prof, *layout, nodes=nodes).synchronous.weight_sync_s
+
+    disk = sync_pause()
+    assert disk == pytest.approx(links - 0.020 + 0.005)  # the link's latency, then disk's
+    net = {"update_pause_idle_s": 0.045, "reload_overlap_sync": "network"}
+    assert sync_pause(**net) == pytest.approx(disk - 0.005 + 0.045)
+    assert sync_pause(**{**net, "reload_overlap_sync": "disk"}) == pytest.approx(disk)
+    prof = _profile(m.params, mem=net)
+    assert prof.update_pause_idle_s("mem", "network") == 0.045
+    assert prof.update_pause_idle_s("mem", "disk") is None
+    assert prof.update_pause_idle_s("fast", "network") is None
+
+
 def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path: Path) -> None:
     """A kind's update rounds (`reload_under_load_s`) price its pause: their median, less
     the fixed seconds the cost model adds for the mode (a bucket's call over the
@@ -342,6 +372,14 @@ def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path:
     files.workload.write_text(yaml.safe_dump({**work, "weight_sync": "disk"}))
     assert _pause_ms(files, {**gen, "reload_under_load_sync": "network"}) is None
     assert _pause_ms(files, {"reload_under_load_s": None}) is None
+    # the same updates with nothing in flight (a synchronous run's), priced alike
+    files.workload.write_text(yaml.safe_dump({**work, "weight_sync": "network"}))
+    _, fixed = sync_terms(load_model_shape(str(files.model)), load_workload(files.workload), 0.0)
+    idle = {**gen, "reload_under_load_sync": "network", "reload_idle_network_s": [0.04, 0.05]}
+    assert _pause_ms(files, idle, "reload_idle_network_s") == pytest.approx(
+        (0.045 - fixed) * 1e3, abs=1e-3
+    )
+    assert _pause_ms(files, gen, "reload_idle_network_s") is None
 
 
 def test_disk_sync_on_a_box_crosses_no_link(tmp_path: Path) -> None:
