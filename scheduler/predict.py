@@ -209,6 +209,7 @@ def _synchronous(
 
         sync = link_syncs[i]
         idle = prof.reload_idle_s(o.kind) if prof is not None else None
+        own = None
         if idle is not None and w.weight_sync == "disk":
             sync = idle  # measured: nothing is generating when a sync run reloads
         elif idle is not None:  # network: the idle pause, the bytes over the links
@@ -216,7 +217,8 @@ def _synchronous(
             own = prof.update_pause_idle_s(o.kind, w.weight_sync)
             idle = idle if own is None else own  # measured over the network, else disk's
             sync += idle - update_latency_s(cl, tr.zones[0], o.zone, o.update_pause_s)
-        sync = max(sync, tr.broadcast_s)  # no shorter than the trainer's broadcast
+        if own is None:  # no shorter than the trainer's broadcast, timed while it trained;
+            sync = max(sync, tr.broadcast_s)  # the idle update's held an idle sender's
         syncs.append(sync)
         sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
     # the controller works while the trainer waits for the batch: no host-CPU share;

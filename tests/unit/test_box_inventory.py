@@ -316,14 +316,19 @@ def test_a_synchronous_network_update_is_priced_at_the_idle_network_pause(
     layout = [("mem", 1)], TrainerLayout((("fast", 1),), 1)
     nodes = LayoutNodes("fast-0", ("mem-2",))
 
-    def sync_pause(**mem: float | str) -> float:
-        prof = _profile(m.params, mem={"reload_idle_s": 0.005, **mem})
+    def sync_pause(fast: dict | None = None, **mem: float | str) -> float:
+        prof = _profile(m.params, fast=fast or {}, mem={"reload_idle_s": 0.005, **mem})
         return predict_layout(cl, m, w, prof, *layout, nodes=nodes).synchronous.weight_sync_s
 
     disk = sync_pause()
     assert disk == pytest.approx(links - 0.020 + 0.005)  # the link's latency, then disk's
     net = {"update_pause_idle_s": 0.045, "reload_overlap_sync": "network"}
     assert sync_pause(**net) == pytest.approx(disk - 0.005 + 0.045)
+    # the trainer's broadcast, timed while it trained, floors the disk's stand-in only:
+    # the idle update over the network was timed with an idle sender
+    slow = {"train_broadcast_s": 100.0}
+    assert sync_pause(slow) == pytest.approx(100.0)
+    assert sync_pause(slow, **net) == pytest.approx(disk - 0.005 + 0.045)
     assert sync_pause(**{**net, "reload_overlap_sync": "disk"}) == pytest.approx(disk)
     prof = _profile(m.params, mem=net)
     assert prof.update_pause_idle_s("mem", "network") == 0.045
