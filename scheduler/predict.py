@@ -209,14 +209,14 @@ def _synchronous(
 
         sync = link_syncs[i]
         idle = prof.reload_idle_s(o.kind) if prof is not None else None
-        own = None
+        # over the network, where the profile timed it: the kind's own idle update
+        own = prof.update_pause_idle_s(o.kind, w.weight_sync) if prof is not None else None
         if idle is not None and w.weight_sync == "disk":
             sync = idle  # measured: nothing is generating when a sync run reloads
-        elif idle is not None:  # network: the idle pause, the bytes over the links
-            assert prof is not None
-            own = prof.update_pause_idle_s(o.kind, w.weight_sync)
-            idle = idle if own is None else own  # measured over the network, else disk's
-            sync += idle - update_latency_s(cl, tr.zones[0], o.zone, o.update_pause_s)
+        elif own is not None or idle is not None:  # network: the bytes over the links
+            sync += (idle if own is None else own) - update_latency_s(
+                cl, tr.zones[0], o.zone, o.update_pause_s
+            )
         if own is None:  # no shorter than the trainer's broadcast, timed while it trained;
             sync = max(sync, tr.broadcast_s)  # the idle update's held an idle sender's
         syncs.append(sync)

@@ -157,12 +157,16 @@ class Profile(Section):
             extra += rates.train_checkpoint_s / checkpoint_every
         return extra
 
+    def _rounds(self, kind: str, sync: str) -> DeviceRates | None:
+        """`kind`'s rates where its update rounds ran in mode `sync`, else None: what
+        they measured prices only that mode's pauses."""
+        rates = self.kinds.get(kind)
+        return rates if rates is not None and rates.reload_overlap_sync == sync else None
+
     def reload_overlap_s(self, kind: str, sync: str = "disk") -> float:
         """Of a pause of mode `sync` on `kind`: the seconds measured to still generate."""
-        rates = self.kinds.get(kind)
-        if rates is None or rates.reload_overlap_sync != sync:
-            return 0.0
-        return rates.reload_overlap_s or 0.0
+        rates = self._rounds(kind, sync)
+        return 0.0 if rates is None else rates.reload_overlap_s or 0.0
 
     def train_broadcast_s(self, kind: str) -> float | None:
         return self.kinds[kind].train_broadcast_s if kind in self.kinds else None
@@ -170,18 +174,14 @@ class Profile(Section):
     def update_pause_s(self, kind: str, sync: str = "disk") -> float | None:
         """`kind`'s own update pause in mode `sync` (stands for a link's latency within
         its zone); None where not measured in that mode."""
-        rates = self.kinds.get(kind)
-        if rates is None or rates.reload_overlap_sync != sync:
-            return None
-        return rates.update_pause_s
+        rates = self._rounds(kind, sync)
+        return None if rates is None else rates.update_pause_s
 
     def update_pause_idle_s(self, kind: str, sync: str = "disk") -> float | None:
         """`kind`'s update pause with nothing in flight in mode `sync`, as
         `update_pause_s` is priced; None where not measured in that mode."""
-        rates = self.kinds.get(kind)
-        if rates is None or rates.reload_overlap_sync != sync:
-            return None
-        return rates.update_pause_idle_s
+        rates = self._rounds(kind, sync)
+        return None if rates is None else rates.update_pause_idle_s
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None
