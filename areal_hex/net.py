@@ -124,3 +124,18 @@ async def async_retry(
             log.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay_s)
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """`event.wait()` for up to `timeout_s` seconds; True if it was set.
+
+    Not `asyncio.wait_for`: on Python 3.11 it returns normally when a cancellation
+    arrives in the same loop turn as the event, and a loop around it then never ends
+    (a producer asked to stop kept polling its gate).
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=max(0.0, timeout_s))
+    finally:
+        waiter.cancel()
+    return bool(done)

@@ -37,6 +37,7 @@ from areal_hex.buffer.keys import (
 )
 from areal_hex.buffer.transaction import Arg, Link, Parts
 from areal_hex.config.buffer import BufferConfig
+from areal_hex.net import wait_event
 from areal_hex.record import GroupRecord
 
 
@@ -121,10 +122,8 @@ class RedisTrajectoryProducer:
             if remaining <= 0:
                 raise TimeoutError(self._timeout_message(n, int(status), sub, v, backlog))
             self._start_listener()
-            try:  # wake on a version bump, or poll (acks that free backlog are not signalled)
-                await asyncio.wait_for(self._bump.wait(), timeout=min(remaining, c.poll_interval_s))
-            except asyncio.TimeoutError:
-                pass
+            # wake on a version bump, or poll (acks that free backlog are not signalled)
+            await wait_event(self._bump, min(remaining, c.poll_interval_s))
 
     def _timeout_message(self, n: int, status: int, sub: int, v: int, backlog: int) -> str:
         c = self.cfg
@@ -203,10 +202,7 @@ class RedisTrajectoryProducer:
                 pass  # Valkey restarting: the next beat (or admit) renews the lease
             # Stopped by an event, not cancelled: a command cancelled mid-flight can
             # leave redis-py's connection waiting forever.
-            try:
-                await asyncio.wait_for(self._closing.wait(), self.cfg.lease_ttl_s / 3)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._closing, self.cfg.lease_ttl_s / 3)
 
     def _start_listener(self) -> None:
         if self._listener is None or self._listener.done():

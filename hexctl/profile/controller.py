@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.net import wait_event
 from hexctl.job.predict import LocalProfileFiles
 
 LOCAL_GROUP = "local"  # the node group `profile --local` writes
@@ -210,8 +211,7 @@ async def _load_once(
                 version, ended, lead = FIRST_VERSION, time.perf_counter(), 0.0
                 while not stop.is_set():
                     wait = RELOAD_EVERY_S - (time.perf_counter() - ended) - lead
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), max(0.0, wait))
+                    if await wait_event(stop, wait):
                         return
                     if rank0 is None:
                         t0 = time.perf_counter()

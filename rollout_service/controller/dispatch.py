@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from areal_hex.api import GenerationClient
-from areal_hex.net import async_wait_until
+from areal_hex.net import async_wait_until, wait_event
 from rollout_service.client import GenerationError
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,7 @@ class Dispatcher:
             if s is not None:
                 return s
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=10.0)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._changed, 10.0):
                 waited += 10.0
                 log.warning("no healthy inference server for %.0f s; waiting", waited)
 

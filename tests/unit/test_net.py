@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 
-from areal_hex.net import WaitAborted, async_retry, async_wait_until, free_port, wait_until
+from areal_hex.net import (
+    WaitAborted,
+    async_retry,
+    async_wait_until,
+    free_port,
+    wait_event,
+    wait_until,
+)
 
 
 def test_wait_until_ready_timeout_abort_and_expected_errors() -> None:
@@ -54,6 +62,29 @@ async def test_async_wait_until_and_retry() -> None:
 
     with pytest.raises(ValueError):
         await async_retry(broken, retry_if=lambda e: isinstance(e, ConnectionError), within_s=5.0)
+
+
+async def test_wait_event_is_set_times_out_and_never_loses_a_cancel() -> None:
+    ev = asyncio.Event()
+    assert not await wait_event(ev, 0.01)
+    asyncio.get_running_loop().call_later(0.01, ev.set)
+    assert await wait_event(ev, 5.0)
+
+    # The producer's gate loop: a cancel that arrives in the same loop turn as the event
+    # it waits on must end the loop (asyncio.wait_for on Python 3.11 loses it).
+    async def poll(holder: list[asyncio.Event]) -> None:
+        while True:
+            await wait_event(holder[0], 0.1)
+
+    for _ in range(20):
+        holder = [asyncio.Event()]
+        task = asyncio.create_task(poll(holder))
+        await asyncio.sleep(0.005)
+        holder[0].set()
+        holder[0] = asyncio.Event()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert done and task.cancelled()
 
 
 def test_free_port_is_bindable() -> None:
