@@ -40,6 +40,10 @@ BOX_DEVICE = "box"  # DeviceRates.device: a node's share, not the host's cores
 # of at least 4 s each, and its reloads 5 times (a machine's own cores: 3, 1 s).
 BOX_REPEATS = 5
 BOX_MIN_WINDOW_S = 4.0
+# Its decode step is timed over pairs of waves whose steps add up to 2 s: one pair's 12
+# steps at a fifth of a core (~40-100 ms) came out from half to twice their mean, and the
+# median of 3 such pairs at batch 32 from 4.9 to 9.9 ms in four profiles of one kind.
+BOX_MIN_DECODE_S = 2.0
 
 
 def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
@@ -60,6 +64,7 @@ def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
         netns=n.netns,
         repeats=BOX_REPEATS,
         min_window_s=BOX_MIN_WINDOW_S,
+        min_decode_s=BOX_MIN_DECODE_S,
     )
 
 

@@ -43,6 +43,9 @@ class LocalDevices:
     # longer samples than a machine's own cores to repeat from one profile to the next.
     repeats: int = REPEATS
     min_window_s: float = 1.0
+    # Decode steps, s, that a batch's pairs of waves must add up to (0: REPEATS pairs
+    # and their median): a few steps of a quota-throttled node swing with the period.
+    min_decode_s: float = 0.0
 
 
 def local_devices(cfg: ExperimentConfig) -> LocalDevices:

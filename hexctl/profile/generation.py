@@ -40,6 +40,7 @@ from rollout_service.client import GenerationError
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
 IDLE_UPDATES = 9  # a synchronous run's network updates timed on a box node
 SERVER_LOG_LINES = 15  # of the server's log, in the error when a profile cannot go on
+MAX_DECODE_PAIRS = 60  # pairs of waves per decode step, at most, with a min_decode_s
 
 
 @dataclass
@@ -112,7 +113,9 @@ def measure_generation(
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
                 gen = asyncio.run(
-                    _generation(url, cfg, prompts, eos, batches, model_dir, dev.repeats)
+                    _generation(
+                        url, cfg, prompts, eos, batches, model_dir, dev.repeats, dev.min_decode_s
+                    )
                 )
                 say("decode, prefill and reload timed; a synchronous run's cycle")
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
@@ -203,10 +206,17 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
 class _Driver:
     """Sends work to the server as the controller does: one batched call per group."""
 
-    def __init__(self, client: Any, cfg: ExperimentConfig, prompts: list[list[int]]) -> None:
+    def __init__(
+        self,
+        client: Any,
+        cfg: ExperimentConfig,
+        prompts: list[list[int]],
+        min_decode_s: float = 0.0,
+    ) -> None:
         import random
 
         self.client, self.r, self.prompts = client, cfg.rollout, prompts
+        self.min_decode_s = min_decode_s
         self.g = cfg.rollout.group_size
         self.rng = random.Random(0)
 
@@ -253,22 +263,29 @@ class _Driver:
         A pair whose long wave was not longer than its short one (the machine stalled
         the short one) says nothing and is measured again, up to REPEATS more times;
         without any usable pair, the long wave's time per token (prefill included: an
-        upper bound) stands in."""
+        upper bound) stands in. With `min_decode_s`, pairs are timed until their steps
+        add up to it (at most MAX_DECODE_PAIRS) and the step is their total over their
+        steps: a quota's period shifts each pair's few steps, and cancels in the sum."""
         long_n = max(8, self.r.max_new_tokens)
         short_n = max(2, long_n // 4)
         diffs: list[float] = []
         per_token: list[float] = []
-        for _ in range(2 * REPEATS):
+        tries = max(2 * REPEATS, MAX_DECODE_PAIRS if self.min_decode_s > 0 else 0)
+        for _ in range(tries):
             work = self.groups(batch)
             t_long, _ = await self.wave(work, self.fixed(long_n))
             t_short, _ = await self.wave(work, self.fixed(short_n))
             per_token.append(t_long / long_n)
             # a step shorter than a tenth of the long wave's time per token is noise
             if t_long - t_short > 0.1 * t_long * (long_n - short_n) / long_n:
-                diffs.append((t_long - t_short) / (long_n - short_n))
-            if len(diffs) >= REPEATS:
+                diffs.append(t_long - t_short)
+            if len(diffs) >= REPEATS and sum(diffs) >= self.min_decode_s:
                 break
-        return statistics.median(diffs) if diffs else statistics.median(per_token)
+        if not diffs:
+            return statistics.median(per_token)
+        if self.min_decode_s > 0:
+            return sum(diffs) / (len(diffs) * (long_n - short_n))
+        return statistics.median(diffs) / (long_n - short_n)
 
     async def prefill_rate(self, batch: int, step_s: float) -> float:
         """Prompt tokens/s, one prompt per group (the group shares its prefill)."""
@@ -309,13 +326,14 @@ async def _generation(
     batches: list[int],
     model_dir: Path,
     repeats: int = REPEATS,
+    min_decode_s: float = 0.0,
 ) -> GenerationRates:
     from rollout_service.client import InferenceClient
 
     # a request unanswered for WAVE_TIMEOUT_S is a stuck server: an error, not a wait
     async with InferenceClient(url, timeout_s=WAVE_TIMEOUT_S) as client:
         await client.wait_healthy(timeout_s=180, interval_s=0.2)
-        d = _Driver(client, cfg, prompts)
+        d = _Driver(client, cfg, prompts, min_decode_s)
         await d.wave([prompts[0]], d.fixed(4))  # warm-up: first-call allocations
         response = await d.answer_length(eos)
         steps = {b: await d.decode_step(b) for b in batches}

@@ -20,11 +20,13 @@ from hexctl.profile.generation import _Driver
 class _Timed(_Driver):
     """A driver whose waves take scripted times (seconds per (long, short) pair)."""
 
-    def __init__(self, times: list[tuple[float, float]]) -> None:
-        super().__init__(None, ExperimentConfig(), [[1, 2, 3]])
+    def __init__(self, times: list[tuple[float, float]], min_decode_s: float = 0.0) -> None:
+        super().__init__(None, ExperimentConfig(), [[1, 2, 3]], min_decode_s)
         self.times: Iterator[float] = iter(t for pair in times for t in pair)
+        self.waves = 0
 
     async def wave(self, work: list[list[int]], sp: Any) -> tuple[float, list]:
+        self.waves += 1
         return next(self.times), []
 
 
@@ -43,6 +45,25 @@ def test_without_a_usable_pair_the_long_wave_per_token_stands_in() -> None:
     stalled = (long_n * 0.02, long_n * 0.02)
     d = _Timed([stalled] * 6)
     assert asyncio.run(d.decode_step(4)) == pytest.approx(0.02)
+
+
+def test_a_throttled_node_times_pairs_until_their_steps_add_up() -> None:
+    """A box node's 10 ms quota period lands a pair's few steps a period early or late:
+    with `min_decode_s` the pairs go on until their steps add up to it, and the step is
+    their total over their steps, where the periods cancel (their median would not)."""
+    long_n = max(8, ExperimentConfig().rollout.max_new_tokens)
+    short_n = max(2, long_n // 4)
+    step, period = 0.003, 0.010
+    # two pairs a period late for each one a period early: the median is a period late
+    pairs = [(0.1 + long_n * step + e, 0.1 + short_n * step) for e in (period, period, -period)]
+    d = _Timed(pairs * 100, min_decode_s=1.0)
+    got = asyncio.run(d.decode_step(4))
+    used = [lo - sh for lo, sh in (pairs * 100)[: d.waves // 2]]
+    assert sum(used) >= 1.0 > sum(used[:-1])  # stopped once its steps covered 1 s
+    assert got == pytest.approx(sum(used) / len(used) / (long_n - short_n))
+    assert abs(got - step) < 0.1 * step  # the periods cancel, to within one pair's
+    median = _Timed(pairs * 2)  # without it: REPEATS pairs, their median
+    assert asyncio.run(median.decode_step(4)) == pytest.approx(step + period / (long_n - short_n))
 
 
 def test_a_continuous_load_shorter_than_its_window_runs_again_longer(
