@@ -133,6 +133,8 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     arrives in the same loop turn as the event, and a loop around it then never ends
     (a producer asked to stop kept polling its gate).
     """
+    if event.is_set():
+        return True
     waiter = asyncio.ensure_future(event.wait())
     try:
         done, _ = await asyncio.wait({waiter}, timeout=max(0.0, timeout_s))

@@ -69,6 +69,7 @@ async def test_wait_event_is_set_times_out_and_never_loses_a_cancel() -> None:
     assert not await wait_event(ev, 0.01)
     asyncio.get_running_loop().call_later(0.01, ev.set)
     assert await wait_event(ev, 5.0)
+    assert await wait_event(ev, 0.0)  # already set: no wait needed to say so
 
     # The producer's gate loop: a cancel that arrives in the same loop turn as the event
     # it waits on must end the loop (asyncio.wait_for on Python 3.11 loses it).
