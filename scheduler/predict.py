@@ -241,11 +241,11 @@ def _synchronous(
     # per second of server work: a synchronous batch ends in a tail of few requests
     gen = res.generation_samples_per_s / max(1e-9, res.rollout_busy_frac)
     # the profile's cycle over the replay's, measured with the whole batch on one
-    # instance: a fitted correction, so it prices that layout only. Split over several
-    # instances it did not hold (docs/fidelity.md, "The synchronous cycle on several
-    # instances"): there the replay alone
+    # instance of the kind: it stretches the replay of any number of them (its hand-offs
+    # are there too; docs/fidelity.md, "A box node's decode step over 2 s"). A layout of
+    # several kinds has no such measure: there the replay alone
     factor = 1.0
-    if prof is not None and len(opts) == 1:
+    if prof is not None and len({o.kind for o in opts}) == 1:
         factor = prof.sync_cycle_factor(opts[0].kind)
     cycle = factor * max(0.0, bg / res.samples_per_s - step)
     return LayoutRates(bg / (cycle + step), gen, bg / step, max(syncs, default=0.0))
