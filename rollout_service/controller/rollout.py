@@ -46,6 +46,7 @@ from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
 from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 
 log = logging.getLogger(__name__)
+CANCEL_AGAIN_S = 1.0  # a stop cancels what the controller waits on, again after this
 T = TypeVar("T")
 
 
@@ -292,7 +293,12 @@ class RolloutController:
         if task.done():
             task.result()  # re-raises e.g. the gate's TimeoutError
             return True
-        task.cancel()
+        try:  # a cancel can be lost on its way (Python 3.11 loses one in some races): again
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
+        finally:
+            task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return False
 
