@@ -130,8 +130,8 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     """`event.wait()` for up to `timeout_s` seconds; True if it was set.
 
     Not `asyncio.wait_for`: on Python 3.11 it returns normally when a cancellation
-    arrives in the same loop turn as the event, and a loop around it then never ends
-    (a producer asked to stop kept polling its gate).
+    arrives in the same loop turn as the event, and a polling loop around it (the
+    producer's gate) then goes on after its task was cancelled.
     """
     if event.is_set():
         return True

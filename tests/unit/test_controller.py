@@ -432,3 +432,31 @@ async def test_a_weight_update_cancelled_halfway_still_resumes_the_servers() -> 
         await task
     assert server.running.is_set() and server.version == 1 and gate.version == 1
     assert await ws.settle(0.01)
+
+
+async def test_a_stop_ends_a_wait_whose_first_cancel_was_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The controller's `_until_stop`: a wait that swallows the stop's cancel (as
+    `asyncio.wait_for` on Python 3.11 can) is cancelled again until it ends."""
+    import types
+
+    from rollout_service.controller import rollout
+
+    monkeypatch.setattr(rollout, "CANCEL_AGAIN_S", 0.05)
+    lost = []
+
+    async def swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            lost.append(1)
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        await asyncio.sleep(3600)
+
+    me = types.SimpleNamespace(_stop=asyncio.Event())
+    asyncio.get_running_loop().call_later(0.02, me._stop.set)
+    done = await asyncio.wait_for(
+        rollout.RolloutController._until_stop(me, swallows_one_cancel()), 5
+    )  # type: ignore[arg-type]
+    assert done is False and lost == [1]
