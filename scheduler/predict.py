@@ -113,7 +113,8 @@ def predict_layout(
     tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
-    asyn = _asynchronous(w, prof, opts, tr, _syncs(cl, m, w, opts, tr, nodes))
+    links = _syncs(cl, m, w, opts, tr, nodes)
+    asyn = _asynchronous(w, prof, opts, tr, links, _idle_syncs(cl, w, prof, opts, tr, links))
     sync_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})
     syn = _synchronous(
         cl, m, sync_w, prof, opts, tr, max_inflight_groups, _syncs(cl, m, sync_w, opts, tr, nodes)
@@ -137,12 +138,40 @@ def _syncs(
     return [weight_sync_s(cl, m, w, tr.zones[0], o.zone, o.update_pause_s) for o in opts]
 
 
+def _idle_syncs(
+    cl: Cluster,
+    w: Workload,
+    prof: Profile | None,
+    opts: list[RolloutOption],
+    tr: TrainerOption,
+    link_syncs: list[float],
+) -> list[float | None]:
+    """Each instance's update with nothing in flight, where its kind's profile timed one
+    (None where not): from disk, the idle reload as measured; over the network, its copy's
+    bytes over the links as in `link_syncs`, with the in-flight latency in them replaced by
+    the kind's idle update (the network round's where timed, else the idle reload). A
+    server that is idle takes an update sooner, but its copy crosses the same links."""
+    out: list[float | None] = []
+    for o, link in zip(opts, link_syncs, strict=True):
+        idle = prof.reload_idle_s(o.kind) if prof is not None else None
+        own = prof.update_pause_idle_s(o.kind, w.weight_sync) if prof is not None else None
+        if idle is not None and w.weight_sync == "disk":
+            out.append(idle)
+        elif own is not None or idle is not None:
+            busy_latency = update_latency_s(cl, tr.zones[0], o.zone, o.update_pause_s)
+            out.append(link + (idle if own is None else own) - busy_latency)
+        else:
+            out.append(None)
+    return out
+
+
 def _asynchronous(
     w: Workload,
     prof: Profile | None,
     opts: list[RolloutOption],
     tr: TrainerOption,
     syncs: list[float],
+    idle: list[float | None],
 ) -> LayoutRates:
     if w.host_work == "rollout" and prof is not None and w.weight_sync == "disk":
         # the controller beside the servers: their reloads as the profile measured them
@@ -155,29 +184,26 @@ def _asynchronous(
     items = [(o, s, 1) for o, s in zip(opts, syncs, strict=True)]
     rate, gen_at = pipeline_rate(w, tr.samples_per_s, items)
     train = w.samples_per_step / tr.step_s
-    pause = max(_async_pause(syncs, prof, opts, gen_at / train), tr.broadcast_s)
+    pause = max(_async_pause(syncs, idle, gen_at / train), tr.broadcast_s)
     return LayoutRates(rate, gen_at, train, pause)
 
 
 IDLE_AT_SLACK = 0.25  # generation this much above training: every update finds idle servers
 
 
-def _async_pause(
-    syncs: list[float], prof: Profile | None, opts: list[RolloutOption], slack: float
-) -> float:
+def _async_pause(syncs: list[float], idle: list[float | None], slack: float) -> float:
     """The weight-sync pause an asynchronous run sees. Servers that generate faster than
     the trainer consumes finish the work the staleness gate admitted before the trainer
-    publishes, so its update finds them idle (the profile's reload with nothing in
-    flight); at or below the trainer's rate they are mid-batch (the in-flight reload).
+    publishes, so its update finds them idle (`idle`: `_idle_syncs`, over the same
+    links); at or below the trainer's rate they are mid-batch (the in-flight reload).
     Between the two, the share of updates that find them busy falls with the slack (the
     tiny example here: 0.006-0.007 s at 1.22-1.31 x, 0.012-0.019 s at 1.03-1.15 x, 0.029 s
     at 0.91 x). The pipeline rate does not depend on it: with slack, training binds."""
     busy = max(syncs, default=0.0)
-    idle = [prof.reload_idle_s(o.kind) for o in opts] if prof is not None else []
     if not idle or None in idle or slack <= 1.0:
         return busy
     share_idle = min(1.0, (slack - 1.0) / IDLE_AT_SLACK)
-    return busy - (busy - max(idle)) * share_idle
+    return busy - (busy - max(i for i in idle if i is not None)) * share_idle
 
 
 def _synchronous(
@@ -191,6 +217,7 @@ def _synchronous(
     link_syncs: list[float],
 ) -> LayoutRates:
     bg = w.samples_per_step
+    idle_syncs = _idle_syncs(cl, w, prof, opts, tr, link_syncs)
     ctx = w.prompt_tokens + w.response_tokens / 2
     sim_insts = []
     syncs = []
@@ -207,16 +234,10 @@ def _synchronous(
 
             return at(n) * o.step_s / at(o.batch)
 
-        sync = link_syncs[i]
-        idle = prof.reload_idle_s(o.kind) if prof is not None else None
-        # over the network, where the profile timed it: the kind's own idle update
+        # nothing is generating when a synchronous run updates: the idle update
+        idle = idle_syncs[i]
+        sync = link_syncs[i] if idle is None else idle
         own = prof.update_pause_idle_s(o.kind, w.weight_sync) if prof is not None else None
-        if idle is not None and w.weight_sync == "disk":
-            sync = idle  # measured: nothing is generating when a sync run reloads
-        elif own is not None or idle is not None:  # network: the bytes over the links
-            sync += (idle if own is None else own) - update_latency_s(
-                cl, tr.zones[0], o.zone, o.update_pause_s
-            )
         if own is None:  # no shorter than the trainer's broadcast, timed while it trained;
             sync = max(sync, tr.broadcast_s)  # the idle update's held an idle sender's
         syncs.append(sync)

@@ -242,7 +242,7 @@ def _profile(params: int, **own: dict) -> Profile:
         "decode_context": 128,
         "decode_step_s": {1: 0.01, 8: 0.02},
     }
-    kinds = {k: DeviceRates(**rates, **own.get(k, {})) for k in ("fast", "mem")}
+    kinds = {k: DeviceRates(**{**rates, **own.get(k, {})}) for k in ("fast", "mem")}
     return Profile(model="m", params=params, kinds=kinds)
 
 
@@ -334,6 +334,35 @@ def test_a_synchronous_network_update_is_priced_at_the_idle_network_pause(
     assert prof.update_pause_idle_s("mem", "network") == 0.045
     assert prof.update_pause_idle_s("mem", "disk") is None
     assert prof.update_pause_idle_s("fast", "network") is None
+
+
+def test_an_idle_asynchronous_update_still_waits_for_its_copy_over_the_links(
+    tmp_path: Path,
+) -> None:
+    """Servers that generate well ahead of the trainer take an update idle: the pause is
+    the kind's idle update in place of the link's in-flight latency, but each copy still
+    crosses its links, so an instance behind a thin uplink pauses for its bytes over it
+    (a one-kind plan with its trainer in rack a and an instance in rack b)."""
+    from scheduler.costmodel import GB, sync_terms
+    from scheduler.partition import sync_on_topology
+    from scheduler.predict import IDLE_AT_SLACK, LayoutNodes, TrainerLayout, predict_layout
+
+    cl, m, w = _priced(tmp_path, 20.0, "network")
+    nodes = LayoutNodes("mem-2", ("mem-0", "mem-3"))
+    far, near = sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout))
+    nbytes, _ = sync_terms(m, w, 0.0)
+    assert far > nbytes / (0.002 * GB) > near  # the 16 Mbit/s uplink of rack b
+    prof = _profile(m.params, mem={"reload_idle_s": 0.005, "train_tokens_per_s": 50.0})
+    layout = [("mem", 1), ("mem", 1)], TrainerLayout((("mem", 1),), 1)
+    got = predict_layout(cl, m, w, prof, *layout, nodes=nodes).asynchronous
+    assert got.generation_samples_per_s > (1 + IDLE_AT_SLACK) * got.training_samples_per_s
+    assert got.weight_sync_s == pytest.approx(far - 0.020 + 0.005)
+    # both beside the trainer: the idle update and the near copy's bytes only
+    close = LayoutNodes("mem-2", ("mem-3", "mem-3"))
+    both = sync_on_topology(cl, m, w, close.writer, list(close.rollout))
+    got = predict_layout(cl, m, w, prof, *layout, nodes=close).asynchronous
+    assert got.weight_sync_s == pytest.approx(max(both) - 0.020 + 0.005)
+    assert got.weight_sync_s < nbytes / (0.002 * GB)
 
 
 def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path: Path) -> None:
