@@ -35,6 +35,9 @@ class InferenceInstance(Section):
     region: str
     placement: DeviceSlot
     predicted_tokens_per_s: float = Field(ge=0)
+    # requests the plan has it decode at once (the cost model's batch); None in plans
+    # written before it was recorded
+    batch: int | None = Field(None, gt=0)
 
 
 class TrainerPlacement(Section):

@@ -67,6 +67,7 @@ def to_plan(
                 region=zone.region,
                 placement=DeviceSlot(node=node, gpu_ids=ids),
                 predicted_tokens_per_s=round(rc.tokens_per_s, 2),
+                batch=rc.batch,
             )
         )
     c = sol.trainer

@@ -12,12 +12,21 @@
 | ranks' speeds across GPU kinds               | `trainer.rank_speeds`                        |
 | tuned staleness bound η, `baselines.max_staleness` | `buffer.max_staleness`                 |
 | tuned publish interval k, `baselines.publish_every` | `trainer.publish_every`               |
+| each instance's decode batch                 | `rollout.max_concurrent_groups` (raised only) |
 
 Policy: the plan wins. Where the config asked for another value, the plan's is applied
 and `PlannedConfig.changes` says which key moved from what to what (the CLI prints each
 line), so a config written for one plan runs any other plan unchanged. The predicted
 rates travel beside the config as `prediction.json` (`hexctl.job.predict`), computed
 from the projected config, hence at the plan's η and k.
+
+One key is only ever raised. The controller's groups in flight are shared by every
+instance (each request goes to the least loaded server), so a cap that fills one
+server's batch leaves each of three servers a third of it, and the cost model prices
+each instance at its planned batch. The plan raises `rollout.max_concurrent_groups` to
+the groups that fill every instance's batch (`groups_to_fill`); a larger cap, which
+keeps a small batch's queue full, is kept (docs/fidelity.md, "The controller's groups
+in flight and the planned batches").
 """
 
 from __future__ import annotations
@@ -91,7 +100,25 @@ def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConf
         if old != value:
             changes.append(f"{key}: {_short(old)} -> {_short(value)} (as planned)")
         data[section][name] = value
+    fill = groups_to_fill(plan, cfg.rollout.group_size)
+    old = data["rollout"]["max_concurrent_groups"]
+    if fill is not None and fill > old:
+        n = len(plan.rollout)
+        changes.append(
+            f"rollout.max_concurrent_groups: {old} -> {fill} "
+            f"(as planned: fills the batches of its {n} instance{'s' * (n != 1)})"
+        )
+        data["rollout"]["max_concurrent_groups"] = fill
     return PlannedConfig(ExperimentConfig.model_validate(data), changes)
+
+
+def groups_to_fill(plan: Plan, group_size: int) -> int | None:
+    """Groups of `group_size` that keep every planned instance's decode batch full at
+    once; None where the plan did not record the batches."""
+    batches = [i.batch for i in plan.rollout]
+    if not batches or None in batches:
+        return None
+    return -(-sum(b for b in batches if b is not None) // group_size)
 
 
 def _short(value: Any) -> str:

@@ -116,3 +116,43 @@ def test_plan_print_config_carries_the_tuned_values(tmp_path, capsys) -> None:
     assert doc["config"]["buffer"]["max_staleness"] == b["max_staleness"]
     assert doc["config"]["trainer"]["publish_every"] == b["publish_every"]
     assert doc["config"]["inference"]["num_servers"] == len(doc["plan"]["rollout"])
+
+
+def test_the_controller_holds_the_groups_that_fill_every_planned_instance() -> None:
+    """The controller's groups in flight are shared by all servers: the plan raises
+    `rollout.max_concurrent_groups` to the groups that fill every instance's planned batch,
+    says so, and never lowers it (a larger cap keeps a small batch's queue full); a plan
+    written without the batches leaves it."""
+    from hexctl.job.plan_config import groups_to_fill
+
+    base = load_plan(ROOT / "examples/plans/local_cpu.yaml")
+    cfg = load_config(ROOT / "examples/tiny_cpu.yaml", ["rollout.max_concurrent_groups=2"])
+    g = cfg.rollout.group_size
+    one = base.rollout[0]
+    three = [one.model_copy(update={"id": f"rollout-cpu-{i}", "batch": 64}) for i in range(3)]
+    plan = base.model_copy(update={"rollout": three})
+    assert groups_to_fill(plan, g) == -(-192 // g)
+    got = project_plan(cfg, plan, "local")
+    assert got.config.rollout.max_concurrent_groups == -(-192 // g) > 2
+    assert f"rollout.max_concurrent_groups: 2 -> {-(-192 // g)} (as planned: fills the " \
+        "batches of its 3 instances)" in got.changes  # fmt: skip
+    # a cap above the batches' is kept, and so is any cap where the plan has no batches
+    big = load_config(ROOT / "examples/tiny_cpu.yaml", ["rollout.max_concurrent_groups=500"])
+    assert project_plan(big, plan, "local").config.rollout.max_concurrent_groups == 500
+    bare = base.model_copy(update={"rollout": [one.model_copy(update={"batch": None})]})
+    assert groups_to_fill(bare, g) is None
+    assert project_plan(cfg, bare, "local").config.rollout.max_concurrent_groups == 2
+
+
+def test_a_plan_records_each_instances_batch(tmp_path) -> None:
+    from hexctl.cli import main
+
+    out = tmp_path / "plan.yaml"
+    rc = main([
+        "plan", str(ROOT / "examples/clusters/h800_h20.yaml"), "--model", "qwen3-8b",
+        "--workload", str(ROOT / "examples/workloads/math_grpo.yaml"), "--budget", "60",
+        "--no-simulate", "--out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    plan = load_plan(out)
+    assert plan.rollout and all(i.batch is not None and i.batch >= 1 for i in plan.rollout)
