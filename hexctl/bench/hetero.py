@@ -19,6 +19,11 @@ plan, with the mode that moved the weights; and whether the measured ranking of 
 the predicted one (`ranking_equal`), and whether every order the prediction states holds
 (`ranking_holds`: plans predicted at the same rate, such as a and a first-fit placement
 identical to it, are tied, and the order their runs measure is not counted).
+
+The head node's own speed is sampled before and after the profile and each plan's run
+(`host_gflops`: `bench host`'s single-thread matmul, 0.5 s, outside every quota), and
+`host_moved` gives each plan's samples against the profile's: a plan whose machine ran
+slower or faster than when its kinds were profiled is priced at rates it did not have.
 """
 
 from __future__ import annotations
@@ -37,6 +42,28 @@ LABELS = ("a", "b", "c", "d")
 # On a shared machine one 5-s sample moves by a third and an 80-s mean by a few per cent
 # (`bench host`); 30 steps of 4 groups left the fastest plans a window of about 5 s
 STEPS = 40
+
+
+HOST_PROBE_S = 0.5  # seconds of `bench host`'s matmul per sample of the head node
+
+
+def _host_gflops() -> float:
+    """The head node's single-thread matmul GFLOP/s now (`bench host`'s sample)."""
+    from hexctl.bench.host import sample
+
+    return round(sample(HOST_PROBE_S)[0], 2)
+
+
+def host_moved(host: dict[str, list[float]]) -> dict[str, float | None]:
+    """Each plan's host samples (mean) against the profile's: + ran faster, − slower;
+    None without a profile's (`--profile-dir`)."""
+    base = host.get("profile")
+    out: dict[str, float | None] = {}
+    for label, got in host.items():
+        if label == "profile":
+            continue
+        out[label] = round(sum(got) / len(got) / (sum(base) / len(base)) - 1, 4) if base else None
+    return out
 
 
 def _say(text: str) -> None:
@@ -249,10 +276,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             v0 = initial_weights(args.config, overrides, out / "initial")
             overrides.append(f"model.path={v0}")
             cfg = load_config(args.config, overrides)
+            host: dict[str, list[float]] = {}
             if args.profile_dir:
                 files = LocalProfileFiles(Path(args.profile_dir).resolve())
             else:
+                host["profile"] = [_host_gflops()]
                 files = profile_box(cfg, spec, state, out / "profile", None, say=_say)
+                host["profile"].append(_host_gflops())
             plans = make_plans(files, args.budget)
             for label, plan in plans.items():
                 save_plan(plan, out / f"plan-{label}.yaml")
@@ -261,8 +291,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 mode = "sync" if label == "d" else "async"
                 _say(f"running plan {label} ({mode}, {args.steps} steps)")
                 plan = plans["a" if label == "d" else label]
+                host[label] = [_host_gflops()]
                 runs[label] = run_plan(args.config, overrides, out, label, plan, mode)
+                host[label].append(_host_gflops())
             result = summarise(runs, plans)
+            result["host_gflops"], result["host_moved"] = host, host_moved(host)
     finally:
         box.down(spec.name)
     return {

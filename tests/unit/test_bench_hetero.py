@@ -74,3 +74,14 @@ def test_the_one_kind_inventory_keeps_only_that_kind() -> None:
     assert [g.name for g in alone.spec.node_groups] == ["h20"]
     assert set(alone.rack_of) == {f"h20-{i}" for i in range(8)}
     assert all(m.group == "h20" for r in alone.spec.racks for m in r.members)
+
+
+def test_each_plans_host_speed_is_held_against_the_profiles() -> None:
+    """`host_moved`: the mean of a plan's head-node samples over the profile's, less 1;
+    None for every plan when the bench reused a profile (no samples of it)."""
+    from hexctl.bench.hetero import _host_gflops, host_moved
+
+    host = {"profile": [100.0, 120.0], "a": [110.0, 110.0], "b": [55.0, 55.0], "c": [132.0]}
+    assert host_moved(host) == {"a": 0.0, "b": -0.5, "c": 0.2}
+    assert host_moved({"a": [1.0], "b": [2.0]}) == {"a": None, "b": None}
+    assert _host_gflops() > 0  # bench host's single-thread matmul, 0.5 s
