@@ -40,12 +40,12 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
-def sample(probe_s: float) -> tuple[float, float]:
-    """(matmul GFLOP/s over `probe_s` on one thread, Python loop M iterations/s)."""
+def sample(probe_s: float, threads: int = 1) -> tuple[float, float]:
+    """(matmul GFLOP/s over `probe_s` on `threads` threads, Python loop M iterations/s)."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         a, b = torch.randn(256, 256), torch.randn(256, 256)
         for _ in range(5):
@@ -57,7 +57,7 @@ def sample(probe_s: float) -> tuple[float, float]:
             n += 20
         gflops = n * 2 * 256**3 / elapsed / 1e9
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     x, t0 = 0, time.perf_counter()
     for i in range(LOOP_ITERATIONS):
         x += i

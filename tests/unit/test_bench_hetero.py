@@ -84,4 +84,4 @@ def test_each_plans_host_speed_is_held_against_the_profiles() -> None:
     host = {"profile": [100.0, 120.0], "a": [110.0, 110.0], "b": [55.0, 55.0], "c": [132.0]}
     assert host_moved(host) == {"a": 0.0, "b": -0.5, "c": 0.2}
     assert host_moved({"a": [1.0], "b": [2.0]}) == {"a": None, "b": None}
-    assert _host_gflops() > 0  # bench host's single-thread matmul, 0.5 s
+    assert _host_gflops() > 0  # bench host's matmul on every core, 0.5 s
