@@ -115,10 +115,10 @@ def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConf
 def groups_to_fill(plan: Plan, group_size: int) -> int | None:
     """Groups of `group_size` that keep every planned instance's decode batch full at
     once; None where the plan did not record the batches."""
-    batches = [i.batch for i in plan.rollout]
-    if not batches or None in batches:
+    batches = [i.batch for i in plan.rollout if i.batch is not None]
+    if not batches or len(batches) < len(plan.rollout):
         return None
-    return -(-sum(b for b in batches if b is not None) // group_size)
+    return -(-sum(batches) // group_size)
 
 
 def _short(value: Any) -> str:
