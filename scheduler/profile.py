@@ -83,6 +83,37 @@ class DeviceRates(Section):
     # the same fixed seconds. None: the idle reload from disk stands for it.
     update_pause_idle_s: float | None = Field(None, ge=0)
 
+    def at_speed(self, factor: float) -> DeviceRates:
+        """These rates on the kind running `factor` times as fast as when they were
+        measured: every rate times it, every time over it. The ratios (the generation
+        efficiencies, the cycle factor) and the controller's own CPU (the head node's,
+        not the kind's) stay."""
+        upd: dict[str, object] = {
+            "decode_step_s": {b: t / factor for b, t in self.decode_step_s.items()}
+        }
+        for name in _RATES:
+            value = getattr(self, name)
+            if value is not None:
+                upd[name] = value * factor
+        for name in _TIMES:
+            value = getattr(self, name)
+            if value is not None:
+                upd[name] = value / factor
+        return self.model_copy(update=upd)
+
+
+_RATES = ("prefill_tokens_per_s", "train_tokens_per_s", "train_sync_tokens_per_s")
+_TIMES = (
+    "train_publish_s",
+    "train_broadcast_s",
+    "train_checkpoint_s",
+    "reload_idle_s",
+    "reload_shared_s",
+    "reload_overlap_s",
+    "update_pause_s",
+    "update_pause_idle_s",
+)
+
 
 class Profile(Section):
     model: str  # preset name or config path the rates are for
@@ -91,6 +122,12 @@ class Profile(Section):
 
     def has(self, kind: str) -> bool:
         return kind in self.kinds
+
+    def at_speed(self, factors: dict[str, float]) -> Profile:
+        """The profile with each kind in `factors` at that many times its measured speed
+        (`DeviceRates.at_speed`); the others as measured."""
+        kinds = {k: r.at_speed(factors[k]) if k in factors else r for k, r in self.kinds.items()}
+        return self.model_copy(update={"kinds": kinds})
 
     def decode_step_s(self, kind: str, batch: int) -> float:
         """Piecewise-linear in the batch between measured points, linear beyond."""

@@ -24,11 +24,21 @@ The head node's own speed is sampled before and after the profile and each plan'
 (`host_gflops`: `bench host`'s matmul on every core, 0.5 s, outside every quota), and
 `host_moved` gives each plan's samples against the profile's: a plan whose machine ran
 slower or faster than when its kinds were profiled is priced at rates it did not have.
+
+A node's speed under its quota moves where the head node's does not (a kind profiled at
+a fifth of its usual rate while every-core matmul read as before), so each kind's is
+sampled too: `box.node_speed`, a fixed loop in one node of the kind, before and after
+the kind's profile (kept in its `measured.json`) and before and after each plan's run
+(`kind_speed`). Each plan is then priced again from the profile at those speeds
+(`Profile.at_speed`: the kind's rates times its speed over its profiled speed, its times
+over it), with the error, ratios and ranking of those predictions (`at_box_speed`) beside
+the plain ones: the cost model held against the machine the run had.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -38,10 +48,10 @@ from typing import Any
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
-# each plan's steps: a window (from step η + 1) of 35 steps of the box job's 8 groups.
+# each plan's steps: a window (from step η + 1) of 95 steps of the box job's 8 groups.
 # On a shared machine one 5-s sample moves by a third and an 80-s mean by a few per cent
-# (`bench host`); 30 steps of 4 groups left the fastest plans a window of about 5 s
-STEPS = 40
+# (`bench host`); 40 steps left the fastest plans a window of 9-13 s
+STEPS = 100
 
 
 HOST_PROBE_S = 0.5  # seconds of `bench host`'s matmul per sample of the head node
@@ -65,6 +75,27 @@ def host_moved(host: dict[str, list[float]]) -> dict[str, float | None]:
             continue
         out[label] = round(sum(got) / len(got) / (sum(base) / len(base)) - 1, 4) if base else None
     return out
+
+
+def _speed_nodes(spec: Any, files: Any) -> list[str]:
+    """The node each kind's speed is sampled on: the one its profile sampled, else the
+    kind's first."""
+    kinds = json.loads(files.measured.read_text()).get("kinds", {})
+    nodes = []
+    for kind in spec.spec.kinds:
+        named = ((kinds.get(kind) or {}).get("node_speed") or {}).get("node")
+        first = next((n.name for n in spec.nodes if n.kind == kind), None)
+        if named or first:
+            nodes.append(named or first)
+    return nodes
+
+
+def _kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
+    """Each kind's node speed now (`box.node_speed`), by kind."""
+    from hexctl.job import box
+
+    kind_of = {n.name: n.kind for n in spec.nodes}
+    return {kind_of[n]: v for n, v in box.node_speed(probes).items()}
 
 
 def _say(text: str) -> None:
@@ -164,6 +195,7 @@ def run_plan(
     """One run of `plan` on the box; its fidelity block over the window after the
     config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
     from areal_hex.config import load_config
+    from areal_hex.run_files import RunPaths
     from hexctl.bench.e2e import fresh_run_dir
     from hexctl.job.fidelity import fidelity_block
     from hexctl.job.prepare import prepare_run
@@ -181,7 +213,48 @@ def run_plan(
     ran = load_config(path)
     block = fidelity_block(result.run_dir, ran, from_step=skip)
     wall = round(time.monotonic() - t0, 1)
-    return {"block": block, "wall_s": wall, "mode": mode, "sync": ran.rollout.weight_sync}
+    launched = json.loads(RunPaths.at(result.run_dir).prediction.read_text())
+    return {
+        "block": block,
+        "wall_s": wall,
+        "mode": mode,
+        "sync": ran.rollout.weight_sync,
+        "cfg": ran,
+        "host_cores": launched.get("host_cores", "trainer"),
+    }
+
+
+# ---------------------------------------------------------------- the box's speed
+def speed_factors(profiled: dict[str, float], samples: list[dict[str, float]]) -> dict[str, float]:
+    """Each kind's speed around a plan's run over its speed while it was profiled: the
+    mean of the run's samples (`box.node_speed`, kind -> speed) over the profile's."""
+    out = {}
+    for kind, base in profiled.items():
+        got = [s[kind] for s in samples if kind in s]
+        if got and base > 0:
+            out[kind] = round(sum(got) / len(got) / base, 4)
+    return out
+
+
+def predict_at_speed(
+    run: dict[str, Any], plan: Any, factors: dict[str, float], out: Path
+) -> dict[str, Any] | None:
+    """The launcher's prediction for `run` again, from the profile with each kind at the
+    speed it was sampled at around the run (`Profile.at_speed`): the cost model held
+    against the machine the run had, not the one the profile had. The scaled profile is
+    kept as `out`; None where the plan names no profile."""
+    from hexctl.job.predict import predict_run
+    from scheduler.profile import load_profile, save_profile
+
+    if plan.sources is None or plan.sources.profile is None:
+        return None
+    save_profile(load_profile(plan.sources.profile).at_speed(factors), out)
+    moved = plan.model_copy(deep=True)
+    moved.sources.profile = str(out.resolve())
+    pred = predict_run(run["cfg"], moved, None, run["host_cores"])
+    if "unavailable" in pred:
+        return None
+    return pred["synchronous" if run["mode"] == "sync" else "asynchronous"]
 
 
 def _pipeline(block: dict[str, Any], side: str) -> float | None:
@@ -211,7 +284,11 @@ def ranking_holds(pred: dict[str, float | None], meas: dict[str, float | None]) 
     return len(labels) == len(pred)
 
 
-def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    runs: dict[str, dict[str, Any]],
+    plans: dict[str, Any],
+    at_speed: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     out: dict[str, Any] = {"plans": {}}
     pred, meas = {}, {}
     for label, r in runs.items():
@@ -250,7 +327,42 @@ def summarise(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[st
     out["ranking_holds"] = ranking_holds(pred, meas)  # the same, plans predicted alike tied
     errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]
     out["max_abs_error"] = round(max(errors), 4) if errors else None
+    if at_speed:
+        out["at_box_speed"] = _at_box_speed(out, at_speed, meas)
     return out
+
+
+def _at_box_speed(
+    out: dict[str, Any], at_speed: dict[str, dict[str, Any]], meas: dict[str, float | None]
+) -> dict[str, Any]:
+    """Each plan's prediction at the speed its kinds were sampled at around its run
+    (`predict_at_speed`), with its error, and the ratios and ranking from them."""
+    pred: dict[str, float | None] = {}
+    for label, got in at_speed.items():
+        rates = got.get("predicted") or {}
+        p = rates.get("pipeline_samples_per_s")
+        pred[label] = None if p is None else round(p, 4)
+        m = meas.get(label)
+        ws = rates.get("weight_sync_s")
+        out["plans"][label]["at_box_speed"] = {
+            "speed": got["factors"],
+            "predicted_samples_per_s": pred[label],
+            "error": None if p is None or not m else round((p - m) / m, 4),
+            "weight_sync_predicted_s": None if ws is None else round(ws, 4),
+        }
+    block: dict[str, Any] = {
+        f"a/{o}": {"predicted": _ratio(pred.get("a"), pred.get(o))} for o in ("b", "c", "d")
+    }
+    block["ranking"] = _ranking(pred)
+    block["ranking_equal"] = block["ranking"] == out["ranking"]["measured"]
+    block["ranking_holds"] = ranking_holds(pred, meas)
+    errors = [
+        abs(p["at_box_speed"]["error"])
+        for p in out["plans"].values()
+        if (p.get("at_box_speed") or {}).get("error") is not None
+    ]
+    block["max_abs_error"] = round(max(errors), 4) if errors else None
+    return block
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,7 +373,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hexctl.job.box_spec import load_box
     from hexctl.job.predict import LocalProfileFiles
     from hexctl.job.processes import sigterm_as_ctrl_c
-    from hexctl.profile.box import profile_box
+    from hexctl.profile.box import profile_box, profiled_speed
 
     spec = load_box(args.box)
     box.check_host()
@@ -287,16 +399,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plans = make_plans(files, args.budget)
             for label, plan in plans.items():
                 save_plan(plan, out / f"plan-{label}.yaml")
-            runs = {}
+            profiled = profiled_speed(files)
+            # one node of each kind, the one its profile ran on where it says so
+            probes = [state.node(n) for n in _speed_nodes(spec, files)]
+            runs, at_speed, speed = {}, {}, {}
             for label in LABELS:
                 mode = "sync" if label == "d" else "async"
                 _say(f"running plan {label} ({mode}, {args.steps} steps)")
                 plan = plans["a" if label == "d" else label]
                 host[label] = [_host_gflops()]
+                speed[label] = [_kind_speed(spec, probes)]
                 runs[label] = run_plan(args.config, overrides, out, label, plan, mode)
+                speed[label].append(_kind_speed(spec, probes))
                 host[label].append(_host_gflops())
-            result = summarise(runs, plans)
+                factors = speed_factors(profiled, speed[label])
+                if factors:
+                    at = out / "at-speed" / f"profile-{label}.yaml"
+                    at.parent.mkdir(parents=True, exist_ok=True)
+                    got = predict_at_speed(runs[label], plan, factors, at)
+                    at_speed[label] = {"factors": factors, "predicted": got}
+            result = summarise(runs, plans, at_speed)
             result["host_gflops"], result["host_moved"] = host, host_moved(host)
+            result["kind_speed"] = {"profile": profiled, **speed}
     finally:
         box.down(spec.name)
     return {

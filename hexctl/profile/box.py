@@ -29,7 +29,7 @@ import yaml
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.config.base import load_yaml_text
-from hexctl.job.box import BoxState, node_argv
+from hexctl.job.box import BoxState, node_argv, node_speed
 from hexctl.job.box_spec import Box
 from hexctl.job.predict import LocalProfileFiles
 from hexctl.profile.devices import LocalDevices, Say
@@ -92,13 +92,35 @@ def profile_box(
         kcfg.inference.max_running_requests = spec.max_running_requests
         dev = node_devices(state, node, memory_gb=64.0)  # the batch: the engine limit
         told = None if say is None else (lambda text, k=kind: say(f"{k}: {text}"))
+        before = node_speed([state.node(node)])[node]
         per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev, told)
+        _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
     first = next(iter(per_kind.values()))
     files.model.mkdir(parents=True, exist_ok=True)
     shutil.copy(first.model / "config.json", files.model / "config.json")
     shutil.copy(first.workload, files.workload)
     _merge(box, per_kind, files)
     return files
+
+
+def _record_speed(files: LocalProfileFiles, node: str, speeds: list[float]) -> None:
+    """The node's speed (`box.node_speed`) before and after its kind was profiled, kept
+    in the kind's `measured.json`: what a later run on the box is held against."""
+    measured = json.loads(files.measured.read_text())
+    measured["node_speed"] = {"node": node, "samples": speeds}
+    files.measured.write_text(json.dumps(measured, indent=2))
+
+
+def profiled_speed(files: LocalProfileFiles) -> dict[str, float]:
+    """Each kind's node speed while it was profiled (the mean of its samples); kinds of
+    a profile made before it was sampled are left out."""
+    kinds = json.loads(files.measured.read_text()).get("kinds", {})
+    out = {}
+    for kind, measured in kinds.items():
+        samples = (measured.get("node_speed") or {}).get("samples")
+        if samples:
+            out[kind] = sum(samples) / len(samples)
+    return out
 
 
 def _merge(box: Box, per_kind: dict[str, LocalProfileFiles], files: LocalProfileFiles) -> None:

@@ -85,3 +85,66 @@ def test_each_plans_host_speed_is_held_against_the_profiles() -> None:
     assert host_moved(host) == {"a": 0.0, "b": -0.5, "c": 0.2}
     assert host_moved({"a": [1.0], "b": [2.0]}) == {"a": None, "b": None}
     assert _host_gflops() > 0  # bench host's matmul on every core, 0.5 s
+
+
+def test_each_plans_prediction_at_the_speed_its_kinds_had() -> None:
+    """A kind's speed around a plan's run over its speed while profiled gives the factor
+    the profile is scaled by; the predictions at those speeds give their own errors,
+    ratios and ranking beside the plain ones."""
+    from hexctl.bench.hetero import speed_factors
+
+    profiled = {"fast": 800.0, "mem": 300.0}
+    assert speed_factors(
+        profiled, [{"fast": 800.0, "mem": 150.0}, {"fast": 400.0, "mem": 150.0}]
+    ) == {
+        "fast": 0.75,
+        "mem": 0.5,
+    }
+    assert speed_factors({}, [{"fast": 1.0}]) == {}  # a profile made before it was sampled
+
+    runs = {"a": _run(130, 100), "b": _run(100, 80), "c": _run(110, 105), "d": _run(60, 50, "sync")}
+    plans = {"a": _plan(6, 2.0), "b": _plan(3), "c": _plan(6, 0.5)}
+    at = {
+        "a": {"factors": {"mem": 0.8},
+              "predicted": {"pipeline_samples_per_s": 104.0, "weight_sync_s": 0.025}},
+        "b": {"factors": {"fast": 0.8}, "predicted": {"pipeline_samples_per_s": 80.0}},
+        "c": {"factors": {"mem": 1.0}, "predicted": {"pipeline_samples_per_s": 110.0}},
+        "d": {"factors": {"mem": 0.9}, "predicted": None},
+    }  # fmt: skip
+    out = summarise(runs, plans, at)
+    assert out["plans"]["a"]["at_box_speed"] == {
+        "speed": {"mem": 0.8},
+        "predicted_samples_per_s": 104.0,
+        "error": 0.04,
+        "weight_sync_predicted_s": 0.025,
+    }
+    assert out["plans"]["b"]["at_box_speed"]["error"] == 0.0
+    assert out["plans"]["d"]["at_box_speed"]["error"] is None  # no prediction
+    speed = out["at_box_speed"]
+    assert speed["a/b"] == {"predicted": 1.3} and speed["a/d"] == {"predicted": None}
+    assert speed["ranking"] == ["c", "a", "b", "d"]  # d unpriced: last
+    assert speed["ranking_equal"] is True  # measured c > a > b > d
+    assert speed["ranking_holds"] is False  # d has no prediction to hold
+    assert speed["max_abs_error"] == pytest.approx(0.0476, abs=1e-4)
+    assert "at_box_speed" not in summarise(runs, plans)
+
+
+def test_a_kinds_profiled_speed_is_kept_with_its_measurements(tmp_path: Path) -> None:
+    """`profile --box` keeps each kind's node speed before and after its profile in the
+    kind's `measured.json`; the merged file gives each kind's mean, and a profile made
+    before the speed was sampled gives none."""
+    import json
+
+    from hexctl.job.predict import LocalProfileFiles
+    from hexctl.profile.box import _record_speed, profiled_speed
+
+    kind = LocalProfileFiles(tmp_path / "mem")
+    kind.root.mkdir()
+    kind.measured.write_text(json.dumps({"generation": {"prefill_tokens_per_s": 1.0}}))
+    _record_speed(kind, "mem-0", [300.0, 200.0])
+    kept = json.loads(kind.measured.read_text())
+    assert kept["node_speed"] == {"node": "mem-0", "samples": [300.0, 200.0]}
+    assert kept["generation"] == {"prefill_tokens_per_s": 1.0}
+    merged = LocalProfileFiles(tmp_path)
+    merged.measured.write_text(json.dumps({"kinds": {"mem": kept, "fast": {"generation": {}}}}))
+    assert profiled_speed(merged) == {"mem": 250.0}

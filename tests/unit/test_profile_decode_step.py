@@ -154,3 +154,25 @@ def test_a_failed_profile_says_what_its_server_logged_last(tmp_path: Path) -> No
     text = str(got.value)
     assert text.startswith("no sample in 120 s") and "the server's last log lines" in text
     assert "no-such-config.yaml" in text  # the server's own complaint
+
+
+def test_a_kind_at_another_speed_scales_its_rates_and_times_not_its_ratios() -> None:
+    from scheduler.profile import DeviceRates, Profile
+
+    rates = DeviceRates(
+        device="box", decode_step_s={1: 0.004, 32: 0.008}, decode_context=40,
+        prefill_tokens_per_s=2000.0, train_tokens_per_s=4000.0, train_sync_tokens_per_s=4400.0,
+        train_broadcast_s=0.03, reload_idle_s=0.01, update_pause_s=0.05, update_pause_idle_s=None,
+        generation_efficiency=0.5, sync_cycle_factor=1.2, host_cpu_s_per_sample=0.001,
+    )  # fmt: skip
+    prof = Profile(model="m", params=10, kinds={"mem": rates, "fast": rates})
+    half = prof.at_speed({"mem": 0.5})
+    mem = half.kinds["mem"]
+    assert mem.decode_step_s == {1: 0.008, 32: 0.016}
+    assert (mem.prefill_tokens_per_s, mem.train_tokens_per_s) == (1000.0, 2000.0)
+    assert mem.train_sync_tokens_per_s == 2200.0
+    assert (mem.train_broadcast_s, mem.reload_idle_s, mem.update_pause_s) == (0.06, 0.02, 0.1)
+    assert mem.update_pause_idle_s is None  # unmeasured stays unmeasured
+    assert (mem.generation_efficiency, mem.sync_cycle_factor) == (0.5, 1.2)
+    assert mem.host_cpu_s_per_sample == 0.001  # the head node's, not the kind's
+    assert half.kinds["fast"] == rates and prof.kinds["mem"] == rates  # others, the original
