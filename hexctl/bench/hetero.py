@@ -208,6 +208,8 @@ def run_plan(
     cfg, path = prepare_run(cfg, plan, mode)
     t0 = time.monotonic()
     result = execute(cfg, path, plan, progress=False)
+    if result.outcome.status == "interrupted":  # Ctrl-C or SIGTERM mid-run: the bench's
+        raise KeyboardInterrupt  # own, through its `finally` that takes the box down
     if not result.ok:
         raise RuntimeError(f"plan {label} ({mode}) failed: {failure_message(result)}")
     ran = load_config(path)
