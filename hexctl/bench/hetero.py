@@ -27,9 +27,9 @@ slower or faster than when its kinds were profiled is priced at rates it did not
 
 A node's speed under its quota moves where the head node's does not (a kind profiled at
 a fifth of its usual rate while every-core matmul read as before), so each kind's is
-sampled too: `box.node_speed`, a fixed loop in one node of the kind, before and after
-the kind's profile (kept in its `measured.json`) and before and after each plan's run
-(`kind_speed`). Each plan is then priced again from the profile at those speeds
+sampled too: `box.node_speed`, a fixed torch block in one node of the kind, before and
+after the kind's profile (kept in its `measured.json`) and before and after each plan's
+run (`kind_speed`). Each plan is then priced again from the profile at those speeds
 (`Profile.at_speed`: the kind's rates times its speed over its profiled speed, its times
 over it), with the error, ratios and ranking of those predictions (`at_box_speed`) beside
 the plain ones: the cost model held against the machine the run had.

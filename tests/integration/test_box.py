@@ -73,7 +73,7 @@ def test_up_shapes_links_and_quotas_then_down_leaves_nothing(tmp_path: Path) -> 
         assert 0.7 * 80 < rate_mbit < 1.1 * 80, rate_mbit
         # the quota caps a busy loop at 0.3 cores (less only if the machine is busy)
         assert all(0.0 < r <= 0.3 * 1.25 + 0.05 for r in state.cpu_check.values())
-        # the speed sample runs under the node's quota: well under the loop's free speed
+        # the speed sample runs under the node's quota: well under its free speed
         speeds = box.node_speed([a, b], seconds=0.5)
         free = subprocess.run(
             [sys.executable, "-c", box._WORK, "0.5"], capture_output=True, text=True, check=True
