@@ -91,11 +91,12 @@ def _speed_nodes(spec: Any, files: Any) -> list[str]:
 
 
 def _kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
-    """Each kind's node speed now (`box.node_speed`), by kind."""
+    """Each kind's node speed now (`box.node_speed`), by kind; a kind whose sample failed
+    is left out."""
     from hexctl.job import box
 
     kind_of = {n.name: n.kind for n in spec.nodes}
-    return {kind_of[n]: v for n, v in box.node_speed(probes).items()}
+    return {kind_of[n]: v for n, v in box.node_speed(probes).items() if v is not None}
 
 
 def _say(text: str) -> None:

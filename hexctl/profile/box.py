@@ -103,7 +103,7 @@ def profile_box(
     return files
 
 
-def _record_speed(files: LocalProfileFiles, node: str, speeds: list[float]) -> None:
+def _record_speed(files: LocalProfileFiles, node: str, speeds: list[float | None]) -> None:
     """The node's speed (`box.node_speed`) before and after its kind was profiled, kept
     in the kind's `measured.json`: what a later run on the box is held against."""
     measured = json.loads(files.measured.read_text())
@@ -117,7 +117,8 @@ def profiled_speed(files: LocalProfileFiles) -> dict[str, float]:
     kinds = json.loads(files.measured.read_text()).get("kinds", {})
     out = {}
     for kind, measured in kinds.items():
-        samples = (measured.get("node_speed") or {}).get("samples")
+        got = (measured.get("node_speed") or {}).get("samples") or []
+        samples = [v for v in got if v is not None]  # a sample that failed: None
         if samples:
             out[kind] = sum(samples) / len(samples)
     return out

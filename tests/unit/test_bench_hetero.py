@@ -148,3 +148,16 @@ def test_a_kinds_profiled_speed_is_kept_with_its_measurements(tmp_path: Path) ->
     merged = LocalProfileFiles(tmp_path)
     merged.measured.write_text(json.dumps({"kinds": {"mem": kept, "fast": {"generation": {}}}}))
     assert profiled_speed(merged) == {"mem": 250.0}
+
+
+def test_a_failed_speed_sample_is_left_out(tmp_path: Path) -> None:
+    import json
+
+    from hexctl.job.predict import LocalProfileFiles
+    from hexctl.profile.box import profiled_speed
+
+    merged = LocalProfileFiles(tmp_path)
+    kinds = {"mem": {"node_speed": {"node": "mem-0", "samples": [None, 120.0]}},
+             "fast": {"node_speed": {"node": "fast-0", "samples": [None, None]}}}  # fmt: skip
+    merged.measured.write_text(json.dumps({"kinds": kinds}))
+    assert profiled_speed(merged) == {"mem": 120.0}
