@@ -27,7 +27,7 @@ slower or faster than when its kinds were profiled is priced at rates it did not
 
 A node's speed under its quota moves where the head node's does not (a kind profiled at
 a fifth of its usual rate while every-core matmul read as before), so each kind's is
-sampled too: `box.node_speed`, a fixed torch block in one node of the kind, before and
+sampled too: `box_speed.node_speed`, a fixed torch block in one node of the kind, before and
 after the kind's profile (kept in its `measured.json`) and before and after each plan's
 run (`kind_speed`). Each plan is then priced again from the profile at those speeds
 (`Profile.at_speed`: the kind's rates times its speed over its profiled speed, its times
@@ -91,12 +91,12 @@ def _speed_nodes(spec: Any, files: Any) -> list[str]:
 
 
 def _kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
-    """Each kind's node speed now (`box.node_speed`), by kind; a kind whose sample failed
+    """Each kind's node speed now (`box_speed.node_speed`), by kind; a kind whose sample failed
     is left out."""
-    from hexctl.job import box
+    from hexctl.job.box_speed import node_speed
 
     kind_of = {n.name: n.kind for n in spec.nodes}
-    return {kind_of[n]: v for n, v in box.node_speed(probes).items() if v is not None}
+    return {kind_of[n]: v for n, v in node_speed(probes).items() if v is not None}
 
 
 def _say(text: str) -> None:
@@ -230,7 +230,7 @@ def run_plan(
 # ---------------------------------------------------------------- the box's speed
 def speed_factors(profiled: dict[str, float], samples: list[dict[str, float]]) -> dict[str, float]:
     """Each kind's speed around a plan's run over its speed while it was profiled: the
-    mean of the run's samples (`box.node_speed`, kind -> speed) over the profile's."""
+    mean of the run's samples (`box_speed.node_speed`, kind -> speed) over the profile's."""
     out = {}
     for kind, base in profiled.items():
         got = [s[kind] for s in samples if kind in s]

@@ -29,8 +29,9 @@ import yaml
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.config.base import load_yaml_text
-from hexctl.job.box import BoxState, node_argv, node_speed
+from hexctl.job.box import BoxState, node_argv
 from hexctl.job.box_spec import Box
+from hexctl.job.box_speed import node_speed
 from hexctl.job.predict import LocalProfileFiles
 from hexctl.profile.devices import LocalDevices, Say
 
@@ -104,7 +105,7 @@ def profile_box(
 
 
 def _record_speed(files: LocalProfileFiles, node: str, speeds: list[float | None]) -> None:
-    """The node's speed (`box.node_speed`) before and after its kind was profiled, kept
+    """The node's speed (`box_speed.node_speed`) before and after its kind was profiled, kept
     in the kind's `measured.json`: what a later run on the box is held against."""
     measured = json.loads(files.measured.read_text())
     measured["node_speed"] = {"node": node, "samples": speeds}

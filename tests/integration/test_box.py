@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hexctl.job import box
+from hexctl.job import box, box_speed
 from hexctl.job.box_spec import load_box
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,9 +74,12 @@ def test_up_shapes_links_and_quotas_then_down_leaves_nothing(tmp_path: Path) -> 
         # the quota caps a busy loop at 0.3 cores (less only if the machine is busy)
         assert all(0.0 < r <= 0.3 * 1.25 + 0.05 for r in state.cpu_check.values())
         # the speed sample runs under the node's quota: well under its free speed
-        speeds = box.node_speed([a, b], seconds=0.5)
+        speeds = box_speed.node_speed([a, b], seconds=0.5)
         free = subprocess.run(
-            [sys.executable, "-c", box._WORK, "0.5"], capture_output=True, text=True, check=True
+            [sys.executable, "-c", box_speed._WORK, "0.5"],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         assert set(speeds) == {"slow-0", "slow-1"}
         assert all(0 < v < 2 * 0.3 * float(free.stdout.split()[0]) for v in speeds.values())
