@@ -61,7 +61,8 @@ def test_zero_on_cuda_bf16(assets: dict[str, Path], stage: int) -> None:
     }
     path = assets["dir"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     proc = subprocess.run(
         [sys.executable, "-m", "hexctl.cli", "train", str(path)],
         env=env,
