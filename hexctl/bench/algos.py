@@ -39,17 +39,17 @@ def variants(etas: list[int], gspo_eta: int) -> list[tuple[str, int, list[str]]]
 
 def _one(config: str, overrides: list[str], run_id: str, out: str, eval_n: int | None) -> dict:
     from areal_hex.config import load_config
+    from hexctl.bench import check_run
     from hexctl.bench.e2e import fresh_run_dir
     from hexctl.job.prepare import prepare_run
-    from hexctl.launch.run import execute, failure_message
+    from hexctl.launch.run import execute
     from hexctl.report.evaluate import EvalOptions, evaluate
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", f"run.run_id={run_id}"])
     fresh_run_dir(cfg.run.run_dir())
     cfg, path = prepare_run(cfg, None, "async")
     result = execute(cfg, path, progress=False)
-    if not result.ok:
-        raise RuntimeError(f"{run_id} failed: {failure_message(result)}")
+    check_run(result, f"run {run_id}")
     s = result.summary
     held_out = evaluate(cfg, EvalOptions("latest", n=eval_n))
     return {

@@ -35,6 +35,7 @@ from typing import Any
 
 from areal_hex.config.base import load_yaml_text
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
+from hexctl.bench import BenchFailed
 from hexctl.report.ledger import read_ledger
 from trainer_service.checkpoint import complete_checkpoints
 
@@ -298,7 +299,7 @@ class Job:
     def reach(self, step: int, poll_s: float = 0.2) -> int:
         """Wait until step `step` is done; returns the step done now."""
         if not wait_for(lambda: self.step() >= step, self.left_s(), poll_s):
-            raise RuntimeError(f"the job did not reach step {step}; see {self.log}")
+            raise BenchFailed(f"the job did not reach step {step}; see {self.log}")
         return self.step()
 
     def step(self) -> int:
@@ -352,7 +353,7 @@ class Job:
             return bool(found)
 
         if not wait_for(rank, self.left_s()):
-            raise RuntimeError(f"no trainer rank started; see {self.log}")
+            raise BenchFailed(f"no trainer rank started; see {self.log}")
         return found[0]
 
     def restarted(self, kind: str, t: float) -> bool:

@@ -24,8 +24,9 @@ def run_once(
 ) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.plan import load_plan
+    from hexctl.bench import check_run
     from hexctl.job.prepare import prepare_run
-    from hexctl.launch.run import execute, failure_message
+    from hexctl.launch.run import execute
 
     # Each run is held against its prediction and placed by it: the machine is profiled
     # for the job (once; later runs reuse it), whatever the config says, unless overridden.
@@ -36,8 +37,7 @@ def run_once(
     plan = load_plan(plan_path) if plan_path is not None else None
     cfg, path = prepare_run(cfg, plan, mode)
     result = execute(cfg, path, plan, progress=False)
-    if not result.ok:
-        raise RuntimeError(f"{mode} run failed: {failure_message(result)}")
+    check_run(result, f"the {mode} run")
     return result.summary
 
 

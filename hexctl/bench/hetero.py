@@ -197,10 +197,11 @@ def run_plan(
     config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
     from areal_hex.config import load_config
     from areal_hex.run_files import RunPaths
+    from hexctl.bench import check_run
     from hexctl.bench.e2e import fresh_run_dir
     from hexctl.job.fidelity import fidelity_block
     from hexctl.job.prepare import prepare_run
-    from hexctl.launch.run import execute, failure_message
+    from hexctl.launch.run import execute
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.run_id=null"])
     skip = cfg.buffer.max_staleness + 1
@@ -209,10 +210,8 @@ def run_plan(
     cfg, path = prepare_run(cfg, plan, mode)
     t0 = time.monotonic()
     result = execute(cfg, path, plan, progress=False)
-    if result.outcome.status == "interrupted":  # Ctrl-C or SIGTERM mid-run: the bench's
-        raise KeyboardInterrupt  # own, through its `finally` that takes the box down
-    if not result.ok:
-        raise RuntimeError(f"plan {label} ({mode}) failed: {failure_message(result)}")
+    # interrupted (Ctrl-C, SIGTERM): through the bench's `finally` that takes the box down
+    check_run(result, f"plan {label} ({mode})")
     ran = load_config(path)
     block = fidelity_block(result.run_dir, ran, from_step=skip)
     wall = round(time.monotonic() - t0, 1)

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from areal_hex.net import WaitAborted, async_wait_until, free_port
+from hexctl.bench import BenchFailed
 from hexctl.job.processes import stop_process
 
 SIZES: dict[str, dict[str, int]] = {
@@ -172,7 +173,7 @@ def _server_rounds(
                     log.seek(0)
                     tail = log.read().decode(errors="replace")[-2000:]
                     if attempt == 2:
-                        raise RuntimeError(f"bench server did not start:\n{tail}") from None
+                        raise BenchFailed(f"the bench server did not start:\n{tail}") from None
                 finally:
                     stop_process(proc)
     raise AssertionError("not reached")

@@ -83,6 +83,7 @@ from typing import Any
 
 from areal_hex.config import ConfigError, ExperimentConfig, load_config
 from areal_hex.errors import UsageError
+from hexctl.bench import BenchFailed
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,7 +225,7 @@ def _child(argv: list[str], what: str, log: Path) -> None:
                              env=_env(), cwd=ROOT)  # fmt: skip
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"{what} failed (exit {rc}); last lines of {log}:\n{tail}")
+        raise BenchFailed(f"{what} failed (exit {rc}); last lines of {log}:\n{tail}")
 
 
 def profile_machine(config: str, overrides: list[str], out: Path) -> tuple[Path, float]:

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hexctl.bench import BenchFailed
+
 
 async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
@@ -90,7 +92,7 @@ async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     net_s.append(time.time() - t0)
                     _, sent, failures = await asyncio.to_thread(out.get, True, 120)
                     if failures:
-                        raise RuntimeError("the broadcast failed")
+                        raise BenchFailed("the broadcast failed")
                     net_sent.append(sent)
                     if r == 0:
                         disk_s, disk_write, net_s, net_sent = [], [], [], []

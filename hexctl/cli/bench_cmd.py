@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _runner(fn: Callable[[argparse.Namespace], dict[str, Any]]) -> Callable[..., int]:
     def run(args: argparse.Namespace) -> int:
-        result = fn(args)
+        from hexctl.bench import BenchFailed
+
+        try:
+            result = fn(args)
+        except BenchFailed as exc:  # still one JSON object, and what failed on stderr
+            print(json.dumps({"bench": args.bench, "error": str(exc)}, sort_keys=True))
+            print(f"areal-hex bench {args.bench}: failed: {exc}", file=sys.stderr)
+            return 1
         print(json.dumps(result, indent=None if args.json else 2, sort_keys=True))
         return 0
 

@@ -1,0 +1,53 @@
+"""A benchmark whose run fails ends with one JSON object naming what failed and exit 1,
+not a traceback; an interrupted run ends it as interrupted (exit 130)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hexctl.bench import BenchFailed, check_run
+from hexctl.cli import main
+from hexctl.launch.run import RunResult
+from hexctl.launch.supervisor import Outcome
+
+
+def test_a_failed_run_names_the_process_its_code_and_its_log(tmp_path: Path) -> None:
+    failed = RunResult(tmp_path, Outcome("failed", "trainer", 3, "ValueError: bad batch"))
+    with pytest.raises(BenchFailed) as err:
+        check_run(failed, "the async run")
+    msg = str(err.value)
+    assert msg.startswith("the async run failed: trainer exited with code 3")
+    assert "ValueError: bad batch" in msg and "trainer.log" in msg
+    with pytest.raises(KeyboardInterrupt):
+        check_run(RunResult(tmp_path, Outcome("interrupted")), "the async run")
+    check_run(RunResult(tmp_path, Outcome("finished")), "the async run")  # nothing raised
+
+
+def test_bench_prints_the_failure_as_json_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hexctl.bench.e2e as e2e
+
+    def fails(args: object) -> dict[str, object]:
+        raise BenchFailed("the sync run failed: inference-0 exited with code 1")
+
+    monkeypatch.setattr(e2e, "run", fails)
+    assert main(["bench", "e2e", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {
+        "bench": "e2e",
+        "error": "the sync run failed: inference-0 exited with code 1",
+    }
+    assert "Traceback" not in err
+    assert err.strip() == (
+        "areal-hex bench e2e: failed: the sync run failed: inference-0 exited with code 1"
+    )
+
+    def interrupted(args: object) -> dict[str, object]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(e2e, "run", interrupted)
+    assert main(["bench", "e2e", "--json"]) == 130
