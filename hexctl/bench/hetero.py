@@ -33,6 +33,10 @@ run (`kind_speed`). Each plan is then priced again from the profile at those spe
 (`Profile.at_speed`: the kind's rates times its speed over its profiled speed, its times
 over it), with the error, ratios and ranking of those predictions (`at_box_speed`) beside
 the plain ones: the cost model held against the machine the run had.
+
+With `--rounds R` every plan runs R times, a-d, then d-a, and so on, from the one profile;
+a plan's figures are its median round's (`rounds_measured_samples_per_s` lists every
+round's). The machine is shared: a run it slowed by half for minutes decides nothing.
 """
 
 from __future__ import annotations
@@ -109,6 +113,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, required=True, help="$/h every plan is made at")
     p.add_argument("--config", default=DEFAULT_BOX_CONFIG, help="experiment YAML")
     p.add_argument("--steps", type=int, default=STEPS, help="trainer.total_steps of every run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every plan this many times, a-d then d-a in turn; each plan's figures "
+        "are its median round's (default: 1)",
+    )
     p.add_argument("--output-dir", default=None, help="keep the profile, plans and runs here")
     p.add_argument(
         "--profile-dir", default=None, help="a `profile --box` of this box to reuse (no profile)"
@@ -191,7 +202,13 @@ def describe(plan: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the runs
 def run_plan(
-    config: str, overrides: list[str], out: Path, label: str, plan: Any, mode: str
+    config: str,
+    overrides: list[str],
+    out: Path,
+    label: str,
+    plan: Any,
+    mode: str,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """One run of `plan` on the box; its fidelity block over the window after the
     config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
@@ -205,7 +222,7 @@ def run_plan(
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.run_id=null"])
     skip = cfg.buffer.max_staleness + 1
-    cfg.run.run_id = f"plan-{label}"
+    cfg.run.run_id = run_id or f"plan-{label}"
     fresh_run_dir(cfg.run.run_dir())
     cfg, path = prepare_run(cfg, plan, mode)
     t0 = time.monotonic()
@@ -286,6 +303,25 @@ def ranking_holds(pred: dict[str, float | None], meas: dict[str, float | None]) 
     return len(labels) == len(pred)
 
 
+def round_order(rounds: int) -> list[tuple[int, str]]:
+    """(round, plan) in the order they run: a-d, then d-a, and so on, so a drift of the
+    machine over the bench falls on every plan alike."""
+    order = []
+    for r in range(rounds):
+        labels = LABELS if r % 2 == 0 else tuple(reversed(LABELS))
+        order += [(r, label) for label in labels]
+    return order
+
+
+def median_round(rounds: list[dict[str, Any]]) -> int:
+    """The index of the round whose measured pipeline rate is the median (the lower of
+    the middle two for an even count; a round that measured nothing counts lowest): a
+    run the machine slowed or sped does not decide a plan's figures."""
+    rates = [_pipeline(r["block"], "measured") or 0.0 for r in rounds]
+    order = sorted(range(len(rates)), key=lambda i: rates[i])
+    return order[(len(order) - 1) // 2]
+
+
 def summarise(
     runs: dict[str, dict[str, Any]],
     plans: dict[str, Any],
@@ -314,6 +350,8 @@ def summarise(
             "unavailable": block.get("unavailable"),
             "wall_s": r["wall_s"],
         }
+        if "rounds" in r:  # every round's measure, the median one's figures above
+            out["plans"][label]["rounds_measured_samples_per_s"] = r["rounds"]
     placed = {k: p.predicted.samples_per_s for k, p in plans.items()}
     for other in ("b", "c", "d"):
         out[f"a/{other}"] = {
@@ -369,6 +407,7 @@ def _at_box_speed(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
+    from areal_hex.errors import UsageError
     from areal_hex.plan import save_plan
     from hexctl.bench.e2e import initial_weights
     from hexctl.job import box
@@ -377,6 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hexctl.job.processes import sigterm_as_ctrl_c
     from hexctl.profile.box import profile_box, profiled_speed
 
+    if args.rounds < 1:
+        raise UsageError(f"--rounds {args.rounds}: expected a whole number of rounds, 1 or more")
     spec = load_box(args.box)
     box.check_host()
     # SIGTERM (a scheduler's stop, `kill`) ends the bench as Ctrl-C does: through the
@@ -404,16 +445,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             profiled = profiled_speed(files)
             # one node of each kind, the one its profile ran on where it says so
             probes = [state.node(n) for n in _speed_nodes(spec, files)]
+            rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
+            for r, label in round_order(args.rounds):
+                mode = "sync" if label == "d" else "async"
+                of = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+                _say(f"running plan {label} ({mode}, {args.steps} steps{of})")
+                plan = plans["a" if label == "d" else label]
+                run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
+                host.setdefault(label, []).append(_host_gflops())
+                before = _kind_speed(spec, probes)
+                got = run_plan(args.config, overrides, out, label, plan, mode, run_id)
+                got["speed"] = [before, _kind_speed(spec, probes)]
+                host[label].append(_host_gflops())
+                rounds[label].append(got)
             runs, at_speed, speed = {}, {}, {}
             for label in LABELS:
-                mode = "sync" if label == "d" else "async"
-                _say(f"running plan {label} ({mode}, {args.steps} steps)")
+                runs[label] = rounds[label][median_round(rounds[label])]
+                if args.rounds > 1:
+                    runs[label]["rounds"] = [
+                        _pipeline(r["block"], "measured") for r in rounds[label]
+                    ]
+                speed[label] = runs[label]["speed"]
                 plan = plans["a" if label == "d" else label]
-                host[label] = [_host_gflops()]
-                speed[label] = [_kind_speed(spec, probes)]
-                runs[label] = run_plan(args.config, overrides, out, label, plan, mode)
-                speed[label].append(_kind_speed(spec, probes))
-                host[label].append(_host_gflops())
                 factors = speed_factors(profiled, speed[label])
                 if factors:
                     at = out / "at-speed" / f"profile-{label}.yaml"
@@ -429,6 +482,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "box": spec.name,
         "budget_usd_per_h": args.budget,
         "steps": args.steps,
+        "rounds": args.rounds,
         "config": args.config,
         **result,
         "cpu_check": state.cpu_check,

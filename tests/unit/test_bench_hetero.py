@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.plan import Plan
-from hexctl.bench.hetero import one_kind_cluster, summarise
+from hexctl.bench.hetero import median_round, one_kind_cluster, round_order, summarise
 from scheduler.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +161,20 @@ def test_a_failed_speed_sample_is_left_out(tmp_path: Path) -> None:
              "fast": {"node_speed": {"node": "fast-0", "samples": [None, None]}}}  # fmt: skip
     merged.measured.write_text(json.dumps({"kinds": kinds}))
     assert profiled_speed(merged) == {"mem": 120.0}
+
+
+def test_rounds_alternate_and_the_median_round_decides() -> None:
+    assert round_order(1) == [(0, "a"), (0, "b"), (0, "c"), (0, "d")]
+    assert [label for _, label in round_order(3)] == list("abcddcbaabcd")
+    # a round the machine slowed (49) or sped (250) decides nothing: the median does
+    rounds = [_run(170, 180), _run(170, 49), _run(170, 250)]
+    assert median_round(rounds) == 0
+    assert median_round([_run(1, 9), _run(1, 3)]) == 1  # even count: the lower middle
+    assert median_round([_run(1, 9)]) == 0
+    no_window = {**_run(1, 5), "block": {"measured": {"pipeline_samples_per_s": None}}}
+    assert median_round([_run(1, 7), no_window, _run(1, 5)]) == 2
+    runs = {"a": {**rounds[0], "rounds": [180, 49, 250]}, "b": _run(100, 80)}
+    out = summarise(runs, {"a": _plan(6), "b": _plan(3), "c": _plan(6)})
+    assert out["plans"]["a"]["measured_samples_per_s"] == 180
+    assert out["plans"]["a"]["rounds_measured_samples_per_s"] == [180, 49, 250]
+    assert "rounds_measured_samples_per_s" not in out["plans"]["b"]
