@@ -3,6 +3,10 @@ the same run and returns one JSON object."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -21,3 +25,19 @@ def check_run(result: Any, what: str) -> None:
         raise KeyboardInterrupt
     if not result.ok:
         raise BenchFailed(f"{what} failed: {failure_message(result)}")
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[str]:
+    """A benchmark's directory for its runs when no `--output-dir` is given: removed when
+    the benchmark ends, except when it ends in BenchFailed, whose message names the
+    failed run's log in it (the directory is then kept, and the message says where)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    except BenchFailed as exc:
+        raise BenchFailed(f"{exc}\n(the runs are kept in {path})") from None
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from hexctl.bench import scratch_dir
 from hexctl.bench.e2e import DEFAULT_CONFIG, initial_weights
 
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     etas = [int(e) for e in args.etas.split(",") if e.strip()]
     base = [*args.overrides, f"trainer.total_steps={args.steps}"]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="areal-hex-bench-algos-") as tmp:
+    with scratch_dir("areal-hex-bench-algos-") as tmp:
         out = args.output_dir or tmp
         # every run starts from the same initial weights, written (warm-started) once
         v0 = initial_weights(args.config, base, Path(out) / "initial")

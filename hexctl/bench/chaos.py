@@ -28,14 +28,13 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from areal_hex.config.base import load_yaml_text
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
-from hexctl.bench import BenchFailed
+from hexctl.bench import BenchFailed, scratch_dir
 from hexctl.report.ledger import read_ledger
 from trainer_service.checkpoint import complete_checkpoints
 
@@ -421,7 +420,7 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="areal-hex-chaos-") as tmp:
+    with scratch_dir("areal-hex-chaos-") as tmp:
         out = Path(args.output_dir or tmp).resolve()
         out.mkdir(parents=True, exist_ok=True)
         result = run_job(args, out)

@@ -4,9 +4,10 @@ asynchronously, in one invocation; reports trained samples/s of both and the spe
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from hexctl.bench import scratch_dir
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides.append(f"trainer.total_steps={args.steps}")
     if args.eta is not None:
         overrides.append(f"buffer.max_staleness={args.eta}")
-    with tempfile.TemporaryDirectory(prefix="areal-hex-bench-") as tmp:
+    with scratch_dir("areal-hex-bench-") as tmp:
         out = args.output_dir or tmp
         # both runs start from the same initial weights, written (warm-started) once
         v0 = initial_weights(args.config, overrides, Path(out) / "initial")

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from hexctl.bench import scratch_dir
 from hexctl.bench.e2e import DEFAULT_CONFIG, initial_weights, run_once
 
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     overrides = [*args.overrides, f"trainer.total_steps={args.steps}"]
     load_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="areal-hex-fidelity-") as tmp:
+    with scratch_dir("areal-hex-fidelity-") as tmp:
         out = Path(args.output_dir or tmp)
         v0 = initial_weights(args.config, overrides, out / "initial")
         overrides.append(f"model.path={v0}")

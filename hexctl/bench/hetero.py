@@ -45,10 +45,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from hexctl.bench import scratch_dir
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
@@ -427,7 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_start = os.getloadavg()[0]
     state = box.up(spec)
     try:
-        with tempfile.TemporaryDirectory(prefix="areal-hex-hetero-") as tmp:
+        with scratch_dir("areal-hex-hetero-") as tmp:
             out = Path(args.output_dir or tmp).resolve()
             v0 = initial_weights(args.config, overrides, out / "initial")
             overrides.append(f"model.path={v0}")

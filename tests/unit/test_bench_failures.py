@@ -4,6 +4,7 @@ not a traceback; an interrupted run ends it as interrupted (exit 130)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,20 @@ def test_bench_prints_the_failure_as_json_and_exits_1(
 
     monkeypatch.setattr(e2e, "run", interrupted)
     assert main(["bench", "e2e", "--json"]) == 130
+
+
+def test_a_failed_benchmarks_runs_are_kept_where_its_error_says(tmp_path: Path) -> None:
+    from hexctl.bench import scratch_dir
+
+    with scratch_dir("areal-hex-test-") as ok:
+        Path(ok, "trainer.log").write_text("fine")
+    assert not Path(ok).exists()  # a benchmark that ends well leaves nothing
+    with pytest.raises(ValueError), scratch_dir("areal-hex-test-") as other:
+        raise ValueError("not a run's failure")
+    assert not Path(other).exists()
+    with pytest.raises(BenchFailed) as err, scratch_dir("areal-hex-test-") as failed:
+        Path(failed, "trainer.log").write_text("ValueError: bad batch")
+        raise BenchFailed(f"the async run failed: see {failed}/trainer.log")
+    assert Path(failed, "trainer.log").read_text() == "ValueError: bad batch"
+    assert str(err.value).endswith(f"(the runs are kept in {failed})")
+    shutil.rmtree(failed)
