@@ -192,6 +192,11 @@ def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[st
     return plans
 
 
+def plan_of(plans: dict[str, Any], label: str) -> Any:
+    """The plan a label runs: d is plan a, run synchronously."""
+    return plans["a" if label == "d" else label]
+
+
 def describe(plan: Any) -> dict[str, Any]:
     return {
         "trainer": [p.node for p in plan.trainer.placements],
@@ -336,7 +341,7 @@ def summarise(
         err = (block.get("relative_error") or {}).get("pipeline_samples_per_s")
         ws_p = (block.get("predicted") or {}).get("weight_sync_s")
         ws_m = block["measured"].get("weight_sync_s")
-        plan = plans["a" if label == "d" else label]
+        plan = plan_of(plans, label)
         out["plans"][label] = {
             **describe(plan),
             "mode": r["mode"],
@@ -451,7 +456,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 mode = "sync" if label == "d" else "async"
                 of = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
                 _say(f"running plan {label} ({mode}, {args.steps} steps{of})")
-                plan = plans["a" if label == "d" else label]
+                plan = plan_of(plans, label)
                 run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
                 host.setdefault(label, []).append(_host_gflops())
                 before = _kind_speed(spec, probes)
@@ -467,7 +472,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         _pipeline(r["block"], "measured") for r in rounds[label]
                     ]
                 speed[label] = runs[label]["speed"]
-                plan = plans["a" if label == "d" else label]
+                plan = plan_of(plans, label)
                 factors = speed_factors(profiled, speed[label])
                 if factors:
                     at = out / "at-speed" / f"profile-{label}.yaml"
