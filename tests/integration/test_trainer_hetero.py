@@ -38,7 +38,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dir": d, "model": model_dir, "replay": write_replay(d / "groups.jsonl", groups)}
 
 
-STEPS = 6
+STEPS = 8
 SLOW = {1: 4.0}  # rank 1 at a quarter of rank 0's speed (trainer.emulate_slowdown)
 RUNS: dict[str, tuple[dict, dict | None]] = {
     "whole": ({}, None),
@@ -132,8 +132,9 @@ def test_balanced_shares_shorten_the_step(run: Callable[[str], Path]) -> None:
     print("hetero step token-times:", {k: [round(t) for t in v] for k, v in units.items()})
     equal = statistics.median(units["equal"][1:])  # the first step warms up
     balanced = statistics.median(units["balanced"][1:])
-    # measured shares start equal and move half-way to the measured speeds each step
-    measured = statistics.median(units["measured"][2:])
+    # measured shares start equal and move half-way to the measured speeds each step:
+    # from the fourth step on they are within an eighth of the way
+    measured = statistics.median(units["measured"][3:])
     print(
         f"hetero median step in rank 0's token-times: equal {equal:.0f}, "
         f"balanced {balanced:.0f}, measured {measured:.0f}"
