@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -28,16 +29,21 @@ def check_run(result: Any, what: str) -> None:
 
 
 @contextlib.contextmanager
-def scratch_dir(prefix: str) -> Iterator[str]:
-    """A benchmark's directory for its runs when no `--output-dir` is given: removed when
-    the benchmark ends, except when it ends in BenchFailed, whose message names the
-    failed run's log in it (the directory is then kept, and the message says where)."""
+def scratch_dir(prefix: str, given: str | Path | None = None) -> Iterator[str]:
+    """The directory for a benchmark's runs: `given` (its `--output-dir`), left as it is;
+    else a new one, removed when the benchmark ends, except when it ends in BenchFailed,
+    whose message names the failed run's log in it (the directory is then kept, and the
+    message says where)."""
+    if given:
+        yield str(given)
+        return
     path = tempfile.mkdtemp(prefix=prefix)
+    keep = False
     try:
         yield path
     except BenchFailed as exc:
+        keep = True
         raise BenchFailed(f"{exc}\n(the runs are kept in {path})") from None
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    shutil.rmtree(path, ignore_errors=True)
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)

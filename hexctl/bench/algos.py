@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     etas = [int(e) for e in args.etas.split(",") if e.strip()]
     base = [*args.overrides, f"trainer.total_steps={args.steps}"]
     rows = []
-    with scratch_dir("areal-hex-bench-algos-") as tmp:
-        out = args.output_dir or tmp
+    with scratch_dir("areal-hex-bench-algos-", args.output_dir) as out:
         # every run starts from the same initial weights, written (warm-started) once
         v0 = initial_weights(args.config, base, Path(out) / "initial")
         base.append(f"model.path={v0}")

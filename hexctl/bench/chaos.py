@@ -420,8 +420,8 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with scratch_dir("areal-hex-chaos-") as tmp:
-        out = Path(args.output_dir or tmp).resolve()
+    with scratch_dir("areal-hex-chaos-", args.output_dir) as scratch:
+        out = Path(scratch).resolve()
         out.mkdir(parents=True, exist_ok=True)
         result = run_job(args, out)
     ok = [f for f in result["faults"] if f["completed"] and f["lost"] == 0]

@@ -86,8 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides.append(f"trainer.total_steps={args.steps}")
     if args.eta is not None:
         overrides.append(f"buffer.max_staleness={args.eta}")
-    with scratch_dir("areal-hex-bench-") as tmp:
-        out = args.output_dir or tmp
+    with scratch_dir("areal-hex-bench-", args.output_dir) as out:
         # both runs start from the same initial weights, written (warm-started) once
         v0 = initial_weights(args.config, overrides, Path(out) / "initial")
         overrides.append(f"model.path={v0}")

@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     overrides = [*args.overrides, f"trainer.total_steps={args.steps}"]
     load_start = os.getloadavg()[0]
-    with scratch_dir("areal-hex-fidelity-") as tmp:
-        out = Path(args.output_dir or tmp)
+    with scratch_dir("areal-hex-fidelity-", args.output_dir) as scratch:
+        out = Path(scratch)
         v0 = initial_weights(args.config, overrides, out / "initial")
         overrides.append(f"model.path={v0}")
         cfg = load_config(args.config, overrides)

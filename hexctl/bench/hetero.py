@@ -433,8 +433,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_start = os.getloadavg()[0]
     state = box.up(spec)
     try:
-        with scratch_dir("areal-hex-hetero-") as tmp:
-            out = Path(args.output_dir or tmp).resolve()
+        with scratch_dir("areal-hex-hetero-", args.output_dir) as scratch:
+            out = Path(scratch).resolve()
             v0 = initial_weights(args.config, overrides, out / "initial")
             overrides.append(f"model.path={v0}")
             cfg = load_config(args.config, overrides)

@@ -69,3 +69,14 @@ def test_a_failed_benchmarks_runs_are_kept_where_its_error_says(tmp_path: Path) 
     assert Path(failed, "trainer.log").read_text() == "ValueError: bad batch"
     assert str(err.value).endswith(f"(the runs are kept in {failed})")
     shutil.rmtree(failed)
+    # --output-dir: the runs are there; no other directory is made or named
+    given = tmp_path / "runs"
+    with pytest.raises(BenchFailed) as err, scratch_dir("areal-hex-test-", given) as out:
+        Path(out).mkdir()
+        Path(out, "trainer.log").write_text("boom")
+        raise BenchFailed(f"the async run failed: see {out}/trainer.log")
+    assert out == str(given) and Path(out, "trainer.log").exists()
+    assert "kept in" not in str(err.value)
+    with scratch_dir("areal-hex-test-", given) as out:
+        pass
+    assert Path(out, "trainer.log").exists()  # a benchmark that ends well keeps them too
