@@ -302,7 +302,7 @@ class BufferCollector(Collector):
 class PredictionCollector(Collector):
     """The cost model's rates for the run (`prediction.json`, which the launcher writes
     from the plan or a local profile; the block of the run's mode), next to which the
-    dashboard draws the measured ones, defined alike (`hexctl/job/fidelity.py`)."""
+    dashboard draws the measured ones, defined alike (`hexctl/report/fidelity.py`)."""
 
     def __init__(self, predicted: dict[str, float | None]) -> None:
         self.predicted = predicted

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _box_name(text: str) -> str:
     import re
 
-    from hexctl.job.box_spec import NAME_PATTERN, load_box
+    from hexctl.box.spec import NAME_PATTERN, load_box
 
     if text.endswith((".yaml", ".yml")):
         return load_box(text).name
@@ -50,8 +50,8 @@ def _box_name(text: str) -> str:
 def _up(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from hexctl.job import box
-    from hexctl.job.box_spec import load_box
+    from hexctl.box import emulate as box
+    from hexctl.box.spec import load_box
 
     spec = load_box(args.box)
     try:
@@ -65,7 +65,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from hexctl.job import box
+    from hexctl.box import emulate as box
 
     name = _box_name(args.box)
     box.check_host()
@@ -79,7 +79,7 @@ def _exec(args: argparse.Namespace) -> int:
     import os
 
     from areal_hex.errors import UsageError
-    from hexctl.job import box
+    from hexctl.box import emulate as box
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
@@ -90,7 +90,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from hexctl.job import box
+    from hexctl.box import emulate as box
 
     state = box.load_state(_box_name(args.box))
     seconds = box.transfer_s(state.node(args.src), state.node(args.dst), args.mbytes)

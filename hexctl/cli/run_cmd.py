@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +91,17 @@ def _say(text: str) -> None:
     print(f"areal-hex run: {text}", file=sys.stderr, flush=True)
 
 
+def _on_box(cfg: Any) -> tuple[Any, Any]:  # cfg: ExperimentConfig
+    """`run.box=NAME`: the box's addresses in the run's config and its processes started
+    inside their nodes; (None, None) for a run on this machine as it is."""
+    if cfg.run.box is None:
+        return None, None
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
+
+    return apply_box, place_on_box
+
+
 def _run(args: argparse.Namespace) -> int:
     from hexctl.cli import UsageError, config_from_args
     from hexctl.job.prepare import preflight, prepare_run
@@ -111,9 +123,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--force goes with --resume RUN_DIR (a run directory in use)")
     # from here SIGTERM stops the run as Ctrl-C does: a half-prepared run directory is
     # removed, a started run's services are stopped
+    addresses, place = _on_box(cfg)
     sigterm_as_ctrl_c()
     try:  # a new run's half-made directory is removed by prepare_run itself
-        cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say)
+        cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say, place=addresses)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
     run_dir = cfg.run.run_dir()
@@ -126,6 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         timeout_s=args.timeout,
         profile_dir=Path(args.profile) if args.profile else None,
+        place=place,
     )
     if result.outcome.status == "interrupted":
         _say(f"interrupted; all processes stopped (continue with --resume {run_dir})")

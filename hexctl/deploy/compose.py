@@ -25,8 +25,8 @@ from hexctl.deploy.common import (
     resolved_files,
     secret_files,
 )
+from hexctl.deploy.config import Resources
 from hexctl.deploy.quantities import pod_share
-from hexctl.job.deploy_config import Resources
 from hexctl.job.layout import ServiceSpec
 
 COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries

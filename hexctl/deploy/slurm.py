@@ -50,6 +50,7 @@ from hexctl.deploy.common import (
     resolve_config,
     run_id,
 )
+from hexctl.deploy.config import DeployConfig, RedisDeployConfig, StorageConfig
 from hexctl.deploy.names import slug
 from hexctl.deploy.output import IGNORE_FILES, check_out_dir, write_files
 from hexctl.deploy.slurm_script import (
@@ -66,7 +67,6 @@ from hexctl.deploy.slurm_site import (
     load_site,
     megabytes,
 )
-from hexctl.job.deploy_config import DeployConfig, RedisDeployConfig, StorageConfig
 from hexctl.job.layout import Layout, ServiceSpec, build_layout
 
 # ---------------------------------------------------------------- checks

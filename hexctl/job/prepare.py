@@ -185,10 +185,17 @@ def prepare_run(
     plan: Plan | None = None,
     mode: str | None = None,
     say: Callable[[str], None] | None = None,
+    place: Callable[[ExperimentConfig, Plan | None], None] | None = None,
 ) -> tuple[ExperimentConfig, Path]:
     """Resolve `cfg` for a local run and write the run directory. Returns the resolved
     config and the path of its `config.yaml`. A config that already names its run (a
-    resume) keeps its run directory, weights v0, checkpoints and Valkey data."""
+    resume) keeps its run directory, weights v0, checkpoints and Valkey data. `place`
+    rewrites the services' addresses for where they run, once the ports are chosen (a
+    box's: `hexctl.box.run_config.apply_box`); `run.box` needs one."""
+    if cfg.run.box is not None and place is None:
+        raise UsageError(
+            f"run.box={cfg.run.box}: only `areal-hex run` and `bench hetero` run on a box"
+        )
     cfg = apply_plan(apply_mode(cfg, mode), plan, say)
     if cfg.run.run_id is None:
         cfg.run.run_id = default_run_id(cfg)
@@ -202,10 +209,8 @@ def prepare_run(
         if cfg.run.embedded_redis:
             cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
         choose_ports(cfg, say or _to_stderr)
-        if cfg.run.box is not None:
-            from hexctl.job.box_config import apply_box
-
-            apply_box(cfg, plan)
+        if place is not None:
+            place(cfg, plan)
         inf = cfg.inference
         weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
         weights.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -376,10 +377,12 @@ def execute(
     stream: TextIO | None = None,
     timeout_s: float | None = None,
     profile_dir: Path | None = None,
+    place: Callable[[ExperimentConfig, Layout, list[ProcessSpec]], None] | None = None,
 ) -> RunResult:
     """Start, watch and stop the services of a prepared run; write the report. The cost
     model's prediction for the layout (`prediction.json`) comes from the plan, else from a
-    local profile (`profile_dir`), for the report to hold the run against."""
+    local profile (`profile_dir`), for the report to hold the run against. `place` starts
+    each process where it runs (a box's node: `hexctl.box.place.place_on_box`)."""
     from hexctl.job.predict import host_side, write_prediction
     from hexctl.launch.progress import Progress
     from hexctl.report.summary import write_report
@@ -395,10 +398,8 @@ def execute(
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path, host)
-    if cfg.run.box is not None:
-        from hexctl.launch.box_run import place_on_box
-
-        place_on_box(cfg, layout, specs)
+    if place is not None:
+        place(cfg, layout, specs)
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:

@@ -19,7 +19,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
-from hexctl.job.fidelity import add_fidelity
+from hexctl.report.fidelity import add_fidelity
 from hexctl.report.ledger import summary_fields
 from hexctl.report.mismatch import plot_mismatch
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hexctl.job import box, box_speed
-from hexctl.job.box_spec import load_box
+from hexctl.box import emulate as box
+from hexctl.box import speed as box_speed
+from hexctl.box.spec import load_box
 
 ROOT = Path(__file__).resolve().parents[2]
 

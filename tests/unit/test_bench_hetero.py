@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.plan import Plan
-from hexctl.bench.hetero import median_round, one_kind_cluster, round_order, summarise
+from hexctl.bench.system.hetero import median_round, one_kind_cluster, round_order, summarise
 from scheduler.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_ratios_errors_and_rankings() -> None:
 def test_plans_predicted_alike_are_tied_in_the_ranking() -> None:
     """c placed as a (one plan, one prediction) states no order between a and c: either
     measured order holds; an order between plans predicted apart still has to hold."""
-    from hexctl.bench.hetero import ranking_holds
+    from hexctl.bench.system.hetero import ranking_holds
 
     pred = {"a": 200.0, "b": 90.0, "c": 200.0, "d": 80.0}
     assert ranking_holds(pred, {"a": 227.0, "b": 85.0, "c": 235.0, "d": 70.0})
@@ -79,7 +79,7 @@ def test_the_one_kind_inventory_keeps_only_that_kind() -> None:
 def test_each_plans_host_speed_is_held_against_the_profiles() -> None:
     """`host_moved`: the mean of a plan's head-node samples over the profile's, less 1;
     None for every plan when the bench reused a profile (no samples of it)."""
-    from hexctl.bench.hetero import _host_gflops, host_moved
+    from hexctl.bench.system.hetero import _host_gflops, host_moved
 
     host = {"profile": [100.0, 120.0], "a": [110.0, 110.0], "b": [55.0, 55.0], "c": [132.0]}
     assert host_moved(host) == {"a": 0.0, "b": -0.5, "c": 0.2}
@@ -91,7 +91,7 @@ def test_each_plans_prediction_at_the_speed_its_kinds_had() -> None:
     """A kind's speed around a plan's run over its speed while profiled gives the factor
     the profile is scaled by; the predictions at those speeds give their own errors,
     ratios and ranking beside the plain ones."""
-    from hexctl.bench.hetero import speed_factors
+    from hexctl.bench.system.hetero import speed_factors
 
     profiled = {"fast": 800.0, "mem": 300.0}
     assert speed_factors(
@@ -135,8 +135,8 @@ def test_a_kinds_profiled_speed_is_kept_with_its_measurements(tmp_path: Path) ->
     before the speed was sampled gives none."""
     import json
 
+    from hexctl.box.profile import _record_speed, profiled_speed
     from hexctl.job.predict import LocalProfileFiles
-    from hexctl.profile.box import _record_speed, profiled_speed
 
     kind = LocalProfileFiles(tmp_path / "mem")
     kind.root.mkdir()
@@ -153,8 +153,8 @@ def test_a_kinds_profiled_speed_is_kept_with_its_measurements(tmp_path: Path) ->
 def test_a_failed_speed_sample_is_left_out(tmp_path: Path) -> None:
     import json
 
+    from hexctl.box.profile import profiled_speed
     from hexctl.job.predict import LocalProfileFiles
-    from hexctl.profile.box import profiled_speed
 
     merged = LocalProfileFiles(tmp_path)
     kinds = {"mem": {"node_speed": {"node": "mem-0", "samples": [None, 120.0]}},

@@ -128,7 +128,7 @@ def test_progress_says_what_each_process_does_before_the_first_step(tmp_path: Pa
 
 
 def test_chaos_plan_strikes_every_kind_once_at_distinct_steps() -> None:
-    from hexctl.bench.chaos import KINDS, fault_plan
+    from hexctl.bench.system.chaos import KINDS, fault_plan
 
     plan = fault_plan(list(KINDS), 30, seed=1)
     steps = [s for s, _ in plan]

@@ -12,9 +12,9 @@ import yaml
 from areal_hex.config import load_config
 from areal_hex.plan import Baselines, load_plan
 from hexctl.deploy import prepare_deployment
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.slurm import render_slurm
 from hexctl.deploy.slurm_site import load_site
-from hexctl.job.deploy_config import DeployConfig
 from hexctl.job.plan_config import planned_values, project_plan
 from hexctl.job.prepare import apply_plan
 

@@ -2,14 +2,14 @@
 and the trainer start inside their planned node (namespace and CPU cgroup), each server
 bound to its node's address with its kind's batch limit. Valkey and the controller stay
 in the launcher's namespace, the spine: the head node of the cluster. The addresses in
-the run's config are `hexctl/job/box_config.py`'s."""
+the run's config are `hexctl/box/run_config.py`'s."""
 
 from __future__ import annotations
 
 import math
 
 from areal_hex.config import ExperimentConfig
-from hexctl.job.box import load_state, node_argv
+from hexctl.box.emulate import load_state, node_argv
 from hexctl.job.layout import Layout
 from hexctl.launch.supervisor import ProcessSpec
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal_hex.errors import UsageError
-from hexctl.job.box_spec import Box, BoxNode
+from hexctl.box.spec import Box, BoxNode
 
 STATE_ROOT = Path("/run/areal-hex-box")
 CGROUP_NAME = "areal-hex-box"

@@ -34,11 +34,11 @@ from typing import Any
 
 from areal_hex.config.base import load_yaml_text
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
-from hexctl.bench import BenchFailed, scratch_dir
+from hexctl.bench import BenchFailed
+from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
 from hexctl.report.ledger import read_ledger
 from trainer_service.checkpoint import complete_checkpoints
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
 KINDS = (
     "inference",
     "trainer",

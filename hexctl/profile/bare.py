@@ -1,10 +1,12 @@
-"""`areal-hex profile`: time real engines on the devices present.
+"""`areal-hex profile` (without --local or --box): a model's bare speed on one device.
 
 Generation: transformers prefill (one forward over a prompt batch) and decode steps
 (forward of one token per sequence with a KV cache) at several batch sizes. Training: a
 torch AdamW step (forward, backward, optimizer) on one device. The model is a tiny
 Qwen3 built from a `Qwen3Config` unless an HF config.json is given (weights are random:
-speed does not depend on them).
+speed does not depend on them). No service of the job runs: for the job's own engines,
+as `run` places them, see `hexctl/profile/local.py` (`--local`) and
+`hexctl/box/profile.py` (`--box`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ for the same steps from the same initial weights and each held against the cost 
   asynchronous speed-up is measured against).
 
 Per plan: predicted and measured pipeline samples/s (the same window and definitions as
-`bench fidelity`, `hexctl/job/fidelity.py`) and the error; the ratios a/b, a/c, a/d
+`bench fidelity`, `hexctl/report/fidelity.py`) and the error; the ratios a/b, a/c, a/d
 measured beside predicted; the weight-sync pause measured against predicted for each
 plan, with the mode that moved the weights; and whether the measured ranking of a-d is
 the predicted one (`ranking_equal`), and whether every order the prediction states holds
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hexctl.bench import scratch_dir
+from hexctl.bench.system import scratch_dir
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
 LABELS = ("a", "b", "c", "d")
@@ -65,7 +65,7 @@ HOST_PROBE_S = 0.5  # seconds of `bench host`'s matmul per sample of the head no
 def _host_gflops() -> float:
     """The head node's matmul GFLOP/s now on every core (`bench host`'s sample): a core
     the host's other tenants take shows here, where one thread would still find one."""
-    from hexctl.bench.host import sample
+    from hexctl.bench.system.host import sample
 
     return round(sample(HOST_PROBE_S, os.cpu_count() or 1)[0], 2)
 
@@ -98,7 +98,7 @@ def _speed_nodes(spec: Any, files: Any) -> list[str]:
 def _kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
     """Each kind's node speed now (`box_speed.node_speed`), by kind; a kind whose sample failed
     is left out."""
-    from hexctl.job.box_speed import node_speed
+    from hexctl.box.speed import node_speed
 
     kind_of = {n.name: n.kind for n in spec.nodes}
     return {kind_of[n]: v for n, v in node_speed(probes).items() if v is not None}
@@ -220,19 +220,21 @@ def run_plan(
     config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
     from areal_hex.config import load_config
     from areal_hex.run_files import RunPaths
-    from hexctl.bench import check_run
-    from hexctl.bench.e2e import fresh_run_dir
-    from hexctl.job.fidelity import fidelity_block
+    from hexctl.bench.system import check_run
+    from hexctl.bench.system.e2e import fresh_run_dir
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
     from hexctl.job.prepare import prepare_run
     from hexctl.launch.run import execute
+    from hexctl.report.fidelity import fidelity_block
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.run_id=null"])
     skip = cfg.buffer.max_staleness + 1
     cfg.run.run_id = run_id or f"plan-{label}"
     fresh_run_dir(cfg.run.run_dir())
-    cfg, path = prepare_run(cfg, plan, mode)
+    cfg, path = prepare_run(cfg, plan, mode, place=apply_box)
     t0 = time.monotonic()
-    result = execute(cfg, path, plan, progress=False)
+    result = execute(cfg, path, plan, progress=False, place=place_on_box)
     # interrupted (Ctrl-C, SIGTERM): through the bench's `finally` that takes the box down
     check_run(result, f"plan {label} ({mode})")
     ran = load_config(path)
@@ -415,12 +417,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.errors import UsageError
     from areal_hex.plan import save_plan
-    from hexctl.bench.e2e import initial_weights
-    from hexctl.job import box
-    from hexctl.job.box_spec import load_box
+    from hexctl.bench.system.e2e import initial_weights
+    from hexctl.box import emulate as box
+    from hexctl.box.profile import profile_box, profiled_speed
+    from hexctl.box.spec import load_box
     from hexctl.job.predict import LocalProfileFiles
     from hexctl.job.processes import sigterm_as_ctrl_c
-    from hexctl.profile.box import profile_box, profiled_speed
 
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: expected a whole number of rounds, 1 or more")
