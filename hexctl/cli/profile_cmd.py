@@ -142,10 +142,12 @@ def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
     from areal_hex.config import load_config
     from hexctl.bench.system import DEFAULT_CONFIG
     from hexctl.box import emulate as box
+    from hexctl.box.checks import check_fits
     from hexctl.box.profile import profile_box
     from hexctl.box.spec import load_box
 
     spec = load_box(args.box)
+    check_fits(spec)
     box.check_host()
     state = box.load_state(spec.name)
     cfg = load_config(args.config or DEFAULT_CONFIG, list(args.overrides))

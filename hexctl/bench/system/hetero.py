@@ -140,19 +140,11 @@ def _inputs(files: Any) -> tuple[Any, Any, Any, Any]:
     return cl, m, load_workload(files.workload), load_profile(files.profile, m.params)
 
 
-def one_kind_cluster(cl: Any, kind: str) -> Any:
-    """The inventory with only node group `kind` (its racks keep only its machines)."""
-    from scheduler.cluster import make_cluster
+def one_kind_cluster(cl: Any, group: str) -> Any:
+    """The inventory with only node group `group`'s kind; a rack without it is left out."""
+    from scheduler.cluster import one_kind
 
-    spec = cl.spec.model_copy(deep=True)
-    spec.node_groups = [g for g in spec.node_groups if g.name == kind]
-    racks = []
-    for rack in spec.racks:
-        rack.members = [m for m in rack.members if m.group == kind]
-        if rack.members:
-            racks.append(rack)
-    spec.racks = racks
-    return make_cluster(spec, f"{cl.spec.name} ({kind} only)")
+    return one_kind(cl, cl.kinds[group].name)
 
 
 def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[str, Any]:
@@ -419,6 +411,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.plan import save_plan
     from hexctl.bench.system.e2e import initial_weights
     from hexctl.box import emulate as box
+    from hexctl.box.checks import check_budget, check_fits
     from hexctl.box.profile import profile_box, profiled_speed
     from hexctl.box.spec import load_box
     from hexctl.job.predict import LocalProfileFiles
@@ -427,6 +420,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: expected a whole number of rounds, 1 or more")
     spec = load_box(args.box)
+    check_fits(spec)  # every refusal before the box is built and profiled
+    check_budget(spec, args.budget)
     box.check_host()
     # SIGTERM (a scheduler's stop, `kill`) ends the bench as Ctrl-C does: through the
     # `finally` below, which takes the box down
