@@ -214,3 +214,62 @@ def test_box_random_writes_the_same_file_for_a_seed(tmp_path: Path) -> None:
     check_fits(box, cores=2)
     got = write_random_box(11, tmp_path / "d.yaml")
     assert got["box"] == box.name and got["nodes"] == len(box.nodes)
+
+
+def _profiled(box, out: Path):  # -> LocalProfileFiles
+    """What `profile --box` writes for `box`, with rates that follow each kind's CPU share
+    (qwen3-0.6b, the math workload with a small batch): the planner's inputs."""
+    import json
+
+    from hexctl.box.profile import inventory
+    from hexctl.job.predict import LocalProfileFiles
+    from scheduler.model_shape import load_model_shape
+    from scheduler.profile import DeviceRates, Profile, save_profile
+
+    files = LocalProfileFiles(out)
+    m = load_model_shape("qwen3-0.6b")
+    files.model.mkdir(parents=True)
+    (files.model / "config.json").write_text(json.dumps(m.hf_config()))
+    w = yaml.safe_load((ROOT / "examples/workloads/math_grpo.yaml").read_text())
+    w.update({"groups_per_step": 4, "group_size": 8, "max_trainer_nodes": 1})
+    files.workload.write_text(yaml.safe_dump(w))
+    gpu = {"bf16_tflops": 100.0, "hbm_gb": 80.0, "hbm_gbs": 2000.0}
+    files.cluster.write_text(
+        yaml.safe_dump(inventory(box, dict.fromkeys(box.spec.kinds, gpu), 5.0))
+    )
+    rates = {
+        k: DeviceRates(
+            device="box",
+            decode_step_s={1: 0.01 / s.cpu, s.max_running_requests: 0.05 / s.cpu},
+            decode_context=256,
+            prefill_tokens_per_s=2000 * s.cpu,
+            train_tokens_per_s=500 * s.cpu,
+        )
+        for k, s in box.spec.kinds.items()
+    }
+    save_profile(Profile(model=str(files.model), params=m.params, kinds=rates), files.profile)
+    return files
+
+
+@pytest.mark.parametrize("seed", range(0, 30, 5))
+def test_every_random_box_is_planned(tmp_path: Path, seed: int) -> None:
+    """bench hetero's plans a, b and c are made on any box the checks pass, at the least
+    budget they allow and at the price of every node: a rack without some kind, a kind
+    on one rack only or with one node, up to four kinds and three racks."""
+    from hexctl.bench.system.hetero import make_plans
+
+    box = make_box(BoxSpec.model_validate(random_box(seed)))
+    files = _profiled(box, tmp_path)
+    every = sum(box.spec.kinds[n.kind].usd_per_hour for n in box.nodes)
+    least, one_kind = min_budget(box)
+    assert one_kind is not None
+    for budget in (max(least, one_kind), every):
+        check_budget(box, budget)
+        plans = make_plans(files, budget, time_limit_s=20)
+        assert set(plans) == {"a", "b", "c"}
+        for plan in plans.values():
+            assert plan.predicted.cost_usd_per_h <= budget + 1e-6
+            nodes = [i.placement.node for i in plan.rollout] + [plan.trainer.placements[0].node]
+            assert all(box.node(n).name == n for n in nodes)  # the box's own nodes
+            assert len(plan.trainer.placements) == 1
+        assert len({i.gpu_kind for i in plans["b"].rollout} | {plans["b"].trainer.gpu_kind}) == 1
