@@ -98,7 +98,7 @@ def random_box(seed: int, cores: int = 2) -> dict[str, Any]:
     if max(counts.values()) < 2:  # the one-kind baseline: two nodes of the cheapest
         counts[min(kinds, key=lambda k: kinds[k]["usd_per_hour"])] = 2
     _fit(kinds, counts, node_room(cores))
-    name = f"r{seed % 16**5:x}"  # 1-6 of [a-z0-9]
+    name = f"r{seed % 100_000}"  # 1-6 of [a-z0-9]: seeds 100000 apart share a name
     return {"name": name, "kinds": kinds, "racks": _racks(rng, counts)}
 
 
