@@ -7,6 +7,7 @@ expected, and comes before the box is built or any kind is profiled."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 
@@ -68,6 +69,8 @@ def check_budget(box: Box, budget: float) -> None:
     """`--budget` buys `bench hetero`'s plans on the box: a mixed plan (a, and c, its
     first-fit placement) and the one-kind baseline b, each a trainer node and at least
     one node that generates."""
+    if not (math.isfinite(budget) and budget > 0):
+        raise ConfigError(f"--budget {budget:g}: expected a positive number of $/h")
     if len(box.nodes) < 2:
         raise ConfigError(
             f"box {box.name!r} has {len(box.nodes)} node; a plan needs two (one trains, one "

@@ -82,6 +82,9 @@ def test_a_budget_that_buys_no_plan_is_refused() -> None:
     check_budget(box, 2.0)
     with pytest.raises(ConfigError, match=r"--budget 1\.5: .*expected --budget 2 or more"):
         check_budget(box, 1.5)
+    for bad in (float("nan"), 0.0, -3.0):
+        with pytest.raises(ConfigError, match="expected a positive number"):
+            check_budget(box, bad)
     single = _tri()
     single["racks"] = [
         {"name": "a", "uplink_mbit": 4, "members": [{"kind": k, "count": 1}]} for k in ("big",)
