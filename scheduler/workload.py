@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from areal_hex.config.base import ConfigError, Section, build, read_yaml, refuse_renamed
 from areal_hex.config.checks import check_publish_every
 from areal_hex.config.rollout import WeightSyncMode
+from areal_hex.config.workflow import TaskSpec
 from areal_hex.plan import RENAMED_KEYS
 
 # Bounds on what a workload may ask, far past the RL recipes in use (hundreds of prompts x
@@ -109,6 +110,9 @@ class Workload(Section):
     # How weights reach the rollout instances (rollout.weight_sync): the cost model
     # charges that mode over the links it crosses (costmodel.weight_sync_s).
     weight_sync: WeightSyncMode = "disk"
+    # The workflow's tasks beyond generate and train (the config's workflow.tasks): each
+    # instance gets its devices before the pools are sized (scheduler/tasks.py).
+    tasks: list[TaskSpec] = []
     constants: CostConstants = CostConstants()
 
     @model_validator(mode="before")

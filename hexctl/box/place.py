@@ -21,8 +21,8 @@ def place_on_box(cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
     services = {s.name: s for s in layout.services}
     for spec in specs:
         svc = services[spec.name]
-        if svc.role not in ("inference", "trainer"):
-            continue  # the head node: the launcher's namespace
+        if not svc.node_names:
+            continue  # unplanned (Valkey, the controller): the head node, the launcher's
         node = state.node(svc.node_names[0])
         # more threads than the node's quota only contend for it
         spec.env["OMP_NUM_THREADS"] = str(max(1, math.ceil(node.cpu)))

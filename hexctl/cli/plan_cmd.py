@@ -164,7 +164,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(table(res, sweep))
         if tried is not None:
-            b = res.plan.baselines
+            b = res.plan.decisions
             print(
                 f"tuned over {len(tried)} (staleness, publish interval) pairs: staleness "
                 f"{b.max_staleness}, publish every {b.publish_every} (buffer.max_staleness="

@@ -111,15 +111,13 @@ def preflight(cfg: ExperimentConfig) -> None:
 
 
 def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
-    """`--mode sync`: eta = 0, so the gate admits the next batch only after the trainer
-    published the version it trains now (rollout waits while the trainer trains)."""
-    mode = mode or cfg.run.mode
-    cfg = cfg.model_copy(deep=True)
-    cfg.run.mode = mode  # type: ignore[assignment]
-    if mode == "sync":
-        cfg.buffer.max_staleness = 0
-        cfg.trainer.publish_every = 1
-    return cfg
+    """`--mode sync|async` over the config's `run.mode`; the config itself resolves what
+    the mode means (`areal_hex.config.resolve_mode`: sync is η = 0, k = 1)."""
+    if mode is None or mode == cfg.run.mode:
+        return cfg
+    data = cfg.model_dump(mode="json")
+    data["run"]["mode"] = mode
+    return ExperimentConfig.model_validate(data)
 
 
 def apply_plan(

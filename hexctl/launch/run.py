@@ -79,7 +79,12 @@ def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
 
 
 # What a service exiting means (supervisor.OnExit); any of them failing is restarted.
-ON_EXIT: dict[str, OnExit] = {"inference": "restart", "redis": "restart", "trainer": "finish"}
+ON_EXIT: dict[str, OnExit] = {
+    "inference": "restart",
+    "redis": "restart",
+    "worker": "restart",
+    "trainer": "finish",
+}
 
 
 def process_specs(
@@ -275,6 +280,8 @@ def start_services(
     for spec in by_role.get("redis", []):
         sup.start(spec)
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
+    for spec in by_role.get("worker", []):  # the workflow's other tasks
+        sup.start(spec)
     servers = by_role.get("inference", [])
     for spec in servers:
         sup.start(spec)
@@ -302,7 +309,7 @@ def stop_services(
     sup.stop(names("trainer"), timeout_s=60)
     stats = buffer_stats(cfg)
     ledger = run_ledger(cfg) if cfg.run.run_id is not None else None
-    sup.stop(names("inference"), timeout_s=15)
+    sup.stop(names("inference") + names("worker"), timeout_s=15)
     sup.stop(names("redis"), timeout_s=15)
     return stats, ledger
 

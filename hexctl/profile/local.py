@@ -196,6 +196,7 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,
         "weight_sync": cfg.rollout.weight_sync,
+        "tasks": [t.model_dump(mode="json") for t in cfg.workflow.tasks],
         "constants": {
             "max_running_requests": cfg.inference.max_running_requests,
             # a CPU trainer publishes fp32

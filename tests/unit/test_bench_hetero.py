@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def _plan(cost: float, rate: float = 1.0) -> Plan:
     slot = {"node": "n-0", "gpu_ids": [0]}
     return Plan.model_validate({
-        "cluster": "c", "model": "m", "objective": "throughput",
+        "cluster": "c", "model": "m", "objective": "throughput", "decisions": {},
         "rollout": [{"id": "r", "gpu_kind": "n", "tp": 1, "zone": "z", "region": "z",
                      "placement": slot, "predicted_tokens_per_s": 1.0}],
         "trainer": {"gpu_kind": "n", "world_size": 1, "dp": 1, "zero_stage": 0,
-                    "placements": [slot], "predicted_tokens_per_s": 1.0},
+                    "placements": [{"node": "n-0", "gpu_ids": [1]}],
+                    "predicted_tokens_per_s": 1.0},
         "predicted": {"samples_per_s": rate, "generation_samples_per_s": 1,
                       "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": cost},
     })  # fmt: skip

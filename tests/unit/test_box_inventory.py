@@ -96,7 +96,7 @@ def _plan(trainer: list[str], rollout: list[str]):
 
     slot = lambda n: {"node": n, "gpu_ids": [0]}  # noqa: E731
     return Plan.model_validate({
-        "cluster": "box-inv", "model": "m", "objective": "throughput",
+        "cluster": "box-inv", "model": "m", "objective": "throughput", "decisions": {},
         "rollout": [{"id": f"rollout-{n}", "gpu_kind": n.split("-")[0], "tp": 1, "zone": "box",
                      "region": "box", "placement": slot(n), "predicted_tokens_per_s": 1.0}
                     for n in rollout],
