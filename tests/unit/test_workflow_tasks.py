@@ -15,9 +15,9 @@ import yaml
 from areal_hex.config import ConfigError, ExperimentConfig, TaskSpec, load_config
 from areal_hex.plan import Decisions, Plan, load_plan, save_plan
 from hexctl.deploy import render
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.slurm import render_slurm
 from hexctl.deploy.slurm_site import load_site
-from hexctl.job.deploy_config import DeployConfig
 from hexctl.job.layout import build_layout
 from scheduler.cluster import load_cluster
 from scheduler.model_shape import load_model_shape
@@ -137,7 +137,7 @@ def test_slurm_renders_the_task_as_its_own_pool(planned: Plan, tmp_path: Path) -
 def test_the_box_starts_each_instance_in_its_planned_node(
     planned: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hexctl.launch.box_run import place_on_box
+    from hexctl.box.place import place_on_box
     from hexctl.launch.run import process_specs
 
     class Node:
@@ -149,9 +149,9 @@ def test_the_box_starts_each_instance_in_its_planned_node(
         def node(self, name: str) -> Node:
             return Node(name)
 
-    monkeypatch.setattr("hexctl.launch.box_run.load_state", lambda name: State())
+    monkeypatch.setattr("hexctl.box.place.load_state", lambda name: State())
     monkeypatch.setattr(
-        "hexctl.launch.box_run.node_argv", lambda node, argv: ["in-node", node.name, *argv]
+        "hexctl.box.place.node_argv", lambda node, argv: ["in-node", node.name, *argv]
     )
     cfg = _with_task().model_copy(deep=True)
     cfg.run.box, cfg.run.run_id, cfg.run.output_dir = "t", "r", str(tmp_path)
