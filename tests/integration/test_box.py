@@ -223,6 +223,7 @@ def _plan_file(tmp: Path) -> Path:
         "trainer": {"gpu_kind": "fast", "world_size": 1, "dp": 1, "zero_stage": 0,
                     "placements": [{"node": "fast-0", **slot}],
                     "predicted_tokens_per_s": 1.0},
+        "decisions": {},
         "predicted": {"samples_per_s": 1, "generation_samples_per_s": 1,
                       "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": 4},
     }  # fmt: skip
