@@ -185,7 +185,7 @@ async def test_dynamic_sampling_ledger_with_real_buffer(stack: Stack) -> None:
     assert stats.stream_length == kept and stats.submitted == kept
     for g in read_groups(stack, run_id, buf, kept) if kept else []:
         assert len(set(g.rewards.tolist())) > 1
-        assert set(g.metadata["servers"].split(",")) <= set(stack.urls())
+        assert {c.server for c in g.completions} <= set(stack.urls())
 
 
 @pytest.mark.parametrize("pause", ["abort", "auto", "in_place"])
