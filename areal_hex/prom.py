@@ -116,7 +116,11 @@ class TrainerCollector(Collector):
             [
                 ("samples", "samples trained", r.groups_trained_total * self.group_size),
                 ("groups_trained", "groups trained (acknowledged)", r.groups_trained_total),
-                ("dropped_stale", "groups dropped as older than v - eta", r.dropped_stale_total),
+                (
+                    "groups_dropped_stale",
+                    "groups dropped as older than v - eta",
+                    r.groups_dropped_stale_total,
+                ),
                 (
                     "dead_letters",
                     "malformed entries moved to the dead-letter stream",
@@ -284,7 +288,7 @@ class BufferCollector(Collector):
             B + "submitted", "groups admitted by the staleness gate", value=s.submitted
         )
         yield CounterMetricFamily(
-            B + "dropped_stale", "groups dropped as too stale", value=s.dropped_stale
+            B + "groups_dropped_stale", "groups dropped as too stale", value=s.groups_dropped_stale
         )
         yield CounterMetricFamily(
             B + "dead_letters", "entries in the dead-letter stream", value=s.dead_letter
@@ -359,7 +363,7 @@ TRAINER_NAMES: tuple[str, ...] = tuple(
     _names(
         T,
         ["step", "version", "tokens_per_second", "loss"],
-        ["tokens", "samples", "groups_trained", "dropped_stale", "dead_letters"]
+        ["tokens", "samples", "groups_trained", "groups_dropped_stale", "dead_letters"]
         + ["degenerate_groups"],
         ["step_phase_seconds", "staleness_versions"],
     )
@@ -379,7 +383,7 @@ BUFFER_NAMES: tuple[str, ...] = tuple(
     _names(
         B,
         ["stream_length", "pending", "lag", "version"],
-        ["submitted", "dropped_stale", "dead_letters", "given_back"],
+        ["submitted", "groups_dropped_stale", "dead_letters", "given_back"],
     )
 )
 # Only where the launcher wrote a prediction (`prediction.json`): the trainer serves them.

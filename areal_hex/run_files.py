@@ -18,7 +18,8 @@
 Rows are written and read through the same pydantic type: a writer that sets an unknown
 key fails at once (`extra="forbid"`), and readers use attributes, so a renamed field
 cannot silently turn into a missing value. Fields default so that a partial row (a run
-that died mid-write, or an older row) still reads.
+that died mid-write, or an older row) still reads; a field an older version wrote under
+another name (`RENAMED`) is read under its new one.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from areal_hex.config import ExperimentConfig
@@ -140,6 +141,15 @@ def versions_in(weights_dir: str | Path, complete_only: bool = False) -> list[in
 # ---------------------------------------------------------------- metric rows
 class _Row(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # old field name -> new, for rows an older version wrote (docs/observability.md)
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.RENAMED.keys() & data.keys():
+            return {cls.RENAMED.get(k, k): v for k, v in data.items()}
+        return data
 
     def to_line(self) -> str:
         return self.model_dump_json() + "\n"
@@ -147,6 +157,8 @@ class _Row(BaseModel):
 
 class TrainerRow(_Row):
     """One optimizer step (metrics.jsonl)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"dropped_stale_total": "groups_dropped_stale_total"}
 
     step: int = 0
     version: int = 0
@@ -184,7 +196,7 @@ class TrainerRow(_Row):
     checkpoint_s: float = 0.0
     # running totals since the run began (restored from checkpoints)
     groups_trained_total: int = 0
-    dropped_stale_total: int = 0
+    groups_dropped_stale_total: int = 0
     dead_letter_total: int = 0
     degenerate_groups_total: int = 0
     tokens_total: int = 0

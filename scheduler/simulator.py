@@ -66,7 +66,7 @@ class SimResult:
     staleness_hist: dict[int, int]  # versions behind the buffer's -> groups trained
     trainer_idle_frac: float
     rollout_busy_frac: float
-    dropped: int = 0  # finished groups older than v - eta, dropped unused
+    groups_dropped_stale: int = 0  # finished groups older than v - eta, dropped unused
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Simulation:
         self.seq = 0
         self.now, self.version, self.submitted, self.trained = 0.0, 0, 0, 0
         self.served = 0  # version of the weights the instances hold (the last publish)
-        self.dropped = 0
+        self.groups_dropped_stale = 0
         self.given_back = 0  # dropped groups, handed back to the gate as the buffer does
         self.group_left: dict[int, int] = {}  # samples still generating, per group
         self.group_ver: dict[int, int] = {}  # version of the weights that generate it
@@ -184,7 +184,7 @@ class Simulation:
                 keep.append(g)
             else:
                 del self.group_ver[g]
-                self.dropped += 1
+                self.groups_dropped_stale += 1
                 self.given_back += 1
         self.finished = keep
 
@@ -245,7 +245,7 @@ class Simulation:
             staleness_hist=dict(sorted(self.hist.items())),
             trainer_idle_frac=self.trainer_idle / span,
             rollout_busy_frac=busy,
-            dropped=self.dropped,
+            groups_dropped_stale=self.groups_dropped_stale,
         )
 
 

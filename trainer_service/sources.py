@@ -139,7 +139,7 @@ class ReplayConsumer:
             pending=0,
             unconsumed=0,
             submitted=self._position,
-            dropped_stale=0,
+            groups_dropped_stale=0,
             dead_letter=0,
             version=self._version,
         )

@@ -4,7 +4,7 @@
 Group accounting: when the launcher read the ledger (hexctl/report/ledger.py: durable
 state, every attempt) it replaces the per-process counters below, and times and rates
 are over the time the job actually ran. Without it (a report rebuilt from files alone):
-    produced (put by the controller) = trained + dropped_stale + dead_letter
+    produced (put by the controller) = trained + groups_dropped_stale + dead_letter
                                        + left in the buffer at stop (unconsumed + pending)
 and groups still generating at stop are reported as `in_flight_controller`.
 """
@@ -76,7 +76,7 @@ def accounting(
     # a restarted controller (a requeued job) counts from zero again: sum its runs
     produced = sum(r.groups_produced_total for r in ends)
     trained = last_m.groups_trained_total
-    dropped = last_m.dropped_stale_total
+    dropped = last_m.groups_dropped_stale_total
     dead = last_m.dead_letter_total
     filtered = sum(r.groups_filtered_total for r in ends)
     out: dict[str, Any] = {
@@ -88,7 +88,7 @@ def accounting(
         "in_flight_controller": last_r.groups_in_flight,
     }
     if buffer is not None:
-        out["groups_dropped_stale"] = dropped = max(dropped, int(buffer["dropped_stale"]))
+        out["groups_dropped_stale"] = dropped = max(dropped, int(buffer["groups_dropped_stale"]))
         out["groups_dead_letter"] = dead = max(dead, int(buffer["dead_letter"]))
         in_buffer = int(buffer["unconsumed"]) + int(buffer["pending"])
         out["in_buffer_at_stop"] = in_buffer

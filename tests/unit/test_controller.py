@@ -199,7 +199,7 @@ async def test_groups_the_trainer_drops_are_owed_until_its_last_version(
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)
     assert not run.done() and len(producer.groups) == 4  # at its target, waiting
-    producer.dropped = 3
+    producer.groups_dropped_stale = 3
     while len(producer.groups) < 7:
         await asyncio.sleep(0.02)
     await producer.publish(1, str(tmp_path / "v1"))

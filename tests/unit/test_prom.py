@@ -56,7 +56,7 @@ def test_trainer_metrics_equal_the_rows() -> None:
             tokens_total=100,
             groups_trained_total=2,
             staleness_hist={"0": 3, "2": 1},
-            dropped_stale_total=1,
+            groups_dropped_stale_total=1,
         )
     )
     c.observe(
@@ -69,7 +69,7 @@ def test_trainer_metrics_equal_the_rows() -> None:
             tokens_total=250,
             groups_trained_total=4,
             staleness_hist={"1": 4},
-            dropped_stale_total=3,
+            groups_dropped_stale_total=3,
             dead_letter_total=2,
             degenerate_groups_total=1,
             tokens_per_s=150.0,
@@ -90,7 +90,7 @@ def test_trainer_metrics_equal_the_rows() -> None:
     assert s[("areal_hex_trainer_tokens_total", kind)] == 250  # the row's running total
     assert s[("areal_hex_trainer_tokens_per_second", kind)] == 150.0
     assert s[("areal_hex_trainer_samples_total", ())] == 4 * 4  # groups x group size
-    assert s[("areal_hex_trainer_dropped_stale_total", ())] == 3
+    assert s[("areal_hex_trainer_groups_dropped_stale_total", ())] == 3
     assert s[("areal_hex_trainer_dead_letters_total", ())] == 2
     assert s[("areal_hex_trainer_degenerate_groups_total", ())] == 1
     assert s[("areal_hex_trainer_version", ())] == 2
@@ -228,13 +228,13 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
     for _ in range(3):
         valkey.xadd(keys.traj, {PAYLOAD_FIELD: b"x"})
     valkey.xreadgroup(GROUP, "c0", {keys.traj: ">"}, count=1)  # one delivered, not acked
-    valkey.set(keys.dropped_stale, 4)
+    valkey.set(keys.groups_dropped_stale, 4)
     valkey.set(keys.given_back("filtered"), 5)
     s = scrape(BufferCollector(lambda: read_stats(valkey, keys)))
     assert s[("areal_hex_buffer_stream_length", ())] == 3
     assert s[("areal_hex_buffer_pending", ())] == 1
     assert s[("areal_hex_buffer_lag", ())] == 2
-    assert s[("areal_hex_buffer_dropped_stale_total", ())] == 4
+    assert s[("areal_hex_buffer_groups_dropped_stale_total", ())] == 4
     assert s[("areal_hex_buffer_given_back_total", (("reason", "filtered"),))] == 5
     assert s[("areal_hex_buffer_given_back_total", (("reason", "failed"),))] == 0
 

@@ -29,7 +29,7 @@ def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
                 "staleness_hist": {"0": b // 2, "1": b - b // 2},
                 "max_version_lag": 1 if s > 1 else 0,
                 "groups_trained_total": s * b,
-                "dropped_stale_total": 1,
+                "groups_dropped_stale_total": 1,
                 "dead_letter_total": 0,
                 "compute_s": 1.0,
                 "publish_s": 0.1,
@@ -49,7 +49,13 @@ def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
 def test_summary_numbers_and_plots(tmp_path: Path) -> None:
     write_run(tmp_path)
     cfg = load_config(None, ["run.run_id=r", "buffer.groups_per_step=4", "rollout.group_size=8"])
-    buffer = {"unconsumed": 2, "pending": 1, "submitted": 44, "dropped_stale": 1, "dead_letter": 0}
+    buffer = {
+        "unconsumed": 2,
+        "pending": 1,
+        "submitted": 44,
+        "groups_dropped_stale": 1,
+        "dead_letter": 0,
+    }
     s = write_report(tmp_path, cfg, buffer=buffer)
     assert s["steps"] == 10 and s["final_version"] == 10
     assert s["final_reward"] == pytest.approx(0.95)  # mean of the last 2 of 10 steps
@@ -70,9 +76,17 @@ def test_summary_numbers_and_plots(tmp_path: Path) -> None:
 
 
 def test_accounting_finds_a_lost_group() -> None:
-    metrics = [TrainerRow(groups_trained_total=8, dropped_stale_total=0, dead_letter_total=0)]
+    metrics = [
+        TrainerRow(groups_trained_total=8, groups_dropped_stale_total=0, dead_letter_total=0)
+    ]
     rollout = [RolloutRow(groups_produced_total=11, final=True, groups_in_flight=0)]
-    buffer = {"unconsumed": 2, "pending": 0, "submitted": 11, "dropped_stale": 0, "dead_letter": 0}
+    buffer = {
+        "unconsumed": 2,
+        "pending": 0,
+        "submitted": 11,
+        "groups_dropped_stale": 0,
+        "dead_letter": 0,
+    }
     assert accounting(metrics, rollout, buffer)["groups_lost"] == 1
 
 
@@ -87,7 +101,13 @@ def test_accounting_sums_the_runs_of_a_restarted_controller() -> None:
         RolloutRow(elapsed_s=1.0, groups_produced_total=6),
         RolloutRow(elapsed_s=3.0, groups_produced_total=14, final=True),
     ]
-    buffer = {"unconsumed": 12, "pending": 0, "submitted": 40, "dropped_stale": 0, "dead_letter": 0}
+    buffer = {
+        "unconsumed": 12,
+        "pending": 0,
+        "submitted": 40,
+        "groups_dropped_stale": 0,
+        "dead_letter": 0,
+    }
     acc = accounting(metrics, rollout, buffer)
     assert acc["groups_produced"] == 12 + 10 + 14
     assert acc["groups_lost"] == 0
