@@ -79,7 +79,7 @@ class TrainerCollector(Collector):
         self.row = TrainerRow()
         self.gpu_kind = gpu_kind
         self.group_size = group_size
-        self.staleness: dict[int, int] = {}  # versions behind -> groups trained
+        self.version_lag: dict[int, int] = {}  # versions behind -> groups trained
         self.phases = Histogram(
             T + "step_phase_seconds",
             "trainer step wall time by phase",
@@ -93,8 +93,8 @@ class TrainerCollector(Collector):
         self.row = row
         for phase in STEP_PHASES:
             self.phases.labels(phase).observe(getattr(row, f"{phase}_s"))
-        for behind, n in row.staleness_hist.items():
-            self.staleness[int(behind)] = self.staleness.get(int(behind), 0) + n
+        for behind, n in row.version_lag_hist.items():
+            self.version_lag[int(behind)] = self.version_lag.get(int(behind), 0) + n
 
     def collect(self) -> Iterator[Metric]:
         r = self.row
@@ -133,10 +133,10 @@ class TrainerCollector(Collector):
                 ),
             ],
         )
-        yield _staleness_histogram(self.staleness)
+        yield _version_lag_histogram(self.version_lag)
 
 
-def _staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+def _version_lag_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     """Cumulative buckets over versions behind (0, 1, 2, ... up to the largest seen)."""
     top = max(counts, default=0)
     buckets, acc = [], 0
@@ -146,7 +146,7 @@ def _staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     buckets.append(("+Inf", acc))
     total = float(sum(k * n for k, n in counts.items()))
     return HistogramMetricFamily(
-        T + "staleness_versions",
+        T + "version_lag_versions",
         "versions a trained group lagged behind the trainer",
         buckets=buckets,
         sum_value=total,
@@ -365,7 +365,7 @@ TRAINER_NAMES: tuple[str, ...] = tuple(
         ["step", "version", "tokens_per_second", "loss"],
         ["tokens", "samples", "groups_trained", "groups_dropped_stale", "dead_letters"]
         + ["degenerate_groups"],
-        ["step_phase_seconds", "staleness_versions"],
+        ["step_phase_seconds", "version_lag_versions"],
     )
 )
 ROLLOUT_NAMES: tuple[str, ...] = tuple(

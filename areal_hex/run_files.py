@@ -158,7 +158,10 @@ class _Row(BaseModel):
 class TrainerRow(_Row):
     """One optimizer step (metrics.jsonl)."""
 
-    RENAMED: ClassVar[dict[str, str]] = {"dropped_stale_total": "groups_dropped_stale_total"}
+    RENAMED: ClassVar[dict[str, str]] = {
+        "dropped_stale_total": "groups_dropped_stale_total",
+        "staleness_hist": "version_lag_hist",
+    }
 
     step: int = 0
     version: int = 0
@@ -176,7 +179,7 @@ class TrainerRow(_Row):
     kl: float = 0.0
     grad_norm: float | None = None  # None when the engine does not report it
     lr: float = 0.0
-    staleness_hist: dict[str, int] = {}  # versions behind -> groups in this batch
+    version_lag_hist: dict[str, int] = {}  # versions behind -> groups in this batch
     # train-inference mismatch on tokens of the trained version: {"server"|"gpu_kind":
     # {name: {"abs_dlogp": mean |dlog p|, "k3": mean KL(infer || train), "tokens": n}}}
     mismatch: dict[str, dict[str, dict[str, float]]] = {}

@@ -63,7 +63,7 @@ class SimResult:
     generation_samples_per_s: float
     steps: int
     max_version_lag: int
-    staleness_hist: dict[int, int]  # versions behind the buffer's -> groups trained
+    version_lag_hist: dict[int, int]  # versions behind the buffer's -> groups trained
     trainer_idle_frac: float
     rollout_busy_frac: float
     groups_dropped_stale: int = 0  # finished groups older than v - eta, dropped unused
@@ -242,7 +242,7 @@ class Simulation:
             generation_samples_per_s=(self.gen_done - self.gen_warm) / span,
             steps=self.trained,
             max_version_lag=max(self.hist, default=0),
-            staleness_hist=dict(sorted(self.hist.items())),
+            version_lag_hist=dict(sorted(self.hist.items())),
             trainer_idle_frac=self.trainer_idle / span,
             rollout_busy_frac=busy,
             groups_dropped_stale=self.groups_dropped_stale,

@@ -368,7 +368,7 @@ class Trainer:
             kl=r.sums["kl"] / tokens,
             grad_norm=r.grad_norm,
             lr=float(self.ctx.engine.get_lr()[0]),
-            staleness_hist=dict(hist),
+            version_lag_hist=dict(hist),
             mismatch=r.extra.get("mismatch", {}),
             max_version_lag=max(batch.version_lags, default=0),
             degenerate_groups=r.degenerate_groups,

@@ -106,7 +106,7 @@ def test_simulator_drops_groups_older_than_eta_and_counts_them() -> None:
     r = simulate([fast, slow], **kw)  # type: ignore[arg-type]
     assert r.groups_dropped_stale > 0
     assert r.max_version_lag <= 1  # nothing older than eta is ever trained
-    assert sum(r.staleness_hist.values()) == r.steps
+    assert sum(r.version_lag_hist.values()) == r.steps
 
 
 def test_simulator_inflight_cap_limits_admitted_groups() -> None:

@@ -55,7 +55,7 @@ def test_trainer_metrics_equal_the_rows() -> None:
             compute_s=2.0,
             tokens_total=100,
             groups_trained_total=2,
-            staleness_hist={"0": 3, "2": 1},
+            version_lag_hist={"0": 3, "2": 1},
             groups_dropped_stale_total=1,
         )
     )
@@ -68,7 +68,7 @@ def test_trainer_metrics_equal_the_rows() -> None:
             publish_s=0.5,
             tokens_total=250,
             groups_trained_total=4,
-            staleness_hist={"1": 4},
+            version_lag_hist={"1": 4},
             groups_dropped_stale_total=3,
             dead_letter_total=2,
             degenerate_groups_total=1,
@@ -95,13 +95,13 @@ def test_trainer_metrics_equal_the_rows() -> None:
     assert s[("areal_hex_trainer_degenerate_groups_total", ())] == 1
     assert s[("areal_hex_trainer_version", ())] == 2
     # staleness over both steps: 3 groups at 0, 4 at 1, 1 at 2 (cumulative buckets)
-    h = "areal_hex_trainer_staleness_versions_bucket"
+    h = "areal_hex_trainer_version_lag_versions_bucket"
     assert s[(h, (("le", "0.0"),))] == 3
     assert s[(h, (("le", "1.0"),))] == 7
     assert s[(h, (("le", "2.0"),))] == 8
     assert s[(h, (("le", "+Inf"),))] == 8
-    assert s[("areal_hex_trainer_staleness_versions_sum", ())] == 4 + 2
-    assert s[("areal_hex_trainer_staleness_versions_count", ())] == 8
+    assert s[("areal_hex_trainer_version_lag_versions_sum", ())] == 4 + 2
+    assert s[("areal_hex_trainer_version_lag_versions_count", ())] == 8
 
 
 def test_the_trainer_kind_is_its_device() -> None:
@@ -254,7 +254,7 @@ def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
 
     stats = BufferStats(0, 0, 0, 0, 0, 0, 0, {"filtered": 0})
     trainer = TrainerCollector()
-    trainer.observe(TrainerRow(staleness_hist={"1": 1}))
+    trainer.observe(TrainerRow(version_lag_hist={"1": 1}))
     rollout = RolloutCollector(servers())
     rollout.observe_gate_wait(0.1)
     rollout.observe_request(rollout.servers[0], 0.1)
@@ -344,7 +344,7 @@ def test_names_follow_prometheus_conventions(tmp_path: Path) -> None:
     from areal_hex.api import BufferStats
 
     trainer = TrainerCollector()
-    trainer.observe(TrainerRow(staleness_hist={"0": 1}))
+    trainer.observe(TrainerRow(version_lag_hist={"0": 1}))
     rollout = RolloutCollector(servers())
     rollout.observe_request(rollout.servers[0], 0.1)
     (tmp_path / "prediction.json").write_text(json.dumps(PREDICTION))

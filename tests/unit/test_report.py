@@ -26,7 +26,7 @@ def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
                 "version": s,
                 "time": t0 + 2.0 * s,
                 "reward_mean": s / steps,
-                "staleness_hist": {"0": b // 2, "1": b - b // 2},
+                "version_lag_hist": {"0": b // 2, "1": b - b // 2},
                 "max_version_lag": 1 if s > 1 else 0,
                 "groups_trained_total": s * b,
                 "groups_dropped_stale_total": 1,
@@ -60,7 +60,7 @@ def test_summary_numbers_and_plots(tmp_path: Path) -> None:
     assert s["steps"] == 10 and s["final_version"] == 10
     assert s["final_reward"] == pytest.approx(0.95)  # mean of the last 2 of 10 steps
     assert s["max_version_lag"] == 1
-    assert s["staleness_hist"] == {"0": 20, "1": 20}
+    assert s["version_lag_hist"] == {"0": 20, "1": 20}
     # 9 steps x 4 groups x 8 samples between the first and last step (18 s apart)
     assert s["samples_per_s"] == pytest.approx(9 * 4 * 8 / 18.0)
     assert s["samples_per_s_wall"] == pytest.approx(10 * 4 * 8 / 20.0)
@@ -70,7 +70,7 @@ def test_summary_numbers_and_plots(tmp_path: Path) -> None:
     assert s["in_flight_controller"] == 2
     assert s["versions_on_disk"] == [0, 10]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 10
-    for name in ("reward", "staleness", "throughput", "timeline"):
+    for name in ("reward", "version_lag", "throughput", "timeline"):
         png = tmp_path / "report" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -203,3 +203,14 @@ def test_report_plots_go_to_the_trackers_as_images(tmp_path: Path) -> None:
     acc.Reload()
     images = set(acc.Tags()["images"])
     assert images == {f"report/{Path(p).stem}" for p in s["plots"]} and images
+
+
+def test_rows_an_older_version_wrote_read_under_the_new_names(tmp_path: Path) -> None:
+    from areal_hex.run_files import read_rows
+
+    old = {"step": 3, "dropped_stale_total": 2, "staleness_hist": {"1": 4}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n")
+    (row,) = read_rows(tmp_path / "metrics.jsonl", TrainerRow)
+    assert (row.groups_dropped_stale_total, row.version_lag_hist) == (2, {"1": 4})
+    with pytest.raises(ValueError, match="no_such_field"):
+        TrainerRow.model_validate({"no_such_field": 1})
