@@ -31,6 +31,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from areal_hex.api import BufferStats
+from areal_hex.device_kind import CPU_KIND
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow
 
 T = "areal_hex_trainer_"
@@ -61,21 +62,11 @@ def gauges(prefix: str, rows: Iterable[Sample]) -> Iterator[Metric]:
         yield GaugeMetricFamily(prefix + name, doc, value)
 
 
-def device_kind(device: str) -> str:
-    """The trainer's `gpu_kind` label: the CUDA device's name ("NVIDIA H100 80GB HBM3"),
-    or "cpu"."""
-    if device != "cuda":
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
-
-
 class TrainerCollector(Collector):
     """The trainer's metrics from its latest step row plus the steps seen so far.
     `gpu_kind` labels its token counts; `group_size` turns groups into samples."""
 
-    def __init__(self, gpu_kind: str = "cpu", group_size: int = 1) -> None:
+    def __init__(self, gpu_kind: str = CPU_KIND, group_size: int = 1) -> None:
         self.row = TrainerRow()
         self.gpu_kind = gpu_kind
         self.group_size = group_size

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
+from areal_hex.device_kind import device_kind
 from areal_hex.errors import UsageError
 from areal_hex.gc_freeze import freeze_startup
 from areal_hex.lifetime import tie_to_launcher
@@ -23,7 +24,6 @@ from areal_hex.prom import (
     BufferCollector,
     MetricsServer,
     TrainerCollector,
-    device_kind,
     prediction_collectors,
     registry_with,
 )

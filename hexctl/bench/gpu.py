@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from areal_hex.device_kind import device_kind
     from scheduler.catalogue import CATALOGUE
-    from scheduler.measure import device_kind
 
     kind = device_kind("cuda")
     out: dict[str, Any] = {

@@ -22,7 +22,6 @@ from areal_hex.prom import (
     MetricsServer,
     RolloutCollector,
     TrainerCollector,
-    device_kind,
     prediction_collectors,
     registry_with,
 )
@@ -102,10 +101,6 @@ def test_trainer_metrics_equal_the_rows() -> None:
     assert s[(h, (("le", "+Inf"),))] == 8
     assert s[("areal_hex_trainer_version_lag_versions_sum", ())] == 4 + 2
     assert s[("areal_hex_trainer_version_lag_versions_count", ())] == 8
-
-
-def test_the_trainer_kind_is_its_device() -> None:
-    assert device_kind("cpu") == "cpu"
 
 
 def servers() -> list[ServerState]:
