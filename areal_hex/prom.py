@@ -222,8 +222,8 @@ class RolloutCollector(Collector):
                 ("tokens", "tokens generated", r.tokens_total),
                 ("requests", "generate requests sent", r.requests_total),
                 ("requests_retried", "generate requests retried", r.requests_retried_total),
-                ("weight_updates", "weight updates applied", r.weight_updates_total),
-                ("weight_update_seconds", "time spent in weight updates", r.weight_update_s_total),
+                ("weight_syncs", "weight syncs applied", r.weight_syncs_total),
+                ("weight_sync_seconds", "time spent in weight syncs", r.weight_sync_s_total),
                 ("generation_busy_seconds", "time any server had work", r.gen_busy_s),
             ],
         )
@@ -365,7 +365,7 @@ ROLLOUT_NAMES: tuple[str, ...] = tuple(
         ["groups_in_flight", "servers_healthy", "version", "tokens_per_second", "reward_mean"]
         + ["server_healthy", "server_requests_in_flight"],
         ["groups_produced", "groups_filtered", "groups_failed", "samples", "tokens"]
-        + ["requests", "requests_retried", "weight_updates", "weight_update_seconds"]
+        + ["requests", "requests_retried", "weight_syncs", "weight_sync_seconds"]
         + ["generation_busy_seconds", "server_requests", "server_failures", "server_tokens"],
         ["gate_wait_seconds", "request_seconds"],
     )

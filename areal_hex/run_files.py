@@ -208,6 +208,11 @@ class TrainerRow(_Row):
 class RolloutRow(_Row):
     """One metrics interval of the controller (rollout.jsonl); rates over the interval."""
 
+    RENAMED: ClassVar[dict[str, str]] = {
+        "weight_updates_total": "weight_syncs_total",
+        "weight_update_s_total": "weight_sync_s_total",
+    }
+
     time: float = 0.0
     elapsed_s: float = 0.0
     version: int = 0
@@ -228,8 +233,8 @@ class RolloutRow(_Row):
     requests_total: int = 0
     requests_retried_total: int = 0
     requests_aborted_total: int = 0
-    weight_updates_total: int = 0
-    weight_update_s_total: float = 0.0
+    weight_syncs_total: int = 0
+    weight_sync_s_total: float = 0.0
     gen_busy_s: float = 0.0  # seconds any server had work, since start
     servers_healthy: int = 0
     finish_reasons: dict[str, int] = {}

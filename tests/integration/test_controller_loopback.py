@@ -210,7 +210,7 @@ async def test_weight_reload_interrupts_and_resumes(stack: Stack, pause: str) ->
         final = await asyncio.wait_for(run, 120)
     finally:
         await close(clients, producer)
-    assert final["version"] == 1 and final["weight_updates_total"] == 1
+    assert final["version"] == 1 and final["weight_syncs_total"] == 1
     assert final["groups_produced_total"] == 8
     if pause == "abort":
         assert final["requests_aborted_total"] >= 1

@@ -50,7 +50,7 @@ def test_dashboard_references_only_exported_metrics() -> None:
         "areal_hex_trainer_groups_dropped_stale_total",
         "areal_hex_trainer_dead_letters_total",
         "areal_hex_rollout_groups_filtered_total",
-        "areal_hex_rollout_weight_update_seconds_total",
+        "areal_hex_rollout_weight_sync_seconds_total",
         "areal_hex_rollout_gate_wait_seconds_bucket",
         "areal_hex_rollout_request_seconds_bucket",
         "areal_hex_rollout_server_healthy",

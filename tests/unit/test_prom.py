@@ -119,7 +119,7 @@ def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
             groups_in_flight=3,
             servers_healthy=1,
             tokens_total=900,
-            weight_update_s_total=1.5,
+            weight_sync_s_total=1.5,
             reward_mean=0.25,
         )
     )
@@ -133,7 +133,7 @@ def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
     assert s[("areal_hex_rollout_groups_filtered_total", ())] == 2
     assert s[("areal_hex_rollout_groups_in_flight", ())] == 3
     assert s[("areal_hex_rollout_tokens_total", ())] == 900
-    assert s[("areal_hex_rollout_weight_update_seconds_total", ())] == 1.5
+    assert s[("areal_hex_rollout_weight_sync_seconds_total", ())] == 1.5
     assert s[("areal_hex_rollout_reward_mean", ())] == 0.25
     g = "areal_hex_rollout_gate_wait_seconds"
     assert s[(g + "_count", ())] == 3 and s[(g + "_sum", ())] == pytest.approx(3.02)
