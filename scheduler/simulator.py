@@ -71,7 +71,7 @@ class SimResult:
 
 @dataclass
 class _Workload:
-    batch_groups: int
+    groups_per_step: int
     group_size: int
     max_staleness: int
     publish_every: int
@@ -126,7 +126,10 @@ class Simulation:
         one instance (one batched request, as the controller sends it): the one with the
         most free slots."""
         w = self.w
-        if self.submitted - self.given_back >= (self.served + w.max_staleness + 1) * w.batch_groups:
+        if (
+            self.submitted - self.given_back
+            >= (self.served + w.max_staleness + 1) * w.groups_per_step
+        ):
             return False
         if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
             return False
@@ -190,7 +193,7 @@ class Simulation:
 
     def try_train(self) -> None:
         """Start a step on the B oldest fresh finished groups when the trainer is free."""
-        b = self.w.batch_groups
+        b = self.w.groups_per_step
         if self.trainer_busy:
             return
         self.drop_stale()
@@ -238,7 +241,7 @@ class Simulation:
         measured = self.trained - w.warmup
         busy = sum(x.busy_s for x in self.inst) / max(1e-9, now * len(self.inst))
         return SimResult(
-            samples_per_s=measured * w.batch_groups * w.group_size / span,
+            samples_per_s=measured * w.groups_per_step * w.group_size / span,
             generation_samples_per_s=(self.gen_done - self.gen_warm) / span,
             steps=self.trained,
             max_version_lag=max(self.hist, default=0),
@@ -252,7 +255,7 @@ class Simulation:
 def simulate(
     instances: list[SimInstance],
     *,
-    batch_groups: int,
+    groups_per_step: int,
     group_size: int,
     max_staleness: int,
     publish_every: int,
@@ -265,7 +268,7 @@ def simulate(
     max_inflight_groups: int | None = None,
 ) -> SimResult:
     w = _Workload(
-        batch_groups,
+        groups_per_step,
         group_size,
         max_staleness,
         publish_every,

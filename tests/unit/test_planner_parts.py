@@ -21,7 +21,7 @@ def _one_instance() -> list[SimInstance]:
 
 def _sim_kw(**over: object) -> dict[str, object]:
     kw: dict[str, object] = dict(
-        batch_groups=1,
+        groups_per_step=1,
         group_size=2,
         max_staleness=4,
         publish_every=1,
@@ -183,7 +183,7 @@ def test_pipeline_rate_discounts_groups_that_miss_the_window() -> None:
     insts = [SimInstance(f"f{i}", 32, 0.0, 2.0, lambda n: 0.005) for i in range(4)]
     insts += [SimInstance(f"s{i}", 32, 0.0, 2.0, lambda n: 0.02) for i in range(8)]
     sim = simulate(
-        insts, batch_groups=32, group_size=8, max_staleness=4, publish_every=1,
+        insts, groups_per_step=32, group_size=8, max_staleness=4, publish_every=1,
         train_step_s=256 / 100.0, mean_len=2048, max_len=4096, steps=30,
     )  # fmt: skip
     assert sim.groups_dropped_stale > 0
