@@ -18,7 +18,8 @@
 Rows are written and read through the same pydantic type: a writer that sets an unknown
 key fails at once (`extra="forbid"`), and readers use attributes, so a renamed field
 cannot silently turn into a missing value. Fields default so that a partial row (a run
-that died mid-write, or an older row) still reads.
+that died mid-write, or an older row) still reads; a field an older version wrote under
+another name (`RENAMED`) is read under its new one.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from areal_hex.config import ExperimentConfig
@@ -140,6 +141,15 @@ def versions_in(weights_dir: str | Path, complete_only: bool = False) -> list[in
 # ---------------------------------------------------------------- metric rows
 class _Row(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # old field name -> new, for rows an older version wrote (docs/observability.md)
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.RENAMED.keys() & data.keys():
+            return {cls.RENAMED.get(k, k): v for k, v in data.items()}
+        return data
 
     def to_line(self) -> str:
         return self.model_dump_json() + "\n"
@@ -147,6 +157,11 @@ class _Row(BaseModel):
 
 class TrainerRow(_Row):
     """One optimizer step (metrics.jsonl)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "dropped_stale_total": "groups_dropped_stale_total",
+        "staleness_hist": "version_lag_hist",
+    }
 
     step: int = 0
     version: int = 0
@@ -164,7 +179,7 @@ class TrainerRow(_Row):
     kl: float = 0.0
     grad_norm: float | None = None  # None when the engine does not report it
     lr: float = 0.0
-    staleness_hist: dict[str, int] = {}  # versions behind -> groups in this batch
+    version_lag_hist: dict[str, int] = {}  # versions behind -> groups in this batch
     # train-inference mismatch on tokens of the trained version: {"server"|"gpu_kind":
     # {name: {"abs_dlogp": mean |dlog p|, "k3": mean KL(infer || train), "tokens": n}}}
     mismatch: dict[str, dict[str, dict[str, float]]] = {}
@@ -184,7 +199,7 @@ class TrainerRow(_Row):
     checkpoint_s: float = 0.0
     # running totals since the run began (restored from checkpoints)
     groups_trained_total: int = 0
-    dropped_stale_total: int = 0
+    groups_dropped_stale_total: int = 0
     dead_letter_total: int = 0
     degenerate_groups_total: int = 0
     tokens_total: int = 0
@@ -192,6 +207,11 @@ class TrainerRow(_Row):
 
 class RolloutRow(_Row):
     """One metrics interval of the controller (rollout.jsonl); rates over the interval."""
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "weight_updates_total": "weight_syncs_total",
+        "weight_update_s_total": "weight_sync_s_total",
+    }
 
     time: float = 0.0
     elapsed_s: float = 0.0
@@ -213,8 +233,8 @@ class RolloutRow(_Row):
     requests_total: int = 0
     requests_retried_total: int = 0
     requests_aborted_total: int = 0
-    weight_updates_total: int = 0
-    weight_update_s_total: float = 0.0
+    weight_syncs_total: int = 0
+    weight_sync_s_total: float = 0.0
     gen_busy_s: float = 0.0  # seconds any server had work, since start
     servers_healthy: int = 0
     finish_reasons: dict[str, int] = {}

@@ -431,7 +431,7 @@ def simulate_solution(
         insts.append(SimInstance(node, rc.batch, rc.prefill_s, sync, step_fn))
     return simulate(
         insts,
-        batch_groups=w.groups_per_step,
+        groups_per_step=w.groups_per_step,
         group_size=w.group_size,
         max_staleness=w.max_staleness,
         publish_every=w.publish_every,

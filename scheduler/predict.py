@@ -249,7 +249,7 @@ def _synchronous(
         step += tr.sync_compute_s - tr.compute_s
     res = simulate(
         sim_insts,
-        batch_groups=w.groups_per_step,
+        groups_per_step=w.groups_per_step,
         group_size=w.group_size,
         max_staleness=0,
         publish_every=1,

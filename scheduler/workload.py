@@ -58,7 +58,7 @@ class CostConstants(Section):
     # costing the link's latency only.
     storage_on_links: bool = True
     # rollout.weight_sync=network: bytes sent per parameter (bf16 2; a CPU trainer's
-    # fp32 4), the bucket size (trainer.weight_sync_bucket_mb) and the fixed cost of one
+    # fp32 4), the bucket size (rollout.weight_sync_bucket_mb) and the fixed cost of one
     # bucket (its HTTP call to each server and the load between two decode steps), ms.
     weight_sync_bytes_per_param: float = Field(2.0, gt=0)
     weight_sync_bucket_mb: float = Field(512.0, gt=0)

@@ -187,7 +187,7 @@ class MemoryProducer:
         self.released = 0
         self.admitted = 0  # every admission ever made (the data position)
         self.given_back: Counter[str] = Counter()
-        self.dropped = 0  # groups the trainer dropped as stale (owed)
+        self.groups_dropped_stale = 0  # groups the trainer dropped as stale (owed)
         self.max_over: int = 0  # most groups ever admitted beyond the bound (must stay 0)
         self._changed = asyncio.Condition()
         self._updates: asyncio.Queue[VersionUpdate] = asyncio.Queue()
@@ -221,7 +221,9 @@ class MemoryProducer:
 
     async def position(self) -> ProducerPosition:
         held = self.submitted - len(self.groups)
-        return ProducerPosition(self.admitted, held, dict(self.given_back), self.dropped)
+        return ProducerPosition(
+            self.admitted, held, dict(self.given_back), self.groups_dropped_stale
+        )
 
     async def publish(self, version: int, path: str) -> None:
         """The trainer's side (`WeightPublisher.set_version`), for the tests to drive."""

@@ -52,7 +52,7 @@ class TrainerPaths:
 @dataclass
 class Totals:
     groups_trained_total: int = 0
-    dropped_stale_total: int = 0
+    groups_dropped_stale_total: int = 0
     dead_letter_total: int = 0
     degenerate_groups_total: int = 0
     tokens_total: int = 0
@@ -216,7 +216,7 @@ class Trainer:
         st.version = st.step
         tot = st.totals
         tot.groups_trained_total += len(batch.groups)
-        tot.dropped_stale_total += batch.dropped_stale
+        tot.groups_dropped_stale_total += batch.groups_dropped_stale
         tot.dead_letter_total += batch.dead_lettered
         tot.degenerate_groups_total += result.degenerate_groups
         tot.tokens_total += result.num_tokens
@@ -260,7 +260,7 @@ class Trainer:
         return Batch(
             entry_ids=[b.entry_ids[i] for i in order],
             groups=[b.groups[i] for i in order],
-            dropped_stale=b.dropped_stale,
+            groups_dropped_stale=b.groups_dropped_stale,
             dead_lettered=b.dead_lettered,
             version_lags=[b.version_lags[i] for i in order],
         )
@@ -286,7 +286,7 @@ class Trainer:
                         f"(trainer.batch_timeout_s): {exc}"
                     ) from None
                 continue  # what was read so far is kept by the consumer
-            out.dropped_stale += b.dropped_stale
+            out.groups_dropped_stale += b.groups_dropped_stale
             out.dead_lettered += b.dead_lettered
             stal = b.version_lags or [self.state.version - g.version for g in b.groups]
             for eid, g, s in zip(b.entry_ids, b.groups, stal, strict=True):
@@ -368,7 +368,7 @@ class Trainer:
             kl=r.sums["kl"] / tokens,
             grad_norm=r.grad_norm,
             lr=float(self.ctx.engine.get_lr()[0]),
-            staleness_hist=dict(hist),
+            version_lag_hist=dict(hist),
             mismatch=r.extra.get("mismatch", {}),
             max_version_lag=max(batch.version_lags, default=0),
             degenerate_groups=r.degenerate_groups,

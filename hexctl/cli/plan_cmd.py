@@ -151,7 +151,7 @@ def _plan(args: argparse.Namespace) -> int:
         doc = {"plan_path": str(out), "plan": res.plan.model_dump(mode="json")}
         if res.sim is not None:
             doc["simulated"] = res.sim.__dict__ | {
-                "staleness_hist": {str(k): v for k, v in res.sim.staleness_hist.items()}
+                "version_lag_hist": {str(k): v for k, v in res.sim.version_lag_hist.items()}
             }
         doc["homogeneous"] = res.homogeneous
         if tried is not None:

@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from areal_hex.device_kind import device_kind
 from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.profile import DeviceRates, Profile
 
@@ -33,20 +34,6 @@ def _device(choice: str) -> str:
 
         raise UsageError("--device cuda: no CUDA device is visible here")
     return choice
-
-
-def device_kind(device: str) -> str:
-    import torch
-
-    if device == "cpu":
-        return "CPU"
-    name = torch.cuda.get_device_name(0).upper()
-    for k in ("H200", "H100", "H800", "H20", "A100", "L40S", "L4", "A10", "4090"):
-        if k in name:
-            return {"A100": "A100-80GB" if "80" in name else "A100-40GB", "4090": "RTX4090"}.get(
-                k, k
-            )
-    return name
 
 
 def _timed(fn, device: str, repeats: int) -> float:

@@ -201,6 +201,6 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
             "max_running_requests": cfg.inference.max_running_requests,
             # a CPU trainer publishes fp32
             "weight_sync_bytes_per_param": 4.0 if cfg.trainer.device == "cpu" else 2.0,
-            "weight_sync_bucket_mb": cfg.trainer.weight_sync_bucket_mb,
+            "weight_sync_bucket_mb": cfg.rollout.weight_sync_bucket_mb,
         },
     }

@@ -174,8 +174,8 @@ class WeightSync:
         self.pause_mode: PauseMode = "abort"
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
-        self.updates_total = 0
-        self.update_s_total = 0.0
+        self.syncs_total = 0
+        self.sync_s_total = 0.0
         self._lock = asyncio.Lock()
 
     async def start(self, update_pause: UpdatePause) -> None:
@@ -283,8 +283,8 @@ class WeightSync:
             self.gate.reopen(version)
             self.producer.set_serving_version(version)
         dt = time.monotonic() - t0
-        self.updates_total += 1
-        self.update_s_total += dt
+        self.syncs_total += 1
+        self.sync_s_total += dt
         log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
 
     async def _receive(

@@ -116,7 +116,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
         assert m["max_version_lag"] <= ETA
-        assert all(int(lag) <= ETA for lag in m["staleness_hist"])
+        assert all(int(lag) <= ETA for lag in m["version_lag_hist"])
     versions = [m["version"] for m in metrics]
     assert versions == sorted(versions) and versions[-1] > versions[0]
     assert (run_dir / "weights" / f"v{versions[-1]}" / "config.json").is_file()
@@ -136,7 +136,7 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert full["max_version_lag"] <= ETA
     assert full["restarts"]["inference-0"] == 1  # the killed server was restarted
     assert full["samples_per_s"] > 0
-    for name in ("reward", "staleness", "throughput", "timeline", "fidelity"):
+    for name in ("reward", "version_lag", "throughput", "timeline", "fidelity"):
         assert (run_dir / "report" / f"{name}.png").stat().st_size > 1000
     # run.profile_first: this machine measured first, the run held against the prediction
     fid = full["fidelity"]

@@ -254,7 +254,7 @@ def test_a_plan_runs_across_the_box_with_weights_over_the_links(tmp_path: Path) 
         # the weights crossed the links: every version reached the server through the
         # weight-update group, and none was written as a file for it to load
         rows = [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
-        assert rows[-1]["weight_updates_total"] == RUN_STEPS
+        assert rows[-1]["weight_syncs_total"] == RUN_STEPS
         assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v0"]
         # each service ran inside its planned node
         logs = run_dir / "logs"

@@ -300,5 +300,5 @@ def test_a_short_run_syncs_over_the_network(tmp_path: Path) -> None:
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v0"]  # nothing on disk
     last = json.loads((run / "rollout.jsonl").read_text().splitlines()[-1])
-    assert last["weight_updates_total"] == steps and last["servers_healthy"] == 1
+    assert last["weight_syncs_total"] == steps and last["servers_healthy"] == 1
     assert "weight update (" not in (run / "logs" / "controller.log").read_text()  # no failure

@@ -128,7 +128,7 @@ async def test_weight_update_interrupts_and_resumes(rewards, tmp_path: Path) -> 
     await producer.publish(1, "/weights/v1")
     final = await run
     assert [s.updates for s in servers] == [[("/weights/v1", 1)]] * 2
-    assert final["version"] == 1 and final["weight_updates_total"] == 1
+    assert final["version"] == 1 and final["weight_syncs_total"] == 1
     assert final["requests_aborted_total"] == 6
     for g in producer.groups:
         assert g.version == 0
@@ -199,7 +199,7 @@ async def test_groups_the_trainer_drops_are_owed_until_its_last_version(
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)
     assert not run.done() and len(producer.groups) == 4  # at its target, waiting
-    producer.dropped = 3
+    producer.groups_dropped_stale = 3
     while len(producer.groups) < 7:
         await asyncio.sleep(0.02)
     await producer.publish(1, str(tmp_path / "v1"))
@@ -338,7 +338,7 @@ async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_pat
         await asyncio.sleep(0.01)
     final = await run
     assert server.updates == [("/w/v1", 1), ("/w/v3", 3)]
-    assert final["version"] == 3 and final["weight_updates_total"] == 2
+    assert final["version"] == 3 and final["weight_syncs_total"] == 2
 
 
 @pytest.mark.timeout(60)
@@ -410,7 +410,7 @@ async def test_stopping_waits_for_a_weight_update_under_way() -> None:
     assert not server.running.is_set()
     assert await ws.settle(5.0)
     # what the controller's stop waits for: loaded, counted, the server running again
-    assert ws.updates_total == 1 and server.version == 1 and server.running.is_set()
+    assert ws.syncs_total == 1 and server.version == 1 and server.running.is_set()
     await task
 
 

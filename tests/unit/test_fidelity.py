@@ -30,8 +30,8 @@ def rows() -> tuple[list[TrainerRow], list[RolloutRow]]:
             time=100 + t,
             samples_total=20 * t,
             gen_busy_s=0.8 * t,
-            weight_updates_total=t,
-            weight_update_s_total=0.1 * t,
+            weight_syncs_total=t,
+            weight_sync_s_total=0.1 * t,
         )  # fmt: skip
         for t in range(0, 6)
     ]

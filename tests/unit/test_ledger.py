@@ -23,7 +23,7 @@ def counters(**kw: int) -> dict[str, int]:
     base = {
         "admitted": 0,
         "acked": 0,
-        "dropped_stale": 0,
+        "groups_dropped_stale": 0,
         "dead_count": 0,
         "in_flight": 0,
         "in_stream": 0,
@@ -41,7 +41,7 @@ def test_a_trainer_crash_after_its_commit_counts_each_group_once() -> None:
     c = counters(
         admitted=40 + 6 + 5 + 3 + 2 + 4 + 1 + 7,
         acked=38,
-        dropped_stale=2,
+        groups_dropped_stale=2,
         in_stream=2 + 6 + 5,
         committed_in_stream=2,
         in_flight=3,

@@ -49,12 +49,15 @@ def test_config_refuses_what_does_nothing(tmp_path: Path) -> None:
     cfg = load_config(None, ["rollout.weight_sync=network", f"trainer.replay_path={tmp_path}"])
     with pytest.raises(ConfigError, match="needs the buffer"):
         check_run(cfg)
-    cfg = load_config(None, ["trainer.weight_sync_port=29500"])  # disk is the default
-    with pytest.raises(ConfigError, match="trainer.weight_sync_port .* only applies"):
+    cfg = load_config(None, ["rollout.weight_sync_port=29500"])  # disk is the default
+    with pytest.raises(ConfigError, match="rollout.weight_sync_port .* only applies"):
         check_run(cfg)
     with pytest.raises(ConfigError, match="weight_sync"):
         load_config(None, ["rollout.weight_sync=ftp"])
-    check_run(load_config(None, ["rollout.weight_sync=network", "trainer.weight_sync_port=1"]))
+    check_run(load_config(None, ["rollout.weight_sync=network", "rollout.weight_sync_port=1"]))
+    for key in ("address=h", "port=1", "ifname=eth0", "bucket_mb=64", "timeout_s=9"):
+        with pytest.raises(ConfigError, match=f"is now 'rollout.weight_sync_{key.split('=')[0]}'"):
+            load_config(None, [f"trainer.weight_sync_{key}"])
     assert weight_sync_backend(load_config(None, [])) == "gloo"
     gpu = ["trainer.device=cuda", "inference.device=cuda"]
     assert weight_sync_backend(load_config(None, gpu)) == "nccl"

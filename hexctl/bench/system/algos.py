@@ -56,7 +56,7 @@ def _one(config: str, overrides: list[str], run_id: str, out: str, eval_n: int |
         "held_out_pass@1": held_out["pass@1"],
         "held_out_problems": held_out["problems"],
         "samples_per_s": s.get("samples_per_s"),
-        "dropped_stale": s.get("groups_dropped_stale"),
+        "groups_dropped_stale": s.get("groups_dropped_stale"),
         "final_reward": s.get("final_reward"),
         "max_version_lag": s.get("max_version_lag"),
     }

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from hexctl.profile.bare import device_kind
+    from areal_hex.device_kind import device_kind
     from scheduler.catalogue import CATALOGUE
 
     kind = device_kind("cuda")
