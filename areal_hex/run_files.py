@@ -1,6 +1,7 @@
 """A run directory: every path in it (`RunPaths`) and the typed rows of its metric files.
 
     runs/<run_id>/
+      launch.lock          held (flock) by the launcher serving the run; holds its pid
       config.yaml          resolved config every service reads
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
@@ -61,6 +62,10 @@ class RunPaths:
     def of(cls, cfg: ExperimentConfig) -> RunPaths:
         """The run directory of a config whose `run.run_id` is set."""
         return cls.at(cfg.run.run_dir(), cfg.inference.weights_dir, cfg.trainer.checkpoint_dir)
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "launch.lock"
 
     @property
     def config(self) -> Path:
