@@ -125,6 +125,22 @@ class RunPaths:
         return versions_in(self.weights_dir)
 
 
+def remove_stale_tmp(weights_dir: str | Path) -> list[Path]:
+    """Remove the `.v<N>.tmp-<pid>` folders of publications whose writer is gone (a
+    process killed mid-write leaves one; a live writer's is kept). Returns those removed."""
+    import os
+    import shutil
+
+    removed = []
+    for p in sorted(Path(weights_dir).glob(".v*.tmp-*")):
+        pid = p.name.rsplit("-", 1)[1]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists() and int(pid) != os.getpid():
+            continue  # still being written
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
 def version_dir(weights_dir: str | Path, version: int) -> Path:
     """The one rule for where version N's weights live: `<weights_dir>/v<N>`."""
     return Path(weights_dir) / f"v{int(version)}"

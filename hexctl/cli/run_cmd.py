@@ -119,6 +119,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     from hexctl.cli import UsageError
     from hexctl.job.prepare import prepare_run
     from hexctl.job.processes import sigterm_as_ctrl_c
+    from hexctl.launch.disk import DiskFull, disk_full_message, is_disk_full
     from hexctl.launch.run import execute, failure_message
 
     if existed:
@@ -137,14 +138,21 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     run_dir = cfg.run.run_dir()
     verb = "resuming" if existed else "starting"
     _say(f"{verb} {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})")
-    result = execute(
-        cfg,
-        config_path,
-        plan,
-        progress=not args.no_progress,
-        timeout_s=args.timeout,
-        profile_dir=Path(args.profile) if args.profile else None,
-    )
+    try:
+        result = execute(
+            cfg,
+            config_path,
+            plan,
+            progress=not args.no_progress,
+            timeout_s=args.timeout,
+            profile_dir=Path(args.profile) if args.profile else None,
+        )
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        _say(f"error: {exc if isinstance(exc, DiskFull) else disk_full_message(run_dir)}")
+        _say(f"continue with: areal-hex run --resume {run_dir}")
+        return 1
     if result.outcome.status == "interrupted":
         _say(f"interrupted; all processes stopped (continue with --resume {run_dir})")
         return 130
