@@ -39,6 +39,7 @@ from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_lay
 from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
 from hexctl.launch.stall import Stalled, StallWatch
+from hexctl.launch.storage import aof_damage, aof_refused, say_before_start, valkey_dir
 from hexctl.launch.supervisor import OnExit, Outcome, ProcessSpec, Supervisor, tail_lines
 
 
@@ -341,7 +342,9 @@ def execute(
     paths = RunPaths.of(cfg)
     for stale in remove_stale_tmp(paths.weights_dir):
         stream.write(f"removed {stale}: the unfinished publication of a process now gone\n")
+    say_before_start(cfg, lambda text: print(text, file=stream, flush=True))
     disk = DiskWatch(run_dir, paths.weights_dir, paths.checkpoint_dir)
+    aof = valkey_dir(cfg)
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
@@ -356,9 +359,16 @@ def execute(
             if isinstance(exc, KeyboardInterrupt):
                 end_attempt(attempt)
                 return RunResult(run_dir, Outcome("interrupted"))
+            refused = aof_refused(aof) if aof is not None else None
+            if refused is not None:
+                end_attempt(attempt)
+                raise refused from None
             why = str(exc) if isinstance(exc, LaunchError) else _disk_text(run_dir, exc)
             return RunResult(run_dir, Outcome("failed", None, None, why + end_attempt(attempt)))
         attempt.t_ready = time.time()
+        if aof is not None and (cut := aof_damage(aof)) is not None:
+            print(f"areal-hex run: {cut}", file=stream, flush=True)
+            sup.events.append((time.time(), "redis", f"damaged storage: {cut}"))
         servers = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
         urls = dict(zip(servers, cfg.inference.urls(), strict=False))
         hung = HungServers(sup, urls, cfg.run.hung_after_s)

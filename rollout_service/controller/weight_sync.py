@@ -40,7 +40,9 @@ The sequence, across processes:
    sample that spans an update has mixed versions and the group's version is its oldest.
 7. recover: a server that failed during any step is marked unhealthy and left out; when
    the dispatcher's probe finds it healthy again, `WeightSync.recover` reloads the
-   current weights on it (disk; unless it already reports them) and resumes it. Over
+   current weights on it (disk; unless it already reports them; weights damaged on
+   disk since: the newest complete version there instead) and resumes it. A version
+   that no server could load is not the current one for recovery. Over
    the network a server that failed is out of its group: it resumes with the weights it
    has (its tokens carry their version) until the trainer, whose broadcast failed with
    it, forms the next group (a new `group_name` in the next manifest) and every server
@@ -53,11 +55,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from areal_hex.api import GenerationClient, PauseMode, TrajectoryProducer
 from areal_hex.config.rollout import UpdatePause
-from areal_hex.run_files import version_dir
+from areal_hex.run_files import version_dir, versions_in
 from areal_hex.weight_net import GroupSpec, Manifest
 from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
 
@@ -261,6 +264,7 @@ class WeightSync:
         self.gate.close()
         try:
             servers = [s for s in self.dispatcher.servers if s.healthy]
+            tried = 0
             # retract / in_place: the servers keep the requests in flight (their KV
             # cache recomputed / kept); abort (SGLang's default call): they end and
             # the sampler resends them.
@@ -270,6 +274,7 @@ class WeightSync:
             if self.network is not None:
                 servers = await self._receive(servers, version, abort_all=not keep)
             else:
+                tried = len(servers)
                 servers = await self._phase(
                     servers,
                     "update",
@@ -278,7 +283,9 @@ class WeightSync:
                     ),
                 )
             await self._phase(servers, "continue", lambda s: s.client.resume())
-            self.applied = (version, path)
+            if servers or not tried:
+                # recovery reloads it; a version no server could load is not retried there
+                self.applied = (version, path)
         finally:
             self.gate.reopen(version)
             self.producer.set_serving_version(version)
@@ -369,5 +376,38 @@ class WeightSync:
                 version, path = self.applied
                 # Skip the reload when a transient error did not cost the server its weights.
                 if await server.client.weight_version() != version:
-                    await server.client.update_weights_from_disk(path, version)
+                    await self._reload(server, version, path)
             await server.client.resume()
+
+    async def _reload(self, server: ServerState, version: int, path: str) -> None:
+        """Load `path` on a recovered server; weights damaged or removed on disk since
+        they were published (no config.json there: a crash during their removal, or a
+        storage fault) are named, and the newest complete version on disk is loaded
+        instead, until the trainer publishes the next one — never the same failure in a
+        loop."""
+        try:
+            await server.client.update_weights_from_disk(path, version)
+            return
+        except SERVER_ERRORS:
+            fallback = self._newest_complete(below=version)
+            if fallback is None or (Path(path) / "config.json").is_file():
+                raise
+        older, older_path = fallback
+        log.error(
+            "weights v%d at %s are incomplete on disk (no config.json); %s loads v%d, the "
+            "newest complete version there, until the next version is published",
+            version,
+            path,
+            server.client.base_url,
+            older,
+        )
+        await server.client.update_weights_from_disk(older_path, older)
+        self.applied = (older, older_path)
+
+    def _newest_complete(self, below: int) -> tuple[int, str] | None:
+        """(version, path) of the newest complete version under `weights_dir` older than
+        `below`, if the controller sees that directory."""
+        if not self.weights_dir or not Path(self.weights_dir).is_dir():
+            return None
+        found = [v for v in versions_in(self.weights_dir, complete_only=True) if v < below]
+        return (found[-1], str(version_dir(self.weights_dir, found[-1]))) if found else None
