@@ -71,18 +71,26 @@ def aof_refused(valkey_dir: Path) -> DamagedStorage | None:
     )
 
 
-def weights_missing(checkpoint_dir: Path, weights_dir: Path) -> list[str]:
-    """`step<N> -> v<V>` for the complete checkpoints whose weights version has no
-    config.json on disk (v0 and a run with network weight sync aside: see the caller)."""
-    out = []
-    for marker in sorted(checkpoint_dir.glob("step*/COMPLETE")):
-        try:
-            version = int(json.loads(marker.read_text()).get("version", -1))
-        except (OSError, ValueError, json.JSONDecodeError):
-            continue
-        if version > 0 and not (weights_dir / f"v{version}" / "config.json").is_file():
-            out.append(f"{marker.parent.name} -> {weights_dir / f'v{version}'}")
-    return out
+def weights_missing(checkpoint_dir: Path, weights_dir: Path) -> str | None:
+    """`step<N> -> <weights_dir>/v<V>` when the newest complete checkpoint (the one a
+    resume takes) refers to a weights version with no config.json on disk; older ones
+    lose theirs to `trainer.keep_versions` as a matter of course."""
+
+    def step_of(marker: Path) -> int:
+        digits = marker.parent.name.removeprefix("step")
+        return int(digits) if digits.isdigit() else -1
+
+    markers = sorted(checkpoint_dir.glob("step*/COMPLETE"), key=step_of)
+    if not markers or step_of(markers[-1]) < 0:
+        return None
+    try:
+        version = int(json.loads(markers[-1].read_text()).get("version", -1))
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None  # unreadable: the trainer's verification names it and sets it aside
+    target = weights_dir / f"v{version}"
+    if version > 0 and not (target / "config.json").is_file():
+        return f"{markers[-1].parent.name} -> {target}"
+    return None
 
 
 def say_before_start(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:
@@ -93,8 +101,8 @@ def say_before_start(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:
     gone = weights_missing(paths.checkpoint_dir, paths.weights_dir)
     if gone:
         say(
-            f"checkpoints whose weights are gone from disk: {', '.join(gone)}; the trainer "
-            "writes the version of the checkpoint it resumes from again"
+            f"the newest checkpoint's weights are gone from disk ({gone}: missing, or "
+            "without config.json); the trainer writes them again from the checkpoint"
         )
 
 

@@ -60,13 +60,14 @@ def test_an_append_only_file_damaged_inside_is_refused_by_name(tmp_path: Path) -
     assert f"cannot load the append-only file in {tmp_path / 'appendonlydir'}" in str(refused)
 
 
-def test_checkpoints_whose_weights_are_gone_are_named(tmp_path: Path) -> None:
-    for step, version in ((20, 20), (40, 40), (0, 0)):
+def test_the_newest_checkpoints_weights_gone_are_named(tmp_path: Path) -> None:
+    for step in (0, 20, 40, 100):
         d = tmp_path / "checkpoints" / f"step{step}"
         d.mkdir(parents=True)
-        (d / "COMPLETE").write_text(json.dumps({"step": step, "version": version}))
-    (tmp_path / "weights" / "v40").mkdir(parents=True)  # removal cut short: no config
-    (tmp_path / "weights" / "v20").mkdir(parents=True)
-    (tmp_path / "weights" / "v20" / "config.json").write_text("{}")
+        (d / "COMPLETE").write_text(json.dumps({"step": step, "version": step}))
+    (tmp_path / "weights" / "v100").mkdir(parents=True)  # removal cut short: no config
     gone = weights_missing(tmp_path / "checkpoints", tmp_path / "weights")
-    assert gone == [f"step40 -> {tmp_path / 'weights' / 'v40'}"]
+    assert gone == f"step100 -> {tmp_path / 'weights' / 'v100'}"
+    (tmp_path / "weights" / "v100" / "config.json").write_text("{}")
+    # step 40's weights went with trainer.keep_versions: not damage
+    assert weights_missing(tmp_path / "checkpoints", tmp_path / "weights") is None
