@@ -176,6 +176,8 @@ class WeightSync:
         self.joined: dict[str, str] = {}  # server URL -> weight group it is a member of
         self.pause_mode: PauseMode = "abort"
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
+        self.serving = 0  # the version every healthy server holds, as told to the gate
+        self._catching_up: set[asyncio.Task[None]] = set()
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
         self.updates_total = 0
         self.update_s_total = 0.0
@@ -186,7 +188,14 @@ class WeightSync:
         self.pause_mode = await resolve_pause_mode(
             update_pause, [s.client for s in self.dispatcher.servers]
         )
-        self.producer.set_serving_version(self.gate.version)
+        self._serve(self.gate.version)
+
+    def _serve(self, version: int) -> None:
+        """Tell the gate the servers' version: groups are admitted against the older of
+        it and the published one, so servers behind hold the gate instead of making
+        groups the trainer would drop as stale."""
+        self.serving = version
+        self.producer.set_serving_version(version)
 
     async def follow(self) -> None:
         """(2) Follow version notifications; reload to the newest one. Versions published
@@ -242,7 +251,7 @@ class WeightSync:
             path = str(version_dir(self.weights_dir, version))
         if not path and self.network is None:
             log.warning("version %d has no weights path; not reloading", version)
-            self.producer.set_serving_version(version)
+            self._serve(version)
             return
         async with self._lock:
             # Cancelled between the pause and the resume, the servers would stay paused
@@ -264,7 +273,7 @@ class WeightSync:
         self.gate.close()
         try:
             servers = [s for s in self.dispatcher.servers if s.healthy]
-            tried = 0
+            tried = len(servers)
             # retract / in_place: the servers keep the requests in flight (their KV
             # cache recomputed / kept); abort (SGLang's default call): they end and
             # the sampler resends them.
@@ -274,7 +283,6 @@ class WeightSync:
             if self.network is not None:
                 servers = await self._receive(servers, version, abort_all=not keep)
             else:
-                tried = len(servers)
                 servers = await self._phase(
                     servers,
                     "update",
@@ -283,12 +291,17 @@ class WeightSync:
                     ),
                 )
             await self._phase(servers, "continue", lambda s: s.client.resume())
-            if servers or not tried:
-                # recovery reloads it; a version no server could load is not retried there
+            # no server healthy: from disk, recovery loads it on each; over the network
+            # nobody has it. Every server failing it: nobody has it, and recovery does
+            # not retry it.
+            loaded = bool(servers) or (not tried and self.network is None)
+            if loaded:
                 self.applied = (version, path)
         finally:
             self.gate.reopen(version)
-            self.producer.set_serving_version(version)
+        # not loaded anywhere (over the network: every broadcast failed): the servers keep
+        # the version they had, and so does the gate, until it is sent again
+        self._serve(version if loaded else self.serving)
         dt = time.monotonic() - t0
         self.updates_total += 1
         self.update_s_total += dt
@@ -371,13 +384,39 @@ class WeightSync:
         async with self._lock:
             if self.network is not None:
                 # out of its group (see (7)): it joins the next one the trainer forms
-                self.joined.pop(server.client.base_url, None)
+                left = self.joined.pop(server.client.base_url, None)
+                held = await server.client.weight_version()
+                if held is not None and held < self.serving:
+                    log.warning(
+                        "%s restarted with weights v%d, not v%d: the gate holds until the "
+                        "trainer sends a version again",
+                        server.client.base_url,
+                        held,
+                        self.serving,
+                    )
+                    self._serve(held)
+                    await self._catch_up(left)
             elif self.applied is not None:
                 version, path = self.applied
                 # Skip the reload when a transient error did not cost the server its weights.
                 if await server.client.weight_version() != version:
                     await self._reload(server, version, path)
             await server.client.resume()
+
+    async def _catch_up(self, left: str | None) -> None:
+        """A version the trainer sent again while a server was down waits, in a group of
+        its own, for every server to join: once the recovered server is healthy, the
+        current version is loaded again (the server joins that group). Not when the
+        current version's group is the one the server just left (the trainer then sends
+        the next version, or this one again, over a new group)."""
+        assert self.network is not None
+        manifest = await self.network.read(self.gate.version)
+        if manifest is None or manifest.group.group_name == left:
+            return
+        version = self.gate.version
+        task = asyncio.get_running_loop().create_task(self.update(version, ""))
+        self._catching_up.add(task)
+        task.add_done_callback(self._catching_up.discard)
 
     async def _reload(self, server: ServerState, version: int, path: str) -> None:
         """Load `path` on a recovered server; weights damaged or removed on disk since
