@@ -21,6 +21,7 @@ every attempt and `summary.json` holds the ledger over all of them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -39,7 +40,13 @@ from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_lay
 from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
 from hexctl.launch.stall import Stalled, StallWatch
-from hexctl.launch.storage import aof_damage, aof_refused, say_before_start, valkey_dir
+from hexctl.launch.storage import (
+    aof_damage,
+    aof_refused,
+    forget_weight_groups,
+    say_before_start,
+    valkey_dir,
+)
 from hexctl.launch.supervisor import OnExit, Outcome, ProcessSpec, Supervisor, tail_lines
 
 
@@ -277,6 +284,9 @@ def start_services(
     for spec in by_role.get("redis", []):
         sup.start(spec)
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
+    if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
+        with contextlib.closing(client):
+            forget_weight_groups(client, str(cfg.run.run_id))
     servers = by_role.get("inference", [])
     for spec in servers:
         sup.start(spec)

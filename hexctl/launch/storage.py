@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.errors import UsageError
@@ -109,3 +110,12 @@ def say_before_start(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:
 def valkey_dir(cfg: ExperimentConfig) -> Path | None:
     """The embedded Valkey's data directory (None: an external Redis)."""
     return Path(cfg.redis.data_dir) if cfg.run.embedded_redis and cfg.redis.data_dir else None
+
+
+def forget_weight_groups(client: Any, run_id: str) -> int:
+    """Network weight sync, before any trainer or controller starts: the manifests left
+    in the buffer name weight groups of trainers now gone, which a controller would
+    have its servers join and wait in until the timeout; removed (the trainer leaves a
+    new one for the version it resumes at). Returns how many."""
+    keys = list(client.scan_iter(match=f"{run_id}:weights_manifest:*", count=1000))
+    return int(client.delete(*keys)) if keys else 0

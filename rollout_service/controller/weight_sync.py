@@ -84,11 +84,16 @@ class NetworkSource:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
 
-    async def manifest(self, version: int) -> Manifest | None:
+    async def manifest(
+        self, version: int, superseded: Callable[[], bool] = lambda: False
+    ) -> Manifest | None:
+        """N's manifest, waiting for it up to `timeout_s`, or None once `superseded()`
+        (a newer version was announced: a trainer that died before leaving N's manifest,
+        or whose manifests the launcher cleared, never will)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             m = await self.read(version)
-            if m is not None or time.monotonic() >= deadline:
+            if m is not None or time.monotonic() >= deadline or superseded():
                 return m
             await asyncio.sleep(self.poll_s)
 
@@ -178,6 +183,8 @@ class WeightSync:
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
         self.serving = 0  # the version every healthy server holds, as told to the gate
         self._catching_up: set[asyncio.Task[None]] = set()
+        self._newer: Callable[[], bool] = lambda: False  # a newer version is pending
+        self.received: tuple[int, str] | None = None  # (version, group) last broadcast
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
         self.updates_total = 0
         self.update_s_total = 0.0
@@ -202,6 +209,7 @@ class WeightSync:
         while a reload runs are coalesced: only the latest is loaded next."""
         latest: list[tuple[int, int, str]] = []  # at most one pending (lineage, version, path)
         wake = asyncio.Event()
+        self._newer = lambda: bool(latest)
 
         async def apply() -> None:
             # A server that fails a step is handled inside `update` (unhealthy, reloaded
@@ -312,11 +320,15 @@ class WeightSync:
     ) -> list[ServerState]:
         """(4, network) Join N's group where needed, then every bucket on every server."""
         assert self.network is not None
-        manifest = await self.network.manifest(version)
+        manifest = await self.network.manifest(version, self._newer)
         if manifest is None:
             log.warning("version %d: no weights manifest arrived; not loading it", version)
             return servers
         group = manifest.group
+        if self.received == (version, group.group_name):
+            # announced again (a restore) with nothing new sent: waiting for a broadcast
+            # that will not come would hold the servers until the timeout
+            return servers
         members = [s for s in servers if self.joined.get(s.client.base_url) == group.group_name]
         if group.group_name not in self.joined.values():
             # a new group forms only with every rank: all servers join together
@@ -340,6 +352,8 @@ class WeightSync:
                     b, group.group_name, v, abort_all_requests=abort_all
                 ),
             )
+        if members:
+            self.received = (version, group.group_name)
         # every server that did not fail goes on, in the group or not
         return [s for s in servers if s.healthy]
 

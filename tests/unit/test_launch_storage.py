@@ -13,7 +13,13 @@ import pytest
 import redis
 
 from areal_hex.buffer.embedded import EmbeddedServerError, EmbeddedValkey
-from hexctl.launch.storage import DamagedStorage, aof_damage, aof_refused, weights_missing
+from hexctl.launch.storage import (
+    DamagedStorage,
+    aof_damage,
+    aof_refused,
+    forget_weight_groups,
+    weights_missing,
+)
 
 
 def _written_then_killed(data_dir: Path) -> tuple[int, Path]:
@@ -71,3 +77,20 @@ def test_the_newest_checkpoints_weights_gone_are_named(tmp_path: Path) -> None:
     (tmp_path / "weights" / "v100" / "config.json").write_text("{}")
     # step 40's weights went with trainer.keep_versions: not damage
     assert weights_missing(tmp_path / "checkpoints", tmp_path / "weights") is None
+
+
+@pytest.mark.timeout(60)
+def test_the_manifests_of_gone_trainers_are_forgotten(tmp_path: Path) -> None:
+    v = EmbeddedValkey(data_dir=str(tmp_path), die_with_parent=False).start()
+    try:
+        client = redis.Redis.from_url(v.url)
+        for version in (17, 18):
+            client.set(f"run1:weights_manifest:{version}", "{}")
+        client.set("run2:weights_manifest:18", "{}")
+        client.set("run1:version", "18")
+        assert forget_weight_groups(client, "run1") == 2
+        assert sorted(client.keys("*")) == [b"run1:version", b"run2:weights_manifest:18"]
+        assert forget_weight_groups(client, "run1") == 0
+        client.close()
+    finally:
+        v.stop()

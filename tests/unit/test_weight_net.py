@@ -254,3 +254,29 @@ async def test_a_version_sent_again_while_the_server_was_down_reaches_it_on_reco
         await asyncio.sleep(0.02)
     assert server.version == 2 and server.groups == {"areal-hex-weights-1": 1}
     assert producer.serving == 2
+
+
+async def test_a_stale_version_is_given_up_for_a_newer_and_never_received_twice() -> None:
+    """The manifest of a version whose trainer died (cleared by the launcher) is not
+    waited for once a newer version is announced; the same version announced again
+    with the group it was already received over is not waited for either."""
+    server = FakeServer("s0")
+    published = {3: manifest(3)}
+
+    async def read(v: int) -> Manifest | None:
+        return published.get(v)
+
+    newer = [False]
+    source = NetworkSource(read, timeout_s=30, poll_s=0.01)
+    t0 = asyncio.get_running_loop().time()
+    task = asyncio.ensure_future(source.manifest(2, lambda: newer[0]))
+    await asyncio.sleep(0.1)
+    newer[0] = True
+    assert await task is None and asyncio.get_running_loop().time() - t0 < 5
+    d = Dispatcher([server], probe_interval_s=60)
+    await d.wait_healthy(5)
+    sync = WeightSync(d, MemoryProducer(), UpdateGate(), None, source)
+    await sync.start("abort")
+    await sync.update(3, "")
+    await sync.update(3, "")  # a restore announced v3 again: nothing new to receive
+    assert len(server.buckets) == 3 and server.version == 3
