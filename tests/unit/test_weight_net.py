@@ -172,11 +172,10 @@ def test_cost_model_charges_the_mode_over_the_link(tmp_path: Path) -> None:
     assert weight_sync_s(cl, m, net, "a", "a") < weight_sync_s(cl, m, net, "a", "b") / 20
 
 
-async def test_a_restarted_server_holds_the_gate_until_a_version_is_sent_again() -> None:
-    """Network sync, one server killed while v2 was broadcast: the gate keeps v1 (the
-    servers did not get v2), the restarted server (back at v0) lowers it to v0, so no
-    group is made for weights the trainer would drop; the trainer's redelivery of v2
-    (a new group, a new lineage) brings it back and the gate follows."""
+async def _one_server_at_v1() -> tuple[
+    FakeServer, dict[int, Manifest], Dispatcher, MemoryProducer, WeightSync
+]:
+    """One server, recovered through the WeightSync, at v1 over the network."""
     server = FakeServer("s0")
     published = {1: manifest(1), 2: manifest(2)}
 
@@ -190,6 +189,15 @@ async def test_a_restarted_server_holds_the_gate_until_a_version_is_sent_again()
     d.on_recover = sync.recover
     await sync.start("abort")
     await sync.update(1, "")
+    return server, published, d, producer, sync
+
+
+async def test_a_restarted_server_holds_the_gate_until_a_version_is_sent_again() -> None:
+    """Network sync, one server killed while v2 was broadcast: the gate keeps v1 (the
+    servers did not get v2), the restarted server (back at v0) lowers it to v0, so no
+    group is made for weights the trainer would drop; the trainer's redelivery of v2
+    (a new group, a new lineage) brings it back and the gate follows."""
+    server, published, d, producer, sync = await _one_server_at_v1()
     assert producer.serving == 1 and sync.serving == 1
     server.down = True  # killed during v2's broadcast
     await sync.update(2, "")
@@ -227,19 +235,7 @@ async def test_a_version_sent_again_while_the_server_was_down_reaches_it_on_reco
     """The trainer sent v2 again (a new group) while the only server was down: nobody
     took it then; once the server is back, the controller has it join that group and
     load v2 at once, instead of waiting for a version that needs groups to be made."""
-    server = FakeServer("s0")
-    published = {1: manifest(1), 2: manifest(2)}
-
-    async def read(v: int) -> Manifest | None:
-        return published.get(v)
-
-    d = Dispatcher([server], probe_interval_s=60)
-    await d.wait_healthy(5)
-    producer = MemoryProducer()
-    sync = WeightSync(d, producer, UpdateGate(), None, NetworkSource(read, timeout_s=1))
-    d.on_recover = sync.recover
-    await sync.start("abort")
-    await sync.update(1, "")
+    server, published, d, producer, sync = await _one_server_at_v1()
     server.down = True
     await sync.update(2, "")  # the broadcast fails: the server is gone
     published[2] = manifest(2, epoch=1)
