@@ -216,12 +216,16 @@ class Trainer:
         if self.cfg.zero_stage == 3:
             return
         assert pub is not None
+        pub.wait()  # a publication under way may deliver it yet
+        if not self.redelivery.due(sink, time.monotonic()):
+            return
         tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
         if tensors is None:
             return
         v = self.state.version
         why = "not delivered" if sink.undelivered is not None else "no group for long"
         print(f"trainer: sending weights v{v} again over the network ({why})", flush=True)
+        sink.regroup()  # never the group the servers may hold it from already
         pub.publish_now(v, tensors, via=self.consumer.restore)
         self.redelivery.sent(time.monotonic())
 

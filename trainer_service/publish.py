@@ -174,8 +174,7 @@ class NetworkSink:
         except RuntimeError as exc:  # a server left or never joined (c10d's errors)
             self.failures += 1
             self.undelivered = version
-            self.close()
-            self.epoch += 1
+            self.regroup()
             log.warning(
                 "weights v%d not delivered over the network (%s); it is sent again, or the "
                 "next version, over group %s",
@@ -186,6 +185,11 @@ class NetworkSink:
             return
         self.undelivered = None
         self.last_sync_s = time.perf_counter() - t0
+
+    def regroup(self) -> None:
+        """Leave the group: the next version (or this one again) forms a new one."""
+        self.close()
+        self.epoch += 1
 
     def close(self) -> None:
         if self._group is not None:
@@ -361,8 +365,7 @@ def broadcast_versions(
     try:
         while (version := go.get()) is not None:
             if version == "regroup":
-                sink.close()
-                sink.epoch += 1
+                sink.regroup()
                 continue
             sink.publish(version, tensors, lambda v, p: None)
             out.put(("sent", sink.last_sync_s, sink.failures))
