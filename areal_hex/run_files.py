@@ -1,6 +1,7 @@
 """A run directory: every path in it (`RunPaths`) and the typed rows of its metric files.
 
     runs/<run_id>/
+      launch.lock          held (flock) by the launcher serving the run; holds its pid
       config.yaml          resolved config every service reads
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
@@ -64,6 +65,10 @@ class RunPaths:
         return cls.at(cfg.run.run_dir(), cfg.inference.weights_dir, cfg.trainer.checkpoint_dir)
 
     @property
+    def lock(self) -> Path:
+        return self.root / "launch.lock"
+
+    @property
     def config(self) -> Path:
         return self.root / "config.yaml"
 
@@ -119,6 +124,22 @@ class RunPaths:
 
     def versions_on_disk(self) -> list[int]:
         return versions_in(self.weights_dir)
+
+
+def remove_stale_tmp(weights_dir: str | Path) -> list[Path]:
+    """Remove the `.v<N>.tmp-<pid>` folders of publications whose writer is gone (a
+    process killed mid-write leaves one; a live writer's is kept). Returns those removed."""
+    import os
+    import shutil
+
+    removed = []
+    for p in sorted(Path(weights_dir).glob(".v*.tmp-*")):
+        pid = p.name.rsplit("-", 1)[1]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists() and int(pid) != os.getpid():
+            continue  # still being written
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
 
 
 def version_dir(weights_dir: str | Path, version: int) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from areal_hex.api import (
@@ -53,6 +54,8 @@ class FakeServer:
         self.aborted: set[str] = set()
         self.groups: dict[str, int] = {}  # weight-update groups joined: name -> rank
         self.buckets: list[tuple[str, list[str]]] = []  # (group, tensor names) received
+        # load from disk as the real server does: a directory without config.json fails
+        self.reads_disk = False
 
     def _check_up(self) -> None:
         if self.down:
@@ -121,6 +124,8 @@ class FakeServer:
         self, model_path: str, weight_version: int, abort_all_requests: bool = True
     ) -> None:
         self._check_up()
+        if self.reads_disk and not (Path(model_path) / "config.json").is_file():
+            raise ServerDown(f"model_path {model_path!r}: no config.json in {model_path}")
         self.updates.append((model_path, weight_version))
         await asyncio.sleep(0.05)
         self.version = weight_version

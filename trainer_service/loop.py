@@ -37,7 +37,7 @@ from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.trainer import TrainerConfig
 from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
-from trainer_service.publish import AsyncPublisher, NetworkSink, full_state_dict
+from trainer_service.publish import AsyncPublisher, NetworkSink, Redelivery, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
 
 
@@ -100,6 +100,7 @@ class Trainer:
             ctx.before_update = self.publisher.wait
         self._stop = threading.Event()
         self.committed_log = RunPaths.at(paths.run_dir).committed
+        self.redelivery = Redelivery()
 
     def request_stop(self) -> None:
         """Finish the step under way, checkpoint it and return from `run` (signal-safe)."""
@@ -190,11 +191,43 @@ class Trainer:
             tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
         if self.publisher is not None and tensors is not None and not network:
             self.publisher.publish_now(v, tensors, announce=False)
-        if self.rank == 0 and self.consumer is not None:
+        if self.rank == 0 and self.consumer is not None and not network:
             # also restores the gate's admission count
             self.consumer.restore(v, str(target.resolve()))
         if self.publisher is not None and tensors is not None and network:
-            self.publisher.publish_now(v, tensors)
+            # restored once the new manifest is left: the controller reads the new group,
+            # never the manifest of a trainer before this one
+            consumer = self.consumer
+            restore = None if consumer is None else consumer.restore
+            self.publisher.publish_now(v, tensors, via=restore)
+
+    def _maybe_redeliver(self) -> None:
+        """Rank 0, waiting for a batch with network weight sync: send the current version
+        again over a new group when it is due (`Redelivery`); the buffer's version is
+        restored to it once the new manifest is left (a new lineage), so that the
+        controller has every server join the new group and load it, the restarted ones
+        included. Under ZeRO-3 the
+        weights are gathered collectively, which rank 0 cannot do alone: not there."""
+        pub = self.publisher
+        sink = pub.network if pub is not None else None
+        now = time.monotonic()
+        if sink is None or self.consumer is None or not self.redelivery.due(sink, now):
+            return
+        if self.cfg.zero_stage == 3:
+            return
+        assert pub is not None
+        pub.wait()  # a publication under way may deliver it yet
+        if not self.redelivery.due(sink, time.monotonic()):
+            return
+        tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
+        if tensors is None:
+            return
+        v = self.state.version
+        why = "not delivered" if sink.undelivered is not None else "no group for long"
+        print(f"trainer: sending weights v{v} again over the network ({why})", flush=True)
+        sink.regroup()  # never the group the servers may hold it from already
+        pub.publish_now(v, tensors, via=self.consumer.restore)
+        self.redelivery.sent(time.monotonic())
 
     def _announce(self, version: int, path: str) -> None:
         if self.consumer is not None:
@@ -285,7 +318,10 @@ class Trainer:
                         f"trainer: no batch for step {self.state.step + 1} after {limit:g} s "
                         f"(trainer.batch_timeout_s): {exc}"
                     ) from None
+                self._maybe_redeliver()
                 continue  # what was read so far is kept by the consumer
+            if b.groups:
+                self.redelivery.group_arrived(time.monotonic())
             out.groups_dropped_stale += b.groups_dropped_stale
             out.dead_lettered += b.dead_lettered
             stal = b.version_lags or [self.state.version - g.version for g in b.groups]

@@ -225,6 +225,36 @@ async def test_recovered_server_gets_current_weights(rewards, tmp_path: Path) ->
 
 
 @pytest.mark.timeout(60)
+async def test_weights_gone_from_disk_fall_back_instead_of_a_recovery_loop(
+    rewards, tmp_path: Path
+) -> None:
+    """v4 was published and loaded, then lost its config.json (a removal cut short, a
+    storage fault): a server back from a crash loads v3, the newest complete version,
+    at the first probe; a version no server could load is not what recovery reloads."""
+    weights = tmp_path / "weights"
+    for v in (0, 3, 4):
+        (weights / f"v{v}").mkdir(parents=True)
+        (weights / f"v{v}" / "config.json").write_text("{}")
+    a = FakeServer("a")
+    a.reads_disk = True
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([a], producer, rewards, tmp_path, max_groups=3)
+    ctl.weights.weights_dir = str(weights)
+    await ctl.dispatcher.probe_all()
+    await ctl.update_weights(4, str(weights / "v4"))
+    (weights / "v4" / "config.json").unlink()
+    a.version = 0  # restarted with its initial weights
+    ctl.dispatcher.mark_unhealthy(ctl.dispatcher.servers[0], "crashed")
+    assert await ctl.dispatcher.probe_all() == 1  # recovered at once, no loop
+    assert a.updates[-1] == (str(weights / "v3"), 3) and a.version == 3
+    await ctl.update_weights(5, str(weights / "v5"))  # never written: fails everywhere
+    assert ctl.weights.applied == (3, str(weights / "v3"))
+    a.version = 0
+    ctl.dispatcher.mark_unhealthy(ctl.dispatcher.servers[0], "crashed")
+    assert await ctl.dispatcher.probe_all() == 1 and a.version == 3
+
+
+@pytest.mark.timeout(60)
 async def test_exhausted_retries_fail_group_and_release(rewards, tmp_path: Path) -> None:
     s = FakeServer("only")
     producer = MemoryProducer(groups_per_step=100)
