@@ -86,6 +86,16 @@ class ExperimentConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _policy_trains_after_critic_warmup(self) -> ExperimentConfig:
+        warm, total = self.algo.critic_warmup_steps, self.trainer.total_steps
+        if warm >= total and self.algo.advantage == "gae":
+            raise ValueError(
+                f"algo.critic_warmup_steps {warm} leaves no step of trainer.total_steps "
+                f"{total} to the policy: expected fewer warm-up steps than steps"
+            )
+        return self
+
 
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
