@@ -196,6 +196,8 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
         eps=a.std_eps,
     )
     if a.advantage == "gae":
+        if ctx.critic is None:
+            raise ValueError("algo.advantage gae needs the critic's engine (StepContext.critic)")
         t0 = time.perf_counter()
         scores = critic.sequence_scores(groups, items, shaping)
         cb = critic.estimate(ctx.critic, a, mbs, scores, prox, ref)
