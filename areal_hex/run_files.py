@@ -218,6 +218,14 @@ class TrainerRow(_Row):
     publish_s: float = 0.0
     publish_wait_s: float = 0.0  # waiting for the previous weight write
     checkpoint_s: float = 0.0
+    # the critic (algo.advantage gae; None without one): mean value loss, fraction of
+    # tokens whose value was clipped, mean value and return at the step start, and the
+    # explained variance 1 - Var(R - V) / Var(R) of those values
+    value_loss: float | None = None
+    value_clip_frac: float | None = None
+    value_mean: float | None = None
+    return_mean: float | None = None
+    explained_var: float | None = None
     # running totals since the run began (restored from checkpoints)
     groups_trained_total: int = 0
     groups_dropped_stale_total: int = 0

@@ -191,7 +191,7 @@ class Shaping:
     eps: float = 1e-6
 
 
-def _shaped_rewards(
+def shaped_rewards(
     groups: Sequence[GroupRecord],
     items: Sequence[SeqItem],
     reward_penalty: np.ndarray | None,
@@ -233,7 +233,7 @@ def sequence_advantages(
     from areal_hex.algorithms import batch_normalize, grpo_advantages
 
     shaping = shaping or Shaping()
-    rewards = _shaped_rewards(groups, items, reward_penalty, shaping)
+    rewards = shaped_rewards(groups, items, reward_penalty, shaping)
     per_group: list[np.ndarray] = []
     informative: list[np.ndarray] = []
     degenerate = 0

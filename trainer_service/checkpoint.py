@@ -155,8 +155,17 @@ def choose_resume(resume: str, root: str | Path, say: Any = print) -> Path | Non
     return None
 
 
-def save(engine: Any, root: str | Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Collective: every rank writes its shard and RNG; rank 0 then commits the marker."""
+def save(
+    engine: Any,
+    root: str | Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Collective: every rank writes its shard and RNG; rank 0 then commits the marker.
+    `extra` engines (e.g. the critic) are saved inside the checkpoint, each under its
+    name, and covered by the same marker."""
     import torch
     import torch.distributed as dist
 
@@ -167,6 +176,8 @@ def save(engine: Any, root: str | Path, step: int, state: dict[str, Any], keep: 
         shutil.rmtree(path)  # a stale incomplete attempt at the same step
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
+    for name, other in (extra or {}).items():
+        other.save_checkpoint(str(path), tag=name, client_state={}, save_latest=False)
     torch.save(_rng_state(), path / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -197,9 +208,9 @@ def _collect(root: str | Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(engine: Any, path: str | Path) -> dict[str, Any]:
-    """Restore engine, optimizer and LR schedule from `path` (verified by rank 0 before);
-    returns the trainer state."""
+def load(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restore engine, optimizer and LR schedule from `path` (verified by rank 0 before),
+    and those of the `extra` engines saved with it; returns the trainer state."""
     import torch
     import torch.distributed as dist
 
@@ -211,6 +222,14 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
     )
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {p}")
+    for name, other in (extra or {}).items():
+        if not (p / name).is_dir():
+            raise RuntimeError(f"{p} holds no {name} (saved by a run without one)")
+        got, _ = other.load_checkpoint(
+            str(p), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if got is None:
+            raise RuntimeError(f"DeepSpeed could not load the {name} in {p}")
     rng = p / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -37,6 +37,7 @@ from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.trainer import TrainerConfig
 from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
+from trainer_service.critic import CHECKPOINT_TAG as CRITIC_TAG
 from trainer_service.publish import AsyncPublisher, NetworkSink, Redelivery, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
 
@@ -132,7 +133,7 @@ class Trainer:
                     checkpoint.rollback(self.committed_log, 0)  # every commit was lost
                 self._republish()
             return
-        saved = checkpoint.load(self.ctx.engine, path)
+        saved = checkpoint.load(self.ctx.engine, path, self._extra_engines())
         self.state.step, self.state.version = saved["step"], saved["version"]
         self.state.totals = Totals(**saved["totals"])
         if self.rank == 0:
@@ -146,6 +147,12 @@ class Trainer:
             if position is not None:
                 self.consumer.seek(position)
         self._republish()
+
+    def _extra_engines(self) -> dict[str, Any]:
+        """Engines checkpointed beside the policy's: the critic's, with GAE."""
+        if self.ctx.critic is None:
+            return {}
+        return {CRITIC_TAG: self.ctx.critic}
 
     def _versions_lost(self) -> bool:
         """No checkpoint, yet the buffer is past version 0: a trainer before this one
@@ -242,6 +249,7 @@ class Trainer:
             return None
         t1 = time.perf_counter()
         self.ctx.version = self.state.version
+        self.ctx.step = self.state.step
         result = optimize(self.ctx, batch.groups)
         t2 = time.perf_counter()
         st = self.state
@@ -366,7 +374,12 @@ class Trainer:
         if self.consumer is not None and self.consumer.position() is not None:
             saved["data_position"] = self.consumer.position()
         checkpoint.save(
-            self.ctx.engine, self.paths.checkpoint_dir, st.step, saved, self.cfg.keep_checkpoints
+            self.ctx.engine,
+            self.paths.checkpoint_dir,
+            st.step,
+            saved,
+            self.cfg.keep_checkpoints,
+            self._extra_engines(),
         )
         if self.consumer is not None:
             checkpoint.record_committed(self.committed_log, st.step, st.unacked)
@@ -416,5 +429,6 @@ class Trainer:
             compute_s=compute_s,
             own_tokens_per_s=r.extra.get("own_tokens_per_s", 0.0),
             publish_s=publish_s,
+            **r.extra.get("critic", {}),
             **self.state.totals.__dict__,
         )

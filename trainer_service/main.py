@@ -110,6 +110,11 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
     device = "cpu" if t.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     model = load_model(paths.model_dir, "cpu", "float32").train()
     engine = build_engine(model, t, world, cfg.algo.ppo_minibatches)
+    value_engine = None
+    if cfg.algo.advantage == "gae":
+        from trainer_service.critic import build_critic
+
+        value_engine = build_critic(paths.model_dir, t, cfg.algo, world)
     ref = None
     if cfg.algo.kl_coef > 0:
         dtype = "float32" if t.device == "cpu" else "bfloat16"
@@ -132,6 +137,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         balance_measured=t.balance_measured,
         slowdown=t.emulate_slowdown.get(rank, 1.0),
         lockstep=t.zero_stage >= 2,
+        critic=value_engine,
     )
     if ctx.speeds is not None and len(ctx.speeds) != world:
         raise UsageError(

@@ -19,6 +19,7 @@ import numpy as np
 from areal_hex.algorithms import GlobalCounts, kl_estimate, mismatch_sums, policy_loss
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.record import GroupRecord
+from trainer_service import critic
 from trainer_service.batching import (
     MicroBatch,
     Shaping,
@@ -83,6 +84,8 @@ class StepContext:
     # micro-batches as the busiest one. ZeRO-0/1 reduce only in `engine.step()`, so there
     # each rank runs just its own share and a faster rank never waits mid-step.
     lockstep: bool = True
+    critic: Any | None = None  # the critic's DeepSpeed engine (algo.advantage gae)
+    step: int = 0  # trainer steps done before this one (set by the loop; critic warm-up)
 
 
 def _slowed(ctx: StepContext, t0: float) -> None:
@@ -173,6 +176,7 @@ class _Minibatch:
     degenerate: int
     all_adv: np.ndarray
     forward_s: float = 0.0  # the no-grad passes: this rank's compute, no collective in it
+    critic: critic.CriticBatch | None = None  # GAE: values, returns, token advantages
 
 
 def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
@@ -184,9 +188,6 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
     t0 = time.perf_counter()
     prox, ref = _reference_pass(ctx, mbs)
     forward_s = time.perf_counter() - t0
-    penalty = None
-    if a.kl_coef > 0 and a.kl_in_reward:
-        penalty = _kl_penalty(ctx, mbs, prox, ref, len(items))
     shaping = Shaping(
         overlong_max=ctx.max_new_tokens,
         overlong_buffer=a.overlong_buffer,
@@ -194,6 +195,19 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
         batch_normalize=a.batch_normalize,
         eps=a.std_eps,
     )
+    if a.advantage == "gae":
+        if ctx.critic is None:
+            raise ValueError("algo.advantage gae needs the critic's engine (StepContext.critic)")
+        t0 = time.perf_counter()
+        scores = critic.sequence_scores(groups, items, shaping)
+        cb = critic.estimate(ctx.critic, a, mbs, scores, prox, ref)
+        forward_s += time.perf_counter() - t0
+        flat = sum(bool(np.all(g.rewards == g.rewards[0])) for g in groups)
+        adv = torch.zeros(len(items) + 1, device=ctx.device)  # token advantages in `cb`
+        return _Minibatch(mbs, items, counts, prox, ref, adv, flat, np.zeros(0), forward_s, cb)
+    penalty = None
+    if a.kl_coef > 0 and a.kl_in_reward:
+        penalty = _kl_penalty(ctx, mbs, prox, ref, len(items))
     seq_adv, degenerate, all_adv = sequence_advantages(
         groups, items, a.advantage, a.std_normalize, a.std_eps, penalty, shaping
     )
@@ -258,12 +272,15 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
     `sums` and returns the largest behaviour weight seen."""
     a = ctx.algo
     w_max = 0.0
-    for mb, p, r in zip(mb_set.mbs, mb_set.prox, mb_set.ref, strict=True):
+    for i, (mb, p, r) in enumerate(zip(mb_set.mbs, mb_set.prox, mb_set.ref, strict=True)):
         t0 = time.perf_counter()
         logp, ent = token_logprobs(
             ctx.engine, mb, with_entropy=True, entropy_grad=a.entropy_coeff > 0
         )
-        adv = mb_set.adv[mb.seq_index].view(-1, 1)  # index -1 (dummy rows) -> the final 0
+        if mb_set.critic is not None:  # GAE: (B, L - 1) token advantages
+            adv = mb_set.critic.advantages[i]
+        else:  # (B, 1) sequence advantages; index -1 (dummy rows) -> the final 0
+            adv = mb_set.adv[mb.seq_index].view(-1, 1)
         behav = mb.behav_logp
         loss, terms = policy_loss(
             a,
@@ -303,20 +320,33 @@ def split_groups(groups: Sequence[GroupRecord], k: int) -> list[list[GroupRecord
 
 def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     """One trainer step: recompute the proximal log-probs of the whole batch with the
-    current weights, then one optimizer update per minibatch (`algo.ppo_minibatches`),
-    each accumulating gradients over its micro-batches. Collective: every rank calls it.
-    The reported loss is the mean over minibatches."""
+    current weights (and the critic's values, with GAE), then one optimizer update per
+    minibatch (`algo.ppo_minibatches`), each accumulating gradients over its
+    micro-batches; with a critic, one critic update per minibatch too, and no policy
+    update during `algo.critic_warmup_steps`. Collective: every rank calls it. The
+    reported losses are means over minibatches."""
     prepared = [_prepare(ctx, g) for g in split_groups(groups, ctx.algo.ppo_minibatches)]
+    if ctx.critic is not None:
+        _whiten(ctx, prepared)
     mismatch = train_inference_mismatch(ctx, prepared)
     sums = dict.fromkeys(_SUM_KEYS, 0.0)
+    critic_sums: dict[str, float] = {}
+    train_policy = ctx.critic is None or ctx.step >= ctx.algo.critic_warmup_steps
     w_max, fence_s, busy_s = 0.0, 0.0, 0.0
     for i, mb_set in enumerate(prepared):
         t0 = time.perf_counter()
-        w_max = max(w_max, _accumulate(ctx, mb_set, sums))
+        if train_policy:
+            w_max = max(w_max, _accumulate(ctx, mb_set, sums))
+        if mb_set.critic is not None:
+            got = critic.update(
+                ctx.critic, ctx.algo, mb_set.mbs, mb_set.critic, mb_set.counts, ctx.world
+            )
+            critic_sums = {k: critic_sums.get(k, 0.0) + v for k, v in got.items()}
         busy_s += time.perf_counter() - t0
-        if i == 0 and ctx.before_update is not None:
+        if i == 0 and ctx.before_update is not None and train_policy:
             fence_s = ctx.before_update()
-        ctx.engine.step()
+        if train_policy:
+            ctx.engine.step()
     # this rank's speed: its no-grad forward passes where the step makes them (a backward
     # may wait for the other ranks' gradients), else forward + backward
     forward_s = sum(p.forward_s for p in prepared)
@@ -325,7 +355,17 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     sums["loss"] /= len(prepared)
     reduced = _all_reduce([sums[k] for k in _SUM_KEYS], "sum", ctx.device)
     (w_max,) = _all_reduce([w_max], "max", ctx.device)
-    norm = ctx.engine.get_global_grad_norm()
+    norm = ctx.engine.get_global_grad_norm() if train_policy else None
+    extra: dict[str, Any] = {
+        "publish_fence_s": fence_s,
+        "mismatch": mismatch,
+        "rank_speeds": speeds,
+        "own_tokens_per_s": own / max(forward_s + busy_s, 1e-9),
+    }
+    if critic_sums:
+        keys = sorted(critic_sums)
+        total = _all_reduce([critic_sums[k] for k in keys], "sum", ctx.device)
+        extra["critic"] = critic.summary(dict(zip(keys, total, strict=True)), len(prepared))
     return StepResult(
         sums=dict(zip(_SUM_KEYS, reduced, strict=True)),
         maxima={"behav_w_max": w_max},
@@ -334,13 +374,28 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         degenerate_groups=sum(p.degenerate for p in prepared),
         advantages=np.concatenate([p.all_adv for p in prepared]),
         grad_norm=float(norm) if norm is not None else None,
-        extra={
-            "publish_fence_s": fence_s,
-            "mismatch": mismatch,
-            "rank_speeds": speeds,
-            "own_tokens_per_s": own / max(forward_s + busy_s, 1e-9),
-        },
+        extra=extra,
     )
+
+
+def _whiten(ctx: StepContext, prepared: Sequence[_Minibatch]) -> None:
+    """GAE: whiten the token advantages with the whole step's moments (all minibatches,
+    all ranks), when `algo.whiten_advantages`; then each minibatch's per-sequence mean
+    advantage, gathered from every rank, for the step's statistics."""
+    from areal_hex.gae import Moments
+
+    batches = [p.critic for p in prepared if p.critic is not None]
+    if ctx.algo.whiten_advantages:
+        local = sum((cb.moments for cb in batches), Moments())
+        n, s, q = _all_reduce([local.count, local.total, local.squares], "sum", ctx.device)
+        critic.whiten_all(batches, [p.mbs for p in prepared], Moments(n, s, q))
+    for p in prepared:
+        assert p.critic is not None
+        local_means = critic.sequence_means(p.critic, p.mbs, len(p.items))
+        p.all_adv = np.asarray(
+            _all_reduce(local_means.tolist(), "sum", ctx.device) if p.items else local_means,
+            dtype=np.float32,
+        )
 
 
 def rebalance(ctx: StepContext, tokens: int, busy_s: float) -> list[float] | None:

@@ -96,6 +96,16 @@ class ExperimentConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _policy_trains_after_critic_warmup(self) -> ExperimentConfig:
+        warm, total = self.algo.critic_warmup_steps, self.trainer.total_steps
+        if warm >= total and self.algo.advantage == "gae":
+            raise ValueError(
+                f"algo.critic_warmup_steps {warm} leaves no step of trainer.total_steps "
+                f"{total} to the policy: expected fewer warm-up steps than steps"
+            )
+        return self
+
 
 # What `run.mode: sync` means, whatever else the config or a plan says: the gate admits
 # a batch only after the trainer published the version it trains (η = 0), and it

@@ -1,4 +1,4 @@
-"""GRPO advantages, the decoupled PPO objective, KL."""
+"""Advantages (GRPO family, or GAE with a critic), the decoupled PPO objective, KL."""
 
 from __future__ import annotations
 
@@ -8,10 +8,29 @@ from pydantic import Field, field_validator, model_validator
 
 from areal_hex.config.base import Section
 
+# The settings of the critic and GAE, meaningful only with advantage gae.
+CRITIC_KEYS = frozenset(
+    {"gamma", "lam", "whiten_advantages", "value_clip", "critic_lr", "critic_warmup_steps"}
+)
+
 
 class AlgoConfig(Section):
     # "loo" with std_normalize is GRPO scaled by G/(G-1); "rloo" is never std-normalised.
-    advantage: Literal["grpo", "loo", "rloo", "drgrpo"] = "grpo"
+    # "gae": PPO with a critic (a value model trained beside the policy), token-level
+    # advantages by GAE; the keys below it apply to it alone.
+    advantage: Literal["grpo", "loo", "rloo", "drgrpo", "gae"] = "grpo"
+    # GAE: discount and lambda (1 and 1: the outcome reward minus the critic's value).
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    # GAE: whiten the token advantages over the step (mean 0, variance 1).
+    whiten_advantages: bool = True
+    # The critic's new values stay within value_clip of the values it predicted at the
+    # step start before the error stops shrinking (PPO's value clip; null: no clip).
+    value_clip: float | None = Field(0.5, gt=0)
+    # The critic's optimizer: its learning rate (null: trainer.lr) and the first steps
+    # that train the critic alone (the policy is not updated during them).
+    critic_lr: float | None = Field(None, gt=0)
+    critic_warmup_steps: int = Field(0, ge=0)
     std_normalize: bool = True
     # Normalise advantages again over the whole batch (informative groups only).
     batch_normalize: bool = False
@@ -68,6 +87,37 @@ class AlgoConfig(Section):
             raise ValueError(
                 "dual_clip has no effect with objective cispo (its loss -A·w·log π never "
                 "exceeds -A·c for A < 0): set dual_clip to null, or use objective ppo or gspo"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_keys_need_gae(self) -> AlgoConfig:
+        # a key at its default says nothing (a saved, resolved config holds them all)
+        fields = type(self).model_fields
+        changed = {k for k in fields if getattr(self, k) != fields[k].default}
+        if self.advantage != "gae":
+            used = sorted(CRITIC_KEYS & changed)
+            if used:
+                raise ValueError(
+                    f"{', '.join(used)} {'applies' if len(used) == 1 else 'apply'} to "
+                    f"advantage gae only (advantage is {self.advantage!r}): remove "
+                    f"{'it' if len(used) == 1 else 'them'}, or set advantage: gae"
+                )
+            return self
+        if self.batch_normalize:
+            raise ValueError(
+                "batch_normalize does not apply to advantage gae: its token advantages are "
+                "whitened over the step by whiten_advantages"
+            )
+        if "std_normalize" in changed:
+            raise ValueError(
+                "std_normalize does not apply to advantage gae (it scales group baselines): "
+                "remove it; whiten_advantages normalises GAE's advantages"
+            )
+        if self.denominator == "informative":
+            raise ValueError(
+                "denominator informative counts groups whose rewards differ, but with "
+                "advantage gae every completion has an advantage: use denominator all"
             )
         return self
 

@@ -225,6 +225,11 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     t = cfg.trainer
     model = load_model(job.model_dir, dev.device, "float32" if dev.device == "cpu" else "bfloat16")
     engine = build_engine(model.train(), t, world_size=1)
+    critic = None  # PPO's step: the critic's passes and update are part of its cost
+    if cfg.algo.advantage == "gae":
+        from trainer_service.critic import build_critic
+
+        critic = build_critic(job.model_dir, t, cfg.algo, world=1)
     ctx = StepContext(
         engine,
         cfg.algo,
@@ -235,6 +240,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         world=1,
         device=dev.device,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        critic=critic,
     )
     vocab = model.config.vocab_size
     # answers spread around the measured mean, capped by max_new_tokens, the mean kept:

@@ -1,0 +1,123 @@
+"""PPO's critic on real DeepSpeed (CPU, gloo, one rank in this process): the value loss
+falls on a fixed batch, the warm-up leaves the policy alone, and a checkpoint restores
+the critic with the policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig, TrainerConfig
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from areal_hex.models import materialize
+    from trainer_service.engine import init_single_rank
+    from trainer_service.synthetic import synthetic_groups
+
+    init_single_rank("cpu")
+    d = tmp_path_factory.mktemp("critic")
+    model_dir = materialize(ModelConfig(tiny=TinyModelConfig(num_layers=1), seed=4), d / "m")
+    groups = synthetic_groups(4, 4, 64, seed=7, temperature=1.0)
+    return {"dir": d, "model": model_dir, "groups": groups}
+
+
+def _engines(model_dir: Path, algo: AlgoConfig) -> tuple[Any, Any]:
+    from areal_hex.models import load_model
+    from trainer_service.critic import build_critic
+    from trainer_service.engine import build_engine
+
+    torch.manual_seed(0)
+    t = TrainerConfig(lr=1e-3, micro_batch_tokens=4096)
+    actor = build_engine(load_model(model_dir).train(), t, world_size=1)
+    return actor, build_critic(model_dir, t, algo, world=1)
+
+
+def _ctx(actor: Any, critic: Any, algo: AlgoConfig, step: int = 0, budget: int = 4096) -> Any:
+    from trainer_service.step import StepContext
+
+    return StepContext(actor, algo, budget, 16, 0, rank=0, world=1, critic=critic, step=step)
+
+
+def _params(engine: Any) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+
+
+def test_value_loss_falls_and_warmup_leaves_the_policy(setup: dict[str, Any]) -> None:
+    from trainer_service.step import optimize
+
+    algo = AlgoConfig(advantage="gae", gamma=1.0, lam=0.95, critic_lr=3e-3, critic_warmup_steps=3)
+    actor, critic = _engines(setup["model"], algo)
+    before_actor, before_critic = _params(actor), _params(critic)
+    losses, evs = [], []
+    for step in range(6):  # the same batch: the critic fits its returns
+        res = optimize(_ctx(actor, critic, algo, step=step), setup["groups"])
+        stats = res.extra["critic"]
+        losses.append(stats["value_loss"])
+        evs.append(stats["explained_var"])
+        if step == 2:  # the last warm-up step: the policy has not moved, the critic has
+            assert torch.equal(_params(actor), before_actor)
+            assert not torch.equal(_params(critic), before_critic)
+            assert res.grad_norm is None and res.sums["loss"] == 0.0
+    assert not torch.equal(_params(actor), before_actor)  # trained after the warm-up
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert evs[-1] is not None and evs[-1] > evs[0], evs
+    assert res.sums["loss"] != 0.0 and res.advantages.shape == (res.num_sequences,)
+
+
+def test_token_advantages_do_not_depend_on_micro_batches(setup: dict[str, Any]) -> None:
+    from trainer_service.step import _prepare, _whiten
+
+    algo = AlgoConfig(advantage="gae", gamma=0.99, lam=0.9)
+    actor, critic = _engines(setup["model"], algo)
+    per_budget = []
+    for budget in (4096, 40):
+        prepared = [_prepare(_ctx(actor, critic, algo, budget=budget), setup["groups"])]
+        _whiten(_ctx(actor, critic, algo, budget=budget), prepared)
+        p = prepared[0]
+        assert p.critic is not None
+        by_seq: dict[int, torch.Tensor] = {}
+        for adv, mb in zip(p.critic.advantages, p.mbs, strict=True):
+            for row, idx in enumerate(mb.seq_index.tolist()):
+                by_seq[idx] = adv[row][mb.loss_mask[row] > 0]
+        per_budget.append((len(p.mbs), by_seq, p.all_adv))
+    (n_whole, whole, seq_whole), (n_micro, micro, seq_micro) = per_budget
+    assert n_whole == 1 and n_micro >= 4
+    for idx, adv in whole.items():
+        torch.testing.assert_close(micro[idx], adv, atol=1e-5, rtol=1e-5)
+    allv = torch.cat(list(whole.values()))
+    assert abs(float(allv.mean())) < 1e-5 and float(allv.std()) == pytest.approx(1.0, abs=1e-4)
+    assert seq_micro == pytest.approx(seq_whole, abs=1e-5)
+
+
+def test_checkpoint_restores_the_critic(setup: dict[str, Any]) -> None:
+    from trainer_service import checkpoint
+    from trainer_service.critic import CHECKPOINT_TAG
+    from trainer_service.step import optimize
+
+    algo = AlgoConfig(advantage="gae", critic_lr=3e-3)
+    actor, critic = _engines(setup["model"], algo)
+    optimize(_ctx(actor, critic, algo), setup["groups"])
+    saved_critic, saved_actor = _params(critic), _params(actor)
+    root = setup["dir"] / "ckpt"
+    path = checkpoint.save(actor, root, 1, {"step": 1}, keep=2, extra={CHECKPOINT_TAG: critic})
+    assert (path / CHECKPOINT_TAG).is_dir()
+    checkpoint.verify(path)  # the critic's files are in the manifest
+    optimize(_ctx(actor, critic, algo, step=1), setup["groups"])
+    assert not torch.equal(_params(critic), saved_critic)
+    state = checkpoint.load(actor, path, extra={CHECKPOINT_TAG: critic})
+    assert state["step"] == 1
+    assert torch.equal(_params(critic), saved_critic)
+    assert torch.equal(_params(actor), saved_actor)
+    # the same next step from the restored state gives the same critic
+    optimize(_ctx(actor, critic, algo, step=1), setup["groups"])
+    again = _params(critic)
+    checkpoint.load(actor, path, extra={CHECKPOINT_TAG: critic})
+    optimize(_ctx(actor, critic, algo, step=1), setup["groups"])
+    torch.testing.assert_close(_params(critic), again)
+    with pytest.raises(RuntimeError, match="holds no"):
+        checkpoint.load(actor, path, extra={"other": critic})
