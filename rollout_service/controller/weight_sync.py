@@ -409,6 +409,7 @@ class WeightSync:
                         self.serving,
                     )
                     self._serve(held)
+                if held is not None and held < self.gate.version:
                     await self._catch_up(left)
             elif self.applied is not None:
                 version, path = self.applied
@@ -418,8 +419,8 @@ class WeightSync:
             await server.client.resume()
 
     async def _catch_up(self, left: str | None) -> None:
-        """A version the trainer sent again while a server was down waits, in a group of
-        its own, for every server to join: once the recovered server is healthy, the
+        """A version announced (or sent again) while a server was down waits, in a group
+        of its own, for every server to join: once the recovered server is healthy, the
         current version is loaded again (the server joins that group). Not when the
         current version's group is the one the server just left (the trainer then sends
         the next version, or this one again, over a new group)."""
