@@ -2,7 +2,7 @@
 
 `DiskWatch.check()` runs on each tick of the launcher: when the filesystem of the run
 directory has less free space than the run still needs to write its next checkpoint and
-weights version (the newest of each on disk, twice over, plus a margin for logs, the
+weights version (the size of the newest of each on disk, plus a margin for logs, the
 append-only file and the report), it raises `DiskFull`, whose message names the
 filesystem, the free space and the space needed; the launcher then stops the services
 while they can still write their last state and the report, and prints the resume hint.
@@ -85,13 +85,13 @@ class DiskWatch:
         self._last = 0.0
 
     def needed(self) -> int:
-        """Bytes the run needs free: its newest checkpoint and weights version twice
-        (one being written while the previous is kept), and the margin."""
+        """Bytes the run needs free: one more checkpoint and weights version the size of
+        its newest ones (written while those are kept), and the margin."""
         ckpt = _newest(self.checkpoint_dir, "step")
         weights = _newest(self.weights_dir, "v")
         if self._needed is None or self._sized_from != (ckpt, weights):
             sizes = [_du(p) for p in (ckpt, weights) if p is not None]
-            self._needed = 2 * sum(sizes) + MARGIN
+            self._needed = sum(sizes) + MARGIN
             self._sized_from = (ckpt, weights)
         return self._needed
 

@@ -183,6 +183,7 @@ class WeightSync:
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
         self.serving = 0  # the version every healthy server holds, as told to the gate
         self._catching_up: set[asyncio.Task[None]] = set()
+        self._caught_up: set[tuple[int, str, str]] = set()  # (version, group, server)
         self._newer: Callable[[], bool] = lambda: False  # a newer version is pending
         self.received: tuple[int, str] | None = None  # (version, group) last broadcast
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
@@ -409,7 +410,8 @@ class WeightSync:
                         self.serving,
                     )
                     self._serve(held)
-                    await self._catch_up(left)
+                if held is not None and held < self.gate.version:
+                    await self._catch_up(server.client.base_url, left)
             elif self.applied is not None:
                 version, path = self.applied
                 # Skip the reload when a transient error did not cost the server its weights.
@@ -417,17 +419,21 @@ class WeightSync:
                     await self._reload(server, version, path)
             await server.client.resume()
 
-    async def _catch_up(self, left: str | None) -> None:
-        """A version the trainer sent again while a server was down waits, in a group of
-        its own, for every server to join: once the recovered server is healthy, the
+    async def _catch_up(self, server_url: str, left: str | None) -> None:
+        """A version announced (or sent again) while a server was down waits, in a group
+        of its own, for every server to join: once the recovered server is healthy, the
         current version is loaded again (the server joins that group). Not when the
         current version's group is the one the server just left (the trainer then sends
         the next version, or this one again, over a new group)."""
         assert self.network is not None
-        manifest = await self.network.read(self.gate.version)
+        version = self.gate.version
+        manifest = await self.network.read(version)
         if manifest is None or manifest.group.group_name == left:
             return
-        version = self.gate.version
+        tried = (version, manifest.group.group_name, server_url)
+        if tried in self._caught_up:
+            return  # once per server and group: a join that fails again is not a loop
+        self._caught_up.add(tried)
         task = asyncio.get_running_loop().create_task(self.update(version, ""))
         self._catching_up.add(task)
         task.add_done_callback(self._catching_up.discard)

@@ -7,6 +7,7 @@ exactly the broadcast weights. Bad bodies are 400s naming what is wrong."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -24,7 +25,7 @@ from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_model, materialize
 from areal_hex.net import free_port
 from areal_hex.weight_net import Manifest
-from rollout_service.client import InferenceClient
+from rollout_service.client import GenerationError, InferenceClient
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 from rollout_service.server.main import ServerThread, build_server_app
@@ -147,6 +148,11 @@ async def test_weights_broadcast_then_generated_with(weights: Path) -> None:
                 assert dispatcher.servers[0].healthy
                 assert sync.joined == {url: seen[1].group.group_name}
                 assert seen[2].group == seen[1].group  # the group was reused
+                # a controller that lost track of the membership asks again: no error
+                await c.init_weights_update_group(seen[1].group, 1)
+                other = dataclasses.replace(seen[1].group, master_port=free_port())
+                with pytest.raises(GenerationError, match="already joined as rank 1 of"):
+                    await c.init_weights_update_group(other, 1)
         out = await asyncio.to_thread(results.get, True, 60)
         assert out["failures"] == 0
     finally:

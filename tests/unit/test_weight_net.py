@@ -179,8 +179,17 @@ async def _one_server_at_v1() -> tuple[
     FakeServer, dict[int, Manifest], Dispatcher, MemoryProducer, WeightSync
 ]:
     """One server, recovered through the WeightSync, at v1 over the network."""
-    server = FakeServer("s0")
     published = {1: manifest(1), 2: manifest(2)}
+    server, d, producer, sync = await _one_server(published)
+    await sync.update(1, "")
+    return server, published, d, producer, sync
+
+
+async def _one_server(
+    published: dict[int, Manifest],
+) -> tuple[FakeServer, Dispatcher, MemoryProducer, WeightSync]:
+    """One server at v0, recovered through the WeightSync; `published`: the manifests."""
+    server = FakeServer("s0")
 
     async def read(v: int) -> Manifest | None:
         return published.get(v)
@@ -191,8 +200,7 @@ async def _one_server_at_v1() -> tuple[
     sync = WeightSync(d, producer, UpdateGate(), None, NetworkSource(read, timeout_s=1))
     d.on_recover = sync.recover
     await sync.start("abort")
-    await sync.update(1, "")
-    return server, published, d, producer, sync
+    return server, d, producer, sync
 
 
 async def test_a_restarted_server_holds_the_gate_until_a_version_is_sent_again() -> None:
@@ -279,3 +287,19 @@ async def test_a_stale_version_is_given_up_for_a_newer_and_never_received_twice(
     await sync.update(3, "")
     await sync.update(3, "")  # a restore announced v3 again: nothing new to receive
     assert len(server.buckets) == 3 and server.version == 3
+
+
+async def test_a_server_down_when_a_new_group_was_announced_joins_it_when_back() -> None:
+    """The first group's version was announced while the only server was down (the
+    trainer waits in it for every rank): the server, back, joins it at once."""
+    server, d, producer, sync = await _one_server({1: manifest(1)})
+    server.down = True
+    await sync.update(1, "")
+    assert producer.serving == 0 and not server.groups
+    server.down = False
+    assert await d.probe_all() == 1
+    for _ in range(100):
+        if server.version == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert server.version == 1 and producer.serving == 1
