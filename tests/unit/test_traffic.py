@@ -193,3 +193,22 @@ def test_the_head_sits_outside_every_rack() -> None:
     bw, res = topo.path(head, "mem-1")
     assert bw == pytest.approx(6 * MBIT)
     assert {r for r, _ in res} == {("in", "mem-1"), ("down", "b")}
+
+
+def test_the_placed_plan_charges_the_same_send_and_read() -> None:
+    """The planner's pricing of a placement (`partition.evaluate`) takes the same
+    traffic as the run's prediction: the trainer's step no shorter than its send."""
+    from scheduler.costmodel import rollout_configs
+    from scheduler.partition import evaluate, first_fit
+    from scheduler.trainers import cost_trainer
+
+    net = W.model_copy(update={"weight_sync": "network"})
+    cl = _cluster(4, 4)
+    tr = cost_trainer(cl, TINY, net, (("fast", 1),), 1, None)
+    assert tr is not None
+    mem = next(r for r in rollout_configs(cl, TINY, net) if r.group == "mem")
+    pl = first_fit(cl, tr, [(mem, 2)])
+    assert [node for _, node, _ in pl.rollout] == ["mem-0", "mem-1"]
+    tc = traffic_on_topology(cl, TINY, net, "fast-0", ["mem-0", "mem-1"], [1.0, 1.0], 1.0)
+    assert evaluate(cl, TINY, net, tr, pl).train_step_s == pytest.approx(tc.broadcast_s)
+    assert evaluate(cl, TINY, W, tr, pl).train_step_s < tc.broadcast_s / 2

@@ -13,7 +13,8 @@ for the same steps from the same initial weights and each held against the cost 
   asynchronous speed-up is measured against).
 
 Per plan: predicted and measured pipeline samples/s (the same window and definitions as
-`bench fidelity`, `hexctl/report/fidelity.py`) and the error; the ratios a/b, a/c, a/d
+`bench fidelity`, `hexctl/report/fidelity.py`) and the error, and the planner's own figure
+for the plan with its error (`hetero_summary`, which sums the runs up); the ratios a/b, a/c, a/d
 measured beside predicted; the weight-sync pause measured against predicted for each
 plan, with the mode that moved the weights; and whether the measured ranking of a-d is
 the predicted one (`ranking_equal`), and whether every order the prediction states holds
