@@ -171,10 +171,18 @@ def rollout_config(
 
 
 def scaled(r: RolloutOption, factor: float) -> RolloutOption:
-    """`r` generating `factor` times as fast (what its links carry: scheduler/traffic.py)."""
+    """`r` generating `factor` times as fast (what its links carry: scheduler/traffic.py),
+    as if each decode step and prefill took 1/`factor` as long: the rate, and the groups'
+    latency the staleness window and the synchronous replay read."""
     if factor >= 1.0:
         return r
-    return replace(r, samples_per_s=r.samples_per_s * factor, tokens_per_s=r.tokens_per_s * factor)
+    return replace(
+        r,
+        samples_per_s=r.samples_per_s * factor,
+        tokens_per_s=r.tokens_per_s * factor,
+        step_s=r.step_s / factor,
+        prefill_s=r.prefill_s / factor,
+    )
 
 
 def kind_constants(k: CostConstants, kind: GpuKind) -> CostConstants:

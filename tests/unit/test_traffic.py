@@ -212,3 +212,27 @@ def test_the_placed_plan_charges_the_same_send_and_read() -> None:
     tc = traffic_on_topology(cl, TINY, net, "fast-0", ["mem-0", "mem-1"], [1.0, 1.0], 1.0)
     assert evaluate(cl, TINY, net, tr, pl).train_step_s == pytest.approx(tc.broadcast_s)
     assert evaluate(cl, TINY, W, tr, pl).train_step_s < tc.broadcast_s / 2
+
+
+def test_a_capped_instance_is_slower_in_both_modes() -> None:
+    """An instance its links cap generates as if its steps were longer: the asynchronous
+    rate and the synchronous replay both see it (weights kept off the links here)."""
+    local = W.constants.model_copy(update={"storage_on_links": False})
+    w = W.model_copy(update={"constants": local})
+
+    def both(up_b: float):
+        return predict_layout(
+            _cluster(1000, up_b),
+            TINY,
+            w,
+            None,
+            [("mem", 1), ("mem", 1)],
+            TrainerLayout((("fast", 1),), 1),
+            nodes=LayoutNodes("fast-0", ("mem-0", "mem-1")),
+        )
+
+    fat, thin = both(1000), both(1)
+    cap = 1 * MBIT * 1e9 / sample_bytes(w).response  # responses a second up the uplink
+    assert thin.asynchronous.generation_samples_per_s <= cap * (1 + 1e-6)
+    assert fat.asynchronous.generation_samples_per_s > 3 * cap
+    assert thin.synchronous.pipeline_samples_per_s < fat.synchronous.pipeline_samples_per_s / 2
