@@ -63,6 +63,23 @@ class CostConstants(Section):
     weight_sync_bytes_per_param: float = Field(2.0, gt=0)
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_bucket_overhead_ms: float = Field(5.0, ge=0)
+    # Bytes on the wire between the head node (Valkey, the controller) and the services,
+    # per sample (scheduler/traffic.py): fitted (least squares over 40 groups of 8, mean
+    # prompt 33.9 tokens, mean answer 15.0) to what the box's tiny job sent through the
+    # built-in server, its client (rollout_service/client.py, rollout_service/wire.py) and
+    # the record codec (areal_hex/buffer/codec.py); docs/fidelity.md, "The traffic priced".
+    # The /generate request (the prompt's ids as JSON, once per sample of the group):
+    http_request_bytes_per_sample: float = Field(61.0, ge=0)
+    http_request_bytes_per_prompt_token: float = Field(3.2, ge=0)
+    # The response (output ids, [log-prob, id, null] per token, versions, meta):
+    http_response_bytes_per_sample: float = Field(344.0, ge=0)
+    http_response_bytes_per_token: float = Field(37.1, ge=0)
+    # The group record the trainer reads from Valkey: the header's per-sample fields, the
+    # prompt's int32 ids once per group, 12 bytes per token (id, log-prob, version) and
+    # the answer's text:
+    record_bytes_per_sample: float = Field(69.0, ge=0)
+    record_bytes_per_prompt_token: float = Field(4.0, ge=0)  # per group
+    record_bytes_per_token: float = Field(13.3, ge=0)
     # Rank 0 writes the bf16 weights (2N bytes) to shared storage at this rate, GB/s.
     storage_write_gbs: float = Field(2.0, gt=0)
     # Fraction of the DP gradient all-reduce hidden behind backward compute (0: none).

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from areal_hex.plan import Plan
-from hexctl.bench.system.hetero import median_round, one_kind_cluster, round_order, summarise
+from hexctl.bench.system.hetero import one_kind_cluster
+from hexctl.bench.system.hetero_summary import median_round, round_order, summarise
 from scheduler.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,10 +58,36 @@ def test_ratios_errors_and_rankings() -> None:
     assert out["max_abs_error"] == 0.3
 
 
+def test_the_planners_figure_beside_the_runs_prediction() -> None:
+    """Each plan's own rate (the planner's figure) is held against the measured rate as
+    the run's prediction is; d (plan a run synchronously) has no planner's figure. The
+    counts take the runs' predictions within 15 % and the planner's within 20 %."""
+    from hexctl.bench.system.hetero_summary import figure_counts, figures_table
+
+    runs = {"a": _run(115, 100), "b": _run(100, 80), "c": _run(110, 105), "d": _run(60, 50, "sync")}
+    plans = {"a": _plan(6, 118.0), "b": _plan(3, 85.0), "c": _plan(6, 150.0)}
+    out = summarise(runs, plans)
+    got = {k: (p["plan_samples_per_s"], p["plan_error"]) for k, p in out["plans"].items()}
+    assert got == {"a": (118.0, 0.18), "b": (85.0, 0.0625), "c": (150.0, 0.4286), "d": (None, None)}
+    # runs: a +0.15, b +0.25, c +0.0476, d +0.2; planner: a +0.18, b +0.0625, c +0.4286
+    assert out["figures"] == {
+        "predictions_within_15pct": 2,
+        "predictions_counted": 4,
+        "planner_figures_within_20pct": 2,
+        "planner_figures_counted": 3,
+    }
+    assert figure_counts({"x": {"error": None, "plan_error": None}})["predictions_counted"] == 0
+    table = figures_table(out).splitlines()
+    assert table[1].split()[:3] == ["a", "async", "100.0"]
+    assert "115.0 (+15.0 %)" in table[1] and "118.0 (+18.0 %)" in table[1]
+    assert table[4].split()[:3] == ["d", "sync", "50.0"] and table[4].rstrip().endswith("-")
+    assert table[-1].endswith("within 15%: 2 of 4; planner's figures within 20%: 2 of 3")
+
+
 def test_plans_predicted_alike_are_tied_in_the_ranking() -> None:
     """c placed as a (one plan, one prediction) states no order between a and c: either
     measured order holds; an order between plans predicted apart still has to hold."""
-    from hexctl.bench.system.hetero import ranking_holds
+    from hexctl.bench.system.hetero_summary import ranking_holds
 
     pred = {"a": 200.0, "b": 90.0, "c": 200.0, "d": 80.0}
     assert ranking_holds(pred, {"a": 227.0, "b": 85.0, "c": 235.0, "d": 70.0})

@@ -13,7 +13,8 @@ for the same steps from the same initial weights and each held against the cost 
   asynchronous speed-up is measured against).
 
 Per plan: predicted and measured pipeline samples/s (the same window and definitions as
-`bench fidelity`, `hexctl/report/fidelity.py`) and the error; the ratios a/b, a/c, a/d
+`bench fidelity`, `hexctl/report/fidelity.py`) and the error, and the planner's own figure
+for the plan with its error (`hetero_summary`, which sums the runs up); the ratios a/b, a/c, a/d
 measured beside predicted; the weight-sync pause measured against predicted for each
 plan, with the mode that moved the weights; and whether the measured ranking of a-d is
 the predicted one (`ranking_equal`), and whether every order the prediction states holds
@@ -50,9 +51,17 @@ from pathlib import Path
 from typing import Any
 
 from hexctl.bench.system import scratch_dir
+from hexctl.bench.system.hetero_summary import (
+    LABELS,
+    figures_table,
+    median_round,
+    pipeline_of,
+    plan_of,
+    round_order,
+    summarise,
+)
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
-LABELS = ("a", "b", "c", "d")
 # each plan's steps: a window (from step η + 1) of 95 steps of the box job's 8 groups.
 # On a shared machine one 5-s sample moves by a third and an 80-s mean by a few per cent
 # (`bench host`); 40 steps left the fastest plans a window of 9-13 s
@@ -184,20 +193,6 @@ def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[st
     return plans
 
 
-def plan_of(plans: dict[str, Any], label: str) -> Any:
-    """The plan a label runs: d is plan a, run synchronously."""
-    return plans["a" if label == "d" else label]
-
-
-def describe(plan: Any) -> dict[str, Any]:
-    return {
-        "trainer": [p.node for p in plan.trainer.placements],
-        "rollout": [i.placement.node for i in plan.rollout],
-        "cost_usd_per_h": plan.predicted.cost_usd_per_h,
-        "plan_samples_per_s": plan.predicted.samples_per_s,
-    }
-
-
 # ---------------------------------------------------------------- the runs
 def run_plan(
     config: str,
@@ -276,135 +271,6 @@ def predict_at_speed(
     return pred["synchronous" if run["mode"] == "sync" else "asynchronous"]
 
 
-def _pipeline(block: dict[str, Any], side: str) -> float | None:
-    v = (block.get(side) or {}).get("pipeline_samples_per_s")
-    return None if v is None else round(v, 4)
-
-
-def _ratio(x: float | None, y: float | None) -> float | None:
-    return None if not x or not y else round(x / y, 4)
-
-
-def _ranking(rates: dict[str, float | None]) -> list[str]:
-    return sorted(rates, key=lambda k: -(rates[k] or 0.0))
-
-
-def ranking_holds(pred: dict[str, float | None], meas: dict[str, float | None]) -> bool:
-    """Whether every order the prediction states holds when measured: for each pair of
-    plans predicted at different rates, the faster one measured faster. Plans predicted
-    at the same rate (c when first-fit places a's mix as METIS does: the same plan) state
-    no order between them, and the order their runs happen to measure is not counted."""
-    labels = [k for k in pred if pred[k] is not None and meas.get(k) is not None]
-    for x in labels:
-        for y in labels:
-            px, py = pred[x] or 0.0, pred[y] or 0.0
-            if px > py * (1 + 1e-6) and not (meas[x] or 0.0) > (meas[y] or 0.0):
-                return False
-    return len(labels) == len(pred)
-
-
-def round_order(rounds: int) -> list[tuple[int, str]]:
-    """(round, plan) in the order they run: a-d, then d-a, and so on, so a drift of the
-    machine over the bench falls on every plan alike."""
-    order = []
-    for r in range(rounds):
-        labels = LABELS if r % 2 == 0 else tuple(reversed(LABELS))
-        order += [(r, label) for label in labels]
-    return order
-
-
-def median_round(rounds: list[dict[str, Any]]) -> int:
-    """The index of the round whose measured pipeline rate is the median (the lower of
-    the middle two for an even count; a round that measured nothing counts lowest): a
-    run the machine slowed or sped does not decide a plan's figures."""
-    rates = [_pipeline(r["block"], "measured") or 0.0 for r in rounds]
-    order = sorted(range(len(rates)), key=lambda i: rates[i])
-    return order[(len(order) - 1) // 2]
-
-
-def summarise(
-    runs: dict[str, dict[str, Any]],
-    plans: dict[str, Any],
-    at_speed: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"plans": {}}
-    pred, meas = {}, {}
-    for label, r in runs.items():
-        block = r["block"]
-        pred[label], meas[label] = _pipeline(block, "predicted"), _pipeline(block, "measured")
-        err = (block.get("relative_error") or {}).get("pipeline_samples_per_s")
-        ws_p = (block.get("predicted") or {}).get("weight_sync_s")
-        ws_m = block["measured"].get("weight_sync_s")
-        plan = plan_of(plans, label)
-        out["plans"][label] = {
-            **describe(plan),
-            "mode": r["mode"],
-            "predicted_samples_per_s": pred[label],
-            "measured_samples_per_s": meas[label],
-            "error": None if err is None else round(err, 4),
-            "weight_sync": {
-                "sync_mode": r["sync"],
-                "predicted_s": None if ws_p is None else round(ws_p, 4),
-                "measured_s": None if ws_m is None else round(ws_m, 4),
-            },
-            "unavailable": block.get("unavailable"),
-            "wall_s": r["wall_s"],
-        }
-        if "rounds" in r:  # every round's measure, the median one's figures above
-            out["plans"][label]["rounds_measured_samples_per_s"] = r["rounds"]
-    placed = {k: p.predicted.samples_per_s for k, p in plans.items()}
-    for other in ("b", "c", "d"):
-        out[f"a/{other}"] = {
-            "predicted": _ratio(pred.get("a"), pred.get(other)),
-            "measured": _ratio(meas.get("a"), meas.get(other)),
-        }
-    # the plans' own rates (the planner's claim, from the MILP's decision placed on the
-    # racks), beside the runs' predictions (each run's layout and mode, its machines)
-    out["a/b"]["predicted_by_plans"] = _ratio(placed["a"], placed["b"])
-    out["a/c"]["predicted_by_plans"] = _ratio(placed["a"], placed["c"])
-    out["ranking"] = {"predicted": _ranking(pred), "measured": _ranking(meas)}
-    out["ranking_equal"] = out["ranking"]["predicted"] == out["ranking"]["measured"]
-    out["ranking_holds"] = ranking_holds(pred, meas)  # the same, plans predicted alike tied
-    errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]
-    out["max_abs_error"] = round(max(errors), 4) if errors else None
-    if at_speed:
-        out["at_box_speed"] = _at_box_speed(out, at_speed, meas)
-    return out
-
-
-def _at_box_speed(
-    out: dict[str, Any], at_speed: dict[str, dict[str, Any]], meas: dict[str, float | None]
-) -> dict[str, Any]:
-    """Each plan's prediction at the speed its kinds were sampled at around its run
-    (`predict_at_speed`), with its error, and the ratios and ranking from them."""
-    pred: dict[str, float | None] = {}
-    for label, got in at_speed.items():
-        rates = got.get("predicted") or {}
-        p = rates.get("pipeline_samples_per_s")
-        pred[label] = None if p is None else round(p, 4)
-        m = meas.get(label)
-        ws = rates.get("weight_sync_s")
-        out["plans"][label]["at_box_speed"] = {
-            "speed": got["factors"],
-            "predicted_samples_per_s": pred[label],
-            "error": None if p is None or not m else round((p - m) / m, 4),
-            "weight_sync_predicted_s": None if ws is None else round(ws, 4),
-        }
-    block: dict[str, Any] = {
-        f"a/{o}": {"predicted": _ratio(pred.get("a"), pred.get(o))} for o in ("b", "c", "d")
-    }
-    block["ranking"] = _ranking(pred)
-    block["ranking_equal"] = block["ranking"] == out["ranking"]["measured"]
-    block["ranking_holds"] = ranking_holds(pred, meas)
-    errors = [
-        abs(p["at_box_speed"]["error"])
-        for p in out["plans"].values()
-        if (p.get("at_box_speed") or {}).get("error") is not None
-    ]
-    block["max_abs_error"] = round(max(errors), 4) if errors else None
-    return block
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.errors import UsageError
@@ -466,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 runs[label] = rounds[label][median_round(rounds[label])]
                 if args.rounds > 1:
                     runs[label]["rounds"] = [
-                        _pipeline(r["block"], "measured") for r in rounds[label]
+                        pipeline_of(r["block"], "measured") for r in rounds[label]
                     ]
                 speed[label] = runs[label]["speed"]
                 plan = plan_of(plans, label)
@@ -479,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = summarise(runs, plans, at_speed)
             result["host_gflops"], result["host_moved"] = host, host_moved(host)
             result["kind_speed"] = {"profile": profiled, **speed}
+            _say("each plan's rate, samples/s:\n" + figures_table(result))
     finally:
         box.down(spec.name)
     return {
