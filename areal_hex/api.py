@@ -35,7 +35,9 @@ class ProducerPosition:
     admitted: int  # admissions ever made, by every producer: the next prompt's number
     held: int  # admissions held by live producers (admitted, neither put nor given back)
     given_back: dict[str, int] = field(default_factory=dict)  # by GiveBackReason
-    dropped: int = 0  # groups the trainer dropped as stale (`<run>:dropped_stale`)
+    groups_dropped_stale: int = (
+        0  # groups the trainer dropped as stale (`<run>:groups_dropped_stale`)
+    )
 
     @property
     def not_made(self) -> int:
@@ -47,7 +49,7 @@ class ProducerPosition:
     def owed(self) -> int:
         """Groups the run still needs made in place of others: those never made and those
         made but dropped untrained (stale, or from weights a restarted trainer lost)."""
-        return self.not_made + self.dropped
+        return self.not_made + self.groups_dropped_stale
 
 
 @dataclass
@@ -56,7 +58,7 @@ class BufferStats:
     pending: int  # delivered to a consumer, not yet acknowledged
     unconsumed: int  # never delivered
     submitted: int  # groups admitted by the staleness gate since the run began
-    dropped_stale: int
+    groups_dropped_stale: int
     dead_letter: int
     version: int
     # admissions given back unput, by GiveBackReason ("filtered": dynamic sampling)
@@ -67,7 +69,7 @@ class BufferStats:
 class Batch:
     entry_ids: list[str]  # stream ids, to acknowledge after the optimizer step commits
     groups: list[GroupRecord]
-    dropped_stale: int = 0  # groups discarded while filling this batch (older than v - eta)
+    groups_dropped_stale: int = 0  # groups discarded while filling this batch (older than v - eta)
     dead_lettered: int = 0  # malformed entries moved to the dead-letter stream
     version_lags: list[int] = field(default_factory=list)  # v - group.version per group
 

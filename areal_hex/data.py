@@ -100,8 +100,39 @@ def last_boxed(text: str) -> str | None:
 
 
 # ---------------------------------------------------------------- local files
+@dataclass(frozen=True)
+class Row:
+    """A record with where it came from (`file:line` for JSON lines, `file row N`
+    otherwise), for errors that name it."""
+
+    where: str
+    data: dict[str, Any]
+
+    def field(self, name: str, expected: Sequence[str]) -> str:
+        """Field `name` as text; a missing or empty one is a DataError naming the row,
+        the field and the fields a row of this dataset has."""
+        value = self.data.get(name)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            what = "no" if name not in self.data else f"an empty ({value!r})"
+            raise DataError(
+                f"{self.where}: {what} field {name!r}; expected fields {list(expected)}, "
+                f"found {sorted(self.data)}"
+            )
+        if isinstance(value, (dict, list)):
+            raise DataError(
+                f"{self.where}: field {name!r} is a {type(value).__name__}; expected text "
+                "or a number"
+            )
+        return str(value)
+
+
 def read_records(path: str | Path, split: str) -> list[dict[str, Any]]:
     """Rows of a parquet/jsonl/json file, or of the `*<split>*` files of a directory."""
+    return [row.data for row in read_rows(path, split)]
+
+
+def read_rows(path: str | Path, split: str) -> list[Row]:
+    """`read_records` with where each row came from."""
     p = Path(path)
     if p.is_dir():
         files = sorted(
@@ -114,48 +145,42 @@ def read_records(path: str | Path, split: str) -> list[dict[str, Any]]:
                 f"data.path {p}: no parquet/jsonl/json file with {split!r} in its name "
                 f"(expected e.g. {p}/{split}.parquet or {p}/{split}.jsonl)"
             )
-        return [row for f in files for row in read_records(f, split)]
+        return [row for f in files for row in read_rows(f, split)]
     if not p.is_file():
         raise DataError(f"data.path {p}: no such file or directory")
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
+        records = pq.read_table(p).to_pylist()
+        return [Row(f"{p} row {n}", r) for n, r in enumerate(records, 1)]
     if p.suffix in (".jsonl", ".json"):
         return _read_json_rows(p)
     raise DataError(f"data.path {p}: unsupported file type {p.suffix!r} (parquet, jsonl, json)")
 
 
-def _read_json_rows(p: Path) -> list[dict[str, Any]]:
+def _read_json_rows(p: Path) -> list[Row]:
     text = p.read_text()
+    rows: list[Row] = []
     if p.suffix == ".json" and text.lstrip().startswith("["):
-        rows = json.loads(text)
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{p}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+        rows = [Row(f"{p} row {n}", r) for n, r in enumerate(records, 1)]
     else:
-        rows = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    rows.append(Row(f"{p}:{n}", json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{p}:{n}: not valid JSON: {exc}") from None
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise DataError(f"{p}: row {n} is {type(row).__name__}, expected an object")
+    for row in rows:
+        if not isinstance(row.data, dict):
+            raise DataError(f"{row.where}: a {type(row.data).__name__}, expected an object")
     return rows
 
 
-def _require(rows: list[dict[str, Any]], columns: Sequence[str], where: str) -> None:
-    if not rows:
-        raise DataError(f"{where}: no rows")
-    missing = [c for c in columns if c not in rows[0]]
-    if missing:
-        raise DataError(
-            f"{where}: missing column(s) {missing}; expected {list(columns)}, "
-            f"found {sorted(rows[0])}"
-        )
-
-
-def _hub_rows(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
+def _hub_rows(name: str, config: str | None, split: str) -> list[Row]:
     try:
         import datasets
     except ImportError:
@@ -165,42 +190,51 @@ def _hub_rows(name: str, config: str | None, split: str) -> list[dict[str, Any]]
             f"parquet/jsonl file or directory"
         ) from None
     ds = datasets.load_dataset(name, config, split=split)
-    return [dict(r) for r in ds]
+    return [Row(f"{name}:{split} row {n}", dict(r)) for n, r in enumerate(ds, 1)]
+
+
+def _rows(path: str | Path | None, hub: tuple[str, str | None], split: str) -> list[Row]:
+    rows = read_rows(path, split) if path is not None else _hub_rows(*hub, split)
+    if not rows:
+        where = str(path) if path is not None else f"{hub[0]}:{split}"
+        raise DataError(f"{where}: no rows")
+    return rows
 
 
 # ---------------------------------------------------------------- loaders
+GSM8K_FIELDS = ("question", "answer")
+MATH500_FIELDS = ("problem", "answer or a \\boxed{} in solution")
+
+
 def load_gsm8k(path: str | Path | None, split: str = "train") -> list[Problem]:
     """GSM8K problems from local files (question/answer columns) or the HF hub."""
-    where = str(path) if path is not None else f"{GSM8K_HUB[0]}:{split}"
-    rows = read_records(path, split) if path is not None else _hub_rows(*GSM8K_HUB, split)
-    _require(rows, ("question", "answer"), where)
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(_rows(path, GSM8K_HUB, split)):
+        question = row.field("question", GSM8K_FIELDS)
+        solution = row.field("answer", GSM8K_FIELDS)
         try:
-            gold = gsm8k_final_answer(str(row["answer"]))
+            gold = gsm8k_final_answer(solution)
         except DataError as exc:
-            raise DataError(f"{where}: row {i}: {exc}") from None
-        out.append(Problem(f"gsm8k/{split}/{i}", str(row["question"]), gold, str(row["answer"])))
+            raise DataError(f"{row.where}: field 'answer': {exc}") from None
+        out.append(Problem(f"gsm8k/{split}/{i}", question, gold, solution))
     return out
 
 
 def load_math500(path: str | Path | None, split: str = "test") -> list[Problem]:
     """MATH-500 problems from local files (problem/answer/solution) or the HF hub."""
-    where = str(path) if path is not None else f"{MATH500_HUB[0]}:{split}"
-    rows = read_records(path, split) if path is not None else _hub_rows(*MATH500_HUB, split)
-    _require(rows, ("problem",), where)
     out = []
-    for i, row in enumerate(rows):
-        solution = str(row.get("solution") or "")
-        gold = row.get("answer")
+    for i, row in enumerate(_rows(path, MATH500_HUB, split)):
+        problem = row.field("problem", MATH500_FIELDS)
+        solution = str(row.data.get("solution") or "")
+        gold = row.data.get("answer")
         gold = str(gold) if gold not in (None, "") else last_boxed(solution)
         if not gold:
             raise DataError(
-                f"{where}: row {i}: no answer (expected an 'answer' column or a \\boxed{{}} "
-                f"in 'solution')"
+                f"{row.where}: no answer; expected field 'answer', or a \\boxed{{}} in "
+                f"field 'solution'; found {sorted(row.data)}"
             )
-        pid = str(row.get("unique_id") or f"math500/{split}/{i}")
-        out.append(Problem(pid, str(row["problem"]), gold, solution))
+        pid = str(row.data.get("unique_id") or f"math500/{split}/{i}")
+        out.append(Problem(pid, problem, gold, solution))
     return out
 
 

@@ -1,7 +1,10 @@
 """`plan.yaml`: the planner's output, consumed by `areal-hex deploy` and `areal-hex run`.
 
-Only the placement is here (which GPUs do what); how a job trains lives in the
-experiment config. Validated on load like the config.
+What the planner decided is in `decisions` (the placement of every task, η, k, the
+weight-sync mode) and in the two built-in tasks' pools (`rollout`: the generation
+instances and their TP; `trainer`: the training ranks and their parallelism); what it
+compared the pick against is in `baselines`, which nothing downstream reads to run the
+job. How a job trains lives in the experiment config. Validated on load like the config.
 """
 
 from __future__ import annotations
@@ -12,14 +15,24 @@ import yaml
 from pydantic import Field, model_validator
 
 from areal_hex.config.base import Section, build, read_yaml, refuse_renamed
+from areal_hex.config.rollout import WeightSyncMode
+from areal_hex.config.workflow import PlacementMode
 
 # 2: a trainer across GPU kinds (`trainer.gpu_kinds`, `trainer.rank_speeds`); version 1
 # files load unchanged (the new fields are optional).
-PLAN_SCHEMA_VERSION = 2
+# 3: the decisions in their own section (`decisions`: placement, η, k, weight sync, the
+# tasks beyond generate and train); a version 1 or 2 file's `baselines.max_staleness` and
+# `baselines.publish_every` are read as its decisions.
+PLAN_SCHEMA_VERSION = 3
 
 # Keys the planner wrote under other names before it took the config's (a plan's
 # `baselines` and a workload YAML): refused with the new name.
 RENAMED_KEYS = {"staleness": "max_staleness", "publish_interval": "publish_every"}
+# A version 3 plan's decisions are no longer comparisons.
+MOVED_TO_DECISIONS = {
+    "max_staleness": "decisions.max_staleness",
+    "publish_every": "decisions.publish_every",
+}
 
 
 class DeviceSlot(Section):
@@ -104,11 +117,6 @@ class Baselines(Section):
     placement: str = "first-fit"  # phase 2: "metis" (mapped on the topology) | "first-fit"
     first_fit_samples_per_s: float | None = None  # the same decision placed naively
     simulated_first_fit_samples_per_s: float | None = None
-    # the staleness bound η and publish interval k the plan assumes, under the config's
-    # names (buffer.max_staleness, trainer.publish_every); tuned within
-    # --search-max-staleness / --search-publish-every
-    max_staleness: int | None = None
-    publish_every: int | None = None
     # what holds the plan back and what it is worth (scheduler/assess.py)
     binding: str | None = None  # training | generation | weight sync | staleness gate
     limits: list[str] = []  # budget | inventory
@@ -129,7 +137,38 @@ class Baselines(Section):
     @model_validator(mode="before")
     @classmethod
     def _refuse_old_names(cls, data: object) -> object:
+        return refuse_renamed(data, {**RENAMED_KEYS, **MOVED_TO_DECISIONS})
+
+
+class TaskPlacement(Section):
+    """Where the instances of one task beyond generate and train run (its `TaskSpec` in
+    the config's `workflow.tasks`): one slot per instance."""
+
+    task: str
+    gpu_kind: str | None = None  # None: a CPU task
+    slots: list[DeviceSlot] = Field(min_length=1)
+
+
+class Decisions(Section):
+    """What the planner decided, and all that a run, a deploy render or a box reads of
+    the plan besides the two pools (`rollout`, `trainer`)."""
+
+    placement: PlacementMode = "disaggregated"
+    # the staleness bound η and publish interval k, under the config's names
+    # (buffer.max_staleness, trainer.publish_every); tuned within --search-max-staleness /
+    # --search-publish-every. None: the config's (a plan that did not decide them)
+    max_staleness: int | None = Field(None, ge=0)
+    publish_every: int | None = Field(None, ge=1)
+    weight_sync: WeightSyncMode | None = None  # None: the config's rollout.weight_sync
+    tasks: list[TaskPlacement] = []  # the tasks beyond generate and train
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_names(cls, data: object) -> object:
         return refuse_renamed(data, RENAMED_KEYS)
+
+    def task(self, name: str) -> TaskPlacement | None:
+        return next((t for t in self.tasks if t.task == name), None)
 
 
 class PlanSources(Section):
@@ -151,9 +190,64 @@ class Plan(Section):
     target_samples_per_s: float | None = None
     rollout: list[InferenceInstance]
     trainer: TrainerPlacement
+    decisions: Decisions
     predicted: Prediction
     baselines: Baselines | None = None  # optional; written by `areal-hex plan`
     sources: PlanSources | None = None  # optional; written by `areal-hex plan`
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decisions_of_an_older_plan(cls, data: object) -> object:
+        """A version 1 or 2 plan kept η and k among its baselines: read them as its
+        decisions (the file is valid as it was written)."""
+        if not isinstance(data, dict) or "decisions" in data:
+            return data
+        version = data.get("schema_version", PLAN_SCHEMA_VERSION)
+        if not isinstance(version, int) or version >= 3:
+            return data  # a version 3 plan without decisions: refused as missing
+        data = dict(data)
+        base = data.get("baselines")
+        decisions: dict[str, object] = {}
+        if isinstance(base, dict):
+            base = dict(base)
+            for key in MOVED_TO_DECISIONS:
+                if key in base:
+                    decisions[key] = base.pop(key)
+            data["baselines"] = base
+        data["decisions"] = decisions
+        return data
+
+    @model_validator(mode="after")
+    def _devices_used_once(self) -> Plan:
+        """Disaggregated: no GPU serves two tasks, or two instances of one."""
+        seen: dict[tuple[str, int], str] = {}
+        for who, _, slot in self.device_slots():
+            for gpu in slot.gpu_ids:
+                other = seen.get((slot.node, gpu))
+                if other is not None:
+                    raise ValueError(
+                        f"GPU {gpu} of node {slot.node!r} is placed for both {other!r} and "
+                        f"{who!r}: expected each GPU in one slot "
+                        f"(decisions.placement {self.decisions.placement})"
+                    )
+                seen[(slot.node, gpu)] = who
+        return self
+
+    def device_slots(self) -> list[tuple[str, str | None, DeviceSlot]]:
+        """Every slot of every task as (where in the plan, GPU kind, slot): the generation
+        instances, the trainer's nodes, then each other task's instances."""
+        out: list[tuple[str, str | None, DeviceSlot]] = [
+            (f"rollout[{i}] ({r.id})", r.gpu_kind, r.placement) for i, r in enumerate(self.rollout)
+        ]
+        t = self.trainer
+        kinds = t.gpu_kinds or [t.gpu_kind] * len(t.placements)
+        out += [("trainer", k, p) for k, p in zip(kinds, t.placements, strict=True)]
+        out += [
+            (f"decisions.tasks[{i}] ({task.task}) slot {n}", task.gpu_kind, slot)
+            for i, task in enumerate(self.decisions.tasks)
+            for n, slot in enumerate(task.slots)
+        ]
+        return out
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -31,6 +31,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from areal_hex.api import BufferStats
+from areal_hex.device_kind import CPU_KIND
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow
 
 T = "areal_hex_trainer_"
@@ -61,25 +62,15 @@ def gauges(prefix: str, rows: Iterable[Sample]) -> Iterator[Metric]:
         yield GaugeMetricFamily(prefix + name, doc, value)
 
 
-def device_kind(device: str) -> str:
-    """The trainer's `gpu_kind` label: the CUDA device's name ("NVIDIA H100 80GB HBM3"),
-    or "cpu"."""
-    if device != "cuda":
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
-
-
 class TrainerCollector(Collector):
     """The trainer's metrics from its latest step row plus the steps seen so far.
     `gpu_kind` labels its token counts; `group_size` turns groups into samples."""
 
-    def __init__(self, gpu_kind: str = "cpu", group_size: int = 1) -> None:
+    def __init__(self, gpu_kind: str = CPU_KIND, group_size: int = 1) -> None:
         self.row = TrainerRow()
         self.gpu_kind = gpu_kind
         self.group_size = group_size
-        self.staleness: dict[int, int] = {}  # versions behind -> groups trained
+        self.version_lag: dict[int, int] = {}  # versions behind -> groups trained
         self.phases = Histogram(
             T + "step_phase_seconds",
             "trainer step wall time by phase",
@@ -93,8 +84,8 @@ class TrainerCollector(Collector):
         self.row = row
         for phase in STEP_PHASES:
             self.phases.labels(phase).observe(getattr(row, f"{phase}_s"))
-        for behind, n in row.staleness_hist.items():
-            self.staleness[int(behind)] = self.staleness.get(int(behind), 0) + n
+        for behind, n in row.version_lag_hist.items():
+            self.version_lag[int(behind)] = self.version_lag.get(int(behind), 0) + n
 
     def collect(self) -> Iterator[Metric]:
         r = self.row
@@ -116,7 +107,11 @@ class TrainerCollector(Collector):
             [
                 ("samples", "samples trained", r.groups_trained_total * self.group_size),
                 ("groups_trained", "groups trained (acknowledged)", r.groups_trained_total),
-                ("dropped_stale", "groups dropped as older than v - eta", r.dropped_stale_total),
+                (
+                    "groups_dropped_stale",
+                    "groups dropped as older than v - eta",
+                    r.groups_dropped_stale_total,
+                ),
                 (
                     "dead_letters",
                     "malformed entries moved to the dead-letter stream",
@@ -129,7 +124,7 @@ class TrainerCollector(Collector):
                 ),
             ],
         )
-        yield _staleness_histogram(self.staleness)
+        yield _version_lag_histogram(self.version_lag)
         # PPO's critic (algo.advantage gae): absent from a run without one
         critic = [
             ("value_loss", "critic's value loss of the last step", r.value_loss),
@@ -144,7 +139,7 @@ class TrainerCollector(Collector):
                 yield GaugeMetricFamily(T + name, doc, value)
 
 
-def _staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+def _version_lag_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     """Cumulative buckets over versions behind (0, 1, 2, ... up to the largest seen)."""
     top = max(counts, default=0)
     buckets, acc = [], 0
@@ -154,7 +149,7 @@ def _staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     buckets.append(("+Inf", acc))
     total = float(sum(k * n for k, n in counts.items()))
     return HistogramMetricFamily(
-        T + "staleness_versions",
+        T + "version_lag_versions",
         "versions a trained group lagged behind the trainer",
         buckets=buckets,
         sum_value=total,
@@ -239,8 +234,8 @@ class RolloutCollector(Collector):
                 ("tokens", "tokens generated", r.tokens_total),
                 ("requests", "generate requests sent", r.requests_total),
                 ("requests_retried", "generate requests retried", r.requests_retried_total),
-                ("weight_updates", "weight updates applied", r.weight_updates_total),
-                ("weight_update_seconds", "time spent in weight updates", r.weight_update_s_total),
+                ("weight_syncs", "weight syncs applied", r.weight_syncs_total),
+                ("weight_sync_seconds", "time spent in weight syncs", r.weight_sync_s_total),
                 ("generation_busy_seconds", "time any server had work", r.gen_busy_s),
             ],
         )
@@ -296,7 +291,7 @@ class BufferCollector(Collector):
             B + "submitted", "groups admitted by the staleness gate", value=s.submitted
         )
         yield CounterMetricFamily(
-            B + "dropped_stale", "groups dropped as too stale", value=s.dropped_stale
+            B + "groups_dropped_stale", "groups dropped as too stale", value=s.groups_dropped_stale
         )
         yield CounterMetricFamily(
             B + "dead_letters", "entries in the dead-letter stream", value=s.dead_letter
@@ -314,7 +309,7 @@ class BufferCollector(Collector):
 class PredictionCollector(Collector):
     """The cost model's rates for the run (`prediction.json`, which the launcher writes
     from the plan or a local profile; the block of the run's mode), next to which the
-    dashboard draws the measured ones, defined alike (`hexctl/job/fidelity.py`)."""
+    dashboard draws the measured ones, defined alike (`hexctl/report/fidelity.py`)."""
 
     def __init__(self, predicted: dict[str, float | None]) -> None:
         self.predicted = predicted
@@ -371,9 +366,9 @@ TRAINER_NAMES: tuple[str, ...] = tuple(
     _names(
         T,
         ["step", "version", "tokens_per_second", "loss"],
-        ["tokens", "samples", "groups_trained", "dropped_stale", "dead_letters"]
+        ["tokens", "samples", "groups_trained", "groups_dropped_stale", "dead_letters"]
         + ["degenerate_groups"],
-        ["step_phase_seconds", "staleness_versions"],
+        ["step_phase_seconds", "version_lag_versions"],
     )
 )
 ROLLOUT_NAMES: tuple[str, ...] = tuple(
@@ -382,7 +377,7 @@ ROLLOUT_NAMES: tuple[str, ...] = tuple(
         ["groups_in_flight", "servers_healthy", "version", "tokens_per_second", "reward_mean"]
         + ["server_healthy", "server_requests_in_flight"],
         ["groups_produced", "groups_filtered", "groups_failed", "samples", "tokens"]
-        + ["requests", "requests_retried", "weight_updates", "weight_update_seconds"]
+        + ["requests", "requests_retried", "weight_syncs", "weight_sync_seconds"]
         + ["generation_busy_seconds", "server_requests", "server_failures", "server_tokens"],
         ["gate_wait_seconds", "request_seconds"],
     )
@@ -391,7 +386,7 @@ BUFFER_NAMES: tuple[str, ...] = tuple(
     _names(
         B,
         ["stream_length", "pending", "lag", "version"],
-        ["submitted", "dropped_stale", "dead_letters", "given_back"],
+        ["submitted", "groups_dropped_stale", "dead_letters", "given_back"],
     )
 )
 # Only where the launcher wrote a prediction (`prediction.json`): the trainer serves them.

@@ -1,7 +1,9 @@
 """The group record: one prompt and its G scored completions, as the buffer carries it.
 
 A group's version is the oldest policy version among its generated tokens: that is the
-version the staleness rules compare against.
+version the staleness rules compare against. Each completion names the inference server
+that produced its last tokens and that server's GPU kind (the trainer reports the
+train-inference mismatch by both).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+# 2: each completion's `server` and `gpu_kind` are fields (schema 1 carried them as
+# comma-joined group metadata).
+SCHEMA_VERSION = 2
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -23,6 +27,8 @@ class Completion:
     finish_reason: str  # one of FINISH_REASONS
     reward: float
     text: str = ""
+    server: str = ""  # URL of the inference server of its last tokens ("": not recorded)
+    gpu_kind: str = ""  # that server's GPU kind (`inference.gpu_kinds`; "": not given)
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -46,6 +52,8 @@ class Completion:
         finish_reason: str,
         reward: float,
         text: str,
+        server: str,
+        gpu_kind: str,
     ) -> Completion:
         """A completion from fields a decoder has already checked (int32/float32 arrays
         of one length, a known finish reason): skips the conversions of `__init__`, which
@@ -53,6 +61,7 @@ class Completion:
         c = cls.__new__(cls)
         c.token_ids, c.logprobs, c.versions = token_ids, logprobs, versions
         c.finish_reason, c.reward, c.text = finish_reason, reward, text
+        c.server, c.gpu_kind = server, gpu_kind
         return c
 
 

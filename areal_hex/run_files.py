@@ -1,6 +1,7 @@
 """A run directory: every path in it (`RunPaths`) and the typed rows of its metric files.
 
     runs/<run_id>/
+      launch.lock          held (flock) by the launcher serving the run; holds its pid
       config.yaml          resolved config every service reads
       metrics.jsonl        one `TrainerRow` per optimizer step (trainer, rank 0)
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
@@ -18,7 +19,8 @@
 Rows are written and read through the same pydantic type: a writer that sets an unknown
 key fails at once (`extra="forbid"`), and readers use attributes, so a renamed field
 cannot silently turn into a missing value. Fields default so that a partial row (a run
-that died mid-write, or an older row) still reads.
+that died mid-write, or an older row) still reads; a field an older version wrote under
+another name (`RENAMED`) is read under its new one.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from areal_hex.config import ExperimentConfig
@@ -61,6 +63,10 @@ class RunPaths:
     def of(cls, cfg: ExperimentConfig) -> RunPaths:
         """The run directory of a config whose `run.run_id` is set."""
         return cls.at(cfg.run.run_dir(), cfg.inference.weights_dir, cfg.trainer.checkpoint_dir)
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "launch.lock"
 
     @property
     def config(self) -> Path:
@@ -120,6 +126,22 @@ class RunPaths:
         return versions_in(self.weights_dir)
 
 
+def remove_stale_tmp(weights_dir: str | Path) -> list[Path]:
+    """Remove the `.v<N>.tmp-<pid>` folders of publications whose writer is gone (a
+    process killed mid-write leaves one; a live writer's is kept). Returns those removed."""
+    import os
+    import shutil
+
+    removed = []
+    for p in sorted(Path(weights_dir).glob(".v*.tmp-*")):
+        pid = p.name.rsplit("-", 1)[1]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists() and int(pid) != os.getpid():
+            continue  # still being written
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
 def version_dir(weights_dir: str | Path, version: int) -> Path:
     """The one rule for where version N's weights live: `<weights_dir>/v<N>`."""
     return Path(weights_dir) / f"v{int(version)}"
@@ -140,6 +162,15 @@ def versions_in(weights_dir: str | Path, complete_only: bool = False) -> list[in
 # ---------------------------------------------------------------- metric rows
 class _Row(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # old field name -> new, for rows an older version wrote (docs/observability.md)
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.RENAMED.keys() & data.keys():
+            return {cls.RENAMED.get(k, k): v for k, v in data.items()}
+        return data
 
     def to_line(self) -> str:
         return self.model_dump_json() + "\n"
@@ -147,6 +178,11 @@ class _Row(BaseModel):
 
 class TrainerRow(_Row):
     """One optimizer step (metrics.jsonl)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "dropped_stale_total": "groups_dropped_stale_total",
+        "staleness_hist": "version_lag_hist",
+    }
 
     step: int = 0
     version: int = 0
@@ -164,7 +200,7 @@ class TrainerRow(_Row):
     kl: float = 0.0
     grad_norm: float | None = None  # None when the engine does not report it
     lr: float = 0.0
-    staleness_hist: dict[str, int] = {}  # versions behind -> groups in this batch
+    version_lag_hist: dict[str, int] = {}  # versions behind -> groups in this batch
     # train-inference mismatch on tokens of the trained version: {"server"|"gpu_kind":
     # {name: {"abs_dlogp": mean |dlog p|, "k3": mean KL(infer || train), "tokens": n}}}
     mismatch: dict[str, dict[str, dict[str, float]]] = {}
@@ -192,7 +228,7 @@ class TrainerRow(_Row):
     explained_var: float | None = None
     # running totals since the run began (restored from checkpoints)
     groups_trained_total: int = 0
-    dropped_stale_total: int = 0
+    groups_dropped_stale_total: int = 0
     dead_letter_total: int = 0
     degenerate_groups_total: int = 0
     tokens_total: int = 0
@@ -200,6 +236,11 @@ class TrainerRow(_Row):
 
 class RolloutRow(_Row):
     """One metrics interval of the controller (rollout.jsonl); rates over the interval."""
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "weight_updates_total": "weight_syncs_total",
+        "weight_update_s_total": "weight_sync_s_total",
+    }
 
     time: float = 0.0
     elapsed_s: float = 0.0
@@ -221,8 +262,8 @@ class RolloutRow(_Row):
     requests_total: int = 0
     requests_retried_total: int = 0
     requests_aborted_total: int = 0
-    weight_updates_total: int = 0
-    weight_update_s_total: float = 0.0
+    weight_syncs_total: int = 0
+    weight_sync_s_total: float = 0.0
     gen_busy_s: float = 0.0  # seconds any server had work, since start
     servers_healthy: int = 0
     finish_reasons: dict[str, int] = {}

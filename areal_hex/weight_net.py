@@ -157,9 +157,12 @@ class WeightGroup:
     """One rank of a weight-update group. Rank 0 hosts the TCPStore; `join` blocks until
     all `world_size` ranks have joined (or `timeout_s` passes: RuntimeError)."""
 
-    def __init__(self, spec: GroupSpec, rank: int, pg: Any, store: Any) -> None:
+    def __init__(
+        self, spec: GroupSpec, rank: int, pg: Any, store: Any, timeout_s: float = 300.0
+    ) -> None:
         self.spec = spec
         self.rank = rank
+        self.timeout_s = timeout_s  # of every broadcast: a peer gone fails it (RuntimeError)
         self._pg = pg
         self._store = store  # kept alive: rank 0's store serves the others
 
@@ -183,13 +186,15 @@ class WeightGroup:
             store = open_store(spec, rank, timeout_s)
         prefixed = dist.PrefixStore(spec.group_name, store)
         if spec.backend == "nccl":
-            pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size)
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = timeout  # a peer that died fails the collective, not hangs
+            pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, nccl_opts)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
             opts._devices = [_gloo_device(spec.master_address, rank, ifname)]
             pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
-        return cls(spec, rank, pg, store)
+        return cls(spec, rank, pg, store, timeout_s)
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0 sends `tensors`, the others receive into theirs, in list order (one
@@ -202,7 +207,11 @@ class WeightGroup:
             opts.rootRank = 0
             works.append(self._pg.broadcast([t], opts))
         for w in works:
-            w.wait()
+            if not w.wait(datetime.timedelta(seconds=self.timeout_s)):
+                raise RuntimeError(
+                    f"weight group {self.spec.group_name!r}: broadcast not done after "
+                    f"{self.timeout_s:g} s"
+                )
 
     def close(self) -> None:
         self._pg = None

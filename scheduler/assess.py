@@ -21,7 +21,7 @@ from scheduler.cluster import Cluster
 from scheduler.costmodel import generation_at
 from scheduler.milp import PlanSpace, solve
 from scheduler.model_shape import ModelShape
-from scheduler.placing import Placed, placed
+from scheduler.placing import Placed, placed, placed_items
 
 SYNC_SHARE_BINDS = 1 / 6  # pause share above which weight sync is named as the binding
 WINDOW_LOSS_BINDS = 0.02  # share of generation lost to the staleness window that binds
@@ -53,10 +53,9 @@ def assess(
     cost_ratio: float | None = None,
 ) -> Assessment:
     sol, rate = got.solution, got.rate
-    capacity = sum(p.rollouts[i].samples_per_s * n for i, n in sol.replicas.items())
     in_flight = sum(p.rollouts[i].batch * n for i, n in sol.replicas.items())
-    pl, syncs = got.placement.rollout, got.cost.sync_s
-    items = [(rc, s, 1) for (rc, _, _), s in zip(pl, syncs, strict=True)]
+    items = placed_items(got.placement, got.cost)  # at the rates their links carry
+    capacity = sum(rc.samples_per_s for rc, _, _ in items)
     paused = generation_at(p.workload, items, rate, window=False)  # pauses, no window
     pause_share = 1 - paused / capacity if capacity > 0 else 0.0
     late = paused > 0 and got.gen_rate < paused * (1 - WINDOW_LOSS_BINDS)

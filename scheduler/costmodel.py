@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.catalogue import GpuKind
 from scheduler.cluster import Cluster, NodeGroup
@@ -167,6 +167,21 @@ def rollout_config(
         # measured in one mode: a pause of the other is charged whole
         pause_overlap_s=0.0 if prof is None else prof.reload_overlap_s(kind.name, w.weight_sync),
         update_pause_s=None if prof is None else prof.update_pause_s(kind.name, w.weight_sync),
+    )
+
+
+def scaled(r: RolloutOption, factor: float) -> RolloutOption:
+    """`r` generating `factor` times as fast (what its links carry: scheduler/traffic.py),
+    as if each decode step and prefill took 1/`factor` as long: the rate, and the groups'
+    latency the staleness window and the synchronous replay read."""
+    if factor >= 1.0:
+        return r
+    return replace(
+        r,
+        samples_per_s=r.samples_per_s * factor,
+        tokens_per_s=r.tokens_per_s * factor,
+        step_s=r.step_s / factor,
+        prefill_s=r.prefill_s / factor,
     )
 
 

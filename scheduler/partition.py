@@ -36,6 +36,7 @@ from scheduler.costmodel import (
 )
 from scheduler.model_shape import ModelShape
 from scheduler.topology import Topology, Transfer
+from scheduler.traffic import traffic_on_topology
 from scheduler.workload import Workload
 
 SCALE = 1e6  # edge weights in MB/s, integers ≥ 1
@@ -56,6 +57,9 @@ class PlacementCost:
     train_step_s: float
     comm_s: float  # the trainer's all-reduce per step
     sync_s: list[float]  # per rollout instance (as `Placement.rollout`), per publish
+    # per rollout instance: the share of its rate its links carry beside the other
+    # traffic (`traffic.traffic_on_topology`); empty: all of it
+    gen_factors: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -319,7 +323,9 @@ def evaluate(
     cl: Cluster, m: ModelShape, w: Workload, c: TrainerOption, pl: Placement
 ) -> PlacementCost:
     """The trainer's step and each instance's weight-sync pause on the machines `pl`
-    gives them, contention on shared links included."""
+    gives them, contention on shared links included, with the traffic to and from the
+    head node (`traffic.traffic_on_topology`): the step's read of its records, a step no
+    shorter than a network send of the weights, each instance's rate its links carry."""
     topo = Topology(cl)
     gmap = {g.name: g for g in cl.spec.node_groups}
     machines = [node for node, _ in pl.trainer]
@@ -336,7 +342,10 @@ def evaluate(
     nodes = [node for _, node, _ in pl.rollout]
     pauses = [opt.update_pause_s for opt, _, _ in pl.rollout]
     sync = sync_on_topology(cl, m, w, machines[0], nodes, topo, pauses)
-    return PlacementCost(step, comm, [max(s, c.broadcast_s) for s in sync])
+    rates = [opt.samples_per_s for opt, _, _ in pl.rollout]
+    tc = traffic_on_topology(cl, m, w, machines[0], nodes, rates, w.samples_per_step / step, topo)
+    step = tc.step_s(step, w.publish_every)
+    return PlacementCost(step, comm, [max(s, c.broadcast_s) for s in sync], tc.gen_factors)
 
 
 def sync_on_topology(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
-from scheduler.costmodel import pipeline_rate
+from scheduler.costmodel import RolloutOption, pipeline_rate, scaled
 from scheduler.milp import PlanSpace, Solution, solution_for, solve
 from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
@@ -89,8 +89,17 @@ def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float,
     (kBG)), each instance's staleness window), instances whose pause share reaches 1
     generating nothing."""
     train = w.samples_per_step / cost.train_step_s
-    items = [(rc, s, 1) for (rc, _, _), s in zip(pl.rollout, cost.sync_s, strict=True)]
-    return pipeline_rate(w, train, items)
+    return pipeline_rate(w, train, placed_items(pl, cost))
+
+
+def placed_items(pl: Placement, cost: PlacementCost) -> list[tuple[RolloutOption, float, int]]:
+    """(instance, its pause per publish, 1) of a placed plan, each instance's rate what its
+    links carry (`PlacementCost.gen_factors`)."""
+    factors = cost.gen_factors or [1.0] * len(pl.rollout)
+    return [
+        (scaled(rc, f), s, 1)
+        for (rc, _, _), s, f in zip(pl.rollout, cost.sync_s, factors, strict=True)
+    ]
 
 
 def seed_for_target(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from areal_hex.plan import (
     Baselines,
+    Decisions,
     DeviceSlot,
     InferenceInstance,
     Plan,
@@ -91,6 +92,11 @@ def to_plan(
         target_samples_per_s=target,
         rollout=rollout,
         trainer=trainer,
+        decisions=Decisions(
+            max_staleness=w.max_staleness,
+            publish_every=w.publish_every,
+            weight_sync=w.weight_sync,
+        ),
         predicted=Prediction(
             samples_per_s=round(best.rate, 4),
             generation_samples_per_s=round(best.gen_rate, 4),
@@ -113,8 +119,6 @@ def to_plan(
             simulated_first_fit_samples_per_s=(
                 None if ff_sim is None else round(ff_sim.samples_per_s, 4)
             ),
-            max_staleness=w.max_staleness,
-            publish_every=w.publish_every,
             **({} if verdict is None else verdict.__dict__),
         ),
     )

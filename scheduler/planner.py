@@ -34,6 +34,7 @@ from scheduler.plan_record import to_plan
 from scheduler.polish import GAIN
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, SimResult, simulate
+from scheduler.tasks import reserve_tasks
 from scheduler.topology import Topology
 from scheduler.trainers import trainer_configs
 from scheduler.workload import Workload
@@ -235,7 +236,16 @@ def make_plan(
 ) -> PlanResult:
     if (budget is None) == (target is None):
         raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
-    inventory = cl
+    reserved = reserve_tasks(cl, w.tasks)  # the tasks beyond generate and train first
+    whole_budget = budget
+    if budget is not None and reserved.usd_per_h:
+        if reserved.usd_per_h >= budget:
+            raise ConfigError(
+                f"the workflow's tasks cost ${reserved.usd_per_h:.2f}/h of the ${budget:.2f}/h "
+                "budget: expected budget left for the generation and training pools"
+            )
+        budget -= reserved.usd_per_h
+    inventory = cl = reserved.cluster
     cl, names = merge_identical(cl)  # the plan speaks the inventory's machine names
     p = problem_for(cl, m, w, prof)
     found = search(
@@ -297,6 +307,9 @@ def make_plan(
     plan = to_plan(
         inventory, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
     )
+    plan.decisions.tasks = reserved.placements
+    plan.predicted.cost_usd_per_h = round(plan.predicted.cost_usd_per_h + reserved.usd_per_h, 2)
+    plan.budget_usd_per_h = whole_budget
     plan.baselines.local_search_moves = found.moves
     plan.baselines.milp_pick_samples_per_s = round(found.pick_rate, 4)
     return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
@@ -418,7 +431,7 @@ def simulate_solution(
         insts.append(SimInstance(node, rc.batch, rc.prefill_s, sync, step_fn))
     return simulate(
         insts,
-        batch_groups=w.groups_per_step,
+        groups_per_step=w.groups_per_step,
         group_size=w.group_size,
         max_staleness=w.max_staleness,
         publish_every=w.publish_every,

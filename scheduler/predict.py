@@ -15,7 +15,7 @@ held against a prediction made with the same cost model:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.cluster import Cluster
 from scheduler.costmodel import (
@@ -24,6 +24,7 @@ from scheduler.costmodel import (
     decode_step_s,
     pipeline_rate,
     rollout_config,
+    scaled,
     update_latency_s,
     weight_sync_s,
 )
@@ -32,6 +33,7 @@ from scheduler.partition import sync_on_topology
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
 from scheduler.topology import Topology
+from scheduler.traffic import traffic_on_topology
 from scheduler.trainers import cost_trainer
 from scheduler.workload import Workload
 
@@ -114,12 +116,37 @@ def predict_layout(
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     links = _syncs(cl, m, w, opts, tr, nodes)
-    asyn = _asynchronous(w, prof, opts, tr, links, _idle_syncs(cl, w, prof, opts, tr, links))
+    a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
+    asyn = _asynchronous(w, prof, a_opts, a_tr, links, _idle_syncs(cl, w, prof, opts, tr, links))
     sync_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})
+    s_opts, s_tr = _with_traffic(cl, m, sync_w, opts, tr, nodes, blocks=False)
     syn = _synchronous(
-        cl, m, sync_w, prof, opts, tr, max_inflight_groups, _syncs(cl, m, sync_w, opts, tr, nodes)
-    )
+        cl, m, sync_w, prof, s_opts, s_tr, max_inflight_groups,
+        _syncs(cl, m, sync_w, opts, tr, nodes),
+    )  # fmt: skip
     return LayoutPrediction(asyn, syn)
+
+
+def _with_traffic(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    opts: list[RolloutOption],
+    tr: TrainerOption,
+    nodes: LayoutNodes | None,
+    blocks: bool,
+) -> tuple[list[RolloutOption], TrainerOption]:
+    """The instances and trainer with the head node's traffic on the plan's machines
+    (`traffic.traffic_on_topology`): each instance at the rate its links carry, the
+    trainer's step with its read of the records and, with `blocks`, its network send
+    (`TrafficCost.step_s`)."""
+    if nodes is None or not Topology(cl).declared:
+        return opts, tr
+    rates = [o.samples_per_s for o in opts]
+    tc = traffic_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), rates, tr.samples_per_s)
+    step = tc.step_s(tr.step_s, w.publish_every, blocks)
+    new_tr = replace(tr, step_s=step, samples_per_s=w.samples_per_step / step)
+    return [scaled(o, f) for o, f in zip(opts, tc.gen_factors, strict=True)], new_tr
 
 
 def _syncs(
@@ -249,7 +276,7 @@ def _synchronous(
         step += tr.sync_compute_s - tr.compute_s
     res = simulate(
         sim_insts,
-        batch_groups=w.groups_per_step,
+        groups_per_step=w.groups_per_step,
         group_size=w.group_size,
         max_staleness=0,
         publish_every=1,

@@ -64,7 +64,7 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
         if b.simulated_samples_per_s is not None:
             sim = res.sim
             idle = (
-                f", {sim.dropped} groups dropped as stale, trainer idle "
+                f", {sim.groups_dropped_stale} groups dropped as stale, trainer idle "
                 f"{sim.trainer_idle_frac:.0%}, rollout busy {sim.rollout_busy_frac:.0%}"
                 if sim is not None
                 else ""

@@ -63,15 +63,15 @@ class SimResult:
     generation_samples_per_s: float
     steps: int
     max_version_lag: int
-    staleness_hist: dict[int, int]  # versions behind the buffer's -> groups trained
+    version_lag_hist: dict[int, int]  # versions behind the buffer's -> groups trained
     trainer_idle_frac: float
     rollout_busy_frac: float
-    dropped: int = 0  # finished groups older than v - eta, dropped unused
+    groups_dropped_stale: int = 0  # finished groups older than v - eta, dropped unused
 
 
 @dataclass
 class _Workload:
-    batch_groups: int
+    groups_per_step: int
     group_size: int
     max_staleness: int
     publish_every: int
@@ -96,7 +96,7 @@ class Simulation:
         self.seq = 0
         self.now, self.version, self.submitted, self.trained = 0.0, 0, 0, 0
         self.served = 0  # version of the weights the instances hold (the last publish)
-        self.dropped = 0
+        self.groups_dropped_stale = 0
         self.given_back = 0  # dropped groups, handed back to the gate as the buffer does
         self.group_left: dict[int, int] = {}  # samples still generating, per group
         self.group_ver: dict[int, int] = {}  # version of the weights that generate it
@@ -126,7 +126,10 @@ class Simulation:
         one instance (one batched request, as the controller sends it): the one with the
         most free slots."""
         w = self.w
-        if self.submitted - self.given_back >= (self.served + w.max_staleness + 1) * w.batch_groups:
+        if (
+            self.submitted - self.given_back
+            >= (self.served + w.max_staleness + 1) * w.groups_per_step
+        ):
             return False
         if w.max_inflight_groups is not None and len(self.group_left) >= w.max_inflight_groups:
             return False
@@ -184,13 +187,13 @@ class Simulation:
                 keep.append(g)
             else:
                 del self.group_ver[g]
-                self.dropped += 1
+                self.groups_dropped_stale += 1
                 self.given_back += 1
         self.finished = keep
 
     def try_train(self) -> None:
         """Start a step on the B oldest fresh finished groups when the trainer is free."""
-        b = self.w.batch_groups
+        b = self.w.groups_per_step
         if self.trainer_busy:
             return
         self.drop_stale()
@@ -238,21 +241,21 @@ class Simulation:
         measured = self.trained - w.warmup
         busy = sum(x.busy_s for x in self.inst) / max(1e-9, now * len(self.inst))
         return SimResult(
-            samples_per_s=measured * w.batch_groups * w.group_size / span,
+            samples_per_s=measured * w.groups_per_step * w.group_size / span,
             generation_samples_per_s=(self.gen_done - self.gen_warm) / span,
             steps=self.trained,
             max_version_lag=max(self.hist, default=0),
-            staleness_hist=dict(sorted(self.hist.items())),
+            version_lag_hist=dict(sorted(self.hist.items())),
             trainer_idle_frac=self.trainer_idle / span,
             rollout_busy_frac=busy,
-            dropped=self.dropped,
+            groups_dropped_stale=self.groups_dropped_stale,
         )
 
 
 def simulate(
     instances: list[SimInstance],
     *,
-    batch_groups: int,
+    groups_per_step: int,
     group_size: int,
     max_staleness: int,
     publish_every: int,
@@ -265,7 +268,7 @@ def simulate(
     max_inflight_groups: int | None = None,
 ) -> SimResult:
     w = _Workload(
-        batch_groups,
+        groups_per_step,
         group_size,
         max_staleness,
         publish_every,

@@ -23,6 +23,7 @@ from scheduler.cluster import Cluster, machine_name
 
 GB = 1e9
 
+HEAD = "head"  # the head node's name in `Topology.add_head`
 Resource = tuple[str, str]  # ("out" | "in", machine) or ("up" | "down", rack)
 
 
@@ -63,6 +64,17 @@ class Topology:
                     nic_gbs=g.nic_gbs,
                     intra_gbs=g.intra_node.bandwidth_gbs,
                 )
+
+    def add_head(self, zone: str) -> str:
+        """The head node (Valkey, the rollout controller) on the spine of `zone`: outside
+        every rack, so that its traffic with a machine in a rack crosses that rack's
+        uplink; no NIC of its own. Returns its name."""
+        name = f"{HEAD}:{zone}"
+        z = self.cl.zone_of[zone]
+        self.machines.setdefault(
+            name, Machine(name, "", zone, f"spine:{zone}", 0, None, z.inter_node_bandwidth_gbs)
+        )
+        return name
 
     @property
     def declared(self) -> bool:

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from areal_hex.config.base import ConfigError, Section, build, read_yaml, refuse_renamed
 from areal_hex.config.checks import check_publish_every
 from areal_hex.config.rollout import WeightSyncMode
+from areal_hex.config.workflow import TaskSpec
 from areal_hex.plan import RENAMED_KEYS
 
 # Bounds on what a workload may ask, far past the RL recipes in use (hundreds of prompts x
@@ -57,11 +58,28 @@ class CostConstants(Section):
     # costing the link's latency only.
     storage_on_links: bool = True
     # rollout.weight_sync=network: bytes sent per parameter (bf16 2; a CPU trainer's
-    # fp32 4), the bucket size (trainer.weight_sync_bucket_mb) and the fixed cost of one
+    # fp32 4), the bucket size (rollout.weight_sync_bucket_mb) and the fixed cost of one
     # bucket (its HTTP call to each server and the load between two decode steps), ms.
     weight_sync_bytes_per_param: float = Field(2.0, gt=0)
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_bucket_overhead_ms: float = Field(5.0, ge=0)
+    # Bytes on the wire between the head node (Valkey, the controller) and the services,
+    # per sample (scheduler/traffic.py): fitted (least squares over 40 groups of 8, mean
+    # prompt 33.9 tokens, mean answer 15.0) to what the box's tiny job sent through the
+    # built-in server, its client (rollout_service/client.py, rollout_service/wire.py) and
+    # the record codec (areal_hex/buffer/codec.py); docs/fidelity.md, "The traffic priced".
+    # The /generate request (the prompt's ids as JSON, once per sample of the group):
+    http_request_bytes_per_sample: float = Field(61.0, ge=0)
+    http_request_bytes_per_prompt_token: float = Field(3.2, ge=0)
+    # The response (output ids, [log-prob, id, null] per token, versions, meta):
+    http_response_bytes_per_sample: float = Field(344.0, ge=0)
+    http_response_bytes_per_token: float = Field(37.1, ge=0)
+    # The group record the trainer reads from Valkey: the header's per-sample fields, the
+    # prompt's int32 ids once per group, 12 bytes per token (id, log-prob, version) and
+    # the answer's text:
+    record_bytes_per_sample: float = Field(69.0, ge=0)
+    record_bytes_per_prompt_token: float = Field(4.0, ge=0)  # per group
+    record_bytes_per_token: float = Field(13.3, ge=0)
     # Rank 0 writes the bf16 weights (2N bytes) to shared storage at this rate, GB/s.
     storage_write_gbs: float = Field(2.0, gt=0)
     # Fraction of the DP gradient all-reduce hidden behind backward compute (0: none).
@@ -109,6 +127,9 @@ class Workload(Section):
     # How weights reach the rollout instances (rollout.weight_sync): the cost model
     # charges that mode over the links it crosses (costmodel.weight_sync_s).
     weight_sync: WeightSyncMode = "disk"
+    # The workflow's tasks beyond generate and train (the config's workflow.tasks): each
+    # instance gets its devices before the pools are sized (scheduler/tasks.py).
+    tasks: list[TaskSpec] = []
     constants: CostConstants = CostConstants()
 
     @model_validator(mode="before")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from areal_hex.api import (
@@ -53,6 +54,8 @@ class FakeServer:
         self.aborted: set[str] = set()
         self.groups: dict[str, int] = {}  # weight-update groups joined: name -> rank
         self.buckets: list[tuple[str, list[str]]] = []  # (group, tensor names) received
+        # load from disk as the real server does: a directory without config.json fails
+        self.reads_disk = False
 
     def _check_up(self) -> None:
         if self.down:
@@ -121,6 +124,8 @@ class FakeServer:
         self, model_path: str, weight_version: int, abort_all_requests: bool = True
     ) -> None:
         self._check_up()
+        if self.reads_disk and not (Path(model_path) / "config.json").is_file():
+            raise ServerDown(f"model_path {model_path!r}: no config.json in {model_path}")
         self.updates.append((model_path, weight_version))
         await asyncio.sleep(0.05)
         self.version = weight_version
@@ -187,7 +192,7 @@ class MemoryProducer:
         self.released = 0
         self.admitted = 0  # every admission ever made (the data position)
         self.given_back: Counter[str] = Counter()
-        self.dropped = 0  # groups the trainer dropped as stale (owed)
+        self.groups_dropped_stale = 0  # groups the trainer dropped as stale (owed)
         self.max_over: int = 0  # most groups ever admitted beyond the bound (must stay 0)
         self._changed = asyncio.Condition()
         self._updates: asyncio.Queue[VersionUpdate] = asyncio.Queue()
@@ -221,7 +226,9 @@ class MemoryProducer:
 
     async def position(self) -> ProducerPosition:
         held = self.submitted - len(self.groups)
-        return ProducerPosition(self.admitted, held, dict(self.given_back), self.dropped)
+        return ProducerPosition(
+            self.admitted, held, dict(self.given_back), self.groups_dropped_stale
+        )
 
     async def publish(self, version: int, path: str) -> None:
         """The trainer's side (`WeightPublisher.set_version`), for the tests to drive."""

@@ -44,8 +44,6 @@ def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) 
     completions cut at the length limit are left out of the loss the same way."""
     items: list[SeqItem] = []
     for gi, g in enumerate(groups):
-        servers = _per_completion(g, "servers")
-        kinds = _per_completion(g, "gpu_kinds")
         for ci, c in enumerate(g.completions):
             if len(c.token_ids) == 0 or (drop_truncated and c.finish_reason == "length"):
                 continue
@@ -60,17 +58,11 @@ def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) 
                     temperature=float(g.temperature) if g.temperature > 0 else 1.0,
                     completion=ci,
                     versions=c.versions,
-                    server=servers[ci],
-                    gpu_kind=kinds[ci],
+                    server=c.server,
+                    gpu_kind=c.gpu_kind,
                 )
             )
     return items
-
-
-def _per_completion(g: GroupRecord, key: str) -> list[str]:
-    """A comma-separated per-completion metadata field, or "" for each completion."""
-    values = g.metadata.get(key, "").split(",")
-    return values if len(values) == len(g.completions) else [""] * len(g.completions)
 
 
 def assign_to_ranks(

@@ -38,7 +38,7 @@ from areal_hex.config.trainer import TrainerConfig
 from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
 from trainer_service.critic import CHECKPOINT_TAG as CRITIC_TAG
-from trainer_service.publish import AsyncPublisher, NetworkSink, full_state_dict
+from trainer_service.publish import AsyncPublisher, NetworkSink, Redelivery, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
 
 
@@ -53,7 +53,7 @@ class TrainerPaths:
 @dataclass
 class Totals:
     groups_trained_total: int = 0
-    dropped_stale_total: int = 0
+    groups_dropped_stale_total: int = 0
     dead_letter_total: int = 0
     degenerate_groups_total: int = 0
     tokens_total: int = 0
@@ -101,6 +101,7 @@ class Trainer:
             ctx.before_update = self.publisher.wait
         self._stop = threading.Event()
         self.committed_log = RunPaths.at(paths.run_dir).committed
+        self.redelivery = Redelivery()
 
     def request_stop(self) -> None:
         """Finish the step under way, checkpoint it and return from `run` (signal-safe)."""
@@ -197,11 +198,43 @@ class Trainer:
             tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
         if self.publisher is not None and tensors is not None and not network:
             self.publisher.publish_now(v, tensors, announce=False)
-        if self.rank == 0 and self.consumer is not None:
+        if self.rank == 0 and self.consumer is not None and not network:
             # also restores the gate's admission count
             self.consumer.restore(v, str(target.resolve()))
         if self.publisher is not None and tensors is not None and network:
-            self.publisher.publish_now(v, tensors)
+            # restored once the new manifest is left: the controller reads the new group,
+            # never the manifest of a trainer before this one
+            consumer = self.consumer
+            restore = None if consumer is None else consumer.restore
+            self.publisher.publish_now(v, tensors, via=restore)
+
+    def _maybe_redeliver(self) -> None:
+        """Rank 0, waiting for a batch with network weight sync: send the current version
+        again over a new group when it is due (`Redelivery`); the buffer's version is
+        restored to it once the new manifest is left (a new lineage), so that the
+        controller has every server join the new group and load it, the restarted ones
+        included. Under ZeRO-3 the
+        weights are gathered collectively, which rank 0 cannot do alone: not there."""
+        pub = self.publisher
+        sink = pub.network if pub is not None else None
+        now = time.monotonic()
+        if sink is None or self.consumer is None or not self.redelivery.due(sink, now):
+            return
+        if self.cfg.zero_stage == 3:
+            return
+        assert pub is not None
+        pub.wait()  # a publication under way may deliver it yet
+        if not self.redelivery.due(sink, time.monotonic()):
+            return
+        tensors = full_state_dict(self.ctx.engine, self.cfg.zero_stage, self.rank)
+        if tensors is None:
+            return
+        v = self.state.version
+        why = "not delivered" if sink.undelivered is not None else "no group for long"
+        print(f"trainer: sending weights v{v} again over the network ({why})", flush=True)
+        sink.regroup()  # never the group the servers may hold it from already
+        pub.publish_now(v, tensors, via=self.consumer.restore)
+        self.redelivery.sent(time.monotonic())
 
     def _announce(self, version: int, path: str) -> None:
         if self.consumer is not None:
@@ -224,7 +257,7 @@ class Trainer:
         st.version = st.step
         tot = st.totals
         tot.groups_trained_total += len(batch.groups)
-        tot.dropped_stale_total += batch.dropped_stale
+        tot.groups_dropped_stale_total += batch.groups_dropped_stale
         tot.dead_letter_total += batch.dead_lettered
         tot.degenerate_groups_total += result.degenerate_groups
         tot.tokens_total += result.num_tokens
@@ -268,7 +301,7 @@ class Trainer:
         return Batch(
             entry_ids=[b.entry_ids[i] for i in order],
             groups=[b.groups[i] for i in order],
-            dropped_stale=b.dropped_stale,
+            groups_dropped_stale=b.groups_dropped_stale,
             dead_lettered=b.dead_lettered,
             version_lags=[b.version_lags[i] for i in order],
         )
@@ -293,8 +326,11 @@ class Trainer:
                         f"trainer: no batch for step {self.state.step + 1} after {limit:g} s "
                         f"(trainer.batch_timeout_s): {exc}"
                     ) from None
+                self._maybe_redeliver()
                 continue  # what was read so far is kept by the consumer
-            out.dropped_stale += b.dropped_stale
+            if b.groups:
+                self.redelivery.group_arrived(time.monotonic())
+            out.groups_dropped_stale += b.groups_dropped_stale
             out.dead_lettered += b.dead_lettered
             stal = b.version_lags or [self.state.version - g.version for g in b.groups]
             for eid, g, s in zip(b.entry_ids, b.groups, stal, strict=True):
@@ -381,7 +417,7 @@ class Trainer:
             kl=r.sums["kl"] / tokens,
             grad_norm=r.grad_norm,
             lr=float(self.ctx.engine.get_lr()[0]),
-            staleness_hist=dict(hist),
+            version_lag_hist=dict(hist),
             mismatch=r.extra.get("mismatch", {}),
             max_version_lag=max(batch.version_lags, default=0),
             degenerate_groups=r.degenerate_groups,

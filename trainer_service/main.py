@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig, load_config
+from areal_hex.device_kind import device_kind
 from areal_hex.errors import UsageError
 from areal_hex.gc_freeze import freeze_startup
 from areal_hex.lifetime import tie_to_launcher
@@ -23,7 +24,6 @@ from areal_hex.prom import (
     BufferCollector,
     MetricsServer,
     TrainerCollector,
-    device_kind,
     prediction_collectors,
     registry_with,
 )
@@ -164,9 +164,9 @@ def make_network_sink(cfg: ExperimentConfig) -> NetworkSink | None:
 
     if cfg.redis.url is None or cfg.run.run_id is None:
         raise UsageError("rollout.weight_sync=network needs redis.url and run.run_id")
-    t, run_id = cfg.trainer, cfg.run.run_id
+    ws, run_id = cfg.rollout, cfg.run.run_id
     first = urlparse(cfg.inference.urls()[0]).hostname or "127.0.0.1"
-    address = t.weight_sync_address or address_toward(first)
+    address = ws.weight_sync_address or address_toward(first)
     client = open_redis(cfg.redis).sync_client()
 
     def put_manifest(m: Manifest) -> None:
@@ -174,13 +174,13 @@ def make_network_sink(cfg: ExperimentConfig) -> NetworkSink | None:
 
     return NetworkSink(
         master_address=address,
-        master_port=t.weight_sync_port or free_port(address),
+        master_port=ws.weight_sync_port or free_port(address),
         server_ranks=len(cfg.inference.urls()) * weight_sync_ranks_per_server(cfg),
         backend=weight_sync_backend(cfg),
-        bucket_bytes=int(t.weight_sync_bucket_mb * 2**20),
-        timeout_s=t.weight_sync_timeout_s,
+        bucket_bytes=int(ws.weight_sync_bucket_mb * 2**20),
+        timeout_s=ws.weight_sync_timeout_s,
         put_manifest=put_manifest,
-        ifname=t.weight_sync_ifname,
+        ifname=ws.weight_sync_ifname,
     )
 
 

@@ -19,6 +19,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,10 @@ class NetworkSink:
     join the group if not yet joined (it forms once every server has joined), broadcast
     bucket by bucket. A failed broadcast (a server gone) drops the group: the next
     version forms a new one (`group_name` with the next epoch), which the controller
-    sees in the manifest and has the servers join."""
+    sees in the manifest and has the servers join, and the version not delivered is
+    kept in `undelivered` for the trainer to send again (Trainer.redeliver). Each
+    trainer process names its groups with its own `incarnation`, so a restarted
+    trainer never meets servers still in the group of the one that died."""
 
     master_address: str
     master_port: int
@@ -134,6 +138,8 @@ class NetworkSink:
     epoch: int = 0
     last_sync_s: float = 0.0
     failures: int = 0
+    undelivered: int | None = None  # the version whose broadcast failed last, if any
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     _group: WeightGroup | None = field(default=None, repr=False)
     _store: Any = field(default=None, repr=False)  # the TCPStore, kept across groups
 
@@ -142,7 +148,7 @@ class NetworkSink:
             master_address=self.master_address,
             master_port=self.master_port,
             world_size=self.server_ranks + 1,
-            group_name=f"{GROUP_NAME}-{self.epoch}",
+            group_name=f"{GROUP_NAME}-{self.incarnation}-{self.epoch}",
             backend=self.backend,
         )
 
@@ -167,22 +173,60 @@ class NetworkSink:
                 self._group.broadcast([tensors[n] for n in bucket.names])
         except RuntimeError as exc:  # a server left or never joined (c10d's errors)
             self.failures += 1
-            self.close()
-            self.epoch += 1
+            self.undelivered = version
+            self.regroup()
             log.warning(
-                "weights v%d not delivered over the network (%s); the next version forms "
-                "group epoch %d",
+                "weights v%d not delivered over the network (%s); it is sent again, or the "
+                "next version, over group %s",
                 version,
                 exc,
-                self.epoch,
+                self.group_spec().group_name,
             )
             return
+        self.undelivered = None
         self.last_sync_s = time.perf_counter() - t0
+
+    def regroup(self) -> None:
+        """Leave the group: the next version (or this one again) forms a new one."""
+        self.close()
+        self.epoch += 1
 
     def close(self) -> None:
         if self._group is not None:
             self._group.close()
             self._group = None
+
+
+@dataclass
+class Redelivery:
+    """When rank 0, waiting for a batch, sends its current version over the network
+    again (a new group): at once when the last broadcast failed (`NetworkSink.undelivered`),
+    or when no group has arrived for `after_s` — a server that restarted since the last
+    broadcast holds its initial weights, and the controller's gate holds its groups back
+    until it has the current version. `after_s` starts at `min_s` and is at least three
+    times the longest wait between groups seen so far (a slow generation is not taken
+    for a lost server); each redelivery doubles it, up to `max_s`."""
+
+    min_s: float = 30.0
+    max_s: float = 600.0
+    after_s: float = 30.0
+    longest_gap_s: float = 0.0
+    last_group: float = field(default_factory=time.monotonic)
+    tries: int = 0
+
+    def group_arrived(self, now: float) -> None:
+        self.longest_gap_s = max(self.longest_gap_s, now - self.last_group)
+        self.last_group = now
+        self.after_s = max(self.min_s, 3 * self.longest_gap_s)
+
+    def due(self, sink: NetworkSink, now: float) -> bool:
+        idle = now - self.last_group
+        return idle >= (self.min_s / 10 if sink.undelivered is not None else self.after_s)
+
+    def sent(self, now: float) -> None:
+        self.tries += 1
+        self.last_group = now
+        self.after_s = min(2 * self.after_s, self.max_s)
 
 
 class AsyncPublisher:
@@ -222,10 +266,16 @@ class AsyncPublisher:
         return waited
 
     def publish_now(
-        self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        announce: bool = True,
+        via: Callable[[int, str], None] | None = None,
     ) -> None:
+        """Publish on this thread; `via` announces it instead of `announce` (over the
+        network, after the manifest is left: a restore of the buffer's version)."""
         self.wait()
-        self._write(version, tensors, announce)
+        self._write(version, tensors, announce, via)
         self._raise()
 
     def wait(self) -> float:
@@ -241,11 +291,17 @@ class AsyncPublisher:
             err, self._error = self._error, None
             raise RuntimeError(f"weight publication failed: {err}") from err
 
-    def _write(self, version: int, tensors: dict[str, torch.Tensor], announce: bool = True) -> None:
+    def _write(
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        announce: bool = True,
+        via: Callable[[int, str], None] | None = None,
+    ) -> None:
         try:
             t0 = time.perf_counter()
             if self.network is not None:
-                self.network.publish(version, tensors, self.announce)
+                self.network.publish(version, tensors, via or self.announce)
                 self.last_write_s = time.perf_counter() - t0
                 self.published.append(version)
                 return
@@ -309,8 +365,7 @@ def broadcast_versions(
     try:
         while (version := go.get()) is not None:
             if version == "regroup":
-                sink.close()
-                sink.epoch += 1
+                sink.regroup()
                 continue
             sink.publish(version, tensors, lambda v, p: None)
             out.put(("sent", sink.last_sync_s, sink.failures))

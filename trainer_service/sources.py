@@ -36,6 +36,8 @@ def group_to_json(g: GroupRecord) -> dict[str, Any]:
                 "versions": c.versions.tolist(),
                 "finish_reason": c.finish_reason,
                 "reward": c.reward,
+                "server": c.server,
+                "gpu_kind": c.gpu_kind,
             }
             for c in g.completions
         ],
@@ -51,6 +53,8 @@ def group_from_json(d: dict[str, Any], where: str) -> GroupRecord:
                 versions=np.asarray(c["versions"]),
                 finish_reason=c["finish_reason"],
                 reward=float(c["reward"]),
+                server=_text(c.get("server", "")),
+                gpu_kind=_text(c.get("gpu_kind", "")),
             )
             for c in d["completions"]
         ]
@@ -62,6 +66,12 @@ def group_from_json(d: dict[str, Any], where: str) -> GroupRecord:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where}: not a group record ({exc})") from exc
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string for server/gpu_kind, got {type(value).__name__}")
+    return value
 
 
 def write_replay(path: str | Path, groups: Iterable[GroupRecord]) -> Path:
@@ -129,7 +139,7 @@ class ReplayConsumer:
             pending=0,
             unconsumed=0,
             submitted=self._position,
-            dropped_stale=0,
+            groups_dropped_stale=0,
             dead_letter=0,
             version=self._version,
         )

@@ -1,13 +1,14 @@
 """Wire format of a `GroupRecord`: a small msgpack header followed by raw little-endian
 numpy buffers, decoded with validation.
 
-Layout (schema 1):
+Layout (schema 2):
 
     u32 (little-endian) H | H bytes: msgpack header | array data
 
-    header = {"schema": 1, "pid": str, "temp": float, "t0": float, "t1": float,
+    header = {"schema": 2, "pid": str, "temp": float, "t0": float, "t1": float,
               "meta": {str: str}, "lens": [T_0, ..., T_{G-1}],
               "finish": [str] * G, "reward": [float] * G, "text": [str] * G,
+              "server": [str] * G, "gpu_kind": [str] * G,
               "arrays": [["prompt", "<i4", nbytes],       # (P,) prompt token ids
                          ["tokens", "<i4", nbytes],       # (sum T,) all completions' tokens
                          ["logprobs", "<f4", nbytes],     # (sum T,) behaviour log-probs
@@ -118,6 +119,8 @@ def encode_group_parts(group: GroupRecord) -> tuple[int, list[Any]]:
         "finish": [c.finish_reason for c in comps],
         "reward": [float(c.reward) for c in comps],
         "text": [c.text for c in comps],
+        "server": [c.server for c in comps],
+        "gpu_kind": [c.gpu_kind for c in comps],
         "arrays": [
             ["prompt", DTYPES["prompt"], prompt.nbytes],
             *([k, DTYPES[k], total * ITEMSIZE[k]] for k in ARRAY_ORDER[1:]),
@@ -185,7 +188,11 @@ def _list_of(body: dict[str, Any], key: str, types: tuple[type, ...], n: int) ->
 def _check_schema(body: dict[str, Any]) -> None:
     schema = body.get("schema")
     if schema != SCHEMA_VERSION or isinstance(schema, bool):
-        raise DecodeError("schema", f"version {schema!r} not supported (expected {SCHEMA_VERSION})")
+        older = type(schema) is int and 0 < schema < SCHEMA_VERSION
+        hint = " (written by an older areal-hex: drain or reset its buffer)" if older else ""
+        raise DecodeError(
+            "schema", f"version {schema!r} not supported (expected {SCHEMA_VERSION}){hint}"
+        )
 
 
 def decode_group(payload: bytes, copy: bool = False) -> GroupRecord:
@@ -225,6 +232,8 @@ def decode_group_with_versions(payload: bytes, copy: bool = False) -> tuple[Grou
     if not all(map(math.isfinite, rewards)):
         raise DecodeError("reward", "contains a non-finite reward")
     texts = _list_of(body, "text", (str,), g)
+    servers = _list_of(body, "server", (str,), g)
+    kinds = _list_of(body, "gpu_kind", (str,), g)
     meta = _get(body, "meta", dict)
     if not all(type(k) is str and type(v) is str for k, v in meta.items()):
         raise DecodeError("meta", "expected a map of str to str")
@@ -232,11 +241,12 @@ def decode_group_with_versions(payload: bytes, copy: bool = False) -> tuple[Grou
     tokens, logprobs, versions = arrays["tokens"], arrays["logprobs"], arrays["versions"]
     comps, lo = [], 0
     checked = Completion.from_checked
-    for t, reason, reward, text in zip(lens, finish, rewards, texts, strict=True):
+    for t, reason, reward, text, server, kind in zip(
+        lens, finish, rewards, texts, servers, kinds, strict=True
+    ):
         hi = lo + t
-        comps.append(
-            checked(tokens[lo:hi], logprobs[lo:hi], versions[lo:hi], reason, float(reward), text)
-        )
+        arrays_i = tokens[lo:hi], logprobs[lo:hi], versions[lo:hi]
+        comps.append(checked(*arrays_i, reason, float(reward), text, server, kind))
         lo = hi
     group = GroupRecord.from_checked(
         prompt_id=_get(body, "pid", str),

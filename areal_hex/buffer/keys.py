@@ -66,8 +66,8 @@ class BufferKeys:
         return self._k("dead_count")
 
     @property
-    def dropped_stale(self) -> str:  # groups dropped: older than v - eta, or newer than v
-        return self._k("dropped_stale")
+    def groups_dropped_stale(self) -> str:  # groups dropped: older than v - eta, or newer than v
+        return self._k("groups_dropped_stale")
 
     @property
     def lineage(self) -> str:  # restores so far: a version after one may be lower

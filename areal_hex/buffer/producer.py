@@ -166,7 +166,7 @@ class RedisTrajectoryProducer:
         k = self.keys
         keys = [k.submitted, k.leases, k.given_back("reclaimed"), k.admitted]
         keys += [k.given_back(r) for r in GIVE_BACK_REASONS]
-        keys.append(k.dropped_stale)  # read like a given-back counter
+        keys.append(k.groups_dropped_stale)  # read like a given-back counter
         admitted, held, *back, dropped = await self._position(keys=keys, args=[k.lease("")])
         given_back = {r: int(x) for r, x in zip(GIVE_BACK_REASONS, back, strict=True)}
         return ProducerPosition(int(admitted), int(held), given_back, int(dropped))

@@ -126,7 +126,7 @@ return id
 
 # Reclaim what dead holders held, then report the durable position of production.
 # KEYS: submitted, leases, reclaimed, admitted, then counters read as they are (one
-# given-back counter per reason, dropped_stale). ARGV: heartbeat key prefix.
+# given-back counter per reason, groups_dropped_stale). ARGV: heartbeat key prefix.
 # Returns {admitted, held by live holders, each counter...}.
 POSITION = (
     _RECLAIM
@@ -159,7 +159,7 @@ return n
 # at least the checkpoint's.
 # The lineage is bumped: versions published from now on follow the restored one, even
 # when it is lower than what was published before (a trainer that lost its newest).
-# KEYS: version, weights_path, submitted, leases, reclaimed, acked, dropped_stale,
+# KEYS: version, weights_path, submitted, leases, reclaimed, acked, groups_dropped_stale,
 # dead_count, traj, admitted, lineage.  ARGV: version, path, B, heartbeat key prefix,
 # position.  Returns {submitted, the count it replaced, lineage}.
 RESTORE = (

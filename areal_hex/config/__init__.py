@@ -27,6 +27,7 @@ from areal_hex.config.redis import RedisConfig
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.config.run import RunConfig
 from areal_hex.config.trainer import TrainerConfig
+from areal_hex.config.workflow import TaskSpec, WorkflowConfig
 
 __all__ = [
     "AlgoConfig",
@@ -41,9 +42,12 @@ __all__ = [
     "RunConfig",
     "SGLangConfig",
     "Section",
+    "TaskSpec",
     "TinyModelConfig",
     "TrainerConfig",
+    "WorkflowConfig",
     "load_config",
+    "resolve_mode",
     "save_config",
 ]
 
@@ -58,6 +62,12 @@ class ExperimentConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     trainer: TrainerConfig = TrainerConfig()
+    workflow: WorkflowConfig = WorkflowConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_mode(cls, data: object) -> object:
+        return resolve_mode(data)
 
     @model_validator(mode="after")
     def _prompt_and_answer_fit_the_context(self) -> ExperimentConfig:
@@ -95,6 +105,31 @@ class ExperimentConfig(Section):
                 f"{total} to the policy: expected fewer warm-up steps than steps"
             )
         return self
+
+
+# What `run.mode: sync` means, whatever else the config or a plan says: the gate admits
+# a batch only after the trainer published the version it trains (η = 0), and it
+# publishes after every step (k = 1). Every entry point (run, deploy, box, a bench)
+# builds its config through ExperimentConfig, so all of them run what the mode says.
+SYNC_MODE_KEYS = {("buffer", "max_staleness"): 0, ("trainer", "publish_every"): 1}
+
+
+def resolve_mode(data: object) -> object:
+    """The raw config with `run.mode` applied: in sync mode, η = 0 and k = 1."""
+    if not isinstance(data, dict):
+        return data
+    run = data.get("run")
+    mode = run.mode if isinstance(run, RunConfig) else (run or {}).get("mode")
+    if mode != "sync":
+        return data
+    data = dict(data)
+    for (section, key), value in SYNC_MODE_KEYS.items():
+        sub = data.get(section)
+        if isinstance(sub, Section):
+            data[section] = sub.model_copy(update={key: value})
+        elif isinstance(sub, dict) or sub is None:
+            data[section] = {**(sub or {}), key: value}
+    return data
 
 
 def load_config(

@@ -32,7 +32,8 @@ def weight_sync_ranks_per_server(cfg: ExperimentConfig) -> int:
 
 def check_weight_sync(cfg: ExperimentConfig) -> None:
     """rollout.weight_sync=network needs a controller to drive the servers (so the buffer,
-    not a replay file), and the trainer's network options only mean something with it."""
+    not a replay file), and the network mode's address, port and interface only mean
+    something with it."""
     if cfg.rollout.weight_sync == "network":
         if cfg.trainer.replay_path is not None:
             raise ConfigError(
@@ -41,19 +42,19 @@ def check_weight_sync(cfg: ExperimentConfig) -> None:
                 "use rollout.weight_sync=disk"
             )
         return
-    t = cfg.trainer
+    r = cfg.rollout
     set_ = [
         name
         for name, value in (
-            ("weight_sync_address", t.weight_sync_address),
-            ("weight_sync_port", t.weight_sync_port),
-            ("weight_sync_ifname", t.weight_sync_ifname),
+            ("weight_sync_address", r.weight_sync_address),
+            ("weight_sync_port", r.weight_sync_port),
+            ("weight_sync_ifname", r.weight_sync_ifname),
         )
         if value is not None
     ]
     if set_:
         raise ConfigError(
-            f"trainer.{set_[0]} is set but rollout.weight_sync is 'disk': it only applies "
+            f"rollout.{set_[0]} is set but rollout.weight_sync is 'disk': it only applies "
             "to rollout.weight_sync=network"
         )
 

@@ -65,6 +65,17 @@ class RolloutConfig(Section):
     # that sampled each token). "auto": retract when every server reports token
     # versions, else abort.
     update_pause: UpdatePause = "auto"
-    # How new weights reach the servers (WeightSyncMode above); the network side's
-    # address, port, interface and bucket size are trainer.weight_sync_*.
+    # How new weights reach the servers (WeightSyncMode above). The settings below are
+    # the network mode's (refused with disk): the address the servers reach trainer rank
+    # 0 at for the weight-update group (None: the trainer host's address on the route to
+    # the first server), its TCPStore port (None: a free one; the controller reads both
+    # from the manifest), the network interface gloo uses (None: GLOO_SOCKET_IFNAME, else
+    # the address's); then, for the network mode, the bucket size (one
+    # /update_weights_from_distributed call each) and how long a group may take to form
+    # or a bucket to arrive.
     weight_sync: WeightSyncMode = "disk"
+    weight_sync_address: str | None = None
+    weight_sync_port: int | None = Field(None, gt=0, lt=65536)
+    weight_sync_ifname: str | None = None
+    weight_sync_bucket_mb: float = Field(512.0, gt=0)
+    weight_sync_timeout_s: float = Field(300.0, gt=0)

@@ -46,6 +46,13 @@ class RunConfig(Section):
     # Seconds an inference server that answered /health before may go without answering
     # (hung, e.g. SIGSTOPped) before the launcher kills it and starts it again.
     hung_after_s: float = Field(30.0, gt=0)
+    # Seconds the trainer may go without completing an optimizer step, while every
+    # process of the run is alive, before the run counts as stalled: the launcher then
+    # reports which side waits for what (and the progress line shows the wait from half
+    # this on). The clock starts again at each step and at each (re)start of a process.
+    stall_after_s: float = Field(300.0, gt=0)
+    # A stalled run is stopped (exit 1, with the resume hint); false: only reported.
+    stop_on_stall: bool = True
     # Share of the training split used for the tiny model's supervised warm start.
     warm_start_fraction: float = Field(0.5, gt=0, le=1)
     # Share of those warm-start solutions that keep their final `#### answer` line (the

@@ -6,7 +6,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from areal_hex.config.base import Section
+from areal_hex.config.base import Section, refuse_renamed
+
+# The weight-sync settings moved beside their mode (`rollout.weight_sync`).
+RENAMED_KEYS = {
+    f"weight_sync_{k}": f"rollout.weight_sync_{k}"
+    for k in ("address", "port", "ifname", "bucket_mb", "timeout_s")
+}
 
 
 class TrainerConfig(Section):
@@ -67,17 +73,10 @@ class TrainerConfig(Section):
     # under ZeRO-2/3 a micro-batch's passes hold collectives, whose waits would stretch too.
     emulate_slowdown: dict[int, float] = {}
 
-    # rollout.weight_sync=network: the address the servers reach rank 0 at for the
-    # weight-update group (None: this host's address on the route to the first server),
-    # its TCPStore port (None: a free one; the controller reads both from the manifest),
-    # the network interface gloo uses (None: GLOO_SOCKET_IFNAME, else the address's),
-    # the bucket size (one /update_weights_from_distributed call each) and how long a
-    # group may take to form or a bucket to arrive.
-    weight_sync_address: str | None = None
-    weight_sync_port: int | None = Field(None, gt=0, lt=65536)
-    weight_sync_ifname: str | None = None
-    weight_sync_bucket_mb: float = Field(512.0, gt=0)
-    weight_sync_timeout_s: float = Field(300.0, gt=0)
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_names(cls, data: object) -> object:
+        return refuse_renamed(data, RENAMED_KEYS)
 
     @field_validator("emulate_slowdown")
     @classmethod

@@ -1,49 +1,16 @@
 """`areal-hex bench NAME --json`: one module per benchmark; each measures its baseline in
-the same run and returns one JSON object."""
+the same run and returns one JSON object. Two rooms:
+
+- `hexctl.bench.system`: the whole system run as a user runs it (`run`, a plan, a box):
+  e2e, algos, chaos, fidelity, hetero, trl, gpu, and host (the machine's own steadiness
+  under such runs);
+- `hexctl.bench.micro`: one service's internals against a bare baseline, with no
+  launcher: buffer, controller, rollout, trainer, weight-sync, plan (the planner).
+"""
 
 from __future__ import annotations
-
-import contextlib
-import shutil
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 
 class BenchFailed(RuntimeError):
     """A run or part the benchmark needs failed: `areal-hex bench` prints one JSON object
     with `error` (what failed, and where its log is) and exits 1, without a traceback."""
-
-
-def check_run(result: Any, what: str) -> None:
-    """Raise for a run (`launch.run.execute`'s result) that did not finish: an interrupted
-    one (Ctrl-C, SIGTERM) as KeyboardInterrupt, so the benchmark's own clean-up runs and
-    it ends as interrupted; a failed one as BenchFailed, naming `what`."""
-    from hexctl.launch.run import failure_message
-
-    if result.outcome.status == "interrupted":
-        raise KeyboardInterrupt
-    if not result.ok:
-        raise BenchFailed(f"{what} failed: {failure_message(result)}")
-
-
-@contextlib.contextmanager
-def scratch_dir(prefix: str, given: str | Path | None = None) -> Iterator[str]:
-    """The directory for a benchmark's runs: `given` (its `--output-dir`), left as it is;
-    else a new one, removed when the benchmark ends, except when it ends in BenchFailed,
-    whose message names the failed run's log in it (the directory is then kept, and the
-    message says where)."""
-    if given:
-        yield str(given)
-        return
-    path = tempfile.mkdtemp(prefix=prefix)
-    keep = False
-    try:
-        yield path
-    except BenchFailed as exc:
-        keep = True
-        raise BenchFailed(f"{exc}\n(the runs are kept in {path})") from None
-    finally:
-        if not keep:
-            shutil.rmtree(path, ignore_errors=True)

@@ -12,20 +12,20 @@ from typing import Any
 
 # name -> module providing `add_arguments(parser)` and `run(args) -> dict`
 BENCHMARKS: dict[str, str] = {
-    "buffer": "hexctl.bench.buffer",
-    "rollout": "hexctl.bench.rollout",
-    "controller": "hexctl.bench.controller",
-    "trainer": "hexctl.bench.trainer",
-    "e2e": "hexctl.bench.e2e",
-    "chaos": "hexctl.bench.chaos",
-    "algos": "hexctl.bench.algos",
-    "plan": "hexctl.bench.plan",
-    "fidelity": "hexctl.bench.fidelity",
-    "gpu": "hexctl.bench.gpu",
-    "hetero": "hexctl.bench.hetero",
-    "weight-sync": "hexctl.bench.weight_sync",
-    "trl": "hexctl.bench.trl",
-    "host": "hexctl.bench.host",
+    "buffer": "hexctl.bench.micro.buffer",
+    "rollout": "hexctl.bench.micro.rollout",
+    "controller": "hexctl.bench.micro.controller",
+    "trainer": "hexctl.bench.micro.trainer",
+    "e2e": "hexctl.bench.system.e2e",
+    "chaos": "hexctl.bench.system.chaos",
+    "algos": "hexctl.bench.system.algos",
+    "plan": "hexctl.bench.micro.plan",
+    "fidelity": "hexctl.bench.system.fidelity",
+    "gpu": "hexctl.bench.system.gpu",
+    "hetero": "hexctl.bench.system.hetero",
+    "weight-sync": "hexctl.bench.micro.weight_sync",
+    "trl": "hexctl.bench.system.trl",
+    "host": "hexctl.bench.system.host",
 }
 
 

@@ -1,5 +1,6 @@
 """`areal-hex box up|down|exec|check BOX.yaml`: a heterogeneous cluster emulated on this
-machine (network namespaces, shaped links, CPU quotas); see docs/fidelity.md."""
+machine (network namespaces, shaped links, CPU quotas); see docs/fidelity.md.
+`areal-hex box random --seed N --out FILE` writes a feasible box drawn from a seed."""
 
 from __future__ import annotations
 
@@ -29,12 +30,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("dst")
     a.add_argument("--mbytes", type=int, default=10, help="MiB to send (default 10)")
     a.set_defaults(func=_check)
+    a = acts.add_parser("random", help="write a feasible random box (deterministic per seed)")
+    a.add_argument("--seed", type=int, required=True, help="the box's seed")
+    a.add_argument("--out", required=True, help="box YAML to write")
+    a.add_argument(
+        "--cores", type=int, default=2, help="the machine's cores the quotas fit (default 2)"
+    )
+    a.set_defaults(func=_random)
 
 
 def _box_name(text: str) -> str:
     import re
 
-    from hexctl.job.box_spec import NAME_PATTERN, load_box
+    from hexctl.box.spec import NAME_PATTERN, load_box
 
     if text.endswith((".yaml", ".yml")):
         return load_box(text).name
@@ -50,8 +58,8 @@ def _box_name(text: str) -> str:
 def _up(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from hexctl.job import box
-    from hexctl.job.box_spec import load_box
+    from hexctl.box import emulate as box
+    from hexctl.box.spec import load_box
 
     spec = load_box(args.box)
     try:
@@ -65,7 +73,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from hexctl.job import box
+    from hexctl.box import emulate as box
 
     name = _box_name(args.box)
     box.check_host()
@@ -79,7 +87,7 @@ def _exec(args: argparse.Namespace) -> int:
     import os
 
     from areal_hex.errors import UsageError
-    from hexctl.job import box
+    from hexctl.box import emulate as box
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
@@ -90,7 +98,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from hexctl.job import box
+    from hexctl.box import emulate as box
 
     state = box.load_state(_box_name(args.box))
     seconds = box.transfer_s(state.node(args.src), state.node(args.dst), args.mbytes)
@@ -106,4 +114,16 @@ def _check(args: argparse.Namespace) -> int:
             }
         )
     )
+    return 0
+
+
+def _random(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from areal_hex.errors import UsageError
+    from hexctl.box.random_box import write_random_box
+
+    if args.cores < 1:
+        raise UsageError(f"--cores {args.cores}: expected a whole number of cores, 1 or more")
+    print(json.dumps(write_random_box(args.seed, Path(args.out), args.cores)))
     return 0

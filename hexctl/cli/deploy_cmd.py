@@ -96,7 +96,7 @@ def deploy_config(args: argparse.Namespace):  # -> DeployConfig
     """The deploy YAML (if any) with the CLI flags applied on top."""
     from areal_hex.config.base import build, read_yaml
     from hexctl.cli import UsageError
-    from hexctl.job.deploy_config import DeployConfig
+    from hexctl.deploy.config import DeployConfig
 
     data = read_yaml(args.deploy_config) if args.deploy_config else {}
     src = str(args.deploy_config or "deploy flags")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,11 +92,21 @@ def _say(text: str) -> None:
     print(f"areal-hex run: {text}", file=sys.stderr, flush=True)
 
 
+def _on_box(cfg: Any) -> tuple[Any, Any]:  # cfg: ExperimentConfig
+    """`run.box=NAME`: the box's addresses in the run's config and its processes started
+    inside their nodes; (None, None) for a run on this machine as it is."""
+    if cfg.run.box is None:
+        return None, None
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
+
+    return apply_box, place_on_box
+
+
 def _run(args: argparse.Namespace) -> int:
     from hexctl.cli import UsageError, config_from_args
-    from hexctl.job.prepare import preflight, prepare_run
-    from hexctl.job.processes import sigterm_as_ctrl_c
-    from hexctl.launch.run import execute, failure_message
+    from hexctl.job.prepare import apply_mode, default_run_id, preflight
+    from hexctl.launch.run_lock import RunLock
 
     _resume_args(args)
     cfg = config_from_args(args)
@@ -104,29 +116,56 @@ def _run(args: argparse.Namespace) -> int:
 
         plan = load_plan(args.plan)
     preflight(cfg)  # exit 2 before anything is created
-    existed = cfg.run.run_id is not None and cfg.run.run_dir().exists()
+    if cfg.run.run_id is None:
+        cfg.run.run_id = default_run_id(apply_mode(cfg, args.mode))
+    existed = cfg.run.run_dir().exists()
+    if not existed and args.force:
+        raise UsageError("--force goes with --resume RUN_DIR (a run directory in use)")
+    with RunLock(cfg.run.run_dir()):  # before anything is written; held to the end
+        return _launch(args, cfg, plan, existed)
+
+
+def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int:
+    """The run, its directory locked by this launcher."""
+    from hexctl.cli import UsageError
+    from hexctl.job.prepare import prepare_run
+    from hexctl.job.processes import sigterm_as_ctrl_c
+    from hexctl.launch.disk import DiskFull, disk_full_message, is_disk_full
+    from hexctl.launch.run import execute, failure_message
+
     if existed:
         _check_alone(cfg.run.run_dir(), args.force)
-    elif args.force:
-        raise UsageError("--force goes with --resume RUN_DIR (a run directory in use)")
     # from here SIGTERM stops the run as Ctrl-C does: a half-prepared run directory is
     # removed, a started run's services are stopped
+    addresses, place = _on_box(cfg)
     sigterm_as_ctrl_c()
-    try:  # a new run's half-made directory is removed by prepare_run itself
-        cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say)
-    except (ValueError, OSError) as exc:
-        raise UsageError(str(exc)) from None
+    try:
+        cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say, place=addresses)
+    except BaseException as exc:
+        if not existed:  # a new run's half-made directory (made for its lock) goes
+            shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)
+        if isinstance(exc, (ValueError, OSError)):
+            raise UsageError(str(exc)) from None
+        raise
     run_dir = cfg.run.run_dir()
     verb = "resuming" if existed else "starting"
     _say(f"{verb} {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})")
-    result = execute(
-        cfg,
-        config_path,
-        plan,
-        progress=not args.no_progress,
-        timeout_s=args.timeout,
-        profile_dir=Path(args.profile) if args.profile else None,
-    )
+    try:
+        result = execute(
+            cfg,
+            config_path,
+            plan,
+            progress=not args.no_progress,
+            timeout_s=args.timeout,
+            profile_dir=Path(args.profile) if args.profile else None,
+            place=place,
+        )
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        _say(f"error: {exc if isinstance(exc, DiskFull) else disk_full_message(run_dir)}")
+        _say(f"continue with: areal-hex run --resume {run_dir}")
+        return 1
     if result.outcome.status == "interrupted":
         _say(f"interrupted; all processes stopped (continue with --resume {run_dir})")
         return 130

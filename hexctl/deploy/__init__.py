@@ -21,8 +21,8 @@ from areal_hex.plan import Plan
 from hexctl.deploy.checks import image_warnings, placement_warning
 from hexctl.deploy.common import Bundle, Deployment
 from hexctl.deploy.common import prepare as prepare_deployment
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.output import IGNORE_FILES, check_out_dir, write_files
-from hexctl.job.deploy_config import DeployConfig
 
 
 def _compose(d: Deployment) -> Bundle:

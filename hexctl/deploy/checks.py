@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from areal_hex.config import ConfigError, ExperimentConfig
 from areal_hex.plan import Plan
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.names import (
     GPU_PRODUCT_LABELS,
     gpu_label_value,
     normalize_model_name,
     slug,
 )
-from hexctl.job.deploy_config import DeployConfig
 from hexctl.job.layout import Layout
 
 MIXED_TRAINER_TARGETS = ("k8s", "slurm")  # render a trainer across GPU kinds

@@ -21,9 +21,9 @@ import yaml
 from areal_hex.config import ExperimentConfig, ModelConfig, dump_yaml
 from areal_hex.plan import Plan
 from hexctl.deploy.checks import check_plan, refuse_mixed_trainer
+from hexctl.deploy.config import DeployConfig, NodeMatch
 from hexctl.deploy.names import dns_name, service_name, short_hash, slug
 from hexctl.deploy.output import SECRETS
-from hexctl.job.deploy_config import DeployConfig, NodeMatch
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, build_layout
 from hexctl.job.plan_config import project_plan
 from hexctl.job.predict import predict_run
@@ -182,7 +182,7 @@ def split_redis_url(url: str) -> tuple[str, str | None, str | None]:
 
 def prediction_for_plan(plan: Plan, cfg: ExperimentConfig) -> dict[str, Any]:
     """The run's `prediction.json` (the launcher's format: `areal_hex.prom`
-    `prediction_collectors`, `hexctl.job.fidelity`): the cost model's rates for the
+    `prediction_collectors`, `hexctl.report.fidelity`): the cost model's rates for the
     projected config where the plan's inputs (`plan.sources`) are at hand, as
     `areal-hex run --plan` writes it; else the plan's own prediction, which is for the
     asynchronous pipeline (its synchronous block is empty, so a `run.mode: sync` run

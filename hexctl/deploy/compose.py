@@ -25,8 +25,8 @@ from hexctl.deploy.common import (
     resolved_files,
     secret_files,
 )
+from hexctl.deploy.config import Resources
 from hexctl.deploy.quantities import pod_share
-from hexctl.job.deploy_config import Resources
 from hexctl.job.layout import ServiceSpec
 
 COMPOSE_SECRETS_DIR = "/run/secrets"  # where compose mounts `secrets:` entries
@@ -81,6 +81,14 @@ def compose_file(d: Deployment) -> dict[str, Any]:
     for svc in d.layout.by_role("inference"):
         services[svc.name] = _inference(d, svc)
         services[svc.name]["depends_on"] = dict(prepared)
+    for svc in d.layout.by_role("worker"):  # the workflow's tasks beyond generate, train
+        image, res = (
+            (d.dcfg.images.trainer, d.dcfg.resources.trainer)
+            if svc.gpus
+            else (d.dcfg.images.controller, None)
+        )
+        services[svc.name] = _app(d, svc, image, res)
+        services[svc.name]["depends_on"] = dict(depends)
     controller = _app(d, d.layout.by_role("controller")[0], d.dcfg.images.controller, None)
     controller["depends_on"] = {
         **depends,

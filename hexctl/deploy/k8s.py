@@ -80,6 +80,8 @@ def render_k8s(d: Deployment) -> dict[str, list[Obj]]:
         files["10-redis.yaml"] = _redis(d)
     for svc in d.layout.by_role("inference"):
         files[f"15-inference-{slug(svc.name)}.yaml"] = _inference(d, svc)
+    for svc in d.layout.by_role("worker"):  # the workflow's tasks beyond generate, train
+        files[f"25-task-{slug(svc.name)}.yaml"] = _worker(d, svc)
     return {k: files[k] for k in sorted(files) if files[k]}
 
 
@@ -277,6 +279,23 @@ def _inference(d: Deployment, svc: ServiceSpec) -> list[Obj]:
     dep = _deployment(d, name, sel, pod_labels, spec)
     dep["spec"]["template"]["metadata"]["annotations"] = scrape_annotations(svc.port)
     return [_service(d, name, "inference", svc.port, sel), dep]
+
+
+def _worker(d: Deployment, svc: ServiceSpec) -> list[Obj]:
+    """One instance of a workflow task: a Deployment on its planned GPU kind (and a
+    Service where it listens), its command run as every service's is."""
+    name = service_name(d.prefix, svc)
+    image, res = (
+        (d.dcfg.images.trainer, d.dcfg.resources.trainer)
+        if svc.gpus
+        else (d.dcfg.images.controller, d.dcfg.resources.controller)
+    )
+    pod_labels = labels(d, "task", **{"areal-hex/instance": name})
+    sel = {"areal-hex/instance": name}
+    dep = _deployment(d, name, sel, pod_labels, pod_spec(d, svc, image, res, svc.command))
+    if svc.port is None:
+        return [dep]
+    return [_service(d, name, "task", svc.port, sel), dep]
 
 
 def _controller(d: Deployment) -> Obj:

@@ -13,9 +13,9 @@ from hexctl.deploy.common import (
     entry_argv,
     instance_label,
 )
+from hexctl.deploy.config import Resources
 from hexctl.deploy.names import gpu_label_value
 from hexctl.deploy.quantities import memory_bytes, memory_quantity, pod_share
-from hexctl.job.deploy_config import Resources
 from hexctl.job.layout import ServiceSpec
 
 Obj = dict[str, Any]

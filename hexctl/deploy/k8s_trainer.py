@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from hexctl.deploy.common import Deployment, node_match
+from hexctl.deploy.config import NodeMatch
 from hexctl.deploy.names import service_name
-from hexctl.job.deploy_config import NodeMatch
 from hexctl.job.layout import ServiceSpec
 
 Obj = dict[str, Any]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from hexctl.job.deploy_config import DNS_1035_LABEL, DeployConfig
+from hexctl.deploy.config import DNS_1035_LABEL, DeployConfig
 from hexctl.job.layout import ServiceSpec
 
 # Value of `nvidia.com/gpu.product` (set by NVIDIA GPU feature discovery) per planner GPU

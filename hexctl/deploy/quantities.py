@@ -4,7 +4,7 @@ sizes its services' /dev/shm the same way."""
 
 from __future__ import annotations
 
-from hexctl.job.deploy_config import Resources
+from hexctl.deploy.config import Resources
 
 _MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _MEMORY_UNITS.update({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40})

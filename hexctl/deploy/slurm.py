@@ -50,6 +50,7 @@ from hexctl.deploy.common import (
     resolve_config,
     run_id,
 )
+from hexctl.deploy.config import DeployConfig, RedisDeployConfig, StorageConfig
 from hexctl.deploy.names import slug
 from hexctl.deploy.output import IGNORE_FILES, check_out_dir, write_files
 from hexctl.deploy.slurm_script import (
@@ -66,7 +67,6 @@ from hexctl.deploy.slurm_site import (
     load_site,
     megabytes,
 )
-from hexctl.job.deploy_config import DeployConfig, RedisDeployConfig, StorageConfig
 from hexctl.job.layout import Layout, ServiceSpec, build_layout
 
 # ---------------------------------------------------------------- checks
@@ -75,11 +75,11 @@ from hexctl.job.layout import Layout, ServiceSpec, build_layout
 def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str) -> list[str]:
     """What the site mapping cannot place, each with the field that says so."""
     errors: list[str] = []
-    slots = [(f"plan.rollout[{i}] ({r.id})", r.gpu_kind) for i, r in enumerate(plan.rollout)]
-    slots += [("plan.trainer", kind) for kind in plan.trainer.kinds]
+    # one line per pool and kind: a task's instances, or the trainer's nodes, share one
+    slots = dict.fromkeys((f"plan.{w.split(' slot ')[0]}", k) for w, k, _ in plan.device_slots())
     known = ", ".join(sorted(site.kinds)) or "none"
     for where, kind in slots:
-        if site.placement(kind) is None:
+        if kind is not None and site.placement(kind) is None:
             errors.append(
                 f"{where}: GPU kind {kind!r} has no entry under `kinds` in the site file "
                 f"{source} (mapped: {known}); add kinds.{kind}: {{partition: ..., gres_type: ...}}"
@@ -102,10 +102,9 @@ def _node_size_errors(plan: Plan, site: SiteConfig, source: str) -> list[str]:
     """A plan node of a kind holds at most that kind's `gpus_per_node` GPUs (the shares
     of CPUs and memory are taken from it)."""
     used: dict[tuple[str, str], int] = {}
-    slots = [(r.gpu_kind, r.placement) for r in plan.rollout]
-    kinds = plan.trainer.gpu_kinds or [plan.trainer.gpu_kind] * len(plan.trainer.placements)
-    slots += list(zip(kinds, plan.trainer.placements, strict=True))
-    for kind, slot in slots:
+    for _, kind, slot in plan.device_slots():
+        if kind is None:
+            continue
         used[(kind, slot.node)] = used.get((kind, slot.node), 0) + len(slot.gpu_ids)
     errors = []
     for (kind, node), n in sorted(used.items()):
@@ -119,7 +118,7 @@ def _node_size_errors(plan: Plan, site: SiteConfig, source: str) -> list[str]:
 
 
 def _placements(plan: Plan, site: SiteConfig) -> list[Placement]:
-    kinds = [r.gpu_kind for r in plan.rollout] + plan.trainer.kinds
+    kinds = dict.fromkeys(k for _, k, _ in plan.device_slots() if k is not None)
     found = [site.placement(k) for k in kinds]
     return [site.control, *(p for p in found if p is not None)]
 
@@ -234,23 +233,15 @@ def lay_out(
     steps: list[Step] = []
     for svc in layout.by_role("redis"):
         steps.append(Step(svc.name, "redis", 0, svc.command, [0]))
-    by_kind: dict[str, list[ServiceSpec]] = {}
-    for svc in layout.by_role("inference"):
-        by_kind.setdefault(str(svc.gpu_kind), []).append(svc)
-    slots: list[tuple[int, int]] = []
-    for kind, servers in by_kind.items():
-        place = _kind(site, kind)
-        nodes = list(dict.fromkeys(n for s in servers for n in s.node_names))
-        gpus = {n: sum(s.gpus for s in servers if s.node_names == [n]) for n in nodes}
-        comp = Component(f"rollout-{slug(kind)}", place, len(nodes), max(gpus.values()))
-        components.append(comp)
-        k = len(components) - 1
-        for s in servers:
-            r = nodes.index(s.node_names[0])
-            share = s.gpus / max(1, gpus[s.node_names[0]])
-            steps.append(_server_step(s, k, r, comp, share))
-            slots.append((k, r))
-            comp.services.append(s.name)
+    slots = _pool(site, "rollout", layout.by_role("inference"), components, steps)
+    # the workflow's other tasks: a GPU task's instances as a pool of their own, a CPU
+    # task's beside the controller
+    workers = layout.by_role("worker")
+    for task in dict.fromkeys(w.task for w in workers if w.gpus):
+        _pool(site, str(task), [w for w in workers if w.gpus and w.task == task], components, steps)
+    for svc in workers:
+        if not svc.gpus:
+            steps.append(Step(svc.name, "worker", 0, svc.command, [0]))
     trainer = layout.by_role("trainer")[0]
     # one component per GPU kind of the trainer, in rank order (a trainer across kinds:
     # each gets its kind's partition and GRES, and its first node rank)
@@ -280,6 +271,35 @@ def lay_out(
     return components, steps, slots
 
 
+def _pool(
+    site: SiteConfig,
+    prefix: str,
+    members: list[ServiceSpec],
+    components: list[Component],
+    steps: list[Step],
+) -> list[tuple[int, int]]:
+    """One component per GPU kind of a pool of one-node services (inference servers, a
+    task's instances), each a step on its node; their (component, node index) slots."""
+    by_kind: dict[str, list[ServiceSpec]] = {}
+    for svc in members:
+        by_kind.setdefault(str(svc.gpu_kind), []).append(svc)
+    slots: list[tuple[int, int]] = []
+    for kind, servers in by_kind.items():
+        place = _kind(site, kind)
+        nodes = list(dict.fromkeys(n for s in servers for n in s.node_names))
+        gpus = {n: sum(s.gpus for s in servers if s.node_names == [n]) for n in nodes}
+        comp = Component(f"{prefix}-{slug(kind)}", place, len(nodes), max(gpus.values()))
+        components.append(comp)
+        k = len(components) - 1
+        for s in servers:
+            r = nodes.index(s.node_names[0])
+            share = s.gpus / max(1, gpus[s.node_names[0]])
+            steps.append(_server_step(s, k, r, comp, share))
+            slots.append((k, r))
+            comp.services.append(s.name)
+    return slots
+
+
 def _kind(site: SiteConfig, kind: str) -> KindPlacement:
     place = site.placement(kind)
     assert place is not None  # site_errors() names an unmapped kind first
@@ -294,7 +314,7 @@ def _server_step(s: ServiceSpec, k: int, r: int, comp: Component, share: float) 
     assert isinstance(place, KindPlacement)
     return Step(
         s.name,
-        "inference",
+        s.role,
         k,
         s.command,
         [r],

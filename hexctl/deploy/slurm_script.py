@@ -254,6 +254,7 @@ def batch_script(job: SlurmJob, out_dir: Path) -> str:
         "starts": "\n".join(starts),
         "servers": server_names,
         "trainers": " ".join(q(s.name) for s in job.trainers),
+        "workers": " ".join(q(s.name) for s in job.steps if s.role == "worker"),
         "redis": REDIS_START if any(s.role == "redis" for s in job.steps) else "",
         "comment": f"{cfg.run.run_id} of plan {job.d.plan.cluster} ({job.d.plan.model})",
     }
@@ -287,6 +288,7 @@ STOP_GRACE={stop_grace}
 REQUEUE={requeue}
 SERVERS=({servers})
 TRAINERS=({trainers})  # the trainer's steps: one per GPU kind it spans
+WORKERS=({workers})  # the workflow's tasks beyond generate and train
 mkdir -p "$LOGS"
 echo "areal-hex: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) runs {run_id} in $RUN_DIR"
 
@@ -352,7 +354,7 @@ finish() {{  # finish OUTCOME: stop in order, write the report, exit (or requeue
   for s in "${{TRAINERS[@]}}"; do stop_step "$s" 60; done
   "$PY" -m hexctl.cli report "$CONFIG" --outcome "$outcome" >>"$LOGS/report.log" 2>&1 \\
     && tail -n 1 "$LOGS/report.log"
-  for s in "${{SERVERS[@]}}"; do stop_step "$s" 15; done
+  for s in "${{SERVERS[@]}}" "${{WORKERS[@]}}"; do stop_step "$s" 15; done
   stop_step redis 30
   echo "areal-hex: $outcome; logs in $LOGS"
   if [ "$outcome" = stopped ] && [ "$STOP" = timeout ] && [ "$REQUEUE" = 1 ]; then
@@ -374,7 +376,8 @@ fail() {{  # fail NAME: say which service failed and where its log is
 {prepare} \\
   >>"$LOGS/prepare.log" 2>&1 || fail prepare
 
-{redis}pids=()
+{redis}for s in "${{WORKERS[@]}}"; do start "$s"; done
+pids=()
 for s in "${{SERVERS[@]}}"; do start "$s"; pids+=("${{PIDS[$s]}}"); done
 "$PY" -m hexctl.runtime.slurm wait servers "$CONFIG" --timeout "$START_TIMEOUT" \\
   --pids "${{pids[@]}}" || fail "${{SERVERS[0]}}"

@@ -4,6 +4,11 @@ layout as docker-compose services or Kubernetes objects.
 
 Commands are the project's real CLI entry points; `{config}` stands for the resolved
 config file wherever the layout is realised (a run directory, a ConfigMap mount).
+
+The workflow's tasks beyond generate and train (`workflow.tasks`) become `worker`
+services, one per instance, through one generic path (`task_services`): the launcher,
+every deploy target and the box start them as they start any service, from the
+`ServiceSpec` alone.
 """
 
 from __future__ import annotations
@@ -11,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from areal_hex.config import ExperimentConfig
+from areal_hex.config import ConfigError, ExperimentConfig, TaskSpec
+from areal_hex.config.workflow import CONFIG_PLACEHOLDER, INDEX_PLACEHOLDER
 from areal_hex.plan import Plan
 
-Role = Literal["redis", "inference", "controller", "trainer"]
-CONFIG_PLACEHOLDER = "{config}"
+# `worker`: an instance of a workflow task beyond generate and train (`workflow.tasks`)
+Role = Literal["redis", "inference", "controller", "trainer", "worker"]
 TP_KEY = "inference.sglang.tp_size"
 
 
@@ -36,6 +42,7 @@ class ServiceSpec:
     # Trainer across GPU kinds only: the kind of each node, in rank order (`gpu_kind` is
     # then the plan's label, "H800+H20"). Empty for a service of one kind.
     node_kinds: list[str] = field(default_factory=list)
+    task: str | None = None  # a worker: its task's name (`workflow.tasks`)
 
     def kind_segments(self) -> list[tuple[str | None, int, int]]:
         """(GPU kind, first node, nodes) for each run of nodes of one kind, in rank order;
@@ -109,6 +116,44 @@ def build_layout(cfg: ExperimentConfig, plan: Plan | None = None) -> Layout:
             node_names=[p.node for p in t.placements],
             node_kinds=list(t.gpu_kinds) if t.mixed and t.gpu_kinds else [],
         )
+    for task in cfg.workflow.tasks:
+        services += task_services(task, plan)
     services.append(ServiceSpec("controller", "controller", ["areal-hex", "rollout", c]))
     services.append(trainer)
     return Layout(services)
+
+
+def task_services(task: TaskSpec, plan: Plan | None) -> list[ServiceSpec]:
+    """One `worker` service per instance of `task`; with a plan, each on its planned slot
+    (`plan.decisions.tasks`), which a GPU task must have."""
+    placed = None if plan is None else plan.decisions.task(task.name)
+    if plan is not None and task.gpus > 0 and placed is None:
+        planned = ", ".join(t.task for t in plan.decisions.tasks) or "none"
+        raise ConfigError(
+            f"workflow.tasks: task {task.name!r} needs {task.gpus} GPU(s) an instance but "
+            f"the plan places no such task (its tasks: {planned}): expected a plan made "
+            "with this task in its workload (`tasks:`)"
+        )
+    if placed is not None and len(placed.slots) != task.instances:
+        raise ConfigError(
+            f"workflow.tasks: task {task.name!r} has {task.instances} instance(s) but the "
+            f"plan placed {len(placed.slots)}: expected the counts to agree"
+        )
+    out = []
+    for i in range(task.instances):
+        argv = [a.replace(INDEX_PLACEHOLDER, str(i)) for a in task.command]
+        slot = None if placed is None else placed.slots[i]
+        out.append(
+            ServiceSpec(
+                name=f"{task.name}-{i}",
+                role="worker",
+                command=argv,
+                gpu_kind=None if placed is None else placed.gpu_kind,
+                gpus=task.gpus,
+                port=None if task.port is None else task.port + i,
+                devices=[] if slot is None else list(slot.gpu_ids),
+                node_names=[] if slot is None else [slot.node],
+                task=task.name,
+            )
+        )
+    return out

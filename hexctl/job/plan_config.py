@@ -10,8 +10,9 @@
 | trainer ZeRO stage                           | `trainer.zero_stage`                         |
 | trainer ranks per node                       | `trainer.num_ranks`                          |
 | ranks' speeds across GPU kinds               | `trainer.rank_speeds`                        |
-| tuned staleness bound η, `baselines.max_staleness` | `buffer.max_staleness`                 |
-| tuned publish interval k, `baselines.publish_every` | `trainer.publish_every`               |
+| tuned staleness bound η, `decisions.max_staleness` | `buffer.max_staleness`                 |
+| tuned publish interval k, `decisions.publish_every` | `trainer.publish_every`               |
+| weight-sync mode, `decisions.weight_sync`    | `rollout.weight_sync`                        |
 | each instance's decode batch                 | `rollout.max_concurrent_groups` (raised only) |
 
 Policy: the plan wins. Where the config asked for another value, the plan's is applied
@@ -73,11 +74,13 @@ def planned_values(plan: Plan, nodes: Nodes) -> dict[str, Any]:
     }
     if t.rank_speeds is not None:
         values["trainer.rank_speeds"] = subsample_rank_speeds(list(t.rank_speeds), ranks_started)
-    b = plan.baselines
-    if b is not None and b.max_staleness is not None:
-        values["buffer.max_staleness"] = b.max_staleness
-    if b is not None and b.publish_every is not None:
-        values["trainer.publish_every"] = b.publish_every
+    d = plan.decisions
+    if d.max_staleness is not None:
+        values["buffer.max_staleness"] = d.max_staleness
+    if d.publish_every is not None:
+        values["trainer.publish_every"] = d.publish_every
+    if d.weight_sync is not None:
+        values["rollout.weight_sync"] = d.weight_sync
     return values
 
 

@@ -111,15 +111,13 @@ def preflight(cfg: ExperimentConfig) -> None:
 
 
 def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
-    """`--mode sync`: eta = 0, so the gate admits the next batch only after the trainer
-    published the version it trains now (rollout waits while the trainer trains)."""
-    mode = mode or cfg.run.mode
-    cfg = cfg.model_copy(deep=True)
-    cfg.run.mode = mode  # type: ignore[assignment]
-    if mode == "sync":
-        cfg.buffer.max_staleness = 0
-        cfg.trainer.publish_every = 1
-    return cfg
+    """`--mode sync|async` over the config's `run.mode`; the config itself resolves what
+    the mode means (`areal_hex.config.resolve_mode`: sync is η = 0, k = 1)."""
+    if mode is None or mode == cfg.run.mode:
+        return cfg
+    data = cfg.model_dump(mode="json")
+    data["run"]["mode"] = mode
+    return ExperimentConfig.model_validate(data)
 
 
 def apply_plan(
@@ -185,10 +183,17 @@ def prepare_run(
     plan: Plan | None = None,
     mode: str | None = None,
     say: Callable[[str], None] | None = None,
+    place: Callable[[ExperimentConfig, Plan | None], None] | None = None,
 ) -> tuple[ExperimentConfig, Path]:
     """Resolve `cfg` for a local run and write the run directory. Returns the resolved
     config and the path of its `config.yaml`. A config that already names its run (a
-    resume) keeps its run directory, weights v0, checkpoints and Valkey data."""
+    resume) keeps its run directory, weights v0, checkpoints and Valkey data. `place`
+    rewrites the services' addresses for where they run, once the ports are chosen (a
+    box's: `hexctl.box.run_config.apply_box`); `run.box` needs one."""
+    if cfg.run.box is not None and place is None:
+        raise UsageError(
+            f"run.box={cfg.run.box}: only `areal-hex run` and `bench hetero` run on a box"
+        )
     cfg = apply_plan(apply_mode(cfg, mode), plan, say)
     if cfg.run.run_id is None:
         cfg.run.run_id = default_run_id(cfg)
@@ -202,10 +207,8 @@ def prepare_run(
         if cfg.run.embedded_redis:
             cfg.redis.data_dir = cfg.redis.data_dir or str(run_dir / "valkey")
         choose_ports(cfg, say or _to_stderr)
-        if cfg.run.box is not None:
-            from hexctl.job.box_config import apply_box
-
-            apply_box(cfg, plan)
+        if place is not None:
+            place(cfg, plan)
         inf = cfg.inference
         weights = RunPaths.at(run_dir, inf.weights_dir).weights_dir.resolve()
         weights.mkdir(parents=True, exist_ok=True)

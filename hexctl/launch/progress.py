@@ -56,9 +56,12 @@ def format_line(
 ) -> str:
     """One status line, e.g. `step 12/40 | reward 0.42 | version lag 1 (max 2) | ...`;
     before the first step, e.g. `step 0/40 | trainer: loading the model | ...`; servers
-    that stopped answering first: `STALLED inference-0 (no answer 12 s) | step ...`."""
+    that stopped answering first: `STALLED inference-0 (no answer 12 s) | step ...`; a run
+    without a step for long (`state["no_step_s"]` set) first of all: `NO STEP for 2m40s`."""
     step = int(state.get("step", 0))
     parts = [f"STALLED {n} (no answer {s:.0f} s)" for n, s in sorted((stalled or {}).items())]
+    if state.get("no_step_s") is not None:
+        parts.insert(0, f"NO STEP for {_fmt_duration(state['no_step_s'])}")
     parts.append(f"step {step}/{total_steps}")
     if step == 0 and state.get("doing"):
         doing = [f"{name}: {what}" for name, what in state["doing"].items()]
@@ -156,8 +159,9 @@ class Progress:
             return
         step = int(self.state.get("step", 0))
         new_step = changed and step != self._last_step_logged
-        new_stall = bool(self.stalled) and self.stalled.keys() != self._stalled_logged
-        self._stalled_logged = self.stalled.keys()
+        stalls = set(self.stalled) | ({"run"} if self.state.get("no_step_s") else set())
+        new_stall = bool(stalls) and stalls != self._stalled_logged
+        self._stalled_logged = stalls
         if new_step or new_stall or now - self._last_draw >= self.log_interval_s:
             self.stream.write(line + "\n")
             self.stream.flush()

@@ -4,7 +4,8 @@ Order: run directory and resolved config (prepare.py), v0 weights, Valkey, infer
 servers (wait for /health), then trainer and controller. The run ends when the trainer
 finishes its last step (then the controller, servers and Valkey are stopped, in that
 order, and the report is written), on Ctrl-C / SIGTERM, or when a process fails for good
-(its last log lines are printed and the exit code is 1). Any process that dies is
+(its last log lines are printed and the exit code is 1), or when the disk fills
+(launch/disk.py). Any process that dies is
 restarted, up to `run.max_restarts` times each: an inference server or Valkey (on its
 append-only file) whatever its exit code, the trainer (from its newest complete
 checkpoint) and the controller (at its data position) when they fail. An inference
@@ -21,12 +22,12 @@ every attempt and `summary.json` holds the ledger over all of them
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,9 +35,19 @@ from typing import Any, TextIO
 from areal_hex.config import ExperimentConfig
 from areal_hex.net import WaitAborted, wait_until
 from areal_hex.plan import Plan
-from areal_hex.run_files import RunPaths
+from areal_hex.run_files import RunPaths, remove_stale_tmp
 from hexctl.job.cores import core_groups
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
+from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
+from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
+from hexctl.launch.stall import Stalled, StallWatch
+from hexctl.launch.storage import (
+    aof_damage,
+    aof_refused,
+    forget_weight_groups,
+    say_before_start,
+    valkey_dir,
+)
 from hexctl.launch.supervisor import OnExit, Outcome, ProcessSpec, Supervisor, tail_lines
 
 
@@ -78,7 +89,12 @@ def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
 
 
 # What a service exiting means (supervisor.OnExit); any of them failing is restarted.
-ON_EXIT: dict[str, OnExit] = {"inference": "restart", "redis": "restart", "trainer": "finish"}
+ON_EXIT: dict[str, OnExit] = {
+    "inference": "restart",
+    "redis": "restart",
+    "worker": "restart",
+    "trainer": "finish",
+}
 
 
 def process_specs(
@@ -274,6 +290,11 @@ def start_services(
     for spec in by_role.get("redis", []):
         sup.start(spec)
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
+    for spec in by_role.get("worker", []):  # the workflow's other tasks
+        sup.start(spec)
+    if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
+        with contextlib.closing(client):
+            forget_weight_groups(client, str(cfg.run.run_id))
     servers = by_role.get("inference", [])
     for spec in servers:
         sup.start(spec)
@@ -301,71 +322,9 @@ def stop_services(
     sup.stop(names("trainer"), timeout_s=60)
     stats = buffer_stats(cfg)
     ledger = run_ledger(cfg) if cfg.run.run_id is not None else None
-    sup.stop(names("inference"), timeout_s=15)
+    sup.stop(names("inference") + names("worker"), timeout_s=15)
     sup.stop(names("redis"), timeout_s=15)
     return stats, ledger
-
-
-def begin_attempt(run_dir: Path) -> int:
-    """Number this start of the run directory (`attempts/<n>/`) before anything runs, so
-    that an attempt whose launcher is killed still counts."""
-    paths = RunPaths.at(run_dir)
-    done = paths.attempts()
-    n = (done[-1] + 1) if done else 1
-    paths.attempt(n).mkdir(parents=True, exist_ok=True)
-    return n
-
-
-def write_events(
-    run_dir: Path, sup: Supervisor, t_start: float, t_ready: float, n: int, ended: bool = True
-) -> None:
-    """Attempt n's events into `attempts/<n>/events.json`, and every attempt's into
-    `events.json` (its top level: this attempt's). Written as the attempt goes (`ended`
-    false: `t_end` is the time of the write), so a killed launcher leaves its attempt's
-    events up to its last write."""
-    paths = RunPaths.at(run_dir)
-    data = {
-        "t_start": t_start,
-        "t_services_ready": t_ready,
-        "t_end": time.time(),
-        "ended": ended,
-        "events": [{"time": t, "process": name, "event": e} for t, name, e in sup.events],
-        "restarts": {name: m.restarts for name, m in sup.procs.items()},
-    }
-    _write_json(paths.attempt(n) / "events.json", data)
-    every = []
-    for k in paths.attempts():
-        f = paths.attempt(k) / "events.json"
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            every.append(json.loads(f.read_text()))
-    _write_json(paths.events, {**data, "attempt": n, "attempts": every})
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)  # a launcher killed mid-write leaves the previous version
-
-
-class AttemptLog:
-    """Keeps the attempt's events file current while the run is watched (on each new
-    event, and every `every_s`)."""
-
-    def __init__(self, run_dir: Path, sup: Supervisor, t_start: float, n: int) -> None:
-        self.run_dir, self.sup, self.t_start, self.n = run_dir, sup, t_start, n
-        self.t_ready = t_start
-        self._seen = -1
-        self._last = 0.0
-
-    def tick(self, every_s: float = 5.0) -> None:
-        now = time.monotonic()
-        if len(self.sup.events) == self._seen and now - self._last < every_s:
-            return
-        self._seen, self._last = len(self.sup.events), now
-        write_events(self.run_dir, self.sup, self.t_start, self.t_ready, self.n, ended=False)
-
-    def end(self) -> None:
-        write_events(self.run_dir, self.sup, self.t_start, self.t_ready, self.n)
 
 
 def execute(
@@ -376,13 +335,14 @@ def execute(
     stream: TextIO | None = None,
     timeout_s: float | None = None,
     profile_dir: Path | None = None,
+    place: Callable[[ExperimentConfig, Layout, list[ProcessSpec]], None] | None = None,
 ) -> RunResult:
     """Start, watch and stop the services of a prepared run; write the report. The cost
     model's prediction for the layout (`prediction.json`) comes from the plan, else from a
-    local profile (`profile_dir`), for the report to hold the run against."""
+    local profile (`profile_dir`), for the report to hold the run against. `place` starts
+    each process where it runs (a box's node: `hexctl.box.place.place_on_box`)."""
     from hexctl.job.predict import host_side, write_prediction
     from hexctl.launch.progress import Progress
-    from hexctl.report.summary import write_report
 
     stream = stream or sys.stderr
     run_dir = cfg.run.run_dir()
@@ -395,26 +355,38 @@ def execute(
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path, host)
-    if cfg.run.box is not None:
-        from hexctl.launch.box_run import place_on_box
-
-        place_on_box(cfg, layout, specs)
+    if place is not None:
+        place(cfg, layout, specs)
+    paths = RunPaths.of(cfg)
+    for stale in remove_stale_tmp(paths.weights_dir):
+        stream.write(f"removed {stale}: the unfinished publication of a process now gone\n")
+    say_before_start(cfg, lambda text: print(text, file=stream, flush=True))
+    disk = DiskWatch(run_dir, paths.weights_dir, paths.checkpoint_dir)
+    aof = valkey_dir(cfg)
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
-        attempt.tick()
         try:
+            attempt.tick()
             start_services(sup, cfg, layout, specs)
-        except LaunchError as exc:
+        except (LaunchError, KeyboardInterrupt, OSError) as exc:
+            if isinstance(exc, OSError) and not is_disk_full(exc):
+                raise
             stop_services(sup, cfg, layout)
-            attempt.end()
-            return RunResult(run_dir, Outcome("failed", None, None, str(exc)))
-        except KeyboardInterrupt:
-            stop_services(sup, cfg, layout)
-            attempt.end()
-            return RunResult(run_dir, Outcome("interrupted"))
+            if isinstance(exc, KeyboardInterrupt):
+                end_attempt(attempt)
+                return RunResult(run_dir, Outcome("interrupted"))
+            refused = aof_refused(aof) if aof is not None else None
+            if refused is not None:
+                end_attempt(attempt)
+                raise refused from None
+            why = str(exc) if isinstance(exc, LaunchError) else _disk_text(run_dir, exc)
+            return RunResult(run_dir, Outcome("failed", None, None, why + end_attempt(attempt)))
         attempt.t_ready = time.time()
+        if aof is not None and (cut := aof_damage(aof)) is not None:
+            print(f"areal-hex run: {cut}", file=stream, flush=True)
+            sup.events.append((time.time(), "redis", f"damaged storage: {cut}"))
         servers = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
         urls = dict(zip(servers, cfg.inference.urls(), strict=False))
         hung = HungServers(sup, urls, cfg.run.hung_after_s)
@@ -427,22 +399,70 @@ def execute(
             services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
         )
 
+        stall = StallWatch(
+            sup,
+            run_dir,
+            cfg.run.stall_after_s,
+            cfg.run.stop_on_stall,
+            lambda: buffer_stats(cfg),
+            lambda text: print(text, file=stream, flush=True),
+        )
+
         def tick() -> None:
             view.stalled = hung.check()
+            idle = stall.check(int(view.state.get("step", 0)))
+            view.state["no_step_s"] = idle if idle >= cfg.run.stall_after_s / 2 else None
             view.tick()
+            disk.check()
             attempt.tick()
 
-        outcome = sup.watch(on_tick=tick, timeout_s=timeout_s)
+        try:
+            outcome = sup.watch(on_tick=tick, timeout_s=timeout_s)
+        except Stalled as exc:
+            outcome = Outcome("failed", None, None, f"stalled: {exc}")
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            outcome = Outcome("failed", None, None, _disk_text(run_dir, exc))
         hung.close()
         view.close()
         try:
             stats, ledger = stop_services(sup, cfg, layout)
         except KeyboardInterrupt:
             sup.stop(timeout_s=2)
-        attempt.end()
-    summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status, ledger=ledger)
-    attempt_dir = RunPaths.at(run_dir).attempt(attempt.n)
-    shutil.copyfile(RunPaths.at(run_dir).summary, attempt_dir / "summary.json")
+        outcome.log_tail += end_attempt(attempt)
+    return _report(cfg, run_dir, attempt.n, outcome, stats, ledger)
+
+
+def _disk_text(run_dir: Path, exc: OSError) -> str:
+    return str(exc) if isinstance(exc, DiskFull) else disk_full_message(run_dir)
+
+
+def _report(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    n: int,
+    outcome: Outcome,
+    stats: dict[str, Any] | None,
+    ledger: dict[str, Any] | None,
+) -> RunResult:
+    """The report of the attempt; a disk too full for it is said, and the run's
+    `--resume` writes it once space is free."""
+    from hexctl.report.summary import write_report
+
+    if outcome.name is not None and NO_SPACE in (
+        outcome.log_tail or tail_lines(RunPaths.at(run_dir).log(outcome.name))
+    ):
+        outcome.log_tail = f"{outcome.log_tail}\n{disk_full_message(run_dir)}"
+    try:
+        summary = write_report(run_dir, cfg, buffer=stats, outcome=outcome.status, ledger=ledger)
+        attempt_dir = RunPaths.at(run_dir).attempt(n)
+        shutil.copyfile(RunPaths.at(run_dir).summary, attempt_dir / "summary.json")
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        why = f"summary.json not written ({exc.strerror}): --resume writes it"
+        return RunResult(run_dir, Outcome("failed", None, None, f"{outcome.log_tail}\n{why}"))
     return RunResult(run_dir, outcome, summary)
 
 

@@ -54,7 +54,7 @@ def local_devices(cfg: ExperimentConfig) -> LocalDevices:
     from hexctl.job.cores import core_groups
 
     if cfg.inference.device.startswith("cuda") and torch.cuda.is_available():
-        from scheduler.measure import device_kind
+        from areal_hex.device_kind import device_kind
 
         return LocalDevices(
             kind=device_kind("cuda"),

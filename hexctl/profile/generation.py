@@ -129,7 +129,7 @@ def measure_generation(
                 sync=cfg.rollout.weight_sync,
                 netns=dev.netns,
                 address=dev.address,
-                bucket_mb=cfg.trainer.weight_sync_bucket_mb,
+                bucket_mb=cfg.rollout.weight_sync_bucket_mb,
             )
             networked = dev.cgroup is not None and updates.sync == "network"
             rank0 = broadcaster(model_dir, updates) if networked else contextlib.nullcontext()

@@ -196,10 +196,11 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,
         "weight_sync": cfg.rollout.weight_sync,
+        "tasks": [t.model_dump(mode="json") for t in cfg.workflow.tasks],
         "constants": {
             "max_running_requests": cfg.inference.max_running_requests,
             # a CPU trainer publishes fp32
             "weight_sync_bytes_per_param": 4.0 if cfg.trainer.device == "cpu" else 2.0,
-            "weight_sync_bucket_mb": cfg.trainer.weight_sync_bucket_mb,
+            "weight_sync_bucket_mb": cfg.rollout.weight_sync_bucket_mb,
         },
     }

@@ -255,7 +255,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     saved: list[float] = []
     broadcasts: list[float] = []
     scratch = Path(tempfile.mkdtemp(prefix="areal-hex-profile-train-"))
-    sink = receiver.sink(t.weight_sync_bucket_mb) if receiver is not None else None
+    sink = receiver.sink(cfg.rollout.weight_sync_bucket_mb) if receiver is not None else None
     publisher = AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None, sink)
     ctx.before_update = publisher.wait  # the next step waits for the write, as the run's
 

@@ -4,8 +4,8 @@ true across crashes, restarts and resumed attempts.
 
     produced = admitted - given back unmade (failed, abandoned at a stop, reclaimed
                from a dead controller)
-             = trained + dropped_stale + dead_letter + filtered + pending + in_flight
-    groups_lost = produced - (trained + dropped_stale + dead_letter + filtered
+             = trained + groups_dropped_stale + dead_letter + filtered + pending + in_flight
+    groups_lost = produced - (trained + groups_dropped_stale + dead_letter + filtered
                               + pending + in_flight)
 
 - trained: groups in the committed weights (the newest complete checkpoint's total);
@@ -40,7 +40,7 @@ def buffer_counters(client: Any, keys: BufferKeys, committed_ids: list[str]) -> 
     (trained into the newest checkpoint, maybe not acknowledged yet) are still in the
     stream."""
     pipe = client.pipeline(transaction=True)
-    names = ["admitted", "acked", "dropped_stale", "dead_count"]
+    names = ["admitted", "acked", "groups_dropped_stale", "dead_count"]
     pipe.mget([getattr(keys, n) for n in names])
     pipe.mget([keys.given_back(r) for r in GIVE_BACK_REASONS])
     pipe.hvals(keys.leases)
@@ -107,7 +107,7 @@ def ledger(
     pending = c["in_stream"] - c["committed_in_stream"]
     accounted = (
         trained
-        + c["dropped_stale"]
+        + c["groups_dropped_stale"]
         + c["dead_count"]
         + c["given_back_filtered"]
         + pending
@@ -117,7 +117,7 @@ def ledger(
         {
             "groups_admitted": c["admitted"],
             "groups_produced": produced,
-            "groups_dropped_stale": c["dropped_stale"],
+            "groups_dropped_stale": c["groups_dropped_stale"],
             "groups_dead_letter": c["dead_count"],
             "groups_filtered": c["given_back_filtered"],
             "groups_pending": pending,

@@ -4,7 +4,7 @@
 Group accounting: when the launcher read the ledger (hexctl/report/ledger.py: durable
 state, every attempt) it replaces the per-process counters below, and times and rates
 are over the time the job actually ran. Without it (a report rebuilt from files alone):
-    produced (put by the controller) = trained + dropped_stale + dead_letter
+    produced (put by the controller) = trained + groups_dropped_stale + dead_letter
                                        + left in the buffer at stop (unconsumed + pending)
 and groups still generating at stop are reported as `in_flight_controller`.
 """
@@ -19,7 +19,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
 from areal_hex.trackers import open_run_trackers
-from hexctl.job.fidelity import add_fidelity
+from hexctl.report.fidelity import add_fidelity
 from hexctl.report.ledger import summary_fields
 from hexctl.report.mismatch import plot_mismatch
 
@@ -76,7 +76,7 @@ def accounting(
     # a restarted controller (a requeued job) counts from zero again: sum its runs
     produced = sum(r.groups_produced_total for r in ends)
     trained = last_m.groups_trained_total
-    dropped = last_m.dropped_stale_total
+    dropped = last_m.groups_dropped_stale_total
     dead = last_m.dead_letter_total
     filtered = sum(r.groups_filtered_total for r in ends)
     out: dict[str, Any] = {
@@ -88,7 +88,7 @@ def accounting(
         "in_flight_controller": last_r.groups_in_flight,
     }
     if buffer is not None:
-        out["groups_dropped_stale"] = dropped = max(dropped, int(buffer["dropped_stale"]))
+        out["groups_dropped_stale"] = dropped = max(dropped, int(buffer["groups_dropped_stale"]))
         out["groups_dead_letter"] = dead = max(dead, int(buffer["dead_letter"]))
         in_buffer = int(buffer["unconsumed"]) + int(buffer["pending"])
         out["in_buffer_at_stop"] = in_buffer
@@ -134,7 +134,7 @@ def summarize(
     wall = (events["t_end"] - events["t_start"]) if "t_end" in events else None
     hist: Counter[str] = Counter()
     for r in metrics:
-        hist.update({str(k): int(v) for k, v in r.staleness_hist.items()})
+        hist.update({str(k): int(v) for k, v in r.version_lag_hist.items()})
     published = paths.versions_on_disk()
     summary = {
         "run_id": cfg.run.run_id,
@@ -148,7 +148,7 @@ def summarize(
         "final_reward": _final_reward(metrics),
         "first_reward": metrics[0].reward_mean if metrics else None,
         "max_version_lag": max((r.max_version_lag for r in metrics), default=0),
-        "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "version_lag_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
         "mismatch": mismatch_totals(metrics),
         **_throughput(metrics, cfg.rollout.group_size, t_ready),
         "wall_time_s": wall,
@@ -200,13 +200,13 @@ def _plot_reward(plt: Any, metrics: list[TrainerRow], rollout: list[RolloutRow],
     )
 
 
-def _plot_staleness(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None:
+def _plot_version_lag(plt: Any, hist: dict[str, int], eta: int, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     lags = sorted(int(k) for k in hist) or [0]
     ax.bar(lags, [hist.get(str(k), 0) for k in lags], color="tab:blue")
     ax.axvline(eta + 0.5, color="tab:red", ls="--", label=f"bound eta = {eta}")
-    title, xlabel = "Staleness of trained groups", "staleness (policy versions behind)"
-    _save(plt, fig, ax, out / "staleness.png", title, xlabel, "groups trained")
+    title, xlabel = "Version lag of trained groups", "version lag (policy versions behind)"
+    _save(plt, fig, ax, out / "version_lag.png", title, xlabel, "groups trained")
 
 
 def _plot_throughput(
@@ -269,7 +269,9 @@ def write_plots(run_dir: Path, summary: dict[str, Any]) -> list[Path]:
     times = [r.time for r in [*metrics, *rollout] if r.time]
     t0 = min(times) if times else 0.0
     _plot_reward(plt, metrics, rollout, out)
-    _plot_staleness(plt, summary.get("staleness_hist", {}), summary.get("max_staleness", 0), out)
+    _plot_version_lag(
+        plt, summary.get("version_lag_hist", {}), summary.get("max_staleness", 0), out
+    )
     _plot_throughput(plt, metrics, rollout, out, t0)
     _plot_timeline(plt, metrics, rollout, out, t0)
     plot_mismatch(plt, metrics, out)

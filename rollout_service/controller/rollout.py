@@ -338,7 +338,7 @@ class RolloutController:
                 prompt_id=prompt.id,
                 prompt_ids=prompt.input_ids,
                 completions=[
-                    Completion(s.token_ids, s.logprobs, s.versions, s.finish_reason, r, text)
+                    self._completion(s, r, text)
                     for s, r, text in zip(samples, rewards, texts, strict=True)
                 ],
                 temperature=self.cfg.temperature,
@@ -350,7 +350,6 @@ class RolloutController:
                     # a put retried through a Valkey restart appends the group once
                     "put_token": f"{self._rid_prefix}-{seq}",
                     "answer": prompt.answer,
-                    **self._origin(samples),
                 },
             )
             filtered = self.cfg.dynamic_sampling and len(set(rewards)) == 1
@@ -383,16 +382,16 @@ class RolloutController:
         self._reward_sum_total += float(sum(rewards))
         self._reward_n_total += len(rewards)
 
-    def _origin(self, samples: Sequence[Sample]) -> dict[str, str]:
-        """Per completion, the server (and its GPU kind) that produced its last tokens:
-        the trainer reports the train-inference mismatch by server and by kind."""
-        servers = self.dispatcher.servers
-        idx = [s.server for s in samples]
-        out = {"servers": ",".join(servers[i].url if i >= 0 else "" for i in idx)}
-        if self.gpu_kinds:
-            kinds = self.gpu_kinds
-            out["gpu_kinds"] = ",".join(kinds[i] if 0 <= i < len(kinds) else "" for i in idx)
-        return out
+    def _completion(self, s: Sample, reward: float, text: str) -> Completion:
+        """A scored sample, with the server that produced its last tokens and that
+        server's GPU kind ("" where not known): the trainer reports the train-inference
+        mismatch by both."""
+        kinds = self.gpu_kinds
+        server = self.dispatcher.servers[s.server].url if s.server >= 0 else ""
+        kind = kinds[s.server] if 0 <= s.server < len(kinds) else ""
+        return Completion(
+            s.token_ids, s.logprobs, s.versions, s.finish_reason, reward, text, server, kind
+        )
 
     async def _samples(self, prompt: Prompt, rid: str) -> list[Sample]:
         """All `group_size` samples, or SampleFailed (the others are cancelled)."""
@@ -446,8 +445,8 @@ class RolloutController:
             requests_total=c.requests_total,
             requests_retried_total=c.requests_retried_total,
             requests_aborted_total=c.requests_aborted_total,
-            weight_updates_total=self.weights.updates_total,
-            weight_update_s_total=round(self.weights.update_s_total, 3),
+            weight_syncs_total=self.weights.syncs_total,
+            weight_sync_s_total=round(self.weights.sync_s_total, 3),
             gen_busy_s=round(self.dispatcher.busy_s, 3),
             servers_healthy=self.dispatcher.num_healthy,
             finish_reasons=dict(self.finish_reasons),

@@ -40,7 +40,9 @@ The sequence, across processes:
    sample that spans an update has mixed versions and the group's version is its oldest.
 7. recover: a server that failed during any step is marked unhealthy and left out; when
    the dispatcher's probe finds it healthy again, `WeightSync.recover` reloads the
-   current weights on it (disk; unless it already reports them) and resumes it. Over
+   current weights on it (disk; unless it already reports them; weights damaged on
+   disk since: the newest complete version there instead) and resumes it. A version
+   that no server could load is not the current one for recovery. Over
    the network a server that failed is out of its group: it resumes with the weights it
    has (its tokens carry their version) until the trainer, whose broadcast failed with
    it, forms the next group (a new `group_name` in the next manifest) and every server
@@ -53,11 +55,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from areal_hex.api import GenerationClient, PauseMode, TrajectoryProducer
 from areal_hex.config.rollout import UpdatePause
-from areal_hex.run_files import version_dir
+from areal_hex.run_files import version_dir, versions_in
 from areal_hex.weight_net import GroupSpec, Manifest
 from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
 
@@ -81,11 +84,16 @@ class NetworkSource:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
 
-    async def manifest(self, version: int) -> Manifest | None:
+    async def manifest(
+        self, version: int, superseded: Callable[[], bool] = lambda: False
+    ) -> Manifest | None:
+        """N's manifest, waiting for it up to `timeout_s`, or None once `superseded()`
+        (a newer version was announced: a trainer that died before leaving N's manifest,
+        or whose manifests the launcher cleared, never will)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             m = await self.read(version)
-            if m is not None or time.monotonic() >= deadline:
+            if m is not None or time.monotonic() >= deadline or superseded():
                 return m
             await asyncio.sleep(self.poll_s)
 
@@ -173,9 +181,14 @@ class WeightSync:
         self.joined: dict[str, str] = {}  # server URL -> weight group it is a member of
         self.pause_mode: PauseMode = "abort"
         self.applied: tuple[int, str] | None = None  # last (version, path) loaded
+        self.serving = 0  # the version every healthy server holds, as told to the gate
+        self._catching_up: set[asyncio.Task[None]] = set()
+        self._caught_up: set[tuple[int, str, str]] = set()  # (version, group, server)
+        self._newer: Callable[[], bool] = lambda: False  # a newer version is pending
+        self.received: tuple[int, str] | None = None  # (version, group) last broadcast
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
-        self.updates_total = 0
-        self.update_s_total = 0.0
+        self.syncs_total = 0
+        self.sync_s_total = 0.0
         self._lock = asyncio.Lock()
 
     async def start(self, update_pause: UpdatePause) -> None:
@@ -183,13 +196,21 @@ class WeightSync:
         self.pause_mode = await resolve_pause_mode(
             update_pause, [s.client for s in self.dispatcher.servers]
         )
-        self.producer.set_serving_version(self.gate.version)
+        self._serve(self.gate.version)
+
+    def _serve(self, version: int) -> None:
+        """Tell the gate the servers' version: groups are admitted against the older of
+        it and the published one, so servers behind hold the gate instead of making
+        groups the trainer would drop as stale."""
+        self.serving = version
+        self.producer.set_serving_version(version)
 
     async def follow(self) -> None:
         """(2) Follow version notifications; reload to the newest one. Versions published
         while a reload runs are coalesced: only the latest is loaded next."""
         latest: list[tuple[int, int, str]] = []  # at most one pending (lineage, version, path)
         wake = asyncio.Event()
+        self._newer = lambda: bool(latest)
 
         async def apply() -> None:
             # A server that fails a step is handled inside `update` (unhealthy, reloaded
@@ -239,7 +260,7 @@ class WeightSync:
             path = str(version_dir(self.weights_dir, version))
         if not path and self.network is None:
             log.warning("version %d has no weights path; not reloading", version)
-            self.producer.set_serving_version(version)
+            self._serve(version)
             return
         async with self._lock:
             # Cancelled between the pause and the resume, the servers would stay paused
@@ -261,6 +282,7 @@ class WeightSync:
         self.gate.close()
         try:
             servers = [s for s in self.dispatcher.servers if s.healthy]
+            tried = len(servers)
             # retract / in_place: the servers keep the requests in flight (their KV
             # cache recomputed / kept); abort (SGLang's default call): they end and
             # the sampler resends them.
@@ -278,13 +300,20 @@ class WeightSync:
                     ),
                 )
             await self._phase(servers, "continue", lambda s: s.client.resume())
-            self.applied = (version, path)
+            # no server healthy: from disk, recovery loads it on each; over the network
+            # nobody has it. Every server failing it: nobody has it, and recovery does
+            # not retry it.
+            loaded = bool(servers) or (not tried and self.network is None)
+            if loaded:
+                self.applied = (version, path)
         finally:
             self.gate.reopen(version)
-            self.producer.set_serving_version(version)
+        # not loaded anywhere (over the network: every broadcast failed): the servers keep
+        # the version they had, and so does the gate, until it is sent again
+        self._serve(version if loaded else self.serving)
         dt = time.monotonic() - t0
-        self.updates_total += 1
-        self.update_s_total += dt
+        self.syncs_total += 1
+        self.sync_s_total += dt
         log.info("weights v%d loaded on %d server(s) in %.2f s", version, len(servers), dt)
 
     async def _receive(
@@ -292,11 +321,15 @@ class WeightSync:
     ) -> list[ServerState]:
         """(4, network) Join N's group where needed, then every bucket on every server."""
         assert self.network is not None
-        manifest = await self.network.manifest(version)
+        manifest = await self.network.manifest(version, self._newer)
         if manifest is None:
             log.warning("version %d: no weights manifest arrived; not loading it", version)
             return servers
         group = manifest.group
+        if self.received == (version, group.group_name):
+            # announced again (a restore) with nothing new sent: waiting for a broadcast
+            # that will not come would hold the servers until the timeout
+            return servers
         members = [s for s in servers if self.joined.get(s.client.base_url) == group.group_name]
         if group.group_name not in self.joined.values():
             # a new group forms only with every rank: all servers join together
@@ -320,6 +353,8 @@ class WeightSync:
                     b, group.group_name, v, abort_all_requests=abort_all
                 ),
             )
+        if members:
+            self.received = (version, group.group_name)
         # every server that did not fail goes on, in the group or not
         return [s for s in servers if s.healthy]
 
@@ -364,10 +399,74 @@ class WeightSync:
         async with self._lock:
             if self.network is not None:
                 # out of its group (see (7)): it joins the next one the trainer forms
-                self.joined.pop(server.client.base_url, None)
+                left = self.joined.pop(server.client.base_url, None)
+                held = await server.client.weight_version()
+                if held is not None and held < self.serving:
+                    log.warning(
+                        "%s restarted with weights v%d, not v%d: the gate holds until the "
+                        "trainer sends a version again",
+                        server.client.base_url,
+                        held,
+                        self.serving,
+                    )
+                    self._serve(held)
+                if held is not None and held < self.gate.version:
+                    await self._catch_up(server.client.base_url, left)
             elif self.applied is not None:
                 version, path = self.applied
                 # Skip the reload when a transient error did not cost the server its weights.
                 if await server.client.weight_version() != version:
-                    await server.client.update_weights_from_disk(path, version)
+                    await self._reload(server, version, path)
             await server.client.resume()
+
+    async def _catch_up(self, server_url: str, left: str | None) -> None:
+        """A version announced (or sent again) while a server was down waits, in a group
+        of its own, for every server to join: once the recovered server is healthy, the
+        current version is loaded again (the server joins that group). Not when the
+        current version's group is the one the server just left (the trainer then sends
+        the next version, or this one again, over a new group)."""
+        assert self.network is not None
+        version = self.gate.version
+        manifest = await self.network.read(version)
+        if manifest is None or manifest.group.group_name == left:
+            return
+        tried = (version, manifest.group.group_name, server_url)
+        if tried in self._caught_up:
+            return  # once per server and group: a join that fails again is not a loop
+        self._caught_up.add(tried)
+        task = asyncio.get_running_loop().create_task(self.update(version, ""))
+        self._catching_up.add(task)
+        task.add_done_callback(self._catching_up.discard)
+
+    async def _reload(self, server: ServerState, version: int, path: str) -> None:
+        """Load `path` on a recovered server; weights damaged or removed on disk since
+        they were published (no config.json there: a crash during their removal, or a
+        storage fault) are named, and the newest complete version on disk is loaded
+        instead, until the trainer publishes the next one — never the same failure in a
+        loop."""
+        try:
+            await server.client.update_weights_from_disk(path, version)
+            return
+        except SERVER_ERRORS:
+            fallback = self._newest_complete(below=version)
+            if fallback is None or (Path(path) / "config.json").is_file():
+                raise
+        older, older_path = fallback
+        log.error(
+            "weights v%d at %s are incomplete on disk (no config.json); %s loads v%d, the "
+            "newest complete version there, until the next version is published",
+            version,
+            path,
+            server.client.base_url,
+            older,
+        )
+        await server.client.update_weights_from_disk(older_path, older)
+        self.applied = (older, older_path)
+
+    def _newest_complete(self, below: int) -> tuple[int, str] | None:
+        """(version, path) of the newest complete version under `weights_dir` older than
+        `below`, if the controller sees that directory."""
+        if not self.weights_dir or not Path(self.weights_dir).is_dir():
+            return None
+        found = [v for v in versions_in(self.weights_dir, complete_only=True) if v < below]
+        return (found[-1], str(version_dir(self.weights_dir, found[-1]))) if found else None

@@ -118,7 +118,7 @@ def network_source(cfg: ExperimentConfig, redis_client: Any) -> NetworkSource | 
         return None if raw is None else Manifest.from_json(raw)
 
     return NetworkSource(
-        read, weight_sync_ranks_per_server(cfg), timeout_s=cfg.trainer.weight_sync_timeout_s
+        read, weight_sync_ranks_per_server(cfg), timeout_s=cfg.rollout.weight_sync_timeout_s
     )
 
 

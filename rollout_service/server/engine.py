@@ -278,10 +278,18 @@ class Engine:
     # ------------------------------------------------------------------ weights over the network
     async def init_weights_group(self, spec: GroupSpec, rank: int, timeout_s: float) -> None:
         """Join the weight-update group `spec.group_name` as `rank` (blocks until every
-        rank has joined; EngineError after `timeout_s`)."""
+        rank has joined; EngineError after `timeout_s`). Joining the group this server
+        is already in, as the same rank, succeeds at once: a controller that lost track
+        of it (restarted, or it saw this server fail) asks again."""
         async with self._group_lock:
-            if spec.group_name in self.weight_groups:
-                raise EngineError(f"group_name {spec.group_name!r}: already joined")
+            held = self.weight_groups.get(spec.group_name)
+            if held is not None and held.spec == spec and held.rank == rank:
+                return
+            if held is not None:
+                raise EngineError(
+                    f"group_name {spec.group_name!r}: already joined as rank {held.rank} of "
+                    f"{held.spec}"
+                )
             if spec.backend == "nccl" and not self.opts.device.startswith("cuda"):
                 raise EngineError("backend 'nccl' needs a CUDA server; this one runs on CPU")
             try:

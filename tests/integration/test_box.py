@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hexctl.job import box, box_speed
-from hexctl.job.box_spec import load_box
+from hexctl.box import emulate as box
+from hexctl.box import speed as box_speed
+from hexctl.box.spec import load_box
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -222,6 +223,7 @@ def _plan_file(tmp: Path) -> Path:
         "trainer": {"gpu_kind": "fast", "world_size": 1, "dp": 1, "zero_stage": 0,
                     "placements": [{"node": "fast-0", **slot}],
                     "predicted_tokens_per_s": 1.0},
+        "decisions": {},
         "predicted": {"samples_per_s": 1, "generation_samples_per_s": 1,
                       "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": 4},
     }  # fmt: skip
@@ -252,7 +254,7 @@ def test_a_plan_runs_across_the_box_with_weights_over_the_links(tmp_path: Path) 
         # the weights crossed the links: every version reached the server through the
         # weight-update group, and none was written as a file for it to load
         rows = [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
-        assert rows[-1]["weight_updates_total"] == RUN_STEPS
+        assert rows[-1]["weight_syncs_total"] == RUN_STEPS
         assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v0"]
         # each service ran inside its planned node
         logs = run_dir / "logs"

@@ -219,11 +219,11 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
     batch = consumer.get_batch(3, timeout_s=5)  # v - eta = 2: versions 0, 1, 0 go
     assert sorted(g.prompt_id for g in batch.groups) == ["p2", "p3", "p5"]
     assert sorted(batch.version_lags) == [0, 0, 1]
-    assert batch.dropped_stale == 3
+    assert batch.groups_dropped_stale == 3
     consumer.ack(batch.entry_ids)
     stats = consumer.stats()
     consumer.close()
-    assert (stats.dropped_stale, stats.stream_length, stats.pending) == (3, 0, 0)
+    assert (stats.groups_dropped_stale, stats.stream_length, stats.pending) == (3, 0, 0)
     assert stats.submitted == 3  # the dropped groups' admissions went back to the gate
 
 
@@ -324,7 +324,7 @@ def test_restore_recounts_admissions_from_durable_state(
     assert int(r.get(keys.admitted)) == 23  # the data position comes back from the checkpoint
     # 25 acked, 2 dropped (handed back), 1 dead-lettered, 3 in the stream, 2 held by a
     # live producer
-    r.mset({keys.acked: 25, keys.dropped_stale: 2, keys.dead_count: 1})
+    r.mset({keys.acked: 25, keys.groups_dropped_stale: 2, keys.dead_count: 1})
     for _ in range(3):
         r.xadd(keys.traj, {b"d": b"x"})
     r.hset(keys.leases, mapping={"alive": 2, "dead": 5})

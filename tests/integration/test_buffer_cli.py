@@ -51,7 +51,7 @@ def test_stats_reports_the_run(tmp_path: Path) -> None:
             r.xadd(keys.traj, {b"d": b"x%d" % i})
         r.xreadgroup("trainer", "c", {keys.traj: ">"}, count=2)  # 2 pending, 3 unread
         r.set(keys.submitted, 9)
-        r.set(keys.dropped_stale, 4)
+        r.set(keys.groups_dropped_stale, 4)
         r.set(keys.dead_count, 1)
         r.set(keys.given_back("filtered"), 6)
         RedisWeightPublisher(r, "run7", BufferConfig()).set_version(3, "/w/v3")
@@ -65,7 +65,7 @@ def test_stats_reports_the_run(tmp_path: Path) -> None:
         "pending": 2,
         "unconsumed": 3,
         "submitted": 9,
-        "dropped_stale": 4,
+        "groups_dropped_stale": 4,
         "dead_letter": 1,
         "version": 3,
         "given_back_filtered": 6,

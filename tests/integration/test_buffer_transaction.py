@@ -49,7 +49,7 @@ def test_pack_writes_an_argument_given_in_parts_as_those_parts() -> None:
 
 def test_a_group_encoded_in_parts_is_the_group_encoded_whole() -> None:
     from areal_hex.buffer.codec import decode_group, encode_group, encode_group_parts
-    from hexctl.bench.buffer import make_groups
+    from hexctl.bench.micro.buffer import make_groups
 
     group = make_groups(1, 3, 17)[0]
     nbytes, parts = encode_group_parts(group)

@@ -61,7 +61,7 @@ def ledger(r: object, keys: BufferKeys) -> dict[str, int]:
     out = {
         "admitted": get(keys.admitted),
         "acked": get(keys.acked),
-        "dropped": get(keys.dropped_stale),
+        "dropped": get(keys.groups_dropped_stale),
         "dead": get(keys.dead_count),
         "in_stream": int(r.xlen(keys.traj)),  # type: ignore[attr-defined]
         "held": sum(int(v) for v in r.hvals(keys.leases)),  # type: ignore[attr-defined]

@@ -139,7 +139,7 @@ def test_observed_run_trackers_scrapes_and_ledger(tmp_path: Path) -> None:
     assert set(controller) == set(ROLLOUT_NAMES)
     step = int(trainer["areal_hex_trainer_step"][0][1])
     at = rows[step - 1]
-    assert trainer["areal_hex_trainer_tokens_total"] == [({"gpu_kind": "cpu"}, at.tokens_total)]
+    assert trainer["areal_hex_trainer_tokens_total"] == [({"gpu_kind": "CPU"}, at.tokens_total)]
     phases = {lab["phase"]: v for lab, v in trainer["areal_hex_trainer_step_phase_seconds_count"]}
     assert phases == dict.fromkeys(("wait", "compute", "publish", "checkpoint"), step)
     (wait_sum,) = [v for lab, v in trainer["areal_hex_trainer_step_phase_seconds_sum"]

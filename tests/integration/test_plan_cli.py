@@ -213,7 +213,7 @@ def test_profile_then_plan_with_profile(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     rates = yaml.safe_load(prof.read_text())["kinds"]["CPU"]
     assert rates["train_tokens_per_s"] > 0 and rates["prefill_tokens_per_s"] > 0
-    from scheduler.measure import TINY
+    from hexctl.profile.bare import TINY
 
     cfg = tmp_path / "tiny" / "config.json"
     cfg.parent.mkdir()

@@ -94,7 +94,7 @@ def test_a_trainer_restarted_without_a_checkpoint_rejoins_at_v0(tmp_path: Path) 
             asyncio.run(produce([0, 0], first_index=8))
             batch = second.result(timeout=30)
         assert batch is not None and sorted(g.prompt_id for g in batch.groups) == ["p8", "p9"]
-        assert int(r.get(keys.dropped_stale)) == 6  # v1..v3: counted and handed back
+        assert int(r.get(keys.groups_dropped_stale)) == 6  # v1..v3: counted and handed back
         owed = asyncio.run(_position(endpoint, run_id, cfg))
         assert owed == 6  # the controller makes as many again
         led = read_ledger(r, run_id, RunPaths.at(tmp_path))
@@ -224,7 +224,9 @@ def test_before_any_restore_a_version_ahead_of_the_buffer_is_kept() -> None:
         source = BufferSource(RedisConfig(url=server.url), cfg, run_id, retry_s=5)
         try:
             assert len(source.get_batch(2, timeout_s=5).groups) == 2
-            assert int(endpoint.sync_client().get(BufferKeys(run_id).dropped_stale) or 0) == 0
+            assert (
+                int(endpoint.sync_client().get(BufferKeys(run_id).groups_dropped_stale) or 0) == 0
+            )
         finally:
             source.close()
 

@@ -7,6 +7,7 @@ exactly the broadcast weights. Bad bodies are 400s naming what is wrong."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -24,7 +25,7 @@ from areal_hex.config import InferenceConfig, ModelConfig, TinyModelConfig
 from areal_hex.models import load_model, materialize
 from areal_hex.net import free_port
 from areal_hex.weight_net import Manifest
-from rollout_service.client import InferenceClient
+from rollout_service.client import GenerationError, InferenceClient
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 from rollout_service.server.main import ServerThread, build_server_app
@@ -147,6 +148,11 @@ async def test_weights_broadcast_then_generated_with(weights: Path) -> None:
                 assert dispatcher.servers[0].healthy
                 assert sync.joined == {url: seen[1].group.group_name}
                 assert seen[2].group == seen[1].group  # the group was reused
+                # a controller that lost track of the membership asks again: no error
+                await c.init_weights_update_group(seen[1].group, 1)
+                other = dataclasses.replace(seen[1].group, master_port=free_port())
+                with pytest.raises(GenerationError, match="already joined as rank 1 of"):
+                    await c.init_weights_update_group(other, 1)
         out = await asyncio.to_thread(results.get, True, 60)
         assert out["failures"] == 0
     finally:
@@ -300,5 +306,5 @@ def test_a_short_run_syncs_over_the_network(tmp_path: Path) -> None:
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v0"]  # nothing on disk
     last = json.loads((run / "rollout.jsonl").read_text().splitlines()[-1])
-    assert last["weight_updates_total"] == steps and last["servers_healthy"] == 1
+    assert last["weight_syncs_total"] == steps and last["servers_healthy"] == 1
     assert "weight update (" not in (run / "logs" / "controller.log").read_text()  # no failure

@@ -135,3 +135,25 @@ def test_rollout_service_is_two_processes() -> None:
         assert not graph.chain_exists(
             f"rollout_service.{a}", f"rollout_service.{b}", as_packages=True
         )
+
+
+def test_one_room_per_job() -> None:
+    """The box is one subpackage (its command module aside); every benchmark is either a
+    whole-system run or a microbenchmark of one service; each command module registers
+    one command, named as the module; the planner package times no device."""
+    import argparse
+    import importlib
+
+    from hexctl.cli import command_modules
+
+    face = ROOT / "hexctl"
+    boxy = {str(p.relative_to(ROOT)) for p in face.rglob("*box*.py") if p.parent.name != "box"}
+    assert boxy == {"hexctl/cli/box_cmd.py"}
+    assert [p.name for p in (face / "bench").glob("*.py")] == ["__init__.py"]
+    assert {p.name for p in (face / "bench").iterdir() if p.is_dir()} >= {"system", "micro"}
+    for name in command_modules():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        assert list(sub.choices) == [name.rsplit(".", 1)[1].removesuffix("_cmd")], name
+    timing = [p.name for p in (ROOT / "scheduler").glob("*.py") if "import torch" in p.read_text()]
+    assert timing == []

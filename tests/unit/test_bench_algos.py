@@ -4,7 +4,7 @@ in docs/running.md)."""
 from __future__ import annotations
 
 from areal_hex.config import load_config
-from hexctl.bench.algos import variants
+from hexctl.bench.system.algos import variants
 
 
 def test_grid_is_eta_by_objective_plus_gspo() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hexctl.bench import BenchFailed, check_run
+from hexctl.bench import BenchFailed
+from hexctl.bench.system import check_run
 from hexctl.cli import main
 from hexctl.launch.run import RunResult
 from hexctl.launch.supervisor import Outcome
@@ -30,7 +31,7 @@ def test_a_failed_run_names_the_process_its_code_and_its_log(tmp_path: Path) -> 
 def test_bench_prints_the_failure_as_json_and_exits_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import hexctl.bench.e2e as e2e
+    import hexctl.bench.system.e2e as e2e
 
     def fails(args: object) -> dict[str, object]:
         raise BenchFailed("the sync run failed: inference-0 exited with code 1")
@@ -55,7 +56,7 @@ def test_bench_prints_the_failure_as_json_and_exits_1(
 
 
 def test_a_failed_benchmarks_runs_are_kept_where_its_error_says(tmp_path: Path) -> None:
-    from hexctl.bench import scratch_dir
+    from hexctl.bench.system import scratch_dir
 
     with scratch_dir("areal-hex-test-") as ok:
         Path(ok, "trainer.log").write_text("fine")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from areal_hex.plan import Plan
-from hexctl.bench.hetero import median_round, one_kind_cluster, round_order, summarise
+from hexctl.bench.system.hetero import one_kind_cluster
+from hexctl.bench.system.hetero_summary import median_round, round_order, summarise
 from scheduler.cluster import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def _plan(cost: float, rate: float = 1.0) -> Plan:
     slot = {"node": "n-0", "gpu_ids": [0]}
     return Plan.model_validate({
-        "cluster": "c", "model": "m", "objective": "throughput",
+        "cluster": "c", "model": "m", "objective": "throughput", "decisions": {},
         "rollout": [{"id": "r", "gpu_kind": "n", "tp": 1, "zone": "z", "region": "z",
                      "placement": slot, "predicted_tokens_per_s": 1.0}],
         "trainer": {"gpu_kind": "n", "world_size": 1, "dp": 1, "zero_stage": 0,
-                    "placements": [slot], "predicted_tokens_per_s": 1.0},
+                    "placements": [{"node": "n-0", "gpu_ids": [1]}],
+                    "predicted_tokens_per_s": 1.0},
         "predicted": {"samples_per_s": rate, "generation_samples_per_s": 1,
                       "training_samples_per_s": 1, "weight_sync_s": 0, "cost_usd_per_h": cost},
     })  # fmt: skip
@@ -56,10 +58,36 @@ def test_ratios_errors_and_rankings() -> None:
     assert out["max_abs_error"] == 0.3
 
 
+def test_the_planners_figure_beside_the_runs_prediction() -> None:
+    """Each plan's own rate (the planner's figure) is held against the measured rate as
+    the run's prediction is; d (plan a run synchronously) has no planner's figure. The
+    counts take the runs' predictions within 15 % and the planner's within 20 %."""
+    from hexctl.bench.system.hetero_summary import figure_counts, figures_table
+
+    runs = {"a": _run(115, 100), "b": _run(100, 80), "c": _run(110, 105), "d": _run(60, 50, "sync")}
+    plans = {"a": _plan(6, 118.0), "b": _plan(3, 85.0), "c": _plan(6, 150.0)}
+    out = summarise(runs, plans)
+    got = {k: (p["plan_samples_per_s"], p["plan_error"]) for k, p in out["plans"].items()}
+    assert got == {"a": (118.0, 0.18), "b": (85.0, 0.0625), "c": (150.0, 0.4286), "d": (None, None)}
+    # runs: a +0.15, b +0.25, c +0.0476, d +0.2; planner: a +0.18, b +0.0625, c +0.4286
+    assert out["figures"] == {
+        "predictions_within_15pct": 2,
+        "predictions_counted": 4,
+        "planner_figures_within_20pct": 2,
+        "planner_figures_counted": 3,
+    }
+    assert figure_counts({"x": {"error": None, "plan_error": None}})["predictions_counted"] == 0
+    table = figures_table(out).splitlines()
+    assert table[1].split()[:3] == ["a", "async", "100.0"]
+    assert "115.0 (+15.0 %)" in table[1] and "118.0 (+18.0 %)" in table[1]
+    assert table[4].split()[:3] == ["d", "sync", "50.0"] and table[4].rstrip().endswith("-")
+    assert table[-1].endswith("within 15%: 2 of 4; planner's figures within 20%: 2 of 3")
+
+
 def test_plans_predicted_alike_are_tied_in_the_ranking() -> None:
     """c placed as a (one plan, one prediction) states no order between a and c: either
     measured order holds; an order between plans predicted apart still has to hold."""
-    from hexctl.bench.hetero import ranking_holds
+    from hexctl.bench.system.hetero_summary import ranking_holds
 
     pred = {"a": 200.0, "b": 90.0, "c": 200.0, "d": 80.0}
     assert ranking_holds(pred, {"a": 227.0, "b": 85.0, "c": 235.0, "d": 70.0})
@@ -79,7 +107,7 @@ def test_the_one_kind_inventory_keeps_only_that_kind() -> None:
 def test_each_plans_host_speed_is_held_against_the_profiles() -> None:
     """`host_moved`: the mean of a plan's head-node samples over the profile's, less 1;
     None for every plan when the bench reused a profile (no samples of it)."""
-    from hexctl.bench.hetero import _host_gflops, host_moved
+    from hexctl.bench.system.hetero import _host_gflops, host_moved
 
     host = {"profile": [100.0, 120.0], "a": [110.0, 110.0], "b": [55.0, 55.0], "c": [132.0]}
     assert host_moved(host) == {"a": 0.0, "b": -0.5, "c": 0.2}
@@ -91,7 +119,7 @@ def test_each_plans_prediction_at_the_speed_its_kinds_had() -> None:
     """A kind's speed around a plan's run over its speed while profiled gives the factor
     the profile is scaled by; the predictions at those speeds give their own errors,
     ratios and ranking beside the plain ones."""
-    from hexctl.bench.hetero import speed_factors
+    from hexctl.bench.system.hetero import speed_factors
 
     profiled = {"fast": 800.0, "mem": 300.0}
     assert speed_factors(
@@ -135,8 +163,8 @@ def test_a_kinds_profiled_speed_is_kept_with_its_measurements(tmp_path: Path) ->
     before the speed was sampled gives none."""
     import json
 
+    from hexctl.box.profile import _record_speed, profiled_speed
     from hexctl.job.predict import LocalProfileFiles
-    from hexctl.profile.box import _record_speed, profiled_speed
 
     kind = LocalProfileFiles(tmp_path / "mem")
     kind.root.mkdir()
@@ -153,8 +181,8 @@ def test_a_kinds_profiled_speed_is_kept_with_its_measurements(tmp_path: Path) ->
 def test_a_failed_speed_sample_is_left_out(tmp_path: Path) -> None:
     import json
 
+    from hexctl.box.profile import profiled_speed
     from hexctl.job.predict import LocalProfileFiles
-    from hexctl.profile.box import profiled_speed
 
     merged = LocalProfileFiles(tmp_path)
     kinds = {"mem": {"node_speed": {"node": "mem-0", "samples": [None, 120.0]}},

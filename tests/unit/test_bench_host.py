@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hexctl.bench.host import spread, windows
+from hexctl.bench.system.host import spread, windows
 
 ROOT = Path(__file__).resolve().parents[2]
 

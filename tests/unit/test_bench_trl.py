@@ -15,8 +15,8 @@ import pytest
 from areal_hex.config import ConfigError, load_config
 from areal_hex.data import build_prompts, iterate_prompts, load_problems
 from areal_hex.models import build_tokenizer
-from hexctl.bench import trl as bench
-from hexctl.bench.trl_worker import gsm8k_reward, load_rows
+from hexctl.bench.system import trl as bench
+from hexctl.bench.system.trl_worker import gsm8k_reward, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny_cpu.yaml")

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from areal_hex.errors import UsageError
-from hexctl.job import box as box_mod
-from hexctl.job.box_spec import load_box
-from hexctl.profile.box import inventory
+from hexctl.box import emulate as box_mod
+from hexctl.box.profile import inventory
+from hexctl.box.spec import load_box
 from scheduler.cluster import ClusterSpec, make_cluster
 from scheduler.profile import DeviceRates, Profile
 
@@ -96,7 +96,7 @@ def _plan(trainer: list[str], rollout: list[str]):
 
     slot = lambda n: {"node": n, "gpu_ids": [0]}  # noqa: E731
     return Plan.model_validate({
-        "cluster": "box-inv", "model": "m", "objective": "throughput",
+        "cluster": "box-inv", "model": "m", "objective": "throughput", "decisions": {},
         "rollout": [{"id": f"rollout-{n}", "gpu_kind": n.split("-")[0], "tp": 1, "zone": "box",
                      "region": "box", "placement": slot(n), "predicted_tokens_per_s": 1.0}
                     for n in rollout],
@@ -110,9 +110,9 @@ def _plan(trainer: list[str], rollout: list[str]):
 
 def test_a_plan_runs_on_its_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from areal_hex.config import load_config
-    from hexctl.job.box_config import apply_box
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
     from hexctl.job.layout import build_layout
-    from hexctl.launch.box_run import place_on_box
     from hexctl.launch.run import process_specs
 
     state = _state(tmp_path, monkeypatch)
@@ -153,7 +153,7 @@ def test_a_plan_the_box_cannot_run_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from areal_hex.config import load_config
-    from hexctl.job.box_config import box_state
+    from hexctl.box.run_config import box_state
 
     _state(tmp_path, monkeypatch)
     root = Path(__file__).resolve().parents[2]
@@ -170,6 +170,21 @@ def test_a_plan_the_box_cannot_run_is_refused(
     other = load_config(root / "examples/box/tiny_box.yaml", ["run.box=gone"])
     with pytest.raises(UsageError, match="is not up"):
         box_state(other, _plan(["fast-0"], ["mem-0"]))
+
+
+def test_a_run_on_a_box_needs_the_boxs_placement(tmp_path: Path) -> None:
+    """A command that does not hand the box's addresses to `prepare_run` refuses
+    `run.box` before it writes anything, rather than running beside the box."""
+    from areal_hex.config import load_config
+    from hexctl.job.prepare import prepare_run
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(
+        root / "examples/box/tiny_box.yaml", ["run.box=inv", f"run.output_dir={tmp_path}"]
+    )
+    with pytest.raises(UsageError, match="only `areal-hex run` and `bench hetero`"):
+        prepare_run(cfg, _plan(["fast-0"], ["mem-0"]))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_max_trainer_nodes_keeps_the_trainer_on_one_machine() -> None:
@@ -370,8 +385,8 @@ def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path:
     the fixed seconds the cost model adds for the mode (a bucket's call over the
     network), so the link's latency plus them is the pause measured. Rounds made in the
     other mode than the workload's, or none, leave the in-flight reload (None)."""
+    from hexctl.box.profile import _pause_ms
     from hexctl.job.predict import LocalProfileFiles
-    from hexctl.profile.box import _pause_ms
     from scheduler.costmodel import sync_terms
     from scheduler.model_shape import load_model_shape
     from scheduler.workload import load_workload

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from areal_hex.config import ConfigError
-from hexctl.job.box_spec import load_box
+from hexctl.box.spec import load_box
 
 KINDS = {
     "fast": {"cpu": 0.9, "max_running_requests": 8, "usd_per_hour": 3.0, "nic_mbit": 100},

@@ -35,6 +35,8 @@ def completions(draw: st.DrawFn) -> Completion:
         finish_reason=draw(st.sampled_from(FINISH_REASONS)),
         reward=draw(FINITE),
         text=draw(TEXT),
+        server=draw(TEXT),
+        gpu_kind=draw(TEXT),
     )
 
 
@@ -66,6 +68,7 @@ def assert_same(a: GroupRecord, b: GroupRecord) -> None:
         np.testing.assert_array_equal(x.logprobs, y.logprobs)
         np.testing.assert_array_equal(x.versions, y.versions)
         assert (x.finish_reason, x.reward, x.text) == (y.finish_reason, y.reward, y.text)
+        assert (x.server, x.gpu_kind) == (y.server, y.gpu_kind)
         assert y.token_ids.dtype == np.int32 and y.logprobs.dtype == np.float32
     assert a.version == b.version
     _, oldest, newest = decode_group_with_versions(encode_group(a))
@@ -106,7 +109,9 @@ def test_garbage_never_raises_anything_but_decode_error(blob: bytes) -> None:
 
 def _group() -> GroupRecord:
     comp = [
-        Completion(np.arange(5), np.full(5, -0.5), np.full(5, 3), "stop", 1.0, "a"),
+        Completion(
+            np.arange(5), np.full(5, -0.5), np.full(5, 3), "stop", 1.0, "a", "http://a", "H20"
+        ),
         Completion(np.arange(3), np.full(3, -0.25), np.array([2, 3, 3]), "length", 0.0),
     ]
     return GroupRecord("q1", [7, 8, 9], comp, temperature=0.7, metadata={"src": "test"})
@@ -139,6 +144,9 @@ F4, I4 = "<f4", "<i4"
     [
         (None, {"schema": SCHEMA_VERSION + 1}, "schema", "not supported"),
         (None, {"schema": None}, "schema", "not supported"),
+        (None, {"schema": 1}, "schema", "written by an older areal-hex"),
+        (None, {"server": ["http://a"]}, "server", "one per completion (2)"),
+        (None, {"gpu_kind": ["H20", 3]}, "gpu_kind[1]", "unexpected type int"),
         ({"tokens": (F4, np.zeros(8, F4))}, {}, "tokens", "dtype '<f4', expected '<i4'"),
         ({"logprobs": ("<f8", np.zeros(8, "<f8"))}, {}, "logprobs", "expected '<f4'"),
         ({"tokens": (I4, np.zeros(30, "u1"))}, {}, "tokens", "not a whole number"),

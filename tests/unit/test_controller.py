@@ -128,7 +128,7 @@ async def test_weight_update_interrupts_and_resumes(rewards, tmp_path: Path) -> 
     await producer.publish(1, "/weights/v1")
     final = await run
     assert [s.updates for s in servers] == [[("/weights/v1", 1)]] * 2
-    assert final["version"] == 1 and final["weight_updates_total"] == 1
+    assert final["version"] == 1 and final["weight_syncs_total"] == 1
     assert final["requests_aborted_total"] == 6
     for g in producer.groups:
         assert g.version == 0
@@ -199,7 +199,7 @@ async def test_groups_the_trainer_drops_are_owed_until_its_last_version(
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)
     assert not run.done() and len(producer.groups) == 4  # at its target, waiting
-    producer.dropped = 3
+    producer.groups_dropped_stale = 3
     while len(producer.groups) < 7:
         await asyncio.sleep(0.02)
     await producer.publish(1, str(tmp_path / "v1"))
@@ -222,6 +222,36 @@ async def test_recovered_server_gets_current_weights(rewards, tmp_path: Path) ->
     b.down = False
     await ctl.dispatcher.probe_all()
     assert b.updates == [("/w/v4", 4)] and b.version == 4
+
+
+@pytest.mark.timeout(60)
+async def test_weights_gone_from_disk_fall_back_instead_of_a_recovery_loop(
+    rewards, tmp_path: Path
+) -> None:
+    """v4 was published and loaded, then lost its config.json (a removal cut short, a
+    storage fault): a server back from a crash loads v3, the newest complete version,
+    at the first probe; a version no server could load is not what recovery reloads."""
+    weights = tmp_path / "weights"
+    for v in (0, 3, 4):
+        (weights / f"v{v}").mkdir(parents=True)
+        (weights / f"v{v}" / "config.json").write_text("{}")
+    a = FakeServer("a")
+    a.reads_disk = True
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = _controller([a], producer, rewards, tmp_path, max_groups=3)
+    ctl.weights.weights_dir = str(weights)
+    await ctl.dispatcher.probe_all()
+    await ctl.update_weights(4, str(weights / "v4"))
+    (weights / "v4" / "config.json").unlink()
+    a.version = 0  # restarted with its initial weights
+    ctl.dispatcher.mark_unhealthy(ctl.dispatcher.servers[0], "crashed")
+    assert await ctl.dispatcher.probe_all() == 1  # recovered at once, no loop
+    assert a.updates[-1] == (str(weights / "v3"), 3) and a.version == 3
+    await ctl.update_weights(5, str(weights / "v5"))  # never written: fails everywhere
+    assert ctl.weights.applied == (3, str(weights / "v3"))
+    a.version = 0
+    ctl.dispatcher.mark_unhealthy(ctl.dispatcher.servers[0], "crashed")
+    assert await ctl.dispatcher.probe_all() == 1 and a.version == 3
 
 
 @pytest.mark.timeout(60)
@@ -338,7 +368,7 @@ async def test_versions_published_during_a_reload_are_coalesced(rewards, tmp_pat
         await asyncio.sleep(0.01)
     final = await run
     assert server.updates == [("/w/v1", 1), ("/w/v3", 3)]
-    assert final["version"] == 3 and final["weight_updates_total"] == 2
+    assert final["version"] == 3 and final["weight_syncs_total"] == 2
 
 
 @pytest.mark.timeout(60)
@@ -410,7 +440,7 @@ async def test_stopping_waits_for_a_weight_update_under_way() -> None:
     assert not server.running.is_set()
     assert await ws.settle(5.0)
     # what the controller's stop waits for: loaded, counted, the server running again
-    assert ws.updates_total == 1 and server.version == 1 and server.running.is_set()
+    assert ws.syncs_total == 1 and server.version == 1 and server.running.is_set()
     await task
 
 

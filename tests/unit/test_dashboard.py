@@ -40,17 +40,17 @@ def test_dashboard_references_only_exported_metrics() -> None:
             assert names, target["expr"]
             used |= names
     assert used <= set(METRIC_NAMES), sorted(used - set(METRIC_NAMES))
-    # the panels an operator needs: busy time, step split, staleness, drops, weight sync,
+    # the panels an operator needs: busy time, step split, version lag, drops, weight sync,
     # gate waits, request latency, server health, tokens/s per GPU kind, predicted rates
     for needed in (
         "areal_hex_rollout_generation_busy_seconds_total",
         "areal_hex_trainer_step_phase_seconds_sum",
         "areal_hex_trainer_step_phase_seconds_bucket",
-        "areal_hex_trainer_staleness_versions_bucket",
-        "areal_hex_trainer_dropped_stale_total",
+        "areal_hex_trainer_version_lag_versions_bucket",
+        "areal_hex_trainer_groups_dropped_stale_total",
         "areal_hex_trainer_dead_letters_total",
         "areal_hex_rollout_groups_filtered_total",
-        "areal_hex_rollout_weight_update_seconds_total",
+        "areal_hex_rollout_weight_sync_seconds_total",
         "areal_hex_rollout_gate_wait_seconds_bucket",
         "areal_hex_rollout_request_seconds_bucket",
         "areal_hex_rollout_server_healthy",

@@ -81,10 +81,14 @@ def test_math500_local(tmp_path: Path, suffix: str) -> None:
 
 def test_loader_errors(tmp_path: Path) -> None:
     bad = _write([{"q": "x", "a": "y"}], tmp_path / "train.jsonl")
-    with pytest.raises(DataError, match=r"missing column\(s\) \['question', 'answer'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"train.jsonl:1: no field 'question'; expected fields \['question', 'answer'\], "
+        r"found \['a', 'q'\]",
+    ):
         load_gsm8k(bad, "train")
     no_final = _write([{"question": "x", "answer": "42"}], tmp_path / "t.jsonl")
-    with pytest.raises(DataError, match="row 0.*####"):
+    with pytest.raises(DataError, match="t.jsonl:1: field 'answer': .*####"):
         load_gsm8k(no_final, "train")
     (tmp_path / "broken.jsonl").write_text('{"question": 1}\nnot json\n')
     with pytest.raises(DataError, match="broken.jsonl:2"):
@@ -93,6 +97,31 @@ def test_loader_errors(tmp_path: Path) -> None:
         load_gsm8k(tmp_path / "missing.parquet", "train")
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         load_gsm8k(_write([], tmp_path / "x.csv"), "train")
+
+
+GOOD = {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_bad_row_after_good_ones_names_file_row_and_field(tmp_path: Path, suffix) -> None:
+    """Not only the first row is checked: the third row (line 3 of a jsonl) without its
+    question, or with an empty one, names its file, row and the field expected."""
+    where = "train.jsonl:3" if suffix == ".jsonl" else "train.parquet row 3"
+    rows = [GOOD, GOOD, {"answer": "#### 2", "question": None}]
+    path = _write(rows, tmp_path / f"train{suffix}")
+    with pytest.raises(DataError, match=rf"{where}: an empty \(None\) field 'question'; exp"):
+        load_gsm8k(path, "train")
+    path = _write([GOOD, {"question": "x", "answer": "#### 1"}, {"answer": "#### 2"}], path)
+    if suffix == ".jsonl":
+        with pytest.raises(DataError, match=rf"{where}: no field 'question'; expected"):
+            load_gsm8k(path, "train")
+    (tmp_path / "m").mkdir()
+    _write([{"problem": "p", "answer": "1"}, {"answer": "2"}], tmp_path / "m" / "test.jsonl")
+    with pytest.raises(DataError, match=r"m/test.jsonl:2: no field 'problem'; expected"):
+        load_math500(tmp_path / "m", "test")
+    (tmp_path / "arr.json").write_text('[{"question": "x", "answer": "#### 1"}, {"question": []}]')
+    with pytest.raises(DataError, match=r"arr.json row 2: field 'question' is a list"):
+        load_gsm8k(tmp_path / "arr.json", "train")
 
 
 def test_hub_without_datasets_is_a_clear_error() -> None:

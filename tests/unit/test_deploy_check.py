@@ -12,8 +12,8 @@ from areal_hex.config import ConfigError, load_config
 from areal_hex.plan import load_plan
 from hexctl.deploy import render
 from hexctl.deploy.common import split_redis_url
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.names import gpu_label_value, normalize_model_name
-from hexctl.job.deploy_config import DeployConfig
 from hexctl.job.layout import build_layout
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from areal_hex.config import ConfigError, ExperimentConfig, load_config
 from areal_hex.plan import load_plan
 from hexctl.deploy import render
 from hexctl.deploy.compose import docker_size
-from hexctl.job.deploy_config import DeployConfig
+from hexctl.deploy.config import DeployConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "tests/data/compose_spec.json").read_text())

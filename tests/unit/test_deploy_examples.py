@@ -13,7 +13,7 @@ from areal_hex.plan import load_plan
 from hexctl.cli import build_parser, main
 from hexctl.cli.deploy_cmd import check_services
 from hexctl.deploy import render
-from hexctl.job.deploy_config import DeployConfig
+from hexctl.deploy.config import DeployConfig
 from hexctl.job.layout import CONFIG_PLACEHOLDER, build_layout
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import yaml
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.plan import Plan, load_plan
 from hexctl.deploy import render
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.names import GPU_PRODUCT_LABELS
-from hexctl.job.deploy_config import DeployConfig
 from tests.k8s_schema import job_of, validate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import yaml
 from areal_hex.config import load_config
 from areal_hex.plan import load_plan
 from hexctl.deploy import render
-from hexctl.job.deploy_config import DeployConfig
+from hexctl.deploy.config import DeployConfig
 from hexctl.runtime.reaper import KubeApi, scale_to_zero, wait_for_trainer
 from tests.k8s_schema import validate
 

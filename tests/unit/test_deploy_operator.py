@@ -22,10 +22,10 @@ from areal_hex.config import ConfigError, ExperimentConfig, load_config
 from areal_hex.plan import Baselines, load_plan
 from areal_hex.prom import prediction_collectors, registry_with
 from hexctl.deploy import render
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.k8s import DELETE_KINDS
 from hexctl.deploy.prepare import install_prediction
 from hexctl.deploy.quantities import cpu_millis, memory_bytes
-from hexctl.job.deploy_config import DeployConfig
 from tests.k8s_schema import validate
 
 ROOT = Path(__file__).resolve().parents[2]

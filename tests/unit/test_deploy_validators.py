@@ -14,7 +14,7 @@ import yaml
 from areal_hex.config import load_config
 from areal_hex.plan import load_plan
 from hexctl.deploy import render
-from hexctl.job.deploy_config import DeployConfig
+from hexctl.deploy.config import DeployConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted(

@@ -62,7 +62,7 @@ async def test_filtered_groups_free_their_slot_and_are_counted(tmp_path: Path) -
     assert last.groups_produced_total == len(kept) + last.groups_filtered_total
     assert producer.submitted == len(kept)
     trainer = TrainerRow(groups_trained_total=len(kept))
-    buffer = {"dropped_stale": 0, "dead_letter": 0, "unconsumed": 0, "pending": 0,
+    buffer = {"groups_dropped_stale": 0, "dead_letter": 0, "unconsumed": 0, "pending": 0,
               "submitted": producer.submitted}  # fmt: skip
     ledger = accounting([trainer], [last], buffer)
     assert ledger["groups_filtered"] == last.groups_filtered_total

@@ -11,7 +11,7 @@ import pytest
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, append_row
-from hexctl.job.fidelity import add_fidelity, measured_rates, relative_errors
+from hexctl.report.fidelity import add_fidelity, measured_rates, relative_errors
 
 
 def rows() -> tuple[list[TrainerRow], list[RolloutRow]]:
@@ -30,8 +30,8 @@ def rows() -> tuple[list[TrainerRow], list[RolloutRow]]:
             time=100 + t,
             samples_total=20 * t,
             gen_busy_s=0.8 * t,
-            weight_updates_total=t,
-            weight_update_s_total=0.1 * t,
+            weight_syncs_total=t,
+            weight_sync_s_total=0.1 * t,
         )  # fmt: skip
         for t in range(0, 6)
     ]
@@ -370,7 +370,7 @@ def test_async_pause_follows_the_generation_slack(tmp_path: Path) -> None:
 def test_sync_phase_times(tmp_path: Path) -> None:
     """bench fidelity's overlap limit comes from the synchronous run's phases: the wait
     for the batch (generation) and the rest of each step (training)."""
-    from hexctl.bench.fidelity import phase_times
+    from hexctl.bench.system.fidelity import phase_times
 
     paths = RunPaths.at(tmp_path)
     for s in range(1, 6):  # one step per 2.5 s: 1.5 s waiting, then 1.0 s of training

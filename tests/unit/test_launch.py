@@ -147,7 +147,7 @@ def test_core_groups_off_means_no_pinning() -> None:
 def test_bench_steady_rate_skips_the_head_start(tmp_path: Path) -> None:
     import json
 
-    from hexctl.bench.e2e import steady_rate
+    from hexctl.bench.system.e2e import steady_rate
 
     rows = [  # 3 quick steps (prefilled batches), then one step every 2 s
         {"step": 1, "time": 0.0, "groups_trained_total": 4},
@@ -189,7 +189,7 @@ def test_a_benchmark_refuses_the_run_directory_of_an_earlier_one(tmp_path):
     """A benchmark's run in an earlier one's directory would resume it and report its
     figures: refused with the path and what to do, before anything starts."""
     from areal_hex.config import ConfigError
-    from hexctl.bench.e2e import fresh_run_dir
+    from hexctl.bench.system.e2e import fresh_run_dir
 
     fresh_run_dir(tmp_path / "bench-async")  # missing: fine
     (tmp_path / "bench-async").mkdir()

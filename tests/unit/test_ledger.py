@@ -23,7 +23,7 @@ def counters(**kw: int) -> dict[str, int]:
     base = {
         "admitted": 0,
         "acked": 0,
-        "dropped_stale": 0,
+        "groups_dropped_stale": 0,
         "dead_count": 0,
         "in_flight": 0,
         "in_stream": 0,
@@ -41,7 +41,7 @@ def test_a_trainer_crash_after_its_commit_counts_each_group_once() -> None:
     c = counters(
         admitted=40 + 6 + 5 + 3 + 2 + 4 + 1 + 7,
         acked=38,
-        dropped_stale=2,
+        groups_dropped_stale=2,
         in_stream=2 + 6 + 5,
         committed_in_stream=2,
         in_flight=3,
@@ -128,7 +128,7 @@ def test_progress_says_what_each_process_does_before_the_first_step(tmp_path: Pa
 
 
 def test_chaos_plan_strikes_every_kind_once_at_distinct_steps() -> None:
-    from hexctl.bench.chaos import KINDS, fault_plan
+    from hexctl.bench.system.chaos import KINDS, fault_plan
 
     plan = fault_plan(list(KINDS), 30, seed=1)
     steps = [s for s, _ in plan]

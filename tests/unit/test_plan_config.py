@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from areal_hex.config import load_config
-from areal_hex.plan import Baselines, load_plan
+from areal_hex.plan import Decisions, load_plan
 from hexctl.deploy import prepare_deployment
+from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.slurm import render_slurm
 from hexctl.deploy.slurm_site import load_site
-from hexctl.job.deploy_config import DeployConfig
 from hexctl.job.plan_config import planned_values, project_plan
 from hexctl.job.prepare import apply_plan
 
@@ -24,7 +24,7 @@ ETA, K = 6, 2  # tuned by the planner; the configs below ask for other values
 
 def _tuned(plan_file: str):
     plan = load_plan(ROOT / plan_file)
-    return plan.model_copy(update={"baselines": Baselines(max_staleness=ETA, publish_every=K)})
+    return plan.model_copy(update={"decisions": Decisions(max_staleness=ETA, publish_every=K)})
 
 
 def _assert_planned(cfg, plan) -> None:
@@ -90,7 +90,9 @@ def test_slurm_config_carries_the_tuned_values(tmp_path) -> None:
 
 
 def test_a_plan_without_tuning_keeps_the_config_values() -> None:
-    plan = load_plan(ROOT / "examples/plans/local_cpu.yaml").model_copy(update={"baselines": None})
+    plan = load_plan(ROOT / "examples/plans/local_cpu.yaml").model_copy(
+        update={"decisions": Decisions()}
+    )
     cfg = load_config(ROOT / "examples/tiny_cpu.yaml")
     assert "buffer.max_staleness" not in planned_values(plan, "local")
     out = project_plan(cfg, plan, "local").config
@@ -112,7 +114,7 @@ def test_plan_print_config_carries_the_tuned_values(tmp_path, capsys) -> None:
     import json
 
     doc = json.loads(capsys.readouterr().out)
-    b = doc["plan"]["baselines"]
+    b = doc["plan"]["decisions"]
     assert doc["config"]["buffer"]["max_staleness"] == b["max_staleness"]
     assert doc["config"]["trainer"]["publish_every"] == b["publish_every"]
     assert doc["config"]["inference"]["num_servers"] == len(doc["plan"]["rollout"])

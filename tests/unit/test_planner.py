@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import ConfigError
-from hexctl.bench.plan import SMALL_WORKLOAD, random_small_cluster
+from hexctl.bench.micro.plan import SMALL_WORKLOAD, random_small_cluster
 from scheduler.catalogue import CATALOGUE, UnknownGpuKind, canonical_kind
 from scheduler.cluster import load_cluster
 from scheduler.costmodel import allreduce_s, train_memory_gb

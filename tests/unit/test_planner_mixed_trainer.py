@@ -168,7 +168,7 @@ def test_plan_yaml_round_trips_and_carries_rank_speeds(planned, tmp_path) -> Non
     assert t.rank_speeds[-1] == pytest.approx(c.part_speeds[-1] * toks, abs=0.01)
     path = save_plan(res.plan, tmp_path / "plan.yaml")
     again = load_plan(path)
-    assert again == res.plan and again.schema_version == 2
+    assert again == res.plan and again.schema_version == 3
     raw = yaml.safe_load(path.read_text())
     assert raw["trainer"]["rank_speeds"] == t.rank_speeds
 
@@ -187,9 +187,22 @@ def test_old_and_bad_plans(planned, tmp_path) -> None:
         bad.write_text(yaml.safe_dump({**raw, "trainer": {**raw["trainer"], key: value}}))
         with pytest.raises(ConfigError, match=expect):
             load_plan(bad)
-    bad.write_text(yaml.safe_dump({**raw, "schema_version": 3}))
+    bad.write_text(yaml.safe_dump({**raw, "schema_version": 4}))
     with pytest.raises(ConfigError, match="schema_version"):
         load_plan(bad)
+    # a version 3 plan holds its decisions in `decisions`, not among the comparisons
+    moved = {**raw["baselines"], "max_staleness": 4}
+    bad.write_text(yaml.safe_dump({**raw, "baselines": moved}))
+    with pytest.raises(ConfigError, match="'max_staleness' is now 'decisions.max_staleness'"):
+        load_plan(bad)
+    no_decisions = {k: v for k, v in raw.items() if k != "decisions"}
+    bad.write_text(yaml.safe_dump(no_decisions))
+    with pytest.raises(ConfigError, match="decisions"):
+        load_plan(bad)
+    # a version 2 plan's η and k, written among its baselines, are its decisions
+    old_raw = {**no_decisions, "schema_version": 2, "baselines": moved}
+    bad.write_text(yaml.safe_dump(old_raw))
+    assert load_plan(bad).decisions.max_staleness == 4
 
 
 def test_run_sets_rank_speeds_from_the_plan(planned, tmp_path) -> None:

@@ -21,7 +21,7 @@ def _one_instance() -> list[SimInstance]:
 
 def _sim_kw(**over: object) -> dict[str, object]:
     kw: dict[str, object] = dict(
-        batch_groups=1,
+        groups_per_step=1,
         group_size=2,
         max_staleness=4,
         publish_every=1,
@@ -104,9 +104,9 @@ def test_simulator_drops_groups_older_than_eta_and_counts_them() -> None:
     slow = SimInstance("slow", slots=1, prefill_s=0.0, sync_s=0.0, step_fn=lambda n: 0.1)
     kw = _sim_kw(group_size=1, max_staleness=1, steps=60)
     r = simulate([fast, slow], **kw)  # type: ignore[arg-type]
-    assert r.dropped > 0
+    assert r.groups_dropped_stale > 0
     assert r.max_version_lag <= 1  # nothing older than eta is ever trained
-    assert sum(r.staleness_hist.values()) == r.steps
+    assert sum(r.version_lag_hist.values()) == r.steps
 
 
 def test_simulator_inflight_cap_limits_admitted_groups() -> None:
@@ -125,7 +125,7 @@ def test_simulator_publishes_every_k_steps() -> None:
     inst[0].sync_s = 0.25
     r = simulate(inst, **_sim_kw(publish_every=3, steps=15))  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(2 / (0.5 + 0.25 / 3), rel=0.05)
-    assert r.dropped == 0
+    assert r.groups_dropped_stale == 0
 
 
 def test_simulator_gate_moves_with_the_published_version() -> None:
@@ -137,7 +137,7 @@ def test_simulator_gate_moves_with_the_published_version() -> None:
     kw = _sim_kw(group_size=1, max_staleness=1, publish_every=2, steps=13)
     r = simulate(inst, **kw)  # type: ignore[arg-type]
     assert r.samples_per_s == pytest.approx(1 / 0.35, rel=1e-6)
-    assert r.max_version_lag <= 1 and r.dropped == 0
+    assert r.max_version_lag <= 1 and r.groups_dropped_stale == 0
 
 
 @pytest.mark.parametrize("workload", ["math_grpo", "long_cot"])
@@ -183,10 +183,10 @@ def test_pipeline_rate_discounts_groups_that_miss_the_window() -> None:
     insts = [SimInstance(f"f{i}", 32, 0.0, 2.0, lambda n: 0.005) for i in range(4)]
     insts += [SimInstance(f"s{i}", 32, 0.0, 2.0, lambda n: 0.02) for i in range(8)]
     sim = simulate(
-        insts, batch_groups=32, group_size=8, max_staleness=4, publish_every=1,
+        insts, groups_per_step=32, group_size=8, max_staleness=4, publish_every=1,
         train_step_s=256 / 100.0, mean_len=2048, max_len=4096, steps=30,
     )  # fmt: skip
-    assert sim.dropped > 0
+    assert sim.groups_dropped_stale > 0
     assert abs(sim.samples_per_s - mixed) / mixed <= 0.10, (sim.samples_per_s, mixed)
     without_window = pipeline_rate(w.model_copy(update={"max_staleness": 1000}), 100.0, [
         (fast, 2.0, 4), (slow, 2.0, 8)])[0]  # fmt: skip

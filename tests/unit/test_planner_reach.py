@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hexctl.bench.plan import many_groups_cluster
+from hexctl.bench.micro.plan import many_groups_cluster
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster, merge_identical, one_kind
 from scheduler.model_shape import load_model_shape
 from scheduler.placing import TARGET_TOLERANCE

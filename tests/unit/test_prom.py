@@ -22,7 +22,6 @@ from areal_hex.prom import (
     MetricsServer,
     RolloutCollector,
     TrainerCollector,
-    device_kind,
     prediction_collectors,
     registry_with,
 )
@@ -55,8 +54,8 @@ def test_trainer_metrics_equal_the_rows() -> None:
             compute_s=2.0,
             tokens_total=100,
             groups_trained_total=2,
-            staleness_hist={"0": 3, "2": 1},
-            dropped_stale_total=1,
+            version_lag_hist={"0": 3, "2": 1},
+            groups_dropped_stale_total=1,
         )
     )
     c.observe(
@@ -68,8 +67,8 @@ def test_trainer_metrics_equal_the_rows() -> None:
             publish_s=0.5,
             tokens_total=250,
             groups_trained_total=4,
-            staleness_hist={"1": 4},
-            dropped_stale_total=3,
+            version_lag_hist={"1": 4},
+            groups_dropped_stale_total=3,
             dead_letter_total=2,
             degenerate_groups_total=1,
             tokens_per_s=150.0,
@@ -90,22 +89,18 @@ def test_trainer_metrics_equal_the_rows() -> None:
     assert s[("areal_hex_trainer_tokens_total", kind)] == 250  # the row's running total
     assert s[("areal_hex_trainer_tokens_per_second", kind)] == 150.0
     assert s[("areal_hex_trainer_samples_total", ())] == 4 * 4  # groups x group size
-    assert s[("areal_hex_trainer_dropped_stale_total", ())] == 3
+    assert s[("areal_hex_trainer_groups_dropped_stale_total", ())] == 3
     assert s[("areal_hex_trainer_dead_letters_total", ())] == 2
     assert s[("areal_hex_trainer_degenerate_groups_total", ())] == 1
     assert s[("areal_hex_trainer_version", ())] == 2
     # staleness over both steps: 3 groups at 0, 4 at 1, 1 at 2 (cumulative buckets)
-    h = "areal_hex_trainer_staleness_versions_bucket"
+    h = "areal_hex_trainer_version_lag_versions_bucket"
     assert s[(h, (("le", "0.0"),))] == 3
     assert s[(h, (("le", "1.0"),))] == 7
     assert s[(h, (("le", "2.0"),))] == 8
     assert s[(h, (("le", "+Inf"),))] == 8
-    assert s[("areal_hex_trainer_staleness_versions_sum", ())] == 4 + 2
-    assert s[("areal_hex_trainer_staleness_versions_count", ())] == 8
-
-
-def test_the_trainer_kind_is_its_device() -> None:
-    assert device_kind("cpu") == "cpu"
+    assert s[("areal_hex_trainer_version_lag_versions_sum", ())] == 4 + 2
+    assert s[("areal_hex_trainer_version_lag_versions_count", ())] == 8
 
 
 def servers() -> list[ServerState]:
@@ -124,7 +119,7 @@ def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
             groups_in_flight=3,
             servers_healthy=1,
             tokens_total=900,
-            weight_update_s_total=1.5,
+            weight_sync_s_total=1.5,
             reward_mean=0.25,
         )
     )
@@ -138,7 +133,7 @@ def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
     assert s[("areal_hex_rollout_groups_filtered_total", ())] == 2
     assert s[("areal_hex_rollout_groups_in_flight", ())] == 3
     assert s[("areal_hex_rollout_tokens_total", ())] == 900
-    assert s[("areal_hex_rollout_weight_update_seconds_total", ())] == 1.5
+    assert s[("areal_hex_rollout_weight_sync_seconds_total", ())] == 1.5
     assert s[("areal_hex_rollout_reward_mean", ())] == 0.25
     g = "areal_hex_rollout_gate_wait_seconds"
     assert s[(g + "_count", ())] == 3 and s[(g + "_sum", ())] == pytest.approx(3.02)
@@ -228,13 +223,13 @@ def test_buffer_metrics_read_redis(valkey: redis.Redis) -> None:
     for _ in range(3):
         valkey.xadd(keys.traj, {PAYLOAD_FIELD: b"x"})
     valkey.xreadgroup(GROUP, "c0", {keys.traj: ">"}, count=1)  # one delivered, not acked
-    valkey.set(keys.dropped_stale, 4)
+    valkey.set(keys.groups_dropped_stale, 4)
     valkey.set(keys.given_back("filtered"), 5)
     s = scrape(BufferCollector(lambda: read_stats(valkey, keys)))
     assert s[("areal_hex_buffer_stream_length", ())] == 3
     assert s[("areal_hex_buffer_pending", ())] == 1
     assert s[("areal_hex_buffer_lag", ())] == 2
-    assert s[("areal_hex_buffer_dropped_stale_total", ())] == 4
+    assert s[("areal_hex_buffer_groups_dropped_stale_total", ())] == 4
     assert s[("areal_hex_buffer_given_back_total", (("reason", "filtered"),))] == 5
     assert s[("areal_hex_buffer_given_back_total", (("reason", "failed"),))] == 0
 
@@ -254,7 +249,7 @@ def test_every_listed_name_is_scraped_and_nothing_else(tmp_path: Path) -> None:
 
     stats = BufferStats(0, 0, 0, 0, 0, 0, 0, {"filtered": 0})
     trainer = TrainerCollector()
-    trainer.observe(TrainerRow(staleness_hist={"1": 1}))
+    trainer.observe(TrainerRow(version_lag_hist={"1": 1}))
     rollout = RolloutCollector(servers())
     rollout.observe_gate_wait(0.1)
     rollout.observe_request(rollout.servers[0], 0.1)
@@ -344,7 +339,7 @@ def test_names_follow_prometheus_conventions(tmp_path: Path) -> None:
     from areal_hex.api import BufferStats
 
     trainer = TrainerCollector()
-    trainer.observe(TrainerRow(staleness_hist={"0": 1}))
+    trainer.observe(TrainerRow(version_lag_hist={"0": 1}))
     rollout = RolloutCollector(servers())
     rollout.observe_request(rollout.servers[0], 0.1)
     (tmp_path / "prediction.json").write_text(json.dumps(PREDICTION))

@@ -26,10 +26,10 @@ def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
                 "version": s,
                 "time": t0 + 2.0 * s,
                 "reward_mean": s / steps,
-                "staleness_hist": {"0": b // 2, "1": b - b // 2},
+                "version_lag_hist": {"0": b // 2, "1": b - b // 2},
                 "max_version_lag": 1 if s > 1 else 0,
                 "groups_trained_total": s * b,
-                "dropped_stale_total": 1,
+                "groups_dropped_stale_total": 1,
                 "dead_letter_total": 0,
                 "compute_s": 1.0,
                 "publish_s": 0.1,
@@ -49,12 +49,18 @@ def write_run(run_dir: Path, steps: int = 10, b: int = 4) -> None:
 def test_summary_numbers_and_plots(tmp_path: Path) -> None:
     write_run(tmp_path)
     cfg = load_config(None, ["run.run_id=r", "buffer.groups_per_step=4", "rollout.group_size=8"])
-    buffer = {"unconsumed": 2, "pending": 1, "submitted": 44, "dropped_stale": 1, "dead_letter": 0}
+    buffer = {
+        "unconsumed": 2,
+        "pending": 1,
+        "submitted": 44,
+        "groups_dropped_stale": 1,
+        "dead_letter": 0,
+    }
     s = write_report(tmp_path, cfg, buffer=buffer)
     assert s["steps"] == 10 and s["final_version"] == 10
     assert s["final_reward"] == pytest.approx(0.95)  # mean of the last 2 of 10 steps
     assert s["max_version_lag"] == 1
-    assert s["staleness_hist"] == {"0": 20, "1": 20}
+    assert s["version_lag_hist"] == {"0": 20, "1": 20}
     # 9 steps x 4 groups x 8 samples between the first and last step (18 s apart)
     assert s["samples_per_s"] == pytest.approx(9 * 4 * 8 / 18.0)
     assert s["samples_per_s_wall"] == pytest.approx(10 * 4 * 8 / 20.0)
@@ -64,15 +70,23 @@ def test_summary_numbers_and_plots(tmp_path: Path) -> None:
     assert s["in_flight_controller"] == 2
     assert s["versions_on_disk"] == [0, 10]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 10
-    for name in ("reward", "staleness", "throughput", "timeline"):
+    for name in ("reward", "version_lag", "throughput", "timeline"):
         png = tmp_path / "report" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_accounting_finds_a_lost_group() -> None:
-    metrics = [TrainerRow(groups_trained_total=8, dropped_stale_total=0, dead_letter_total=0)]
+    metrics = [
+        TrainerRow(groups_trained_total=8, groups_dropped_stale_total=0, dead_letter_total=0)
+    ]
     rollout = [RolloutRow(groups_produced_total=11, final=True, groups_in_flight=0)]
-    buffer = {"unconsumed": 2, "pending": 0, "submitted": 11, "dropped_stale": 0, "dead_letter": 0}
+    buffer = {
+        "unconsumed": 2,
+        "pending": 0,
+        "submitted": 11,
+        "groups_dropped_stale": 0,
+        "dead_letter": 0,
+    }
     assert accounting(metrics, rollout, buffer)["groups_lost"] == 1
 
 
@@ -87,7 +101,13 @@ def test_accounting_sums_the_runs_of_a_restarted_controller() -> None:
         RolloutRow(elapsed_s=1.0, groups_produced_total=6),
         RolloutRow(elapsed_s=3.0, groups_produced_total=14, final=True),
     ]
-    buffer = {"unconsumed": 12, "pending": 0, "submitted": 40, "dropped_stale": 0, "dead_letter": 0}
+    buffer = {
+        "unconsumed": 12,
+        "pending": 0,
+        "submitted": 40,
+        "groups_dropped_stale": 0,
+        "dead_letter": 0,
+    }
     acc = accounting(metrics, rollout, buffer)
     assert acc["groups_produced"] == 12 + 10 + 14
     assert acc["groups_lost"] == 0
@@ -183,3 +203,14 @@ def test_report_plots_go_to_the_trackers_as_images(tmp_path: Path) -> None:
     acc.Reload()
     images = set(acc.Tags()["images"])
     assert images == {f"report/{Path(p).stem}" for p in s["plots"]} and images
+
+
+def test_rows_an_older_version_wrote_read_under_the_new_names(tmp_path: Path) -> None:
+    from areal_hex.run_files import read_rows
+
+    old = {"step": 3, "dropped_stale_total": 2, "staleness_hist": {"1": 4}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n")
+    (row,) = read_rows(tmp_path / "metrics.jsonl", TrainerRow)
+    assert (row.groups_dropped_stale_total, row.version_lag_hist) == (2, {"1": 4})
+    with pytest.raises(ValueError, match="no_such_field"):
+        TrainerRow.model_validate({"no_such_field": 1})

@@ -20,7 +20,7 @@ def rows() -> list[TrainerRow]:
             version=s,
             loss=0.25 * s,
             tokens_total=100 * s,
-            staleness_hist={"0": s, "1": 1},
+            version_lag_hist={"0": s, "1": 1},
             mismatch={
                 "server": {"http://127.0.0.1:30000": {"abs_dlogp": 0.01 * s, "k3": 0.001}},
                 "gpu_kind": {"L40S": {"abs_dlogp": 0.01 * s, "k3": 0.001, "tokens": 10.0}},
@@ -47,7 +47,7 @@ def test_tensorboard_and_wandb_offline_equal_metrics_jsonl(
     trackers.close()
     written = read_rows(paths.metrics, TrainerRow)
     expected = {r.step: scalars(r, "trainer") for r in written}
-    assert expected[2]["trainer/staleness_hist/0"] == 2.0
+    assert expected[2]["trainer/version_lag_hist/0"] == 2.0
     # nested dicts flatten level by level; a URL key is one level
     assert expected[2]["trainer/mismatch/gpu_kind/L40S/abs_dlogp"] == pytest.approx(0.02)
     assert expected[1]["trainer/mismatch/server/http___127.0.0.1_30000/k3"] == 0.001

@@ -23,7 +23,7 @@ from trainer_service.batching import (
 from trainer_service.checkpoint import MARKER, complete_checkpoints, resolve_resume
 from trainer_service.engine import ds_config, lr_lambda
 from trainer_service.publish import collect_versions, write_model_dir
-from trainer_service.sources import ReplayConsumer, write_replay
+from trainer_service.sources import ReplayConsumer, group_to_json, write_replay
 
 
 def comp(tokens: list[int], reward: float) -> Completion:
@@ -147,14 +147,21 @@ def test_resume_picks_newest_complete(tmp_path: Path) -> None:
 
 def test_replay_roundtrip_and_wraparound(tmp_path: Path) -> None:
     groups = [GroupRecord(f"p{i}", [1, 2], [comp([3, i], float(i))]) for i in range(3)]
+    groups[1].completions[0].server, groups[1].completions[0].gpu_kind = "http://a", "H20"
     src = ReplayConsumer(write_replay(tmp_path / "g.jsonl", groups))
     b = src.get_batch(4)
     assert [g.prompt_id for g in b.groups] == ["p0", "p1", "p2", "p0"]
     assert b.entry_ids == ["0-0", "0-1", "0-2", "1-0"]
     assert b.groups[2].completions[0].token_ids.tolist() == [3, 2]
+    origin = [(c.server, c.gpu_kind) for g in b.groups[:2] for c in g.completions]
+    assert origin == [("", ""), ("http://a", "H20")]
     (tmp_path / "bad.jsonl").write_text('{"prompt_id": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: not a group record"):
         ReplayConsumer(tmp_path / "bad.jsonl")
+    line = json.dumps(group_to_json(groups[1])).replace('"H20"', "7")
+    (tmp_path / "kind.jsonl").write_text(line + "\n")
+    with pytest.raises(ValueError, match="kind.jsonl:1: not a group record.*gpu_kind"):
+        ReplayConsumer(tmp_path / "kind.jsonl")
 
 
 def test_launcher_commands() -> None:

@@ -94,10 +94,11 @@ def test_train_inference_mismatch_by_server_and_kind(model_and_groups: tuple) ->
 
     model, _ = model_and_groups
     groups = synthetic_groups(3, 2, model.config.vocab_size, seed=5, temperature=0.8)
-    origin = [("http://a,http://a", "H20,H20"), ("http://a,http://b", "H20,H800")]
-    origin.append(("http://b,http://b", "H800,H800"))
-    for g, (servers, kinds) in zip(groups, origin, strict=True):
-        g.metadata.update({"servers": servers, "gpu_kinds": kinds})
+    origin = [[("http://a", "H20")] * 2, [("http://a", "H20"), ("http://b", "H800")]]
+    origin.append([("http://b", "H800")] * 2)
+    for g, pairs in zip(groups, origin, strict=True):
+        for c, (server, kind) in zip(g.completions, pairs, strict=True):
+            c.server, c.gpu_kind = server, kind
     groups[2].completions[1].versions[:] = 1  # another version's tokens: not counted
     ctx = StepContext(PlainEngine(model), AlgoConfig(), 4096, 16, 0, rank=0, world=1)
     out = train_inference_mismatch(ctx, [_prepare(ctx, groups)])
@@ -105,9 +106,8 @@ def test_train_inference_mismatch_by_server_and_kind(model_and_groups: tuple) ->
     # closed form: the HF model's own log-probs at the sampling temperature
     expected: dict[str, list[float]] = {}
     for g in groups:
-        servers = g.metadata["servers"].split(",")
-        kinds = g.metadata["gpu_kinds"].split(",")
-        for c, server, kind in zip(g.completions, servers, kinds, strict=True):
+        for c in g.completions:
+            server, kind = c.server, c.gpu_kind
             own = c.versions == 0
             prox = _model_logprobs(model, g.prompt_ids, c.token_ids, 0.8)
             d = prox[own] - c.logprobs[own]

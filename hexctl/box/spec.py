@@ -135,7 +135,14 @@ def _is_kind_name(name: str) -> bool:
 def _nodes(spec: BoxSpec, errors: list[str]) -> list[BoxNode]:
     nodes: list[BoxNode] = []
     taken: dict[str, set[int]] = {k: set() for k in spec.kinds}
+    racks: dict[str, int] = {}
     for r, rack in enumerate(spec.racks):
+        if rack.name in racks:
+            errors.append(
+                f"racks[{r}].name: rack {rack.name!r} is already racks[{racks[rack.name]}]'s "
+                "name (expected a name of its own)"
+            )
+        racks.setdefault(rack.name, r)
         for j, mem in enumerate(rack.members):
             at = f"racks[{r}] ({rack.name}).members[{j}]"
             if mem.kind not in spec.kinds:
@@ -152,7 +159,12 @@ def _nodes(spec: BoxSpec, errors: list[str]) -> list[BoxNode]:
                 used.add(i)
                 nodes.append(BoxNode(f"{mem.kind}-{i}", mem.kind, r, len(nodes)))
     for kind, used in taken.items():
-        if used and used != set(range(len(used))):
+        if not used:
+            errors.append(
+                f"kinds.{kind}: no rack holds a node of this kind (expected a member "
+                f"{{kind: {kind}, count: N}} in some rack, or no kind {kind!r})"
+            )
+        elif used != set(range(len(used))):
             errors.append(
                 f"kinds.{kind}: nodes are numbered {kind}-0..{kind}-{len(used) - 1} without "
                 f"gaps (got {sorted(used)})"

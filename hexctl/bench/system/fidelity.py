@@ -4,7 +4,7 @@ synchronously, and hold both runs against the plan's cost model.
 One invocation: `profile --local` (the job's engines on the devices `run` uses), `plan`
 (budget: every device), then `run --plan` twice from the same initial weights. Rates are
 compared over the same window in both runs (from step η + 1 of the async run), with the
-definitions of `hexctl/job/fidelity.py`. Also reported: the overlap limit, what a perfect
+definitions of `hexctl/report/fidelity.py`. Also reported: the overlap limit, what a perfect
 asynchronous run would reach on the synchronous run's phases, B·G / max(generation time,
 training time) per step, and the async run's share of it.
 """
@@ -17,8 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hexctl.bench import scratch_dir
-from hexctl.bench.e2e import DEFAULT_CONFIG, initial_weights, run_once
+from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
+from hexctl.bench.system.e2e import initial_weights, run_once
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def phase_times(run_dir: Path, from_step: int) -> tuple[float, float]:
     """(generation, training) seconds per step of a synchronous run: the wait for the
     batch, and the rest of the step."""
     from areal_hex.run_files import RunPaths, TrainerRow, read_rows
-    from hexctl.job.fidelity import window
+    from hexctl.report.fidelity import window
 
     rows = window(read_rows(RunPaths.at(run_dir).metrics, TrainerRow), from_step)
     gen = [b.wait_s for b in rows[1:]]
@@ -81,8 +81,8 @@ def _rounded(d: dict[str, Any] | None) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.plan import save_plan
-    from hexctl.job.fidelity import fidelity_block
     from hexctl.profile.local import profile_local
+    from hexctl.report.fidelity import fidelity_block
 
     overrides = [*args.overrides, f"trainer.total_steps={args.steps}"]
     load_start = os.getloadavg()[0]

@@ -79,9 +79,9 @@ def measured_rates(
         busy = b.gen_busy_s - a.gen_busy_s
         if busy > 0:
             out.generation_samples_per_s = (b.samples_total - a.samples_total) / busy
-        updates = b.weight_updates_total - a.weight_updates_total
+        updates = b.weight_syncs_total - a.weight_syncs_total
         if updates > 0:
-            out.weight_sync_s = (b.weight_update_s_total - a.weight_update_s_total) / updates
+            out.weight_sync_s = (b.weight_sync_s_total - a.weight_sync_s_total) / updates
     return out
 
 

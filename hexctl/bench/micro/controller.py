@@ -193,13 +193,13 @@ async def _controller_run(
     await rewards.aclose()
     await producer.aclose()
     await aclient.aclose()
-    updates = final["weight_updates_total"]
+    updates = final["weight_syncs_total"]
     return {
         "controller_groups": final["groups_produced_total"],
         "controller_tokens": final["tokens_total"],
         "controller_s": round(elapsed, 3),
         "controller_tokens_per_s": round(final["tokens_total"] / elapsed, 1),
         "reloads": updates,
-        "reload_s_mean": round(final["weight_update_s_total"] / updates, 3) if updates else None,
+        "reload_s_mean": round(final["weight_sync_s_total"] / updates, 3) if updates else None,
         "requests_aborted": final["requests_aborted_total"],
     }

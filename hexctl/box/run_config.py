@@ -1,11 +1,11 @@
 """`areal-hex run CONFIG --plan PLAN run.box=NAME`, the config: a plan run across the
-nodes of a box (`hexctl/job/box.py`), written into the run's config.yaml.
+nodes of a box (`hexctl/box/emulate.py`), written into the run's config.yaml.
 
 Valkey binds the box's spine address and every service reaches it there, over its
 node's NIC and rack uplink; the controller reaches inference server i at its node's
 address. The plan must place the trainer on one node (a multi-node DeepSpeed launch is
 not emulated) and name only nodes the box has. Where the processes start is
-`hexctl/launch/box_run.py`'s.
+`hexctl/box/place.py`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from areal_hex.config import ExperimentConfig
 from areal_hex.errors import UsageError
 from areal_hex.plan import Plan
-from hexctl.job.box import BoxState, load_state
+from hexctl.box.emulate import BoxState, load_state
 
 
 def box_state(cfg: ExperimentConfig, plan: Plan | None) -> BoxState:

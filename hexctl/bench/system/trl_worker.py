@@ -1,9 +1,9 @@
-"""`python -m hexctl.bench.trl_worker SPEC.json`: one TRL GRPOTrainer run for `bench trl`,
+"""`python -m hexctl.bench.system.trl_worker SPEC.json`: one TRL GRPOTrainer run for `bench trl`,
 in a process of its own (as each `areal-hex run` is).
 
 SPEC: `v0` (HF directory: the initial weights and tokenizer), `rows` (JSONL: prompt
 text, its token ids as the rollout controller has them, gold answer; in the
-controller's order), `grpo` (trl.GRPOConfig arguments, `hexctl.bench.trl
+controller's order), `grpo` (trl.GRPOConfig arguments, `hexctl.bench.system.trl
 .grpo_config_kwargs`), `threads` (torch threads, null: torch's default), `final` (where
 the trained model and tokenizer go, for `areal-hex eval`) and `result` (this run's
 figures, JSON).

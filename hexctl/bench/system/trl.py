@@ -12,7 +12,7 @@ does), then for each seed (`--seeds N`: 0..N-1) and repeat (`--repeats N`), back
    reuses the profile it keeps: with it `run.host_cores: auto` can put Valkey and the
    controller where the profile measured them faster. `--no-profile`: runs with
    `run.profile_first=false` instead;
-2. TRL's GRPOTrainer in a fresh process (`hexctl.bench.trl_worker`) on a copy of V0, with
+2. TRL's GRPOTrainer in a fresh process (`hexctl.bench.system.trl_worker`) on a copy of V0, with
    the controller's prompts in the controller's order (`areal_hex.data.build_prompts` of
    the train split, then `iterate_prompts(data.seed)`: the rendered chat-template text,
    checked there to tokenize to the same ids) and its reward
@@ -84,9 +84,9 @@ from typing import Any
 from areal_hex.config import ConfigError, ExperimentConfig, load_config
 from areal_hex.errors import UsageError
 from hexctl.bench import BenchFailed
+from hexctl.bench.system import DEFAULT_CONFIG
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRL_VERSION = "1.16.0"  # the version the mapping was read from (pyproject's `trl` extra)
 RATE_DEFINITION = (
     "trained samples / seconds of the RL part: areal-hex summary.json samples_per_s_wall "
@@ -266,11 +266,13 @@ def run_areal(
 
 
 def run_trl(spec: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
-    """TRL's GRPOTrainer in a fresh process (`hexctl.bench.trl_worker`)."""
+    """TRL's GRPOTrainer in a fresh process (`hexctl.bench.system.trl_worker`)."""
     spec_path = out / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     t0 = time.perf_counter()
-    _child(["hexctl.bench.trl_worker", str(spec_path)], "TRL GRPOTrainer", out / f"{name}.log")
+    _child(
+        ["hexctl.bench.system.trl_worker", str(spec_path)], "TRL GRPOTrainer", out / f"{name}.log"
+    )
     wall = time.perf_counter() - t0
     r = json.loads(Path(spec["result"]).read_text())
     return {**r, "wall_s": round(wall, 2)}

@@ -13,7 +13,8 @@ for the same steps from the same initial weights and each held against the cost 
   asynchronous speed-up is measured against).
 
 Per plan: predicted and measured pipeline samples/s (the same window and definitions as
-`bench fidelity`, `hexctl/job/fidelity.py`) and the error; the ratios a/b, a/c, a/d
+`bench fidelity`, `hexctl/report/fidelity.py`) and the error, and the planner's own figure
+for the plan with its error (`hetero_summary`, which sums the runs up); the ratios a/b, a/c, a/d
 measured beside predicted; the weight-sync pause measured against predicted for each
 plan, with the mode that moved the weights; and whether the measured ranking of a-d is
 the predicted one (`ranking_equal`), and whether every order the prediction states holds
@@ -49,10 +50,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hexctl.bench import scratch_dir
+from hexctl.bench.system import scratch_dir
+from hexctl.bench.system.hetero_summary import (
+    LABELS,
+    figures_table,
+    median_round,
+    pipeline_of,
+    plan_of,
+    round_order,
+    summarise,
+)
 
 DEFAULT_BOX_CONFIG = "examples/box/tiny_box.yaml"
-LABELS = ("a", "b", "c", "d")
 # each plan's steps: a window (from step η + 1) of 95 steps of the box job's 8 groups.
 # On a shared machine one 5-s sample moves by a third and an 80-s mean by a few per cent
 # (`bench host`); 40 steps left the fastest plans a window of 9-13 s
@@ -65,7 +74,7 @@ HOST_PROBE_S = 0.5  # seconds of `bench host`'s matmul per sample of the head no
 def _host_gflops() -> float:
     """The head node's matmul GFLOP/s now on every core (`bench host`'s sample): a core
     the host's other tenants take shows here, where one thread would still find one."""
-    from hexctl.bench.host import sample
+    from hexctl.bench.system.host import sample
 
     return round(sample(HOST_PROBE_S, os.cpu_count() or 1)[0], 2)
 
@@ -98,7 +107,7 @@ def _speed_nodes(spec: Any, files: Any) -> list[str]:
 def _kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
     """Each kind's node speed now (`box_speed.node_speed`), by kind; a kind whose sample failed
     is left out."""
-    from hexctl.job.box_speed import node_speed
+    from hexctl.box.speed import node_speed
 
     kind_of = {n.name: n.kind for n in spec.nodes}
     return {kind_of[n]: v for n, v in node_speed(probes).items() if v is not None}
@@ -140,19 +149,11 @@ def _inputs(files: Any) -> tuple[Any, Any, Any, Any]:
     return cl, m, load_workload(files.workload), load_profile(files.profile, m.params)
 
 
-def one_kind_cluster(cl: Any, kind: str) -> Any:
-    """The inventory with only node group `kind` (its racks keep only its machines)."""
-    from scheduler.cluster import make_cluster
+def one_kind_cluster(cl: Any, group: str) -> Any:
+    """The inventory with only node group `group`'s kind; a rack without it is left out."""
+    from scheduler.cluster import one_kind
 
-    spec = cl.spec.model_copy(deep=True)
-    spec.node_groups = [g for g in spec.node_groups if g.name == kind]
-    racks = []
-    for rack in spec.racks:
-        rack.members = [m for m in rack.members if m.group == kind]
-        if rack.members:
-            racks.append(rack)
-    spec.racks = racks
-    return make_cluster(spec, f"{cl.spec.name} ({kind} only)")
+    return one_kind(cl, cl.kinds[group].name)
 
 
 def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[str, Any]:
@@ -192,20 +193,6 @@ def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[st
     return plans
 
 
-def plan_of(plans: dict[str, Any], label: str) -> Any:
-    """The plan a label runs: d is plan a, run synchronously."""
-    return plans["a" if label == "d" else label]
-
-
-def describe(plan: Any) -> dict[str, Any]:
-    return {
-        "trainer": [p.node for p in plan.trainer.placements],
-        "rollout": [i.placement.node for i in plan.rollout],
-        "cost_usd_per_h": plan.predicted.cost_usd_per_h,
-        "plan_samples_per_s": plan.predicted.samples_per_s,
-    }
-
-
 # ---------------------------------------------------------------- the runs
 def run_plan(
     config: str,
@@ -220,19 +207,21 @@ def run_plan(
     config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
     from areal_hex.config import load_config
     from areal_hex.run_files import RunPaths
-    from hexctl.bench import check_run
-    from hexctl.bench.e2e import fresh_run_dir
-    from hexctl.job.fidelity import fidelity_block
+    from hexctl.bench.system import check_run
+    from hexctl.bench.system.e2e import fresh_run_dir
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
     from hexctl.job.prepare import prepare_run
     from hexctl.launch.run import execute
+    from hexctl.report.fidelity import fidelity_block
 
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.run_id=null"])
     skip = cfg.buffer.max_staleness + 1
     cfg.run.run_id = run_id or f"plan-{label}"
     fresh_run_dir(cfg.run.run_dir())
-    cfg, path = prepare_run(cfg, plan, mode)
+    cfg, path = prepare_run(cfg, plan, mode, place=apply_box)
     t0 = time.monotonic()
-    result = execute(cfg, path, plan, progress=False)
+    result = execute(cfg, path, plan, progress=False, place=place_on_box)
     # interrupted (Ctrl-C, SIGTERM): through the bench's `finally` that takes the box down
     check_run(result, f"plan {label} ({mode})")
     ran = load_config(path)
@@ -282,149 +271,23 @@ def predict_at_speed(
     return pred["synchronous" if run["mode"] == "sync" else "asynchronous"]
 
 
-def _pipeline(block: dict[str, Any], side: str) -> float | None:
-    v = (block.get(side) or {}).get("pipeline_samples_per_s")
-    return None if v is None else round(v, 4)
-
-
-def _ratio(x: float | None, y: float | None) -> float | None:
-    return None if not x or not y else round(x / y, 4)
-
-
-def _ranking(rates: dict[str, float | None]) -> list[str]:
-    return sorted(rates, key=lambda k: -(rates[k] or 0.0))
-
-
-def ranking_holds(pred: dict[str, float | None], meas: dict[str, float | None]) -> bool:
-    """Whether every order the prediction states holds when measured: for each pair of
-    plans predicted at different rates, the faster one measured faster. Plans predicted
-    at the same rate (c when first-fit places a's mix as METIS does: the same plan) state
-    no order between them, and the order their runs happen to measure is not counted."""
-    labels = [k for k in pred if pred[k] is not None and meas.get(k) is not None]
-    for x in labels:
-        for y in labels:
-            px, py = pred[x] or 0.0, pred[y] or 0.0
-            if px > py * (1 + 1e-6) and not (meas[x] or 0.0) > (meas[y] or 0.0):
-                return False
-    return len(labels) == len(pred)
-
-
-def round_order(rounds: int) -> list[tuple[int, str]]:
-    """(round, plan) in the order they run: a-d, then d-a, and so on, so a drift of the
-    machine over the bench falls on every plan alike."""
-    order = []
-    for r in range(rounds):
-        labels = LABELS if r % 2 == 0 else tuple(reversed(LABELS))
-        order += [(r, label) for label in labels]
-    return order
-
-
-def median_round(rounds: list[dict[str, Any]]) -> int:
-    """The index of the round whose measured pipeline rate is the median (the lower of
-    the middle two for an even count; a round that measured nothing counts lowest): a
-    run the machine slowed or sped does not decide a plan's figures."""
-    rates = [_pipeline(r["block"], "measured") or 0.0 for r in rounds]
-    order = sorted(range(len(rates)), key=lambda i: rates[i])
-    return order[(len(order) - 1) // 2]
-
-
-def summarise(
-    runs: dict[str, dict[str, Any]],
-    plans: dict[str, Any],
-    at_speed: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"plans": {}}
-    pred, meas = {}, {}
-    for label, r in runs.items():
-        block = r["block"]
-        pred[label], meas[label] = _pipeline(block, "predicted"), _pipeline(block, "measured")
-        err = (block.get("relative_error") or {}).get("pipeline_samples_per_s")
-        ws_p = (block.get("predicted") or {}).get("weight_sync_s")
-        ws_m = block["measured"].get("weight_sync_s")
-        plan = plan_of(plans, label)
-        out["plans"][label] = {
-            **describe(plan),
-            "mode": r["mode"],
-            "predicted_samples_per_s": pred[label],
-            "measured_samples_per_s": meas[label],
-            "error": None if err is None else round(err, 4),
-            "weight_sync": {
-                "sync_mode": r["sync"],
-                "predicted_s": None if ws_p is None else round(ws_p, 4),
-                "measured_s": None if ws_m is None else round(ws_m, 4),
-            },
-            "unavailable": block.get("unavailable"),
-            "wall_s": r["wall_s"],
-        }
-        if "rounds" in r:  # every round's measure, the median one's figures above
-            out["plans"][label]["rounds_measured_samples_per_s"] = r["rounds"]
-    placed = {k: p.predicted.samples_per_s for k, p in plans.items()}
-    for other in ("b", "c", "d"):
-        out[f"a/{other}"] = {
-            "predicted": _ratio(pred.get("a"), pred.get(other)),
-            "measured": _ratio(meas.get("a"), meas.get(other)),
-        }
-    # the plans' own rates (the planner's claim, from the MILP's decision placed on the
-    # racks), beside the runs' predictions (each run's layout and mode, its machines)
-    out["a/b"]["predicted_by_plans"] = _ratio(placed["a"], placed["b"])
-    out["a/c"]["predicted_by_plans"] = _ratio(placed["a"], placed["c"])
-    out["ranking"] = {"predicted": _ranking(pred), "measured": _ranking(meas)}
-    out["ranking_equal"] = out["ranking"]["predicted"] == out["ranking"]["measured"]
-    out["ranking_holds"] = ranking_holds(pred, meas)  # the same, plans predicted alike tied
-    errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]
-    out["max_abs_error"] = round(max(errors), 4) if errors else None
-    if at_speed:
-        out["at_box_speed"] = _at_box_speed(out, at_speed, meas)
-    return out
-
-
-def _at_box_speed(
-    out: dict[str, Any], at_speed: dict[str, dict[str, Any]], meas: dict[str, float | None]
-) -> dict[str, Any]:
-    """Each plan's prediction at the speed its kinds were sampled at around its run
-    (`predict_at_speed`), with its error, and the ratios and ranking from them."""
-    pred: dict[str, float | None] = {}
-    for label, got in at_speed.items():
-        rates = got.get("predicted") or {}
-        p = rates.get("pipeline_samples_per_s")
-        pred[label] = None if p is None else round(p, 4)
-        m = meas.get(label)
-        ws = rates.get("weight_sync_s")
-        out["plans"][label]["at_box_speed"] = {
-            "speed": got["factors"],
-            "predicted_samples_per_s": pred[label],
-            "error": None if p is None or not m else round((p - m) / m, 4),
-            "weight_sync_predicted_s": None if ws is None else round(ws, 4),
-        }
-    block: dict[str, Any] = {
-        f"a/{o}": {"predicted": _ratio(pred.get("a"), pred.get(o))} for o in ("b", "c", "d")
-    }
-    block["ranking"] = _ranking(pred)
-    block["ranking_equal"] = block["ranking"] == out["ranking"]["measured"]
-    block["ranking_holds"] = ranking_holds(pred, meas)
-    errors = [
-        abs(p["at_box_speed"]["error"])
-        for p in out["plans"].values()
-        if (p.get("at_box_speed") or {}).get("error") is not None
-    ]
-    block["max_abs_error"] = round(max(errors), 4) if errors else None
-    return block
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.errors import UsageError
     from areal_hex.plan import save_plan
-    from hexctl.bench.e2e import initial_weights
-    from hexctl.job import box
-    from hexctl.job.box_spec import load_box
+    from hexctl.bench.system.e2e import initial_weights
+    from hexctl.box import emulate as box
+    from hexctl.box.checks import check_budget, check_fits
+    from hexctl.box.profile import profile_box, profiled_speed
+    from hexctl.box.spec import load_box
     from hexctl.job.predict import LocalProfileFiles
     from hexctl.job.processes import sigterm_as_ctrl_c
-    from hexctl.profile.box import profile_box, profiled_speed
 
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: expected a whole number of rounds, 1 or more")
     spec = load_box(args.box)
+    check_fits(spec)  # every refusal before the box is built and profiled
+    check_budget(spec, args.budget)
     box.check_host()
     # SIGTERM (a scheduler's stop, `kill`) ends the bench as Ctrl-C does: through the
     # `finally` below, which takes the box down
@@ -469,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 runs[label] = rounds[label][median_round(rounds[label])]
                 if args.rounds > 1:
                     runs[label]["rounds"] = [
-                        _pipeline(r["block"], "measured") for r in rounds[label]
+                        pipeline_of(r["block"], "measured") for r in rounds[label]
                     ]
                 speed[label] = runs[label]["speed"]
                 plan = plan_of(plans, label)
@@ -482,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = summarise(runs, plans, at_speed)
             result["host_gflops"], result["host_moved"] = host, host_moved(host)
             result["kind_speed"] = {"profile": profiled, **speed}
+            _say("each plan's rate, samples/s:\n" + figures_table(result))
     finally:
         box.down(spec.name)
     return {

@@ -7,9 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from hexctl.bench import scratch_dir
-
-DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
+from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +23,7 @@ def run_once(
 ) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.plan import load_plan
-    from hexctl.bench import check_run
+    from hexctl.bench.system import check_run
     from hexctl.job.prepare import prepare_run
     from hexctl.launch.run import execute
 

@@ -29,9 +29,9 @@ import yaml
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.config.base import load_yaml_text
-from hexctl.job.box import BoxState, node_argv
-from hexctl.job.box_spec import Box
-from hexctl.job.box_speed import node_speed
+from hexctl.box.emulate import BoxState, node_argv
+from hexctl.box.spec import Box
+from hexctl.box.speed import node_speed
 from hexctl.job.predict import LocalProfileFiles
 from hexctl.profile.devices import LocalDevices, Say
 

@@ -180,7 +180,7 @@ def _server_rounds(
 
 
 def _root() -> str:
-    return str(Path(__file__).resolve().parents[2])
+    return str(Path(__file__).resolve().parents[3])
 
 
 async def _drive(

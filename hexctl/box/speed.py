@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hexctl.job.box import NodeState
+from hexctl.box.emulate import NodeState
 
 # the box job's own work in miniature: a 2-layer transformer block's forward (attention
 # and MLP, hidden 64, 8 sequences of 40 tokens) in torch on one thread. It imports torch

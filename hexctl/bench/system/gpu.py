@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from areal_hex.device_kind import device_kind
     from scheduler.catalogue import CATALOGUE
-    from scheduler.measure import device_kind
 
     kind = device_kind("cuda")
     out: dict[str, Any] = {
@@ -181,8 +181,8 @@ def _fidelity(args: argparse.Namespace, gpus: int) -> dict[str, Any]:
         return {"skipped": "--no-fidelity"}
     if gpus < 2:
         return {"skipped": f"{gpus} GPU: bench fidelity needs one to generate, one to train"}
-    from hexctl.bench import fidelity as bench_fidelity
-    from hexctl.bench.e2e import DEFAULT_CONFIG
+    from hexctl.bench.system import DEFAULT_CONFIG
+    from hexctl.bench.system import fidelity as bench_fidelity
 
     ns = argparse.Namespace(
         config=DEFAULT_CONFIG,

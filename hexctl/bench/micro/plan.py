@@ -51,7 +51,7 @@ KINDS = [
     ("L40S", 1.04),
     ("L4", 0.52),
 ]
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -336,9 +336,9 @@ def applied_to_run(time_limit_s: float) -> tuple[float, list[str]]:
     from areal_hex.config import load_config
     from areal_hex.config.base import load_yaml_text
     from hexctl.deploy import prepare_deployment
+    from hexctl.deploy.config import DeployConfig
     from hexctl.deploy.slurm import render_slurm
     from hexctl.deploy.slurm_site import load_site
-    from hexctl.job.deploy_config import DeployConfig
     from hexctl.job.plan_config import planned_values
     from hexctl.job.prepare import apply_plan
     from scheduler.tuning import tune_max_staleness_and_publish_every

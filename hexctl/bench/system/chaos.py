@@ -11,8 +11,11 @@ the controller, Valkey); a trainer rank SIGKILLed before the first checkpoint ex
 `areal-hex run --resume`, and SIGKILL of it (`launcher_kill`: no process of the run may
 survive it by 10 s, then `--resume`); the newest checkpoint truncated, then a trainer
 rank SIGKILLed so that the restart must set it aside (`corrupt`); SIGSTOP of an
-inference server, which must be found hung and replaced (`sigstop`); and two faults
-overlapping (`overlap`: Valkey SIGKILLed, then the controller 3 s later).
+inference server, which must be found hung and replaced (`sigstop`); two faults
+overlapping (`overlap`: Valkey, then the controller 3 s later); every process SIGKILLed
+at once (`power_loss`), then `--resume`, also with the end of Valkey's append-only file
+cut off (`aof_truncate`: the cut named, its losses counted); two `--resume` at once
+(`race_resume`: the second exits 2). Overrides (`rollout.weight_sync=network`) apply.
 
 Baseline: the same job's ledger identity holds with no fault at all before the first one
 (the `before_first_fault` ledger), and every number comes from durable state
@@ -22,6 +25,7 @@ Baseline: the same job's ledger identity holds with no fault at all before the f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -32,13 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from areal_hex import lifetime
 from areal_hex.config.base import load_yaml_text
 from areal_hex.run_files import RunPaths, TrainerRow, read_rows
-from hexctl.bench import BenchFailed, scratch_dir
+from hexctl.bench import BenchFailed
+from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
 from hexctl.report.ledger import read_ledger
 from trainer_service.checkpoint import complete_checkpoints
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
 KINDS = (
     "inference",
     "trainer",
@@ -50,7 +55,13 @@ KINDS = (
     "corrupt",
     "sigstop",
     "overlap",
+    "power_loss",
+    "aof_truncate",
+    "race_resume",
 )
+# faults that end the launcher: the job goes on with `--resume`
+RESUMED = ("launcher", "launcher_kill", "power_loss", "aof_truncate", "race_resume")
+AOF_CUT_BYTES = 300  # cut from the end of Valkey's append-only file (`aof_truncate`)
 EARLY = "trainer_early"  # struck after step 1, before the first checkpoint (step 3)
 OVERLAP_GAP_S = 3.0  # between the two faults of `overlap`
 SURVIVAL_S = 10.0  # no process of the run may outlive a SIGKILLed launcher longer
@@ -103,23 +114,6 @@ def fault_plan(kinds: list[str], steps: int, seed: int) -> list[tuple[int, str]]
 
 
 # ---------------------------------------------------------------- the processes
-def _group_members(pgid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the live processes in a process group."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append((int(entry.name), cmd))
-    return out
-
-
 def _pids(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "pids.json").read_text())
 
@@ -129,7 +123,7 @@ def rank_pids(pids: dict[str, int]) -> list[int]:
     launchers = ("deepspeed.launcher", "torch.distributed.run")
     return [
         p
-        for p, cmd in _group_members(pids["trainer"])
+        for p, cmd in lifetime.group_members(pids["trainer"])
         if "-m trainer_service.main" in cmd and not any(x in cmd for x in launchers)
     ]
 
@@ -163,6 +157,11 @@ def strike(
     if kind == "launcher_kill":
         launcher.send_signal(signal.SIGKILL)
         return f"SIGKILL launcher {launcher.pid}"
+    if kind in ("power_loss", "aof_truncate"):
+        return power_loss(run_dir, launcher)
+    if kind == "race_resume":
+        launcher.send_signal(signal.SIGTERM)
+        return f"SIGTERM launcher {launcher.pid}, then two --resume at once"
     if kind in ("trainer", EARLY):
         return kill_rank(pids, rank if kind == EARLY else None)
     if kind == "corrupt":  # the restart that follows must find it
@@ -178,6 +177,37 @@ def strike(
     name = {"inference": "inference-0", "controller": "controller", "valkey": "redis"}[kind]
     os.killpg(pids[name], signal.SIGKILL)
     return f"SIGKILL {name} (process group {pids[name]})"
+
+
+def power_loss(run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
+    """SIGKILL the launcher and every process group of the run at once."""
+    pids = _pids(run_dir)
+    launcher.send_signal(signal.SIGKILL)
+    for pid in (p for name, p in pids.items() if name != "launcher"):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    return f"SIGKILL launcher {launcher.pid} and process groups {sorted(pids.values())}"
+
+
+def cut_aof(run_dir: Path, nbytes: int = AOF_CUT_BYTES) -> str:
+    """Cut the last `nbytes` of Valkey's newest append-only increment (nothing runs)."""
+    incr = sorted((run_dir / "valkey" / "appendonlydir").glob("*.incr.aof"))[-1]
+    size = incr.stat().st_size
+    with open(incr, "r+b") as f:
+        f.truncate(max(0, size - nbytes))
+    return f"cut {incr.relative_to(run_dir)} ({size} -> {max(0, size - nbytes)} bytes)"
+
+
+def racing_resumes(run_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Two `--resume` at once: the one that runs, and the other's exit code and words."""
+    racers = [start_launcher(["--resume", str(run_dir)], log) for _ in range(2)]
+    first = wait_for(lambda: any(r.poll() is not None for r in racers), 120.0)
+    loser = next((r for r in racers if r.poll() is not None), None)
+    if not first or loser is None:
+        return racers[0], {"loser_exit": None}
+    winner = racers[1] if loser is racers[0] else racers[0]
+    said = [ln for ln in log.read_text(errors="replace").splitlines() if "in use by" in ln]
+    return winner, {"loser_exit": loser.returncode, "loser_said": said[-1] if said else ""}
 
 
 def survivors(run_dir: Path, timeout_s: float) -> dict[str, list[int]]:
@@ -261,7 +291,7 @@ def restarts_of(run_dir: Path, kind: str, t: float) -> tuple[int, float | None]:
     two processes struck: the fewer restarts, and the later of their first ones)."""
     events = json.loads(RunPaths.at(run_dir).events.read_text())
     attempts = events.get("attempts", [events])
-    if kind in ("launcher", "launcher_kill"):
+    if kind in RESUMED:
         times = [a["t_start"] for a in attempts if a["t_start"] > t]
         return len(times), (min(times) - t if times else None)
     counts, firsts = [], []
@@ -314,14 +344,9 @@ class Job:
         done = complete_checkpoints(RunPaths.at(self.run_dir).checkpoint_dir)
         fault["checkpoint_at_strike"] = done[-1][0] if done else None
         since = t
-        if kind in ("launcher", "launcher_kill"):
-            fault["launcher_exit"] = self.launcher.wait(timeout=180)
-            if kind == "launcher_kill":
-                left = survivors(self.run_dir, SURVIVAL_S)
-                fault["survivors_after_10s"] = sum(len(p) for p in left.values())
-                fault["survivors"] = left
+        if kind in RESUMED:
+            self.resume(kind, fault)
             since = time.time()
-            self.launcher = start_launcher(["--resume", str(self.run_dir)], self.log)
 
         def recovered() -> bool:  # the struck process back, and a step done since
             return self.restarted(kind, t) and any(r.time > since for r in steps_done(self.run_dir))
@@ -330,6 +355,8 @@ class Job:
         later = [r for r in steps_done(self.run_dir) if r.time > since]
         fault["no_step_s"] = (later[0].time - t) if later else None
         fault["next_step"] = later[0].step if later else None
+        if kind == "aof_truncate":
+            fault["named"] = "append-only file was cut short" in self.log.read_text()
         if kind == "corrupt":
             root = RunPaths.at(self.run_dir).checkpoint_dir
             fault["set_aside"] = sorted(p.name for p in root.glob("step*.corrupt*"))
@@ -339,6 +366,23 @@ class Job:
         fault["produced_twice"] = led.get("prompts_produced_twice") if led else None
         fault["t"] = t
         return fault
+
+    def resume(self, kind: str, fault: dict[str, Any]) -> None:
+        """After a fault that ended the launcher: check that no process is left, damage
+        what the fault damages, and `--resume` (twice at once for `race_resume`)."""
+        fault["launcher_exit"] = self.launcher.wait(timeout=180)
+        if kind in ("launcher_kill", "power_loss", "aof_truncate"):
+            left = survivors(self.run_dir, SURVIVAL_S)
+            fault["survivors_after_10s"] = sum(len(p) for p in left.values())
+            fault["survivors"] = left
+        if kind == "aof_truncate":
+            fault["what"] += f"; {cut_aof(self.run_dir)}"
+            fault["named"] = False
+        if kind == "race_resume":
+            self.launcher, raced = racing_resumes(self.run_dir, self.log)
+            fault.update(raced)
+            return
+        self.launcher = start_launcher(["--resume", str(self.run_dir)], self.log)
 
     def wait_rank(self) -> int:
         """The trainer rank's pid, once it runs (found ahead, so a kill is instant)."""
@@ -358,7 +402,7 @@ class Job:
     def restarted(self, kind: str, t: float) -> bool:
         """Was the struck process started again (a hung server: replaced) since `t`? (the
         launcher's faults: the resumed attempt is started by this bench)"""
-        if kind in ("launcher", "launcher_kill"):
+        if kind in RESUMED:
             return True
         try:
             return restarts_of(self.run_dir, kind, t)[0] >= 1
@@ -424,11 +468,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out = Path(scratch).resolve()
         out.mkdir(parents=True, exist_ok=True)
         result = run_job(args, out)
-    ok = [f for f in result["faults"] if f["completed"] and f["lost"] == 0]
+    # a cut append-only file loses what was after the cut: named, and counted
+    ok = [f for f in result["faults"] if f["completed"] and (f["lost"] == 0 or f.get("named"))]
     ok = [f for f in ok if f["trained_twice"] == 0 and not f.get("survivors_after_10s")]
     ok = [f for f in ok if not f.get("produced_twice")]
     ok = [f for f in ok if f["kind"] != "corrupt" or f.get("set_aside")]
     ok = [f for f in ok if f["kind"] != EARLY or f["checkpoint_at_strike"] is None]
+    ok = [f for f in ok if f["kind"] != "race_resume" or f.get("loser_exit") == 2]
     return {
         "config": args.config,
         "steps": args.steps,

@@ -1,10 +1,12 @@
-"""`areal-hex profile`: time real engines on the devices present.
+"""`areal-hex profile` (without --local or --box): a model's bare speed on one device.
 
 Generation: transformers prefill (one forward over a prompt batch) and decode steps
 (forward of one token per sequence with a KV cache) at several batch sizes. Training: a
 torch AdamW step (forward, backward, optimizer) on one device. The model is a tiny
 Qwen3 built from a `Qwen3Config` unless an HF config.json is given (weights are random:
-speed does not depend on them).
+speed does not depend on them). No service of the job runs: for the job's own engines,
+as `run` places them, see `hexctl/profile/local.py` (`--local`) and
+`hexctl/box/profile.py` (`--box`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from areal_hex.device_kind import device_kind
 from scheduler.model_shape import ModelShape, load_model_shape
 from scheduler.profile import DeviceRates, Profile
 
@@ -31,20 +34,6 @@ def _device(choice: str) -> str:
 
         raise UsageError("--device cuda: no CUDA device is visible here")
     return choice
-
-
-def device_kind(device: str) -> str:
-    import torch
-
-    if device == "cpu":
-        return "CPU"
-    name = torch.cuda.get_device_name(0).upper()
-    for k in ("H200", "H100", "H800", "H20", "A100", "L40S", "L4", "A10", "4090"):
-        if k in name:
-            return {"A100": "A100-80GB" if "80" in name else "A100-40GB", "4090": "RTX4090"}.get(
-                k, k
-            )
-    return name
 
 
 def _timed(fn, device: str, repeats: int) -> float:

@@ -2,14 +2,14 @@
 and the trainer start inside their planned node (namespace and CPU cgroup), each server
 bound to its node's address with its kind's batch limit. Valkey and the controller stay
 in the launcher's namespace, the spine: the head node of the cluster. The addresses in
-the run's config are `hexctl/job/box_config.py`'s."""
+the run's config are `hexctl/box/run_config.py`'s."""
 
 from __future__ import annotations
 
 import math
 
 from areal_hex.config import ExperimentConfig
-from hexctl.job.box import load_state, node_argv
+from hexctl.box.emulate import load_state, node_argv
 from hexctl.job.layout import Layout
 from hexctl.launch.supervisor import ProcessSpec
 
@@ -21,8 +21,8 @@ def place_on_box(cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
     services = {s.name: s for s in layout.services}
     for spec in specs:
         svc = services[spec.name]
-        if svc.role not in ("inference", "trainer"):
-            continue  # the head node: the launcher's namespace
+        if not svc.node_names:
+            continue  # unplanned (Valkey, the controller): the head node, the launcher's
         node = state.node(svc.node_names[0])
         # more threads than the node's quota only contend for it
         spec.env["OMP_NUM_THREADS"] = str(max(1, math.ceil(node.cpu)))

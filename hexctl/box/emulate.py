@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal_hex.errors import UsageError
-from hexctl.job.box_spec import Box, BoxNode
+from hexctl.box.checks import check_fits
+from hexctl.box.spec import Box, BoxNode
 
 STATE_ROOT = Path("/run/areal-hex-box")
 CGROUP_NAME = "areal-hex-box"
@@ -165,6 +166,7 @@ def _tbf(dev: str, mbit: float, netns: str | None = None) -> None:
 
 # ---------------------------------------------------------------- up
 def up(box: Box, cpu_check_s: float = 0.5) -> BoxState:
+    check_fits(box)  # ConfigError naming the quota, before anything is built
     check_host()
     down(box.name)  # whatever an earlier box of this name left
     sdir = state_dir(box.name)

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hexctl.bench import scratch_dir
-from hexctl.bench.e2e import DEFAULT_CONFIG, initial_weights
+from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
+from hexctl.bench.system.e2e import initial_weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +39,8 @@ def variants(etas: list[int], gspo_eta: int) -> list[tuple[str, int, list[str]]]
 
 def _one(config: str, overrides: list[str], run_id: str, out: str, eval_n: int | None) -> dict:
     from areal_hex.config import load_config
-    from hexctl.bench import check_run
-    from hexctl.bench.e2e import fresh_run_dir
+    from hexctl.bench.system import check_run
+    from hexctl.bench.system.e2e import fresh_run_dir
     from hexctl.job.prepare import prepare_run
     from hexctl.launch.run import execute
     from hexctl.report.evaluate import EvalOptions, evaluate
@@ -56,7 +56,7 @@ def _one(config: str, overrides: list[str], run_id: str, out: str, eval_n: int |
         "held_out_pass@1": held_out["pass@1"],
         "held_out_problems": held_out["problems"],
         "samples_per_s": s.get("samples_per_s"),
-        "dropped_stale": s.get("groups_dropped_stale"),
+        "groups_dropped_stale": s.get("groups_dropped_stale"),
         "final_reward": s.get("final_reward"),
         "max_version_lag": s.get("max_version_lag"),
     }

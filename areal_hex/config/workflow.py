@@ -1,0 +1,67 @@
+"""The RL workflow as data: its tasks and how they share devices.
+
+Every workflow has two built-in tasks, `generate` (the inference servers and the rollout
+controller that feeds them) and `train` (the trainer's ranks). `workflow.tasks` adds
+others (a reference worker, a reward model, a critic, or anything that runs beside the
+job): each is a `TaskSpec`, and the planner, the launcher, the deploy renderers and the
+box read it through one generic path (`areal_hex/workflow.py`), never a branch of its
+own. `placement` is the other axis beside `run.mode` (staleness): where tasks run.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from areal_hex.config.base import Section
+
+# The tasks every workflow has; their pools are the plan's `rollout` and `trainer`.
+BUILTIN_TASKS = ("generate", "train")
+# Every task on its own devices (today's layout). Colocated and hybrid placements, where
+# tasks take turns on shared devices, are values this literal will gain.
+PlacementMode = Literal["disaggregated"]
+CONFIG_PLACEHOLDER = "{config}"  # the resolved config file, wherever the job is realised
+INDEX_PLACEHOLDER = "{index}"  # the instance's index within its task (0, 1, ...)
+
+
+class TaskSpec(Section):
+    """A task beyond `generate` and `train`: what it runs, how many instances, and what
+    each needs. The planner gives every instance a device slot of `gpus` GPUs (on one of
+    `gpu_kinds`, or any kind); the launcher and every deploy target start its command."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")
+    # argv of one instance; "{config}" is the resolved config file and "{index}" the
+    # instance's index; "areal-hex ..." runs the project's CLI
+    command: list[str] = Field(min_length=1)
+    instances: int = Field(1, ge=1, le=1024)
+    gpus: int = Field(0, ge=0, le=64)  # per instance; 0: CPU only
+    gpu_kinds: list[str] | None = None  # kinds an instance may run on; None: any
+    port: int | None = Field(None, gt=0, lt=65536)  # instance i listens on port + i
+
+    @model_validator(mode="after")
+    def _not_builtin(self) -> TaskSpec:
+        if self.name in BUILTIN_TASKS:
+            raise ValueError(
+                f"task name {self.name!r} is a built-in task: expected a name other than "
+                f"{', '.join(BUILTIN_TASKS)}"
+            )
+        if self.gpu_kinds is not None and self.gpus == 0:
+            raise ValueError(
+                f"task {self.name!r}: gpu_kinds {self.gpu_kinds} with gpus 0 does nothing: "
+                "expected gpus > 0, or no gpu_kinds for a CPU task"
+            )
+        return self
+
+
+class WorkflowConfig(Section):
+    placement: PlacementMode = "disaggregated"
+    tasks: list[TaskSpec] = []  # tasks beyond generate and train
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> WorkflowConfig:
+        names = [t.name for t in self.tasks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tasks named twice: {', '.join(twice)}: expected unique names")
+        return self

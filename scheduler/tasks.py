@@ -1,0 +1,92 @@
+"""The tasks of a workflow beyond generate and train (`workflow.tasks`, a workload's
+`tasks`): devices set aside for each before the MILP sizes the two pools on the rest.
+
+One generic path for any task: every instance of a task needs `gpus` GPUs of one of its
+`gpu_kinds` on one machine; instances are packed onto the cheapest allowed kind's last
+machines, which leave the inventory the MILP plans (their GPUs' price leaves the budget).
+A task of 0 GPUs is a CPU task: it is started wherever the job's CPU services run and
+needs no slot. The task's own cost (a reference forward, a reward model) is not priced
+here: the pools' rates are the two built-in tasks'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_hex.config import ConfigError
+from areal_hex.config.workflow import TaskSpec
+from areal_hex.plan import DeviceSlot, TaskPlacement
+from scheduler.cluster import Cluster, ClusterSpec, NodeGroup, Rack, machine_name, make_cluster
+
+
+@dataclass
+class Reserved:
+    cluster: Cluster  # what is left for generate and train
+    placements: list[TaskPlacement] = field(default_factory=list)
+    usd_per_h: float = 0.0  # the reserved GPUs' price
+
+
+def reserve_tasks(cl: Cluster, tasks: list[TaskSpec]) -> Reserved:
+    """Set machines aside for every GPU task; `cl` unchanged when there is none."""
+    gpu_tasks = [t for t in tasks if t.gpus > 0]
+    if not gpu_tasks:
+        return Reserved(cl)
+    left = {g.name: g.nodes for g in cl.spec.node_groups}
+    placements, cost = [], 0.0
+    for task in gpu_tasks:
+        group = _cheapest_group(cl, task, left)
+        per_node = group.gpus_per_node // task.gpus
+        machines = -(-task.instances // per_node)
+        first = left[group.name] - machines
+        slots = []
+        for i in range(task.instances):
+            at, k = divmod(i, per_node)
+            ids = list(range(k * task.gpus, (k + 1) * task.gpus))
+            slots.append(DeviceSlot(node=machine_name(group.name, first + at), gpu_ids=ids))
+        left[group.name] = first
+        cost += task.instances * task.gpus * group.usd_per_gpu_hour
+        placements.append(TaskPlacement(task=task.name, gpu_kind=group.gpu, slots=slots))
+    spec = _shrunk(cl.spec, left)
+    return Reserved(make_cluster(spec, cl.spec.name), placements, cost)
+
+
+def _cheapest_group(cl: Cluster, task: TaskSpec, left: dict[str, int]) -> NodeGroup:
+    per_node = lambda g: g.gpus_per_node // task.gpus  # noqa: E731
+    fits = [
+        g
+        for g in cl.spec.node_groups
+        if (task.gpu_kinds is None or g.gpu in task.gpu_kinds)
+        and per_node(g) > 0
+        and left[g.name] * per_node(g) >= task.instances
+    ]
+    if not fits:
+        kinds = "any kind" if task.gpu_kinds is None else f"kinds {', '.join(task.gpu_kinds)}"
+        raise ConfigError(
+            f"task {task.name!r}: {task.instances} instance(s) of {task.gpus} GPU(s) on "
+            f"{kinds} do not fit cluster {cl.spec.name!r} beside the generation and "
+            "training pools: expected a node group of that kind with enough machines left"
+        )
+    return min(fits, key=lambda g: (g.usd_per_gpu_hour, g.name))
+
+
+def _shrunk(spec: ClusterSpec, left: dict[str, int]) -> ClusterSpec:
+    """`spec` with each node group cut to its first `left[group]` machines (names kept),
+    and racks cut to the machines that remain."""
+    groups = [
+        g.model_copy(update={"nodes": left[g.name]}) for g in spec.node_groups if left[g.name]
+    ]
+    if not groups:
+        raise ConfigError(
+            f"the tasks of the workflow take every machine of cluster {spec.name!r}: expected "
+            "machines left for the generation and training pools"
+        )
+    racks: list[Rack] = []
+    for rack in spec.racks:
+        members = []
+        for m in rack.members:
+            count = min(m.count, left[m.group] - m.first)
+            if count > 0:
+                members.append(m.model_copy(update={"count": count}))
+        if members:
+            racks.append(rack.model_copy(update={"members": members}))
+    return spec.model_copy(update={"node_groups": groups, "racks": racks})
