@@ -125,6 +125,18 @@ class TrainerCollector(Collector):
             ],
         )
         yield _version_lag_histogram(self.version_lag)
+        # PPO's critic (algo.advantage gae): absent from a run without one
+        critic = [
+            ("value_loss", "critic's value loss of the last step", r.value_loss),
+            (
+                "explained_variance",
+                "1 - Var(R - V) / Var(R) of the critic's values in the last step",
+                r.explained_var,
+            ),
+        ]
+        for name, doc, value in critic:
+            if value is not None:
+                yield GaugeMetricFamily(T + name, doc, value)
 
 
 def _version_lag_histogram(counts: dict[int, int]) -> HistogramMetricFamily:

@@ -123,12 +123,18 @@ def test_checkpoint_restores_the_critic(setup: dict[str, Any]) -> None:
         checkpoint.load(actor, path, extra={"other": critic})
 
 
-def _train(d: Path, model_dir: Path, replay: Path, name: str, steps: int) -> Path:
+def _train(
+    d: Path, model_dir: Path, replay: Path, name: str, steps: int, kill_at: int | None = None
+) -> Path:
     """`areal-hex train` (the deepspeed launcher, one rank) on replayed groups, PPO with
-    a critic warmed up for one step; checkpoints every step."""
+    a critic warmed up for one step; checkpoints every step. With `kill_at`, the whole
+    process group is SIGKILLed once that step's row is written."""
+    import json
     import os
+    import signal
     import subprocess
     import sys
+    import time
 
     import yaml
 
@@ -145,20 +151,40 @@ def _train(d: Path, model_dir: Path, replay: Path, name: str, steps: int) -> Pat
             "checkpoint_every": 1,
         },
     }
-    path = d / f"{name}-{steps}.yaml"
+    path = d / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "hexctl.cli", "train", str(path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return d / "runs" / name
+    log = open(d / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    run_dir = d / "runs" / name
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline:
+            if kill_at is not None and metrics.is_file():
+                lines = metrics.read_text().splitlines()
+                if any(json.loads(ln)["step"] >= kill_at for ln in lines if ln.strip()):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                    return run_dir
+            time.sleep(0.05)
+        assert proc.returncode == 0, (d / f"{name}.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return run_dir
 
 
 @pytest.mark.timeout(900)
-def test_a_resumed_run_trains_like_an_uninterrupted_one(setup: dict[str, Any]) -> None:
-    """The critic's weights, optimizer and schedule come back from the checkpoint: steps
-    3-4 after a stop at step 2 give the losses and weights of a run that never stopped."""
+def test_a_killed_run_resumes_like_an_uninterrupted_one(setup: dict[str, Any]) -> None:
+    """SIGKILL of the trainer (policy and critic ranks alike) mid-run, then resume: the
+    critic's weights, optimizer and schedule come back from the checkpoint, so the steps
+    after it give the losses and final weights of a run that never stopped."""
     import json
 
     from safetensors.torch import load_file
@@ -167,22 +193,25 @@ def test_a_resumed_run_trains_like_an_uninterrupted_one(setup: dict[str, Any]) -
 
     d = setup["dir"]
     replay = write_replay(d / "groups.jsonl", setup["groups"])
-    straight = _train(d, setup["model"], replay, "straight", 4)
-    stopped = _train(d, setup["model"], replay, "stopped", 2)
-    assert (stopped / "checkpoints" / "step2" / "critic").is_dir()
-    _train(d, setup["model"], replay, "stopped", 4)
+    straight = _train(d, setup["model"], replay, "straight", 6)
+    killed = _train(d, setup["model"], replay, "killed", 6, kill_at=2)
 
-    def rows(run: Path) -> dict[int, dict]:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-        return {r["step"]: r for r in map(json.loads, lines)}
+    def rows(run: Path) -> list[dict]:
+        return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
 
-    a, b = rows(straight), rows(stopped)
+    first = rows(killed)
+    assert first[-1]["step"] < 6, "the run ended before the kill"
+    assert any((killed / "checkpoints").glob("step*/critic"))
+    _train(d, setup["model"], replay, "killed", 6)
+    a = {r["step"]: r for r in rows(straight)}
+    resumed = rows(killed)[len(first) :]
+    assert resumed and resumed[-1]["step"] == 6
     assert a[1]["loss"] == 0.0 and a[1]["value_loss"] > 0  # the warm-up step
-    for step in (3, 4):
-        assert b[step]["value_loss"] == pytest.approx(a[step]["value_loss"], abs=1e-6)
-        assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-6)
-        assert b[step]["explained_var"] == pytest.approx(a[step]["explained_var"], abs=1e-5)
-    wa = load_file(str(straight / "weights" / "v4" / "model.safetensors"))
-    wb = load_file(str(stopped / "weights" / "v4" / "model.safetensors"))
+    for r in resumed:
+        assert r["value_loss"] == pytest.approx(a[r["step"]]["value_loss"], abs=1e-6)
+        assert r["loss"] == pytest.approx(a[r["step"]]["loss"], abs=1e-6)
+        assert r["explained_var"] == pytest.approx(a[r["step"]]["explained_var"], abs=1e-5)
+    wa = load_file(str(straight / "weights" / "v6" / "model.safetensors"))
+    wb = load_file(str(killed / "weights" / "v6" / "model.safetensors"))
     for k, v in wa.items():
         torch.testing.assert_close(wb[k], v, atol=1e-6, rtol=0)

@@ -356,3 +356,15 @@ def test_names_follow_prometheus_conventions(tmp_path: Path) -> None:
             assert not fam.name.endswith("_total"), fam.name
         if fam.type == "histogram":
             assert fam.name.endswith(("_seconds", "_versions")), fam.name
+
+
+def test_critic_gauges_only_with_a_critic() -> None:
+    c = TrainerCollector()
+    c.observe(TrainerRow(step=1))
+    assert not {"areal_hex_trainer_value_loss", "areal_hex_trainer_explained_variance"} & names(
+        scrape(c)
+    )
+    c.observe(TrainerRow(step=2, value_loss=0.25, explained_var=-0.5))
+    s = scrape(c)
+    assert s[("areal_hex_trainer_value_loss", ())] == 0.25
+    assert s[("areal_hex_trainer_explained_variance", ())] == -0.5
