@@ -164,8 +164,11 @@ def test_replay_roundtrip_and_wraparound(tmp_path: Path) -> None:
         ReplayConsumer(tmp_path / "kind.jsonl")
 
 
-def test_launcher_commands() -> None:
+def test_launcher_commands(monkeypatch: pytest.MonkeyPatch) -> None:
     from hexctl.cli.train_cmd import launcher_command, launcher_env
+
+    # a test that ran DeepSpeed in this process earlier set it in os.environ
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
 
     cfg = load_config(None, ["trainer.num_ranks=2", "trainer.master_port=29999"])
     cmd = launcher_command(cfg, "c.yaml", ["trainer.lr=1"])
