@@ -342,7 +342,6 @@ def execute(
     local profile (`profile_dir`), for the report to hold the run against. `place` starts
     each process where it runs (a box's node: `hexctl.box.place.place_on_box`)."""
     from hexctl.job.predict import host_side, write_prediction
-    from hexctl.launch.progress import Progress
 
     stream = stream or sys.stderr
     run_dir = cfg.run.run_dir()
@@ -371,67 +370,99 @@ def execute(
             attempt.tick()
             start_services(sup, cfg, layout, specs)
         except (LaunchError, KeyboardInterrupt, OSError) as exc:
-            if isinstance(exc, OSError) and not is_disk_full(exc):
-                raise
-            stop_services(sup, cfg, layout)
-            if isinstance(exc, KeyboardInterrupt):
-                end_attempt(attempt)
-                return RunResult(run_dir, Outcome("interrupted"))
-            refused = aof_refused(aof) if aof is not None else None
-            if refused is not None:
-                end_attempt(attempt)
-                raise refused from None
-            why = str(exc) if isinstance(exc, LaunchError) else _disk_text(run_dir, exc)
-            return RunResult(run_dir, Outcome("failed", None, None, why + end_attempt(attempt)))
+            return _start_failed(sup, cfg, layout, attempt, exc)
         attempt.t_ready = time.time()
         if aof is not None and (cut := aof_damage(aof)) is not None:
             print(f"areal-hex run: {cut}", file=stream, flush=True)
             sup.events.append((time.time(), "redis", f"damaged storage: {cut}"))
-        servers = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
-        urls = dict(zip(servers, cfg.inference.urls(), strict=False))
-        hung = HungServers(sup, urls, cfg.run.hung_after_s)
-        view = Progress(
-            run_dir,
-            cfg.trainer.total_steps,
-            stream,
-            enabled=progress,
-            mode=cfg.run.progress,
-            services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
-        )
-
-        stall = StallWatch(
-            sup,
-            run_dir,
-            cfg.run.stall_after_s,
-            cfg.run.stop_on_stall,
-            lambda: buffer_stats(cfg),
-            lambda text: print(text, file=stream, flush=True),
-        )
-
-        def tick() -> None:
-            view.stalled = hung.check()
-            idle = stall.check(int(view.state.get("step", 0)))
-            view.state["no_step_s"] = idle if idle >= cfg.run.stall_after_s / 2 else None
-            view.tick()
-            disk.check()
-            attempt.tick()
-
-        try:
-            outcome = sup.watch(on_tick=tick, timeout_s=timeout_s)
-        except Stalled as exc:
-            outcome = Outcome("failed", None, None, f"stalled: {exc}")
-        except OSError as exc:
-            if not is_disk_full(exc):
-                raise
-            outcome = Outcome("failed", None, None, _disk_text(run_dir, exc))
-        hung.close()
-        view.close()
+        outcome = _watch(sup, cfg, layout, attempt, disk, stream, progress, timeout_s)
         try:
             stats, ledger = stop_services(sup, cfg, layout)
         except KeyboardInterrupt:
             sup.stop(timeout_s=2)
         outcome.log_tail += end_attempt(attempt)
     return _report(cfg, run_dir, attempt.n, outcome, stats, ledger)
+
+
+def _start_failed(
+    sup: Supervisor,
+    cfg: ExperimentConfig,
+    layout: Layout,
+    attempt: AttemptLog,
+    exc: LaunchError | KeyboardInterrupt | OSError,
+) -> RunResult:
+    """A start cut short (a service that did not come up, Ctrl-C, a full disk): what
+    started is stopped; an append-only file Valkey refused is named (exit 2)."""
+    run_dir = cfg.run.run_dir()
+    if isinstance(exc, OSError) and not is_disk_full(exc):
+        raise exc
+    stop_services(sup, cfg, layout)
+    if isinstance(exc, KeyboardInterrupt):
+        end_attempt(attempt)
+        return RunResult(run_dir, Outcome("interrupted"))
+    aof = valkey_dir(cfg)
+    refused = aof_refused(aof) if aof is not None else None
+    if refused is not None:
+        end_attempt(attempt)
+        raise refused from None
+    why = str(exc) if isinstance(exc, LaunchError) else _disk_text(run_dir, exc)
+    return RunResult(run_dir, Outcome("failed", None, None, why + end_attempt(attempt)))
+
+
+def _watch(
+    sup: Supervisor,
+    cfg: ExperimentConfig,
+    layout: Layout,
+    attempt: AttemptLog,
+    disk: DiskWatch,
+    stream: TextIO,
+    progress: bool,
+    timeout_s: float | None,
+) -> Outcome:
+    """Watch the started services until the run ends, showing progress: hung servers
+    are replaced, a stall (run.stall_after_s) or a full disk stops the run."""
+    from hexctl.launch.progress import Progress
+
+    run_dir = cfg.run.run_dir()
+    servers = [s.name for s in layout.by_role("inference")]  # type: ignore[arg-type]
+    urls = dict(zip(servers, cfg.inference.urls(), strict=False))
+    hung = HungServers(sup, urls, cfg.run.hung_after_s)
+    view = Progress(
+        run_dir,
+        cfg.trainer.total_steps,
+        stream,
+        enabled=progress,
+        mode=cfg.run.progress,
+        services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
+    )
+    stall = StallWatch(
+        sup,
+        run_dir,
+        cfg.run.stall_after_s,
+        cfg.run.stop_on_stall,
+        lambda: buffer_stats(cfg),
+        lambda text: print(text, file=stream, flush=True),
+    )
+
+    def tick() -> None:
+        view.stalled = hung.check()
+        idle = stall.check(int(view.state.get("step", 0)))
+        view.state["no_step_s"] = idle if idle >= cfg.run.stall_after_s / 2 else None
+        view.tick()
+        disk.check()
+        attempt.tick()
+
+    try:
+        outcome = sup.watch(on_tick=tick, timeout_s=timeout_s)
+    except Stalled as exc:
+        outcome = Outcome("failed", None, None, f"stalled: {exc}")
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        outcome = Outcome("failed", None, None, _disk_text(run_dir, exc))
+    hung.close()
+    view.close()
+    return outcome
 
 
 def _disk_text(run_dir: Path, exc: OSError) -> str:

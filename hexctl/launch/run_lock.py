@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from areal_hex.errors import UsageError
@@ -67,10 +68,17 @@ class RunLock:
         self.release()
 
 
-def _read_holder(fd: int) -> str:
-    """`pid N` from the lock file (written by the holder right after it locked)."""
-    try:
-        text = os.pread(fd, 64, 0).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return f"pid {text}" if text.isdigit() else "pid unknown: it is still starting"
+def _read_holder(fd: int, wait_s: float = 1.0) -> str:
+    """`pid N` from the lock file, written by the holder right after it locked (a lock
+    taken a moment ago may not show it yet: read again for up to `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return f"pid {text}"
+        if time.monotonic() >= deadline:
+            return "pid unknown: it is still starting"
+        time.sleep(0.02)

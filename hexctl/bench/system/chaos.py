@@ -186,7 +186,8 @@ def power_loss(run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
     for pid in (p for name, p in pids.items() if name != "launcher"):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-    return f"SIGKILL launcher {launcher.pid} and process groups {sorted(pids.values())}"
+    groups = sorted(p for name, p in pids.items() if name != "launcher")
+    return f"SIGKILL launcher {launcher.pid} and process groups {groups}"
 
 
 def cut_aof(run_dir: Path, nbytes: int = AOF_CUT_BYTES) -> str:
