@@ -15,8 +15,8 @@ import pytest
 
 from areal_hex.run_files import RunPaths
 from hexctl.launch.attempts import AttemptLog, begin_attempt
+from hexctl.launch.hung import HungServers
 from hexctl.launch.progress import format_line
-from hexctl.launch.run import HungServers
 from hexctl.launch.supervisor import ProcessSpec, Supervisor
 from hexctl.report.ledger import summary_fields
 
