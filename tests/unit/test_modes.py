@@ -49,3 +49,88 @@ def test_a_colocated_plan_shares_the_trainers_gpus() -> None:
     with pytest.raises(ValueError, match=r"placed for both 'rollout\[0\].*'rollout\[1\]"):
         Plan.model_validate(data)
     assert Decisions(placement="colocated").placement == "colocated"
+
+
+# ---------------------------------------------------------------- colocated switching
+@pytest.mark.timeout(60)
+async def test_colocated_servers_give_their_memory_back_while_the_trainer_steps(
+    tmp_path: Path,
+) -> None:
+    """Sync, B = 2: after each batch the gate holds the controller and the servers
+    release; the trainer (this test) sees them released, publishes, and they resume
+    before the weights load. No request ever meets a released server."""
+    import asyncio
+
+    from fakes import TOK, FakeServer, MemoryProducer
+
+    from areal_hex.config import DataConfig, RolloutConfig
+    from areal_hex.data import build_prompts, generate_arithmetic
+    from areal_hex.rewards import RewardPool
+    from rollout_service.controller.rollout import RolloutController
+
+    prompts = build_prompts(generate_arithmetic(8, "train"), TOK, DataConfig()).prompts
+
+    servers = [FakeServer("a", delay_s=0.002), FakeServer("b", delay_s=0.002)]
+    producer = MemoryProducer(groups_per_step=2, eta=0)
+    pool = RewardPool(workers=1, timeout_s=10.0)
+    await pool.start()
+    cfg = RolloutConfig(group_size=3, max_new_tokens=16, probe_interval_s=0.05)
+    ctl = RolloutController(
+        servers,
+        producer,
+        prompts,
+        lambda ids: TOK.decode(ids, skip_special_tokens=True),
+        cfg,
+        max_groups=6,
+        rewards=pool,
+        final_version=3,
+        metrics_path=tmp_path / "rollout.jsonl",
+        colocated=True,
+    )
+    run = asyncio.create_task(ctl.run())
+    seen = []
+    try:
+        for v in range(1, 4):
+            while len(producer.groups) < 2 * v:
+                await asyncio.sleep(0.005)
+            if v < 3:  # the last batch is the run's last: nothing to yield for
+                while not all(s.released for s in servers):
+                    await asyncio.sleep(0.005)
+            seen.append([s.released for s in servers])
+            await producer.publish(v, "")
+        final = await asyncio.wait_for(run, 20)
+    finally:
+        await pool.aclose()
+    assert seen == [[True, True], [True, True], [False, False]]
+    assert [s.memory_calls for s in servers] == [["release", "resume"] * 2] * 2
+    assert final["context_switches_total"] == 2 and final["context_switch_s_total"] > 0
+    assert final["requests_retried_total"] == 0 and final["groups_failed_total"] == 0
+    assert len(producer.groups) == 6 and not any(s.released for s in servers)
+
+
+def test_colocated_processes_use_every_core(tmp_path: Path) -> None:
+    """No core split: the server's and the trainer's threads are all the usable cores."""
+    import os
+
+    from hexctl.job.cores import core_groups, usable_cores
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.run import process_specs
+
+    cores = usable_cores()
+    if cores is None or len(cores) < 2:
+        pytest.skip("fewer than 2 usable cores")
+    assert core_groups(True, "colocated") == (cores, cores)
+    inf, tr = core_groups(True)
+    assert inf is not None and tr is not None and not inf & tr
+    for pin in ("true", "false"):
+        cfg = load_config(
+            TINY,
+            [f"run.output_dir={tmp_path}", "run.run_id=r", f"run.pin_cores={pin}"]
+            + ["workflow.placement=colocated", "run.mode=sync"],
+        )
+        specs = {s.name: s for s in process_specs(cfg, build_layout(cfg), tmp_path / "c.yaml")}
+        every = len(cores) if pin == "true" else os.cpu_count()
+        assert specs["inference-0"].env["OMP_NUM_THREADS"] == str(every)
+        if pin == "true":
+            assert specs["trainer"].env["OMP_NUM_THREADS"] == str(every)
+            assert specs["inference-0"].cpus == specs["trainer"].cpus == cores
