@@ -106,7 +106,10 @@ class Baselines(Section):
 
     homogeneous_gpu_kind: str | None = None
     homogeneous_samples_per_s: float = 0.0
+    # the best colocated synchronous plan (scheduler/colocated.py) and the best
+    # disaggregated asynchronous one; `decisions.placement` names the faster
     synchronous_samples_per_s: float = 0.0
+    disaggregated_samples_per_s: float | None = None
     simulated_samples_per_s: float | None = None
     simulated_max_version_lag: int | None = None
     mip_gap: float = 0.0

@@ -27,6 +27,14 @@ def _mixed_ranks(c: TrainerOption) -> str:
 def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
     plan, sol = res.plan, res.solution
     lines = [f"plan for {plan.model} on {plan.cluster} ({plan.objective})", ""]
+    if plan.decisions.placement == "colocated":
+        t = plan.trainer
+        lines += [
+            f"colocated synchronous: {len(plan.rollout)} generation instance(s) on the "
+            f"trainer's {t.world_size} {t.gpu_kind} GPU(s), ZeRO-{t.zero_stage}, in turn; "
+            "the pools below are the best disaggregated plan's",
+            "",
+        ]
     hdr = f"{'pool':<9}{'GPU':<11}{'zone':<11}{'count':>6}{'GPUs':>6}  {'parallelism':<22}"
     hdr += f"{'samples/s':>10}{'$/h':>9}"
     lines += [hdr, "-" * len(hdr)]
@@ -95,7 +103,7 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 + f"; unplaced {b.unplaced_samples_per_s:.3f}"
             )
         if b.binding is not None:
-            lines.append(_verdict(b))
+            lines.append(_verdict(b, plan.decisions.placement))
         search, n = "", b.local_search_moves
         if n and b.milp_pick_samples_per_s:
             faster = plan.predicted.samples_per_s > b.milp_pick_samples_per_s * (1 + 1e-4)
@@ -117,7 +125,7 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _verdict(b) -> str:
+def _verdict(b, placement: str) -> str:
     parts = [f"binding: {b.binding}" + (f" (also {', '.join(b.limits)})" if b.limits else "")]
     parts.append(
         f"utilisation: generation {b.generation_utilisation:.0%}, "
@@ -137,7 +145,14 @@ def _verdict(b) -> str:
     line = "; ".join(parts)
     if b.one_kind_reason:
         line += f"\none kind only: {b.one_kind_reason}"
-    if b.recommended_mode == "synchronous":
+    dis = b.disaggregated_samples_per_s
+    if dis is not None:
+        line += (
+            f"\nbest of each placement: colocated sync {b.synchronous_samples_per_s:.3f}, "
+            f"disaggregated async {dis:.3f} samples/s; picked "
+            f"{placement} (`areal-hex run --plan` carries it out)"
+        )
+    elif b.recommended_mode == "synchronous":
         line += (
             f"\nrecommended: synchronous colocated training ({b.synchronous_samples_per_s:.3f} "
             f"samples/s beats this asynchronous plan; `areal-hex run --mode sync`)"

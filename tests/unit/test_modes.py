@@ -134,3 +134,73 @@ def test_colocated_processes_use_every_core(tmp_path: Path) -> None:
         if pin == "true":
             assert specs["trainer"].env["OMP_NUM_THREADS"] == str(every)
             assert specs["inference-0"].cpus == specs["trainer"].cpus == cores
+
+
+# ---------------------------------------------------------------- the planner's pick
+def _plan_on(cluster: str, budget: float):
+    from scheduler.cluster import load_cluster
+    from scheduler.model_shape import load_model_shape
+    from scheduler.planner import make_plan
+    from scheduler.workload import load_workload
+
+    w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    return make_plan(
+        load_cluster(ROOT / cluster),
+        load_model_shape("qwen3-8b"),
+        w,
+        budget=budget,
+        time_limit_s=10,
+        simulate_plan=False,
+    )
+
+
+def test_few_gpus_pick_colocated_and_the_config_follows(tmp_path: Path) -> None:
+    """Two GPUs: split, neither side keeps up (no asynchronous plan generates); in turn,
+    both generate and both train. The projection runs it colocated and synchronous."""
+    from hexctl.job.plan_config import project_plan
+    from scheduler.report import table
+
+    res = _plan_on("tests/data/one_node_2gpu.yaml", 20.0)
+    plan = res.plan
+    b = plan.baselines
+    assert plan.decisions.placement == "colocated"
+    assert (plan.decisions.max_staleness, plan.decisions.publish_every) == (0, 1)
+    assert plan.predicted.samples_per_s == b.synchronous_samples_per_s > 0
+    assert b.disaggregated_samples_per_s == 0.0
+    shared = {(s.node, g) for w, _, s in plan.device_slots() if w == "trainer" for g in s.gpu_ids}
+    gen = {(i.placement.node, g) for i in plan.rollout for g in i.placement.gpu_ids}
+    assert gen == shared and len(shared) == 2
+    assert "picked colocated" in table(res)
+    cfg = load_config(ROOT / "examples/deploy/qwen3-8b.yaml")
+    assert cfg.run.mode == "async"
+    got = project_plan(cfg, plan, "cluster")
+    assert got.config.workflow.placement == "colocated" and got.config.run.mode == "sync"
+    assert got.config.buffer.max_staleness == 0
+    assert "run.mode: 'async' -> 'sync' (as planned)" in got.changes
+
+
+def test_many_gpus_keep_disaggregated_async() -> None:
+    res = _plan_on("examples/clusters/h800_h20.yaml", 60.0)
+    b = res.plan.baselines
+    assert res.plan.decisions.placement == "disaggregated"
+    assert b.disaggregated_samples_per_s == res.plan.predicted.samples_per_s
+    assert b.disaggregated_samples_per_s > b.synchronous_samples_per_s > 0
+
+
+def test_the_switch_cost_is_priced() -> None:
+    from scheduler.cluster import load_cluster
+    from scheduler.colocated import best_colocated
+    from scheduler.model_shape import load_model_shape
+    from scheduler.planner import problem_for
+    from scheduler.workload import load_workload
+
+    w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    cl = load_cluster(ROOT / "tests/data/one_node_2gpu.yaml")
+    p = problem_for(cl, load_model_shape("qwen3-8b"), w)
+    free = best_colocated(p, w.model_copy(update={"constants": w.constants.model_copy(
+        update={"context_switch_s": 0.0})}), 20.0)  # fmt: skip
+    slow = best_colocated(p, w.model_copy(update={"constants": w.constants.model_copy(
+        update={"context_switch_s": 30.0})}), 20.0)  # fmt: skip
+    assert free is not None and slow is not None and slow.switch_s == 30.0
+    step = w.samples_per_step / free.samples_per_s
+    assert w.samples_per_step / slow.samples_per_s == pytest.approx(step + 30.0)
