@@ -204,3 +204,49 @@ def test_the_switch_cost_is_priced() -> None:
     assert free is not None and slow is not None and slow.switch_s == 30.0
     step = w.samples_per_step / free.samples_per_s
     assert w.samples_per_step / slow.samples_per_s == pytest.approx(step + 30.0)
+
+
+# ---------------------------------------------------------------- bench modes
+def test_bench_modes_json_ranks_and_picks() -> None:
+    from hexctl.bench.system.modes import report
+
+    runs = {
+        "disaggregated-async": {"predicted": 110.0, "measured": 100.0, "wall_time_s": 30.0},
+        "disaggregated-sync": {"predicted": 60.0, "measured": 80.0},
+        "colocated-sync": {"predicted": 120.0, "measured": 96.0},
+    }
+    out = report(runs)
+    assert set(out["modes"]) == set(runs)
+    m = out["modes"]["disaggregated-async"]
+    assert m["predicted_samples_per_s"] == 110.0 and m["measured_samples_per_s"] == 100.0
+    assert m["error"] == pytest.approx(0.1) and m["wall_time_s"] == 30.0
+    assert out["modes"]["disaggregated-sync"]["error"] == pytest.approx(-0.25)
+    assert out["measured_ranking"] == [
+        "disaggregated-async",
+        "colocated-sync",
+        "disaggregated-sync",
+    ]
+    assert out["planner_pick"] == "colocated-sync"
+    assert out["pick_vs_fastest"] == pytest.approx(0.96)
+    # no prediction (no profile for the job): no pick, no error, the ranking stands
+    bare = report({k: {**v, "predicted": None} for k, v in runs.items()})
+    assert bare["planner_pick"] is None and bare["pick_vs_fastest"] is None
+    assert all(v["error"] is None for v in bare["modes"].values())
+    assert bare["measured_ranking"] == out["measured_ranking"]
+
+
+def test_bench_modes_is_registered_and_refuses_unknown_modes() -> None:
+    import argparse
+
+    from hexctl.bench.system.modes import chosen_modes
+    from hexctl.cli.bench_cmd import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["bench", "modes", "--json", "--steps", "5"])
+    assert args.steps == 5 and args.modes.split(",") == list(
+        ("disaggregated-async", "disaggregated-sync", "colocated-sync")
+    )
+    assert chosen_modes("colocated-sync") == ["colocated-sync"]
+    with pytest.raises(ConfigError, match="unknown hybrid"):
+        chosen_modes("colocated-sync,hybrid")
