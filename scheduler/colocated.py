@@ -18,6 +18,7 @@ from scheduler.cluster import Cluster, machine_name
 from scheduler.costmodel import RolloutOption, TrainerOption
 from scheduler.milp import PlanSpace
 from scheduler.partition import trainer_shape
+from scheduler.plan_record import rollout_instance
 from scheduler.workload import Workload
 
 
@@ -76,23 +77,11 @@ def colocated_plan(
         node = machine_name(group, i)
         slots.append((group, names.get(node, node), list(range(k))))
     toks = w.prompt_tokens + w.response_tokens
-    rollout = []
+    rollout: list[InferenceInstance] = []
     for group, node, ids in slots:
         r = option[group]
-        zone = cl.zone_of[r.zone]
         for lo in range(0, len(ids), r.tp):
-            rollout.append(
-                InferenceInstance(
-                    id=f"rollout-{r.kind.lower()}-{len(rollout)}",
-                    gpu_kind=r.kind,
-                    tp=r.tp,
-                    zone=r.zone,
-                    region=zone.region,
-                    placement=DeviceSlot(node=node, gpu_ids=ids[lo : lo + r.tp]),
-                    predicted_tokens_per_s=round(r.tokens_per_s, 2),
-                    batch=r.batch,
-                )
-            )
+            rollout.append(rollout_instance(cl, r, len(rollout), node, ids[lo : lo + r.tp]))
     trainer = TrainerPlacement(
         gpu_kind=c.kind,
         world_size=c.dp,
