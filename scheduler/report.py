@@ -55,12 +55,18 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             f"{n * r.samples_per_s:>10.3f}{n * r.usd_per_h:>9.2f}"
         )
     p = plan.predicted
+    colocated = plan.decisions.placement == "colocated"
+    how = (
+        f"one batch at generation {p.generation_samples_per_s:.3f}, a context switch, a step "
+        f"at training {p.training_samples_per_s:.3f}, in turn"
+        if colocated
+        else f"min(generation {p.generation_samples_per_s:.3f} incl. weight-sync pauses, "
+        f"training {p.training_samples_per_s:.3f})"
+    )
     lines += [
         "",
-        f"predicted: {p.samples_per_s:.3f} samples/s = min(generation "
-        f"{p.generation_samples_per_s:.3f} incl. weight-sync pauses, training "
-        f"{p.training_samples_per_s:.3f}); ${p.cost_usd_per_h:.2f}/h; weight sync up to "
-        f"{p.weight_sync_s:.1f} s",
+        f"predicted: {p.samples_per_s:.3f} samples/s = {how}; ${p.cost_usd_per_h:.2f}/h; "
+        f"weight sync up to {p.weight_sync_s:.1f} s",
     ]
     b = plan.baselines
     if b is not None:
@@ -77,7 +83,9 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 if sim is not None
                 else ""
             )
-            pred = plan.predicted.samples_per_s
+            # the simulation replays the disaggregated plan (the pools above)
+            pred = b.disaggregated_samples_per_s if colocated else plan.predicted.samples_per_s
+            pred = pred or 0.0
             off = (b.simulated_samples_per_s - pred) / pred if pred > 0 else 0.0
             gap = (
                 f" ({off:+.0%} against the prediction: expect the simulated rate; the "
@@ -87,7 +95,8 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 else ""
             )
             lines.append(
-                f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
+                ("disaggregated plan " if colocated else "")
+                + f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
                 f"{b.simulated_max_version_lag}{idle}{gap}"
             )
         if b.first_fit_samples_per_s is not None:
