@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.config.base import build
 from areal_hex.plan import Plan
 
 # "local": `areal-hex run` starts every service on this one machine, so the trainer gets
@@ -116,7 +117,7 @@ def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConf
             f"(as planned: fills the batches of its {n} instance{'s' * (n != 1)})"
         )
         data["rollout"]["max_concurrent_groups"] = fill
-    return PlannedConfig(ExperimentConfig.model_validate(data), changes)
+    return PlannedConfig(build(ExperimentConfig, data, "the config with the plan applied"), changes)
 
 
 def groups_to_fill(plan: Plan, group_size: int) -> int | None:

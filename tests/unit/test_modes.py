@@ -25,6 +25,12 @@ def test_colocated_async_is_refused_with_the_fix() -> None:
         load_config(TINY, ["workflow.placement=colocated"])
     with pytest.raises(ConfigError, match="expected one of|Input should be"):
         load_config(TINY, ["workflow.placement=hybrid"])
+    # `run --mode async` over a colocated config: the same clear error, no traceback
+    from hexctl.job.prepare import apply_mode
+
+    colocated = load_config(TINY, ["workflow.placement=colocated", "run.mode=sync"])
+    with pytest.raises(ConfigError, match=r"--mode async.*\n.*colocated with run.mode async"):
+        apply_mode(colocated, "async")
 
 
 def _sharing(placement: str) -> dict:
