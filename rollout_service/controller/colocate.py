@@ -7,13 +7,15 @@ One step, across processes:
    servers that hold their memory.
 2. yield: the gate refuses the next admission (`TrajectoryProducer.admit`'s `on_hold`:
    the controller has submitted all it may until the next version) and the last group
-   in flight is put: every healthy server releases its memory
+   in flight is put: every healthy server pauses (mode abort: nothing of the controller's
+   is in flight, only leftovers such as a health probe) and releases its memory
    (`/release_memory_occupation`: on a GPU the weights go to host memory and the KV
    cache back to the device; on CPU its engine holds none while idle). The trainer,
    which has its batch, steps on the devices.
 3. take back: the trainer publishes v+1; before the weights load (`WeightSync`'s
    `before_update`, after it closed its gate) every server resumes its memory
-   (`/resume_memory_occupation`), then loads v+1, and the gate admits the next batch.
+   (`/resume_memory_occupation`) and continues, then loads v+1, and the gate admits the
+   next batch.
    Should the gate reopen without a new version (admissions given back), the servers
    resume before the first request all the same: no request ever meets a released
    server.
@@ -28,6 +30,7 @@ controller waits for them) is counted in each metrics row (`context_switches_tot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -106,18 +109,29 @@ class Colocation:
             self.switch_s_total += self._release_s + time.monotonic() - t0
 
     async def _each(self, servers: list[ServerState], verb: str) -> list[ServerState]:
-        """`verb` ("release" / "resume") on every server at once; those that answered.
-        A server that fails is marked unhealthy: it comes back through recovery, which
-        reloads its weights (a restarted server holds its memory)."""
+        """`verb` on every server at once; those that answered. "release": pause with
+        abort (no group is in flight: anything the server still holds is a leftover,
+        e.g. a health probe), then release; a server that refuses is continued and left
+        holding its memory. "resume": take the memory back, then continue; a server that
+        fails is marked unhealthy (recovery reloads it; a restarted server holds its
+        memory)."""
 
         async def one(s: ServerState) -> bool:
             c = s.client
             try:
-                await (
-                    c.release_memory_occupation if verb == "release" else c.resume_memory_occupation
-                )()
+                if verb == "release":
+                    await c.pause("abort")
+                    await c.release_memory_occupation()
+                else:
+                    await c.resume_memory_occupation()
+                    await c.resume()
             except SERVER_ERRORS as exc:
-                self.dispatcher.mark_unhealthy(s, f"{verb} memory: {exc}")
+                if verb != "release":
+                    self.dispatcher.mark_unhealthy(s, f"{verb} memory: {exc}")
+                    return False
+                log.warning("%s kept its memory (release refused: %s)", s.url, exc)
+                with contextlib.suppress(*SERVER_ERRORS):
+                    await c.resume()
                 return False
             return True
 

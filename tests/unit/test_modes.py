@@ -256,3 +256,39 @@ def test_bench_modes_is_registered_and_refuses_unknown_modes() -> None:
     assert chosen_modes("colocated-sync") == ["colocated-sync"]
     with pytest.raises(ConfigError, match="unknown hybrid"):
         chosen_modes("colocated-sync,hybrid")
+
+
+async def test_a_release_ends_leftover_requests_and_a_refusal_keeps_the_server_generating() -> None:
+    """Whatever a server still runs when the controller yields (no group of its is in
+    flight: a leftover) is aborted by the pause before the release; a server that
+    refuses to release keeps its memory and is continued, not taken out."""
+    import asyncio
+
+    from fakes import FakeServer, MemoryProducer, ServerDown
+
+    from areal_hex.api import SamplingParams
+    from rollout_service.controller.colocate import Colocation
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+
+    server = FakeServer("a", delay_s=0.02)
+    dispatcher = Dispatcher([server], 0.05)
+    await dispatcher.probe_all()
+    col = Colocation(WeightSync(dispatcher, MemoryProducer(), UpdateGate()), set)
+    stray = asyncio.create_task(server.generate([5], SamplingParams(max_new_tokens=100)))
+    while not server.in_flight:
+        await asyncio.sleep(0.005)
+    await col.release()
+    assert server.released and (await stray).finish_reason == "abort"
+    await col.resume()
+    assert not server.released and server.running.is_set()
+    assert col.switches_total == 1 and col.switch_s_total > 0
+
+    async def refuse(tags: list[str] | None = None) -> str:
+        raise ServerDown("a: 1 requests in flight")
+
+    server.release_memory_occupation = refuse  # type: ignore[method-assign]
+    await col.release()
+    assert not col.released and dispatcher.servers[0].healthy and server.running.is_set()
+    out = await server.generate([5], SamplingParams(max_new_tokens=2))
+    assert out.finish_reason == "length"
