@@ -124,6 +124,11 @@ def process_specs(
             every = os.cpu_count() or 2
             own = every if placement == "colocated" else every // 2
             env["OMP_NUM_THREADS"] = str(max(1, own // max(1, n_servers)))
+        if placement == "colocated":
+            # the phases share every core: a thread that waits at an OpenMP barrier
+            # sleeps instead of spinning on a core the other phase needs (twice the
+            # steady rate of spinning threads on this 2-core machine: docs/modes.md)
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         if svc.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in svc.devices)
         pythonpath = os.environ.get("PYTHONPATH")

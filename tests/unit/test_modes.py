@@ -137,6 +137,10 @@ def test_colocated_processes_use_every_core(tmp_path: Path) -> None:
         specs = {s.name: s for s in process_specs(cfg, build_layout(cfg), tmp_path / "c.yaml")}
         every = len(cores) if pin == "true" else os.cpu_count()
         assert specs["inference-0"].env["OMP_NUM_THREADS"] == str(every)
+        assert {s.env.get("OMP_WAIT_POLICY") for s in specs.values()} == {"PASSIVE"}
+        apart = load_config(TINY, [f"run.output_dir={tmp_path}", "run.run_id=r"])
+        split = process_specs(apart, build_layout(apart), tmp_path / "c.yaml")
+        assert all("OMP_WAIT_POLICY" not in s.env for s in split)
         if pin == "true":
             assert specs["trainer"].env["OMP_NUM_THREADS"] == str(every)
             assert specs["inference-0"].cpus == specs["trainer"].cpus == cores
