@@ -296,3 +296,31 @@ async def test_a_release_ends_leftover_requests_and_a_refusal_keeps_the_server_g
     assert not col.released and dispatcher.servers[0].healthy and server.running.is_set()
     out = await server.generate([5], SamplingParams(max_new_tokens=2))
     assert out.finish_reason == "length"
+
+
+def test_a_colocated_runs_prediction_prices_one_switch_a_step() -> None:
+    """`prediction.json` of a colocated run: the synchronous layout's step plus the
+    workload's context switch; the same layout run disaggregated has no switch."""
+    from areal_hex.plan import PlanSources
+    from hexctl.job.predict import predict_run
+    from scheduler.workload import load_workload
+
+    workload = ROOT / "examples/workloads/math_grpo.yaml"
+    plan = _plan_on("tests/data/one_node_2gpu.yaml", 20.0).plan
+    src = PlanSources(cluster=str(ROOT / "tests/data/one_node_2gpu.yaml"), workload=str(workload))
+    plan = plan.model_copy(update={"sources": src})
+    w = load_workload(workload)
+    base = [
+        f"buffer.groups_per_step={w.groups_per_step}",
+        f"rollout.group_size={w.group_size}",
+        f"rollout.max_new_tokens={w.max_response_tokens}",
+        f"inference.context_length={w.prompt_tokens + w.max_response_tokens}",
+        "run.mode=sync",
+    ]
+    deploy = ROOT / "examples/deploy/qwen3-8b.yaml"
+    apart = predict_run(load_config(deploy, base), plan)["synchronous"]
+    together = predict_run(load_config(deploy, [*base, "workflow.placement=colocated"]), plan)
+    syn = together["synchronous"]
+    assert "context_switch_s" not in apart and syn["context_switch_s"] == 0.05
+    step = w.samples_per_step / apart["pipeline_samples_per_s"]
+    assert w.samples_per_step / syn["pipeline_samples_per_s"] == pytest.approx(step + 0.05)
