@@ -324,3 +324,23 @@ def test_a_colocated_runs_prediction_prices_one_switch_a_step() -> None:
     assert "context_switch_s" not in apart and syn["context_switch_s"] == 0.05
     step = w.samples_per_step / apart["pipeline_samples_per_s"]
     assert w.samples_per_step / syn["pipeline_samples_per_s"] == pytest.approx(step + 0.05)
+
+
+def test_a_colocated_plan_renders_for_compose(tmp_path: Path, capsys) -> None:
+    """The deploy checks let generation and training share the planned GPUs, the
+    rendered config runs colocated and synchronous, and the GPUs are counted once."""
+    import yaml
+
+    from areal_hex.plan import save_plan
+    from hexctl.cli import main
+
+    plan = save_plan(_plan_on("tests/data/one_node_2gpu.yaml", 20.0).plan, tmp_path / "p.yaml")
+    out = tmp_path / "out"
+    cfg = ROOT / "examples/deploy/qwen3-8b.yaml"
+    code = main(["deploy", str(plan), str(cfg), "--target", "compose", "--out", str(out)])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert "GPUs: 2 x H800" in said.out + said.err
+    rendered = yaml.safe_load((out / "config.yaml").read_text())
+    assert rendered["workflow"]["placement"] == "colocated"
+    assert rendered["run"]["mode"] == "sync" and rendered["buffer"]["max_staleness"] == 0
