@@ -344,3 +344,23 @@ def test_a_colocated_plan_renders_for_compose(tmp_path: Path, capsys) -> None:
     rendered = yaml.safe_load((out / "config.yaml").read_text())
     assert rendered["workflow"]["placement"] == "colocated"
     assert rendered["run"]["mode"] == "sync" and rendered["buffer"]["max_staleness"] == 0
+
+
+def test_run_mode_sync_on_the_command_line_runs_a_colocated_config() -> None:
+    """`areal-hex run examples/tiny_cpu.yaml workflow.placement=colocated --mode sync`:
+    the flag is validated with the overrides, so the async config may be run colocated."""
+    import argparse
+
+    from hexctl.cli import config_from_args
+
+    args = argparse.Namespace(
+        config=str(TINY), overrides=["workflow.placement=colocated"], mode="sync"
+    )
+    cfg = config_from_args(args)
+    assert (cfg.workflow.placement, cfg.run.mode, cfg.buffer.max_staleness) == (
+        "colocated",
+        "sync",
+        0,
+    )
+    with pytest.raises(ConfigError, match="colocated with run.mode async"):
+        config_from_args(argparse.Namespace(config=str(TINY), overrides=args.overrides))
