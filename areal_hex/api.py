@@ -13,7 +13,7 @@ with `hasattr`; tests/fakes.py holds one complete fake per Protocol.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -86,9 +86,11 @@ class VersionUpdate:
 
 
 class TrajectoryProducer(Protocol):
-    async def admit(self, n: int = 1) -> None:
+    async def admit(self, n: int = 1, on_hold: Callable[[], None] | None = None) -> None:
         """Wait until the staleness gate and backpressure let `n` more groups be submitted,
-        then count them as submitted. Raises TimeoutError with a clear message."""
+        then count them as submitted. Raises TimeoutError with a clear message.
+        `on_hold` is called once if the gate refuses first (the caller has submitted all
+        it may until a newer version, or until the trainer takes some of the backlog)."""
 
     async def put(self, group: GroupRecord) -> str:
         """Append an admitted group to the stream; returns its entry id."""
@@ -232,6 +234,13 @@ class GenerationClient(Protocol):
     async def pause(self, mode: PauseMode = "abort") -> None: ...
 
     async def resume(self) -> None: ...
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Colocated: give the device memory back while the trainer steps (SGLang's
+        weights / kv_cache / cuda_graph; all when None); refused while requests run."""
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Take the memory back; generation is refused until then."""
 
     async def health(self) -> bool: ...
 

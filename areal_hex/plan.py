@@ -106,7 +106,10 @@ class Baselines(Section):
 
     homogeneous_gpu_kind: str | None = None
     homogeneous_samples_per_s: float = 0.0
+    # the best colocated synchronous plan (scheduler/colocated.py) and the best
+    # disaggregated asynchronous one; `decisions.placement` names the faster
     synchronous_samples_per_s: float = 0.0
+    disaggregated_samples_per_s: float | None = None
     simulated_samples_per_s: float | None = None
     simulated_max_version_lag: int | None = None
     mip_gap: float = 0.0
@@ -219,18 +222,25 @@ class Plan(Section):
 
     @model_validator(mode="after")
     def _devices_used_once(self) -> Plan:
-        """Disaggregated: no GPU serves two tasks, or two instances of one."""
-        seen: dict[tuple[str, int], str] = {}
-        for who, _, slot in self.device_slots():
-            for gpu in slot.gpu_ids:
-                other = seen.get((slot.node, gpu))
-                if other is not None:
-                    raise ValueError(
-                        f"GPU {gpu} of node {slot.node!r} is placed for both {other!r} and "
-                        f"{who!r}: expected each GPU in one slot "
-                        f"(decisions.placement {self.decisions.placement})"
-                    )
-                seen[(slot.node, gpu)] = who
+        """No GPU serves two instances of one task; disaggregated, no GPU serves two
+        tasks either. Colocated, the generation instances take turns with the trainer
+        (and the other tasks) on the same GPUs, so only those two sides may share one."""
+        slots = self.device_slots()
+        n_rollout = len(self.rollout)
+        apart = self.decisions.placement == "disaggregated"
+        sides = [slots] if apart else [slots[:n_rollout], slots[n_rollout:]]
+        for side in sides:
+            seen: dict[tuple[str, int], str] = {}
+            for who, _, slot in side:
+                for gpu in slot.gpu_ids:
+                    other = seen.get((slot.node, gpu))
+                    if other is not None:
+                        raise ValueError(
+                            f"GPU {gpu} of node {slot.node!r} is placed for both {other!r} "
+                            f"and {who!r}: expected each GPU in one slot "
+                            f"(decisions.placement {self.decisions.placement})"
+                        )
+                    seen[(slot.node, gpu)] = who
         return self
 
     def device_slots(self) -> list[tuple[str, str | None, DeviceSlot]]:

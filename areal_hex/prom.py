@@ -237,6 +237,16 @@ class RolloutCollector(Collector):
                 ("weight_syncs", "weight syncs applied", r.weight_syncs_total),
                 ("weight_sync_seconds", "time spent in weight syncs", r.weight_sync_s_total),
                 ("generation_busy_seconds", "time any server had work", r.gen_busy_s),
+                (
+                    "context_switches",
+                    "colocated: releases of the servers' memory and their resumes",
+                    r.context_switches_total,
+                ),
+                (
+                    "context_switch_seconds",
+                    "colocated: time the releases and resumes took",
+                    r.context_switch_s_total,
+                ),
             ],
         )
         yield from self.gate_waits.collect()
@@ -378,7 +388,8 @@ ROLLOUT_NAMES: tuple[str, ...] = tuple(
         + ["server_healthy", "server_requests_in_flight"],
         ["groups_produced", "groups_filtered", "groups_failed", "samples", "tokens"]
         + ["requests", "requests_retried", "weight_syncs", "weight_sync_seconds"]
-        + ["generation_busy_seconds", "server_requests", "server_failures", "server_tokens"],
+        + ["generation_busy_seconds", "server_requests", "server_failures", "server_tokens"]
+        + ["context_switches", "context_switch_seconds"],
         ["gate_wait_seconds", "request_seconds"],
     )
 )

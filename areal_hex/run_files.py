@@ -265,6 +265,10 @@ class RolloutRow(_Row):
     weight_syncs_total: int = 0
     weight_sync_s_total: float = 0.0
     gen_busy_s: float = 0.0  # seconds any server had work, since start
+    # colocated: memory releases and resumes of the servers (one switch: both), and the
+    # seconds they took, since start
+    context_switches_total: int = 0
+    context_switch_s_total: float = 0.0
     servers_healthy: int = 0
     finish_reasons: dict[str, int] = {}
     # the last line of a controller's run only

@@ -307,6 +307,19 @@ class InferenceClient:
     async def resume(self) -> None:
         await self._json("POST", "/continue_generation", {})
 
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Give the device memory named by `tags` back (all of it when None); refused
+        while requests are in flight. Returns what the server says it moved."""
+        body = {} if tags is None else {"tags": tags}
+        out = await self._json("POST", "/release_memory_occupation", body)
+        return str(out.get("message", ""))
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Take the memory released by `release_memory_occupation` back."""
+        body = {} if tags is None else {"tags": tags}
+        out = await self._json("POST", "/resume_memory_occupation", body)
+        return str(out.get("message", ""))
+
     async def flush_cache(self, retries: int = 20, delay_s: float = 0.5) -> None:
         """Flush the prefix cache; the server refuses while requests run, so retry."""
         for attempt in range(retries + 1):

@@ -14,7 +14,7 @@ from areal_hex.plan import (
 )
 from scheduler.assess import Assessment
 from scheduler.cluster import Cluster
-from scheduler.costmodel import TrainerOption
+from scheduler.costmodel import RolloutOption, TrainerOption
 from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, node_names
 from scheduler.placing import Placed
@@ -38,6 +38,22 @@ def _mixed_trainer(
     return {"gpu_kinds": kinds, "rank_speeds": ranks}
 
 
+def rollout_instance(
+    cl: Cluster, rc: RolloutOption, n: int, node: str, ids: list[int]
+) -> InferenceInstance:
+    """The `n`-th generation instance of `rc`'s kind, on GPUs `ids` of machine `node`."""
+    return InferenceInstance(
+        id=f"rollout-{rc.kind.lower()}-{n}",
+        gpu_kind=rc.kind,
+        tp=rc.tp,
+        zone=rc.zone,
+        region=cl.zone_of[rc.zone].region,
+        placement=DeviceSlot(node=node, gpu_ids=ids),
+        predicted_tokens_per_s=round(rc.tokens_per_s, 2),
+        batch=rc.batch,
+    )
+
+
 def to_plan(
     cl: Cluster,
     m: ModelShape,
@@ -57,20 +73,8 @@ def to_plan(
     counters: dict[str, int] = {}
     rollout = []
     for rc, node, ids in pl.rollout:
-        zone = cl.zone_of[rc.zone]
         n = counters[rc.kind] = counters.get(rc.kind, -1) + 1
-        rollout.append(
-            InferenceInstance(
-                id=f"rollout-{rc.kind.lower()}-{n}",
-                gpu_kind=rc.kind,
-                tp=rc.tp,
-                zone=rc.zone,
-                region=zone.region,
-                placement=DeviceSlot(node=node, gpu_ids=ids),
-                predicted_tokens_per_s=round(rc.tokens_per_s, 2),
-                batch=rc.batch,
-            )
-        )
+        rollout.append(rollout_instance(cl, rc, n, node, ids))
     c = sol.trainer
     toks = w.prompt_tokens + w.response_tokens
     trainer = TrainerPlacement(

@@ -12,6 +12,7 @@ from areal_hex.config import ConfigError
 from areal_hex.plan import Plan
 from scheduler.assess import Assessment, assess
 from scheduler.cluster import Cluster, merge_identical
+from scheduler.colocated import best_colocated, colocated_plan
 from scheduler.costmodel import (
     RolloutOption,
     decode_step_s,
@@ -260,7 +261,7 @@ def make_plan(
         seeds=len(kinds_of(p)) > 1,
     )
     best = found.best
-    homo, sync, cost_ratio = found.one_kind, 0.0, None
+    homo, sync, cost_ratio, colocated = found.one_kind, 0.0, None, None
     if baselines:
         best, cost_ratio = _one_kind_at_rate(cl, m, w, p, best, target, prof, time_limit_s)
         spend = budget if budget is not None else best.solution.cost
@@ -284,14 +285,16 @@ def make_plan(
                     strict=True,
                 )
             }
-        sync = synchronous_rate(p, w, spend)
+        colocated = best_colocated(p, w, spend)
+        sync = 0.0 if colocated is None else colocated.samples_per_s
     sol, placement = best.solution, best.placement
-    if best.rate <= 0:
+    if best.rate <= 0 and sync <= 0:
         raise ConfigError(
-            f"no asynchronous plan generates anything on cluster {cl.spec.name!r}: every "
+            f"no plan generates anything on cluster {cl.spec.name!r}: every "
             "rollout instance would spend all its time paused for weight syncs; raise "
             "the workload's publish_every or groups_per_step, or run synchronously"
         )
+    simulate_plan = simulate_plan and best.rate > 0
     sim = simulate_solution(cl, m, w, sol, placement, best.cost) if simulate_plan else None
     ff = ff_sim = None
     if Topology(cl).declared:
@@ -308,6 +311,9 @@ def make_plan(
         inventory, m, w, best, budget, target, model_label, sim, homo, sync, ff, ff_sim, verdict
     )
     plan.decisions.tasks = reserved.placements
+    plan.baselines.disaggregated_samples_per_s = round(best.rate, 4)
+    if colocated is not None and colocated.samples_per_s > best.rate and target is None:
+        plan = colocated_plan(cl, w, colocated, names, plan)  # the faster placement
     plan.predicted.cost_usd_per_h = round(plan.predicted.cost_usd_per_h + reserved.usd_per_h, 2)
     plan.budget_usd_per_h = whole_budget
     plan.baselines.local_search_moves = found.moves
@@ -369,30 +375,10 @@ def _infeasible_message(p: PlanSpace, budget: float, time_limit_s: float) -> str
 
 
 def synchronous_rate(p: PlanSpace, w: Workload, budget: float) -> float:
-    """Best colocated synchronous plan (η = 0, the trainer's GPUs also generate, each phase
-    waits for the other): step = generation of B·G samples (at least the longest answer's
-    decode) + the training step. Searched over the same trainer configurations."""
-    best = 0.0
-    longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
-    in_group: dict[str, list[RolloutOption]] = {}
-    for r in p.rollouts:
-        in_group.setdefault(r.group, []).append(r)
-    for c in p.trainers:
-        if c.usd_per_h > budget:
-            continue
-        gen, tail = 0.0, 0.0
-        for g, n in c.parts:
-            opts = [r for r in in_group.get(g, []) if r.tp <= n and n % r.tp == 0]
-            if not opts:
-                continue
-            r = max(opts, key=lambda r: r.samples_per_s / r.tp)
-            gen += n // r.tp * r.samples_per_s
-            tail = max(tail, longest * r.step_s)
-        if gen <= 0:
-            continue
-        step = max(w.samples_per_step / gen, tail) + c.step_s
-        best = max(best, w.samples_per_step / step)
-    return best
+    """Best colocated synchronous plan's rate (η = 0, the trainer's GPUs also generate,
+    each phase waits for the other, one context switch a step: `scheduler/colocated.py`)."""
+    pick = best_colocated(p, w, budget)
+    return 0.0 if pick is None else pick.samples_per_s
 
 
 def simulate_solution(

@@ -27,6 +27,14 @@ def _mixed_ranks(c: TrainerOption) -> str:
 def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
     plan, sol = res.plan, res.solution
     lines = [f"plan for {plan.model} on {plan.cluster} ({plan.objective})", ""]
+    if plan.decisions.placement == "colocated":
+        t = plan.trainer
+        lines += [
+            f"colocated synchronous: {len(plan.rollout)} generation instance(s) on the "
+            f"trainer's {t.world_size} {t.gpu_kind} GPU(s), ZeRO-{t.zero_stage}, in turn; "
+            "the pools below are the best disaggregated plan's",
+            "",
+        ]
     hdr = f"{'pool':<9}{'GPU':<11}{'zone':<11}{'count':>6}{'GPUs':>6}  {'parallelism':<22}"
     hdr += f"{'samples/s':>10}{'$/h':>9}"
     lines += [hdr, "-" * len(hdr)]
@@ -47,12 +55,18 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             f"{n * r.samples_per_s:>10.3f}{n * r.usd_per_h:>9.2f}"
         )
     p = plan.predicted
+    colocated = plan.decisions.placement == "colocated"
+    how = (
+        f"one batch at generation {p.generation_samples_per_s:.3f}, a context switch, a step "
+        f"at training {p.training_samples_per_s:.3f}, in turn"
+        if colocated
+        else f"min(generation {p.generation_samples_per_s:.3f} incl. weight-sync pauses, "
+        f"training {p.training_samples_per_s:.3f})"
+    )
     lines += [
         "",
-        f"predicted: {p.samples_per_s:.3f} samples/s = min(generation "
-        f"{p.generation_samples_per_s:.3f} incl. weight-sync pauses, training "
-        f"{p.training_samples_per_s:.3f}); ${p.cost_usd_per_h:.2f}/h; weight sync up to "
-        f"{p.weight_sync_s:.1f} s",
+        f"predicted: {p.samples_per_s:.3f} samples/s = {how}; ${p.cost_usd_per_h:.2f}/h; "
+        f"weight sync up to {p.weight_sync_s:.1f} s",
     ]
     b = plan.baselines
     if b is not None:
@@ -69,7 +83,9 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 if sim is not None
                 else ""
             )
-            pred = plan.predicted.samples_per_s
+            # the simulation replays the disaggregated plan (the pools above)
+            pred = b.disaggregated_samples_per_s if colocated else plan.predicted.samples_per_s
+            pred = pred or 0.0
             off = (b.simulated_samples_per_s - pred) / pred if pred > 0 else 0.0
             gap = (
                 f" ({off:+.0%} against the prediction: expect the simulated rate; the "
@@ -79,7 +95,8 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 else ""
             )
             lines.append(
-                f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
+                ("disaggregated plan " if colocated else "")
+                + f"simulated: {b.simulated_samples_per_s:.3f} samples/s, max staleness "
                 f"{b.simulated_max_version_lag}{idle}{gap}"
             )
         if b.first_fit_samples_per_s is not None:
@@ -95,7 +112,7 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 + f"; unplaced {b.unplaced_samples_per_s:.3f}"
             )
         if b.binding is not None:
-            lines.append(_verdict(b))
+            lines.append(_verdict(b, plan.decisions.placement))
         search, n = "", b.local_search_moves
         if n and b.milp_pick_samples_per_s:
             faster = plan.predicted.samples_per_s > b.milp_pick_samples_per_s * (1 + 1e-4)
@@ -117,7 +134,7 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _verdict(b) -> str:
+def _verdict(b, placement: str) -> str:
     parts = [f"binding: {b.binding}" + (f" (also {', '.join(b.limits)})" if b.limits else "")]
     parts.append(
         f"utilisation: generation {b.generation_utilisation:.0%}, "
@@ -137,7 +154,14 @@ def _verdict(b) -> str:
     line = "; ".join(parts)
     if b.one_kind_reason:
         line += f"\none kind only: {b.one_kind_reason}"
-    if b.recommended_mode == "synchronous":
+    dis = b.disaggregated_samples_per_s
+    if dis is not None:
+        line += (
+            f"\nbest of each placement: colocated sync {b.synchronous_samples_per_s:.3f}, "
+            f"disaggregated async {dis:.3f} samples/s; picked "
+            f"{placement} (`areal-hex run --plan` carries it out)"
+        )
+    elif b.recommended_mode == "synchronous":
         line += (
             f"\nrecommended: synchronous colocated training ({b.synchronous_samples_per_s:.3f} "
             f"samples/s beats this asynchronous plan; `areal-hex run --mode sync`)"

@@ -57,6 +57,11 @@ class CostConstants(Section):
     # one machine, whose profiled update pause already holds the read), the update then
     # costing the link's latency only.
     storage_on_links: bool = True
+    # Colocated placement: seconds of the context switch in each step (the servers release
+    # their memory for the trainer and take it back before the next weights load).
+    # Calibrate from a colocated run's rollout rows: context_switch_s_total /
+    # context_switches_total (docs/modes.md has this machine's figure).
+    context_switch_s: float = Field(0.05, ge=0)
     # rollout.weight_sync=network: bytes sent per parameter (bf16 2; a CPU trainer's
     # fp32 4), the bucket size (rollout.weight_sync_bucket_mb) and the fixed cost of one
     # bucket (its HTTP call to each server and the load between two decode steps), ms.

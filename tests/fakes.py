@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,8 @@ class FakeServer:
         self.buckets: list[tuple[str, list[str]]] = []  # (group, tensor names) received
         # load from disk as the real server does: a directory without config.json fails
         self.reads_disk = False
+        self.released = False  # colocated: memory given back, generation refused
+        self.memory_calls: list[str] = []  # "release" / "resume", in order
 
     def _check_up(self) -> None:
         if self.down:
@@ -71,6 +73,8 @@ class FakeServer:
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
     ) -> GenerateResult:
         self._check_up()
+        if self.released:  # as the real server: 503 until the memory is back
+            raise ServerDown(f"{self.base_url}: memory released")
         await self.running.wait()
         self.calls.append((len(input_ids), sampling.max_new_tokens))
         self.in_flight += 1
@@ -165,6 +169,20 @@ class FakeServer:
         self.paused.clear()
         self.running.set()
 
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        self._check_up()
+        if self.in_flight:
+            raise ServerDown(f"{self.base_url}: {self.in_flight} requests in flight")
+        self.released = True
+        self.memory_calls.append("release")
+        return "released"
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        self._check_up()
+        self.released = False
+        self.memory_calls.append("resume")
+        return "resumed"
+
     async def health(self) -> bool:
         while self.stalled:
             await asyncio.sleep(0.01)
@@ -197,8 +215,10 @@ class MemoryProducer:
         self._changed = asyncio.Condition()
         self._updates: asyncio.Queue[VersionUpdate] = asyncio.Queue()
 
-    async def admit(self, n: int = 1) -> None:
+    async def admit(self, n: int = 1, on_hold: Callable[[], None] | None = None) -> None:
         async with self._changed:
+            if on_hold is not None and self.submitted + n > self.cap:
+                on_hold()
             await self._changed.wait_for(lambda: self.submitted + n <= self.cap)
             self.submitted += n
             self.admitted += n

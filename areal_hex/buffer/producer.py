@@ -20,7 +20,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import redis
 import redis.asyncio
@@ -100,8 +100,9 @@ class RedisTrajectoryProducer:
         self._group_ready = True
 
     # ------------------------------------------------------------ gate
-    async def admit(self, n: int = 1) -> None:
-        """Wait until the gate and backpressure let `n` more groups in, then count them."""
+    async def admit(self, n: int = 1, on_hold: Callable[[], None] | None = None) -> None:
+        """Wait until the gate and backpressure let `n` more groups in, then count them
+        (`on_hold()` once, when the first try is refused)."""
         if n <= 0:
             raise ValueError(f"admit(n): n must be positive, got {n}")
         await self._ensure_group()
@@ -118,6 +119,9 @@ class RedisTrajectoryProducer:
             if status == 1:
                 self._start_heartbeat()
                 return
+            if on_hold is not None:
+                on_hold()
+                on_hold = None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(self._timeout_message(n, int(status), sub, v, backlog))

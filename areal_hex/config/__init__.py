@@ -87,6 +87,17 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _colocated_is_synchronous(self) -> ExperimentConfig:
+        if self.workflow.placement == "colocated" and self.run.mode != "sync":
+            raise ValueError(
+                f"workflow.placement colocated with run.mode {self.run.mode}: colocated "
+                "phases alternate (generate one batch, then train on it), which is "
+                "synchronous RL; expected run.mode=sync, or workflow.placement=disaggregated "
+                "for an asynchronous run"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _overlong_within_budget(self) -> ExperimentConfig:
         buf, budget = self.algo.overlong_buffer, self.rollout.max_new_tokens
         if buf is not None and buf > budget:

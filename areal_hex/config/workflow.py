@@ -18,9 +18,14 @@ from areal_hex.config.base import Section
 
 # The tasks every workflow has; their pools are the plan's `rollout` and `trainer`.
 BUILTIN_TASKS = ("generate", "train")
-# Every task on its own devices (today's layout). Colocated and hybrid placements, where
-# tasks take turns on shared devices, are values this literal will gain.
-PlacementMode = Literal["disaggregated"]
+# disaggregated: every task on devices of its own, all running at once.
+# colocated: every task on every device, in turn: generation and training alternate, each
+# phase with all of them (the servers release their memory while the trainer steps, and
+# take it back before the next weights load). Only synchronous (run.mode sync): with
+# η > 0 generation would run ahead on the devices the trainer is stepping on, which is
+# disaggregation without the split, not a phase.
+PlacementMode = Literal["disaggregated", "colocated"]
+PLACEMENT_MODES: tuple[PlacementMode, ...] = ("disaggregated", "colocated")
 CONFIG_PLACEHOLDER = "{config}"  # the resolved config file, wherever the job is realised
 INDEX_PLACEHOLDER = "{index}"  # the instance's index within its task (0, 1, ...)
 

@@ -67,12 +67,15 @@ def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> N
 
 def config_from_args(args: argparse.Namespace):  # -> ExperimentConfig
     """Load `args.config` with `args.overrides`; an optional CONFIG that looks like an
-    override (`a.b=c`) is treated as one."""
+    override (`a.b=c`) is treated as one. `run --mode M` is the override `run.mode=M`,
+    validated with the others (a colocated placement needs the sync it names)."""
     from areal_hex.config import load_config
 
     path, overrides = args.config, list(args.overrides)
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
         path, overrides = None, [path, *overrides]
+    if getattr(args, "mode", None) is not None:
+        overrides.append(f"run.mode={args.mode}")
     return load_config(path, overrides)
 
 

@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "weight-sync": "hexctl.bench.micro.weight_sync",
     "trl": "hexctl.bench.system.trl",
     "host": "hexctl.bench.system.host",
+    "modes": "hexctl.bench.system.modes",
 }
 
 

@@ -100,7 +100,10 @@ def render(
     files = {**IGNORE_FILES, **bundle.files}
     write_files(out_dir, files, bundle.private)
     gpus: Counter[str] = Counter()
+    shared = d.cfg.workflow.placement == "colocated"  # the servers take the trainer's turns
     for s in d.layout.services:
+        if shared and s.role == "inference":
+            continue
         for kind, _, nodes in s.kind_segments():
             if kind is not None:
                 gpus[kind] += s.gpus * nodes

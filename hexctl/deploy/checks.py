@@ -193,17 +193,22 @@ def _check_placement(plan: Plan, dcfg: DeployConfig) -> list[str]:
 
 
 def _check_devices(plan: Plan) -> list[str]:
-    """No GPU may be planned twice."""
-    owner: dict[tuple[str, int], str] = {}
+    """No GPU may be planned twice (colocated: generation and training take turns on the
+    same GPUs, so only twice within one of the two)."""
     errors: list[str] = []
-    slots = [(i.id, i.placement) for i in plan.rollout]
-    slots += [("trainer", p) for p in plan.trainer.placements]
-    for who, slot in slots:
-        for g in slot.gpu_ids:
-            key = (slot.node, g)
-            if key in owner:
-                errors.append(f"GPU {g} of node {slot.node} is planned for {owner[key]} and {who}")
-            owner[key] = who
+    gen = [(i.id, i.placement) for i in plan.rollout]
+    train = [("trainer", p) for p in plan.trainer.placements]
+    sides = [gen + train] if plan.decisions.placement == "disaggregated" else [gen, train]
+    for side in sides:
+        owner: dict[tuple[str, int], str] = {}
+        for who, slot in side:
+            for g in slot.gpu_ids:
+                key = (slot.node, g)
+                if key in owner:
+                    errors.append(
+                        f"GPU {g} of node {slot.node} is planned for {owner[key]} and {who}"
+                    )
+                owner[key] = who
     return errors
 
 

@@ -13,6 +13,7 @@
 | tuned staleness bound η, `decisions.max_staleness` | `buffer.max_staleness`                 |
 | tuned publish interval k, `decisions.publish_every` | `trainer.publish_every`               |
 | weight-sync mode, `decisions.weight_sync`    | `rollout.weight_sync`                        |
+| placement, `decisions.placement`             | `workflow.placement` (colocated: `run.mode` sync) |
 | each instance's decode batch                 | `rollout.max_concurrent_groups` (raised only) |
 
 Policy: the plan wins. Where the config asked for another value, the plan's is applied
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.config.base import build
 from areal_hex.plan import Plan
 
 # "local": `areal-hex run` starts every service on this one machine, so the trainer gets
@@ -75,6 +77,9 @@ def planned_values(plan: Plan, nodes: Nodes) -> dict[str, Any]:
     if t.rank_speeds is not None:
         values["trainer.rank_speeds"] = subsample_rank_speeds(list(t.rank_speeds), ranks_started)
     d = plan.decisions
+    values["workflow.placement"] = d.placement
+    if d.placement == "colocated":  # phases alternate: synchronous (η = 0, k = 1)
+        values["run.mode"] = "sync"
     if d.max_staleness is not None:
         values["buffer.max_staleness"] = d.max_staleness
     if d.publish_every is not None:
@@ -112,7 +117,7 @@ def project_plan(cfg: ExperimentConfig, plan: Plan, nodes: Nodes) -> PlannedConf
             f"(as planned: fills the batches of its {n} instance{'s' * (n != 1)})"
         )
         data["rollout"]["max_concurrent_groups"] = fill
-    return PlannedConfig(ExperimentConfig.model_validate(data), changes)
+    return PlannedConfig(build(ExperimentConfig, data, "the config with the plan applied"), changes)
 
 
 def groups_to_fill(plan: Plan, group_size: int) -> int | None:

@@ -176,12 +176,17 @@ def predict_run(
         )
     except (ConfigError, LayoutError) as exc:
         return {"unavailable": str(exc)}
+    syn = pred.synchronous.as_dict()
+    if cfg.workflow.placement == "colocated":  # one context switch a step, in turn
+        step = w.samples_per_step / max(syn["pipeline_samples_per_s"], 1e-12)
+        syn["pipeline_samples_per_s"] = w.samples_per_step / (step + w.constants.context_switch_s)
+        syn["context_switch_s"] = w.constants.context_switch_s
     return {
         "source": "plan" if plan is not None else "local profile",
         "cluster": str(cluster),
         "host_cores": host,
         "asynchronous": pred.asynchronous.as_dict(),
-        "synchronous": pred.synchronous.as_dict(),
+        "synchronous": syn,
     }
 
 

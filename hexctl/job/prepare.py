@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_hex.config import ExperimentConfig, save_config
+from areal_hex.config.base import build
 from areal_hex.config.checks import check_run
 from areal_hex.errors import UsageError
 from areal_hex.net import free_port, free_port_block, port_free
@@ -117,7 +118,7 @@ def apply_mode(cfg: ExperimentConfig, mode: str | None) -> ExperimentConfig:
         return cfg
     data = cfg.model_dump(mode="json")
     data["run"]["mode"] = mode
-    return ExperimentConfig.model_validate(data)
+    return build(ExperimentConfig, data, f"--mode {mode}")
 
 
 def apply_plan(

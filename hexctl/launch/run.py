@@ -101,9 +101,11 @@ def process_specs(
     cfg: ExperimentConfig, layout: Layout, config_path: Path, host: str = "trainer"
 ) -> list[ProcessSpec]:
     """The processes of the run; with `run.pin_cores`, the servers on the inference cores,
-    the trainer on the others, and Valkey and the controller on the `host` side's."""
+    the trainer on the others, and Valkey and the controller on the `host` side's
+    (colocated: every process on every core, each side's threads as many as the cores)."""
     run_dir = cfg.run.run_dir()
-    inference_cores, trainer_cores = core_groups(cfg.run.pin_cores)
+    placement = cfg.workflow.placement
+    inference_cores, trainer_cores = core_groups(cfg.run.pin_cores, placement)
     host_cores = inference_cores if host == "inference" else trainer_cores
     n_servers = len(layout.by_role("inference"))
     assign_local_gpus(layout)
@@ -119,7 +121,14 @@ def process_specs(
             }.get(svc.role, 1)
             env["OMP_NUM_THREADS"] = str(share)
         elif cfg.inference.device == "cpu" and svc.role == "inference":
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+            every = os.cpu_count() or 2
+            own = every if placement == "colocated" else every // 2
+            env["OMP_NUM_THREADS"] = str(max(1, own // max(1, n_servers)))
+        if placement == "colocated":
+            # the phases share every core: a thread that waits at an OpenMP barrier
+            # sleeps instead of spinning on a core the other phase needs (twice the
+            # steady rate of spinning threads on this 2-core machine: docs/modes.md)
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         if svc.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in svc.devices)
         pythonpath = os.environ.get("PYTHONPATH")

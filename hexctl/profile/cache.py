@@ -94,6 +94,8 @@ def job_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     data = cfg.model_dump(mode="json")
     out = {s: {k: v for k, v in data[s].items() if k not in _SKIP.get(s, ())} for s in _SECTIONS}
     out["run"] = {k: data["run"][k] for k in _RUN_FIELDS + _RUN_WARM_START}
+    if cfg.workflow.placement != "disaggregated":  # each phase timed on every core
+        out["placement"] = cfg.workflow.placement
     # The initial model: a path is named by its files (v0 of each run is a new directory
     # holding the same weights when the rest of the config is the same).
     out["model"].pop("path", None)

@@ -66,7 +66,7 @@ def local_devices(cfg: ExperimentConfig) -> LocalDevices:
             trainer_threads=1,
             memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9,
         )
-    inf, tr = core_groups(cfg.run.pin_cores)
+    inf, tr = core_groups(cfg.run.pin_cores, cfg.workflow.placement)
     total = os.cpu_count() or 1
     mem = _host_memory_gb()
     if inf is None or tr is None:  # no pinning: both sides share every core

@@ -41,6 +41,7 @@ from areal_hex.net import async_retry
 from areal_hex.record import Completion, GroupRecord
 from areal_hex.rewards import RewardPool
 from areal_hex.run_files import RolloutRow, append_row
+from rollout_service.controller.colocate import Colocation
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
 from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
@@ -70,6 +71,7 @@ class RolloutController:
         buffer_retry_s: float = 60.0,
         network: NetworkSource | None = None,
         final_version: int | None = None,
+        colocated: bool = False,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
         producer (a killed predecessor whose lease has not expired yet) to come back;
@@ -98,6 +100,8 @@ class RolloutController:
         self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
         self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir, network)
         self.dispatcher.on_recover = self.weights.recover
+        self.colocation = Colocation(self.weights, lambda: self._tasks) if colocated else None
+        self._admit = self.colocation.gated(producer.admit) if self.colocation else producer.admit
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
@@ -194,7 +198,7 @@ class RolloutController:
                 if not await self._until_stop(slots.acquire()):
                     break
                 t_gate = time.monotonic()
-                admitted = await self._until_stop(self._buffer_call(self.producer.admit, "admit"))
+                admitted = await self._until_stop(self._buffer_call(self._admit, "admit"))
                 for observe in self.gate_wait_observers:
                     observe(time.monotonic() - t_gate)
                 if not admitted:
@@ -450,6 +454,7 @@ class RolloutController:
             gen_busy_s=round(self.dispatcher.busy_s, 3),
             servers_healthy=self.dispatcher.num_healthy,
             finish_reasons=dict(self.finish_reasons),
+            **(self.colocation.row_fields() if self.colocation else {}),
         )
 
     def _start_interval(self) -> None:

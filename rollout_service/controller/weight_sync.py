@@ -189,6 +189,9 @@ class WeightSync:
         self.lineage = 0  # of the version the gate holds (VersionUpdate.lineage)
         self.syncs_total = 0
         self.sync_s_total = 0.0
+        # awaited after the gate closed, before the servers pause and load (colocated:
+        # they take their memory back, colocate.py)
+        self.before_update: list[Callable[[], Awaitable[None]]] = []
         self._lock = asyncio.Lock()
 
     async def start(self, update_pause: UpdatePause) -> None:
@@ -281,6 +284,8 @@ class WeightSync:
         t0 = time.monotonic()
         self.gate.close()
         try:
+            for hook in self.before_update:
+                await hook()
             servers = [s for s in self.dispatcher.servers if s.healthy]
             tried = len(servers)
             # retract / in_place: the servers keep the requests in flight (their KV

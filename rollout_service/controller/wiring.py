@@ -165,6 +165,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         settle_s=cfg.buffer.lease_ttl_s + 1.0,
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
+        colocated=cfg.workflow.placement == "colocated",
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection

@@ -304,6 +304,28 @@ def test_release_and_resume_memory(url: str) -> None:
     assert "in flight" in busy.json()["message"]
 
 
+def test_the_client_releases_and_resumes_memory(url: str) -> None:
+    """`InferenceClient`'s colocated calls (what the controller's colocate.py sends): a
+    released server refuses generation until resumed; a bad tag is refused."""
+    import asyncio
+
+    from areal_hex.api import SamplingParams
+    from rollout_service.client import GenerationError, InferenceClient
+
+    async def go() -> None:
+        async with InferenceClient(url) as c:
+            assert "released" in await c.release_memory_occupation()
+            with pytest.raises(GenerationError, match="resume_memory_occupation"):
+                await c.generate([20, 21], SamplingParams(max_new_tokens=2))
+            with pytest.raises(GenerationError, match="tags"):
+                await c.resume_memory_occupation(["gpu"])
+            assert "resumed" in await c.resume_memory_occupation()
+            out = await c.generate([20, 21], SamplingParams(max_new_tokens=2))
+            assert len(out.output_ids) == 2
+
+    asyncio.run(go())
+
+
 def release_while_running(url: str, slow: dict) -> httpx.Response:
     """The answer to a release sent once `slow` is seen running (its rid aborted after)."""
     running = threading.Thread(target=lambda: gen(url, slow))

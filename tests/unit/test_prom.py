@@ -121,6 +121,8 @@ def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
             tokens_total=900,
             weight_sync_s_total=1.5,
             reward_mean=0.25,
+            context_switches_total=4,
+            context_switch_s_total=0.04,
         )
     )
     for wait in (0.0, 0.02, 3.0):
@@ -134,6 +136,8 @@ def test_rollout_metrics_equal_the_row_and_the_servers() -> None:
     assert s[("areal_hex_rollout_groups_in_flight", ())] == 3
     assert s[("areal_hex_rollout_tokens_total", ())] == 900
     assert s[("areal_hex_rollout_weight_sync_seconds_total", ())] == 1.5
+    assert s[("areal_hex_rollout_context_switches_total", ())] == 4
+    assert s[("areal_hex_rollout_context_switch_seconds_total", ())] == 0.04
     assert s[("areal_hex_rollout_reward_mean", ())] == 0.25
     g = "areal_hex_rollout_gate_wait_seconds"
     assert s[(g + "_count", ())] == 3 and s[(g + "_sum", ())] == pytest.approx(3.02)

@@ -1,0 +1,156 @@
+"""Execution modes: the same job in every placement and staleness mode, from the same v0
+for the same steps, in one invocation; each mode's predicted and measured samples/s,
+the planner's pick and the measured ranking.
+
+Modes: disaggregated async (the config's η), disaggregated sync, colocated sync
+(`workflow.placement`, docs/modes.md). Measured: trained samples/s over the same window
+of steps in every run (from step η + 1 of the async run on, as `bench e2e`). Predicted:
+the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
+the machine's profile for that job (`run.profile_first`: the config's unless overridden;
+`--profile-first` takes one per mode where this machine has none). The planner's pick is
+the mode with the highest prediction (None without predictions)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
+
+
+@dataclass(frozen=True)
+class Mode:
+    placement: str
+    run_mode: str
+
+    def overrides(self) -> list[str]:
+        return [f"workflow.placement={self.placement}", f"run.mode={self.run_mode}"]
+
+
+MODES: dict[str, Mode] = {
+    "disaggregated-async": Mode("disaggregated", "async"),
+    "disaggregated-sync": Mode("disaggregated", "sync"),
+    "colocated-sync": Mode("colocated", "sync"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML (default: tiny)")
+    p.add_argument("--steps", type=int, default=20, help="trainer.total_steps of every run")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {', '.join(MODES)} (default: all)",
+    )
+    p.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="profile this machine for each mode's job where it has no profile yet",
+    )
+    p.add_argument("--output-dir", default=None, help="keep the run directories here")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+
+
+def chosen_modes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        from areal_hex.config import ConfigError
+
+        raise ConfigError(
+            f"--modes {text!r}: unknown {', '.join(unknown) or '(none given)'}: expected a "
+            f"comma-separated subset of {', '.join(MODES)}"
+        )
+    return names
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured, as the fidelity report; None without both."""
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def ranking(rates: dict[str, float | None]) -> list[str]:
+    """Names by rate, fastest first; those without a rate are left out."""
+    known = {k: v for k, v in rates.items() if v is not None}
+    return sorted(known, key=lambda k: (-known[k], k))
+
+
+def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The benchmark's JSON from each mode's {predicted, measured, ...}."""
+    modes = {
+        name: {
+            "predicted_samples_per_s": r.get("predicted"),
+            "measured_samples_per_s": r.get("measured"),
+            "error": error(r.get("predicted"), r.get("measured")),
+            **{k: v for k, v in r.items() if k not in ("predicted", "measured")},
+        }
+        for name, r in runs.items()
+    }
+    predicted = ranking({n: r.get("predicted") for n, r in runs.items()})
+    measured = ranking({n: r.get("measured") for n, r in runs.items()})
+    pick = predicted[0] if predicted else None
+    best = measured[0] if measured else None
+    pick_rate = runs[pick].get("measured") if pick else None
+    best_rate = runs[best].get("measured") if best else None
+    return {
+        "modes": modes,
+        "planner_pick": pick,
+        "measured_ranking": measured,
+        "predicted_ranking": predicted,
+        # the pick's measured rate over the fastest's: 1.0 when the pick is the fastest
+        "pick_vs_fastest": (pick_rate / best_rate) if pick_rate and best_rate else None,
+    }
+
+
+def run_mode(
+    config: str, overrides: list[str], name: str, out: str, profile_first: bool
+) -> dict[str, Any]:
+    """One mode's run; its summary's figures."""
+    from areal_hex.config import load_config
+    from hexctl.bench.system import check_run
+    from hexctl.bench.system.e2e import fresh_run_dir
+    from hexctl.job.prepare import prepare_run
+    from hexctl.launch.run import execute
+
+    mode = MODES[name]
+    first = ["run.profile_first=true"] if profile_first else []
+    extra = [f"run.output_dir={out}", f"run.run_id=bench-{name}", "run.progress=log"]
+    cfg = load_config(config, [*first, *overrides, *mode.overrides(), *extra])
+    fresh_run_dir(cfg.run.run_dir())
+    cfg, path = prepare_run(cfg, None, mode.run_mode)
+    result = execute(cfg, path, None, progress=False)
+    check_run(result, f"the {name} run")
+    s = result.summary
+    fid = s.get("fidelity") or {}
+    return {
+        "run_dir": str(cfg.run.run_dir()),
+        "max_staleness": s.get("max_staleness"),
+        "group_size": s.get("group_size"),
+        "wall_time_s": s.get("wall_time_s"),
+        "final_reward": s.get("final_reward"),
+        "predicted": (fid.get("predicted") or {}).get("pipeline_samples_per_s"),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hexctl.bench.system.e2e import initial_weights, steady_rate
+
+    names = chosen_modes(args.modes)
+    overrides = [*args.overrides, f"trainer.total_steps={args.steps}"]
+    runs: dict[str, dict[str, Any]] = {}
+    with scratch_dir("areal-hex-bench-modes-", args.output_dir) as out:
+        v0 = initial_weights(args.config, overrides, Path(out) / "initial")
+        overrides.append(f"model.path={v0}")
+        for name in names:
+            runs[name] = run_mode(args.config, overrides, name, out, args.profile_first)
+        # the same window in every run: after the async run's head start of η + 1 steps
+        skip = max(int(r["max_staleness"] or 0) for r in runs.values()) + 1
+        for r in runs.values():
+            r["measured"] = steady_rate(Path(r.pop("run_dir")), int(r["group_size"]), skip)
+    out_json = report(runs)
+    out_json.update({"config": args.config, "steps": args.steps, "window_from_step": skip})
+    return out_json

@@ -1,0 +1,115 @@
+"""The colocated synchronous plan: every GPU of the trainer also generates, in turn.
+
+A step (η = 0, k = 1) is: generation of B·G samples by every trainer GPU, at the rate of
+the best rollout option that fits the trainer's GPUs of each machine (down to the
+longest answer's decode), then one context switch (the servers release their memory,
+the trainer takes the devices, and back: `CostConstants.context_switch_s`), then the
+training step. `best_colocated` searches the same trainer configurations as the
+asynchronous plan; `colocated_plan` writes the pick as a `Plan` whose generation
+instances sit on the trainer's GPUs (`decisions.placement: colocated`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_hex.plan import Decisions, DeviceSlot, InferenceInstance, Plan, TrainerPlacement
+from scheduler.cluster import Cluster, machine_name
+from scheduler.costmodel import RolloutOption, TrainerOption
+from scheduler.milp import PlanSpace
+from scheduler.partition import trainer_shape
+from scheduler.plan_record import rollout_instance
+from scheduler.workload import Workload
+
+
+@dataclass(frozen=True)
+class Colocated:
+    samples_per_s: float
+    generation_samples_per_s: float  # every trainer GPU generating
+    trainer: TrainerOption
+    rollout: tuple[tuple[str, RolloutOption], ...]  # (node group, option) per trainer part
+    switch_s: float  # per step
+
+
+def best_colocated(p: PlanSpace, w: Workload, budget: float) -> Colocated | None:
+    """The fastest colocated synchronous plan within `budget` ($/h); None if none
+    generates."""
+    best: Colocated | None = None
+    longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
+    switch = w.constants.context_switch_s
+    in_group: dict[str, list[RolloutOption]] = {}
+    for r in p.rollouts:
+        in_group.setdefault(r.group, []).append(r)
+    for c in p.trainers:
+        if c.usd_per_h > budget or c.mixed:  # a trainer across kinds: disaggregated only
+            continue
+        gen, tail, picks = 0.0, 0.0, []
+        for g, n in c.parts:
+            fit = [r for r in in_group.get(g, []) if r.tp <= c.per_node and c.per_node % r.tp == 0]
+            if not fit:
+                continue
+            r = max(fit, key=lambda r: r.samples_per_s / r.tp)
+            gen += n // r.tp * r.samples_per_s
+            tail = max(tail, longest * r.step_s)
+            picks.append((g, r))
+        if gen <= 0 or len(picks) < len(c.parts):
+            continue
+        step = max(w.samples_per_step / gen, tail) + switch + c.step_s
+        rate = w.samples_per_step / step
+        if best is None or rate > best.samples_per_s:
+            best = Colocated(rate, gen, c, tuple(picks), switch)
+    return best
+
+
+def colocated_plan(
+    cl: Cluster, w: Workload, pick: Colocated, names: dict[str, str], base: Plan
+) -> Plan:
+    """`base` (the asynchronous plan, for its identity and baselines) with the colocated
+    pick's pools: the trainer's ranks first-fit on its node groups' machines, and one
+    generation instance per TP-sized slice of every trainer machine's GPUs. `names`:
+    merged machine names as the inventory's (`cluster.merge_identical`)."""
+    c = pick.trainer
+    option = dict(pick.rollout)
+    used: dict[str, int] = {}
+    slots: list[tuple[str, str, list[int]]] = []  # (group, machine, GPU ids)
+    for group, k in trainer_shape(cl, c):
+        i = used[group] = used.get(group, -1) + 1
+        node = machine_name(group, i)
+        slots.append((group, names.get(node, node), list(range(k))))
+    toks = w.prompt_tokens + w.response_tokens
+    rollout: list[InferenceInstance] = []
+    for group, node, ids in slots:
+        r = option[group]
+        for lo in range(0, len(ids), r.tp):
+            rollout.append(rollout_instance(cl, r, len(rollout), node, ids[lo : lo + r.tp]))
+    trainer = TrainerPlacement(
+        gpu_kind=c.kind,
+        world_size=c.dp,
+        dp=c.dp,
+        zero_stage=c.zero,
+        placements=[DeviceSlot(node=node, gpu_ids=ids) for _, node, ids in slots],
+        predicted_tokens_per_s=round(c.samples_per_s * toks, 2),
+    )
+    predicted = base.predicted.model_copy(
+        update={
+            "samples_per_s": round(pick.samples_per_s, 4),
+            "generation_samples_per_s": round(pick.generation_samples_per_s, 4),
+            "training_samples_per_s": round(w.samples_per_step / c.step_s, 4),
+            "cost_usd_per_h": round(c.usd_per_h, 2),
+        }
+    )
+    decisions = Decisions(
+        placement="colocated",
+        max_staleness=0,
+        publish_every=1,
+        weight_sync=base.decisions.weight_sync,
+        tasks=base.decisions.tasks,
+    )
+    return base.model_copy(
+        update={
+            "rollout": rollout,
+            "trainer": trainer,
+            "decisions": decisions,
+            "predicted": predicted,
+        }
+    )
