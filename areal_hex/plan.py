@@ -253,9 +253,9 @@ class Plan(Section):
         kinds = t.gpu_kinds or [t.gpu_kind] * len(t.placements)
         out += [("trainer", k, p) for k, p in zip(kinds, t.placements, strict=True)]
         out += [
-            (f"decisions.tasks[{i}] ({task.task}) slot {n}", task.gpu_kind, slot)
+            (f"decisions.tasks[{i}] ({task.task})", task.gpu_kind, slot)
             for i, task in enumerate(self.decisions.tasks)
-            for n, slot in enumerate(task.slots)
+            for slot in task.slots
         ]
         return out
 

@@ -76,7 +76,7 @@ def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str
     """What the site mapping cannot place, each with the field that says so."""
     errors: list[str] = []
     # one line per pool and kind: a task's instances, or the trainer's nodes, share one
-    slots = dict.fromkeys((f"plan.{w.split(' slot ')[0]}", k) for w, k, _ in plan.device_slots())
+    slots = dict.fromkeys((f"plan.{where}", k) for where, k, _ in plan.device_slots())
     known = ", ".join(sorted(site.kinds)) or "none"
     for where, kind in slots:
         if kind is not None and site.placement(kind) is None:
