@@ -26,6 +26,13 @@ BUILTIN_TASKS = ("generate", "train")
 # disaggregation without the split, not a phase.
 PlacementMode = Literal["disaggregated", "colocated"]
 PLACEMENT_MODES: tuple[PlacementMode, ...] = ("disaggregated", "colocated")
+# What a task does, so that the rollout controller can call it and the planner can price
+# it. custom: anything beside the job (started, stopped and restarted; its work is not
+# priced). reference: a server holding the initial policy (v0) that scores the sampled
+# tokens, giving the trainer π_ref's log-probs for the KL term. reward_model: a server
+# that scores each completion (rollout.reward chooses how its score is used).
+TaskRole = Literal["custom", "reference", "reward_model"]
+TASK_ROLES: tuple[TaskRole, ...] = ("custom", "reference", "reward_model")
 CONFIG_PLACEHOLDER = "{config}"  # the resolved config file, wherever the job is realised
 INDEX_PLACEHOLDER = "{index}"  # the instance's index within its task (0, 1, ...)
 
@@ -43,6 +50,10 @@ class TaskSpec(Section):
     gpus: int = Field(0, ge=0, le=64)  # per instance; 0: CPU only
     gpu_kinds: list[str] | None = None  # kinds an instance may run on; None: any
     port: int | None = Field(None, gt=0, lt=65536)  # instance i listens on port + i
+    role: TaskRole = "custom"
+    # Where the rollout controller reaches instance i (a server task); empty:
+    # http://127.0.0.1:<port + i>. Deploy renderers fill it with the service's address.
+    urls: list[str] = []
 
     @model_validator(mode="after")
     def _not_builtin(self) -> TaskSpec:
@@ -56,7 +67,23 @@ class TaskSpec(Section):
                 f"task {self.name!r}: gpu_kinds {self.gpu_kinds} with gpus 0 does nothing: "
                 "expected gpus > 0, or no gpu_kinds for a CPU task"
             )
+        if self.role != "custom" and self.port is None and not self.urls:
+            raise ValueError(
+                f"task {self.name!r} (role {self.role}) is a server the rollout controller "
+                "calls: expected a port (instance i listens on port + i) or urls"
+            )
+        if self.urls and len(self.urls) != self.instances:
+            raise ValueError(
+                f"task {self.name!r}: {len(self.urls)} url(s) for {self.instances} "
+                "instance(s): expected one url per instance"
+            )
         return self
+
+    def instance_urls(self) -> list[str]:
+        """Base URL of each instance, in index order."""
+        if self.urls:
+            return list(self.urls)
+        return [f"http://127.0.0.1:{self.port + i}" for i in range(self.instances)]
 
 
 class WorkflowConfig(Section):
@@ -69,4 +96,15 @@ class WorkflowConfig(Section):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"tasks named twice: {', '.join(twice)}: expected unique names")
+        for role in TASK_ROLES[1:]:
+            having = [t.name for t in self.tasks if t.role == role]
+            if len(having) > 1:
+                raise ValueError(
+                    f"tasks {', '.join(having)} all have role {role}: expected at most one "
+                    "(give it more instances instead)"
+                )
         return self
+
+    def task_with_role(self, role: TaskRole) -> TaskSpec | None:
+        """The task that plays `role`, if the workflow has one."""
+        return next((t for t in self.tasks if t.role == role), None)
