@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # 2: each completion's `server` and `gpu_kind` are fields (schema 1 carried them as
-# comma-joined group metadata).
+# comma-joined group metadata). A completion's `ref_logprobs` is optional within
+# schema 2: a record without it (every record written before it existed) still decodes.
 SCHEMA_VERSION = 2
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -29,16 +30,23 @@ class Completion:
     text: str = ""
     server: str = ""  # URL of the inference server of its last tokens ("": not recorded)
     gpu_kind: str = ""  # that server's GPU kind (`inference.gpu_kinds`; "": not given)
+    # (T,) float32, log-prob of each token under the reference policy (π_ref, the initial
+    # weights) at the group's temperature, scored by the workflow's reference task;
+    # None: not scored (the trainer computes it, when its objective needs it)
+    ref_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
         self.versions = np.asarray(self.versions, dtype=np.int32)
+        if self.ref_logprobs is not None:
+            self.ref_logprobs = np.asarray(self.ref_logprobs, dtype=np.float32)
         n = len(self.token_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
+        ref = n if self.ref_logprobs is None else len(self.ref_logprobs)
+        if len(self.logprobs) != n or len(self.versions) != n or ref != n:
             raise ValueError(
                 f"completion lengths differ: token_ids={n} logprobs={len(self.logprobs)} "
-                f"versions={len(self.versions)}"
+                f"versions={len(self.versions)} ref_logprobs={ref}"
             )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
@@ -54,6 +62,7 @@ class Completion:
         text: str,
         server: str,
         gpu_kind: str,
+        ref_logprobs: np.ndarray | None = None,
     ) -> Completion:
         """A completion from fields a decoder has already checked (int32/float32 arrays
         of one length, a known finish reason): skips the conversions of `__init__`, which
@@ -61,7 +70,7 @@ class Completion:
         c = cls.__new__(cls)
         c.token_ids, c.logprobs, c.versions = token_ids, logprobs, versions
         c.finish_reason, c.reward, c.text = finish_reason, reward, text
-        c.server, c.gpu_kind = server, gpu_kind
+        c.server, c.gpu_kind, c.ref_logprobs = server, gpu_kind, ref_logprobs
         return c
 
 
@@ -106,6 +115,11 @@ class GroupRecord:
         """Oldest policy version among the group's tokens (a group with no tokens: -1)."""
         mins = [int(c.versions.min()) for c in self.completions if len(c.versions)]
         return min(mins) if mins else -1
+
+    @property
+    def has_ref_logprobs(self) -> bool:
+        """Whether every completion carries the reference policy's log-probs."""
+        return all(c.ref_logprobs is not None for c in self.completions)
 
     @property
     def rewards(self) -> np.ndarray:

@@ -38,6 +38,7 @@ def group_to_json(g: GroupRecord) -> dict[str, Any]:
                 "reward": c.reward,
                 "server": c.server,
                 "gpu_kind": c.gpu_kind,
+                **({} if c.ref_logprobs is None else {"ref_logprobs": c.ref_logprobs.tolist()}),
             }
             for c in g.completions
         ],
@@ -55,6 +56,9 @@ def group_from_json(d: dict[str, Any], where: str) -> GroupRecord:
                 reward=float(c["reward"]),
                 server=_text(c.get("server", "")),
                 gpu_kind=_text(c.get("gpu_kind", "")),
+                ref_logprobs=None
+                if c.get("ref_logprobs") is None
+                else np.asarray(c["ref_logprobs"]),
             )
             for c in d["completions"]
         ]

@@ -12,7 +12,8 @@ Layout (schema 2):
               "arrays": [["prompt", "<i4", nbytes],       # (P,) prompt token ids
                          ["tokens", "<i4", nbytes],       # (sum T,) all completions' tokens
                          ["logprobs", "<f4", nbytes],     # (sum T,) behaviour log-probs
-                         ["versions", "<i4", nbytes]]}    # (sum T,) policy version per token
+                         ["versions", "<i4", nbytes],     # (sum T,) policy version per token
+                         ["ref_logprobs", "<f4", nbytes]]} # optional: (sum T,) π_ref log-probs
 
 The G completions' per-token arrays are laid end to end, so a group of any size is a fixed
 number of objects, and the arrays never pass through msgpack: encoding writes each array
@@ -20,6 +21,10 @@ once into the payload, decoding slices read-only views out of it (or, asked to, 
 one writable copy). Anything that does not match (wrong schema version, truncated bytes, wrong
 dtype, lengths that disagree) raises `DecodeError` naming the field and what was expected:
 the consumer moves such entries to the dead-letter stream instead of stopping.
+
+`ref_logprobs` is written only when every completion has them (scored by the workflow's
+reference task); a record without it, as every record written before it existed, decodes
+as before with `Completion.ref_logprobs` None.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ import numpy as np
 from areal_hex.record import FINISH_REASONS, SCHEMA_VERSION, Completion, GroupRecord
 
 # Expected dtype of every array field (little-endian on the wire, whatever the host is).
-DTYPES = {"prompt": "<i4", "tokens": "<i4", "logprobs": "<f4", "versions": "<i4"}
+DTYPES = {
+    "prompt": "<i4",
+    "tokens": "<i4",
+    "logprobs": "<f4",
+    "versions": "<i4",
+    "ref_logprobs": "<f4",
+}
 ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in DTYPES.items()}
 # The same as dtype objects: numpy parses a dtype string on every call that is given one.
 _DT = {name: np.dtype(dt) for name, dt in DTYPES.items()}
@@ -52,6 +63,7 @@ class DecodeError(ValueError):
 
 
 ARRAY_ORDER = ("prompt", "tokens", "logprobs", "versions")
+OPTIONAL_ARRAYS = ("ref_logprobs",)  # after ARRAY_ORDER, in this order, each when present
 _LEN = struct.Struct("<I")  # header length prefix
 
 
@@ -106,8 +118,10 @@ def encode_group_parts(group: GroupRecord) -> tuple[int, list[Any]]:
     tokens = [_le(c.token_ids, _DT["tokens"]) for c in comps]
     logprobs = [_le(c.logprobs, _DT["logprobs"]) for c in comps]
     versions = [_le(c.versions, _DT["versions"]) for c in comps]
+    refs = _ref_arrays(group)
     lens = [len(t) for t in tokens]
     total = sum(lens)  # each per-token array holds sum T items
+    per_token = list(ARRAY_ORDER[1:]) + (["ref_logprobs"] if refs else [])
     header = {
         "schema": group.schema_version,
         "pid": group.prompt_id,
@@ -123,13 +137,26 @@ def encode_group_parts(group: GroupRecord) -> tuple[int, list[Any]]:
         "gpu_kind": [c.gpu_kind for c in comps],
         "arrays": [
             ["prompt", DTYPES["prompt"], prompt.nbytes],
-            *([k, DTYPES[k], total * ITEMSIZE[k]] for k in ARRAY_ORDER[1:]),
+            *([k, DTYPES[k], total * ITEMSIZE[k]] for k in per_token),
         ],
     }
     head = _head(header)
-    nbytes = len(head) + prompt.nbytes + total * (ITEMSIZE["tokens"] + ITEMSIZE["logprobs"])
-    nbytes += total * ITEMSIZE["versions"]
-    return nbytes, [head, prompt, *tokens, *logprobs, *versions]
+    nbytes = len(head) + prompt.nbytes + total * sum(ITEMSIZE[k] for k in per_token)
+    return nbytes, [head, prompt, *tokens, *logprobs, *versions, *refs]
+
+
+def _ref_arrays(group: GroupRecord) -> list[np.ndarray]:
+    """Each completion's `ref_logprobs`, or [] when none has them; some but not all is a
+    caller's error (a group is scored whole)."""
+    have = [c.ref_logprobs is not None for c in group.completions]
+    if not any(have):
+        return []
+    if not all(have):
+        raise ValueError(
+            f"group {group.prompt_id!r}: {sum(have)} of {len(have)} completions have "
+            "ref_logprobs: expected all or none"
+        )
+    return [_le(c.ref_logprobs, _DT["ref_logprobs"]) for c in group.completions]
 
 
 # ---------------------------------------------------------------- decode
@@ -152,8 +179,16 @@ def _arrays(header: dict[str, Any], data: memoryview, copy: bool) -> dict[str, n
     of the payload (read-only, no copy) or, with `copy`, of one writable copy."""
     table = _get(header, "arrays", list)
     names = [e[0] if isinstance(e, list) and e else None for e in table]
-    if names != list(ARRAY_ORDER) or not all(len(e) == 3 for e in table):
-        raise DecodeError("arrays", f"expected [name, dtype, nbytes] for {list(ARRAY_ORDER)}")
+    required, optional = len(ARRAY_ORDER), list(OPTIONAL_ARRAYS)
+    known = (
+        names[:required] == list(ARRAY_ORDER)
+        and names[required:] == optional[: len(names) - required]
+    )
+    if not known or not all(len(e) == 3 for e in table):
+        raise DecodeError(
+            "arrays",
+            f"expected [name, dtype, nbytes] for {list(ARRAY_ORDER)}, then optionally {optional}",
+        )
     declared = 0
     for name, dtype, nbytes in table:
         if dtype != DTYPES[name]:
@@ -216,14 +251,15 @@ def decode_group_with_versions(payload: bytes, copy: bool = False) -> tuple[Grou
         raise DecodeError("lens", "expected non-negative integers")
     total, g = sum(lens), len(lens)
     arrays = _arrays(body, data, copy)
-    for key in ("tokens", "logprobs", "versions"):
+    for key in ("tokens", "logprobs", "versions", *(k for k in OPTIONAL_ARRAYS if k in arrays)):
         if len(arrays[key]) != total:
             n = len(arrays[key])
             raise DecodeError(key, f"{n} items, but completion lengths sum to {total}")
     # One reduction finds any NaN: the minimum of an array holding a NaN is NaN (and
     # infinite log-probs, allowed, never make one).
-    if total and np.isnan(_MIN(arrays["logprobs"])):
-        raise DecodeError("logprobs", "contains NaN")
+    for key in ("logprobs", "ref_logprobs"):
+        if total and key in arrays and np.isnan(_MIN(arrays[key])):
+            raise DecodeError(key, "contains NaN")
     finish = _list_of(body, "finish", (str,), g)
     if not _FINISH.issuperset(finish):
         i, reason = next((i, r) for i, r in enumerate(finish) if r not in _FINISH)
@@ -239,6 +275,7 @@ def decode_group_with_versions(payload: bytes, copy: bool = False) -> tuple[Grou
         raise DecodeError("meta", "expected a map of str to str")
     # Split the concatenated (sum T,) buffers back into per-completion (T_i,) views.
     tokens, logprobs, versions = arrays["tokens"], arrays["logprobs"], arrays["versions"]
+    refs = arrays.get("ref_logprobs")
     comps, lo = [], 0
     checked = Completion.from_checked
     for t, reason, reward, text, server, kind in zip(
@@ -246,7 +283,8 @@ def decode_group_with_versions(payload: bytes, copy: bool = False) -> tuple[Grou
     ):
         hi = lo + t
         arrays_i = tokens[lo:hi], logprobs[lo:hi], versions[lo:hi]
-        comps.append(checked(*arrays_i, reason, float(reward), text, server, kind))
+        ref = None if refs is None else refs[lo:hi]
+        comps.append(checked(*arrays_i, reason, float(reward), text, server, kind, ref))
         lo = hi
     group = GroupRecord.from_checked(
         prompt_id=_get(body, "pid", str),
