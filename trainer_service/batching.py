@@ -32,6 +32,7 @@ class SeqItem:
     versions: np.ndarray | None = None  # (T,) policy version of each token
     server: str = ""  # inference server that produced it ("" when not recorded)
     gpu_kind: str = ""
+    ref_logp: np.ndarray | None = None  # (T,) float32 π_ref log-probs, when recorded
 
     @property
     def num_completion_tokens(self) -> int:
@@ -60,6 +61,7 @@ def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) 
                     versions=c.versions,
                     server=c.server,
                     gpu_kind=c.gpu_kind,
+                    ref_logp=c.ref_logprobs,
                 )
             )
     return items
@@ -118,13 +120,18 @@ class MicroBatch:
     temperature: torch.Tensor  # (B, 1, 1) float
     targets: torch.Tensor  # (B, L - 1) int64, input_ids shifted left
     versions: torch.Tensor  # (B, L - 1) int64, each token's policy version; -1 elsewhere
+    # (B, L - 1) float π_ref log-probs from the records (0 off completions); None when
+    # some row's record has none (the trainer computes them)
+    ref_logp: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
     def to(self, device: str) -> MicroBatch:
-        return MicroBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+        return MicroBatch(
+            **{k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
+        )
 
 
 def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
@@ -137,6 +144,8 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
     mask = torch.zeros((rows, width - 1))
     behav = torch.zeros((rows, width - 1))
     versions = torch.full((rows, width - 1), -1, dtype=torch.long)
+    with_ref = all(it.ref_logp is not None for it in items)
+    ref = torch.zeros((rows, width - 1)) if with_ref else None
     for r, it in enumerate(items):
         n, p = len(it.tokens), it.prompt_len
         ids[r, :n] = torch.from_numpy(it.tokens)
@@ -146,6 +155,8 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
         behav[r, p - 1 : n - 1] = torch.from_numpy(it.behav_logp)
         if it.versions is not None:
             versions[r, p - 1 : n - 1] = torch.from_numpy(it.versions.astype(np.int64))
+        if ref is not None and it.ref_logp is not None:
+            ref[r, p - 1 : n - 1] = torch.from_numpy(np.asarray(it.ref_logp, dtype=np.float32))
     temps = torch.tensor([it.temperature for it in items], dtype=torch.float32)
     return MicroBatch(
         seq_index=torch.tensor([it.index for it in items], dtype=torch.long),
@@ -156,6 +167,7 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
         temperature=temps.view(rows, 1, 1),
         targets=ids[:, 1:].clone(),
         versions=versions,
+        ref_logp=ref,
     )
 
 
@@ -173,6 +185,7 @@ def dummy_batch(pad_id: int) -> MicroBatch:
         temperature=torch.ones((1, 1, 1)),
         targets=torch.full((1, 1), pad_id, dtype=torch.long),
         versions=torch.full((1, 1), -1, dtype=torch.long),
+        ref_logp=torch.zeros((1, 1)),
     )
 
 

@@ -32,6 +32,7 @@ from areal_hex.trackers import open_run_trackers
 from areal_hex.weight_net import Manifest
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.publish import NetworkSink
+from trainer_service.reference import reference_model
 from trainer_service.step import StepContext
 
 log = logging.getLogger("trainer")
@@ -115,11 +116,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         from trainer_service.critic import build_critic
 
         value_engine = build_critic(paths.model_dir, t, cfg.algo, world)
-    ref = None
-    if cfg.algo.kl_coef > 0:
-        dtype = "float32" if t.device == "cpu" else "bfloat16"
-        ref = load_model(paths.model_dir, device, dtype)
-        ref.requires_grad_(False)
+    ref, load_ref = reference_model(cfg, paths.model_dir, device)
     tok = load_tokenizer(paths.model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ctx = StepContext(
@@ -131,6 +128,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         rank=rank,
         world=world,
         ref_model=ref,
+        load_ref=load_ref,
         device=device,
         max_new_tokens=cfg.rollout.max_new_tokens,
         speeds=list(t.rank_speeds) if t.rank_speeds is not None else None,

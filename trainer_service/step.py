@@ -31,6 +31,7 @@ from trainer_service.batching import (
     sequence_advantages,
 )
 from trainer_service.engine import token_logprobs
+from trainer_service.reference import reference_logprobs
 
 # sums reduced over ranks (SUM) and maxima (MAX), in this order
 _SUM_KEYS = (
@@ -68,6 +69,9 @@ class StepContext:
     rank: int
     world: int
     ref_model: Any | None = None  # frozen reference policy (KL), or None
+    # loads the reference model for a batch whose records lack π_ref log-probs (held on
+    # demand when a reference task scores them: trainer_service/reference.py)
+    load_ref: Callable[[], Any] | None = None
     device: str = "cpu"
     max_new_tokens: int = 0  # the generation budget (overlong penalty)
     version: int = 0  # version of the weights being trained (set by the loop each step)
@@ -143,8 +147,7 @@ def _reference_pass(
         for mb in mbs:
             t0 = time.perf_counter()
             prox.append(token_logprobs(ctx.engine, mb)[0] if need_prox else None)
-            use_ref = ctx.ref_model is not None and ctx.algo.kl_coef > 0
-            ref.append(token_logprobs(ctx.ref_model, mb)[0] if use_ref else None)
+            ref.append(reference_logprobs(ctx, mb))
             _slowed(ctx, t0)
     return prox, ref
 

@@ -20,6 +20,7 @@ from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
     from areal_hex.buffer import RedisTrajectoryProducer
+    from rollout_service.controller.reference import ReferenceScorer
     from rollout_service.controller.rollout import RolloutController
     from rollout_service.controller.weight_sync import NetworkSource
 
@@ -122,6 +123,22 @@ def network_source(cfg: ExperimentConfig, redis_client: Any) -> NetworkSource | 
     )
 
 
+def reference_scorer(cfg: ExperimentConfig) -> ReferenceScorer | None:
+    """The scorer of the workflow's reference task, when the objective has a KL term;
+    the worker may restart for up to `rollout.startup_timeout_s` before a group fails."""
+    task = cfg.workflow.task_with_role("reference")
+    if task is None or cfg.algo.kl_coef <= 0:
+        return None
+    from rollout_service.controller.reference import build_reference_scorer
+
+    r = cfg.rollout
+    urls = task.instance_urls()
+    log.info("π_ref log-probs from reference task %r at %s", task.name, ", ".join(urls))
+    return build_reference_scorer(
+        urls, cfg.inference.api_key, r.request_timeout_s, r.startup_timeout_s
+    )
+
+
 async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run the controller for `cfg`; SIGTERM/SIGINT stop it cleanly. Returns the final
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
@@ -166,6 +183,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
         colocated=cfg.workflow.placement == "colocated",
+        reference=reference_scorer(cfg),
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection
@@ -206,3 +224,5 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         await redis_client.aclose()
         endpoint.close()
         await asyncio.gather(*[c.close() for c in clients], return_exceptions=True)
+        if ctl.reference is not None:
+            await ctl.reference.aclose()
