@@ -212,9 +212,11 @@ def resolve_config(
     prefix: str,
     target: str,
     server_urls: list[str],
+    task_urls: dict[str, list[str]] | None = None,
 ) -> ExperimentConfig:
     """The config every deployed service loads: run dir on the shared volume, Redis at its
-    service address, sizes from the plan; passwords and tokens removed (they reach the
+    service address, sizes from the plan, each server task's instances at `task_urls`
+    (unless the config names them); passwords and tokens removed (they reach the
     processes from the Secret at start, see `hexctl.runtime.entry`)."""
     planned = project_plan(cfg, plan, "cluster")
     for line in planned.changes:
@@ -244,6 +246,8 @@ def resolve_config(
         weights_dir=f"{dcfg.storage.mount_path}/runs/{rid}/weights",
     )
     inf["server_urls"] = server_urls  # the controller reaches server i there
+    for task in data["workflow"]["tasks"]:  # and a task's instance i there
+        task["urls"] = task["urls"] or (task_urls or {}).get(task["name"], [])
     data["trainer"]["master_port"] = dcfg.master_port
     # Prometheus scrapes a fixed port (a free one, 0, cannot be announced).
     if not data["trainer"].get("metrics_port"):
@@ -259,6 +263,17 @@ def server_urls(layout: Layout, prefix: str, target: str) -> list[str]:
     for svc in layout.by_role("inference"):
         host = svc.name if target == "compose" else service_name(prefix, svc)
         out.append(f"http://{host}:{svc.port}")
+    return out
+
+
+def task_urls(layout: Layout, prefix: str, target: str) -> dict[str, list[str]]:
+    """Where the controller reaches instance i of each workflow task that listens on a
+    port (a reference or reward-model server): its service's name, as for the servers."""
+    out: dict[str, list[str]] = {}
+    for svc in layout.by_role("worker"):
+        if svc.task is not None and svc.port is not None:
+            host = svc.name if target == "compose" else service_name(prefix, svc)
+            out.setdefault(svc.task, []).append(f"http://{host}:{svc.port}")
     return out
 
 
@@ -294,7 +309,8 @@ def prepare(
     check_plan(cfg, plan, dcfg, target, layout)
     prefix = object_prefix(run_id(cfg, plan), dcfg.name)
     urls = server_urls(layout, prefix, target)
-    resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls)
+    tasks = task_urls(layout, prefix, target)
+    resolved = resolve_config(cfg, plan, dcfg, prefix, target, urls, tasks)
     layout = build_layout(resolved, plan)
     secrets_ = load_secrets(cfg, dcfg, out_dir)
     prediction = prediction_for_plan(plan, resolved)
