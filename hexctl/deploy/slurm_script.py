@@ -218,6 +218,18 @@ def step_line(job: SlurmJob, step: Step) -> str:
 # ---------------------------------------------------------------- the script
 
 
+def task_host_args(job: SlurmJob) -> list[str]:
+    """`NAME="$H0","$H1"` for each workflow task that listens on a port: the node of each
+    instance's step, where the controller reaches it."""
+    where = {s.name: (s.component, s.nodes[0]) for s in job.steps if s.role == "worker"}
+    hosts: dict[str, list[str]] = {}
+    for svc in job.d.layout.by_role("worker"):
+        if svc.task is not None and svc.port is not None and svc.name in where:
+            k, r = where[svc.name]
+            hosts.setdefault(svc.task, []).append(f'"${{C{k}[{r}]}}"')
+    return [f"{q(name)}={','.join(h)}" for name, h in hosts.items()]
+
+
 def batch_script(job: SlurmJob, out_dir: Path) -> str:
     cfg, site = job.d.cfg, job.site
     servers = [s for s in job.steps if s.role == "inference"]
@@ -225,6 +237,7 @@ def batch_script(job: SlurmJob, out_dir: Path) -> str:
     runtime = f'"$PY" -m hexctl.runtime.slurm config "$OUT" --servers {" ".join(hosts)}'
     if site.redis.mode == "internal":
         runtime += ' --redis-host "${C0[0]}"'
+    runtime += "".join(f" --task {arg}" for arg in task_host_args(job))
     if site.redis.password_file:
         runtime += f" --redis-password-file {q(site.redis.password_file)}"
     prediction = job.d.prepare_command(str(out_dir / PREDICTION))

@@ -2,11 +2,12 @@
 job's host names, and waits until Redis and the inference servers answer.
 
     python3 -m hexctl.runtime.slurm config OUT --servers H0 H1 ... [--redis-host H]
-        [--redis-password-file F]
+        [--redis-password-file F] [--task NAME=H0,H1 ...]
     python3 -m hexctl.runtime.slurm wait redis|servers CONFIG --timeout S --pids P...
 
 `config` reads the rendered `OUT/config.yaml`, points the controller at server i on
-`H<i>` (port `inference.base_port + i`) and the services at Redis on the control node,
+`H<i>` (port `inference.base_port + i`), at instance i of each server task `NAME` on its
+`H<i>` (port `port + i`), and the services at Redis on the control node,
 writes the run's `config.yaml` (no secrets) and the private copy every step reads,
 `OUT/runtime/config.yaml` (0600, with the secrets of `OUT/secrets/`). Host names change
 when a job is requeued, so this runs at every start. `wait` fails at once when one of
@@ -31,15 +32,29 @@ from hexctl.runtime.probe import http_ok
 
 
 def with_hosts(
-    cfg: ExperimentConfig, servers: list[str], redis_host: str | None
+    cfg: ExperimentConfig,
+    servers: list[str],
+    redis_host: str | None,
+    tasks: dict[str, list[str]] | None = None,
 ) -> ExperimentConfig:
-    """`cfg` with server i at `servers[i]` and (Redis inside the job) Redis on `redis_host`."""
+    """`cfg` with server i at `servers[i]`, instance i of server task `name` at
+    `tasks[name][i]` (where the config does not name it) and (Redis inside the job)
+    Redis on `redis_host`."""
     n = cfg.inference.num_servers
     if len(servers) != n:
         raise ConfigError(f"expected {n} server hosts (inference.num_servers), got {len(servers)}")
     cfg = cfg.model_copy(deep=True)
     base = cfg.inference.base_port
     cfg.inference.server_urls = [f"http://{h}:{base + i}" for i, h in enumerate(servers)]
+    for task in cfg.workflow.tasks:
+        hosts = (tasks or {}).get(task.name)
+        if hosts is None or task.urls or task.port is None:
+            continue
+        if len(hosts) != task.instances:
+            raise ConfigError(
+                f"task {task.name!r}: {len(hosts)} host(s) for {task.instances} instance(s)"
+            )
+        task.urls = [f"http://{h}:{task.port + i}" for i, h in enumerate(hosts)]
     if redis_host is not None:
         port = cfg.redis.port or 6379
         cfg.redis.url = f"redis://{redis_host}:{port}/0"
@@ -47,10 +62,14 @@ def with_hosts(
 
 
 def write_configs(
-    out_dir: Path, servers: list[str], redis_host: str | None, password_file: Path | None
+    out_dir: Path,
+    servers: list[str],
+    redis_host: str | None,
+    password_file: Path | None,
+    tasks: dict[str, list[str]] | None = None,
 ) -> Path:
     """The run's config.yaml and the private runtime copy; returns the copy's path."""
-    cfg = with_hosts(load_config(out_dir / "config.yaml"), servers, redis_host)
+    cfg = with_hosts(load_config(out_dir / "config.yaml"), servers, redis_host, tasks)
     run_config = save_config(cfg, RunPaths.of(cfg).config)
     private = out_dir / "runtime" / "config.yaml"
     private.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +126,13 @@ def wait(what: str, config: Path, timeout_s: float, pids: list[int]) -> int:
     return 0
 
 
+def _task_hosts(arg: str) -> tuple[str, list[str]]:
+    name, sep, hosts = arg.partition("=")
+    if not sep or not name or not hosts:
+        raise ConfigError(f"--task {arg!r}: expected NAME=HOST0,HOST1,...")
+    return name, hosts.split(",")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m hexctl.runtime.slurm")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -115,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--servers", nargs="+", required=True)
     c.add_argument("--redis-host", default=None)
     c.add_argument("--redis-password-file", type=Path, default=None)
+    c.add_argument("--task", action="append", default=[], help="NAME=HOST0,HOST1,...")
     w = sub.add_parser("wait")
     w.add_argument("what", choices=("redis", "servers"))
     w.add_argument("config", type=Path)
@@ -123,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "config":
-            path = write_configs(args.out, args.servers, args.redis_host, args.redis_password_file)
+            tasks = dict(_task_hosts(t) for t in args.task)
+            path = write_configs(
+                args.out, args.servers, args.redis_host, args.redis_password_file, tasks
+            )
             print(f"slurm_runtime: config written ({path})", flush=True)
             return 0
         return wait(args.what, args.config, args.timeout, args.pids)

@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from areal_hex.config import load_config
+from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.plan import load_plan
 from hexctl.cli.deploy_cmd import check_services
 from hexctl.deploy import render
@@ -25,12 +26,21 @@ REF = {
 }
 
 
+def _with_task(tmp_path: Path, example: str, task: dict) -> ExperimentConfig:
+    """The example config as written, plus the task (the plan's checks see only what the
+    file sets)."""
+    data = yaml.safe_load((ROOT / example).read_text())
+    data["workflow"] = {"tasks": [task]}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
 @pytest.mark.parametrize("target", ["compose", "k8s"])
 def test_rendered_config_names_each_task_instance_by_its_service(
     tmp_path: Path, target: str
 ) -> None:
-    cfg = load_config(ROOT / CONFIG, [])
-    cfg = cfg.model_validate({**cfg.model_dump(), "workflow": {"tasks": [REF]}})
+    cfg = _with_task(tmp_path, CONFIG, REF)
     out = tmp_path / "out"
     render(target, cfg, load_plan(ROOT / PLAN), DeployConfig(), out, check=check_services)
     rendered = out / ("config.yaml" if target == "compose" else "resolved/config.yaml")
@@ -50,9 +60,32 @@ def test_rendered_config_names_each_task_instance_by_its_service(
 
 
 def test_urls_the_config_gives_are_kept(tmp_path: Path) -> None:
-    cfg = load_config(ROOT / CONFIG, [])
     own = {**REF, "urls": ["http://ref.example:1", "http://ref.example:2"]}
-    cfg = cfg.model_validate({**cfg.model_dump(), "workflow": {"tasks": [own]}})
-    render("compose", cfg, load_plan(ROOT / PLAN), DeployConfig(), tmp_path, check=check_services)
-    task = load_config(tmp_path / "config.yaml").workflow.task_with_role("reference")
+    cfg = _with_task(tmp_path, CONFIG, own)
+    out = tmp_path / "out"
+    render("compose", cfg, load_plan(ROOT / PLAN), DeployConfig(), out, check=check_services)
+    task = load_config(out / "config.yaml").workflow.task_with_role("reference")
     assert task is not None and task.urls == own["urls"]
+
+
+def test_slurm_job_writes_each_task_instance_host_at_start(tmp_path: Path) -> None:
+    """Slurm knows the hosts only when the job runs: the batch script passes the node of
+    each instance's step to `slurm_runtime config`, which writes the task's URLs."""
+    from hexctl.deploy.slurm import render_slurm
+    from hexctl.deploy.slurm_site import load_site
+    from hexctl.runtime.slurm import main as runtime_main
+
+    plan = load_plan(ROOT / "examples/plans/a100_l40s_l4.yaml")
+    cfg = _with_task(tmp_path, "examples/deploy/qwen3-1.7b.yaml", REF)
+    site = load_site(ROOT / "examples/slurm/site_cluster.yaml")
+    site = site.model_copy(update={"shared_dir": str(tmp_path / "shared")})
+    out = tmp_path / "out"
+    render_slurm(cfg, plan, site, out, "site.yaml")
+    script = (out / "job.sbatch").read_text()
+    assert ' --task ref="${C0[0]}","${C0[0]}"' in script  # a CPU task: on the control node
+    servers = ["l40s-a", "l40s-a", "l4-b", "l4-b", "l4-b", "l4-b"]
+    argv = ["config", str(out), "--servers", *servers, "--task", "ref=ctl-1,ctl-1"]
+    assert runtime_main(argv) == 0
+    task = load_config(out / "runtime/config.yaml").workflow.task_with_role("reference")
+    assert task is not None and task.urls == ["http://ctl-1:31100", "http://ctl-1:31101"]
+    assert runtime_main([*argv[:-1], "ref=ctl-1"]) == 2  # one host for two instances
