@@ -20,6 +20,7 @@ from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
     from areal_hex.buffer import RedisTrajectoryProducer
+    from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
     from rollout_service.controller.weight_sync import NetworkSource
 
@@ -148,6 +149,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     redis_client = endpoint.async_client()
     producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
     eos = tokenizer.eos_token_id
+    scorer = build_scorer(cfg)  # None: the rule alone, the controller's own pool
     ctl = RolloutController(
         clients,
         producer,
@@ -166,6 +168,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
         colocated=cfg.workflow.placement == "colocated",
+        rewards=scorer,
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection
@@ -176,6 +179,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
     try:
+        if scorer is not None:
+            await scorer.start()
         log.info("%swaiting for the inference servers", STATUS_MARK)
         n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
         log.info(
@@ -201,6 +206,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             metrics.stop()
         if trackers is not None:
             trackers.close()
+        if scorer is not None:
+            await scorer.aclose()
         await give_back(producer)
         await producer.aclose()
         await redis_client.aclose()
