@@ -144,15 +144,17 @@ class ServerThread:
     """Run an app under uvicorn in a background thread on a free loopback port.
 
     `with ServerThread(app) as url:` yields `http://127.0.0.1:<port>`; leaving the block
-    stops the server (the app's lifespan stops its engine)."""
+    stops the server (the app's lifespan stops its engine). `port`: this one instead."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", start_timeout_s: float = 60.0, port: int = 0
+    ) -> None:
         import uvicorn
 
         config = uvicorn.Config(
             app,
             host=host,
-            port=0,
+            port=port,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
