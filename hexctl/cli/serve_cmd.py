@@ -70,7 +70,7 @@ def reward_model_port(cfg, index: int, port: int | None) -> int:  # cfg: Experim
     if task is None:
         raise UsageError(
             "--reward-model: workflow.tasks has no task with role reward_model; expected one "
-            '(docs/algorithms.md, "Reward model")'
+            '(docs/rollout.md, "Reward model")'
         )
     if not 0 <= index < task.instances:
         raise UsageError(
