@@ -24,6 +24,7 @@ from areal_hex.config.data import DataConfig
 from areal_hex.config.inference import InferenceConfig, SGLangConfig
 from areal_hex.config.model import ModelConfig, TinyModelConfig
 from areal_hex.config.redis import RedisConfig
+from areal_hex.config.reward import check_reward_task
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.config.run import RunConfig
 from areal_hex.config.trainer import TrainerConfig
@@ -115,6 +116,11 @@ class ExperimentConfig(Section):
                 f"algo.critic_warmup_steps {warm} leaves no step of trainer.total_steps "
                 f"{total} to the policy: expected fewer warm-up steps than steps"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_task(self) -> ExperimentConfig:
+        check_reward_task(self.rollout.reward, self.workflow)
         return self
 
 

@@ -39,7 +39,7 @@ from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
 from areal_hex.net import async_retry
 from areal_hex.record import Completion, GroupRecord
-from areal_hex.rewards import RewardPool
+from areal_hex.rewards import GroupScorer, RewardPool
 from areal_hex.run_files import RolloutRow, append_row
 from rollout_service.controller.colocate import Colocation
 from rollout_service.controller.dispatch import Dispatcher
@@ -66,7 +66,7 @@ class RolloutController:
         stop_token_ids: Sequence[int] = (),
         weights_dir: str | None = None,
         seed: int = 0,
-        rewards: RewardPool | None = None,
+        rewards: GroupScorer | None = None,
         gpu_kinds: Sequence[str] = (),
         settle_s: float = 0.0,
         buffer_retry_s: float = 60.0,
@@ -340,7 +340,7 @@ class RolloutController:
             samples = await self._samples(prompt, f"{self._rid_prefix}-g{seq}")
             texts = [self.decode(s.token_ids) for s in samples]
             assert self.rewards is not None
-            rewards = await self.rewards.score_many(texts, prompt.answer)
+            rewards = await self.rewards.score_group(prompt, texts)
             group = GroupRecord(
                 prompt_id=prompt.id,
                 prompt_ids=prompt.input_ids,

@@ -144,6 +144,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
+    from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
 
     tokenizer = load_rollout_tokenizer(cfg)
@@ -165,6 +166,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     redis_client = endpoint.async_client()
     producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
     eos = tokenizer.eos_token_id
+    scorer = build_scorer(cfg)  # None: the rule alone, the controller's own pool
     ctl = RolloutController(
         clients,
         producer,
@@ -184,6 +186,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         final_version=final_version(cfg),
         colocated=cfg.workflow.placement == "colocated",
         reference=reference_scorer(cfg),
+        rewards=scorer,
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection
@@ -194,6 +197,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
     try:
+        if scorer is not None:
+            await scorer.start()
         log.info("%swaiting for the inference servers", STATUS_MARK)
         n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
         log.info(
@@ -219,6 +224,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             metrics.stop()
         if trackers is not None:
             trackers.close()
+        if scorer is not None:
+            await scorer.aclose()
         await give_back(producer)
         await producer.aclose()
         await redis_client.aclose()
