@@ -5,8 +5,8 @@ One generic path for any task: every instance of a task needs `gpus` GPUs of one
 `gpu_kinds` on one machine; instances are packed onto the cheapest allowed kind's last
 machines, which leave the inventory the MILP plans (their GPUs' price leaves the budget).
 A task of 0 GPUs is a CPU task: it is started wherever the job's CPU services run and
-needs no slot. The task's own cost (a reference forward, a reward model) is not priced
-here: the pools' rates are the two built-in tasks'.
+needs no slot. Which group a priced task (reference, reward model) takes is chosen by
+its cost (`scheduler/task_graph.py`) and passed in; the others take the cheapest.
 """
 
 from __future__ import annotations
@@ -26,15 +26,18 @@ class Reserved:
     usd_per_h: float = 0.0  # the reserved GPUs' price
 
 
-def reserve_tasks(cl: Cluster, tasks: list[TaskSpec]) -> Reserved:
-    """Set machines aside for every GPU task; `cl` unchanged when there is none."""
+def reserve_tasks(
+    cl: Cluster, tasks: list[TaskSpec], groups: dict[str, str] | None = None
+) -> Reserved:
+    """Set machines aside for every GPU task, on the node group `groups` names for it
+    (else its cheapest allowed one); `cl` unchanged when there is none."""
     gpu_tasks = [t for t in tasks if t.gpus > 0]
     if not gpu_tasks:
         return Reserved(cl)
     left = {g.name: g.nodes for g in cl.spec.node_groups}
     placements, cost = [], 0.0
     for task in gpu_tasks:
-        group = _cheapest_group(cl, task, left)
+        group = _cheapest_group(cl, task, left, (groups or {}).get(task.name))
         per_node = group.gpus_per_node // task.gpus
         machines = -(-task.instances // per_node)
         first = left[group.name] - machines
@@ -50,17 +53,21 @@ def reserve_tasks(cl: Cluster, tasks: list[TaskSpec]) -> Reserved:
     return Reserved(make_cluster(spec, cl.spec.name), placements, cost)
 
 
-def _cheapest_group(cl: Cluster, task: TaskSpec, left: dict[str, int]) -> NodeGroup:
+def _cheapest_group(
+    cl: Cluster, task: TaskSpec, left: dict[str, int], only: str | None = None
+) -> NodeGroup:
     per_node = lambda g: g.gpus_per_node // task.gpus  # noqa: E731
     fits = [
         g
         for g in cl.spec.node_groups
         if (task.gpu_kinds is None or g.gpu in task.gpu_kinds)
+        and (only is None or g.name == only)
         and per_node(g) > 0
         and left[g.name] * per_node(g) >= task.instances
     ]
     if not fits:
         kinds = "any kind" if task.gpu_kinds is None else f"kinds {', '.join(task.gpu_kinds)}"
+        kinds += "" if only is None else f" in node group {only!r}"
         raise ConfigError(
             f"task {task.name!r}: {task.instances} instance(s) of {task.gpus} GPU(s) on "
             f"{kinds} do not fit cluster {cl.spec.name!r} beside the generation and "
