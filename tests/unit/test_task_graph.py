@@ -152,3 +152,11 @@ def test_a_custom_task_is_placed_unpriced_and_the_plan_carries_every_task(tmp_pa
     text = table(res)
     assert "noop (custom)" in text and "ref (reference)" in text and "critic (in train)" in text
     assert f"task ref {plan.decisions.task('ref').predicted_samples_per_s:.3f}" in text
+
+
+def test_bench_plan_refuses_an_unknown_workflow_before_any_work() -> None:
+    from hexctl.bench.micro.plan_tasks import workflow_names
+
+    assert workflow_names("grpo,ppo") == ["grpo", "ppo"] and workflow_names("") == []
+    with pytest.raises(ConfigError, match=r"no workflow \['nope'\] \(known: grpo, "):
+        workflow_names("grpo,nope")
