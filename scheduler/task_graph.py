@@ -7,14 +7,17 @@ and their price leaves the budget, so a faster kind for a task is bought with th
 money. With a budget the choice is searched in rounds: first each task on its cheapest
 allowed group; then, from the rate the pools reached, each task on the cheapest group
 that keeps up with it (else its fastest), and again from the new plan's rate, until a
-choice repeats (`MAX_ROUNDS` at most); the best plan (rate, then cost) wins. A round
-whose choice costs the pools more than it gains is thereby not taken. At a target rate
+choice repeats (`MAX_ROUNDS` at most); then each task alone on every other group that
+keeps up with the best plan's pools (a cheap kind may take machines the pools would
+use). The best plan (rate, then cost) wins, so a choice that costs the pools more than
+it gains is not taken. At a target rate
 each task takes the cheapest group that keeps up with the target. A custom task stays
 on its cheapest allowed group, unpriced.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from scheduler.planner import PlanResult
 
 MAX_ROUNDS = 4
+MAX_MOVES = 8  # single-task moves tried after the rounds
 KEEPS_UP = 1e-6  # relative slack in "the task's rate is at least the pipeline's"
 
 Choice = dict[str, TaskOption]
@@ -86,27 +90,62 @@ def place_tasks(
 
 
 def _searched(opts: dict[str, list[TaskOption]], plan_on: PlanOn) -> PlanResult:
-    """The rounds of the module docstring (budget objective)."""
-    tried: dict[tuple[tuple[str, str], ...], tuple[Choice, PlanResult]] = {}
-    choice, first = _cheapest(opts), True
-    for _ in range(MAX_ROUNDS):
+    """The rounds of the module docstring (budget objective), then the moves."""
+    tried: dict[tuple[tuple[str, str], ...], tuple[Choice, PlanResult | None]] = {}
+
+    def attempt(choice: Choice) -> None:
         key = tuple(sorted((name, o.group) for name, o in choice.items()))
         if key in tried:
-            break
+            return
         try:
-            res = plan_on(_groups(choice), _bound(choice), first)
+            tried[key] = (choice, plan_on(_groups(choice), _bound(choice), not tried))
         except ConfigError:
-            if first:
+            if not tried:
                 raise
-            break  # this choice leaves the pools too little; keep what was found
-        tried[key], first = (choice, res), False
+            tried[key] = (choice, None)  # it leaves the pools too little
+
+    choice = _cheapest(opts)
+    for _ in range(MAX_ROUNDS):
+        before = len(tried)
+        attempt(choice)
+        res = list(tried.values())[-1][1]
+        if len(tried) == before or res is None:
+            break
         choice = _keeping_up(opts, res.pool_rate)
-    keys = list(tried)
-    best = max(keys, key=lambda k: (_rate(tried[k][1]), -tried[k][1].plan.predicted.cost_usd_per_h))
-    choice, res = tried[best]
-    if best != keys[0]:  # only the first round was planned in full
+    for move in _moves(opts, _best(tried)):
+        attempt(_best(tried)[0] | move)
+    first = next(iter(tried))
+    choice, res = _best(tried)
+    if tried[first][0] is not choice:  # only the first choice was planned in full
         res = plan_on(_groups(choice), _bound(choice), True)
     return res
+
+
+def _best(tried: dict) -> tuple[Choice, PlanResult]:
+    """The fastest plan tried, then the cheapest."""
+    done = [(c, r) for c, r in tried.values() if r is not None]
+    return max(done, key=lambda cr: (_rate(cr[1]), -cr[1].plan.predicted.cost_usd_per_h))
+
+
+def _moves(opts: dict[str, list[TaskOption]], best: tuple[Choice, PlanResult]) -> list[Choice]:
+    """Changes to try from the best plan (`MAX_MOVES` at most): one task on another group
+    that keeps up with its pools, and every task together on one such group (they share
+    its machines): the cheapest kind that keeps up may take machines the pools would
+    use."""
+    choice, res = best
+    keep = {
+        name: {o.group: o for o in os if o.samples_per_s >= res.pool_rate * (1 - KEEPS_UP)}
+        for name, os in opts.items()
+    }
+    out: list[Choice] = []
+    for g in sorted(set.intersection(*(set(k) for k in keep.values()))):
+        if len(keep) > 1:
+            out.append({name: k[g] for name, k in keep.items()})
+    for name, k in keep.items():
+        for o in sorted(k.values(), key=lambda o: (o.usd_per_h, o.group)):
+            if o.group != choice[name].group:
+                out.append({name: o})
+    return out[:MAX_MOVES]
 
 
 def _rate(res: PlanResult) -> float:
@@ -157,6 +196,12 @@ def _report(
             chosen = next((o for o in opts.get(task.name, []) if o.group == group.name), None)
         price = 0.0 if group is None else task.instances * task.gpus * group.usd_per_gpu_hour
         reason = _reason(task.role, task.gpus, chosen, opts.get(task.name, []), rate)
+        if chosen is not None and chosen.samples_per_s < res.pool_rate * (1 - KEEPS_UP):
+            n = math.ceil(task.instances * res.pool_rate / chosen.samples_per_s * (1 - KEEPS_UP))
+            reason += (
+                f"; {n} instances on {chosen.kind} would keep up with the pools' "
+                f"{res.pool_rate:.3f} samples/s (workflow.tasks: instances)"
+            )
         speed = None if chosen is None else round(chosen.samples_per_s, 4)
         if placed is not None:
             placed.predicted_samples_per_s, placed.reason = speed, reason
@@ -183,7 +228,13 @@ def _reason(
     alt = f" (other kinds, samples/s: {seen})" if seen else " (the only allowed kind that holds it)"
     if chosen.samples_per_s >= rate * (1 - KEEPS_UP):
         cheaper = [o for o in others if o.usd_per_h < chosen.usd_per_h]
+        up = sorted({o.kind for o in cheaper if o.samples_per_s >= rate * (1 - KEEPS_UP)})
         how = "the cheapest allowed kind that keeps up" if cheaper else "the cheapest allowed kind"
+        if up:
+            how = (
+                f"keeps up; the cheaper {', '.join(up)} would too, but on machines the pools "
+                "use (a slower plan)"
+            )
         return f"{how}: {chosen.samples_per_s:.3f} >= the plan's {rate:.3f} samples/s{alt}"
     faster = [o for o in others if o.samples_per_s > chosen.samples_per_s]
     why = (

@@ -101,6 +101,8 @@ def test_a_slow_reward_model_on_a_weak_kind_bounds_the_plan_and_moves_when_allow
         rate == pytest.approx(l4_rate, rel=1e-3) and rate < 0.5 * free.plan.predicted.samples_per_s
     )
     assert pinned.plan.baselines.binding == "task rm"
+    # 7.25 / 2.69: three instances on L4 would keep up
+    assert "3 instances on L4 would keep up" in pinned.plan.decisions.task("rm").reason
     # the pools are planned no bigger than the task lets them run
     assert pinned.plan.predicted.cost_usd_per_h < 0.6 * free.plan.predicted.cost_usd_per_h
     _, upd = _rm(["L4", "L40S"])
@@ -160,3 +162,20 @@ def test_bench_plan_refuses_an_unknown_workflow_before_any_work() -> None:
     assert workflow_names("grpo,ppo") == ["grpo", "ppo"] and workflow_names("") == []
     with pytest.raises(ConfigError, match=r"no workflow \['nope'\] \(known: grpo, "):
         workflow_names("grpo,nope")
+
+
+def test_a_task_leaves_the_kind_the_trainer_needs_when_another_keeps_up() -> None:
+    """PPO on the HetRL inventory trains on L40S; the reference's two instances keep up
+    on L40S (the cheapest that does) and on A100-40GB. On L40S they take a machine the
+    trainer would use: the planner puts them on A100-40GB and the plan is faster."""
+    w = load_workload(ROOT / "examples/workloads/math_ppo_tasks.yaml")
+    res = make_plan(CL, M, w, budget=40, **QUICK)
+    ref = res.plan.decisions.task("ref")
+    assert ref.gpu_kind == "A100-40GB" and res.plan.trainer.gpu_kind == "L40S"
+    assert "the cheaper L40S would too" in ref.reason
+    tasks = [
+        t.model_copy(update={"gpu_kinds": ["L40S"]}) if t.name == "ref" else t for t in w.tasks
+    ]
+    on_l40s = make_plan(CL, M, w.model_copy(update={"tasks": tasks}), budget=40, **QUICK)
+    assert on_l40s.plan.decisions.task("ref").gpu_kind == "L40S"
+    assert res.plan.predicted.samples_per_s > 1.03 * on_l40s.plan.predicted.samples_per_s
