@@ -132,3 +132,19 @@ def task_options(
 def priced_gpu_tasks(w: Workload) -> list[TaskSpec]:
     """The tasks whose work the planner prices and places by cost."""
     return [t for t in w.tasks if t.gpus > 0 and t.role in PRICED_ROLES]
+
+
+def placed_tasks_rate(
+    cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None, groups: dict[str, str]
+) -> tuple[float, str] | None:
+    """(samples/s, task) of the slowest priced task on the node group `groups` puts it
+    on (a fixed layout: a plan's); None where no priced task is placed."""
+    gmap = {g.name: g for g in cl.spec.node_groups}
+    rates = []
+    for task in priced_gpu_tasks(w):
+        g = gmap.get(groups.get(task.name, ""))
+        shape = task_shape(task, m, w)
+        one = None if g is None or shape is None else instance_rate(cl, g, task, shape, m, w, prof)
+        if one is not None:
+            rates.append((task.instances * one, task.name))
+    return min(rates, default=None)

@@ -179,3 +179,21 @@ def test_a_task_leaves_the_kind_the_trainer_needs_when_another_keeps_up() -> Non
     on_l40s = make_plan(CL, M, w.model_copy(update={"tasks": tasks}), budget=40, **QUICK)
     assert on_l40s.plan.decisions.task("ref").gpu_kind == "L40S"
     assert res.plan.predicted.samples_per_s > 1.03 * on_l40s.plan.predicted.samples_per_s
+
+
+def test_a_runs_prediction_is_bounded_by_its_placed_task() -> None:
+    """`predict_layout` (what every run is held against) with the reward model where a
+    plan put it: on L4 the pipeline is its 2.686 samples/s in both modes; on L40S
+    (8.035) the pools' rate stands."""
+    from scheduler.predict import TrainerLayout, predict_layout
+
+    _, upd = _rm(None)
+    w = W.model_copy(update=upd)
+    args = (CL, M, w, None, [("a100", 4), ("a100", 4)], TrainerLayout((("l40s", 16),), 4))
+    free = predict_layout(*args)
+    on_l4 = predict_layout(*args, task_groups={"rm": "l4"})
+    on_l40s = predict_layout(*args, task_groups={"rm": "l40s"})
+    assert free.asynchronous.pipeline_samples_per_s > 4.0
+    for mode in ("async", "sync"):
+        assert on_l4.for_mode(mode).pipeline_samples_per_s == pytest.approx(2.686, abs=1e-3)
+        assert on_l40s.for_mode(mode) == free.for_mode(mode)
