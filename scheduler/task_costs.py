@@ -49,9 +49,17 @@ def task_shape(task: TaskSpec, m: ModelShape, w: Workload) -> ModelShape | None:
     """The model a priced task runs (None: a custom task, not priced)."""
     if task.role == "reference":
         return m
-    if task.role == "reward_model":
-        return m if w.reward_model_shape is None else load_model_shape(w.reward_model_shape)
-    return None
+    if task.role != "reward_model":
+        return None
+    if w.reward_model_shape is None:
+        return m
+    try:
+        return load_model_shape(w.reward_model_shape)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"workload reward_model_shape (the model of task {task.name!r}): "
+            f"{str(exc).removeprefix(f'--model {w.reward_model_shape!r}: ')}"
+        ) from None
 
 
 def forward_flops_per_sample(shape: ModelShape, w: Workload) -> float:

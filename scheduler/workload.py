@@ -150,6 +150,18 @@ class Workload(Section):
     def _refuse_old_names(cls, data: object) -> object:
         return refuse_renamed(data, RENAMED_KEYS)
 
+    @model_validator(mode="after")
+    def _reward_model_needs_its_task(self) -> Workload:
+        if self.reward_model_shape is not None and not any(
+            t.role == "reward_model" for t in self.tasks
+        ):
+            raise ValueError(
+                f"reward_model_shape {self.reward_model_shape!r} without a task of role "
+                "reward_model does nothing: expected such a task in tasks, or no "
+                "reward_model_shape"
+            )
+        return self
+
     @property
     def samples_per_step(self) -> int:
         return self.groups_per_step * self.group_size

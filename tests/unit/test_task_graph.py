@@ -197,3 +197,15 @@ def test_a_runs_prediction_is_bounded_by_its_placed_task() -> None:
     for mode in ("async", "sync"):
         assert on_l4.for_mode(mode).pipeline_samples_per_s == pytest.approx(2.686, abs=1e-3)
         assert on_l40s.for_mode(mode) == free.for_mode(mode)
+
+
+def test_a_reward_model_shape_is_checked(tmp_path) -> None:
+    lone = tmp_path / "lone.yaml"
+    lone.write_text("reward_model_shape: qwen3-4b\n")
+    with pytest.raises(ConfigError, match="without a task of role reward_model does nothing"):
+        load_workload(lone)
+    _, upd = _rm(None, shape="qwen9-1b")
+    with pytest.raises(
+        ConfigError, match=r"workload reward_model_shape \(the model of task 'rm'\)"
+    ):
+        make_plan(CL, M, W.model_copy(update=upd), budget=40, **QUICK)

@@ -37,9 +37,14 @@ WORKFLOWS: dict[str, dict] = {
     "grpo": {},
     "grpo_kl_in_trainer": {"reference_model": True},
     "grpo_ref_task": {"reference_model": True, "tasks": [REF]},
-    "grpo_rm_task": {"tasks": [RM]},
+    "grpo_rm_task": {"tasks": [RM], "reward_model_shape": RM_SHAPE},
     "ppo": {"critic": True},
-    "ppo_ref_rm_tasks": {"critic": True, "reference_model": True, "tasks": [REF, RM]},
+    "ppo_ref_rm_tasks": {
+        "critic": True,
+        "reference_model": True,
+        "tasks": [REF, RM],
+        "reward_model_shape": RM_SHAPE,
+    },  # fmt: skip
 }
 
 
@@ -72,7 +77,6 @@ def workflows(examples: Path, m: ModelShape, time_limit_s: float, names: list[st
     grpo and grpo_rm_task are among them."""
     cl = load_cluster(examples / "clusters" / f"{INVENTORY}.yaml")
     w = load_workload(examples / "workloads" / f"{WORKLOAD}.yaml")
-    w = w.model_copy(update={"reward_model_shape": RM_SHAPE})
     price = sum(g.nodes * g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
     budget = round(BUDGET_SHARE * price, 2)
 
@@ -85,7 +89,7 @@ def workflows(examples: Path, m: ModelShape, time_limit_s: float, names: list[st
             f"${budget}/h, RM {RM_SHAPE}"}  # fmt: skip
     if not {"grpo", "grpo_rm_task"} <= set(names):
         return done
-    pinned = plan({"tasks": [_task("rm", "reward_model", ["L4"])]})
+    pinned = plan({"tasks": [_task("rm", "reward_model", ["L4"])], "reward_model_shape": RM_SHAPE})
     moved = out["grpo_rm_task"]
     rm_rate = pinned.tasks[0].samples_per_s or 0.0
     ok = (
