@@ -102,6 +102,18 @@ def _nodes(plan: Plan | None) -> Any:
     )
 
 
+def _task_groups(plan: Plan | None, cl: Any) -> dict[str, str]:
+    """The node group each of the plan's GPU tasks runs on (task -> group)."""
+    if plan is None:
+        return {}
+    group_of = {f"{g.name}-{i}": g.name for g in cl.spec.node_groups for i in range(g.nodes)}
+    return {
+        t.task: group_of[t.slots[0].node]
+        for t in plan.decisions.tasks
+        if t.gpu_kind is not None and t.slots[0].node in group_of
+    }
+
+
 def host_side(
     cfg: ExperimentConfig, plan: Plan | None = None, profile_dir: Path | None = None
 ) -> tuple[str, dict[str, Any]]:
@@ -173,6 +185,7 @@ def predict_run(
             trainer,
             max_inflight_groups=cfg.rollout.max_concurrent_groups,
             nodes=_nodes(plan),
+            task_groups=_task_groups(plan, cl),
         )
     except (ConfigError, LayoutError) as exc:
         return {"unavailable": str(exc)}

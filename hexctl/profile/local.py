@@ -193,6 +193,7 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "publish_every": cfg.trainer.publish_every,
         "checkpoint_every": cfg.trainer.checkpoint_every,
         "reference_model": cfg.algo.kl_coef > 0,
+        "critic": cfg.algo.advantage == "gae",
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,
         "weight_sync": cfg.rollout.weight_sync,
