@@ -285,7 +285,7 @@ def make_plan(
                     strict=True,
                 )
             }
-        colocated = best_colocated(p, w, spend)
+        colocated = best_colocated(p, w, spend, prof)
         sync = 0.0 if colocated is None else colocated.samples_per_s
     sol, placement = best.solution, best.placement
     if best.rate <= 0 and sync <= 0:
