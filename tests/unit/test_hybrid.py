@@ -132,3 +132,48 @@ def test_a_hybrid_lends_only_when_the_trainer_would_wait() -> None:
     assert got.generation_samples_per_s == 256.0
     fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
     assert lent_asynchronous(fast, 1, 1, 128, 0.01) == fast
+
+
+# ---------------------------------------------------------------- the switch, profiled
+def test_a_profiled_switch_replaces_the_default() -> None:
+    """`profile --local` times the switch per kind; the colocated price and a local
+    run's prediction take it, and keep `constants.context_switch_s` where it is not."""
+    from scheduler.cluster import load_cluster
+    from scheduler.colocated import best_colocated, switch_s
+    from scheduler.model_shape import load_model_shape
+    from scheduler.planner import problem_for
+    from scheduler.profile import DeviceRates, Profile
+    from scheduler.workload import load_workload
+
+    w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    cl = load_cluster(ROOT / "tests/data/one_node_2gpu.yaml")
+    m = load_model_shape("qwen3-8b")
+    p = problem_for(cl, m, w)
+    rates = DeviceRates(
+        device="H800",
+        decode_step_s={1: 0.01},
+        decode_context=100,
+        prefill_tokens_per_s=1e4,
+        train_tokens_per_s=1e3,
+        context_switch_s=7.0,
+    )
+    prof = Profile(model="qwen3-8b", params=m.params, kinds={"H800": rates})
+    default = best_colocated(p, w, 20.0)
+    timed = best_colocated(p, w, 20.0, prof)
+    assert default is not None and timed is not None
+    assert (default.switch_s, timed.switch_s) == (w.constants.context_switch_s, 7.0)
+    step = w.samples_per_step / default.samples_per_s - default.switch_s
+    assert w.samples_per_step / timed.samples_per_s == pytest.approx(step + 7.0)
+    assert switch_s(w, prof, "H20") == w.constants.context_switch_s  # not profiled
+
+
+async def test_the_profile_times_a_switch_as_the_controller_makes_it() -> None:
+    from fakes import FakeServer
+
+    from hexctl.profile.generation import _Driver
+
+    server = FakeServer("a")
+    driver = _Driver(server, load_config(TINY), [[5, 6]])
+    took = await driver.context_switch()
+    assert took > 0 and server.memory_calls == ["release", "resume"]
+    assert not server.released and server.running.is_set()
