@@ -3,7 +3,7 @@ for the same steps, in one invocation; each mode's predicted and measured sample
 the planner's pick and the measured ranking.
 
 Modes: disaggregated async (the config's η), disaggregated sync, colocated sync, hybrid
-async (`workflow.placement`, docs/modes.md; hybrid: the config's servers plus
+async and sync (`workflow.placement`, docs/modes.md; hybrid: the config's servers plus
 `workflow.lent_servers` on the trainer's devices). Measured: trained samples/s over the same window
 of steps in every run (from step η + 1 of the async run on, as `bench e2e`). Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
@@ -35,6 +35,7 @@ MODES: dict[str, Mode] = {
     "disaggregated-sync": Mode("disaggregated", "sync"),
     "colocated-sync": Mode("colocated", "sync"),
     "hybrid-async": Mode("hybrid", "async"),
+    "hybrid-sync": Mode("hybrid", "sync"),
 }
 
 
