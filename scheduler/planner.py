@@ -389,7 +389,7 @@ def _compared(
             time_limit_s=time_limit_s,
         )  # fmt: skip
         homo = {k: 0.0 if g is None else g.rate for k, g in zip(kinds, got, strict=True)}
-    return best, homo, cost_ratio, best_colocated(p, w, spend)
+    return best, homo, cost_ratio, best_colocated(p, w, spend, prof)
 
 
 def _at_bound(

@@ -28,7 +28,7 @@ from areal_hex.config.reward import check_reward_task
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.config.run import RunConfig
 from areal_hex.config.trainer import TrainerConfig
-from areal_hex.config.workflow import TaskSpec, WorkflowConfig
+from areal_hex.config.workflow import TaskSpec, WorkflowConfig, check_hybrid
 
 __all__ = [
     "AlgoConfig",
@@ -96,6 +96,8 @@ class ExperimentConfig(Section):
                 "synchronous RL; expected run.mode=sync, or workflow.placement=disaggregated "
                 "for an asynchronous run"
             )
+        if self.workflow.placement == "hybrid":
+            check_hybrid(self.workflow, self.inference.num_servers, self.trainer.publish_every)
         return self
 
     @model_validator(mode="after")

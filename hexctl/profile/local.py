@@ -88,6 +88,8 @@ def profile_local(
         train_broadcast_s=train.broadcast_s,
         train_checkpoint_s=train.checkpoint_s,
         reload_idle_s=gen.reload_idle_s,
+        # the server's part; the trainer on a CPU gives nothing back (its threads sleep)
+        context_switch_s=gen.context_switch_s,
     )
     prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
     spec = cluster_spec(dev, shape.params, gen, train.tokens_per_s)

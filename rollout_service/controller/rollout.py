@@ -41,7 +41,7 @@ from areal_hex.net import async_retry
 from areal_hex.record import Completion, GroupRecord
 from areal_hex.rewards import GroupScorer, RewardPool
 from areal_hex.run_files import RolloutRow, append_row
-from rollout_service.controller.colocate import Colocation
+from rollout_service.controller.colocate import Phases
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.reference import ReferenceScorer
 from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
@@ -72,7 +72,7 @@ class RolloutController:
         buffer_retry_s: float = 60.0,
         network: NetworkSource | None = None,
         final_version: int | None = None,
-        colocated: bool = False,
+        phases: Phases | None = None,
         reference: ReferenceScorer | None = None,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
@@ -80,7 +80,8 @@ class RolloutController:
         `buffer_retry_s` (`buffer.retry_s`): how long a buffer call is retried while the
         buffer is unreachable. `final_version`: the trainer's last; with it, a controller
         at `max_groups` waits until that version is published, making the groups the
-        trainer drops meanwhile (owed), so a run always gets its steps' worth."""
+        trainer drops meanwhile (owed), so a run always gets its steps' worth. `phases`:
+        the placement's turns on shared devices (colocate.py, lend.py)."""
         self.cfg = cfg
         self.buffer_retry_s = buffer_retry_s
         self.final_version = final_version
@@ -103,7 +104,7 @@ class RolloutController:
         self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
         self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir, network)
         self.dispatcher.on_recover = self.weights.recover
-        self.colocation = Colocation(self.weights, lambda: self._tasks) if colocated else None
+        self.colocation = phases(self.weights, lambda: self._tasks) if phases else None
         self._admit = self.colocation.gated(producer.admit) if self.colocation else producer.admit
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
@@ -408,15 +409,14 @@ class RolloutController:
 
     async def _put(self, group: GroupRecord) -> None:
         await self._buffer_call(lambda: self.producer.put(group), "put")
+        if self.colocation is not None:
+            await self.colocation.after_put()
 
     async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
         `buffer.retry_s`; then the error propagates."""
         return await async_retry(
-            call,
-            retry_if=is_connection_error,
-            within_s=self.buffer_retry_s,
-            what=f"buffer {what}",
+            call, retry_if=is_connection_error, within_s=self.buffer_retry_s, what=f"buffer {what}"
         )
 
     # ------------------------------------------------------------ weights

@@ -144,6 +144,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
+    from rollout_service.controller.lend import phases_for
     from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
 
@@ -184,7 +185,9 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         settle_s=cfg.buffer.lease_ttl_s + 1.0,
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
-        colocated=cfg.workflow.placement == "colocated",
+        phases=phases_for(
+            cfg.workflow.placement, cfg.workflow.lent_servers, cfg.buffer.groups_per_step
+        ),
         reference=reference_scorer(cfg),
         rewards=scorer,
     )
