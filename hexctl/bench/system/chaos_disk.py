@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.run_files import RunPaths
+from hexctl.bench import BenchFailed
 
 MIB = 1 << 20
 ROOMY = 4096 * MIB  # the tmpfs's size before the fault and after it (a limit only)
@@ -77,7 +78,7 @@ class SmallDisk:
                 free = before.free / MIB
                 return {"size_mib": size / MIB, "used_mib": used / MIB, "free_mib_before": free}
             time.sleep(0.05)
-        raise OSError(f"could not shrink the tmpfs at {self.mount} to its usage")
+        raise BenchFailed(f"could not shrink the tmpfs at {self.mount} to its usage")
 
     def grow(self) -> bool:
         return self.resize(ROOMY)
