@@ -11,12 +11,12 @@ import shutil
 import string
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from areal_hex.config import ModelConfig, TinyModelConfig
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -51,12 +51,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tiny_model(
-    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0
-) -> PreTrainedModel:
-    """A randomly initialised Qwen3 of the configured size (deterministic in `seed`)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_qwen3_config(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, **extra: Any
+) -> Qwen3Config:
+    """The Qwen3Config of the tiny model over `tokenizer` (`extra`: further keys, e.g. a
+    classifier's num_labels)."""
+    from transformers import Qwen3Config
 
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(
@@ -68,7 +68,7 @@ def build_tiny_model(
             f"model.tiny.num_heads ({cfg.num_heads}) must be divisible by "
             f"model.tiny.num_kv_heads ({cfg.num_kv_heads})"
         )
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -82,7 +82,18 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         torch_dtype="float32",
+        **extra,
     )
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0
+) -> PreTrainedModel:
+    """A randomly initialised Qwen3 of the configured size (deterministic in `seed`)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = tiny_qwen3_config(cfg, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)

@@ -92,24 +92,11 @@ def build_tiny_reward_model(
     """A randomly initialised Qwen3 sequence classifier (one label, regression) of the
     tiny policy's shape (deterministic in `seed`)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    from transformers import Qwen3ForSequenceClassification
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=tiny.hidden_size,
-        intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_layers,
-        num_attention_heads=tiny.num_heads,
-        num_key_value_heads=tiny.num_kv_heads,
-        head_dim=tiny.hidden_size // tiny.num_heads,
-        max_position_embeddings=tiny.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        num_labels=1,
-        problem_type="regression",
-        torch_dtype="float32",
-    )
+    from areal_hex.models import tiny_qwen3_config
+
+    config = tiny_qwen3_config(tiny, tokenizer, num_labels=1, problem_type="regression")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3ForSequenceClassification(config)
