@@ -126,12 +126,7 @@ def supervised_warm_start(
     for _ in range(cfg.sft_steps):
         idx = torch.randint(len(encoded), (cfg.sft_batch_size,), generator=gen).tolist()
         batch = [encoded[i][: cfg.max_position_embeddings] for i in idx]
-        width = max(len(b) for b in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (B, T)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, b in enumerate(batch):
-            ids[row, : len(b)] = torch.tensor(b)
-            mask[row, : len(b)] = 1
+        ids, mask = pad_batch(batch, tokenizer.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
@@ -140,6 +135,19 @@ def supervised_warm_start(
         losses.append(loss.item())
     model.eval()
     return losses
+
+
+def pad_batch(batch: Sequence[Sequence[int]], pad_id: int, device: str = "cpu") -> tuple:
+    """Right-padded (B, T) input ids and their attention mask, of token id lists."""
+    import torch
+
+    width = max(1, max(len(b) for b in batch))
+    ids = torch.full((len(batch), width), int(pad_id))  # (B, T)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, b in enumerate(batch):
+        ids[row, : len(b)] = torch.tensor(list(b), dtype=torch.long)
+        mask[row, : len(b)] = 1
+    return ids.to(device), mask.to(device)
 
 
 def materialize(
