@@ -20,7 +20,6 @@ from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
     from areal_hex.buffer import RedisTrajectoryProducer
-    from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
     from rollout_service.controller.weight_sync import NetworkSource
 
@@ -128,6 +127,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
+    from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
 
     tokenizer = load_rollout_tokenizer(cfg)
