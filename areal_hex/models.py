@@ -11,12 +11,12 @@ import shutil
 import string
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from areal_hex.config import ModelConfig, TinyModelConfig
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -51,12 +51,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tiny_model(
-    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0
-) -> PreTrainedModel:
-    """A randomly initialised Qwen3 of the configured size (deterministic in `seed`)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_qwen3_config(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, **extra: Any
+) -> Qwen3Config:
+    """The Qwen3Config of the tiny model over `tokenizer` (`extra`: further keys, e.g. a
+    classifier's num_labels)."""
+    from transformers import Qwen3Config
 
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(
@@ -68,7 +68,7 @@ def build_tiny_model(
             f"model.tiny.num_heads ({cfg.num_heads}) must be divisible by "
             f"model.tiny.num_kv_heads ({cfg.num_kv_heads})"
         )
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -82,7 +82,18 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         torch_dtype="float32",
+        **extra,
     )
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0
+) -> PreTrainedModel:
+    """A randomly initialised Qwen3 of the configured size (deterministic in `seed`)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = tiny_qwen3_config(cfg, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
@@ -115,12 +126,7 @@ def supervised_warm_start(
     for _ in range(cfg.sft_steps):
         idx = torch.randint(len(encoded), (cfg.sft_batch_size,), generator=gen).tolist()
         batch = [encoded[i][: cfg.max_position_embeddings] for i in idx]
-        width = max(len(b) for b in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)  # (B, T)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, b in enumerate(batch):
-            ids[row, : len(b)] = torch.tensor(b)
-            mask[row, : len(b)] = 1
+        ids, mask = pad_batch(batch, tokenizer.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
@@ -129,6 +135,19 @@ def supervised_warm_start(
         losses.append(loss.item())
     model.eval()
     return losses
+
+
+def pad_batch(batch: Sequence[Sequence[int]], pad_id: int, device: str = "cpu") -> tuple:
+    """Right-padded (B, T) input ids and their attention mask, of token id lists."""
+    import torch
+
+    width = max(1, max(len(b) for b in batch))
+    ids = torch.full((len(batch), width), int(pad_id))  # (B, T)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, b in enumerate(batch):
+        ids[row, : len(b)] = torch.tensor(list(b), dtype=torch.long)
+        mask[row, : len(b)] = 1
+    return ids.to(device), mask.to(device)
 
 
 def materialize(

@@ -5,7 +5,8 @@ trained here on the job's generated arithmetic data.
 The tiny reward model is the tiny policy's Qwen3 shape (`model.tiny`) with a score head,
 over the same character tokenizer, trained by regression (mean squared error) to the
 rule's reward of constructed completions of the training problems: right answers (1)
-and wrong sums, wrong final answers, missing or cut `#### answer` lines (0). Its score
+and wrong sums, answer lines that differ from the working, missing or cut `#### answer`
+lines (0). Its score
 is thus on the rule's scale (about 0 to 1). The held-out accuracy is measured on the
 test split's problems (never trained on). It is built deterministically from the config
 and kept in `<cache>/reward_models/<key>/` (`cache_root`), so every later run of the
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 FORMAT = 1  # bump when the data or the training below change what is built
 INFO_FILE = "reward_model.json"  # what was trained, and its held-out accuracy
-LR, BATCH = 3e-3, 64
+LR, BATCH = 3e-3, 32
 
 
 @dataclass(frozen=True)
@@ -46,28 +47,25 @@ class Example:
 # ---------------------------------------------------------------- data
 def completions(problem: Problem, rng: random.Random) -> list[tuple[str, float]]:
     """Constructed answers to `problem` with the rule's reward of each: the worked
-    solution, the bare answer line, wrong working with the right final answer (1);
-    a wrong sum throughout, a wrong final answer, no answer line, a cut one (0)."""
+    solution (twice: as many right answers with working as wrong ones) and the bare
+    answer line (1); a wrong sum carried to the answer line, an answer line that
+    differs from the working, the working alone, a cut answer line (0)."""
     gold = problem.answer
     solution = problem.solution or f"#### {gold}"
-    working, _, _ = solution.rpartition("####")
-    working = working.rstrip()
-    wrong = (
-        str(int(gold) + rng.choice([-3, -2, -1, 1, 2, 3, 10, -10]))
-        if gold.lstrip("-").isdigit()
-        else f"{gold}0"
-    )
-    bad_working = working.replace(f"= {gold}", f"= {wrong}") if working else ""
-    out = [
-        (solution, 1.0),
-        (f"#### {gold}", 1.0),
-        (f"{bad_working}\n#### {gold}".lstrip("\n"), 1.0),
-        (f"{bad_working}\n#### {wrong}".lstrip("\n"), 0.0),
-        (f"{working}\n#### {wrong}".lstrip("\n"), 0.0),
-    ]
+    working = solution.rpartition("####")[0].rstrip()
+    offset = rng.choice([-3, -2, -1, 1, 2, 3, 10, -10])
+    wrong = str(int(gold) + offset) if gold.lstrip("-").isdigit() else f"{gold}0"
+    out = [(solution, 1.0), (solution, 1.0), (f"#### {gold}", 1.0)]
     if working:
-        out.append((working, 0.0))
-    out.append((f"{working}\n##".lstrip("\n"), 0.0))
+        bad_working = working.replace(f"= {gold}", f"= {wrong}")
+        out += [
+            (f"{bad_working}\n#### {wrong}", 0.0),
+            (f"{working}\n#### {wrong}", 0.0),
+            (working, 0.0),
+            (f"{working}\n##", 0.0),
+        ]
+    else:
+        out += [(f"#### {wrong}", 0.0), ("##", 0.0)]
     return out
 
 
@@ -92,24 +90,11 @@ def build_tiny_reward_model(
     """A randomly initialised Qwen3 sequence classifier (one label, regression) of the
     tiny policy's shape (deterministic in `seed`)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    from transformers import Qwen3ForSequenceClassification
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=tiny.hidden_size,
-        intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_layers,
-        num_attention_heads=tiny.num_heads,
-        num_key_value_heads=tiny.num_kv_heads,
-        head_dim=tiny.hidden_size // tiny.num_heads,
-        max_position_embeddings=tiny.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        num_labels=1,
-        problem_type="regression",
-        torch_dtype="float32",
-    )
+    from areal_hex.models import tiny_qwen3_config
+
+    config = tiny_qwen3_config(tiny, tokenizer, num_labels=1, problem_type="regression")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3ForSequenceClassification(config)
@@ -133,29 +118,18 @@ def load_reward_model(path: str | Path, device: str = "cpu", dtype: str = "float
     return model.to(device).eval()
 
 
-def encode_batch(tokenizer: Any, ids: Sequence[Sequence[int]], device: str = "cpu") -> Any:
-    """Right-padded (B, T) input ids and attention mask of token id lists."""
-    import torch
-
-    width = max(1, max(len(x) for x in ids))
-    batch = torch.full((len(ids), width), int(tokenizer.pad_token_id))  # (B, T)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for row, x in enumerate(ids):
-        batch[row, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-        mask[row, : len(x)] = 1
-    return batch.to(device), mask.to(device)
-
-
-def score_ids(model: Any, tokenizer: Any, ids: Sequence[Sequence[int]], max_batch: int) -> list:
+def score_ids(model: Any, pad_id: int, ids: Sequence[Sequence[int]], max_batch: int) -> list:
     """The model's output for each token id list, `max_batch` at a time: one list of
     `num_labels` floats per input."""
     import torch
+
+    from areal_hex.models import pad_batch
 
     device = next(model.parameters()).device
     out: list[list[float]] = []
     with torch.inference_mode():
         for i in range(0, len(ids), max_batch):
-            x, mask = encode_batch(tokenizer, ids[i : i + max_batch], str(device))
+            x, mask = pad_batch(ids[i : i + max_batch], pad_id, str(device))
             logits = model(input_ids=x, attention_mask=mask).logits  # (B, num_labels)
             out += logits.float().cpu().tolist()
     return out
@@ -167,7 +141,8 @@ def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 def accuracy(model: Any, tokenizer: Any, data: Sequence[Example]) -> float:
     """Share of `data` whose score falls on the label's side of 0.5."""
-    scores = score_ids(model, tokenizer, encode_texts(tokenizer, [e.text for e in data]), 256)
+    ids = encode_texts(tokenizer, [e.text for e in data])
+    scores = score_ids(model, tokenizer.pad_token_id, ids, 256)
     right = sum((s[0] > 0.5) == (e.label > 0.5) for s, e in zip(scores, data, strict=True))
     return right / max(1, len(data))
 
@@ -181,6 +156,8 @@ def train(
     loss per step."""
     import torch
 
+    from areal_hex.models import pad_batch
+
     gen = torch.Generator().manual_seed(seed)
     ids = encode_texts(tokenizer, [e.text for e in data])
     labels = torch.tensor([e.label for e in data])
@@ -190,7 +167,7 @@ def train(
     losses = []
     for _ in range(steps):
         idx = torch.randint(len(ids), (BATCH,), generator=gen).tolist()
-        x, mask = encode_batch(tokenizer, [ids[i] for i in idx])
+        x, mask = pad_batch([ids[i] for i in idx], tokenizer.pad_token_id)
         loss = model(input_ids=x, attention_mask=mask, labels=labels[idx]).loss
         opt.zero_grad()
         loss.backward()
@@ -244,10 +221,15 @@ def train_tiny(cfg: ExperimentConfig, out: Path) -> dict[str, Any]:
     model = build_tiny_reward_model(cfg.model.tiny or TinyModelConfig(), tok, cfg.model.seed)
     train_set = examples(cfg, tok, cfg.data.split, cfg.model.seed)
     test_set = examples(cfg, tok, cfg.data.eval_split, cfg.model.seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.model.seed)
-        steps = cfg.rollout.reward_model.tiny_train_steps
-        losses = train(model, tok, train_set, steps, cfg.model.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same result on any machine, and no contention
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.model.seed)
+            steps = cfg.rollout.reward_model.tiny_train_steps
+            losses = train(model, tok, train_set, steps, cfg.model.seed)
+    finally:
+        torch.set_num_threads(threads)
     info = {
         "key": tiny_key(cfg)[0],
         "steps": steps,
@@ -256,6 +238,11 @@ def train_tiny(cfg: ExperimentConfig, out: Path) -> dict[str, Any]:
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 5),
         "train_accuracy": round(accuracy(model, tok, train_set), 4),
         "heldout_accuracy": round(accuracy(model, tok, test_set), 4),
+        # of the right answers (label 1) and of the wrong ones (label 0) alone
+        "heldout_accuracy_right": round(accuracy(model, tok, [e for e in test_set if e.label]), 4),
+        "heldout_accuracy_wrong": round(
+            accuracy(model, tok, [e for e in test_set if not e.label]), 4
+        ),
         "train_seconds": round(time.monotonic() - t0, 2),
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -13,24 +13,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from rollout_service.wire import (
-    Lenient,
-    Text,
-    _nested_or_flat,
-    _tagged,
-    refuse_if_set,
-)
+from rollout_service.wire import Lenient, PromptInput, refuse_if_set
 
 MAX_BATCH = 4096  # inputs of one request
 
 
-class ClassifyReq(Lenient):
+class ClassifyReq(PromptInput):
     """One input (`text` or `input_ids`) or a batch of them; `rid` likewise. SGLang's
     dummy `sampling_params` is accepted and unused; its multimodal inputs are refused."""
 
-    text: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
-    input_ids: _tagged(list[int], list[list[int]], _nested_or_flat) | None = None  # type: ignore[valid-type]
-    rid: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
     sampling_params: Any = None
     image_data: Any = None
     video_data: Any = None
@@ -43,10 +34,8 @@ class ClassifyReq(Lenient):
     )(refuse_if_set)
 
     @model_validator(mode="after")
-    def _one_input(self) -> ClassifyReq:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("exactly one of text or input_ids is required")
-        n = len(self.inputs())
+    def _batch_fits(self) -> ClassifyReq:
+        n = self.batch_size()
         if n == 0:
             raise ValueError("an empty batch: expected at least one input")
         if n > MAX_BATCH:
@@ -58,17 +47,10 @@ class ClassifyReq(Lenient):
             raise ValueError("rid: expected one id for one input")
         return self
 
-    @property
-    def is_batch(self) -> bool:
-        if self.input_ids is not None:
-            return bool(self.input_ids) and isinstance(self.input_ids[0], list)
-        return isinstance(self.text, list)
-
     def inputs(self) -> list[str | list[int]]:
         """Each input: a text or a token-id list."""
-        if self.input_ids is not None:
-            return list(self.input_ids) if self.is_batch else [list(self.input_ids)]  # type: ignore[arg-type]
-        return list(self.text) if self.is_batch else [self.text]  # type: ignore[arg-type, list-item]
+        src = self.input_ids if self.input_ids is not None else self.text
+        return list(src) if self.is_batch else [src]  # type: ignore[arg-type, list-item]
 
     def rids(self) -> list[str] | None:
         if self.rid is None:

@@ -241,16 +241,39 @@ StartLen = Annotated[int, Field(ge=-1, le=INT32)]
 TopNum = Annotated[int, Field(ge=0, le=INT32)]
 
 
-class GenerateReqInput(Lenient):
+class PromptInput(Lenient):
+    """One input or a batch: `text` or `input_ids` (exactly one), and `rid`; the part
+    SGLang's GenerateReqInput and EmbeddingReqInput (classify_wire.py) share."""
+
     text: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
     input_ids: _tagged(list[int], list[list[int]], _nested_or_flat) | None = None  # type: ignore[valid-type]
+    rid: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PromptInput:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of input_ids or text is required")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.input_ids is not None:
+            return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        return isinstance(self.text, list)
+
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.input_ids if self.input_ids is not None else self.text or [])
+
+
+class GenerateReqInput(PromptInput):
     sampling_params: _tagged(SamplingParamsIn, list[SamplingParamsIn]) | None = None  # type: ignore[valid-type]
     return_logprob: _tagged(bool, list[bool]) = False  # type: ignore[valid-type]
     # first prompt position whose log-prob is returned (-1: output tokens only)
     logprob_start_len: _tagged(StartLen, list[StartLen]) = -1  # type: ignore[valid-type]
     top_logprobs_num: _tagged(TopNum, list[TopNum]) = 0  # type: ignore[valid-type]
     return_text_in_logprobs: bool = False
-    rid: _tagged(Text, list[Text]) | None = None  # type: ignore[valid-type]
     stream: bool = False
     # SGLang's, not implemented here: refused when set
     input_embeds: Any = None
@@ -284,23 +307,6 @@ class GenerateReqInput(Lenient):
         "bootstrap_port",
         "bootstrap_room",
     )(refuse_if_set)
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerateReqInput:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("exactly one of input_ids or text is required")
-        return self
-
-    @property
-    def is_batch(self) -> bool:
-        if self.input_ids is not None:
-            return bool(self.input_ids) and isinstance(self.input_ids[0], list)
-        return isinstance(self.text, list)
-
-    def batch_size(self) -> int:
-        if not self.is_batch:
-            return 1
-        return len(self.input_ids if self.input_ids is not None else self.text or [])
 
     def item(self, i: int) -> tuple[list[int] | str, SamplingParamsIn, bool, str | None]:
         """(prompt, sampling params, return_logprob, rid) of batch element `i`; checks

@@ -92,4 +92,4 @@ class RewardModelConfig(Section):
     # past it the controller stops with an error rather than drop or mis-score groups.
     wait_s: float = Field(300.0, gt=0)
     # The tiny reward model (path None): optimizer steps of its training.
-    tiny_train_steps: int = Field(600, gt=0)
+    tiny_train_steps: int = Field(800, gt=0)

@@ -181,8 +181,6 @@ class WeightedRewards:
         finally:
             for f in parts.values():
                 f.cancel()
-        if set(got) == {"model"} and self.weights["model"] == 1.0:
-            return got["model"]  # the model's score itself, bit for bit
         return [sum(self.weights[k] * got[k][i] for k in got) for i in range(len(completions))]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ class Classifier:
         limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.context_length = min(context_length or limit, limit)
         self.vocab_size = int(model.config.vocab_size)
+        self.pad_id = int(model.config.pad_token_id)  # load_reward_model checks it is set
         self.stats = ClassifierStats()
         self._lock = threading.Lock()
 
@@ -88,24 +90,11 @@ class Classifier:
         return [(s, len(x)) for s, x in zip(scores, ids, strict=True)]
 
     def _forward(self, ids: list[list[int]]) -> list[list[float]]:
-        import time
-
         with self._lock:
             t0 = time.perf_counter()
-            scores = score_ids(self.model, self.tokenizer_or_pad(), ids, self.max_batch)
+            scores = score_ids(self.model, self.pad_id, ids, self.max_batch)
             self.stats.seconds += time.perf_counter() - t0
             self.stats.requests += 1
             self.stats.inputs += len(ids)
             self.stats.tokens += sum(len(x) for x in ids)
         return scores
-
-    def tokenizer_or_pad(self) -> Any:
-        """What `score_ids` pads with: the tokenizer, else the model's pad token id."""
-        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
-            return self.tokenizer
-        return _Pad(int(self.model.config.pad_token_id))
-
-
-@dataclass(frozen=True)
-class _Pad:
-    pad_token_id: int

@@ -39,6 +39,7 @@ from areal_hex.rewards import RewardPool, math_reward
 from rollout_service.client import InferenceClient
 from rollout_service.controller.reward_model import (
     RewardModelClient,
+    RewardModelRefused,
     RewardModelUnavailable,
     WeightedRewards,
 )
@@ -124,6 +125,14 @@ async def test_the_reward_the_trainer_sees_is_the_models_score(parts: dict) -> N
     with rm_server(parts["rm"]) as url:
         client = RewardModelClient([url], None, timeout_s=30, wait_s=30)
         groups = await produce(parts, WeightedRewards({"model": 1.0}, None, client), 3)
+        refused = RewardModelClient([url], None, timeout_s=30, wait_s=30)
+        await refused.start()
+        try:  # a request the server refuses (over its context) is not retried
+            with pytest.raises(RewardModelRefused, match="HTTP 400.*context length"):
+                await refused.score(["x" * 1000])
+        finally:
+            await refused.aclose()
+        assert refused.stats.retries == 0
     assert len(groups) == 3 and client.stats.calls == 3 and client.stats.retries == 0
     texts = [g.metadata["prompt_text"] + c.text for g in groups for c in g.completions]
     seen = [float(r) for g in groups for r in g.rewards]  # what the trainer's batch holds

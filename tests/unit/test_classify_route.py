@@ -88,8 +88,8 @@ def test_input_ids_and_the_encode_route(client: TestClient, parts: tuple) -> Non
 @pytest.mark.parametrize(
     ("body", "says"),
     [
-        ({}, "exactly one of text or input_ids"),
-        ({"text": "a", "input_ids": [1]}, "exactly one of text or input_ids"),
+        ({}, "exactly one of input_ids or text"),
+        ({"text": "a", "input_ids": [1]}, "exactly one of input_ids or text"),
         ({"text": []}, "empty batch"),
         ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
         ({"input_ids": [10**6]}, "outside the vocabulary"),
