@@ -144,6 +144,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
+    from rollout_service.controller.reference import ScoredProducer
     from rollout_service.controller.rollout import RolloutController
 
     tokenizer = load_rollout_tokenizer(cfg)
@@ -165,9 +166,10 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     redis_client = endpoint.async_client()
     producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
     eos = tokenizer.eos_token_id
+    scorer = reference_scorer(cfg)  # π_ref log-probs of each group, on its way to the buffer
     ctl = RolloutController(
         clients,
-        producer,
+        producer if scorer is None else ScoredProducer(producer, scorer),
         prompts.prompts,
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cfg.rollout,
@@ -183,7 +185,6 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
         colocated=cfg.workflow.placement == "colocated",
-        reference=reference_scorer(cfg),
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection
@@ -224,5 +225,5 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         await redis_client.aclose()
         endpoint.close()
         await asyncio.gather(*[c.close() for c in clients], return_exceptions=True)
-        if ctl.reference is not None:
-            await ctl.reference.aclose()
+        if scorer is not None:
+            await scorer.aclose()
