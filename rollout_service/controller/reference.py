@@ -164,15 +164,16 @@ class ReferenceScorer:
         self, group: GroupRecord, rows: list[int], rid: str
     ) -> list[np.ndarray]:
         deadline = time.monotonic() + self.retry_s
-        delay = self.first_delay_s
+        delay, attempt = self.first_delay_s, 0
         while True:
             inst = self._pick()
             if inst is None:  # every instance is down: wait for the first to be retried
                 wake = min(i.down_until for i in self.instances)
                 await asyncio.sleep(max(0.0, wake - time.monotonic()))
                 continue
-            try:
-                return await self._call(inst, group, rows, rid)
+            try:  # a rid of its own per attempt: a timed-out one may still run there
+                attempt += 1
+                return await self._call(inst, group, rows, f"{rid}.{attempt}")
             except GenerationError as exc:
                 if not _retryable(exc) or time.monotonic() + delay > deadline:
                     raise ReferenceScoringError(

@@ -119,6 +119,7 @@ async def test_a_restarting_worker_is_waited_for_and_nothing_is_lost() -> None:
     g = _group()
     await scorer.score(g, "g0")
     assert g.has_ref_logprobs and len(w.bodies) == 1
+    assert w.bodies[0]["rid"] == ["g0.4-0", "g0.4-2"]  # a rid of its own per attempt
     assert scorer.stats.retries == 3 and scorer.stats.outages == 1
 
 
@@ -185,7 +186,7 @@ async def test_controller_puts_groups_only_scored_through_a_worker_restart() -> 
             for c in g.completions:
                 np.testing.assert_allclose(c.ref_logprobs, -c.token_ids / 10, rtol=1e-6)
         assert scorer.stats.retries == 5 and scorer.stats.groups_scored == 4
-        assert all("-ref-" in rid for b in worker.bodies for rid in b["rid"])
+        assert all("-ref." in rid for b in worker.bodies for rid in b["rid"])
 
         # down past the bound: the run stops, and nothing reaches the buffer unscored
         ctl, producer, _ = _controller(Worker("http://ref", down=10**6), 0.2, rewards)
