@@ -150,6 +150,10 @@ class TaskPlacement(Section):
     task: str
     gpu_kind: str | None = None  # None: a CPU task
     slots: list[DeviceSlot] = Field(min_length=1)
+    # the samples/s its instances score together (None: its work is not priced) and why
+    # the planner put it on this kind (scheduler/task_graph.py)
+    predicted_samples_per_s: float | None = None
+    reason: str | None = None
 
 
 class Decisions(Section):

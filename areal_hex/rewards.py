@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Protocol
 
-from areal_hex.data import last_boxed
+from areal_hex.data import Prompt, last_boxed
 from areal_hex.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,19 @@ class RewardStats:
     timeouts: int = 0
     restarts: int = 0  # worker pools replaced after a timeout or crash
     cached: int = 0  # answers scored from the cache or without a final answer (no call)
+
+
+class GroupScorer(Protocol):
+    """What the rollout controller needs to score a group: `RewardPool` (the rule), or a
+    weighted sum with a reward model (rollout_service/controller/reward_model.py)."""
+
+    stats: RewardStats
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def score_group(self, prompt: Prompt, completions: Sequence[str]) -> list[float]: ...
 
 
 class RewardPool:
@@ -247,6 +261,10 @@ class RewardPool:
                 scores[k] = self._known[(k, gold)]
                 self._known.move_to_end((k, gold))
         return [scores[k] for k in keys]
+
+    async def score_group(self, prompt: Prompt, completions: Sequence[str]) -> list[float]:
+        """`score_many` against the prompt's gold answer (`GroupScorer`)."""
+        return await self.score_many(completions, prompt.answer)
 
     def _remember(self, key: tuple[str, str], score: float) -> None:
         self._known[key] = score

@@ -19,6 +19,7 @@ from scheduler.costmodel import RolloutOption, TrainerOption
 from scheduler.milp import PlanSpace
 from scheduler.partition import trainer_shape
 from scheduler.plan_record import rollout_instance
+from scheduler.profile import Profile
 from scheduler.workload import Workload
 
 
@@ -31,12 +32,20 @@ class Colocated:
     switch_s: float  # per step
 
 
-def best_colocated(p: PlanSpace, w: Workload, budget: float) -> Colocated | None:
+def switch_s(w: Workload, prof: Profile | None, kind: str) -> float:
+    """Seconds of one context switch on `kind`: as profiled, else the workload's
+    documented default (`constants.context_switch_s`)."""
+    measured = prof.context_switch_s(kind) if prof is not None else None
+    return w.constants.context_switch_s if measured is None else measured
+
+
+def best_colocated(
+    p: PlanSpace, w: Workload, budget: float, prof: Profile | None = None
+) -> Colocated | None:
     """The fastest colocated synchronous plan within `budget` ($/h); None if none
-    generates."""
+    generates. `prof`: the switch's cost per kind, where profiled."""
     best: Colocated | None = None
     longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
-    switch = w.constants.context_switch_s
     in_group: dict[str, list[RolloutOption]] = {}
     for r in p.rollouts:
         in_group.setdefault(r.group, []).append(r)
@@ -54,6 +63,7 @@ def best_colocated(p: PlanSpace, w: Workload, budget: float) -> Colocated | None
             picks.append((g, r))
         if gen <= 0 or len(picks) < len(c.parts):
             continue
+        switch = switch_s(w, prof, c.kind)
         step = max(w.samples_per_step / gen, tail) + switch + c.step_s
         rate = w.samples_per_step / step
         if best is None or rate > best.samples_per_s:

@@ -315,18 +315,38 @@ def rollout_configs(
     return out
 
 
+def reference_in_trainer(w: Workload) -> bool:
+    """The reference forward runs in the trainer: KL is on and no task of role reference
+    computes the reference's log-probs for it."""
+    return w.reference_model and not any(t.role == "reference" for t in w.tasks)
+
+
+def trained_models(w: Workload) -> int:
+    """Models whose gradients each step all-reduces: the actor, and PPO's critic."""
+    return 2 if w.critic else 1
+
+
+def train_passes(w: Workload) -> int:
+    """Forward-equivalents per token of a step (a backward counts as two): the actor's
+    forward + backward (3) and proximal log-prob recompute (1), the reference forward (1)
+    where the trainer computes it, and the critic's values forward (1) and its own
+    forward + backward (3)."""
+    return 4 + (1 if reference_in_trainer(w) else 0) + (4 if w.critic else 0)
+
+
 def train_flops_per_sample(m: ModelShape, w: Workload) -> float:
-    """6N per token (forward + backward), 2N for the proximal log-prob recompute, 2N per
-    reference forward; attention adds 4·L·heads·head_dim·ctx per token and pass."""
+    """2N per token and forward-equivalent (`train_passes`); attention adds
+    4·L·heads·head_dim·ctx per token and pass."""
     toks = w.prompt_tokens + w.response_tokens
-    passes = 3 + 1 + (1 if w.reference_model else 0)  # backward counts as two forwards
+    passes = train_passes(w)
     dense = 2.0 * m.params * passes
     attn = 4.0 * m.layers * m.heads * m.head_dim * (toks / 2) * passes
     return toks * (dense + attn)
 
 
 def train_memory_gb(m: ModelShape, w: Workload, dp: int, zero: int) -> float:
-    """Per-GPU memory: ZeRO-sharded model states, reference weights, activations."""
+    """Per-GPU memory: ZeRO-sharded model states (the critic's beside the actor's),
+    reference weights, activations (one model's at a time)."""
     k, psi = w.constants, float(m.params)
     opt = k.adam_bytes_per_param - 4.0  # optimizer states (fp32 master, m, v)
     states = {
@@ -334,8 +354,8 @@ def train_memory_gb(m: ModelShape, w: Workload, dp: int, zero: int) -> float:
         1: 4.0 * psi + opt * psi / dp,
         2: 2.0 * psi + (opt + 2.0) * psi / dp,
         3: k.adam_bytes_per_param * psi / dp,
-    }[zero]
-    ref = (2.0 * psi / (dp if zero == 3 else 1)) if w.reference_model else 0.0
+    }[zero] * trained_models(w)
+    ref = (2.0 * psi / (dp if zero == 3 else 1)) if reference_in_trainer(w) else 0.0
     seq = w.prompt_tokens + w.max_response_tokens  # one sequence per micro-batch
     act = seq * m.hidden * (k.act_checkpoint_bytes_per_hidden * m.layers)
     act += seq * m.hidden * k.act_layer_bytes_per_hidden + seq * m.vocab * 4.0

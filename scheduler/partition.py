@@ -32,6 +32,7 @@ from scheduler.costmodel import (
     TrainerOption,
     allreduce_s,
     sync_terms,
+    trained_models,
     update_latency_s,
 )
 from scheduler.model_shape import ModelShape
@@ -164,7 +165,7 @@ def _traffic(
     edges: dict[tuple[int, int], float] = defaultdict(float)
     if n > 1:
         factor = 1.5 if c.zero == 3 else 1.0
-        ring = factor * 2 * (n - 1) / n * 2.0 * m.params / step
+        ring = factor * 2 * (n - 1) / n * 2.0 * m.params * trained_models(w) / step
         for k in range(n):
             a, b = ranks[k][1], ranks[(k + 1) % n][1]
             if a != b:
@@ -338,6 +339,7 @@ def evaluate(
         zones = {topo.machines[x].zone for x in machines}
         lat = max(cl.link(a, b).latency_ms for a in zones for b in zones)
         comm += topo.ring_s(topo.ring_order(machines), ring) + 2 * (n - 1) * lat / 1e3
+    comm *= trained_models(w)  # the critic's gradients ride the same ring
     step = c.compute_s + (1 - w.constants.comm_overlap) * comm + c.publish_s
     nodes = [node for _, node, _ in pl.rollout]
     pauses = [opt.update_pause_s for opt, _, _ in pl.rollout]

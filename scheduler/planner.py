@@ -12,17 +12,14 @@ from areal_hex.config import ConfigError
 from areal_hex.plan import Plan
 from scheduler.assess import Assessment, assess
 from scheduler.cluster import Cluster, merge_identical
-from scheduler.colocated import best_colocated, colocated_plan
+from scheduler.colocated import Colocated, best_colocated, colocated_plan
 from scheduler.costmodel import (
-    RolloutOption,
-    decode_step_s,
-    kind_constants,
     rollout_configs,
 )
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.one_kind import kinds_of, one_kind_plans
-from scheduler.partition import Placement, PlacementCost, evaluate
+from scheduler.partition import Placement, PlacementCost
 from scheduler.placing import (
     TARGET_TOLERANCE,
     Placed,
@@ -34,8 +31,10 @@ from scheduler.placing import (
 from scheduler.plan_record import to_plan
 from scheduler.polish import GAIN
 from scheduler.profile import Profile
-from scheduler.simulator import SimInstance, SimResult, simulate
-from scheduler.tasks import reserve_tasks
+from scheduler.replay import simulate_solution
+from scheduler.simulator import SimResult
+from scheduler.task_graph import TaskCost, place_tasks
+from scheduler.tasks import Reserved, reserve_tasks
 from scheduler.topology import Topology
 from scheduler.trainers import trainer_configs
 from scheduler.workload import Workload
@@ -55,6 +54,8 @@ class PlanResult:
     first_fit: Placed | None = None  # the naive placement, where the topology makes it differ
     first_fit_sim: SimResult | None = None
     assessment: Assessment | None = None
+    pool_rate: float = 0.0  # what the pools reach before any task's bound (searched)
+    tasks: list[TaskCost] = field(default_factory=list)  # beyond generate and train
 
 
 def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> PlanSpace:
@@ -235,17 +236,48 @@ def make_plan(
     simulate_plan: bool = True,
     baselines: bool = True,
 ) -> PlanResult:
+    """The plan: the workflow's tasks placed by their cost (`scheduler/task_graph.py`),
+    the generation and training pools planned on the machines left."""
     if (budget is None) == (target is None):
         raise ConfigError("give exactly one of a budget ($/h) or a target rate (samples/s)")
-    reserved = reserve_tasks(cl, w.tasks)  # the tasks beyond generate and train first
+
+    made: dict[tuple, PlanResult] = {}  # a choice planned twice (quick, then in full)
+
+    def plan_on(
+        groups: dict[str, str] | None, bound: tuple[float, str] | None, full: bool
+    ) -> PlanResult:
+        full = full and (simulate_plan or baselines)
+        key = (tuple(sorted((groups or {}).items())), full)
+        if key not in made:
+            made[key] = _plan_reserved(
+                cl, m, w, reserve_tasks(cl, w.tasks, groups), bound, budget=budget,
+                target=target, prof=prof, model_label=model_label, time_limit_s=time_limit_s,
+                simulate_plan=simulate_plan and full, baselines=baselines and full,
+            )  # fmt: skip
+        return made[key]
+
+    return place_tasks(cl, m, w, prof, budget, target, plan_on)
+
+
+def _plan_reserved(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    reserved: Reserved,
+    bound: tuple[float, str] | None,
+    *,
+    budget: float | None,
+    target: float | None,
+    prof: Profile | None,
+    model_label: str | None,
+    time_limit_s: float,
+    simulate_plan: bool,
+    baselines: bool,
+) -> PlanResult:
+    """`make_plan` with the tasks' machines set aside (`reserved`) and the pipeline's rate
+    at most `bound` (the slowest priced task's rate, and its name)."""
     whole_budget = budget
-    if budget is not None and reserved.usd_per_h:
-        if reserved.usd_per_h >= budget:
-            raise ConfigError(
-                f"the workflow's tasks cost ${reserved.usd_per_h:.2f}/h of the ${budget:.2f}/h "
-                "budget: expected budget left for the generation and training pools"
-            )
-        budget -= reserved.usd_per_h
+    budget = _pools_budget(reserved, budget)
     inventory = cl = reserved.cluster
     cl, names = merge_identical(cl)  # the plan speaks the inventory's machine names
     p = problem_for(cl, m, w, prof)
@@ -260,32 +292,15 @@ def make_plan(
         time_limit_s=time_limit_s,
         seeds=len(kinds_of(p)) > 1,
     )
+    pool_rate = found.best.rate
+    if bound is not None and target is None and pool_rate > bound[0] * (1 + 1e-6):
+        found = _at_bound(cl, m, w, p, found, bound[0], prof, time_limit_s)
     best = found.best
     homo, sync, cost_ratio, colocated = found.one_kind, 0.0, None, None
     if baselines:
-        best, cost_ratio = _one_kind_at_rate(cl, m, w, p, best, target, prof, time_limit_s)
-        spend = budget if budget is not None else best.solution.cost
-        if budget is None:  # at a target: what the plan's money buys on one kind
-            kinds = kinds_of(p)
-            homo = {
-                kind: 0.0 if got is None else got.rate
-                for kind, got in zip(
-                    kinds,
-                    one_kind_plans(
-                        cl,
-                        m,
-                        w,
-                        p,
-                        kinds,
-                        plan_inventory=plan_inventory,
-                        budget=spend,
-                        prof=prof,
-                        time_limit_s=time_limit_s,
-                    ),
-                    strict=True,
-                )
-            }
-        colocated = best_colocated(p, w, spend)
+        best, homo, cost_ratio, colocated = _compared(
+            cl, m, w, p, best, homo, budget, target, prof, time_limit_s
+        )
         sync = 0.0 if colocated is None else colocated.samples_per_s
     sol, placement = best.solution, best.placement
     if best.rate <= 0 and sync <= 0:
@@ -312,13 +327,94 @@ def make_plan(
     )
     plan.decisions.tasks = reserved.placements
     plan.baselines.disaggregated_samples_per_s = round(best.rate, 4)
-    if colocated is not None and colocated.samples_per_s > best.rate and target is None:
+    cap = bound[0] if bound is not None else float("inf")
+    if colocated is not None and min(colocated.samples_per_s, cap) > best.rate and target is None:
         plan = colocated_plan(cl, w, colocated, names, plan)  # the faster placement
+    if bound is not None:
+        _capped(plan, *bound)
     plan.predicted.cost_usd_per_h = round(plan.predicted.cost_usd_per_h + reserved.usd_per_h, 2)
     plan.budget_usd_per_h = whole_budget
     plan.baselines.local_search_moves = found.moves
     plan.baselines.milp_pick_samples_per_s = round(found.pick_rate, 4)
-    return PlanResult(plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim)
+    return PlanResult(
+        plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim,
+        pool_rate=pool_rate,
+    )  # fmt: skip
+
+
+def _pools_budget(reserved: Reserved, budget: float | None) -> float | None:
+    """The budget left for the pools once the tasks' machines are paid for."""
+    if budget is None or not reserved.usd_per_h:
+        return budget
+    if reserved.usd_per_h >= budget:
+        raise ConfigError(
+            f"the workflow's tasks cost ${reserved.usd_per_h:.2f}/h of the ${budget:.2f}/h "
+            "budget: expected budget left for the generation and training pools"
+        )
+    return budget - reserved.usd_per_h
+
+
+def _capped(plan: Plan, rate: float, task: str) -> None:
+    """The plan's rate at most the slowest task's `rate` (and the replay's, which runs
+    the pools only); that task named as binding where it does."""
+    if plan.predicted.samples_per_s <= rate:
+        return
+    plan.predicted.samples_per_s = round(rate, 4)
+    plan.baselines.binding = f"task {task}"
+    simulated = plan.baselines.simulated_samples_per_s
+    if simulated is not None:
+        plan.baselines.simulated_samples_per_s = round(min(simulated, rate), 4)
+
+
+def _compared(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    best: Placed,
+    homo: dict[str, float],
+    budget: float | None,
+    target: float | None,
+    prof: Profile | None,
+    time_limit_s: float,
+) -> tuple[Placed, dict[str, float], float | None, Colocated | None]:
+    """(the plan, one-kind rates, cost ratio, best colocated plan): the baselines at the
+    plan's budget (at a target: at the plan's cost)."""
+    best, cost_ratio = _one_kind_at_rate(cl, m, w, p, best, target, prof, time_limit_s)
+    spend = budget if budget is not None else best.solution.cost
+    if budget is None:  # at a target: what the plan's money buys on one kind
+        kinds = kinds_of(p)
+        got = one_kind_plans(
+            cl, m, w, p, kinds, plan_inventory=plan_inventory, budget=spend, prof=prof,
+            time_limit_s=time_limit_s,
+        )  # fmt: skip
+        homo = {k: 0.0 if g is None else g.rate for k, g in zip(kinds, got, strict=True)}
+    return best, homo, cost_ratio, best_colocated(p, w, spend, prof)
+
+
+def _at_bound(
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    p: PlanSpace,
+    found: Searched,
+    bound: float,
+    prof: Profile | None,
+    time_limit_s: float,
+) -> Searched:
+    """Where a task binds below the pools' rate: the cheapest pools that still reach the
+    task's rate (money the pools cannot turn into rate stays unspent); `found` where none
+    is cheaper."""
+    try:
+        at = search(cl, m, w, p, target=bound, prof=prof, time_limit_s=time_limit_s,
+                    seeds=len(kinds_of(p)) > 1)  # fmt: skip
+    except ConfigError:
+        return found
+    if at.best.solution.cost < found.best.solution.cost and at.best.rate >= bound * (
+        1 - TARGET_TOLERANCE
+    ):
+        return replace(at, one_kind=found.one_kind)
+    return found
 
 
 def _one_kind_at_rate(
@@ -379,51 +475,3 @@ def synchronous_rate(p: PlanSpace, w: Workload, budget: float) -> float:
     each phase waits for the other, one context switch a step: `scheduler/colocated.py`)."""
     pick = best_colocated(p, w, budget)
     return 0.0 if pick is None else pick.samples_per_s
-
-
-def simulate_solution(
-    cl: Cluster,
-    m: ModelShape,
-    w: Workload,
-    sol: Solution,
-    placement: Placement,
-    cost: PlacementCost | None = None,
-    steps: int = 14,
-    seed: int = 0,
-) -> SimResult:
-    gmap = {g.name: g for g in cl.spec.node_groups}
-    ctx = w.prompt_tokens + w.response_tokens / 2
-    if cost is None:
-        cost = evaluate(cl, m, w, sol.trainer, placement)
-    insts = []
-    for (rc, node, _), sync in zip(placement.rollout, cost.sync_s, strict=True):
-        g, kind = gmap[rc.group], cl.kinds[rc.group]
-
-        def step_fn(n: int, rc: RolloutOption = rc, g=g, kind=kind) -> float:
-            def at(b: int) -> float:
-                return decode_step_s(
-                    m,
-                    kind.hbm_gbs,
-                    kind.bf16_tflops,
-                    rc.tp,
-                    b,
-                    ctx,
-                    g.intra_node.bandwidth_gbs,
-                    kind_constants(w.constants, kind),
-                )
-
-            return at(n) * rc.step_s / at(rc.batch)  # keeps a profile's calibration
-
-        insts.append(SimInstance(node, rc.batch, rc.prefill_s, sync, step_fn))
-    return simulate(
-        insts,
-        groups_per_step=w.groups_per_step,
-        group_size=w.group_size,
-        max_staleness=w.max_staleness,
-        publish_every=w.publish_every,
-        train_step_s=cost.train_step_s,
-        mean_len=w.response_tokens,
-        max_len=w.max_response_tokens,
-        steps=steps,
-        seed=seed,
-    )

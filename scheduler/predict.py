@@ -32,6 +32,7 @@ from scheduler.model_shape import ModelShape
 from scheduler.partition import sync_on_topology
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
+from scheduler.task_costs import placed_tasks_rate
 from scheduler.topology import Topology
 from scheduler.traffic import traffic_on_topology
 from scheduler.trainers import cost_trainer
@@ -101,12 +102,15 @@ def predict_layout(
     trainer: TrainerLayout,
     max_inflight_groups: int | None = None,
     nodes: LayoutNodes | None = None,
+    task_groups: dict[str, str] | None = None,
 ) -> LayoutPrediction:
     """Rates of `instances` ((node group, TP) each) and `trainer` in both modes; `w` holds
     the asynchronous run's η (the synchronous one runs at η = 0, publishing every step).
     With `nodes` on a cluster that declares racks or NICs, each instance's weight sync
     is priced over the links its copy crosses (`partition.sync_on_topology`); otherwise
-    over its zone's link."""
+    over its zone's link. `task_groups` (task -> node group): where the workflow's
+    reference and reward-model tasks run; the pipeline runs no faster than the slowest
+    scores (`task_costs.placed_tasks_rate`), in either mode."""
     if not instances:
         raise LayoutError("a layout needs at least one rollout instance")
     if nodes is not None and len(nodes.rollout) != len(instances):
@@ -124,6 +128,12 @@ def predict_layout(
         cl, m, sync_w, prof, s_opts, s_tr, max_inflight_groups,
         _syncs(cl, m, sync_w, opts, tr, nodes),
     )  # fmt: skip
+    bound = placed_tasks_rate(cl, m, w, prof, task_groups or {})
+    if bound is not None:
+        asyn, syn = (
+            replace(r, pipeline_samples_per_s=min(r.pipeline_samples_per_s, bound[0]))
+            for r in (asyn, syn)
+        )
     return LayoutPrediction(asyn, syn)
 
 

@@ -82,6 +82,12 @@ class DeviceRates(Section):
     # controller's pause, each bucket from a rank 0 beside the server, the resume), less
     # the same fixed seconds. None: the idle reload from disk stands for it.
     update_pause_idle_s: float | None = Field(None, ge=0)
+    # One context switch of a placement that shares devices (`profile --local`): the
+    # server's pause, its memory's release and resume and its continue, as the controller
+    # calls them, plus what the trainer gives back and takes again (on a CPU: nothing,
+    # its threads sleep while it waits), s; the median of several. None: the workload's
+    # `constants.context_switch_s`.
+    context_switch_s: float | None = Field(None, ge=0)
 
     def at_speed(self, factor: float) -> DeviceRates:
         """These rates on the kind running `factor` times as fast as when they were
@@ -112,6 +118,7 @@ _TIMES = (
     "reload_overlap_s",
     "update_pause_s",
     "update_pause_idle_s",
+    "context_switch_s",
 )
 
 
@@ -222,6 +229,9 @@ class Profile(Section):
 
     def reload_idle_s(self, kind: str) -> float | None:
         return self.kinds[kind].reload_idle_s if kind in self.kinds else None
+
+    def context_switch_s(self, kind: str) -> float | None:
+        return self.kinds[kind].context_switch_s if kind in self.kinds else None
 
 
 def load_profile(path: str | Path, model_params: int | None = None) -> Profile:

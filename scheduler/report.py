@@ -54,14 +54,21 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             f"{'rollout':<9}{r.kind:<11}{r.zone:<11}{n:>6}{n * r.tp:>6}  {par:<22}"
             f"{n * r.samples_per_s:>10.3f}{n * r.usd_per_h:>9.2f}"
         )
+    lines += _task_rows(res)
     p = plan.predicted
     colocated = plan.decisions.placement == "colocated"
+    scored = "".join(
+        f", task {t.task} {t.samples_per_s:.3f}"
+        for t in res.tasks
+        if t.role != "critic" and t.samples_per_s is not None
+    )
     how = (
         f"one batch at generation {p.generation_samples_per_s:.3f}, a context switch, a step "
         f"at training {p.training_samples_per_s:.3f}, in turn"
+        + (f"; tasks bound it: min(that{scored})" if scored else "")
         if colocated
         else f"min(generation {p.generation_samples_per_s:.3f} incl. weight-sync pauses, "
-        f"training {p.training_samples_per_s:.3f})"
+        f"training {p.training_samples_per_s:.3f}{scored})"
     )
     lines += [
         "",
@@ -132,6 +139,23 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
                 f"{s['cost_usd_per_h']:>9.2f}"
             )
     return "\n".join(lines)
+
+
+def _task_rows(res: PlanResult) -> list[str]:
+    """One row per task beyond generate and train (the critic: inside the train pool),
+    each with the reason for its kind underneath."""
+    out = []
+    for t in res.tasks:
+        count = "-" if t.role == "critic" else str(t.instances)
+        gpus = t.gpus if t.role == "critic" else t.instances * t.gpus
+        rate = "-" if t.samples_per_s is None else f"{t.samples_per_s:.3f}"
+        what = f"{t.task} ({t.role})" if t.role != t.task else f"{t.task} (in train)"
+        out.append(
+            f"{'task':<9}{t.kind or 'CPU':<11}{t.zone or '-':<11}{count:>6}{gpus:>6}  "
+            f"{what:<22}{rate:>10}{t.usd_per_h:>9.2f}"
+        )
+        out.append(f"{'':<9}{t.task}: {t.reason}")
+    return out
 
 
 def _verdict(b, placement: str) -> str:

@@ -26,6 +26,7 @@ from scheduler.costmodel import (
     kind_constants,
     train_flops_per_sample,
     train_memory_gb,
+    trained_models,
 )
 from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
@@ -153,7 +154,7 @@ def cost_trainer(
         mem = train_memory_gb(m, w, dp, zero)
         if mem > hbm:
             continue
-        comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat)
+        comm = allreduce_s(m, dp, nodes, zero, intra, inter, lat) * trained_models(w)
         step = compute + (1 - k.comm_overlap) * comm + publish + host
         cand = TrainerOption(
             kind="+".join(dict.fromkeys(kd.name for kd in kinds)),

@@ -112,7 +112,15 @@ class Workload(Section):
     # the config's trainer.checkpoint_every: a profiled checkpoint's time is spread over
     # these steps (None: checkpoints not priced)
     checkpoint_every: int | None = Field(None, gt=0)
-    reference_model: bool = False  # KL to a frozen reference: one more forward per token
+    # KL to a frozen reference: one more forward per token, in the trainer unless a task
+    # of role reference computes the reference's log-probs (scheduler/task_costs.py)
+    reference_model: bool = False
+    # PPO's critic (the config's algo.advantage gae): a value model of the actor's size in
+    # the trainer's ranks, its values forward and its own update in every step
+    critic: bool = False
+    # The reward model a task of role reward_model serves: a preset or an HF config.json
+    # (None: the actor's shape)
+    reward_model_shape: str | None = None
     # Pin choices to what the experiment config runs (`deploy` checks both against it):
     # every rollout instance at this TP (inference.sglang.tp_size), the trainer at this
     # ZeRO stage (trainer.zero_stage). None lets the planner choose.
@@ -141,6 +149,18 @@ class Workload(Section):
     @classmethod
     def _refuse_old_names(cls, data: object) -> object:
         return refuse_renamed(data, RENAMED_KEYS)
+
+    @model_validator(mode="after")
+    def _reward_model_needs_its_task(self) -> Workload:
+        if self.reward_model_shape is not None and not any(
+            t.role == "reward_model" for t in self.tasks
+        ):
+            raise ValueError(
+                f"reward_model_shape {self.reward_model_shape!r} without a task of role "
+                "reward_model does nothing: expected such a task in tasks, or no "
+                "reward_model_shape"
+            )
+        return self
 
     @property
     def samples_per_step(self) -> int:

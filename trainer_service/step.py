@@ -31,6 +31,7 @@ from trainer_service.batching import (
     sequence_advantages,
 )
 from trainer_service.engine import token_logprobs
+from trainer_service.prox import prox_from_loss_pass
 from trainer_service.reference import reference_logprobs
 
 # sums reduced over ranks (SUM) and maxima (MAX), in this order
@@ -134,13 +135,14 @@ def plan_micro_batches(
 
 
 def _reference_pass(
-    ctx: StepContext, mbs: list[MicroBatch]
+    ctx: StepContext, mbs: list[MicroBatch], with_prox: bool = True
 ) -> tuple[list[Any | None], list[Any | None]]:
-    """No-grad log-probs before the update: the proximal policy (current weights) and
-    the reference model, where the objective needs them."""
+    """No-grad log-probs before the update: the proximal policy (current weights, unless
+    the loss pass gives them: `with_prox` False) and the reference model, where the
+    objective needs them."""
     import torch
 
-    need_prox = ctx.algo.decoupled or ctx.algo.kl_coef > 0
+    need_prox = with_prox and (ctx.algo.decoupled or ctx.algo.kl_coef > 0)
     prox: list[Any | None] = []
     ref: list[Any | None] = []
     with torch.no_grad():
@@ -180,16 +182,20 @@ class _Minibatch:
     all_adv: np.ndarray
     forward_s: float = 0.0  # the no-grad passes: this rank's compute, no collective in it
     critic: critic.CriticBatch | None = None  # GAE: values, returns, token advantages
+    prox_in_loss: bool = False  # `prox` is filled by the loss pass (prox.py)
 
 
-def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
-    """Micro-batches, proximal/reference log-probs and advantages of `groups`."""
+def _prepare(
+    ctx: StepContext, groups: Sequence[GroupRecord], prox_in_loss: bool = False
+) -> _Minibatch:
+    """Micro-batches, proximal/reference log-probs and advantages of `groups`; with
+    `prox_in_loss`, the proximal log-probs are left to the loss pass."""
     import torch
 
     a = ctx.algo
     mbs, items, counts = plan_micro_batches(ctx, groups)
     t0 = time.perf_counter()
-    prox, ref = _reference_pass(ctx, mbs)
+    prox, ref = _reference_pass(ctx, mbs, with_prox=not prox_in_loss)
     forward_s = time.perf_counter() - t0
     shaping = Shaping(
         overlong_max=ctx.max_new_tokens,
@@ -217,7 +223,9 @@ def _prepare(ctx: StepContext, groups: Sequence[GroupRecord]) -> _Minibatch:
     adv = torch.tensor(np.append(seq_adv, 0.0), dtype=torch.float32, device=ctx.device)
     if a.denominator == "informative":
         counts = informative_counts(groups, items, all_adv, counts)
-    return _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv, forward_s)
+    out = _Minibatch(mbs, items, counts, prox, ref, adv, degenerate, all_adv, forward_s)
+    out.prox_in_loss = prox_in_loss
+    return out
 
 
 def informative_counts(
@@ -285,6 +293,8 @@ def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) ->
         else:  # (B, 1) sequence advantages; index -1 (dummy rows) -> the final 0
             adv = mb_set.adv[mb.seq_index].view(-1, 1)
         behav = mb.behav_logp
+        if mb_set.prox_in_loss:  # the weights of this pass are the proximal policy
+            p = mb_set.prox[i] = logp.detach()
         loss, terms = policy_loss(
             a,
             logp,
@@ -328,10 +338,11 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     micro-batches; with a critic, one critic update per minibatch too, and no policy
     update during `algo.critic_warmup_steps`. Collective: every rank calls it. The
     reported losses are means over minibatches."""
-    prepared = [_prepare(ctx, g) for g in split_groups(groups, ctx.algo.ppo_minibatches)]
+    fused = prox_from_loss_pass(ctx.algo, ctx.critic is not None)
+    batches = split_groups(groups, ctx.algo.ppo_minibatches)
+    prepared = [_prepare(ctx, g, prox_in_loss=fused) for g in batches]
     if ctx.critic is not None:
         _whiten(ctx, prepared)
-    mismatch = train_inference_mismatch(ctx, prepared)
     sums = dict.fromkeys(_SUM_KEYS, 0.0)
     critic_sums: dict[str, float] = {}
     train_policy = ctx.critic is None or ctx.step >= ctx.algo.critic_warmup_steps
@@ -350,6 +361,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
             fence_s = ctx.before_update()
         if train_policy:
             ctx.engine.step()
+    mismatch = train_inference_mismatch(ctx, prepared)  # the proximal log-probs are set
     # this rank's speed: its no-grad forward passes where the step makes them (a backward
     # may wait for the other ranks' gradients), else forward + backward
     forward_s = sum(p.forward_s for p in prepared)

@@ -24,10 +24,11 @@ from areal_hex.config.data import DataConfig
 from areal_hex.config.inference import InferenceConfig, SGLangConfig
 from areal_hex.config.model import ModelConfig, TinyModelConfig
 from areal_hex.config.redis import RedisConfig
+from areal_hex.config.reward import check_reward_task
 from areal_hex.config.rollout import RolloutConfig
 from areal_hex.config.run import RunConfig
 from areal_hex.config.trainer import TrainerConfig
-from areal_hex.config.workflow import TaskSpec, WorkflowConfig
+from areal_hex.config.workflow import TaskSpec, WorkflowConfig, check_hybrid
 
 __all__ = [
     "AlgoConfig",
@@ -95,6 +96,8 @@ class ExperimentConfig(Section):
                 "synchronous RL; expected run.mode=sync, or workflow.placement=disaggregated "
                 "for an asynchronous run"
             )
+        if self.workflow.placement == "hybrid":
+            check_hybrid(self.workflow, self.inference.num_servers, self.trainer.publish_every)
         return self
 
     @model_validator(mode="after")
@@ -125,6 +128,11 @@ class ExperimentConfig(Section):
                 f"workflow.tasks: task {task.name!r} (role reference) scores π_ref for the KL "
                 "term, but algo.kl_coef is 0: expected algo.kl_coef > 0, or no reference task"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_task(self) -> ExperimentConfig:
+        check_reward_task(self.rollout.reward, self.workflow)
         return self
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from areal_hex.config.base import Section
+from areal_hex.config.reward import RewardModelConfig, check_reward_spec
 
 # How a published version reaches the inference servers: "disk" (the trainer writes
 # weights/v<N>, the servers load it: needs a filesystem both see) or "network" (the
@@ -35,6 +36,10 @@ class RolloutConfig(Section):
     max_retries: int = Field(3, ge=0)
     reward_workers: int = Field(1, gt=0)
     reward_timeout_s: float = Field(5.0, gt=0)
+    # The reward: "rule", "model" (the workflow's reward_model task) or weights such as
+    # {rule: 1.0, model: 0.5} (areal_hex/config/reward.py); the reward model's settings.
+    reward: str | dict[str, float] = "rule"
+    reward_model: RewardModelConfig = RewardModelConfig()
     # Groups to produce; None: (trainer.total_steps + buffer.max_staleness + 1) *
     # buffer.groups_per_step, the most the staleness gate admits by the last step.
     max_groups: int | None = Field(None, gt=0)
@@ -79,3 +84,5 @@ class RolloutConfig(Section):
     weight_sync_ifname: str | None = None
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+
+    _reward = field_validator("reward", mode="before")(check_reward_spec)

@@ -24,8 +24,11 @@ BUILTIN_TASKS = ("generate", "train")
 # take it back before the next weights load). Only synchronous (run.mode sync): with
 # η > 0 generation would run ahead on the devices the trainer is stepping on, which is
 # disaggregation without the split, not a phase.
-PlacementMode = Literal["disaggregated", "colocated"]
-PLACEMENT_MODES: tuple[PlacementMode, ...] = ("disaggregated", "colocated")
+# hybrid: the disaggregated split, plus `lent_servers` generation servers on the trainer's
+# devices that generate only while the trainer waits for its batch (paused in place while
+# it steps): the devices the trainer leaves idle between its steps generate too.
+PlacementMode = Literal["disaggregated", "colocated", "hybrid"]
+PLACEMENT_MODES: tuple[PlacementMode, ...] = ("disaggregated", "colocated", "hybrid")
 # What a task does, so that the rollout controller can call it and the planner can price
 # it. custom: anything beside the job (started, stopped and restarted; its work is not
 # priced). reference: a server holding the initial policy (v0) that scores the sampled
@@ -88,6 +91,9 @@ class TaskSpec(Section):
 
 class WorkflowConfig(Section):
     placement: PlacementMode = "disaggregated"
+    # hybrid: how many of the inference servers (the last ones, by index) are lent by the
+    # trainer's devices; the others generate on devices of their own
+    lent_servers: int = Field(1, ge=1, le=1024)
     tasks: list[TaskSpec] = []  # tasks beyond generate and train
 
     @model_validator(mode="after")
@@ -108,3 +114,24 @@ class WorkflowConfig(Section):
     def task_with_role(self, role: TaskRole) -> TaskSpec | None:
         """The task that plays `role`, if the workflow has one."""
         return next((t for t in self.tasks if t.role == role), None)
+
+
+def check_hybrid(workflow: WorkflowConfig, num_servers: int, publish_every: int) -> None:
+    """A hybrid placement that can run: at least one server of its own beside the lent
+    ones, and a version every step (the controller follows the trainer's steps by its
+    versions, to lend it the devices exactly while it steps)."""
+    lent = workflow.lent_servers
+    if num_servers <= lent:
+        raise ValueError(
+            f"workflow.placement hybrid with inference.num_servers {num_servers} and "
+            f"workflow.lent_servers {lent}: hybrid lends the last {lent} server(s) the "
+            "trainer's devices and keeps the others on devices of their own; expected "
+            f"inference.num_servers >= {lent + 1} (or workflow.placement=colocated to "
+            "share every device)"
+        )
+    if publish_every != 1:
+        raise ValueError(
+            f"workflow.placement hybrid with trainer.publish_every {publish_every}: the "
+            "lent servers pause while the trainer steps, which the controller sees from "
+            "the version each step publishes; expected trainer.publish_every=1"
+        )

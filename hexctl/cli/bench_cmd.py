@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "trl": "hexctl.bench.system.trl",
     "host": "hexctl.bench.system.host",
     "modes": "hexctl.bench.system.modes",
+    "switching": "hexctl.bench.system.switching",
 }
 
 

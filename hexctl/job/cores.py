@@ -4,6 +4,11 @@ the launcher and `areal-hex profile --local` (which measures with the same pinni
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_hex.config import ExperimentConfig
+    from hexctl.job.layout import Layout
 
 
 def usable_cores() -> set[int] | None:
@@ -28,3 +33,12 @@ def core_groups(
         return set(cores), set(cores)
     half = len(cores) // 2
     return set(cores[:half]), set(cores[half:])
+
+
+def lent_services(cfg: ExperimentConfig, layout: Layout) -> set[str]:
+    """Hybrid placement: the names of the inference services the trainer's devices lend
+    (the last `workflow.lent_servers`); empty in any other placement."""
+    if cfg.workflow.placement != "hybrid":
+        return set()
+    servers = layout.by_role("inference")
+    return {s.name for s in servers[len(servers) - cfg.workflow.lent_servers :]}

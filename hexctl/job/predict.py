@@ -102,6 +102,18 @@ def _nodes(plan: Plan | None) -> Any:
     )
 
 
+def _task_groups(plan: Plan | None, cl: Any) -> dict[str, str]:
+    """The node group each of the plan's GPU tasks runs on (task -> group)."""
+    if plan is None:
+        return {}
+    group_of = {f"{g.name}-{i}": g.name for g in cl.spec.node_groups for i in range(g.nodes)}
+    return {
+        t.task: group_of[t.slots[0].node]
+        for t in plan.decisions.tasks
+        if t.gpu_kind is not None and t.slots[0].node in group_of
+    }
+
+
 def host_side(
     cfg: ExperimentConfig, plan: Plan | None = None, profile_dir: Path | None = None
 ) -> tuple[str, dict[str, Any]]:
@@ -138,6 +150,8 @@ def predict_run(
     controller and its rewards on the `host` side's cores ("trainer" or "inference");
     `{"unavailable": why}` when the cost model lacks an input."""
     from scheduler.cluster import load_cluster
+    from scheduler.colocated import switch_s
+    from scheduler.hybrid import hybrid_rates
     from scheduler.model_shape import load_model_shape
     from scheduler.predict import LayoutError, predict_layout
     from scheduler.profile import load_profile
@@ -164,28 +178,41 @@ def predict_run(
         )
         prof = load_profile(profile, m.params) if profile else None
         inst, trainer = _layout(cfg, plan, cl)
-        pred = predict_layout(
-            cl,
-            m,
-            w,
-            prof,
-            inst,
-            trainer,
-            max_inflight_groups=cfg.rollout.max_concurrent_groups,
-            nodes=_nodes(plan),
-        )
+
+        def price(servers: list) -> Any:
+            return predict_layout(
+                cl,
+                m,
+                w,
+                prof,
+                servers,
+                trainer,
+                max_inflight_groups=cfg.rollout.max_concurrent_groups,
+                nodes=_nodes(plan),
+                task_groups=_task_groups(plan, cl),
+            )
+
+        pred = price(inst)
+        placement = cfg.workflow.placement
+        kind = {g.name: g.gpu for g in cl.spec.node_groups}.get(trainer.parts[0][0], "")
+        switch = switch_s(w, prof, kind)
+        if placement == "hybrid":  # the servers of their own, and the lent ones
+            lent = cfg.workflow.lent_servers
+            own = price(inst[: len(inst) - lent])
+            pred = hybrid_rates(own, pred, len(inst) - lent, lent, w.samples_per_step, switch)
     except (ConfigError, LayoutError) as exc:
         return {"unavailable": str(exc)}
-    syn = pred.synchronous.as_dict()
-    if cfg.workflow.placement == "colocated":  # one context switch a step, in turn
+    syn, asyn = pred.synchronous.as_dict(), pred.asynchronous.as_dict()
+    if placement == "colocated":  # one context switch a step, in turn
         step = w.samples_per_step / max(syn["pipeline_samples_per_s"], 1e-12)
-        syn["pipeline_samples_per_s"] = w.samples_per_step / (step + w.constants.context_switch_s)
-        syn["context_switch_s"] = w.constants.context_switch_s
+        syn["pipeline_samples_per_s"] = w.samples_per_step / (step + switch)
+    if placement != "disaggregated":
+        syn["context_switch_s"] = asyn["context_switch_s"] = switch
     return {
         "source": "plan" if plan is not None else "local profile",
         "cluster": str(cluster),
         "host_cores": host,
-        "asynchronous": pred.asynchronous.as_dict(),
+        "asynchronous": asyn,
         "synchronous": syn,
     }
 

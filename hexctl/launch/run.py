@@ -35,7 +35,7 @@ from areal_hex.config import ExperimentConfig
 from areal_hex.net import WaitAborted, wait_until
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths, remove_stale_tmp
-from hexctl.job.cores import core_groups
+from hexctl.job.cores import core_groups, lent_services
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
@@ -107,25 +107,29 @@ def process_specs(
     placement = cfg.workflow.placement
     inference_cores, trainer_cores = core_groups(cfg.run.pin_cores, placement)
     host_cores = inference_cores if host == "inference" else trainer_cores
-    n_servers = len(layout.by_role("inference"))
+    lent = lent_services(cfg, layout)  # hybrid: servers on the trainer's cores
+    n_servers = len(layout.by_role("inference")) - len(lent)
     assign_local_gpus(layout)
     specs = []
     for svc in layout.services:
-        cores = {"inference": inference_cores, "trainer": trainer_cores}.get(svc.role, host_cores)
+        side = "lent" if svc.name in lent else svc.role
+        cores = {"inference": inference_cores, "trainer": trainer_cores, "lent": trainer_cores}
+        cores = cores.get(side, host_cores)
         env = dict(svc.env)
         env["PYTHONUNBUFFERED"] = "1"
         if cores is not None:
             share = {
                 "inference": max(1, len(cores) // max(1, n_servers)),
+                "lent": max(1, len(cores) // max(1, len(lent))),
                 "trainer": len(cores),
-            }.get(svc.role, 1)
+            }.get(side, 1)
             env["OMP_NUM_THREADS"] = str(share)
         elif cfg.inference.device == "cpu" and svc.role == "inference":
             every = os.cpu_count() or 2
             own = every if placement == "colocated" else every // 2
             env["OMP_NUM_THREADS"] = str(max(1, own // max(1, n_servers)))
-        if placement == "colocated":
-            # the phases share every core: a thread that waits at an OpenMP barrier
+        if placement != "disaggregated":
+            # the phases share cores: a thread that waits at an OpenMP barrier
             # sleeps instead of spinning on a core the other phase needs (twice the
             # steady rate of spinning threads on this 2-core machine: docs/modes.md)
             env["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -73,6 +73,9 @@ class GenerationRates:
     reload_under_load_sync: str | None = None  # how those updates went: disk | network
     # over the network, the same updates with nothing in flight (a synchronous run's)
     reload_idle_network_s: list[float] | None = None
+    # one context switch of a placement that shares devices, as the controller makes it
+    # (colocate.py: pause, release, resume, continue), nothing in flight; the median
+    context_switch_s: float | None = None
 
 
 def measure_generation(
@@ -317,6 +320,16 @@ class _Driver:
             await task
         return took
 
+    async def context_switch(self) -> float:
+        """One switch of a colocated step, as `colocate.py` makes it: the idle server
+        pauses (abort), releases its memory, takes it back and continues; its length."""
+        t0 = time.perf_counter()
+        await self.client.pause("abort")
+        await self.client.release_memory_occupation()
+        await self.client.resume_memory_occupation()
+        await self.client.resume()
+        return time.perf_counter() - t0
+
 
 async def _generation(
     url: str,
@@ -342,6 +355,7 @@ async def _generation(
         versions = range(1, repeats + 1)
         busy = [await d.reload(model_dir, 2 * v, top) for v in versions]
         idle = [await d.reload(model_dir, 2 * v + 1, 0) for v in versions]
+        switches = [await d.context_switch() for _ in range(max(5, repeats))]
     return GenerationRates(
         decode_step_s=steps,
         prefill_tokens_per_s=prefill,
@@ -354,4 +368,5 @@ async def _generation(
         reload_shared_s=None,
         host_cpu_s_per_sample=0.0,
         sync_cycle_s=0.0,
+        context_switch_s=statistics.median(switches),
     )

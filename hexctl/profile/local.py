@@ -88,6 +88,8 @@ def profile_local(
         train_broadcast_s=train.broadcast_s,
         train_checkpoint_s=train.checkpoint_s,
         reload_idle_s=gen.reload_idle_s,
+        # the server's part; the trainer on a CPU gives nothing back (its threads sleep)
+        context_switch_s=gen.context_switch_s,
     )
     prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
     spec = cluster_spec(dev, shape.params, gen, train.tokens_per_s)
@@ -193,6 +195,7 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "publish_every": cfg.trainer.publish_every,
         "checkpoint_every": cfg.trainer.checkpoint_every,
         "reference_model": cfg.algo.kl_coef > 0,
+        "critic": cfg.algo.advantage == "gae",
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,
         "weight_sync": cfg.rollout.weight_sync,

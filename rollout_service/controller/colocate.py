@@ -34,6 +34,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
 
 from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
 from rollout_service.controller.weight_sync import UpdateGate, WeightSync
@@ -41,15 +42,29 @@ from rollout_service.controller.weight_sync import UpdateGate, WeightSync
 log = logging.getLogger(__name__)
 
 Admit = Callable[[], Awaitable[None]]
+InFlight = Callable[[], Collection[asyncio.Task[None]]]
+
+
+class PhaseControl(Protocol):
+    """What the controller calls of a placement whose generation shares devices."""
+
+    def gated(self, admit: Callable[..., Awaitable[None]]) -> Admit: ...
+
+    async def after_put(self) -> None: ...
+
+    def row_fields(self) -> dict[str, float]: ...
+
+
+# A placement's phase control, made from the controller's weight protocol and its groups
+# in flight (`Colocation`, or `lend.Lending` with its servers and batch bound)
+Phases = Callable[[WeightSync, InFlight], PhaseControl]
 
 
 class Colocation:
     """Releases the servers' memory while the trainer steps and takes it back before
     the next weights load."""
 
-    def __init__(
-        self, weights: WeightSync, in_flight: Callable[[], Collection[asyncio.Task[None]]]
-    ) -> None:
+    def __init__(self, weights: WeightSync, in_flight: InFlight) -> None:
         """`weights`: the controller's protocol, whose servers and gate these are (its
         updates resume the servers first); `in_flight()`: the groups being made now."""
         self.dispatcher: Dispatcher = weights.dispatcher
@@ -137,6 +152,9 @@ class Colocation:
 
         ok = await asyncio.gather(*[one(s) for s in servers])
         return [s for s, good in zip(servers, ok, strict=True) if good]
+
+    async def after_put(self) -> None:
+        """Nothing: the gate's hold, not a put, ends a colocated generation phase."""
 
     def row_fields(self) -> dict[str, float]:
         """The switch counters, for the controller's metrics row."""

@@ -46,6 +46,7 @@ class ServerState:
     failures_total: int = 0
     tokens_total: int = 0  # tokens generated here
     last_error: str = ""
+    lent_away: bool = False  # hybrid: paused while the trainer steps on its devices
 
     @property
     def url(self) -> str:
@@ -76,12 +77,15 @@ class Dispatcher:
 
     # ------------------------------------------------------------ choice
     def pick(self, exclude: set[int] | None = None) -> ServerState | None:
-        """The healthy server with the least outstanding work, avoiding `exclude` unless
-        only excluded servers are healthy; None when no server is healthy."""
+        """The healthy server with the least outstanding work, avoiding `exclude` and
+        servers lent away (hybrid) unless only those are healthy; None when no server is
+        healthy."""
         healthy = [s for s in self.servers if s.healthy]
         if not healthy:
             return None
-        preferred = [s for s in healthy if s.index not in (exclude or set())] or healthy
+        avoid = exclude or set()
+        preferred = [s for s in healthy if s.index not in avoid and not s.lent_away]
+        preferred = preferred or [s for s in healthy if s.index not in avoid] or healthy
         return min(preferred, key=lambda s: (s.outstanding_tokens, s.in_flight, s.index))
 
     async def acquire(self, exclude: set[int] | None = None) -> ServerState:

@@ -39,9 +39,9 @@ from areal_hex.config.rollout import RolloutConfig
 from areal_hex.data import Prompt, iterate_prompts
 from areal_hex.net import async_retry
 from areal_hex.record import Completion, GroupRecord
-from areal_hex.rewards import RewardPool
+from areal_hex.rewards import GroupScorer, RewardPool
 from areal_hex.run_files import RolloutRow, append_row
-from rollout_service.controller.colocate import Colocation
+from rollout_service.controller.colocate import Phases
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
 from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
@@ -65,20 +65,21 @@ class RolloutController:
         stop_token_ids: Sequence[int] = (),
         weights_dir: str | None = None,
         seed: int = 0,
-        rewards: RewardPool | None = None,
+        rewards: GroupScorer | None = None,
         gpu_kinds: Sequence[str] = (),
         settle_s: float = 0.0,
         buffer_retry_s: float = 60.0,
         network: NetworkSource | None = None,
         final_version: int | None = None,
-        colocated: bool = False,
+        phases: Phases | None = None,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
         producer (a killed predecessor whose lease has not expired yet) to come back;
         `buffer_retry_s` (`buffer.retry_s`): how long a buffer call is retried while the
         buffer is unreachable. `final_version`: the trainer's last; with it, a controller
         at `max_groups` waits until that version is published, making the groups the
-        trainer drops meanwhile (owed), so a run always gets its steps' worth."""
+        trainer drops meanwhile (owed), so a run always gets its steps' worth. `phases`:
+        the placement's turns on shared devices (colocate.py, lend.py)."""
         self.cfg = cfg
         self.buffer_retry_s = buffer_retry_s
         self.final_version = final_version
@@ -100,7 +101,7 @@ class RolloutController:
         self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
         self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir, network)
         self.dispatcher.on_recover = self.weights.recover
-        self.colocation = Colocation(self.weights, lambda: self._tasks) if colocated else None
+        self.colocation = phases(self.weights, lambda: self._tasks) if phases else None
         self._admit = self.colocation.gated(producer.admit) if self.colocation else producer.admit
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
@@ -337,7 +338,7 @@ class RolloutController:
             samples = await self._samples(prompt, f"{self._rid_prefix}-g{seq}")
             texts = [self.decode(s.token_ids) for s in samples]
             assert self.rewards is not None
-            rewards = await self.rewards.score_many(texts, prompt.answer)
+            rewards = await self.rewards.score_group(prompt, texts)
             group = GroupRecord(
                 prompt_id=prompt.id,
                 prompt_ids=prompt.input_ids,
@@ -403,15 +404,14 @@ class RolloutController:
 
     async def _put(self, group: GroupRecord) -> None:
         await self._buffer_call(lambda: self.producer.put(group), "put")
+        if self.colocation is not None:
+            await self.colocation.after_put()
 
     async def _buffer_call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """`call()`, retried while the buffer is unreachable (a Redis restart), for up to
         `buffer.retry_s`; then the error propagates."""
         return await async_retry(
-            call,
-            retry_if=is_connection_error,
-            within_s=self.buffer_retry_s,
-            what=f"buffer {what}",
+            call, retry_if=is_connection_error, within_s=self.buffer_retry_s, what=f"buffer {what}"
         )
 
     # ------------------------------------------------------------ weights

@@ -192,6 +192,8 @@ class WeightSync:
         # awaited after the gate closed, before the servers pause and load (colocated:
         # they take their memory back, colocate.py)
         self.before_update: list[Callable[[], Awaitable[None]]] = []
+        # awaited once the servers continued on the new version (hybrid: lend.py)
+        self.after_update: list[Callable[[], Awaitable[None]]] = []
         self._lock = asyncio.Lock()
 
     async def start(self, update_pause: UpdatePause) -> None:
@@ -264,6 +266,8 @@ class WeightSync:
         if not path and self.network is None:
             log.warning("version %d has no weights path; not reloading", version)
             self._serve(version)
+            for hook in self.after_update:
+                await hook()
             return
         async with self._lock:
             # Cancelled between the pause and the resume, the servers would stay paused
@@ -316,6 +320,8 @@ class WeightSync:
         # not loaded anywhere (over the network: every broadcast failed): the servers keep
         # the version they had, and so does the gate, until it is sent again
         self._serve(version if loaded else self.serving)
+        for hook in self.after_update:
+            await hook()
         dt = time.monotonic() - t0
         self.syncs_total += 1
         self.sync_s_total += dt

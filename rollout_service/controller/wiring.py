@@ -144,7 +144,9 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
+    from rollout_service.controller.lend import phases_for
     from rollout_service.controller.reference import ScoredProducer
+    from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
 
     tokenizer = load_rollout_tokenizer(cfg)
@@ -166,10 +168,11 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     redis_client = endpoint.async_client()
     producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
     eos = tokenizer.eos_token_id
-    scorer = reference_scorer(cfg)  # π_ref log-probs of each group, on its way to the buffer
+    scorer = build_scorer(cfg)  # None: the rule alone, the controller's own pool
+    ref_scorer = reference_scorer(cfg)  # π_ref log-probs of each group, on its way to the buffer
     ctl = RolloutController(
         clients,
-        producer if scorer is None else ScoredProducer(producer, scorer),
+        producer if ref_scorer is None else ScoredProducer(producer, ref_scorer),
         prompts.prompts,
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cfg.rollout,
@@ -184,7 +187,10 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         settle_s=cfg.buffer.lease_ttl_s + 1.0,
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
-        colocated=cfg.workflow.placement == "colocated",
+        phases=phases_for(
+            cfg.workflow.placement, cfg.workflow.lent_servers, cfg.buffer.groups_per_step
+        ),
+        rewards=scorer,
     )
     metrics = serve_metrics(cfg, ctl)
     freeze_startup()  # tokenizer, prompts, imports: out of every later collection
@@ -195,6 +201,8 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
     try:
+        if scorer is not None:
+            await scorer.start()
         log.info("%swaiting for the inference servers", STATUS_MARK)
         n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
         log.info(
@@ -220,10 +228,12 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             metrics.stop()
         if trackers is not None:
             trackers.close()
+        if scorer is not None:
+            await scorer.aclose()
         await give_back(producer)
         await producer.aclose()
         await redis_client.aclose()
         endpoint.close()
         await asyncio.gather(*[c.close() for c in clients], return_exceptions=True)
-        if scorer is not None:
-            await scorer.aclose()
+        if ref_scorer is not None:
+            await ref_scorer.aclose()

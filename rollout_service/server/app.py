@@ -71,17 +71,23 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         finally:
             await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="areal-hex inference server", lifespan=lifespan)
-    app.add_middleware(ApiKeyGate, open_paths=OPEN_PATHS)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
-    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app = guarded(FastAPI(title="areal-hex inference server", lifespan=lifespan), settings)
     add_generate_routes(app)
     _weight_routes(app)
     _memory_routes(app)
     _info_routes(app)
     add_openai_routes(app)
+    return app
+
+
+def guarded(app: FastAPI, settings: ServerSettings) -> FastAPI:
+    """The token check, body limit and error shapes every app of this server has (the
+    reward-model one too: rollout_service/server/classify_routes.py)."""
+    app.add_middleware(ApiKeyGate, open_paths=OPEN_PATHS)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     return app
 
 

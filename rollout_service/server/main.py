@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from areal_hex.config import InferenceConfig, ModelConfig
+from areal_hex.config.reward import RewardModelConfig
 from areal_hex.net import WaitAborted, wait_until
 from rollout_service.server.app import ServerSettings, create_app
 from rollout_service.server.engine import Engine, EngineOptions
@@ -94,14 +95,39 @@ def build_server_app(model_cfg: ModelConfig, inf: InferenceConfig):  # -> FastAP
     return create_app(build_engine(model_cfg, inf), server_settings(model_cfg, inf))
 
 
-def serve(model_cfg: ModelConfig, inf: InferenceConfig, port: int) -> None:
-    """Run the built-in server on `inf.host:port` until SIGINT/SIGTERM."""
+def build_reward_app(rm: RewardModelConfig, path: str, inf: InferenceConfig):  # -> FastAPI
+    """The built-in server in reward-model mode: the sequence classifier at `path`
+    behind SGLang's /classify (rollout_service/server/classify_routes.py)."""
+    import torch
+
+    from areal_hex.reward_model import load_reward_model
+    from rollout_service.server.classifier import Classifier
+    from rollout_service.server.classify_routes import create_reward_app
+
+    if rm.num_threads is not None:
+        torch.set_num_threads(rm.num_threads)
+    model = load_reward_model(path, rm.device, rm.dtype)
+    tokenizer_path = rm.tokenizer_path or path
+    clf = Classifier(model, _load_tokenizer(tokenizer_path), path, max_batch=rm.max_batch)
+    args = rm.model_dump(mode="json", include={"dtype", "device", "max_batch", "num_threads"})
+    settings = ServerSettings(
+        api_key=inf.api_key,
+        tokenizer_path=tokenizer_path,
+        server_args={**args, "model_path": path},
+    )
+    return create_reward_app(clf, settings)
+
+
+def serve(model_cfg: ModelConfig, inf: InferenceConfig, port: int, app: Any = None) -> None:
+    """Run the built-in server on `inf.host:port` until SIGINT/SIGTERM (`app`: one built
+    already, e.g. by `build_reward_app`; else the generation server of `model_cfg`)."""
     import uvicorn
 
     logging.basicConfig(level=inf.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    app = build_server_app(model_cfg, inf)
-    if inf.weights_dir:
-        Path(inf.weights_dir).mkdir(parents=True, exist_ok=True)
+    if app is None:
+        app = build_server_app(model_cfg, inf)
+        if inf.weights_dir:
+            Path(inf.weights_dir).mkdir(parents=True, exist_ok=True)
     # On SIGTERM, requests still running after 5 s are cancelled (their generations are
     # aborted) so the engine can stop.
     uvicorn.run(
@@ -118,15 +144,17 @@ class ServerThread:
     """Run an app under uvicorn in a background thread on a free loopback port.
 
     `with ServerThread(app) as url:` yields `http://127.0.0.1:<port>`; leaving the block
-    stops the server (the app's lifespan stops its engine)."""
+    stops the server (the app's lifespan stops its engine). `port`: this one instead."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", start_timeout_s: float = 60.0, port: int = 0
+    ) -> None:
         import uvicorn
 
         config = uvicorn.Config(
             app,
             host=host,
-            port=0,
+            port=port,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,

@@ -29,9 +29,14 @@ class SGLangLaunchError(RuntimeError):
 
 
 def launch_command(
-    model_cfg: ModelConfig, inf: InferenceConfig, port: int, python: str | None = None
+    model_cfg: ModelConfig,
+    inf: InferenceConfig,
+    port: int,
+    python: str | None = None,
+    is_embedding: bool = False,
 ) -> list[str]:
-    """`python -m sglang.launch_server ...` for server `port` of this config."""
+    """`python -m sglang.launch_server ...` for server `port` of this config;
+    `is_embedding`: a reward model (SGLang's `--is-embedding`, answering /classify)."""
     if model_cfg.path is None:
         raise ValueError(
             "inference.backend=sglang needs model.path (an HF name or directory); "
@@ -66,6 +71,8 @@ def launch_command(
         cmd += ["--tokenizer-path", model_cfg.tokenizer_path]
     if inf.api_key:
         cmd += ["--api-key", inf.api_key]
+    if is_embedding:
+        cmd.append("--is-embedding")
     return cmd + list(s.extra_args)
 
 
@@ -161,10 +168,12 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def run_sglang(model_cfg: ModelConfig, inf: InferenceConfig, port: int) -> int:
+def run_sglang(
+    model_cfg: ModelConfig, inf: InferenceConfig, port: int, is_embedding: bool = False
+) -> int:
     """Launch, wait for health, then stay in the foreground until the server exits
     (SIGTERM/SIGINT are passed on). Returns its exit code."""
-    cmd = launch_command(model_cfg, inf, port)
+    cmd = launch_command(model_cfg, inf, port, is_embedding=is_embedding)
     print(f"starting: {redacted(cmd)}", flush=True)
     server = SGLangProcess(cmd, echo=sys.stdout).start()
 

@@ -354,9 +354,13 @@ def test_bench_plan_small(tmp_path: Path) -> None:
         "racks_h800_h20,h800_h20",
         "--workloads",
         "math_grpo",
+        "--workflows",
+        "grpo,grpo_rm_task",
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    assert set(doc["workflow_plans"]) == {"grpo", "grpo_rm_task"}
+    assert doc["slow_reward_model_ok"] == 1.0
     assert set(doc["solve_s"]) == {"64"} and set(doc["plan_s"]) == {"64"}
     assert set(doc["plan_s_many_groups"]) == {"128"}
     assert doc["max_gap_vs_exhaustive"] == 0.0

@@ -24,7 +24,7 @@ def test_colocated_async_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"workflow.placement colocated with run.mode async"):
         load_config(TINY, ["workflow.placement=colocated"])
     with pytest.raises(ConfigError, match="expected one of|Input should be"):
-        load_config(TINY, ["workflow.placement=hybrid"])
+        load_config(TINY, ["workflow.placement=hybridised"])
     # `run --mode async` over a colocated config: the same clear error, no traceback
     from hexctl.job.prepare import apply_mode
 
@@ -72,6 +72,7 @@ async def test_colocated_servers_give_their_memory_back_while_the_trainer_steps(
     from areal_hex.config import DataConfig, RolloutConfig
     from areal_hex.data import build_prompts, generate_arithmetic
     from areal_hex.rewards import RewardPool
+    from rollout_service.controller.colocate import Colocation
     from rollout_service.controller.rollout import RolloutController
 
     prompts = build_prompts(generate_arithmetic(8, "train"), TOK, DataConfig()).prompts
@@ -91,7 +92,7 @@ async def test_colocated_servers_give_their_memory_back_while_the_trainer_steps(
         rewards=pool,
         final_version=3,
         metrics_path=tmp_path / "rollout.jsonl",
-        colocated=True,
+        phases=Colocation,
     )
     run = asyncio.create_task(ctl.run())
     seen = []
@@ -256,10 +257,11 @@ def test_bench_modes_is_registered_and_refuses_unknown_modes() -> None:
     args = parser.parse_args(["bench", "modes", "--json", "--steps", "5"])
     assert args.steps == 5 and args.modes.split(",") == list(
         ("disaggregated-async", "disaggregated-sync", "colocated-sync")
+        + ("hybrid-async", "hybrid-sync")
     )
     assert chosen_modes("colocated-sync") == ["colocated-sync"]
-    with pytest.raises(ConfigError, match="unknown hybrid"):
-        chosen_modes("colocated-sync,hybrid")
+    with pytest.raises(ConfigError, match="unknown hybrid-eager"):
+        chosen_modes("colocated-sync,hybrid-eager")
 
 
 async def test_a_release_ends_leftover_requests_and_a_refusal_keeps_the_server_generating() -> None:

@@ -20,6 +20,11 @@ kinds, ZeRO, ranks, rank speeds, and the staleness bound and publish interval th
 tuned, on the rack inventory with --search-max-staleness 8 --search-publish-every 2 --zero-stage
 3) has the plan's value in the resolved config of a local run and of the k8s and Slurm
 renders; applied_mismatches lists any that does not.
+workflow_plans: one job planned as each of `plan_tasks.WORKFLOWS` (GRPO, with the KL
+reference in the trainer or as a task, with a reward-model task, PPO with its critic, PPO
+with both tasks): rate, pools, tasks, binding; slow_reward_model_ok: 1.0 when a reward
+model pinned to L4 bounds the plan at its own rate and the planner, allowed any kind,
+moves it to one that keeps up (`hexctl/bench/micro/plan_tasks.py`).
 min_budget_used: the least share of the budget a plan spends where the inventory does
 not bind (budget_used lists those plans); max_unspent_machines: the most any of those
 plans leaves unspent, in prices of the inventory's cheapest machine.
@@ -34,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_hex.config import ConfigError
+from hexctl.bench.micro.plan_tasks import WORKFLOWS, workflow_names, workflows
 from scheduler.cluster import Cluster, ClusterSpec, load_cluster, make_cluster
 from scheduler.exhaustive import exhaustive
 from scheduler.milp import solve
@@ -72,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workloads", default="long_cot,math_grpo", help="shipped workloads to plan them with"
+    )
+    p.add_argument(
+        "--workflows",
+        default=",".join(WORKFLOWS),
+        help="workflows (critic, reference, reward model) to plan one job as; none if empty",
     )
 
 
@@ -218,6 +229,7 @@ def gap_vs_exhaustive(seeds: int, model: str = "qwen3-1.7b") -> tuple[float, int
 
 def run(args: argparse.Namespace) -> dict:
     planned = inventories(args.inventories)
+    names = workflow_names(args.workflows)
     m = load_model_shape(args.model)
     w = Workload()
     solve_s, gaps = {}, {}
@@ -259,6 +271,7 @@ def run(args: argparse.Namespace) -> dict:
     gain = metis_gain(m, args.time_limit)
     applied, mismatches = applied_to_run(args.time_limit)
     return {
+        **(workflows(EXAMPLES, m, args.time_limit, names) if names else {}),
         "applied_to_run": applied,
         "applied_mismatches": mismatches,
         "solve_s": solve_s,

@@ -15,7 +15,11 @@ inference server, which must be found hung and replaced (`sigstop`); two faults
 overlapping (`overlap`: Valkey, then the controller 3 s later); every process SIGKILLed
 at once (`power_loss`), then `--resume`, also with the end of Valkey's append-only file
 cut off (`aof_truncate`: the cut named, its losses counted); two `--resume` at once
-(`race_resume`: the second exits 2). Overrides (`rollout.weight_sync=network`) apply.
+(`race_resume`: the second exits 2); SIGKILL of an instance of a workflow task
+(`task_kill`, chaos_task.py: a job with no task gets a harmless one); the run
+directory's filesystem full to the last byte (`disk_full`, chaos_disk.py: the job then
+runs on a tmpfs of its own; a clean stop, exit 1, then `--resume` once the filesystem
+has grown back). Overrides (`rollout.weight_sync=network`) apply.
 
 Baseline: the same job's ledger identity holds with no fault at all before the first one
 (the `before_first_fault` ledger), and every number comes from durable state
@@ -25,23 +29,35 @@ Baseline: the same job's ledger identity holds with no fault at all before the f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from areal_hex import lifetime
-from areal_hex.config.base import load_yaml_text
-from areal_hex.run_files import RunPaths, TrainerRow, read_rows
+from areal_hex.run_files import RunPaths
 from hexctl.bench import BenchFailed
 from hexctl.bench.system import DEFAULT_CONFIG, scratch_dir
-from hexctl.report.ledger import read_ledger
+from hexctl.bench.system.chaos_disk import SmallDisk, disk_full_ok, stale_publications, stop_checks
+from hexctl.bench.system.chaos_procs import (
+    RUN_ID,
+    corrupt_newest,
+    cut_aof,
+    kill_rank,
+    live_ledger,
+    pids_of,
+    power_loss,
+    racing_resumes,
+    rank_pids,
+    start_launcher,
+    steps_done,
+    survivors,
+    wait_for,
+)
+from hexctl.bench.system.chaos_task import task_instances, task_overrides
 from trainer_service.checkpoint import complete_checkpoints
 
 KINDS = (
@@ -58,14 +74,15 @@ KINDS = (
     "power_loss",
     "aof_truncate",
     "race_resume",
+    "task_kill",
+    "disk_full",
 )
 # faults that end the launcher: the job goes on with `--resume`
 RESUMED = ("launcher", "launcher_kill", "power_loss", "aof_truncate", "race_resume")
-AOF_CUT_BYTES = 300  # cut from the end of Valkey's append-only file (`aof_truncate`)
+RESUMED += ("disk_full",)
 EARLY = "trainer_early"  # struck after step 1, before the first checkpoint (step 3)
 OVERLAP_GAP_S = 3.0  # between the two faults of `overlap`
 SURVIVAL_S = 10.0  # no process of the run may outlive a SIGKILLed launcher longer
-RUN_ID = "chaos"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,48 +126,17 @@ def fault_plan(kinds: list[str], steps: int, seed: int) -> list[tuple[int, str]]
     rng.shuffle(order)
     lo, hi = 2 + 2 * len(early), max(3, steps - 4)
     span = (hi - lo) / max(1, len(order))
-    at = [int(lo + span * i + rng.random() * span * 0.5) for i in range(len(order))]
+    at: list[int] = []
+    for i in range(len(order)):  # distinct steps, even when faults outnumber them
+        at.append(max(int(lo + span * i + rng.random() * span * 0.5), at[-1] + 1 if at else lo))
     return early + list(zip(at, order, strict=True))
-
-
-# ---------------------------------------------------------------- the processes
-def _pids(run_dir: Path) -> dict[str, int]:
-    return json.loads((run_dir / "pids.json").read_text())
-
-
-def rank_pids(pids: dict[str, int]) -> list[int]:
-    """The trainer's ranks (not its launcher's processes)."""
-    launchers = ("deepspeed.launcher", "torch.distributed.run")
-    return [
-        p
-        for p, cmd in lifetime.group_members(pids["trainer"])
-        if "-m trainer_service.main" in cmd and not any(x in cmd for x in launchers)
-    ]
-
-
-def kill_rank(pids: dict[str, int], rank: int | None = None) -> str:
-    """SIGKILL one trainer rank (`rank`, found ahead, else the first), not its launcher:
-    the launcher must notice."""
-    pid = rank if rank is not None else rank_pids(pids)[0]
-    os.kill(pid, signal.SIGKILL)
-    return f"SIGKILL trainer rank {pid}"
-
-
-def corrupt_newest(run_dir: Path) -> str:
-    """Truncate the largest file of the newest complete checkpoint to half its size."""
-    _, newest = complete_checkpoints(RunPaths.at(run_dir).checkpoint_dir)[-1]
-    victim = max((f for f in newest.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
-    size = victim.stat().st_size
-    with open(victim, "r+b") as f:
-        f.truncate(size // 2)
-    return f"truncated {victim.relative_to(run_dir)} ({size} -> {size // 2} bytes)"
 
 
 def strike(
     kind: str, run_dir: Path, launcher: subprocess.Popen[bytes], rank: int | None = None
 ) -> str:
     """Deliver one fault; returns what was hit."""
-    pids = _pids(run_dir)
+    pids = pids_of(run_dir)
     if kind == "launcher":
         launcher.send_signal(signal.SIGTERM)
         return f"SIGTERM launcher {launcher.pid}"
@@ -169,109 +155,18 @@ def strike(
     if kind == "sigstop":
         os.killpg(pids["inference-0"], signal.SIGSTOP)
         return f"SIGSTOP inference-0 (process group {pids['inference-0']})"
+    if kind == "task_kill":
+        name = task_instances(run_dir)[0]
+        os.killpg(pids[name], signal.SIGKILL)
+        return f"SIGKILL task instance {name} (process group {pids[name]})"
     if kind == "overlap":
         os.killpg(pids["redis"], signal.SIGKILL)
         time.sleep(OVERLAP_GAP_S)
-        os.killpg(_pids(run_dir)["controller"], signal.SIGKILL)
+        os.killpg(pids_of(run_dir)["controller"], signal.SIGKILL)
         return f"SIGKILL redis, then controller {OVERLAP_GAP_S:g} s later"
     name = {"inference": "inference-0", "controller": "controller", "valkey": "redis"}[kind]
     os.killpg(pids[name], signal.SIGKILL)
     return f"SIGKILL {name} (process group {pids[name]})"
-
-
-def power_loss(run_dir: Path, launcher: subprocess.Popen[bytes]) -> str:
-    """SIGKILL the launcher and every process group of the run at once."""
-    pids = _pids(run_dir)
-    launcher.send_signal(signal.SIGKILL)
-    for pid in (p for name, p in pids.items() if name != "launcher"):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    groups = sorted(p for name, p in pids.items() if name != "launcher")
-    return f"SIGKILL launcher {launcher.pid} and process groups {groups}"
-
-
-def cut_aof(run_dir: Path, nbytes: int = AOF_CUT_BYTES) -> str:
-    """Cut the last `nbytes` of Valkey's newest append-only increment (nothing runs)."""
-    incr = sorted((run_dir / "valkey" / "appendonlydir").glob("*.incr.aof"))[-1]
-    size = incr.stat().st_size
-    with open(incr, "r+b") as f:
-        f.truncate(max(0, size - nbytes))
-    return f"cut {incr.relative_to(run_dir)} ({size} -> {max(0, size - nbytes)} bytes)"
-
-
-def racing_resumes(run_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Two `--resume` at once: the one that runs, and the other's exit code and words."""
-    racers = [start_launcher(["--resume", str(run_dir)], log) for _ in range(2)]
-    first = wait_for(lambda: any(r.poll() is not None for r in racers), 120.0)
-    loser = next((r for r in racers if r.poll() is not None), None)
-    if not first or loser is None:
-        return racers[0], {"loser_exit": None}
-    winner = racers[1] if loser is racers[0] else racers[0]
-    said = [ln for ln in log.read_text(errors="replace").splitlines() if "in use by" in ln]
-    return winner, {"loser_exit": loser.returncode, "loser_said": said[-1] if said else ""}
-
-
-def survivors(run_dir: Path, timeout_s: float) -> dict[str, list[int]]:
-    """Processes of the run still alive `timeout_s` after its launcher died (or none,
-    as soon as they are all gone)."""
-    from hexctl.launch.supervisor import live_processes
-
-    def left() -> dict[str, list[int]]:
-        return live_processes(run_dir / "pids.json", f"{run_dir.name}/")
-
-    wait_for(lambda: not left(), timeout_s)
-    return left()
-
-
-def start_launcher(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "hexctl.cli", "run", *args, "--no-progress"]
-    with open(log, "ab") as f:
-        return subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
-# ---------------------------------------------------------------- observing
-def steps_done(run_dir: Path) -> list[TrainerRow]:
-    return read_rows(RunPaths.at(run_dir).metrics, TrainerRow)
-
-
-def live_ledger(run_dir: Path, timeout_s: float = 60.0) -> dict[str, Any] | None:
-    """The ledger read from the running Valkey (waiting while it restarts). A commit
-    landing between the checkpoint read and the counters read shows its groups as
-    missing; such a read is repeated."""
-    import redis
-
-    cfg = load_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml"))
-    client = redis.Redis.from_url(cfg["redis"]["url"], socket_timeout=5)
-    deadline = time.monotonic() + timeout_s
-    out = None
-    try:
-        while True:
-            try:
-                out = read_ledger(client, RUN_ID, RunPaths.at(run_dir))
-                if out.get("groups_lost") == 0:
-                    return out
-            except redis.RedisError:
-                pass
-            if time.monotonic() >= deadline:
-                return out
-            time.sleep(0.5)
-    finally:
-        client.close()
-
-
-def wait_for(cond: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(poll_s)
-    return False
 
 
 PROCESS: dict[str, tuple[str, ...]] = {
@@ -286,17 +181,27 @@ PROCESS: dict[str, tuple[str, ...]] = {
 }
 
 
-def restarts_of(run_dir: Path, kind: str, t: float) -> tuple[int, float | None]:
-    """How often the struck process was started again after the fault at `t`, and how
-    many seconds after it the first time (the launcher: the attempts started after it;
-    two processes struck: the fewer restarts, and the later of their first ones)."""
+def struck_processes(kind: str, run_dir: Path) -> tuple[str, ...]:
+    """The services a fault strikes (none for the launcher's faults)."""
+    if kind == "task_kill":
+        return tuple(task_instances(run_dir)[:1])
+    return PROCESS.get(kind, ())
+
+
+def restarts_of(
+    run_dir: Path, kind: str, t: float, names: tuple[str, ...] = ()
+) -> tuple[int, float | None]:
+    """How often the struck process (`names`, else the kind's) was started again after
+    the fault at `t`, and how many seconds after it the first time (the launcher: the
+    attempts started after it; two processes struck: the fewer restarts, and the later of
+    their first ones)."""
     events = json.loads(RunPaths.at(run_dir).events.read_text())
     attempts = events.get("attempts", [events])
     if kind in RESUMED:
         times = [a["t_start"] for a in attempts if a["t_start"] > t]
         return len(times), (min(times) - t if times else None)
     counts, firsts = [], []
-    for name in PROCESS[kind]:
+    for name in names or PROCESS[kind]:
         times = [
             e["time"]
             for a in attempts
@@ -314,12 +219,18 @@ class Job:
     """The job under test: its launcher (restarted with --resume after a SIGTERM) and
     what its run directory says."""
 
-    def __init__(self, args: argparse.Namespace, out: Path) -> None:
-        self.run_dir = out / RUN_ID
+    def __init__(
+        self, args: argparse.Namespace, out: Path, disk: SmallDisk, kinds: list[str]
+    ) -> None:
+        root = disk.mount if disk.mounted else out  # the run directory's parent
+        self.run_dir = root / RUN_ID
         self.log = out / "launcher.log"
+        self.disk = disk
         self.deadline = time.monotonic() + args.timeout
         overrides = [*job_overrides(args.steps), *args.overrides]
-        first = [args.config, *overrides, f"run.output_dir={out}", f"run.run_id={RUN_ID}"]
+        if "task_kill" in kinds:
+            overrides += task_overrides(args.config, overrides)
+        first = [args.config, *overrides, f"run.output_dir={root}", f"run.run_id={RUN_ID}"]
         self.launcher = start_launcher(first, self.log)
         self.rank: int | None = None  # the trainer rank to strike, when found ahead
 
@@ -340,8 +251,15 @@ class Job:
         """Strike, wait for the next step completed after it (after the resume, for the
         launcher: the step under way still completes before the launcher exits)."""
         at_step, t = self.step(), time.time()
-        fault: dict[str, Any] = {"kind": kind, "at_step": at_step}
-        fault["what"] = strike(kind, self.run_dir, self.launcher, self.rank)
+        fault: dict[str, Any] = {"kind": kind, "at_step": at_step, "t": t}
+        fault["processes"] = struck_processes(kind, self.run_dir)
+        fault["log_at"] = self.log.stat().st_size
+        if kind == "disk_full":
+            filled = self.disk.fill()
+            fault["what"] = f"filled {self.disk.mount} ({filled['size_mib']:.1f} MiB)"
+            fault.update(filled)
+        else:
+            fault["what"] = strike(kind, self.run_dir, self.launcher, self.rank)
         done = complete_checkpoints(RunPaths.at(self.run_dir).checkpoint_dir)
         fault["checkpoint_at_strike"] = done[-1][0] if done else None
         since = t
@@ -350,7 +268,8 @@ class Job:
             since = time.time()
 
         def recovered() -> bool:  # the struck process back, and a step done since
-            return self.restarted(kind, t) and any(r.time > since for r in steps_done(self.run_dir))
+            struck = self.restarted(kind, t, fault["processes"])
+            return struck and any(r.time > since for r in steps_done(self.run_dir))
 
         fault["recovered"] = wait_for(recovered, self.left_s())
         later = [r for r in steps_done(self.run_dir) if r.time > since]
@@ -358,6 +277,9 @@ class Job:
         fault["next_step"] = later[0].step if later else None
         if kind == "aof_truncate":
             fault["named"] = "append-only file was cut short" in self.log.read_text()
+        if kind == "disk_full":  # the resume removed what the stop left half-written
+            left = set(stale_publications(self.run_dir))
+            fault["tmp_left"] = [n for n in fault["tmp_at_stop"] if n in left]
         if kind == "corrupt":
             root = RunPaths.at(self.run_dir).checkpoint_dir
             fault["set_aside"] = sorted(p.name for p in root.glob("step*.corrupt*"))
@@ -365,14 +287,16 @@ class Job:
         fault["lost"] = led.get("groups_lost") if led else None
         fault["trained_twice"] = led.get("trained_twice") if led else None
         fault["produced_twice"] = led.get("prompts_produced_twice") if led else None
-        fault["t"] = t
+        fault.pop("log_at", None)
         return fault
 
     def resume(self, kind: str, fault: dict[str, Any]) -> None:
         """After a fault that ended the launcher: check that no process is left, damage
         what the fault damages, and `--resume` (twice at once for `race_resume`)."""
         fault["launcher_exit"] = self.launcher.wait(timeout=180)
-        if kind in ("launcher_kill", "power_loss", "aof_truncate"):
+        if kind == "disk_full":
+            self.after_disk_full(fault)
+        if kind in ("launcher_kill", "power_loss", "aof_truncate", "disk_full"):
             left = survivors(self.run_dir, SURVIVAL_S)
             fault["survivors_after_10s"] = sum(len(p) for p in left.values())
             fault["survivors"] = left
@@ -385,13 +309,22 @@ class Job:
             return
         self.launcher = start_launcher(["--resume", str(self.run_dir)], self.log)
 
+    def after_disk_full(self, fault: dict[str, Any]) -> None:
+        """What the stopped launcher said and left; then the filesystem grows back."""
+        with open(self.log, "rb") as f:
+            f.seek(fault.pop("log_at"))
+            said = f.read().decode(errors="replace")
+        fault.update(stop_checks(self.run_dir, said, fault["t"]))
+        fault["tmp_at_stop"] = stale_publications(self.run_dir)
+        fault["grown"] = self.disk.grow()
+
     def wait_rank(self) -> int:
         """The trainer rank's pid, once it runs (found ahead, so a kill is instant)."""
         found: list[int] = []
 
         def rank() -> bool:
             try:
-                found[:] = rank_pids(_pids(self.run_dir))
+                found[:] = rank_pids(pids_of(self.run_dir))
             except (OSError, ValueError, KeyError):
                 return False
             return bool(found)
@@ -400,13 +333,13 @@ class Job:
             raise BenchFailed(f"no trainer rank started; see {self.log}")
         return found[0]
 
-    def restarted(self, kind: str, t: float) -> bool:
+    def restarted(self, kind: str, t: float, names: tuple[str, ...]) -> bool:
         """Was the struck process started again (a hung server: replaced) since `t`? (the
         launcher's faults: the resumed attempt is started by this bench)"""
         if kind in RESUMED:
             return True
         try:
-            return restarts_of(self.run_dir, kind, t)[0] >= 1
+            return restarts_of(self.run_dir, kind, t, names)[0] >= 1
         except (OSError, ValueError, KeyError):  # events.json being replaced
             return False
 
@@ -419,9 +352,9 @@ class Job:
                 self.launcher.wait(timeout=180)
 
 
-def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
-    job = Job(args, out)
+def run_job(args: argparse.Namespace, out: Path, disk: SmallDisk) -> dict[str, Any]:
+    kinds = fault_kinds(args.faults)
+    job = Job(args, out, disk, kinds)
     faults: list[dict[str, Any]] = []
     baseline: dict[str, Any] | None = None
     try:
@@ -438,6 +371,9 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             if job.step() >= args.steps:  # the job ran past the fault's step to its end
                 faults.append({"kind": kind, "at_step": job.step(), "struck": False})
                 continue
+            if kind == "disk_full" and disk.skipped:
+                faults.append({"kind": kind, "struck": False, "skipped": disk.skipped})
+                continue
             faults.append(job.fault(kind))
     finally:
         rc = job.finish()
@@ -447,7 +383,10 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         if f.get("struck") is False:
             f.update(completed=completed, lost=None, trained_twice=None, produced_twice=None)
             continue
-        f["restarts"], f["restarted_after_s"] = restarts_of(job.run_dir, f["kind"], f.pop("t"))
+        names = tuple(f.pop("processes"))
+        f["restarts"], f["restarted_after_s"] = restarts_of(
+            job.run_dir, f["kind"], f.pop("t"), names
+        )
         f["completed"] = completed
     keys = ["groups_admitted", "groups_produced", "groups_trained", "groups_dropped_stale"]
     keys += ["groups_filtered", "groups_pending", "groups_in_flight", "groups_lost"]
@@ -464,23 +403,51 @@ def run_job(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
 
 
+def fault_kinds(faults: str) -> list[str]:
+    """The kinds of `--faults`, each checked against KINDS."""
+    kinds = [k.strip() for k in faults.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise BenchFailed(
+            f"--faults: unknown fault kind(s) {', '.join(unknown)}: expected some of "
+            f"{', '.join(KINDS)}"
+        )
+    return kinds
+
+
+def fault_ok(f: dict[str, Any]) -> bool:
+    """A fault the job came through: completed with nothing lost (a cut append-only file
+    loses what was after the cut: named, and counted), trained or produced twice, no
+    survivor of a killed launcher, and what the kind itself must show."""
+    if not f["completed"] or not (f["lost"] == 0 or f.get("named")):
+        return False
+    if f["trained_twice"] != 0 or f.get("survivors_after_10s") or f.get("produced_twice"):
+        return False
+    checks = {
+        "corrupt": lambda: bool(f.get("set_aside")),
+        EARLY: lambda: f["checkpoint_at_strike"] is None,
+        "race_resume": lambda: f.get("loser_exit") == 2,
+        "disk_full": lambda: disk_full_ok(f),
+    }
+    return checks.get(f["kind"], lambda: True)()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    kinds = fault_kinds(args.faults)
     with scratch_dir("areal-hex-chaos-", args.output_dir) as scratch:
         out = Path(scratch).resolve()
         out.mkdir(parents=True, exist_ok=True)
-        result = run_job(args, out)
-    # a cut append-only file loses what was after the cut: named, and counted
-    ok = [f for f in result["faults"] if f["completed"] and (f["lost"] == 0 or f.get("named"))]
-    ok = [f for f in ok if f["trained_twice"] == 0 and not f.get("survivors_after_10s")]
-    ok = [f for f in ok if not f.get("produced_twice")]
-    ok = [f for f in ok if f["kind"] != "corrupt" or f.get("set_aside")]
-    ok = [f for f in ok if f["kind"] != EARLY or f["checkpoint_at_strike"] is None]
-    ok = [f for f in ok if f["kind"] != "race_resume" or f.get("loser_exit") == 2]
+        with SmallDisk(out / "disk", "disk_full" in kinds, out / RUN_ID) as disk:
+            result = run_job(args, out, disk)
+            if disk.mounted:
+                result["run_dir"] = str(out / RUN_ID)  # copied there from the tmpfs
+    ok = [f for f in result["faults"] if fault_ok(f)]
     return {
         "config": args.config,
         "steps": args.steps,
         "seed": args.seed,
         "faults_total": len(result["faults"]),
         "faults_ok": len(ok),
+        "faults_skipped": sum(1 for f in result["faults"] if f.get("skipped")),
         **result,
     }

@@ -2,8 +2,9 @@
 for the same steps, in one invocation; each mode's predicted and measured samples/s,
 the planner's pick and the measured ranking.
 
-Modes: disaggregated async (the config's η), disaggregated sync, colocated sync
-(`workflow.placement`, docs/modes.md). Measured: trained samples/s over the same window
+Modes: disaggregated async (the config's η), disaggregated sync, colocated sync, hybrid
+async and sync (`workflow.placement`, docs/modes.md; hybrid: the config's servers plus
+`workflow.lent_servers` on the trainer's devices). Measured: trained samples/s over the same window
 of steps in every run (from step η + 1 of the async run on, as `bench e2e`). Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
 the machine's profile for that job (`run.profile_first`: the config's unless overridden;
@@ -33,7 +34,20 @@ MODES: dict[str, Mode] = {
     "disaggregated-async": Mode("disaggregated", "async"),
     "disaggregated-sync": Mode("disaggregated", "sync"),
     "colocated-sync": Mode("colocated", "sync"),
+    "hybrid-async": Mode("hybrid", "async"),
+    "hybrid-sync": Mode("hybrid", "sync"),
 }
+
+
+def lent_overrides(config: str, overrides: list[str], mode: Mode) -> list[str]:
+    """Hybrid: the config's servers stay on their own devices and the lent ones come on
+    top (`inference.num_servers` + `workflow.lent_servers`); other modes: nothing."""
+    if mode.placement != "hybrid":
+        return []
+    from areal_hex.config import load_config
+
+    base = load_config(config, overrides)
+    return [f"inference.num_servers={base.inference.num_servers + base.workflow.lent_servers}"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,7 +133,8 @@ def run_mode(
     mode = MODES[name]
     first = ["run.profile_first=true"] if profile_first else []
     extra = [f"run.output_dir={out}", f"run.run_id=bench-{name}", "run.progress=log"]
-    cfg = load_config(config, [*first, *overrides, *mode.overrides(), *extra])
+    lent = lent_overrides(config, overrides, mode)
+    cfg = load_config(config, [*first, *overrides, *lent, *mode.overrides(), *extra])
     fresh_run_dir(cfg.run.run_dir())
     cfg, path = prepare_run(cfg, None, mode.run_mode)
     result = execute(cfg, path, None, progress=False)

@@ -1,0 +1,144 @@
+"""Hybrid placement, controller side: the trainer's devices also generate, while it waits.
+
+`workflow.placement: hybrid`: the servers of their own generate all the time (as
+disaggregated); the last `workflow.lent_servers` servers run on the trainer's devices and
+generate only while the trainer waits for its next batch. One step, across processes:
+
+1. the trainer waits: every server, lent ones included, makes groups.
+2. the trainer has its batch: the groups put by this controller reach the trainer's next
+   step (`(steps done + 1) · B`, steps done read from the version the trainer published,
+   one a step): the lent servers pause in place (`/pause_generation` mode `in_place`:
+   their requests in flight stay, with their KV cache, and wait) and the dispatcher sends
+   them nothing new while another server is healthy. The trainer steps on its devices.
+3. the trainer publishes v+1: the weight update pauses, loads and continues every server,
+   the lent ones with the rest; then, unless the next batch is already made (generation
+   ahead of the trainer), they keep generating; otherwise they pause again.
+
+A lend is one pause and its continue (`context_switches_total`, `context_switch_s_total`
+in each metrics row, as the controller waits for every lent server). No request is given
+up by a lend: a paused server holds its requests and answers them after it continues.
+Groups the trainer drops as stale, and groups in the buffer from before a restart, are
+not counted: the lent servers then generate a little longer than the trainer needs, which
+costs the trainer a share of its devices, never a group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from rollout_service.controller.colocate import Admit, Colocation, InFlight, Phases
+from rollout_service.controller.dispatch import SERVER_ERRORS, ServerState
+from rollout_service.controller.weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+class Lending:
+    """Pauses the servers lent by the trainer's devices while the trainer steps."""
+
+    def __init__(
+        self,
+        weights: WeightSync,
+        in_flight: InFlight,
+        *,
+        lent: int,
+        groups_per_step: int,
+    ) -> None:
+        """`weights`: the controller's protocol (its updates continue every server, then
+        call `settle`); `lent`: how many of the last servers the trainer's devices hold;
+        `groups_per_step`: B, the trainer's batch in groups. `in_flight` is unused (the
+        signature of every phase control)."""
+        servers = weights.dispatcher.servers
+        if not 0 < lent < len(servers):
+            raise ValueError(
+                f"{lent} lent server(s) of {len(servers)}: expected at least one lent and "
+                "one of its own"
+            )
+        self.weights = weights
+        self.lent: list[ServerState] = servers[-lent:]
+        self.groups_per_step = groups_per_step
+        weights.after_update.append(self.after_update)
+        self.put_total = 0  # groups this controller put
+        self.first_version: int | None = None  # the trainer's version at the first put
+        self.away = False  # the lent servers are paused: the trainer has its devices
+        self.switches_total = 0
+        self.switch_s_total = 0.0
+        self._pause_s = 0.0  # of the lend under way
+        self._lock = asyncio.Lock()
+
+    def gated(self, admit: Callable[..., Awaitable[None]]) -> Admit:
+        """Admissions are the staleness gate's alone: the lent servers follow the puts."""
+        return admit
+
+    def trainer_has_batch(self) -> bool:
+        """The groups put reach the batch of the trainer's next step."""
+        if self.first_version is None:
+            return False
+        steps_done = max(0, self.weights.serving - self.first_version)
+        return self.put_total >= (steps_done + 1) * self.groups_per_step
+
+    async def after_put(self) -> None:
+        """One more group in the buffer: the trainer may have its batch now."""
+        if self.first_version is None:
+            self.first_version = self.weights.serving
+        self.put_total += 1
+        await self.settle()
+
+    async def after_update(self) -> None:
+        """A new version is served (the update continued every server it loaded): the
+        lent servers are told again what they do, generate or pause."""
+        await self.settle(again=True)
+
+    async def settle(self, again: bool = False) -> None:
+        """Pause the lent servers if the trainer has its batch, continue them if not;
+        `again`: even if that is what they were last told."""
+        async with self._lock:
+            away = self.trainer_has_batch()
+            if away == self.away and not again:
+                return
+            t0 = time.monotonic()
+            await asyncio.gather(*[self._one(s, away) for s in self.lent])
+            if away and not self.away:
+                self._pause_s = time.monotonic() - t0
+            elif self.away and not away:
+                self._count_switch(time.monotonic() - t0)
+            self.away = away
+
+    def _count_switch(self, continue_s: float) -> None:
+        self.switches_total += 1
+        self.switch_s_total += self._pause_s + continue_s
+        self._pause_s = 0.0
+
+    async def _one(self, s: ServerState, away: bool) -> None:
+        """Pause `s` in place (`away`) or continue it; a server that fails the call is
+        left as it is (the dispatcher's probe finds a dead one)."""
+        s.lent_away = away
+        try:
+            if away:
+                await s.client.pause("in_place")
+            else:
+                await s.client.resume()
+        except SERVER_ERRORS as exc:
+            verb = "pause" if away else "continue"
+            log.warning("%s: %s for the trainer failed: %s", s.url, verb, exc)
+            s.lent_away = False
+
+    def row_fields(self) -> dict[str, float]:
+        """The lend counters, for the controller's metrics row."""
+        return {
+            "context_switches_total": self.switches_total,
+            "context_switch_s_total": round(self.switch_s_total, 4),
+        }
+
+
+def phases_for(placement: str, lent: int, groups_per_step: int) -> Phases | None:
+    """The phase control of `placement` (workflow.placement); None: disaggregated."""
+    if placement == "colocated":
+        return Colocation
+    if placement == "hybrid":
+        return functools.partial(Lending, lent=lent, groups_per_step=groups_per_step)
+    return None

@@ -1,0 +1,179 @@
+"""Hybrid placement: the config's refusals, the lent servers' turns (paused while the
+trainer steps, generating while it waits), their cores, and the price."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from areal_hex.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples/tiny_cpu.yaml"
+
+
+def test_hybrid_needs_a_server_of_its_own_and_a_version_a_step() -> None:
+    cfg = load_config(TINY, ["workflow.placement=hybrid", "inference.num_servers=2"])
+    assert (cfg.workflow.placement, cfg.workflow.lent_servers) == ("hybrid", 1)
+    sync = load_config(
+        TINY, ["workflow.placement=hybrid", "inference.num_servers=2", "run.mode=sync"]
+    )
+    assert sync.buffer.max_staleness == 0
+    with pytest.raises(ConfigError, match=r"expected inference.num_servers >= 2"):
+        load_config(TINY, ["workflow.placement=hybrid"])
+    with pytest.raises(ConfigError, match=r"expected inference.num_servers >= 4"):
+        load_config(
+            TINY,
+            ["workflow.placement=hybrid", "inference.num_servers=3", "workflow.lent_servers=3"],
+        )
+    with pytest.raises(ConfigError, match=r"expected trainer.publish_every=1"):
+        load_config(
+            TINY,
+            ["workflow.placement=hybrid", "inference.num_servers=2", "trainer.publish_every=2"],
+        )
+
+
+@pytest.mark.timeout(60)
+async def test_the_lent_server_pauses_while_the_trainer_steps(tmp_path: Path) -> None:
+    """Async, η = 1, B = 2, server b lent: once the trainer's next batch is put, b pauses
+    in place (the trainer, this test, steps); after its publish b generates again unless
+    the batch after is already made. No request is retried, no group fails."""
+    import asyncio
+
+    from fakes import TOK, FakeServer, MemoryProducer
+
+    from areal_hex.config import DataConfig, RolloutConfig
+    from areal_hex.data import build_prompts, generate_arithmetic
+    from areal_hex.rewards import RewardPool
+    from rollout_service.controller.lend import Lending
+    from rollout_service.controller.rollout import RolloutController
+
+    prompts = build_prompts(generate_arithmetic(8, "train"), TOK, DataConfig()).prompts
+    own, lent = FakeServer("a", delay_s=0.002), FakeServer("b", delay_s=0.002)
+    producer = MemoryProducer(groups_per_step=2, eta=1)
+    pool = RewardPool(workers=1, timeout_s=10.0)
+    await pool.start()
+    ctl = RolloutController(
+        [own, lent],
+        producer,
+        prompts,
+        lambda ids: TOK.decode(ids, skip_special_tokens=True),
+        RolloutConfig(group_size=3, max_new_tokens=16, probe_interval_s=0.05),
+        max_groups=8,
+        rewards=pool,
+        final_version=3,
+        metrics_path=tmp_path / "rollout.jsonl",
+        phases=functools.partial(Lending, lent=1, groups_per_step=2),
+    )
+    run = asyncio.create_task(ctl.run())
+    stepping = []
+    try:
+        for v in range(1, 4):
+            while len(producer.groups) < 2 * v:  # the trainer waits for its batch
+                await asyncio.sleep(0.002)
+            while lent.running.is_set():  # it has it: the lent server pauses
+                await asyncio.sleep(0.002)
+            stepping.append((lent.running.is_set(), ctl.dispatcher.servers[1].lent_away))
+            await asyncio.sleep(0.02)  # the step: nothing new reaches the lent server
+            await producer.publish(v, "")
+        final = await asyncio.wait_for(run, 20)
+    finally:
+        await pool.aclose()
+    assert stepping == [(False, True)] * 3
+    assert lent.calls and own.calls  # the lent server generated while the trainer waited
+    assert final["context_switches_total"] >= 2 and final["context_switch_s_total"] >= 0
+    assert final["requests_retried_total"] == 0 and final["groups_failed_total"] == 0
+    assert len(producer.groups) == 8
+
+
+def test_lending_refuses_a_layout_without_a_server_of_its_own() -> None:
+    from fakes import FakeServer, MemoryProducer
+
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.lend import Lending
+    from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+
+    weights = WeightSync(Dispatcher([FakeServer("a")], 0.05), MemoryProducer(), UpdateGate())
+    with pytest.raises(ValueError, match="one of its own"):
+        Lending(weights, set, lent=1, groups_per_step=2)
+
+
+def test_lent_servers_run_on_the_trainers_cores(tmp_path: Path) -> None:
+    from hexctl.job.cores import core_groups, usable_cores
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.run import process_specs
+
+    if len(usable_cores() or ()) < 2:
+        pytest.skip("needs two usable cores")
+    cfg = load_config(
+        TINY,
+        [f"run.output_dir={tmp_path}", "run.run_id=h", "workflow.placement=hybrid"]
+        + ["inference.num_servers=2"],
+    )
+    specs = {s.name: s for s in process_specs(cfg, build_layout(cfg), tmp_path / "c.yaml")}
+    inference, trainer = core_groups(True, "hybrid")
+    assert specs["inference-0"].cpus == inference
+    assert specs["inference-1"].cpus == trainer == specs["trainer"].cpus
+    assert specs["inference-1"].env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_a_hybrid_lends_only_when_the_trainer_would_wait() -> None:
+    """G_own·T ≥ B: the disaggregated rate; below it, the wait shrinks by the lent share."""
+    from scheduler.hybrid import lent_asynchronous
+    from scheduler.predict import LayoutRates
+
+    # B = 128, T = 0.5 s (256 samples/s trained); the server of its own makes 128/s
+    own = LayoutRates(128.0, 128.0, 256.0, 0.01)
+    got = lent_asynchronous(own, 1, 1, 128, 0.01)
+    # while stepping: 64 made; the other 64 at 256/s: 0.25 s; cycle 0.5 + 0.25 + 0.01
+    assert got.pipeline_samples_per_s == pytest.approx(128 / 0.76)
+    assert got.generation_samples_per_s == 256.0
+    fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
+    assert lent_asynchronous(fast, 1, 1, 128, 0.01) == fast
+
+
+# ---------------------------------------------------------------- the switch, profiled
+def test_a_profiled_switch_replaces_the_default() -> None:
+    """`profile --local` times the switch per kind; the colocated price and a local
+    run's prediction take it, and keep `constants.context_switch_s` where it is not."""
+    from scheduler.cluster import load_cluster
+    from scheduler.colocated import best_colocated, switch_s
+    from scheduler.model_shape import load_model_shape
+    from scheduler.planner import problem_for
+    from scheduler.profile import DeviceRates, Profile
+    from scheduler.workload import load_workload
+
+    w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    cl = load_cluster(ROOT / "tests/data/one_node_2gpu.yaml")
+    m = load_model_shape("qwen3-8b")
+    p = problem_for(cl, m, w)
+    rates = DeviceRates(
+        device="H800",
+        decode_step_s={1: 0.01},
+        decode_context=100,
+        prefill_tokens_per_s=1e4,
+        train_tokens_per_s=1e3,
+        context_switch_s=7.0,
+    )
+    prof = Profile(model="qwen3-8b", params=m.params, kinds={"H800": rates})
+    default = best_colocated(p, w, 20.0)
+    timed = best_colocated(p, w, 20.0, prof)
+    assert default is not None and timed is not None
+    assert (default.switch_s, timed.switch_s) == (w.constants.context_switch_s, 7.0)
+    step = w.samples_per_step / default.samples_per_s - default.switch_s
+    assert w.samples_per_step / timed.samples_per_s == pytest.approx(step + 7.0)
+    assert switch_s(w, prof, "H20") == w.constants.context_switch_s  # not profiled
+
+
+async def test_the_profile_times_a_switch_as_the_controller_makes_it() -> None:
+    from fakes import FakeServer
+
+    from hexctl.profile.generation import _Driver
+
+    server = FakeServer("a")
+    driver = _Driver(server, load_config(TINY), [[5, 6]])
+    took = await driver.context_switch()
+    assert took > 0 and server.memory_calls == ["release", "resume"]
+    assert not server.released and server.running.is_set()
