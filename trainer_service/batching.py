@@ -61,7 +61,7 @@ def flatten_groups(groups: Sequence[GroupRecord], drop_truncated: bool = False) 
                     versions=c.versions,
                     server=c.server,
                     gpu_kind=c.gpu_kind,
-                    ref_logp=c.ref_logprobs,
+                    ref_logp=None if c.ref_logprobs is None else c.ref_logprobs.astype(np.float32),
                 )
             )
     return items
@@ -156,7 +156,7 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
         if it.versions is not None:
             versions[r, p - 1 : n - 1] = torch.from_numpy(it.versions.astype(np.int64))
         if ref is not None and it.ref_logp is not None:
-            ref[r, p - 1 : n - 1] = torch.from_numpy(np.asarray(it.ref_logp, dtype=np.float32))
+            ref[r, p - 1 : n - 1] = torch.from_numpy(it.ref_logp)
     temps = torch.tensor([it.temperature for it in items], dtype=torch.float32)
     return MicroBatch(
         seq_index=torch.tensor([it.index for it in items], dtype=torch.long),

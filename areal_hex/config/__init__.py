@@ -121,6 +121,16 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _reference_task_has_a_kl_term(self) -> ExperimentConfig:
+        task = self.workflow.task_with_role("reference")
+        if task is not None and self.algo.kl_coef <= 0:
+            raise ValueError(
+                f"workflow.tasks: task {task.name!r} (role reference) scores π_ref for the KL "
+                "term, but algo.kl_coef is 0: expected algo.kl_coef > 0, or no reference task"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _reward_model_task(self) -> ExperimentConfig:
         check_reward_task(self.rollout.reward, self.workflow)
         return self

@@ -3,9 +3,10 @@
 The reference task (`workflow.tasks` entry with `role: reference`) is an inference server
 holding the initial policy v0 that never loads another version: the controller reaches it
 at `TaskSpec.instance_urls()`, apart from the generation servers, so the weight sync never
-calls it and the dispatcher never counts it. With `algo.kl_coef > 0`, every finished group
-is scored there before it goes to the buffer, and each completion's
-`ref_logprobs` travels in the group record: the trainer then needs no reference model.
+calls it and the dispatcher never counts it. With `algo.kl_coef > 0`, every kept group is
+scored there on its way to the buffer (`ScoredProducer`, the producer the controller puts
+through), and each completion's `ref_logprobs` travels in the group record: the trainer
+then needs no reference model.
 
 The request is SGLang's prompt scoring on `/generate`, so a real SGLang server works as
 the reference worker: the group's G sequences (prompt + completion) in the batch form,
@@ -33,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from areal_hex.api import GiveBackReason, ProducerPosition, TrajectoryProducer, VersionUpdate
 from areal_hex.record import GroupRecord
 from rollout_service.client import GenerationError
 
@@ -162,15 +164,16 @@ class ReferenceScorer:
         self, group: GroupRecord, rows: list[int], rid: str
     ) -> list[np.ndarray]:
         deadline = time.monotonic() + self.retry_s
-        delay = self.first_delay_s
+        delay, attempt = self.first_delay_s, 0
         while True:
             inst = self._pick()
             if inst is None:  # every instance is down: wait for the first to be retried
                 wake = min(i.down_until for i in self.instances)
                 await asyncio.sleep(max(0.0, wake - time.monotonic()))
                 continue
-            try:
-                return await self._call(inst, group, rows, rid)
+            try:  # a rid of its own per attempt: a timed-out one may still run there
+                attempt += 1
+                return await self._call(inst, group, rows, f"{rid}.{attempt}")
             except GenerationError as exc:
                 if not _retryable(exc) or time.monotonic() + delay > deadline:
                     raise ReferenceScoringError(
@@ -240,6 +243,41 @@ class ReferenceScorer:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(i.client.close() for i in self.instances), return_exceptions=True)
+
+
+class ScoredProducer:
+    """The buffer's producer with π_ref scoring in front of `put`: a group reaches the
+    buffer only with every completion's `ref_logprobs`. A put the controller retries
+    (the buffer restarting) does not score again."""
+
+    def __init__(self, inner: TrajectoryProducer, scorer: ReferenceScorer) -> None:
+        self.inner = inner
+        self.scorer = scorer
+
+    async def put(self, group: GroupRecord) -> str:
+        if not group.has_ref_logprobs:
+            await self.scorer.score(
+                group, f"{group.metadata.get('put_token', group.prompt_id)}-ref"
+            )
+        return await self.inner.put(group)
+
+    async def admit(self, n: int = 1, on_hold: Callable[[], None] | None = None) -> None:
+        await self.inner.admit(n, on_hold)
+
+    async def version(self) -> int:
+        return await self.inner.version()
+
+    def set_serving_version(self, version: int) -> None:
+        self.inner.set_serving_version(version)
+
+    async def release(self, n: int = 1, reason: GiveBackReason = "failed") -> int:
+        return await self.inner.release(n, reason)
+
+    async def position(self) -> ProducerPosition:
+        return await self.inner.position()
+
+    def watch_versions(self) -> AsyncIterator[VersionUpdate]:
+        return self.inner.watch_versions()
 
 
 def _retryable(exc: GenerationError) -> bool:

@@ -43,7 +43,6 @@ from areal_hex.rewards import GroupScorer, RewardPool
 from areal_hex.run_files import RolloutRow, append_row
 from rollout_service.controller.colocate import Phases
 from rollout_service.controller.dispatch import Dispatcher
-from rollout_service.controller.reference import ReferenceScorer
 from rollout_service.controller.sampler import Sample, SampleFailed, Sampler
 from rollout_service.controller.weight_sync import NetworkSource, UpdateGate, WeightSync
 
@@ -73,7 +72,6 @@ class RolloutController:
         network: NetworkSource | None = None,
         final_version: int | None = None,
         phases: Phases | None = None,
-        reference: ReferenceScorer | None = None,
     ) -> None:
         """`settle_s`: at start, how long to wait for admissions still held by another
         producer (a killed predecessor whose lease has not expired yet) to come back;
@@ -99,7 +97,6 @@ class RolloutController:
         self.seed = seed
         self.rewards = rewards
         self._owns_rewards = rewards is None
-        self.reference = reference  # scores each kept group's π_ref log-probs
         self.gate = UpdateGate()
         self.dispatcher = Dispatcher(clients, cfg.probe_interval_s)
         self.weights = WeightSync(self.dispatcher, producer, self.gate, weights_dir, network)
@@ -364,8 +361,6 @@ class RolloutController:
             if filtered:  # no gradient: give its gate slot back before it takes a buffer one
                 await self._release(1, "filtered")
             else:
-                if self.reference is not None:
-                    await self.reference.score(group, f"{self._rid_prefix}-g{seq}-ref")
                 await self._put(group)
         except asyncio.CancelledError:
             self.stats["groups_abandoned_total"] += 1

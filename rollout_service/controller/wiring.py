@@ -145,6 +145,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from rollout_service.client import InferenceClient
     from rollout_service.controller.lend import phases_for
+    from rollout_service.controller.reference import ScoredProducer
     from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
 
@@ -168,9 +169,10 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
     eos = tokenizer.eos_token_id
     scorer = build_scorer(cfg)  # None: the rule alone, the controller's own pool
+    ref_scorer = reference_scorer(cfg)  # π_ref log-probs of each group, on its way to the buffer
     ctl = RolloutController(
         clients,
-        producer,
+        producer if ref_scorer is None else ScoredProducer(producer, ref_scorer),
         prompts.prompts,
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         cfg.rollout,
@@ -188,7 +190,6 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         phases=phases_for(
             cfg.workflow.placement, cfg.workflow.lent_servers, cfg.buffer.groups_per_step
         ),
-        reference=reference_scorer(cfg),
         rewards=scorer,
     )
     metrics = serve_metrics(cfg, ctl)
@@ -234,5 +235,5 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         await redis_client.aclose()
         endpoint.close()
         await asyncio.gather(*[c.close() for c in clients], return_exceptions=True)
-        if ctl.reference is not None:
-            await ctl.reference.aclose()
+        if ref_scorer is not None:
+            await ref_scorer.aclose()

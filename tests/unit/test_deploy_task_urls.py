@@ -31,6 +31,7 @@ def _with_task(tmp_path: Path, example: str, task: dict) -> ExperimentConfig:
     file sets)."""
     data = yaml.safe_load((ROOT / example).read_text())
     data["workflow"] = {"tasks": [task]}
+    data.setdefault("algo", {})["kl_coef"] = 0.01
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_config(path)

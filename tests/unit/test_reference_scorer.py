@@ -119,6 +119,7 @@ async def test_a_restarting_worker_is_waited_for_and_nothing_is_lost() -> None:
     g = _group()
     await scorer.score(g, "g0")
     assert g.has_ref_logprobs and len(w.bodies) == 1
+    assert w.bodies[0]["rid"] == ["g0.4-0", "g0.4-2"]  # a rid of its own per attempt
     assert scorer.stats.retries == 3 and scorer.stats.outages == 1
 
 
@@ -144,3 +145,53 @@ async def test_sglang_worker_refused_for_groups_sampled_at_another_temperature()
     await scorer.score(_group(0.0), "g1")  # greedy: scored at T = 1 by both servers
     with pytest.raises(ReferenceScoringError, match="rollout.temperature=1.2"):
         await scorer.score(_group(1.2), "g2")
+
+
+def _controller(worker: Worker, retry_s: float, rewards: Any) -> tuple[Any, Any, Any]:
+    from fakes import TOK, FakeServer, MemoryProducer
+
+    from areal_hex.config import DataConfig, RolloutConfig
+    from areal_hex.data import build_prompts, generate_arithmetic
+    from rollout_service.controller.reference import ScoredProducer
+    from rollout_service.controller.rollout import RolloutController
+
+    producer = MemoryProducer(groups_per_step=100)
+    scorer = ReferenceScorer([worker], retry_s=retry_s, first_delay_s=0.01, max_delay_s=0.02)
+    prompts = build_prompts(generate_arithmetic(8, "train"), TOK, DataConfig()).prompts
+    cfg = RolloutConfig(group_size=3, max_new_tokens=16, metrics_interval_s=0.2, stop_grace_s=1)
+    ctl = RolloutController(
+        [FakeServer("a")],
+        ScoredProducer(producer, scorer),
+        prompts,
+        lambda ids: TOK.decode(ids, skip_special_tokens=True),
+        cfg,
+        max_groups=4,
+        rewards=rewards,
+    )
+    return ctl, producer, scorer
+
+
+@pytest.mark.timeout(60)
+async def test_controller_puts_groups_only_scored_through_a_worker_restart() -> None:
+    from areal_hex.rewards import RewardPool
+
+    rewards = RewardPool(workers=1, timeout_s=10.0)
+    await rewards.start()
+    try:
+        worker = Worker("http://ref", down=5)
+        ctl, producer, scorer = _controller(worker, 30.0, rewards)
+        final = await ctl.run()
+        assert len(producer.groups) == 4 and final["groups_failed_total"] == 0
+        for g in producer.groups:
+            for c in g.completions:
+                np.testing.assert_allclose(c.ref_logprobs, -c.token_ids / 10, rtol=1e-6)
+        assert scorer.stats.retries == 5 and scorer.stats.groups_scored == 4
+        assert all("-ref." in rid for b in worker.bodies for rid in b["rid"])
+
+        # down past the bound: the run stops, and nothing reaches the buffer unscored
+        ctl, producer, _ = _controller(Worker("http://ref", down=10**6), 0.2, rewards)
+        with pytest.raises(ReferenceScoringError, match="given up"):
+            await ctl.run()
+        assert producer.groups == [] and producer.submitted == 0  # admissions given back
+    finally:
+        await rewards.aclose()

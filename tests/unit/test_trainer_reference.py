@@ -74,6 +74,14 @@ def test_records_first_then_the_model_loaded_once_on_demand(v0: Path) -> None:
     assert reference_logprobs(_ctx(0.0, counted), scored) is None  # no KL term: none needed
 
 
+def test_a_reference_task_without_a_kl_term_is_refused() -> None:
+    from areal_hex.config.base import ConfigError, build
+
+    data = {"workflow": {"tasks": [{**REF_TASK, "port": 31000}]}}
+    with pytest.raises(ConfigError, match="expected algo.kl_coef > 0, or no reference task"):
+        build(ExperimentConfig, data, "test")
+
+
 def test_without_a_reference_task_the_model_is_held_from_the_start(v0: Path) -> None:
     held, load = reference_model(
         ExperimentConfig.model_validate({"algo": {"kl_coef": 0.1}}), v0, "cpu"
