@@ -35,8 +35,8 @@ class RolloutConfig(Section):
     max_retries: int = Field(3, ge=0)
     reward_workers: int = Field(1, gt=0)
     reward_timeout_s: float = Field(5.0, gt=0)
-    # Groups to produce; None: (trainer.total_steps + buffer.max_staleness + 1) *
-    # buffer.groups_per_step, the most the staleness gate admits by the last step.
+    # Groups to produce; None: trainer.total_steps * buffer.groups_per_step, the groups
+    # the steps train (and those the trainer drops as stale, made again).
     max_groups: int | None = Field(None, gt=0)
     # DAPO dynamic sampling: a group whose rewards are all equal (no gradient) is dropped
     # at the controller, its gate admission given back, and counted (groups_filtered);
