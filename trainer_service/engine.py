@@ -117,6 +117,10 @@ def build_engine(
         config=ds_config(cfg, world_size),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn),
     )
+    if world_size == 1 and cfg.zero_stage == 0:
+        # one rank: averaging its gradients over itself is a flatten, an all-reduce and a
+        # copy back of every gradient each step, for the same values
+        engine.enable_backward_allreduce = False
     return engine
 
 

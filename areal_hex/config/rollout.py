@@ -40,8 +40,8 @@ class RolloutConfig(Section):
     # {rule: 1.0, model: 0.5} (areal_hex/config/reward.py); the reward model's settings.
     reward: str | dict[str, float] = "rule"
     reward_model: RewardModelConfig = RewardModelConfig()
-    # Groups to produce; None: (trainer.total_steps + buffer.max_staleness + 1) *
-    # buffer.groups_per_step, the most the staleness gate admits by the last step.
+    # Groups to produce; None: trainer.total_steps * buffer.groups_per_step, the groups
+    # the steps train (and those the trainer drops as stale, made again).
     max_groups: int | None = Field(None, gt=0)
     # DAPO dynamic sampling: a group whose rewards are all equal (no gradient) is dropped
     # at the controller, its gate admission given back, and counted (groups_filtered);

@@ -10,6 +10,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ def _on_box(cfg: Any) -> tuple[Any, Any]:  # cfg: ExperimentConfig
 
 
 def _run(args: argparse.Namespace) -> int:
+    args.t_command = time.time()  # the start-up timeline's first milestone
     from hexctl.cli import UsageError, config_from_args
     from hexctl.job.prepare import apply_mode, default_run_id, preflight
     from hexctl.launch.run_lock import RunLock
@@ -148,6 +150,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
             raise UsageError(str(exc)) from None
         raise
     run_dir = cfg.run.run_dir()
+    milestones = [(args.t_command, "command"), (time.time(), "prepared (config, v0 weights)")]
     verb = "resuming" if existed else "starting"
     _say(f"{verb} {cfg.run.mode} run in {run_dir} (logs in {run_dir / 'logs'})")
     try:
@@ -159,6 +162,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
             timeout_s=args.timeout,
             profile_dir=Path(args.profile) if args.profile else None,
             place=place,
+            milestones=milestones,
         )
     except OSError as exc:
         if not is_disk_full(exc):
@@ -186,5 +190,9 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
         "final_version",
     ]
     print(json.dumps({k: result.summary.get(k) for k in keys}))
+    if result.summary.get("startup"):
+        from hexctl.report.startup import format_timeline
+
+        _say(format_timeline(result.summary["startup"]))
     _say(f"report in {run_dir / 'summary.json'} and {run_dir / 'report'}")
     return 0

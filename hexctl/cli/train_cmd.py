@@ -1,5 +1,6 @@
 """`areal-hex train CONFIG [overrides]`: start the trainer ranks through the deepspeed
-(or torchrun) launcher, one rank per device; `DS_ACCELERATOR=cpu` on CPU."""
+(or torchrun) launcher, one rank per device (one rank on one node: the rank itself);
+`DS_ACCELERATOR=cpu` on CPU."""
 
 from __future__ import annotations
 
@@ -22,12 +23,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run, preflight=preflight)
 
 
+def single_rank(cfg) -> bool:  # cfg: ExperimentConfig
+    """One rank on one node: the rank is started itself, with the rendezvous variables a
+    launcher would set (`rank_env`), since a launcher would only spawn it; that saves the
+    launcher's two interpreters and their imports (seconds on a small machine)."""
+    return cfg.trainer.num_ranks == 1 and _nodes() == 1
+
+
+def rank_env(cfg) -> dict[str, str]:  # cfg: ExperimentConfig
+    """What the launcher sets for the only rank of a one-rank job."""
+    port = str(cfg.trainer.master_port or free_port())
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    return {**one, "LOCAL_SIZE": "1", "MASTER_PORT": port}
+
+
 def launcher_command(cfg, config: str, overrides: list[str]) -> list[str]:  # cfg: ExperimentConfig
-    """The launcher command line that starts `trainer.num_ranks` ranks of
-    `trainer_service.main` with the same config and overrides."""
+    """The command line that starts `trainer.num_ranks` ranks of `trainer_service.main`
+    with the same config and overrides: the launcher's, or the rank's own (`single_rank`)."""
     t = cfg.trainer
-    port = str(t.master_port or free_port())
     tail = ["trainer_service.main", config, *overrides]
+    if single_rank(cfg):
+        return [sys.executable, "-m", *tail]
+    port = str(t.master_port or free_port())
     if t.launcher == "deepspeed":
         head = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.num_ranks)]
         return [*head, "--master_port", port, "--module", *tail]
@@ -87,6 +104,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_command:
         print(shlex.join(cmd))
         return 0
+    env = launcher_env(cfg)
+    if single_rank(cfg):
+        env.update(rank_env(cfg))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
     sys.stdout.flush()
-    os.execvpe(cmd[0], cmd, launcher_env(cfg))
+    os.execvpe(cmd[0], cmd, env)
     return 0  # not reached

@@ -19,6 +19,7 @@ from areal_hex.net import free_port, free_port_block, port_free
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
 from hexctl.job.plan_config import project_plan
+from hexctl.job.v0_cache import warm_started_v0
 from hexctl.job.warm_start import sft_texts
 
 
@@ -142,11 +143,11 @@ def materialize_v0(cfg: ExperimentConfig, weights_dir: Path) -> Path:
     """Write `weights_dir/v0` (kept if present: a resumed run keeps its initial model)."""
     from areal_hex.models import build_tokenizer, materialize
 
-    texts = None
     tiny = cfg.model.tiny
     if cfg.model.path is None and tiny is not None and tiny.sft_steps > 0:
         texts = sft_texts(cfg, build_tokenizer())
-    return materialize(cfg.model, weights_dir / "v0", sft_texts=texts)
+        return warm_started_v0(cfg.model, texts, weights_dir / "v0")  # cached across runs
+    return materialize(cfg.model, weights_dir / "v0")
 
 
 def choose_ports(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:

@@ -1,7 +1,8 @@
 """`areal-hex run`: the whole job as local processes, from the layout `deploy` renders.
 
-Order: run directory and resolved config (prepare.py), v0 weights, Valkey, inference
-servers (wait for /health), then trainer and controller. The run ends when the trainer
+Order: run directory and resolved config (prepare.py), v0 weights, Valkey, then the
+inference servers, trainer and controller together (the launcher waits for the servers'
+/health; the controller for one healthy server). The run ends when the trainer
 finishes its last step (then the controller, servers and Valkey are stopped, in that
 order, and the report is written), on Ctrl-C / SIGTERM, or when a process fails for good
 (its last log lines are printed and the exit code is 1), or when the disk fills
@@ -26,7 +27,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -251,13 +252,16 @@ def start_services(
     for spec in by_role.get("redis", []):
         sup.start(spec)
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
+        sup.events.append((time.time(), spec.name, "ready"))
     for spec in by_role.get("worker", []):  # the workflow's other tasks
         sup.start(spec)
     if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
         with contextlib.closing(client):
             forget_weight_groups(client, str(cfg.run.run_id))
     servers = by_role.get("inference", [])
-    for spec in servers:
+    # all at once: the trainer's start (imports, DeepSpeed, the model) overlaps the
+    # servers' and the first groups'; the controller waits for a healthy server itself
+    for spec in servers + by_role.get("trainer", []) + by_role.get("controller", []):
         sup.start(spec)
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
@@ -265,8 +269,7 @@ def start_services(
         if cfg.inference.backend == "sglang":
             timeout = max(timeout, cfg.inference.startup_timeout_s)
         wait_ready(sup, spec.name, http_probe(urls[i]), timeout)
-    for spec in by_role.get("trainer", []) + by_role.get("controller", []):
-        sup.start(spec)
+        sup.events.append((time.time(), spec.name, "ready"))
 
 
 def stop_services(
@@ -297,11 +300,14 @@ def execute(
     timeout_s: float | None = None,
     profile_dir: Path | None = None,
     place: Callable[[ExperimentConfig, Layout, list[ProcessSpec]], None] | None = None,
+    milestones: Sequence[tuple[float, str]] = (),
 ) -> RunResult:
     """Start, watch and stop the services of a prepared run; write the report. The cost
     model's prediction for the layout (`prediction.json`) comes from the plan, else from a
     local profile (`profile_dir`), for the report to hold the run against. `place` starts
-    each process where it runs (a box's node: `hexctl.box.place.place_on_box`)."""
+    each process where it runs (a box's node: `hexctl.box.place.place_on_box`);
+    `milestones`, (time, what) of the launcher before this call, join the events (the
+    start-up timeline)."""
     from hexctl.job.predict import host_side, write_prediction
 
     stream = stream or sys.stderr
@@ -326,6 +332,7 @@ def execute(
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
+        sup.events.extend((t, "launcher", what) for t, what in milestones)
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
         try:
             attempt.tick()
@@ -395,6 +402,7 @@ def _watch(
         enabled=progress,
         mode=cfg.run.progress,
         services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
+        on_status=lambda name, what: sup.events.append((time.time(), name, f"status: {what}")),
     )
     stall = StallWatch(
         sup,

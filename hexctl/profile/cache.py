@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
+from hexctl.job.v0_cache import cache_root
 
 # Fields that name, place or bound a run without changing what a profile measures.
 _RUN_FIELDS = ("seed", "pin_cores", "host_cores")  # not mode: its staleness is in buffer
@@ -51,14 +52,6 @@ _SKIP = {
 _SECTIONS = ("model", "data", "inference", "rollout", "buffer", "algo", "trainer")
 # The packages whose code is timed (server, controller, trainer) or times it.
 _CODE_ROOTS = ("areal_hex", "rollout_service", "trainer_service", "scheduler", "hexctl/profile")
-
-
-def cache_root() -> Path:
-    env = os.environ.get("AREAL_HEX_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "areal-hex"
 
 
 def machine(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from areal_hex.trackers import open_run_trackers
 from hexctl.report.fidelity import add_fidelity
 from hexctl.report.ledger import summary_fields
 from hexctl.report.mismatch import plot_mismatch
+from hexctl.report.startup import startup_timeline
 
 
 def _final_reward(rows: list[TrainerRow], frac: float = 0.2) -> float | None:
@@ -158,6 +159,7 @@ def summarize(
         "versions_on_disk": published,
         "restarts": events.get("restarts", {}),
         "buffer": buffer,
+        "startup": startup_timeline(events, metrics),
     }
     if ledger is not None:
         for superseded in ("in_buffer_at_stop", "in_flight_controller"):

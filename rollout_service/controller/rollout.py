@@ -246,7 +246,7 @@ class RolloutController:
                 return True
             if await self._buffer_call(self.producer.version, "version") >= self.final_version:
                 return False
-            await self._until_stop(asyncio.sleep(1.0))
+            await self._until_stop(asyncio.sleep(0.25))  # the last steps wait for these
         return False
 
     async def _below_target(self, seq: int) -> bool:

@@ -58,13 +58,14 @@ class SamplingExhausted(RuntimeError):
 
 
 def target_groups(cfg: ExperimentConfig) -> int:
-    """`rollout.max_groups`, else the most groups the gate admits by the last step:
-    (trainer.total_steps + buffer.max_staleness + 1) * buffer.groups_per_step. Groups
-    owed (never made, or dropped by the trainer) come on top (`final_version`)."""
+    """`rollout.max_groups`, else the groups the trainer's steps take:
+    trainer.total_steps * buffer.groups_per_step, so that the last step's groups are the
+    last made (the gate would admit max_staleness + 1 steps' worth more, which no step
+    trains). Groups owed (never made, or dropped by the trainer) come on top
+    (`final_version`)."""
     if cfg.rollout.max_groups is not None:
         return cfg.rollout.max_groups
-    b = cfg.buffer
-    return (cfg.trainer.total_steps + b.max_staleness + 1) * b.groups_per_step
+    return cfg.trainer.total_steps * cfg.buffer.groups_per_step
 
 
 def final_version(cfg: ExperimentConfig) -> int | None:

@@ -111,7 +111,8 @@ def test_the_reward_is_the_runs_math_reward() -> None:
 
 
 def _fake_side(rate: float) -> dict[str, Any]:
-    return {"samples_per_s": rate, "steady_samples_per_s": rate * 1.1}
+    steady = rate * (1.1 if rate > 150 else 1.5)
+    return {"samples_per_s": rate, "steady_samples_per_s": steady, "wall_s": 6000 / rate}
 
 
 @pytest.mark.skipif(not HAVE_TRL, reason="trl not installed (pip install -e .[trl])")
@@ -160,6 +161,8 @@ def test_json_of_runs_back_to_back(
     assert out["ratios"] == [300 / 200, 250 / 100]
     assert (out["ratio_min"], out["ratio_max"]) == (1.5, 2.5)
     assert out["ratio_median"] == 2.0
+    assert out["steady_ratios"] == pytest.approx([330 / 220, 275 / 150])  # per run
+    assert out["wall_ratios"] == pytest.approx([300 / 200, 250 / 100])
     assert out["areal_hex_pass@1"] == [0.5, 0.5] and out["trl_pass@1"] == [0.25, 0.25]
     assert [r["first"] for r in out["runs"]] == ["areal-hex", "trl"]
     assert out["v0_pass@1"] == 0.1 and out["steps"] == 2

@@ -165,7 +165,7 @@ def test_replay_roundtrip_and_wraparound(tmp_path: Path) -> None:
 
 
 def test_launcher_commands(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hexctl.cli.train_cmd import launcher_command, launcher_env
+    from hexctl.cli.train_cmd import launcher_command, launcher_env, rank_env
 
     # a test that ran DeepSpeed in this process earlier set it in os.environ
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
@@ -177,9 +177,20 @@ def test_launcher_commands(monkeypatch: pytest.MonkeyPatch) -> None:
         "--module", "trainer_service.main", "c.yaml", "trainer.lr=1",
     ]  # fmt: skip
     assert launcher_env(cfg)["DS_ACCELERATOR"] == "cpu"
-    cfg = load_config(None, ["trainer.launcher=torchrun", "trainer.device=cuda"])
+    cfg = load_config(
+        None, ["trainer.launcher=torchrun", "trainer.device=cuda", "trainer.num_ranks=2"]
+    )
     cmd = launcher_command(cfg, "c.yaml", [])
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node"]
+    # one rank on one node starts itself, with the launcher's rendezvous variables
+    one = load_config(None, ["trainer.master_port=29998"])
+    assert launcher_command(one, "c.yaml", ["trainer.lr=1"])[1:] == [
+        "-m", "trainer_service.main", "c.yaml", "trainer.lr=1"
+    ]  # fmt: skip
+    env = rank_env(one)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("0", "1", "29998")
+    monkeypatch.setenv("PET_NNODES", "2")  # one rank per node on two nodes: the launcher
+    assert launcher_command(one, "c.yaml", [])[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert "DS_ACCELERATOR" not in launcher_env(cfg) or launcher_env(cfg)["DS_ACCELERATOR"] != "cpu"
 
 

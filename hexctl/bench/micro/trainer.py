@@ -1,7 +1,8 @@
 """Trainer throughput and publication cost against plain-PyTorch baselines in the same run.
 
-- `trainer_tokens_per_s`: the DeepSpeed trainer step (`optimize`: proximal recompute,
-  advantages, decoupled PPO loss, backward per micro-batch, clip, AdamW step), 1 rank.
+- `trainer_tokens_per_s`: the DeepSpeed trainer step (`optimize`: advantages, decoupled
+  PPO loss with the loss pass's own log-probs as the proximal ones, backward per
+  micro-batch, clip, AdamW step), 1 rank.
 - `torch_loop_tokens_per_s`: a plain PyTorch loop doing the same work on an identical
   model, batch, optimizer and loss. Steps of the two alternate, so machine load hits both.
 - `publish_s`: snapshot + write one HF weights directory (temp dir, rename);
@@ -48,15 +49,14 @@ def _torch_step(model: Any, opt: Any, ctx: Any, groups: list, clip: float) -> No
     from trainer_service.step import plan_micro_batches
 
     mbs, items, counts = plan_micro_batches(ctx, groups)
-    with torch.no_grad():
-        prox = [token_logprobs(model, mb)[0] for mb in mbs]
     a = ctx.algo
     adv, _, _ = sequence_advantages(groups, items, a.advantage, a.std_normalize, a.std_eps)
     adv_t = torch.tensor(np.append(adv, 0.0), dtype=torch.float32)
-    for mb, p in zip(mbs, prox, strict=True):
+    for mb in mbs:
         logp, _ = token_logprobs(model, mb, with_entropy=True)
+        prox = logp.detach()  # one update per step: the loss pass's weights are pi_prox
         loss, _ = policy_loss(
-            a, logp, p, mb.behav_logp, adv_t[mb.seq_index].view(-1, 1), mb.loss_mask, counts
+            a, logp, prox, mb.behav_logp, adv_t[mb.seq_index].view(-1, 1), mb.loss_mask, counts
         )
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

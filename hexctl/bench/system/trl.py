@@ -91,7 +91,9 @@ TRL_VERSION = "1.16.0"  # the version the mapping was read from (pyproject's `tr
 RATE_DEFINITION = (
     "trained samples / seconds of the RL part: areal-hex summary.json samples_per_s_wall "
     "(groups trained x G / active_time_s, services ready to job end); TRL max_steps x "
-    "batch / wall time of trainer.train()"
+    "batch / wall time of trainer.train(). startup_s: the side's command started to its "
+    "first optimizer step; wall_s: the whole command (v0's warm start made once for "
+    "both, v0_seconds, outside it)"
 )
 
 _AGGREGATION_TO_LOSS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "fixed_len": "dr_grpo"}
@@ -246,17 +248,20 @@ def run_areal(
     first = ["--profile", str(profile)] if profile is not None else ["run.profile_first=false"]
     argv = ["hexctl.cli", "run", config, *overrides, f"run.output_dir={out}",
             f"run.run_id={run_id}", *first, "--no-progress"]  # fmt: skip
-    t0 = time.perf_counter()
+    t_launch, t0 = time.time(), time.perf_counter()
     _child(argv, "areal-hex run", out / f"{run_id}.log")
     wall = time.perf_counter() - t0
     run_dir = out / run_id
     s = json.loads((run_dir / "summary.json").read_text())
+    first = first_step_time(run_dir / "metrics.jsonl")
     return {
         "run_dir": str(run_dir),
         "samples_per_s": s["samples_per_s_wall"],
         "steady_samples_per_s": s["samples_per_s"],
+        "startup_s": None if first is None else round(first - t_launch, 2),
         "rl_s": s.get("active_time_s"),  # the ledger's; absent in a report from files alone
         "wall_s": round(wall, 2),
+        "startup": s.get("startup"),  # the run's own timeline (which process ready when)
         "steps": s["steps"],
         "samples_trained": s["groups_trained"] * s["group_size"],
         "final_reward": s["final_reward"],
@@ -265,10 +270,19 @@ def run_areal(
     }
 
 
+def first_step_time(metrics: Path) -> float | None:
+    """The time of a run's first optimizer step (its first metrics.jsonl row)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with metrics.open() as f:
+            return float(json.loads(f.readline())["time"])
+    return None
+
+
 def run_trl(spec: dict[str, Any], out: Path, name: str) -> dict[str, Any]:
-    """TRL's GRPOTrainer in a fresh process (`hexctl.bench.system.trl_worker`)."""
+    """TRL's GRPOTrainer in a fresh process (`hexctl.bench.system.trl_worker`); its
+    start-up is timed from here, as areal-hex's is (`t_launch`)."""
     spec_path = out / f"{name}.spec.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps({**spec, "t_launch": time.time()}))
     t0 = time.perf_counter()
     _child(
         ["hexctl.bench.system.trl_worker", str(spec_path)], "TRL GRPOTrainer", out / f"{name}.log"
@@ -328,6 +342,7 @@ def one_run(
         "trl": theirs,
         "ratio": ours["samples_per_s"] / theirs["samples_per_s"],
         "steady_ratio": ours["steady_samples_per_s"] / theirs["steady_samples_per_s"],
+        "wall_ratio": theirs["wall_s"] / ours["wall_s"],  # > 1: areal-hex's command is faster
     }
     print(json.dumps(result), file=sys.stderr, flush=True)  # the runs are long: each as it ends
     return result
@@ -336,6 +351,8 @@ def one_run(
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians and ranges over the runs (each a ratio measured within one run)."""
     ratios = [r["ratio"] for r in runs]
+    steady = [r["steady_ratio"] for r in runs]
+    walls = [r["wall_ratio"] for r in runs]
     ours = [r["areal_hex"]["pass@1"] for r in runs]
     theirs = [r["trl"]["pass@1"] for r in runs]
     return {
@@ -343,9 +360,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "ratios": ratios,
-        "steady_ratio_median": statistics.median(r["steady_ratio"] for r in runs),
+        "steady_ratio_median": statistics.median(steady),
+        "steady_ratios": steady,
+        "wall_ratio_median": statistics.median(walls),
+        "wall_ratios": walls,
         "areal_hex_samples_per_s": [r["areal_hex"]["samples_per_s"] for r in runs],
         "trl_samples_per_s": [r["trl"]["samples_per_s"] for r in runs],
+        "areal_hex_startup_s": [r["areal_hex"].get("startup_s") for r in runs],
+        "trl_startup_s": [r["trl"].get("startup_s") for r in runs],
         "areal_hex_pass@1": ours,
         "trl_pass@1": theirs,
         "pass@1_areal_hex_mean": statistics.fmean(ours),
