@@ -19,6 +19,7 @@ from scheduler.costmodel import (
     kind_constants,
     rollout_configs,
 )
+from scheduler.hybrid import best_hybrid
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.one_kind import kinds_of, one_kind_plans
@@ -312,6 +313,8 @@ def make_plan(
     )
     plan.decisions.tasks = reserved.placements
     plan.baselines.disaggregated_samples_per_s = round(best.rate, 4)
+    hybrid = best_hybrid(p, w, best.solution, prof) if baselines else None
+    plan.baselines.hybrid_samples_per_s = None if hybrid is None else round(hybrid, 4)
     if colocated is not None and colocated.samples_per_s > best.rate and target is None:
         plan = colocated_plan(cl, w, colocated, names, plan)  # the faster placement
     plan.predicted.cost_usd_per_h = round(plan.predicted.cost_usd_per_h + reserved.usd_per_h, 2)

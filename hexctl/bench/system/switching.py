@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class RssSampler:
-    """Samples (time, RSS bytes) of this process's descendants: the servers and the
-    trainer (`areal-hex serve ... --index i`, `areal-hex train`), by pid."""
+    """Samples (time, RSS bytes) of this process's descendants: the servers
+    (`areal-hex serve ... --index i`) and the trainer's ranks, by pid."""
 
     samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -70,12 +70,14 @@ class RssSampler:
 
 
 def _role(argv: list[str]) -> str | None:
-    """ "trainer", "server i", or None for any other process of the run."""
+    """ "trainer" (a rank: `trainer_service.main` as the launcher starts it, not the
+    launcher itself), "server i", or None for any other process of the run."""
+    if "trainer_service.main" in argv:
+        launcher = any("launcher" in a or "distributed.run" in a for a in argv)
+        return None if launcher else "trainer"
     if "hexctl.cli" not in argv:
         return None
     rest = argv[argv.index("hexctl.cli") + 1 :]
-    if rest[:1] == ["train"]:
-        return "trainer"
     if rest[:1] == ["serve"] and "--index" in rest:
         return f"server {rest[rest.index('--index') + 1]}"
     return None
