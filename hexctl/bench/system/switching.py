@@ -1,13 +1,14 @@
-"""Context switches leak nothing: one run of the job in a placement that shares devices
-(colocated: the servers release and resume their memory each step; hybrid: the lent
-servers pause and continue), with `--switches` steps, each one switch. While it runs the
-resident memory (RSS) of every server and of the trainer is sampled; each sample is
-placed by the switches counted so far (the controller's rows). A process's level is the
-median RSS over the early switches (after `--settle` of them: imports, first batches and
-allocator pools are done) and over the last tenth of them; it holds when the growth
-stays within the tolerance (`--tolerance-mib` or `--tolerance-pct` of the level,
-whichever is larger). Requests: those the controller sent, retried and aborted, and the
-groups it made against those the run asks for (none lost: equal, none failed)."""
+"""Context switches leak nothing: one synchronous run of the job in a placement that
+shares devices (colocated: the servers release and resume their memory each step;
+hybrid: the lent servers pause and continue), with `--switches` steps, each one switch.
+While it runs, the resident memory (RSS) of every server and of the trainer's rank is
+sampled; each sample is placed by the switches counted so far (the controller's rows).
+A process's level is the median RSS over the early switches (after `--settle` of them:
+imports, first batches and allocator pools are done) and over the last tenth of them;
+it holds when the growth stays within the tolerance (`--tolerance-mib`, or
+`--tolerance-pct` of the level, whichever is larger). Requests: those the controller
+sent, retried and aborted, and the groups it made against those the run asks for (none
+lost: none retried, aborted or failed, and every group made)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--placement",
         choices=("colocated", "hybrid"),
         default="colocated",
-        help="colocated (sync: release/resume) or hybrid (async: lent servers pause)",
+        help="colocated (release/resume) or hybrid (the lent servers pause); both sync",
     )
     p.add_argument("--settle", type=int, default=5, help="switches before the first level")
     p.add_argument("--tolerance-mib", type=float, default=16.0, help="growth allowed, MiB")
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"--switches {args.switches} with --settle {args.settle}: expected at least "
             f"{4 * args.settle} switches, so that the early and late windows are apart"
         )
-    mode = MODES[f"{args.placement}-{'sync' if args.placement == 'colocated' else 'async'}"]
+    mode = MODES[f"{args.placement}-sync"]  # synchronous: one switch every step
     overrides = [*args.overrides, f"trainer.total_steps={args.switches}"]
     sampler = RssSampler()
     with scratch_dir("areal-hex-bench-switching-", args.output_dir) as out:
