@@ -215,6 +215,7 @@ def test_bench_switching_levels_and_requests() -> None:
     leaking = [(t + 0.5, (100 + t) * 2**20) for t in range(50)]
     grew = levels(leaking, rows, 5, 50, 16.0, 3.0)
     assert not grew["holds"] and grew["growth_mib"] > 30
+    assert grew["slope_kib_per_switch"] == 1024.0 and held["slope_kib_per_switch"] == 0.0
     assert "error" in levels(flat[:3], rows, 5, 50, 16.0, 3.0)
     final = {"requests_total": 10, "finish_reasons": {"stop": 9, "length": 1}}
     got = requests({**final, "groups_produced_total": 4}, 4)

@@ -112,10 +112,17 @@ def levels(
     before, after = statistics.median(early) / 2**20, statistics.median(late) / 2**20
     growth = after - before
     allowed = max(tol_mib, before * tol_pct / 100)
+    # a leak grows with every switch; a one-off (a checkpoint's buffers) steps once
+    placed = [(switches_at(rows, t), r / 2**10) for t, r in samples]
+    settled = [(n, kib) for n, kib in placed if n >= settle]
+    slope = None
+    if len({n for n, _ in settled}) > 1:
+        slope = statistics.linear_regression(*zip(*settled, strict=True)).slope
     return {
         "rss_before_mib": round(before, 2),
         "rss_after_mib": round(after, 2),
         "growth_mib": round(growth, 2),
+        "slope_kib_per_switch": None if slope is None else round(slope, 1),
         "allowed_mib": round(allowed, 2),
         "window_switches": [[settle, early_hi], [late_lo, total]],
         "samples": [len(early), len(late)],
