@@ -110,6 +110,9 @@ class Baselines(Section):
     # disaggregated asynchronous one; `decisions.placement` names the faster
     synchronous_samples_per_s: float = 0.0
     disaggregated_samples_per_s: float | None = None
+    # the disaggregated plan as a hybrid (its trainer's GPUs also generate while it waits:
+    # scheduler/hybrid.py); priced beside the others, not written as a plan
+    hybrid_samples_per_s: float | None = None
     simulated_samples_per_s: float | None = None
     simulated_max_version_lag: int | None = None
     mip_gap: float = 0.0

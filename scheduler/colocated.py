@@ -39,6 +39,23 @@ def switch_s(w: Workload, prof: Profile | None, kind: str) -> float:
     return w.constants.context_switch_s if measured is None else measured
 
 
+def on_trainer_gpus(
+    p: PlanSpace, c: TrainerOption
+) -> tuple[float, list[tuple[str, RolloutOption]]]:
+    """(samples/s, the option per node group): generation by the trainer's GPUs, each
+    node group's best rollout option per GPU that tiles its machines' trainer GPUs."""
+    gen, picks = 0.0, []
+    for g, n in c.parts:
+        fit = [
+            r for r in p.rollouts if r.group == g and r.tp <= c.per_node and c.per_node % r.tp == 0
+        ]
+        if fit:
+            r = max(fit, key=lambda r: r.samples_per_s / r.tp)
+            gen += n // r.tp * r.samples_per_s
+            picks.append((g, r))
+    return gen, picks
+
+
 def best_colocated(
     p: PlanSpace, w: Workload, budget: float, prof: Profile | None = None
 ) -> Colocated | None:
@@ -46,23 +63,13 @@ def best_colocated(
     generates. `prof`: the switch's cost per kind, where profiled."""
     best: Colocated | None = None
     longest = min(w.max_response_tokens, int(1.5 * w.response_tokens))
-    in_group: dict[str, list[RolloutOption]] = {}
-    for r in p.rollouts:
-        in_group.setdefault(r.group, []).append(r)
     for c in p.trainers:
         if c.usd_per_h > budget or c.mixed:  # a trainer across kinds: disaggregated only
             continue
-        gen, tail, picks = 0.0, 0.0, []
-        for g, n in c.parts:
-            fit = [r for r in in_group.get(g, []) if r.tp <= c.per_node and c.per_node % r.tp == 0]
-            if not fit:
-                continue
-            r = max(fit, key=lambda r: r.samples_per_s / r.tp)
-            gen += n // r.tp * r.samples_per_s
-            tail = max(tail, longest * r.step_s)
-            picks.append((g, r))
+        gen, picks = on_trainer_gpus(p, c)
         if gen <= 0 or len(picks) < len(c.parts):
             continue
+        tail = max(longest * r.step_s for _, r in picks)
         switch = switch_s(w, prof, c.kind)
         step = max(w.samples_per_step / gen, tail) + switch + c.step_s
         rate = w.samples_per_step / step

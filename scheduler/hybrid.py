@@ -22,14 +22,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from scheduler.colocated import on_trainer_gpus, switch_s
+from scheduler.milp import PlanSpace, Solution
 from scheduler.predict import LayoutPrediction, LayoutRates
+from scheduler.profile import Profile
+from scheduler.workload import Workload
 
 
 def lent_asynchronous(
-    own: LayoutRates, own_servers: int, lent: int, samples_per_step: int, switch: float
+    own: LayoutRates, g_lent: float, samples_per_step: int, switch: float
 ) -> LayoutRates:
-    """The asynchronous rates with `lent` servers beside `own_servers` of their own
-    (`own`: the layout of those alone), each step's lend costing `switch` s."""
+    """The asynchronous rates with lent servers generating `g_lent` samples/s beside the
+    servers of their own (`own`: the layout of those alone), each step's lend costing
+    `switch` s."""
     b, g_own = samples_per_step, own.generation_samples_per_s
     if own.training_samples_per_s <= 0 or g_own <= 0:
         return own
@@ -37,7 +42,7 @@ def lent_asynchronous(
     made = g_own * step  # of the next batch, while the trainer steps
     if made >= b:  # the servers of their own keep up: nothing to lend
         return own
-    g_every = g_own * (1.0 + lent / max(1, own_servers))
+    g_every = g_own + g_lent
     wait = (b - made) / g_every
     rate = b / (step + wait + switch)
     return replace(own, pipeline_samples_per_s=rate, generation_samples_per_s=g_every)
@@ -56,5 +61,24 @@ def hybrid_rates(
     syn = every.synchronous
     step = samples_per_step / max(syn.pipeline_samples_per_s, 1e-12)
     synchronous = replace(syn, pipeline_samples_per_s=samples_per_step / (step + switch))
-    asynchronous = lent_asynchronous(own.asynchronous, own_servers, lent, samples_per_step, switch)
+    g_lent = own.asynchronous.generation_samples_per_s / max(1, own_servers) * lent
+    asynchronous = lent_asynchronous(own.asynchronous, g_lent, samples_per_step, switch)
     return LayoutPrediction(asynchronous, synchronous)
+
+
+def best_hybrid(
+    p: PlanSpace, w: Workload, sol: Solution, prof: Profile | None = None
+) -> float | None:
+    """The asynchronous plan `sol` as a hybrid: its trainer's GPUs also generate while it
+    waits (one instance per TP-sized slice, as a colocated plan places them), each step
+    one switch; samples/s, None where the trainer's GPUs cannot generate (a trainer
+    across kinds, or no rollout option tiles them)."""
+    c = sol.trainer
+    if c.mixed:
+        return None
+    g_lent, picks = on_trainer_gpus(p, c)
+    if g_lent <= 0 or len(picks) < len(c.parts):
+        return None
+    own = LayoutRates(sol.rate, sol.gen_rate, sol.train_rate, 0.0)
+    lent = lent_asynchronous(own, g_lent, w.samples_per_step, switch_s(w, prof, c.kind))
+    return lent.pipeline_samples_per_s

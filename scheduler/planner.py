@@ -16,6 +16,7 @@ from scheduler.colocated import Colocated, best_colocated, colocated_plan
 from scheduler.costmodel import (
     rollout_configs,
 )
+from scheduler.hybrid import best_hybrid
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.one_kind import kinds_of, one_kind_plans
@@ -327,6 +328,8 @@ def _plan_reserved(
     )
     plan.decisions.tasks = reserved.placements
     plan.baselines.disaggregated_samples_per_s = round(best.rate, 4)
+    hybrid = best_hybrid(p, w, best.solution, prof) if baselines else None
+    plan.baselines.hybrid_samples_per_s = None if hybrid is None else round(hybrid, 4)
     cap = bound[0] if bound is not None else float("inf")
     if colocated is not None and min(colocated.samples_per_s, cap) > best.rate and target is None:
         plan = colocated_plan(cl, w, colocated, names, plan)  # the faster placement

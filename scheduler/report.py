@@ -180,10 +180,14 @@ def _verdict(b, placement: str) -> str:
         line += f"\none kind only: {b.one_kind_reason}"
     dis = b.disaggregated_samples_per_s
     if dis is not None:
+        hyb = (
+            "" if b.hybrid_samples_per_s is None else f", hybrid async {b.hybrid_samples_per_s:.3f}"
+        )
         line += (
             f"\nbest of each placement: colocated sync {b.synchronous_samples_per_s:.3f}, "
-            f"disaggregated async {dis:.3f} samples/s; picked "
-            f"{placement} (`areal-hex run --plan` carries it out)"
+            f"disaggregated async {dis:.3f}{hyb} samples/s; picked "
+            f"{placement} (`areal-hex run --plan` carries it out; a hybrid runs locally, "
+            "`workflow.placement=hybrid`)"
         )
     elif b.recommended_mode == "synchronous":
         line += (

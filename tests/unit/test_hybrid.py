@@ -126,12 +126,12 @@ def test_a_hybrid_lends_only_when_the_trainer_would_wait() -> None:
 
     # B = 128, T = 0.5 s (256 samples/s trained); the server of its own makes 128/s
     own = LayoutRates(128.0, 128.0, 256.0, 0.01)
-    got = lent_asynchronous(own, 1, 1, 128, 0.01)
+    got = lent_asynchronous(own, 128.0, 128, 0.01)
     # while stepping: 64 made; the other 64 at 256/s: 0.25 s; cycle 0.5 + 0.25 + 0.01
     assert got.pipeline_samples_per_s == pytest.approx(128 / 0.76)
     assert got.generation_samples_per_s == 256.0
     fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
-    assert lent_asynchronous(fast, 1, 1, 128, 0.01) == fast
+    assert lent_asynchronous(fast, 400.0, 128, 0.01) == fast
 
 
 # ---------------------------------------------------------------- the switch, profiled
@@ -177,3 +177,54 @@ async def test_the_profile_times_a_switch_as_the_controller_makes_it() -> None:
     took = await driver.context_switch()
     assert took > 0 and server.memory_calls == ["release", "resume"]
     assert not server.released and server.running.is_set()
+
+
+def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
+    """Training binds the 56-GPU plan: lending its GPUs adds nothing (the hybrid's price is
+    the disaggregated one). The same plan with generation binding: the trainer's GPUs
+    generating while it waits raise the rate, never past training's."""
+    from dataclasses import replace
+
+    from test_modes import _plan_on
+
+    from scheduler.hybrid import best_hybrid
+    from scheduler.report import table
+    from scheduler.workload import load_workload
+
+    res = _plan_on("examples/clusters/h800_h20.yaml", 60.0)
+    b = res.plan.baselines
+    assert b.binding == "training" and b.hybrid_samples_per_s == b.disaggregated_samples_per_s
+    assert "hybrid async" in table(res)
+    w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    sol = res.solution
+    slow = replace(sol, rate=sol.train_rate / 2, gen_rate=sol.train_rate / 2)
+    got = best_hybrid(res.problem, w, slow)
+    assert got is not None and slow.rate < got < sol.train_rate
+
+
+# ---------------------------------------------------------------- bench switching
+def test_bench_switching_levels_and_requests() -> None:
+    """A process's RSS early and late in the run, placed by the switches counted; the
+    requests sent against those answered; the processes told apart by their argv."""
+    from hexctl.bench.system.switching import _role, levels, requests
+
+    rows = [(float(t), t) for t in range(0, 51)]  # one switch a second
+    flat = [(t + 0.5, 100 * 2**20) for t in range(50)]
+    held = levels(flat, rows, 5, 50, 16.0, 3.0)
+    assert held["holds"] and held["growth_mib"] == 0 and held["rss_before_mib"] == 100
+    leaking = [(t + 0.5, (100 + t) * 2**20) for t in range(50)]
+    grew = levels(leaking, rows, 5, 50, 16.0, 3.0)
+    assert not grew["holds"] and grew["growth_mib"] > 30
+    assert grew["slope_kib_per_switch"] == 1024.0 and held["slope_kib_per_switch"] == 0.0
+    assert "error" in levels(flat[:3], rows, 5, 50, 16.0, 3.0)
+    final = {"requests_total": 10, "finish_reasons": {"stop": 9, "length": 1}}
+    got = requests({**final, "groups_produced_total": 4}, 4)
+    assert got["none_lost"] and got["requests_sent"] == got["samples_answered"] == 10
+    assert not requests({**final, "groups_produced_total": 3}, 4)["none_lost"]
+    assert not requests({**final, "groups_produced_total": 4, "requests_retried_total": 1}, 4)[
+        "none_lost"
+    ]
+    rank = ["/py", "-u", "-m", "trainer_service.main", "c.yaml", "--local_rank=0"]
+    runner = ["/py", "-m", "deepspeed.launcher.runner", "--module", "trainer_service.main"]
+    assert (_role(rank), _role(runner)) == ("trainer", None)
+    assert _role(["/py", "-m", "hexctl.cli", "serve", "c.yaml", "--index", "1"]) == "server 1"
