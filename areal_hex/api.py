@@ -41,9 +41,10 @@ class ProducerPosition:
 
     @property
     def not_made(self) -> int:
-        """Admissions whose group was never made (abandoned at a stop, or reclaimed from
-        a dead producer): their prompts are owed to the run."""
-        return self.given_back.get("abandoned", 0) + self.given_back.get("reclaimed", 0)
+        """Admissions whose group was never made (abandoned at a stop, reclaimed from a
+        dead producer, or failed: its generation ran out of retries): as many groups are
+        owed to the run, or the trainer would wait for groups no one makes."""
+        return sum(self.given_back.get(r, 0) for r in ("abandoned", "reclaimed", "failed"))
 
     @property
     def owed(self) -> int:

@@ -241,7 +241,8 @@ class RolloutController:
         while not self._stop.is_set():
             pos = await self._buffer_call(self.producer.position, "position")
             if pos.owed > self.owed:
-                log.info("%d more group(s) owed (dropped by the trainer)", pos.owed - self.owed)
+                more = pos.owed - self.owed
+                log.info("%d more group(s) owed (failed, or dropped by the trainer)", more)
                 self.owed = pos.owed
                 return True
             if await self._buffer_call(self.producer.version, "version") >= self.final_version:

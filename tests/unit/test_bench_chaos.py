@@ -131,3 +131,21 @@ def test_task_kill_adds_a_noop_task_only_where_none_is(tmp_path: Path) -> None:
     save_config(load_config(TINY, [mine]), tmp_path / "run" / "config.yaml")
     assert task_instances(tmp_path / "run") == ["ref-0", "ref-1"]
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["workflow"]["tasks"]
+
+
+def test_an_interrupted_bench_stops_the_launcher_at_once() -> None:
+    """On an interrupt or a failure the job's launcher is stopped, not waited for to
+    its end (it runs in a session of its own: a Ctrl-C of the bench does not reach it)."""
+    import subprocess
+    import time
+
+    from hexctl.bench.system.chaos import Job
+
+    job = Job.__new__(Job)
+    job.deadline = time.monotonic() + 600
+    job.launcher = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    t0 = time.monotonic()
+    assert job.finish(wait=False) == -15  # SIGTERM
+    assert time.monotonic() - t0 < 10
+    job.launcher = subprocess.Popen(["true"])
+    assert job.finish() == 0

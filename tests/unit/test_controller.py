@@ -275,6 +275,43 @@ async def test_exhausted_retries_fail_group_and_release(rewards, tmp_path: Path)
 
 
 @pytest.mark.timeout(60)
+async def test_failed_groups_are_owed_until_the_last_version(rewards, tmp_path: Path) -> None:
+    """A group whose generation failed is made again in its place: the trainer still gets
+    its steps' worth (failed groups not owed left it waiting for groups no one made)."""
+    s = FakeServer("only")
+    producer = MemoryProducer(groups_per_step=100)
+    ctl = RolloutController(
+        [s],
+        producer,
+        _prompts(),
+        _decode,
+        RolloutConfig(group_size=2, max_new_tokens=16, probe_interval_s=0.05, max_retries=1),
+        max_groups=2,
+        rewards=rewards,
+        final_version=1,
+    )
+    await ctl.dispatcher.probe_all()
+    s.down = True
+
+    async def flap_until_two_failed() -> None:  # healthy probe, failing generate
+        while producer.given_back["failed"] < 2:
+            await asyncio.sleep(0.02)
+            ctl.dispatcher.mark_healthy(ctl.dispatcher.servers[0])
+        s.down = False
+
+    flap = asyncio.create_task(flap_until_two_failed())
+    run = asyncio.create_task(ctl.run())
+    while len(producer.groups) < 2:
+        await asyncio.sleep(0.02)
+    await flap
+    await producer.publish(1, str(tmp_path / "v1"))
+    final = await asyncio.wait_for(run, timeout=20)
+    failed = producer.given_back["failed"]
+    assert len(producer.groups) == 2 and failed >= 2 and final["groups_failed_total"] == failed
+    assert producer.admitted == 2 + failed  # one more admission for each failed group
+
+
+@pytest.mark.timeout(60)
 async def test_gate_and_stop_abandons_in_flight(rewards, tmp_path: Path) -> None:
     servers = [FakeServer("a", delay_s=0.02)]
     producer = MemoryProducer(groups_per_step=2, eta=1)  # cap (0 + 1 + 1) * 2 = 4

@@ -343,9 +343,16 @@ class Job:
         except (OSError, ValueError, KeyError):  # events.json being replaced
             return False
 
-    def finish(self) -> int:
+    def finish(self, wait: bool = True) -> int:
+        """The launcher's exit code: once the job ends (`wait`), or at once (the bench
+        was interrupted or failed: the launcher is stopped as Ctrl-C stops it)."""
         try:
-            return self.launcher.wait(timeout=max(1.0, self.left_s()))
+            return self.launcher.wait(timeout=max(1.0, self.left_s()) if wait else 0.1)
+        except subprocess.TimeoutExpired:
+            if wait:
+                raise
+            self.launcher.send_signal(signal.SIGTERM)
+            return self.launcher.wait(timeout=180)
         finally:
             if self.launcher.poll() is None:
                 self.launcher.send_signal(signal.SIGTERM)
@@ -357,6 +364,7 @@ def run_job(args: argparse.Namespace, out: Path, disk: SmallDisk) -> dict[str, A
     job = Job(args, out, disk, kinds)
     faults: list[dict[str, Any]] = []
     baseline: dict[str, Any] | None = None
+    ended = False  # every fault struck: the job is waited for to its end
     try:
         for at_step, kind in fault_plan(kinds, args.steps, args.seed):
             if kind == EARLY:  # steps take ~0.1 s here, the first checkpoint is 2 away
@@ -375,8 +383,9 @@ def run_job(args: argparse.Namespace, out: Path, disk: SmallDisk) -> dict[str, A
                 faults.append({"kind": kind, "struck": False, "skipped": disk.skipped})
                 continue
             faults.append(job.fault(kind))
+        ended = True
     finally:
-        rc = job.finish()
+        rc = job.finish(wait=ended)
     summary = json.loads(RunPaths.at(job.run_dir).summary.read_text())
     completed = rc == 0 and summary.get("steps") == args.steps
     for f in faults:
