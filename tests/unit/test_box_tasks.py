@@ -121,3 +121,25 @@ def test_a_job_without_a_priced_task_or_without_a_choice_is_refused() -> None:
         plan_pair(cl, m, w.model_copy(update={"tasks": []}), prof, 5.0, "tiny")
     with pytest.raises(UsageError, match="already keeps every priced task"):
         plan_pair(cl, m, w, prof, 4.0, "tiny")
+
+
+def test_a_profile_of_a_reference_task_job_trains_on_records_with_ref_logprobs() -> None:
+    """With a reference task the records carry π_ref log-probs (the profile's training
+    step then has them for its KL term) and the trainer holds no reference model, so the
+    planner's workload charges it none."""
+    from areal_hex.config import load_config
+    from hexctl.profile.generation import GenerationRates
+    from hexctl.profile.local import workload_for
+    from trainer_service.synthetic import synthetic_groups
+
+    groups = synthetic_groups(2, 3, 50, completion_len=(2, 5), with_ref=True)
+    for c in (c for g in groups for c in g.completions):
+        assert c.ref_logprobs is not None and len(c.ref_logprobs) == len(c.token_ids)
+    plain = synthetic_groups(1, 2, 50)
+    assert all(c.ref_logprobs is None for c in plain[0].completions)
+    gen = GenerationRates({1: 0.01}, 100.0, 30.0, 12.0, 0.1, 0.1, 5.0, 0.01, None, None, 1.0)
+    cfg = load_config(ROOT / "examples/box/tiny_box_ref.yaml")
+    w = workload_for(cfg, gen)
+    assert w["reference_model"] is False and w["tasks"][0]["role"] == "reference"
+    cfg.workflow.tasks = []
+    assert workload_for(cfg, gen)["reference_model"] is True
