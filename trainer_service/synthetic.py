@@ -19,10 +19,12 @@ def synthetic_groups(
     temperature: float = 1.0,
     version: int = 0,
     model: Any | None = None,
+    with_ref: bool = False,
 ) -> list[GroupRecord]:
     """Random prompts and completions with 0/1 rewards. Behaviour log-probs come from
     `model` (an HF causal LM, at `temperature`) when given, else random values in
-    [-3, -0.5]."""
+    [-3, -0.5]. `with_ref`: each completion carries π_ref log-probs too (random, as a
+    reference task's records carry them)."""
     rng = np.random.default_rng(seed)
     groups = []
     for gi in range(n_groups):
@@ -41,6 +43,7 @@ def synthetic_groups(
                     versions=np.full(n, version),
                     finish_reason="length",
                     reward=float(rng.integers(0, 2)),
+                    ref_logprobs=rng.uniform(-3.0, -0.5, size=n) if with_ref else None,
                 )
             )
         groups.append(

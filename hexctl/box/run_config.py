@@ -2,7 +2,8 @@
 nodes of a box (`hexctl/box/emulate.py`), written into the run's config.yaml.
 
 Valkey binds the box's spine address and every service reaches it there, over its
-node's NIC and rack uplink; the controller reaches inference server i at its node's
+node's NIC and rack uplink; the controller reaches inference server i, and instance i
+of each server task the plan placed (a reference, a reward model), at its node's
 address. The plan must place the trainer on one node (a multi-node DeepSpeed launch is
 not emulated) and name only nodes the box has. Where the processes start is
 `hexctl/box/place.py`'s.
@@ -30,7 +31,9 @@ def box_state(cfg: ExperimentConfig, plan: Plan | None) -> BoxState:
     if len(plan.trainer.placements) != 1:
         nodes = ", ".join(p.node for p in plan.trainer.placements)
         raise UsageError(f"the plan's trainer spans nodes {nodes}; on a box it must use one node")
-    for node in [i.placement.node for i in plan.rollout] + [plan.trainer.placements[0].node]:
+    tasks = [s.node for t in plan.decisions.tasks for s in t.slots]
+    nodes = [i.placement.node for i in plan.rollout] + [plan.trainer.placements[0].node]
+    for node in nodes + tasks:
         state.node(node)  # UsageError naming the box's nodes
     return state
 
@@ -48,3 +51,11 @@ def apply_box(cfg: ExperimentConfig, plan: Plan | None) -> None:
         for i, inst in enumerate(plan.rollout)
     ]
     cfg.inference.gpu_kinds = [inst.gpu_kind for inst in plan.rollout]
+    for task in cfg.workflow.tasks:
+        placed = plan.decisions.task(task.name)
+        if placed is None or task.port is None or task.urls:
+            continue  # on the head node (CPU), or addressed by the config
+        task.urls = [
+            f"http://{state.node(slot.node).address}:{task.port + i}"
+            for i, slot in enumerate(placed.slots)
+        ]

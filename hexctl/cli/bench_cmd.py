@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "fidelity": "hexctl.bench.system.fidelity",
     "gpu": "hexctl.bench.system.gpu",
     "hetero": "hexctl.bench.system.hetero",
+    "tasks": "hexctl.bench.system.tasks",
     "weight-sync": "hexctl.bench.micro.weight_sync",
     "trl": "hexctl.bench.system.trl",
     "host": "hexctl.bench.system.host",

@@ -194,7 +194,9 @@ def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
         "max_staleness": cfg.buffer.max_staleness,
         "publish_every": cfg.trainer.publish_every,
         "checkpoint_every": cfg.trainer.checkpoint_every,
-        "reference_model": cfg.algo.kl_coef > 0,
+        # π_ref in the trainer's step, unless a reference task scores it
+        "reference_model": cfg.algo.kl_coef > 0
+        and cfg.workflow.task_with_role("reference") is None,
         "critic": cfg.algo.advantage == "gae",
         "rollout_tp": 1,
         "zero_stage": cfg.trainer.zero_stage,

@@ -249,6 +249,8 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     lo = max(1, round(response - half))
     hi = max(lo, round(response + half))
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
+    # a reference task's records carry π_ref log-probs: the step's KL term reads them
+    ref = cfg.algo.kl_coef > 0 and cfg.workflow.task_with_role("reference") is not None
     rates: list[float] = []
     alone: list[float] = []
     published: list[float] = []
@@ -268,7 +270,8 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
 
     freeze_startup()  # as the run's trainer does once it is built (trainer_service/main.py)
     try:
-        optimize(ctx, synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0))  # warm-up
+        warm = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=0, with_ref=ref)
+        optimize(ctx, warm)  # warm-up
         n_rounds, n_steps = job.rounds
         k = 0
 
@@ -278,7 +281,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
             tokens, busy, steps = 0, 0.0, 0
             while steps < n_steps or busy < dev.min_window_s:
                 k, steps = k + 1, steps + 1
-                groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=k)
+                groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=k, with_ref=ref)
                 t0 = time.perf_counter()
                 tokens += optimize(ctx, groups).num_tokens
                 busy += time.perf_counter() - t0

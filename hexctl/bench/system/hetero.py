@@ -91,7 +91,7 @@ def host_moved(host: dict[str, list[float]]) -> dict[str, float | None]:
     return out
 
 
-def _speed_nodes(spec: Any, files: Any) -> list[str]:
+def speed_nodes(spec: Any, files: Any) -> list[str]:
     """The node each kind's speed is sampled on: the one its profile sampled, else the
     kind's first."""
     kinds = json.loads(files.measured.read_text()).get("kinds", {})
@@ -104,7 +104,7 @@ def _speed_nodes(spec: Any, files: Any) -> list[str]:
     return nodes
 
 
-def _kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
+def kind_speed(spec: Any, probes: list[Any]) -> dict[str, float]:
     """Each kind's node speed now (`box_speed.node_speed`), by kind; a kind whose sample failed
     is left out."""
     from hexctl.box.speed import node_speed
@@ -138,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- the plans
-def _inputs(files: Any) -> tuple[Any, Any, Any, Any]:
+def plan_inputs(files: Any) -> tuple[Any, Any, Any, Any]:
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
     from scheduler.profile import load_profile
@@ -160,10 +160,9 @@ def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[st
     """Plans a, b, c (d is a, run synchronously), each with the sources the run prices
     it from."""
     from areal_hex.config import ConfigError
-    from areal_hex.plan import PlanSources
     from scheduler.planner import make_plan, to_plan
 
-    cl, m, w, prof = _inputs(files)
+    cl, m, w, prof = plan_inputs(files)
     label = str(files.model)
     res = make_plan(cl, m, w, budget=budget, prof=prof, model_label=label,
                     time_limit_s=time_limit_s, baselines=False)  # fmt: skip
@@ -183,6 +182,13 @@ def make_plans(files: Any, budget: float, time_limit_s: float = 60.0) -> dict[st
     if not one_kind:
         raise ConfigError(f"no one-kind plan fits ${budget:g}/h on this box")
     plans["b"] = max(one_kind, key=lambda p: p.predicted.samples_per_s)
+    return with_sources(plans, files)
+
+
+def with_sources(plans: dict[str, Any], files: Any) -> dict[str, Any]:
+    """`plans`, each naming the profile's files a run prices it from."""
+    from areal_hex.plan import PlanSources
+
     sources = PlanSources(
         cluster=str(files.cluster.resolve()),
         workload=str(files.workload.resolve()),
@@ -313,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 save_plan(plan, out / f"plan-{label}.yaml")
             profiled = profiled_speed(files)
             # one node of each kind, the one its profile ran on where it says so
-            probes = [state.node(n) for n in _speed_nodes(spec, files)]
+            probes = [state.node(n) for n in speed_nodes(spec, files)]
             rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
             for r, label in round_order(args.rounds):
                 mode = "sync" if label == "d" else "async"
@@ -322,9 +328,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 plan = plan_of(plans, label)
                 run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
                 host.setdefault(label, []).append(_host_gflops())
-                before = _kind_speed(spec, probes)
+                before = kind_speed(spec, probes)
                 got = run_plan(args.config, overrides, out, label, plan, mode, run_id)
-                got["speed"] = [before, _kind_speed(spec, probes)]
+                got["speed"] = [before, kind_speed(spec, probes)]
                 host[label].append(_host_gflops())
                 rounds[label].append(got)
             runs, at_speed, speed = {}, {}, {}
@@ -348,14 +354,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _say("each plan's rate, samples/s:\n" + figures_table(result))
     finally:
         box.down(spec.name)
+    return box_result(args, spec.name, state.cpu_check, load_start, result)
+
+
+def box_result(
+    args: argparse.Namespace,
+    box_name: str,
+    cpu_check: dict[str, float],
+    load_start: float,
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """A box bench's JSON object: its arguments, `result`, and what the box left."""
+    from hexctl.box import emulate as box
+
     return {
-        "box": spec.name,
+        "box": box_name,
         "budget_usd_per_h": args.budget,
         "steps": args.steps,
         "rounds": args.rounds,
         "config": args.config,
         **result,
-        "cpu_check": state.cpu_check,
-        "left_behind": box.leftovers(spec.name),
+        "cpu_check": cpu_check,
+        "left_behind": box.leftovers(box_name),
         "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
     }
