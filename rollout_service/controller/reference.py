@@ -119,6 +119,7 @@ class _Instance:
     down_until: float = 0.0  # monotonic time before which it is not tried again
     down_since: float | None = None  # start of the outage under way (None: up)
     scores_temperature: bool | None = None  # None: not asked yet
+    answered: bool = False  # has answered once (before: still starting, not down)
 
 
 @dataclass
@@ -206,6 +207,7 @@ class ReferenceScorer:
         self.stats.score_s += time.perf_counter() - t0
         url = inst.client.base_url
         self.stats.per_instance[url] = self.stats.per_instance.get(url, 0) + len(rows)
+        inst.answered = True
         if inst.down_since is not None:
             log.info(
                 "reference worker %s is back after %.1f s",
@@ -234,9 +236,12 @@ class ReferenceScorer:
         if inst.down_since is None:
             inst.down_since = time.monotonic()
             self.stats.outages += 1
-            log.warning(
-                "reference worker %s unavailable (%s): retrying for up to %.0f s",
+            what = "unavailable" if inst.answered else "not answering yet (starting?)"
+            log.log(
+                logging.WARNING if inst.answered else logging.INFO,
+                "reference worker %s %s (%s): retrying for up to %.0f s",
                 inst.client.base_url,
+                what,
                 exc.message,
                 self.retry_s,
             )
