@@ -67,6 +67,15 @@ async def test_the_lent_server_pauses_while_the_trainer_steps(tmp_path: Path) ->
         metrics_path=tmp_path / "rollout.jsonl",
         phases=functools.partial(Lending, lent=1, groups_per_step=2),
     )
+    continued = []  # a continue of the paused lent server: one switch (pause, continue)
+    resume = lent.resume
+
+    async def counted_resume() -> None:
+        if not lent.running.is_set():
+            continued.append(1)
+        await resume()
+
+    lent.resume = counted_resume  # type: ignore[method-assign]
     run = asyncio.create_task(ctl.run())
     stepping = []
     try:
@@ -83,7 +92,9 @@ async def test_the_lent_server_pauses_while_the_trainer_steps(tmp_path: Path) ->
         await pool.aclose()
     assert stepping == [(False, True)] * 3
     assert lent.calls and own.calls  # the lent server generated while the trainer waited
-    assert final["context_switches_total"] >= 2 and final["context_switch_s_total"] >= 0
+    # a continue follows a publish unless the batch after is already made (load decides)
+    assert final["context_switches_total"] == len(continued)
+    assert final["context_switch_s_total"] >= 0
     assert final["requests_retried_total"] == 0 and final["groups_failed_total"] == 0
     assert len(producer.groups) == 8
 
