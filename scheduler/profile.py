@@ -24,6 +24,10 @@ class DeviceRates(Section):
     decode_step_s: dict[int, float]  # batch -> seconds per decode step (mean context)
     decode_context: int = Field(gt=0)  # context length the decode steps were timed at
     prefill_tokens_per_s: float = Field(gt=0)
+    # Tokens/s of prompt + completion scored as a reference task scores them (`profile
+    # --local`, `--box`): one request per group, its G sequences whole, no token generated.
+    # Prices reference and reward-model tasks on this kind (`task_costs.instance_rate`).
+    score_tokens_per_s: float | None = Field(None, gt=0)
     train_tokens_per_s: float = Field(gt=0)  # forward + backward + optimizer, one device
     # ... with no weight write beside the step (`profile --box`: rounds that publish
     # nothing, between the others): a synchronous run's step, whose write ends while it
@@ -108,7 +112,12 @@ class DeviceRates(Section):
         return self.model_copy(update=upd)
 
 
-_RATES = ("prefill_tokens_per_s", "train_tokens_per_s", "train_sync_tokens_per_s")
+_RATES = (
+    "prefill_tokens_per_s",
+    "score_tokens_per_s",
+    "train_tokens_per_s",
+    "train_sync_tokens_per_s",
+)
 _TIMES = (
     "train_publish_s",
     "train_broadcast_s",

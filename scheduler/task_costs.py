@@ -9,8 +9,10 @@ kind sustains
     F = T · (2·N + 4·L·heads·head_dim·T/2),   T = prompt + mean completion tokens,
 
 N, L, heads and head_dim the task model's (the reference is the actor's shape, the reward
-model `workload.reward_model_shape`'s). Where the profile measured the kind, its prefill
-tokens/s (measured for the actor) replaces the peak: g · tokens/s / T · F_actor / F. An
+model `workload.reward_model_shape`'s). Where the profile measured the kind, its scoring
+tokens/s (a group's sequences scored whole in one request, as the controller sends them;
+else its prefill tokens/s), measured for the actor, replaces the peak:
+g · tokens/s / T · F_actor / F. An
 instance must hold the model's bf16 weights over its GPUs and one sequence's KV cache.
 The task's rate is its instances' sum; the pipeline runs no faster than it. A `custom`
 task's work is not modelled: it gets its devices, unpriced. PPO's critic is no task here:
@@ -90,7 +92,8 @@ def instance_rate(
     flops = forward_flops_per_sample(shape, w)
     if prof is not None and prof.has(kind.name):
         toks = w.prompt_tokens + w.response_tokens
-        per_gpu = prof.prefill_tokens_per_s(kind.name) / toks
+        rates = prof.kinds[kind.name]
+        per_gpu = (rates.score_tokens_per_s or rates.prefill_tokens_per_s) / toks
         return task.gpus * per_gpu * forward_flops_per_sample(actor, w) / flops
     return task.gpus * kind.bf16_tflops * 1e12 * k.prefill_mfu / flops
 

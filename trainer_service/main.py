@@ -229,9 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tie_to_launcher()  # a rank of `areal-hex run`'s trainer ends with the launcher
     cfg = load_config(args.config, args.overrides)
-    # stdout, line by line: the launcher's progress display reads the [status] lines
+    # stdout, line by line: the launcher's progress display reads the [status] lines, its
+    # report their times (the start-up timeline)
     logging.basicConfig(
-        level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stdout, force=True
+        level=logging.INFO,
+        format="%(asctime)s %(name)s: %(message)s",
+        stream=sys.stdout,
+        force=True,
     )
     rank = int(os.environ.get("RANK", "0"))
     status(rank, "starting DeepSpeed (a first run builds its communication op)")

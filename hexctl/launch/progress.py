@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -99,11 +99,8 @@ class Progress:
         log_interval_s: float = 15.0,
         mode: str = "auto",
         services: Sequence[str] = (),
-        on_status: Callable[[str, str], None] | None = None,
     ) -> None:
-        """`services`: processes whose status lines are shown until the first step;
-        `on_status(name, what)` is told each new one as it is seen (the start-up
-        timeline)."""
+        """`services`: processes whose status lines are shown until the first step."""
         paths = RunPaths.at(run_dir)
         self.logs = {name: paths.log(name) for name in services}
         self.metrics = RowTail(paths.metrics, TrainerRow)
@@ -123,7 +120,6 @@ class Progress:
         self._width = 0
         self.stalled: dict[str, float] = {}  # server -> seconds without an answer
         self._stalled_logged: Any = set()
-        self.on_status = on_status
 
     def update(self) -> bool:
         """Fold new lines into the state; True if there was any."""
@@ -142,11 +138,7 @@ class Progress:
             self.state["groups_produced_total"] = r.groups_produced_total
         if self.state.get("step", 0) == 0 and self.logs:
             doing = {n: w for n, log in self.logs.items() if (w := service_status(log))}
-            before = self.state.get("doing") or {}
-            changed |= doing != before
-            for name, what in doing.items():
-                if self.on_status is not None and before.get(name) != what:
-                    self.on_status(name, what)
+            changed |= doing != self.state.get("doing")
             self.state["doing"] = doing
         return changed
 

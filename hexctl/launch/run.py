@@ -402,7 +402,6 @@ def _watch(
         enabled=progress,
         mode=cfg.run.progress,
         services=[s.name for s in layout.services if s.role in ("trainer", "controller")],
-        on_status=lambda name, what: sup.events.append((time.time(), name, f"status: {what}")),
     )
     stall = StallWatch(
         sup,

@@ -67,6 +67,9 @@ class GenerationRates:
     reload_overlap_s: float | None = None
     reload_overlaps_s: list[float] | None = None
     reload_under_load_s: list[float] | None = None
+    # prompt + completion tokens/s scored as the controller scores a group at a reference
+    # task (`_Driver.score_rate`)
+    score_tokens_per_s: float | None = None
     # each round's samples/s without and with updates (the latter while generating)
     continuous_rounds_samples_per_s: list[float] | None = None
     reload_rounds_samples_per_s: list[float] | None = None
@@ -299,6 +302,39 @@ class _Driver:
             rates.append(sum(len(p) for p in work[:: self.g]) / max(1e-9, t - step_s))
         return statistics.median(rates)
 
+    async def score_rate(self, response: int) -> float:
+        """Prompt + completion tokens/s of groups scored one request each, as the
+        controller scores a finished group at a reference task (`scoring_request`: G
+        sequences of a prompt and `response` tokens, no token generated), over
+        `REPEATS` rounds of 4 groups; the median round's."""
+        import numpy as np
+
+        from areal_hex.record import Completion, GroupRecord
+        from rollout_service.controller.reference import scoring_request
+
+        rates = []
+        for r in range(REPEATS):
+            t0, tokens = time.perf_counter(), 0
+            for k in range(4):
+                prompt = self.rng.choice(self.prompts)
+                comps = [
+                    Completion(
+                        token_ids=np.array([self.rng.randrange(5, 100) for _ in range(response)]),
+                        logprobs=np.zeros(response),
+                        versions=np.zeros(response, dtype=np.int64),
+                        finish_reason="length",
+                        reward=0.0,
+                    )
+                    for _ in range(self.g)
+                ]
+                group = GroupRecord(f"score-{r}-{k}", np.array(prompt), comps, self.r.temperature)
+                await self.client.generate_raw(
+                    scoring_request(group, range(self.g), f"score-{r}-{k}")
+                )
+                tokens += self.g * (len(prompt) + response)
+            rates.append(tokens / (time.perf_counter() - t0))
+        return statistics.median(rates)
+
     async def reload(self, model_dir: Path, version: int, batch: int) -> float:
         """One weight update as the controller makes it (pause in the run's
         `rollout.update_pause` mode, retract for auto, load, resume), while `batch`
@@ -352,6 +388,7 @@ async def _generation(
         steps = {b: await d.decode_step(b) for b in batches}
         top = max(batches)
         prefill = await d.prefill_rate(top, steps[top])
+        score = await d.score_rate(round(response))
         versions = range(1, repeats + 1)
         busy = [await d.reload(model_dir, 2 * v, top) for v in versions]
         idle = [await d.reload(model_dir, 2 * v + 1, 0) for v in versions]
@@ -359,6 +396,7 @@ async def _generation(
     return GenerationRates(
         decode_step_s=steps,
         prefill_tokens_per_s=prefill,
+        score_tokens_per_s=score,
         prompt_tokens=statistics.fmean(len(p) for p in prompts),
         response_tokens=response,
         reload_s=statistics.median(busy),

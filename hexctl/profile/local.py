@@ -82,6 +82,7 @@ def profile_local(
         decode_step_s=gen.decode_step_s,
         decode_context=int(gen.prompt_tokens + gen.response_tokens / 2),
         prefill_tokens_per_s=gen.prefill_tokens_per_s,
+        score_tokens_per_s=gen.score_tokens_per_s,
         train_tokens_per_s=train.tokens_per_s,
         train_sync_tokens_per_s=train.quiet_tokens_per_s,
         train_publish_s=train.publish_s,

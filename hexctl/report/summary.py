@@ -159,7 +159,9 @@ def summarize(
         "versions_on_disk": published,
         "restarts": events.get("restarts", {}),
         "buffer": buffer,
-        "startup": startup_timeline(events, metrics),
+        "startup": startup_timeline(
+            events, metrics, {n: paths.log(n) for n in ("trainer", "controller")}
+        ),
     }
     if ledger is not None:
         for superseded in ("in_buffer_at_stop", "in_flight_controller"):

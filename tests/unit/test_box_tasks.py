@@ -143,3 +143,19 @@ def test_a_profile_of_a_reference_task_job_trains_on_records_with_ref_logprobs()
     assert w["reference_model"] is False and w["tasks"][0]["role"] == "reference"
     cfg.workflow.tasks = []
     assert workload_for(cfg, gen)["reference_model"] is True
+
+
+def test_a_measured_scoring_rate_prices_the_task_over_the_prefill_rate() -> None:
+    """Where a kind's profile has its scoring rate (a group's sequences scored in one
+    request), the task's rate is that over the sample's tokens; without it, prefill's."""
+    from scheduler.task_costs import instance_rate
+
+    cl, m, w, prof = _inputs()
+    ref, g = w.tasks[0], next(g for g in cl.spec.node_groups if g.name == "fast")
+    toks = w.prompt_tokens + w.response_tokens
+    plain = instance_rate(cl, g, ref, m, m, w, prof)
+    assert plain == pytest.approx(prof.prefill_tokens_per_s("fast") / toks)
+    fast = prof.kinds["fast"].model_copy(update={"score_tokens_per_s": 9000.0})
+    scored = prof.model_copy(update={"kinds": {**prof.kinds, "fast": fast}})
+    assert instance_rate(cl, g, ref, m, m, w, scored) == pytest.approx(9000.0 / toks)
+    assert scored.at_speed({"fast": 0.5}).kinds["fast"].score_tokens_per_s == 4500.0
