@@ -109,7 +109,14 @@ class DiskWatch:
 
 
 def disk_full_message(run_dir: Path, free: int | None = None, need: int | None = None) -> str:
-    """What is full, how much is free and needed, and what to do."""
+    """What is full, how much is free and needed (unless given: the newest checkpoint
+    and weights in the run directory's usual places, as `DiskWatch` sizes them), and what
+    to do."""
+    if need is None:
+        try:
+            need = DiskWatch(run_dir, run_dir / "weights", run_dir / "checkpoints").needed()
+        except OSError:
+            need = None
     if free is None:
         try:
             free = shutil.disk_usage(run_dir).free

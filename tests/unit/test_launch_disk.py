@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from areal_hex.run_files import remove_stale_tmp
-from hexctl.launch.disk import MARGIN, MIB, DiskFull, DiskWatch, filesystem_of
+from hexctl.launch.disk import (
+    MARGIN,
+    MIB,
+    DiskFull,
+    DiskWatch,
+    disk_full_message,
+    filesystem_of,
+)
 
 
 @pytest.fixture
@@ -52,6 +59,16 @@ def test_the_watch_names_the_filesystem_free_and_needed(small_fs: Path) -> None:
     assert text.startswith(f"disk full: filesystem {small_fs} (tmpfs, tmpfs) holding {run}")
     assert "MiB free; the run needs at least 9.5 MiB free" in text and "resume" in text
     assert caught.value.errno == 28
+
+
+def test_a_write_that_met_enospc_is_named_with_the_space_needed(tmp_path: Path) -> None:
+    """A service's ENOSPC (no watch reading behind it) still says what the run needs."""
+    run = tmp_path / "run"
+    _fill(run / "checkpoints" / "step6" / "model.pt", 2 * MIB)
+    _fill(run / "weights" / "v6" / "model.safetensors", MIB)
+    text = disk_full_message(run)
+    assert f"holding {run} has " in text
+    assert f"the run needs at least {(3 * MIB + MARGIN) / MIB:.1f} MiB free" in text
 
 
 def test_filesystem_of_a_path_is_its_longest_mount() -> None:
