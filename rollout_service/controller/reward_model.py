@@ -107,11 +107,12 @@ class RewardModelClient:
                     f"no reward-model instance answered for {waited:.0f} s "
                     f"(rollout.reward_model.wait_s={self.wait_s:g}): {'; '.join(errors)}"
                 )
-            log.warning(
-                "reward model unavailable (%s); group waits, retry in %.1f s",
-                "; ".join(errors),
-                delay,
-            )
+            if delay == FIRST_DELAY_S or delay == MAX_DELAY_S:  # its first wait, then each 5 s
+                log.warning(
+                    "reward model unavailable for %.1f s (%s); the group waits",
+                    waited,
+                    "; ".join(errors),
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, MAX_DELAY_S)
 
