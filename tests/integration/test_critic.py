@@ -126,7 +126,7 @@ def test_checkpoint_restores_the_critic(setup: dict[str, Any]) -> None:
 def _train(
     d: Path, model_dir: Path, replay: Path, name: str, steps: int, kill_at: int | None = None
 ) -> Path:
-    """`areal-hex train` (the deepspeed launcher, one rank) on replayed groups, PPO with
+    """`areal-hex train` (one rank, started itself) on replayed groups, PPO with
     a critic warmed up for one step; checkpoints every step. With `kill_at`, the whole
     process group is SIGKILLed once that step's row is written."""
     import json
