@@ -114,9 +114,15 @@ def test_plan_b_keeps_the_reference_on_the_actors_kind() -> None:
 
 
 def test_a_job_without_a_priced_task_or_without_a_choice_is_refused() -> None:
-    from hexctl.bench.system.tasks import plan_pair
+    """At $4/h all runs on mem: no choice. At $8/h the planner trains and scores on fast
+    and generates on mem: b keeps the reference beside the actor's generation."""
+    from hexctl.bench.system.tasks import actor_kinds, plan_pair, task_kinds
 
     cl, m, w, prof = _inputs()
+    plans = plan_pair(cl, m, w, prof, 8.0, "tiny")
+    assert actor_kinds(plans["a"]) == ["fast", "mem"]
+    assert task_kinds(plans["a"]) == {"reference": "fast"}
+    assert task_kinds(plans["b"]) == {"reference": "mem"}
     with pytest.raises(UsageError, match="no reference or reward_model task"):
         plan_pair(cl, m, w.model_copy(update={"tasks": []}), prof, 5.0, "tiny")
     with pytest.raises(UsageError, match="already keeps every priced task"):

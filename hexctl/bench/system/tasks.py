@@ -10,9 +10,10 @@ the same initial weights and each held against the cost model:
 
 - a: the planner's plan, each priced task on the kind its cost chooses
   (`scheduler/task_graph.py`);
-- b: the planner's plan with every priced task restricted to the actor's kind (plan a's
-  train pool's kind: where verl and OpenRLHF keep the reference, beside the actor), the
-  pools planned again on what that leaves.
+- b: the planner's plan with every priced task restricted to the actor's kind, the pools
+  planned again on what that leaves: plan a's train pool's kind (where verl and OpenRLHF
+  keep the reference, beside the actor's training), or where plan a already scores there,
+  its rollout's kind (beside the actor's generation).
 
 Per plan: predicted and measured pipeline samples/s (`bench fidelity`'s window and
 definitions) and the error, the planner's own figure, where each task ran and its
@@ -73,12 +74,18 @@ def task_kinds(plan: Any) -> dict[str, str | None]:
     return {t.task: t.gpu_kind for t in plan.decisions.tasks}
 
 
+def actor_kinds(plan: Any) -> list[str]:
+    """The kinds the actor runs on in `plan`: its train pool's, then its rollout's."""
+    kinds = [plan.trainer.gpu_kind, *(i.gpu_kind for i in plan.rollout)]
+    return list(dict.fromkeys(k for k in kinds if k is not None))
+
+
 def plan_pair(
     cl: Any, m: Any, w: Any, prof: Any, budget: float, label: str, time_limit_s: float = 60.0
 ) -> dict[str, Any]:
     """Plans a and b of the module docstring. Refused where the workload has no priced
-    task, or where plan a already keeps every task on the actor's kind (nothing to
-    compare on this box at this budget)."""
+    task, or where the actor runs on one kind and plan a already scores there (nothing
+    to compare on this box at this budget)."""
     from areal_hex.errors import UsageError
     from scheduler.planner import make_plan
     from scheduler.task_costs import priced_gpu_tasks
@@ -90,13 +97,14 @@ def plan_pair(
         )
     a = make_plan(cl, m, w, budget=budget, prof=prof, model_label=label,
                   time_limit_s=time_limit_s, baselines=False).plan  # fmt: skip
-    actor = a.trainer.gpu_kind
     priced = {t.name for t in priced_gpu_tasks(w)}
-    if all(kind == actor for name, kind in task_kinds(a).items() if name in priced):
+    chosen = {kind for name, kind in task_kinds(a).items() if name in priced}
+    actor = next((k for k in actor_kinds(a) if {k} != chosen), None)
+    if actor is None:
         raise UsageError(
             f"bench tasks: at ${budget:g}/h the planner already keeps every priced task on "
-            f"the actor's kind ({actor}): plans a and b would be one plan; expected a box or "
-            "budget where the tasks' kind is a choice"
+            f"the actor's kind ({', '.join(actor_kinds(a))}): plans a and b would be one "
+            "plan; expected a box or budget where the tasks' kind is a choice"
         )
     b = make_plan(cl, m, on_kind(w, actor), budget=budget, prof=prof, model_label=label,
                   time_limit_s=time_limit_s, baselines=False).plan  # fmt: skip
