@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hexctl.bench import BenchFailed
-from hexctl.bench.system.chaos import KINDS, fault_kinds, fault_ok, fault_plan
+from hexctl.bench.system.chaos import KINDS, fault_kinds, fault_ok, fault_plan, struck_processes
 from hexctl.bench.system.chaos_disk import SmallDisk, disk_full_ok, stop_checks
 from hexctl.bench.system.chaos_task import NOOP_TASK, task_instances, task_overrides
 
@@ -131,6 +131,16 @@ def test_task_kill_adds_a_noop_task_only_where_none_is(tmp_path: Path) -> None:
     save_config(load_config(TINY, [mine]), tmp_path / "run" / "config.yaml")
     assert task_instances(tmp_path / "run") == ["ref-0", "ref-1"]
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["workflow"]["tasks"]
+
+
+def test_repeated_task_kills_strike_each_task_in_turn(tmp_path: Path) -> None:
+    from areal_hex.config import load_config, save_config
+
+    ppo = str(Path(TINY).parent / "tiny_cpu_ppo.yaml")
+    assert task_overrides(ppo, []) == []  # its reference worker and reward model
+    save_config(load_config(ppo, []), tmp_path / "run" / "config.yaml")
+    struck = [struck_processes("task_kill", tmp_path / "run", n) for n in range(4)]
+    assert struck == [("reference-0",), ("rm-0",), ("reference-0",), ("rm-0",)]
 
 
 def test_an_interrupted_bench_stops_the_launcher_at_once() -> None:

@@ -26,9 +26,7 @@ PAIRS = {
 }
 NOT_DEPLOYED = {
     "examples/tiny_cpu.yaml": "runs on CPU with `areal-hex run`; plans place GPUs",
-    "examples/tiny_cpu_ppo.yaml": "tiny_cpu.yaml with PPO's critic: runs on CPU",
-    "examples/tiny_cpu_ppo_ref.yaml": "tiny_cpu_ppo.yaml with a reference task: runs on CPU",
-    "examples/tiny_cpu_rm.yaml": "tiny_cpu.yaml with a reward model: runs on CPU",
+    "examples/tiny_cpu_ppo.yaml": "tiny_cpu.yaml with PPO, a reference and a reward model: CPU",
     "examples/math500_eval.yaml": "an `areal-hex eval` config, not a training job",
     "examples/deploy/deploy.yaml": "deploy options (DeployConfig), not an experiment",
 }

@@ -57,7 +57,7 @@ from hexctl.bench.system.chaos_procs import (
     survivors,
     wait_for,
 )
-from hexctl.bench.system.chaos_task import task_instances, task_overrides
+from hexctl.bench.system.chaos_task import task_overrides, task_target
 from trainer_service.checkpoint import complete_checkpoints
 
 KINDS = (
@@ -133,7 +133,11 @@ def fault_plan(kinds: list[str], steps: int, seed: int) -> list[tuple[int, str]]
 
 
 def strike(
-    kind: str, run_dir: Path, launcher: subprocess.Popen[bytes], rank: int | None = None
+    kind: str,
+    run_dir: Path,
+    launcher: subprocess.Popen[bytes],
+    rank: int | None = None,
+    target: str | None = None,
 ) -> str:
     """Deliver one fault; returns what was hit."""
     pids = pids_of(run_dir)
@@ -156,7 +160,7 @@ def strike(
         os.killpg(pids["inference-0"], signal.SIGSTOP)
         return f"SIGSTOP inference-0 (process group {pids['inference-0']})"
     if kind == "task_kill":
-        name = task_instances(run_dir)[0]
+        name = target or task_target(run_dir, 0)
         os.killpg(pids[name], signal.SIGKILL)
         return f"SIGKILL task instance {name} (process group {pids[name]})"
     if kind == "overlap":
@@ -181,10 +185,11 @@ PROCESS: dict[str, tuple[str, ...]] = {
 }
 
 
-def struck_processes(kind: str, run_dir: Path) -> tuple[str, ...]:
-    """The services a fault strikes (none for the launcher's faults)."""
+def struck_processes(kind: str, run_dir: Path, nth: int = 0) -> tuple[str, ...]:
+    """The services a fault strikes (none for the launcher's faults); `nth`: how many
+    `task_kill` faults came before this one."""
     if kind == "task_kill":
-        return tuple(task_instances(run_dir)[:1])
+        return (task_target(run_dir, nth),)
     return PROCESS.get(kind, ())
 
 
@@ -233,6 +238,7 @@ class Job:
         first = [args.config, *overrides, f"run.output_dir={root}", f"run.run_id={RUN_ID}"]
         self.launcher = start_launcher(first, self.log)
         self.rank: int | None = None  # the trainer rank to strike, when found ahead
+        self.task_kills = 0  # task_kill faults struck so far: the next takes the next task
 
     def left_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -252,14 +258,16 @@ class Job:
         launcher: the step under way still completes before the launcher exits)."""
         at_step, t = self.step(), time.time()
         fault: dict[str, Any] = {"kind": kind, "at_step": at_step, "t": t}
-        fault["processes"] = struck_processes(kind, self.run_dir)
+        fault["processes"] = struck_processes(kind, self.run_dir, self.task_kills)
+        self.task_kills += kind == "task_kill"
         fault["log_at"] = self.log.stat().st_size
         if kind == "disk_full":
             filled = self.disk.fill()
             fault["what"] = f"filled {self.disk.mount} ({filled['size_mib']:.1f} MiB)"
             fault.update(filled)
         else:
-            fault["what"] = strike(kind, self.run_dir, self.launcher, self.rank)
+            target = fault["processes"][0] if kind == "task_kill" else None
+            fault["what"] = strike(kind, self.run_dir, self.launcher, self.rank, target)
         done = complete_checkpoints(RunPaths.at(self.run_dir).checkpoint_dir)
         fault["checkpoint_at_strike"] = done[-1][0] if done else None
         since = t

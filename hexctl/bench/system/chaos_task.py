@@ -3,7 +3,9 @@
 launcher must start again while the job goes on. The instances are read from the run's
 resolved config, whatever their role. A job whose config has no task gets a harmless
 `custom` one for the fault (`NOOP_TASK`: a process that sleeps), so the fault always
-strikes a real process the launcher supervises.
+strikes a real process the launcher supervises. Repeated `task_kill` faults go through
+the instances in turn (the n-th strikes instance n modulo their number), so a job with a
+reference worker and a reward model has each struck by two faults.
 """
 
 from __future__ import annotations
@@ -35,3 +37,9 @@ def task_instances(run_dir: Path) -> list[str]:
     cfg = load_yaml_text((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml"))
     tasks = (cfg.get("workflow") or {}).get("tasks") or []
     return [f"{t['name']}-{i}" for t in tasks for i in range(int(t.get("instances", 1)))]
+
+
+def task_target(run_dir: Path, nth: int) -> str:
+    """The instance the `nth` (from 0) `task_kill` fault of the job strikes."""
+    names = task_instances(run_dir)
+    return names[nth % len(names)]
