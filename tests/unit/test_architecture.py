@@ -129,7 +129,7 @@ def test_rollout_service_is_two_processes() -> None:
     """The inference server and the controller each have a subpackage; at the top of
     rollout_service sit only the modules that join them (wire shapes and the client)."""
     top = {p.stem for p in (ROOT / "rollout_service").glob("*.py")} - {"__init__"}
-    assert top == {"wire", "control_wire", "openai_wire", "client"}
+    assert top == {"wire", "control_wire", "openai_wire", "classify_wire", "client"}
     graph = grimp.build_graph("rollout_service")
     for a, b in (("server", "controller"), ("controller", "server")):
         assert not graph.chain_exists(
