@@ -4,9 +4,8 @@ Per prompt: `await producer.admit()` (the staleness gate), then `group_size` sam
 spread over the servers (see `sampler.py`, `dispatch.py`), rewards in a process pool,
 one `GroupRecord` to `producer.put()`. At most `max_concurrent_groups` prompts run.
 
-Weight updates follow the buffer's version notifications through `WeightSync`
-(rollout_service/controller/weight_sync.py, where the whole protocol reads top to bottom): pause,
-load, resume, then the staleness gate learns that the servers serve the new version.
+Weight updates follow the buffer's version notifications through `WeightSync` (weight_sync.py,
+the whole protocol top to bottom): pause, load, resume, then the gate learns the new version.
 
 Stopping (SIGTERM/SIGINT via `request_stop`, or `max_groups` reached): no new prompt is
 admitted; groups in flight get `stop_grace_s` to finish and be put; the rest are
