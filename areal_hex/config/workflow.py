@@ -38,6 +38,7 @@ TaskRole = Literal["custom", "reference", "reward_model"]
 TASK_ROLES: tuple[TaskRole, ...] = ("custom", "reference", "reward_model")
 CONFIG_PLACEHOLDER = "{config}"  # the resolved config file, wherever the job is realised
 INDEX_PLACEHOLDER = "{index}"  # the instance's index within its task (0, 1, ...)
+PORT_PLACEHOLDER = "{port}"  # the instance's port (the task's port + index)
 
 
 class TaskSpec(Section):
@@ -46,8 +47,9 @@ class TaskSpec(Section):
     `gpu_kinds`, or any kind); the launcher and every deploy target start its command."""
 
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")
-    # argv of one instance; "{config}" is the resolved config file and "{index}" the
-    # instance's index; "areal-hex ..." runs the project's CLI
+    # argv of one instance; "{config}" is the resolved config file, "{index}" the
+    # instance's index and "{port}" its port (port + index; a local run moves a task
+    # whose ports are taken to free ones); "areal-hex ..." runs the project's CLI
     command: list[str] = Field(min_length=1)
     instances: int = Field(1, ge=1, le=1024)
     gpus: int = Field(0, ge=0, le=64)  # per instance; 0: CPU only
@@ -69,6 +71,11 @@ class TaskSpec(Section):
             raise ValueError(
                 f"task {self.name!r}: gpu_kinds {self.gpu_kinds} with gpus 0 does nothing: "
                 "expected gpus > 0, or no gpu_kinds for a CPU task"
+            )
+        if self.port is None and any(PORT_PLACEHOLDER in a for a in self.command):
+            raise ValueError(
+                f"task {self.name!r}: its command uses {PORT_PLACEHOLDER} but it has no "
+                "port: expected a port (instance i listens on port + i)"
             )
         if self.role != "custom" and self.port is None and not self.urls:
             raise ValueError(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from areal_hex.config import ConfigError, ExperimentConfig, TaskSpec
-from areal_hex.config.workflow import CONFIG_PLACEHOLDER, INDEX_PLACEHOLDER
+from areal_hex.config.workflow import CONFIG_PLACEHOLDER, INDEX_PLACEHOLDER, PORT_PLACEHOLDER
 from areal_hex.plan import Plan
 
 # `worker`: an instance of a workflow task beyond generate and train (`workflow.tasks`)
@@ -141,7 +141,11 @@ def task_services(task: TaskSpec, plan: Plan | None) -> list[ServiceSpec]:
         )
     out = []
     for i in range(task.instances):
-        argv = [a.replace(INDEX_PLACEHOLDER, str(i)) for a in task.command]
+        port = None if task.port is None else task.port + i
+        argv = [
+            a.replace(INDEX_PLACEHOLDER, str(i)).replace(PORT_PLACEHOLDER, str(port))
+            for a in task.command
+        ]
         slot = None if placed is None else placed.slots[i]
         out.append(
             ServiceSpec(
@@ -150,7 +154,7 @@ def task_services(task: TaskSpec, plan: Plan | None) -> list[ServiceSpec]:
                 command=argv,
                 gpu_kind=None if placed is None else placed.gpu_kind,
                 gpus=task.gpus,
-                port=None if task.port is None else task.port + i,
+                port=port,
                 devices=[] if slot is None else list(slot.gpu_ids),
                 node_names=[] if slot is None else [slot.node],
                 task=task.name,

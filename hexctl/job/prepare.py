@@ -151,8 +151,9 @@ def materialize_v0(cfg: ExperimentConfig, weights_dir: Path) -> Path:
 
 
 def choose_ports(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:
-    """Ports for the embedded Valkey and the servers; a taken one is replaced, and `say`
-    tells which port is used instead (a resumed run's ports may have been taken since)."""
+    """Ports for the embedded Valkey, the servers and the workflow's tasks; a taken one is
+    replaced, and `say` tells which port is used instead (a resumed run's ports may have
+    been taken since, or another job on this machine holds them)."""
     bind = cfg.redis.bind
     if cfg.run.embedded_redis:
         port = cfg.redis.port
@@ -174,6 +175,16 @@ def choose_ports(cfg: ExperimentConfig, say: Callable[[str], None]) -> None:
                 f"{base}-{base + inf.num_servers - 1} instead"
             )
         inf.base_port = base
+    for task in cfg.workflow.tasks:  # a task whose address is its port (no urls given)
+        if task.port is None or task.urls:
+            continue
+        base = free_port_block(task.instances, task.port)
+        if base != task.port:
+            say(
+                f"workflow.tasks: task {task.name!r}'s port(s) from {task.port} taken; its "
+                f"instances use {base}-{base + task.instances - 1} instead"
+            )
+            task.port = base
 
 
 def _to_stderr(text: str) -> None:

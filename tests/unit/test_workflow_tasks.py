@@ -205,3 +205,46 @@ def test_a_sync_config_is_synchronous_whatever_it_says_of_eta() -> None:
     assert (cfg.buffer.max_staleness, cfg.trainer.publish_every) == (0, 1)
     again = ExperimentConfig.model_validate(cfg.model_dump(mode="json"))
     assert again == cfg
+
+
+def test_a_task_on_taken_ports_moves_and_its_command_follows() -> None:
+    import socket
+
+    from hexctl.job.prepare import choose_ports
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    try:
+        cfg = ExperimentConfig.model_validate(
+            {
+                "workflow": {
+                    "tasks": [
+                        {
+                            "name": "ref",
+                            "role": "reference",
+                            "command": ["areal-hex", "serve", "{config}", "--port", "{port}"],
+                            "port": taken,
+                            "instances": 2,
+                        }
+                    ]
+                },
+                "algo": {"kl_coef": 0.02},
+            }
+        )
+        said: list[str] = []
+        choose_ports(cfg, said.append)
+    finally:
+        held.close()
+    task = cfg.workflow.tasks[0]
+    assert task.port != taken and any("'ref'" in s and str(taken) in s for s in said)
+    workers = build_layout(cfg).by_role("worker")
+    assert [w.command[-1] for w in workers] == [str(task.port), str(task.port + 1)]
+    assert [w.port for w in workers] == [task.port, task.port + 1]
+    assert task.instance_urls()[1] == f"http://127.0.0.1:{task.port + 1}"
+
+
+def test_a_port_placeholder_without_a_port_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"\{port\} but it has no port"):
+        TaskSpec(name="w", command=["x", "--port", "{port}"])
