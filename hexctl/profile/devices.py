@@ -99,3 +99,22 @@ def pinned(cores: set[int] | None, threads: int) -> Iterator[None]:
         torch.set_num_threads(before_threads)
         if cores is not None and before is not None:
             os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def passive_waits(dev: LocalDevices) -> Iterator[None]:
+    """Where the server and the trainer share cores (colocated), the processes the
+    profile starts wait asleep at their OpenMP barriers, as `run` starts them
+    (`OMP_WAIT_POLICY=PASSIVE`): spinning, they take the cores from the controller and
+    from each other."""
+    shared = dev.inference_cores and dev.trainer_cores and dev.inference_cores & dev.trainer_cores
+    before = os.environ.get("OMP_WAIT_POLICY")
+    if shared:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        if shared and before is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+        elif shared and before is not None:
+            os.environ["OMP_WAIT_POLICY"] = before

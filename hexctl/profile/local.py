@@ -36,7 +36,7 @@ import yaml
 from areal_hex.config import ExperimentConfig
 from hexctl.job.predict import LocalProfileFiles
 from hexctl.profile.controller import LOCAL_GROUP, composed_rate, replayed_cycle_s
-from hexctl.profile.devices import LocalDevices, Say, local_devices, quiet
+from hexctl.profile.devices import LocalDevices, Say, local_devices, passive_waits, quiet
 from hexctl.profile.generation import GenerationRates, measure_generation
 from hexctl.profile.training import measure_training
 
@@ -69,9 +69,10 @@ def profile_local(
     cap = cfg.inference.max_running_requests
     batches = sorted({b for b in (batches or [1, 8, 32, cap]) if 0 < b <= cap} | {cap})
     say = _progress(say) if say is not None else quiet
-    gen = measure_generation(cfg, model_dir, dev, batches, say)
-    prompt = int(gen.prompt_tokens)
-    train = measure_training(cfg, model_dir, dev, prompt, gen.response_tokens, say)
+    with passive_waits(dev):
+        gen = measure_generation(cfg, model_dir, dev, batches, say)
+        prompt = int(gen.prompt_tokens)
+        train = measure_training(cfg, model_dir, dev, prompt, gen.response_tokens, say)
     say("training timed; writing the profile")
     files.model.mkdir(parents=True, exist_ok=True)
     if files.model.resolve() != model_dir.resolve():

@@ -239,3 +239,17 @@ def test_bench_switching_levels_and_requests() -> None:
     runner = ["/py", "-m", "deepspeed.launcher.runner", "--module", "trainer_service.main"]
     assert (_role(rank), _role(runner)) == ("trainer", None)
     assert _role(["/py", "-m", "hexctl.cli", "serve", "c.yaml", "--index", "1"]) == "server 1"
+
+
+def test_the_profile_waits_passively_where_the_sides_share_cores(monkeypatch) -> None:
+    import os
+
+    from hexctl.profile.devices import LocalDevices, passive_waits
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    shared = LocalDevices("CPU", "cpu", 2, {0, 1}, {0, 1}, 2, 2, 1.0)
+    with passive_waits(shared):
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    with passive_waits(LocalDevices("CPU", "cpu", 2, {0}, {1}, 1, 1, 1.0)):
+        assert "OMP_WAIT_POLICY" not in os.environ
