@@ -15,7 +15,7 @@ from areal_hex.models import materialize
 from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(120)
-LONG = SamplingParams(max_new_tokens=24, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=56, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_a_colocated_switch_loses_no_request(url: str) -> None:
 
 def test_a_lend_holds_requests_in_flight_and_answers_them(url: str) -> None:
     """The lent server (the same server seen twice: one of its own, one lent) pauses in
-    place while six requests run; none ends while the trainer steps, all end in full
+    place as six requests reach it; none ends while the trainer steps, all end in full
     once the update's continue and the lend's settle let it go."""
     from rollout_service.controller.lend import Lending
 
@@ -77,7 +77,7 @@ def test_a_lend_holds_requests_in_flight_and_answers_them(url: str) -> None:
         lent = weights.dispatcher.servers[1]
         lending = Lending(weights, set, lent=1, groups_per_step=1)
         running = asyncio.ensure_future(_all_answered(lent.client, 6))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # sent: in flight, or held at the paused server's door
         await lending.after_put()  # the trainer's batch is in: the lent server pauses
         assert lending.away and lent.lent_away
         await asyncio.sleep(0.3)
