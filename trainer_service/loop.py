@@ -38,6 +38,7 @@ from areal_hex.config.trainer import TrainerConfig
 from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
 from trainer_service.critic import CHECKPOINT_TAG as CRITIC_TAG
+from trainer_service.heap import trim_heap
 from trainer_service.publish import AsyncPublisher, NetworkSink, Redelivery, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
 
@@ -80,9 +81,13 @@ class Trainer:
         consumer: TrajectorySource | None,
         seed: int = 0,
         network: NetworkSink | None = None,
+        trim_heap: bool = False,
     ) -> None:
-        """`network`: rank 0 publishes each version over the network instead of to disk."""
+        """`network`: rank 0 publishes each version over the network instead of to disk.
+        `trim_heap`: give the freed heap back to the OS after each step (the trainer shares
+        its devices with generation, which runs next)."""
         self.cfg, self.algo, self.paths, self.ctx = cfg, algo, paths, ctx
+        self.trim_heap = trim_heap
         self.groups_per_step = groups_per_step
         self.seed = seed
         self.consumer = consumer  # rank 0 only
@@ -265,6 +270,8 @@ class Trainer:
         publish_s = self._maybe_publish()
         t3 = time.perf_counter()
         ckpt_s = self._maybe_checkpoint()
+        if self.trim_heap:
+            trim_heap()
         row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=t2 - t1, publish_s=t3 - t2)
         # time the step waited for the previous weight write (before its optimizer step)
         row.publish_wait_s = publish_s + result.extra.get("publish_fence_s", 0.0)

@@ -144,8 +144,17 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         )
     consumer = make_consumer(cfg) if rank == 0 else None
     network = make_network_sink(cfg) if rank == 0 else None
+    shares_devices = cfg.workflow.placement != "disaggregated"
     return Trainer(
-        t, cfg.algo, paths, ctx, cfg.buffer.groups_per_step, consumer, cfg.run.seed, network
+        t,
+        cfg.algo,
+        paths,
+        ctx,
+        cfg.buffer.groups_per_step,
+        consumer,
+        cfg.run.seed,
+        network,
+        trim_heap=shares_devices,
     )
 
 
