@@ -152,30 +152,15 @@ def test_the_reward_model_task_serves_from_its_planned_node(
     """examples/box/tiny_box_rm.yaml on a box: the controller reaches the reward model at
     its node's address, and its `serve --reward-model` starts in that node with the
     node's threads for the classifier."""
-    from areal_hex.config import load_config
-    from hexctl.box.place import place_on_box
-    from hexctl.box.run_config import apply_box
-    from hexctl.job.layout import build_layout
-    from hexctl.launch.run import process_specs
-    from tests.unit.test_box_inventory import _plan, _state
+    from tests.unit.test_box_inventory import _state
+    from tests.unit.test_box_tasks import _with_task, on_box
 
     state = _state(tmp_path, monkeypatch)
-    cfg = load_config(
-        ROOT / "examples/box/tiny_box_rm.yaml",
-        ["run.box=inv", "run.run_id=r", f"run.output_dir={tmp_path}"],
-    )
-    plan = _plan(["fast-0"], ["mem-0", "mem-1"])
-    slot = {"node": "fast-1", "gpu_ids": [0]}
-    plan.decisions = plan.decisions.model_validate(
-        {"tasks": [{"task": "rm", "gpu_kind": "fast", "slots": [slot]}]}
-    )
-    apply_box(cfg, plan)
+    plan = _with_task("fast-0", ["mem-0", "mem-1"], "fast-1", task="rm")
+    cfg, specs = on_box(tmp_path, "examples/box/tiny_box_rm.yaml", plan)
     fast1 = state.node("fast-1")
     rm = cfg.workflow.task_with_role("reward_model")
     assert rm is not None and rm.instance_urls() == [f"http://{fast1.address}:31200"]
-    layout = build_layout(cfg, plan)
-    specs = {s.name: s for s in process_specs(cfg, layout, tmp_path / "config.yaml")}
-    place_on_box(cfg, layout, list(specs.values()))
     cmd = specs["rm-0"].command
     assert cmd[5] == fast1.netns and "--reward-model" in cmd
     at = cmd.index("serve") + 2
