@@ -2,11 +2,11 @@
 prompt + completion. Loading any HF one, scoring texts in batches, and the tiny one
 trained here on the job's generated arithmetic data.
 
-The tiny reward model is the tiny policy's Qwen3 shape (`model.tiny`) with a score head,
-over the same character tokenizer, trained by regression (mean squared error) to the
-rule's reward of constructed completions of the training problems: right answers (1)
-and wrong sums, answer lines that differ from the working, missing or cut `#### answer`
-lines (0). Its score
+The tiny reward model is the tiny policy's Qwen3 shape (`model.tiny`, or
+`rollout.reward_model.tiny`) with a score head, over the same character tokenizer,
+trained by regression (mean squared error) to the rule's reward of constructed
+completions of the training problems: right answers (1) and wrong sums, answer lines
+that differ from the working, missing or cut `#### answer` lines (0). Its score
 is thus on the rule's scale (about 0 to 1). The held-out accuracy is measured on the
 test split's problems (never trained on). It is built deterministically from the config
 and kept in `<cache>/reward_models/<key>/` (`cache_root`), so every later run of the
@@ -186,11 +186,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("AREAL_HEX_CACHE_DIR") or xdg) / "reward_models"
 
 
+def tiny_shape(cfg: ExperimentConfig) -> TinyModelConfig:
+    """The tiny reward model's shape: `rollout.reward_model.tiny`, else the tiny policy's."""
+    return cfg.rollout.reward_model.tiny or cfg.model.tiny or TinyModelConfig()
+
+
 def tiny_key(cfg: ExperimentConfig) -> tuple[str, dict[str, Any]]:
     """What the tiny reward model depends on, and its digest."""
     from areal_hex.models import ALPHABET, SPECIAL_TOKENS
 
-    tiny = cfg.model.tiny or TinyModelConfig()
+    tiny = tiny_shape(cfg)
     parts = {
         "format": FORMAT,
         "data": cfg.data.model_dump(mode="json", exclude={"split", "eval_split", "limit"}),
@@ -218,7 +223,7 @@ def train_tiny(cfg: ExperimentConfig, out: Path) -> dict[str, Any]:
         )
     t0 = time.monotonic()
     tok = build_tokenizer()
-    model = build_tiny_reward_model(cfg.model.tiny or TinyModelConfig(), tok, cfg.model.seed)
+    model = build_tiny_reward_model(tiny_shape(cfg), tok, cfg.model.seed)
     train_set = examples(cfg, tok, cfg.data.split, cfg.model.seed)
     test_set = examples(cfg, tok, cfg.data.eval_split, cfg.model.seed)
     threads = torch.get_num_threads()

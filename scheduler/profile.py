@@ -28,6 +28,17 @@ class DeviceRates(Section):
     # --local`, `--box`): one request per group, its G sequences whole, no token generated.
     # Prices reference and reward-model tasks on this kind (`task_costs.instance_rate`).
     score_tokens_per_s: float | None = Field(None, gt=0)
+    # ... with as many requests in flight as the run's controller keeps there
+    # (`score_concurrency`: its groups in flight, no more than the engine's batch limit
+    # holds whole): an engine that batches concurrent requests scores faster than one at
+    # a time. Prices the tasks where measured (`scoring_tokens_per_s`).
+    score_concurrent_tokens_per_s: float | None = Field(None, gt=0)
+    score_concurrency: int | None = Field(None, gt=0)
+    # The job's reward model (its own model, not the actor) on its `/classify` route,
+    # prompt + completion tokens/s at `classify_concurrency` groups in flight: prices a
+    # reward-model task on this kind as measured, with no scaling by FLOPs.
+    classify_tokens_per_s: float | None = Field(None, gt=0)
+    classify_concurrency: int | None = Field(None, gt=0)
     train_tokens_per_s: float = Field(gt=0)  # forward + backward + optimizer, one device
     # ... with no weight write beside the step (`profile --box`: rounds that publish
     # nothing, between the others): a synchronous run's step, whose write ends while it
@@ -93,6 +104,16 @@ class DeviceRates(Section):
     # `constants.context_switch_s`.
     context_switch_s: float | None = Field(None, ge=0)
 
+    def scoring_tokens_per_s(self) -> float:
+        """The actor's scoring rate a task is priced at: at the run's concurrency where
+        measured; else one request at a time (a profile made before that was measured);
+        else the prefill rate (before scoring was measured at all)."""
+        return (
+            self.score_concurrent_tokens_per_s
+            or self.score_tokens_per_s
+            or self.prefill_tokens_per_s
+        )
+
     def at_speed(self, factor: float) -> DeviceRates:
         """These rates on the kind running `factor` times as fast as when they were
         measured: every rate times it, every time over it. The ratios (the generation
@@ -115,6 +136,8 @@ class DeviceRates(Section):
 _RATES = (
     "prefill_tokens_per_s",
     "score_tokens_per_s",
+    "score_concurrent_tokens_per_s",
+    "classify_tokens_per_s",
     "train_tokens_per_s",
     "train_sync_tokens_per_s",
 )

@@ -10,9 +10,11 @@ kind sustains
 
 N, L, heads and head_dim the task model's (the reference is the actor's shape, the reward
 model `workload.reward_model_shape`'s). Where the profile measured the kind, its scoring
-tokens/s (a group's sequences scored whole in one request, as the controller sends them;
-else its prefill tokens/s), measured for the actor, replaces the peak:
-g · tokens/s / T · F_actor / F. An
+tokens/s (a group's sequences scored whole in one request, as the controller sends them,
+with as many requests in flight as the run keeps there; a profile without that: one at a
+time; without either: its prefill tokens/s), measured for the actor, replaces the peak:
+g · tokens/s / T · F_actor / F; a reward model whose own `/classify` rate the profile
+measured on the kind scores at g · that tokens/s / T. An
 instance must hold the model's bf16 weights over its GPUs and one sequence's KV cache.
 The task's rate is its instances' sum; the pipeline runs no faster than it. A `custom`
 task's work is not modelled: it gets its devices, unpriced. PPO's critic is no task here:
@@ -93,7 +95,9 @@ def instance_rate(
     if prof is not None and prof.has(kind.name):
         toks = w.prompt_tokens + w.response_tokens
         rates = prof.kinds[kind.name]
-        per_gpu = (rates.score_tokens_per_s or rates.prefill_tokens_per_s) / toks
+        if task.role == "reward_model" and rates.classify_tokens_per_s is not None:
+            return task.gpus * rates.classify_tokens_per_s / toks  # its own model, measured
+        per_gpu = rates.scoring_tokens_per_s() / toks
         return task.gpus * per_gpu * forward_flops_per_sample(actor, w) / flops
     return task.gpus * kind.bf16_tflops * 1e12 * k.prefill_mfu / flops
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from areal_hex.config.base import Section
+from areal_hex.config.model import TinyModelConfig
 
 if TYPE_CHECKING:
     from areal_hex.config.workflow import WorkflowConfig
@@ -93,3 +94,5 @@ class RewardModelConfig(Section):
     wait_s: float = Field(300.0, gt=0)
     # The tiny reward model (path None): optimizer steps of its training.
     tiny_train_steps: int = Field(800, gt=0)
+    # ... and its shape (None: the tiny policy's, `model.tiny`); the same tokenizer.
+    tiny: TinyModelConfig | None = None

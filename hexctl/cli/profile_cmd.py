@@ -137,6 +137,23 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
     return 0
 
 
+def _scoring(r: dict) -> str:
+    """A kind's scoring rates (`hexctl/profile/scoring.py`), where measured."""
+    out = ""
+    if r.get("score_tokens_per_s"):
+        out += f"; scoring {r['score_tokens_per_s']:,.0f} tok/s one at a time"
+    if r.get("score_concurrent_tokens_per_s"):
+        out += (
+            f", {r['score_concurrent_tokens_per_s']:,.0f} with {r['score_concurrency']} in flight"
+        )
+    if r.get("classify_tokens_per_s"):
+        out += (
+            f"; reward model /classify {r['classify_tokens_per_s']:,.0f} tok/s with "
+            f"{r['classify_concurrency']} in flight"
+        )
+    return out
+
+
 def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
 
     from areal_hex.config import load_config
@@ -161,7 +178,7 @@ def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
         print(
             f"{kind}: decode step {steps}; prefill {r['prefill_tokens_per_s']:,.0f} tok/s; "
             f"train {r['train_tokens_per_s']:,.0f} tok/s; generation efficiency "
-            f"{r['generation_efficiency']:.2f}"
+            f"{r['generation_efficiency']:.2f}{_scoring(r)}"
         )
     print(
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "

@@ -89,6 +89,8 @@ def job_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     out["run"] = {k: data["run"][k] for k in _RUN_FIELDS + _RUN_WARM_START}
     if cfg.workflow.placement != "disaggregated":  # each phase timed on every core
         out["placement"] = cfg.workflow.placement
+    if cfg.workflow.task_with_role("reward_model") is not None:  # its /classify is timed
+        out["reward_model_task"] = True
     # The initial model: a path is named by its files (v0 of each run is a new directory
     # holding the same weights when the rest of the config is the same).
     out["model"].pop("path", None)

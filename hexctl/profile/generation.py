@@ -35,6 +35,7 @@ from hexctl.profile.controller import (
     sync_cycle,
 )
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+from hexctl.profile.scoring import measure_classify, scoring_concurrency
 from rollout_service.client import GenerationError
 
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
@@ -68,8 +69,15 @@ class GenerationRates:
     reload_overlaps_s: list[float] | None = None
     reload_under_load_s: list[float] | None = None
     # prompt + completion tokens/s scored as the controller scores a group at a reference
-    # task (`_Driver.score_rate`)
+    # task (`_Driver.score_rate`): one request at a time, and with as many in flight as
+    # the run keeps there (`scoring.scoring_concurrency`)
     score_tokens_per_s: float | None = None
+    score_concurrent_tokens_per_s: float | None = None
+    score_concurrency: int | None = None
+    # the same of the job's reward model on its `/classify` route (`scoring.py`); None
+    # where the job has no reward-model task
+    classify_tokens_per_s: float | None = None
+    classify_concurrency: int | None = None
     # each round's samples/s without and with updates (the latter while generating)
     continuous_rounds_samples_per_s: list[float] | None = None
     reload_rounds_samples_per_s: list[float] | None = None
@@ -115,7 +123,7 @@ def measure_generation(
         path = Path(tmp) / "serve.yaml"
         path.write_text(yaml.safe_dump(serve))
         say(f"starting an inference server; then decode steps at batches {batches}")
-        with _server(path, dev, Path(tmp) / "serve.log") as (url, pid):
+        with server_process(path, dev, Path(tmp) / "serve.log") as (url, pid):
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
                 gen = asyncio.run(
@@ -176,11 +184,19 @@ def measure_generation(
                 gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)
                 pauses = [p for _, _, p in shared if p is not None]
                 gen.reload_shared_s = statistics.median(pauses) if pauses else None
-            return gen
+    # the reward model on its own server, once the generation server has stopped
+    classify = measure_classify(cfg, dev, prompts, gen.response_tokens, tok, say)
+    if classify is not None:
+        gen.classify_tokens_per_s, gen.classify_concurrency = classify
+    return gen
 
 
 @contextlib.contextmanager
-def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[str, int]]:
+def server_process(
+    config: Path, dev: LocalDevices, log_path: Path, extra: list[str] | None = None
+) -> Iterator[tuple[str, int]]:
+    """`areal-hex serve CONFIG [extra]` on `dev` (its cores, or inside its box node),
+    stopped at the end; (its URL, its pid)."""
     from areal_hex.net import free_port
 
     port = free_port()
@@ -188,7 +204,8 @@ def _server(config: Path, dev: LocalDevices, log_path: Path) -> Iterator[tuple[s
     env = dict(os.environ, OMP_NUM_THREADS=str(dev.inference_threads))
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "hexctl.cli", "serve", str(config), "--port", str(port)]
+    cmd = [sys.executable, "-m", "hexctl.cli", "serve", str(config), *(extra or [])]
+    cmd += ["--port", str(port)]
     cmd = dev.node_prefix + cmd
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -302,38 +319,40 @@ class _Driver:
             rates.append(sum(len(p) for p in work[:: self.g]) / max(1e-9, t - step_s))
         return statistics.median(rates)
 
-    async def score_rate(self, response: int) -> float:
+    async def score_rate(self, response: int, concurrency: int = 1) -> float:
         """Prompt + completion tokens/s of groups scored one request each, as the
         controller scores a finished group at a reference task (`scoring_request`: G
-        sequences of a prompt and `response` tokens, no token generated), over
-        `REPEATS` rounds of 4 groups; the median round's."""
+        sequences of a prompt and `response` tokens, no token generated), with
+        `concurrency` requests in flight (`scoring.timed_rounds`)."""
+        from hexctl.profile.scoring import timed_rounds
+        from rollout_service.controller.reference import scoring_request
+
+        async def send(k: int) -> int:
+            gid = f"score-{concurrency}-{k}"
+            group, prompt = self.scoring_group(gid, response)
+            await self.client.generate_raw(scoring_request(group, range(self.g), gid))
+            return self.g * (len(prompt) + response)
+
+        return await timed_rounds(send, concurrency)
+
+    def scoring_group(self, gid: str, response: int) -> tuple[Any, list[int]]:
+        """A finished group of G random completions of `response` tokens to one prompt."""
         import numpy as np
 
         from areal_hex.record import Completion, GroupRecord
-        from rollout_service.controller.reference import scoring_request
 
-        rates = []
-        for r in range(REPEATS):
-            t0, tokens = time.perf_counter(), 0
-            for k in range(4):
-                prompt = self.rng.choice(self.prompts)
-                comps = [
-                    Completion(
-                        token_ids=np.array([self.rng.randrange(5, 100) for _ in range(response)]),
-                        logprobs=np.zeros(response),
-                        versions=np.zeros(response, dtype=np.int64),
-                        finish_reason="length",
-                        reward=0.0,
-                    )
-                    for _ in range(self.g)
-                ]
-                group = GroupRecord(f"score-{r}-{k}", np.array(prompt), comps, self.r.temperature)
-                await self.client.generate_raw(
-                    scoring_request(group, range(self.g), f"score-{r}-{k}")
-                )
-                tokens += self.g * (len(prompt) + response)
-            rates.append(tokens / (time.perf_counter() - t0))
-        return statistics.median(rates)
+        prompt = self.rng.choice(self.prompts)
+        comps = [
+            Completion(
+                token_ids=np.array([self.rng.randrange(5, 100) for _ in range(response)]),
+                logprobs=np.zeros(response),
+                versions=np.zeros(response, dtype=np.int64),
+                finish_reason="length",
+                reward=0.0,
+            )
+            for _ in range(self.g)
+        ]
+        return GroupRecord(gid, np.array(prompt), comps, self.r.temperature), prompt
 
     async def reload(self, model_dir: Path, version: int, batch: int) -> float:
         """One weight update as the controller makes it (pause in the run's
@@ -389,6 +408,10 @@ async def _generation(
         top = max(batches)
         prefill = await d.prefill_rate(top, steps[top])
         score = await d.score_rate(round(response))
+        many = scoring_concurrency(
+            cfg.rollout.max_concurrent_groups, cfg.inference.max_running_requests, d.g
+        )
+        score_many = await d.score_rate(round(response), many) if many > 1 else score
         versions = range(1, repeats + 1)
         busy = [await d.reload(model_dir, 2 * v, top) for v in versions]
         idle = [await d.reload(model_dir, 2 * v + 1, 0) for v in versions]
@@ -397,6 +420,8 @@ async def _generation(
         decode_step_s=steps,
         prefill_tokens_per_s=prefill,
         score_tokens_per_s=score,
+        score_concurrent_tokens_per_s=score_many,
+        score_concurrency=many,
         prompt_tokens=statistics.fmean(len(p) for p in prompts),
         response_tokens=response,
         reload_s=statistics.median(busy),

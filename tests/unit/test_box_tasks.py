@@ -14,13 +14,31 @@ from tests.unit.test_box_inventory import _plan, _state
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _with_reference(trainer: str, rollout: list[str], ref_node: str):
+def _with_task(trainer: str, rollout: list[str], node: str, task: str = "reference"):
     plan = _plan([trainer], rollout)
     plan.decisions = plan.decisions.model_validate(
-        {"tasks": [{"task": "reference", "gpu_kind": ref_node.split("-")[0],
-                    "slots": [{"node": ref_node, "gpu_ids": [0]}]}]}
+        {"tasks": [{"task": task, "gpu_kind": node.split("-")[0],
+                    "slots": [{"node": node, "gpu_ids": [0]}]}]}
     )  # fmt: skip
     return plan
+
+
+def on_box(tmp_path: Path, example: str, plan) -> tuple:
+    """`example` run on the box `inv` with `plan`: its config (the box's addresses in it)
+    and each process as the box starts it."""
+    from areal_hex.config import load_config
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.run import process_specs
+
+    overrides = ["run.box=inv", "run.run_id=r", f"run.output_dir={tmp_path}"]
+    cfg = load_config(ROOT / example, overrides)
+    apply_box(cfg, plan)
+    layout = build_layout(cfg, plan)
+    specs = {s.name: s for s in process_specs(cfg, layout, tmp_path / "config.yaml")}
+    place_on_box(cfg, layout, list(specs.values()))
+    return cfg, specs
 
 
 def test_a_reference_task_serves_from_its_planned_node(
@@ -29,25 +47,12 @@ def test_a_reference_task_serves_from_its_planned_node(
     """Its URL is its node's address (the controller on the spine reaches it there), and
     its server starts in that node, bound to that address with the kind's batch and
     threads."""
-    from areal_hex.config import load_config
-    from hexctl.box.place import place_on_box
-    from hexctl.box.run_config import apply_box
-    from hexctl.job.layout import build_layout
-    from hexctl.launch.run import process_specs
-
     state = _state(tmp_path, monkeypatch)
-    cfg = load_config(
-        ROOT / "examples/box/tiny_box_ref.yaml",
-        ["run.box=inv", "run.run_id=r", f"run.output_dir={tmp_path}"],
-    )
-    plan = _with_reference("mem-0", ["mem-1"], "fast-1")
-    apply_box(cfg, plan)
+    plan = _with_task("mem-0", ["mem-1"], "fast-1")
+    cfg, specs = on_box(tmp_path, "examples/box/tiny_box_ref.yaml", plan)
     fast1 = state.node("fast-1")
     ref = cfg.workflow.task_with_role("reference")
     assert ref is not None and ref.instance_urls() == [f"http://{fast1.address}:31100"]
-    layout = build_layout(cfg, plan)
-    specs = {s.name: s for s in process_specs(cfg, layout, tmp_path / "config.yaml")}
-    place_on_box(cfg, layout, list(specs.values()))
     cmd = specs["reference-0"].command
     assert cmd[5] == fast1.netns and cmd[:5] == ["sh", "-c", cmd[2], "sh", fast1.cgroup]
     at = cmd.index("serve") + 2
@@ -69,7 +74,7 @@ def test_a_task_on_a_node_the_box_lacks_is_refused(
     _state(tmp_path, monkeypatch)
     cfg = load_config(ROOT / "examples/box/tiny_box_ref.yaml", ["run.box=inv"])
     with pytest.raises(UsageError, match="no node 'fast-7'"):
-        box_state(cfg, _with_reference("mem-0", ["mem-1"], "fast-7"))
+        box_state(cfg, _with_task("mem-0", ["mem-1"], "fast-7"))
 
 
 def _inputs():

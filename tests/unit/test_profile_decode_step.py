@@ -144,7 +144,7 @@ def test_a_failed_profile_says_what_its_server_logged_last(tmp_path: Path) -> No
     dev = LocalDevices("CPU", "cpu", 1, None, None, 1, 1, 1.0)
     missing = tmp_path / "no-such-config.yaml"
     with pytest.raises(ProfileFailed) as got:
-        with generation._server(missing, dev, tmp_path / "serve.log") as (_, pid):
+        with generation.server_process(missing, dev, tmp_path / "serve.log") as (_, pid):
             deadline = time.monotonic() + 60
             while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
                 if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":

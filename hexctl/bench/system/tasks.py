@@ -2,11 +2,13 @@
 against the same job with them kept on the actor's kind.
 
 One invocation, one budget, on a box (`areal-hex box`, brought up here and down at the
-end), with a job whose `workflow.tasks` has a priced task (a reference, a reward model;
-default `examples/box/tiny_box_ref.yaml`): the box's kinds profiled inside their nodes
-(`profile --box`, which measures each kind's prefill rate, the rate such a task is priced
-at) or a profile reused (`--profile-dir`), then two plans run for the same steps from
-the same initial weights and each held against the cost model:
+end), with a job whose `workflow.tasks` has a priced task (a reference,
+`examples/box/tiny_box_ref.yaml`, the default; a reward model,
+`examples/box/tiny_box_rm.yaml`): the box's kinds profiled inside their nodes
+(`profile --box`, which measures the rates such a task is priced at: each kind's scoring
+rate with as many requests in flight as the run keeps there, and the job's reward model's
+own `/classify` rate) or a profile reused (`--profile-dir`), then two plans run for the
+same steps from the same initial weights and each held against the cost model:
 
 - a: the planner's plan, each priced task on the kind its cost chooses
   (`scheduler/task_graph.py`);
@@ -213,6 +215,17 @@ def _median_runs(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
     return runs
 
 
+def _build_reward_model(cfg: Any) -> None:
+    """The job's tiny reward model into the cache before any server needs it (a server
+    in a node's quota would train it at that node's speed, and a reused profile did not
+    build it here)."""
+    from hexctl.profile.scoring import rm_config
+
+    if cfg.workflow.task_with_role("reward_model") is not None:
+        _say("the job's reward model (trained once, then taken from the cache)")
+        rm_config(cfg)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.errors import UsageError
@@ -242,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out = Path(scratch).resolve()
             v0 = initial_weights(args.config, overrides, out / "initial")
             overrides.append(f"model.path={v0}")
+            _build_reward_model(load_config(args.config, overrides))
             if args.profile_dir:
                 files = LocalProfileFiles(Path(args.profile_dir).resolve())
             else:
