@@ -1,12 +1,12 @@
 """`areal-hex run`: the whole job as local processes, from the layout `deploy` renders.
 
-Order: run directory and resolved config (prepare.py), v0 weights, Valkey, then the
-inference servers, trainer and controller together (the launcher waits for the servers'
-/health; the controller for one healthy server). The run ends when the trainer
-finishes its last step (then the controller, servers and Valkey are stopped, in that
-order, and the report is written), on Ctrl-C / SIGTERM, or when a process fails for good
-(its last log lines are printed and the exit code is 1), or when the disk fills
-(launch/disk.py). Any process that dies is
+Order: run directory and resolved config (prepare.py), v0 weights, the inference servers
+and Valkey together, then (Valkey answering) the trainer and controller (the launcher
+waits for the servers' /health; the controller for one healthy server). The run ends
+when the trainer finishes its last step (then the controller, servers and Valkey are
+stopped, in that order, and the report is written), on Ctrl-C / SIGTERM, or when a
+process fails for good (its last log lines are printed and the exit code is 1), or when
+the disk fills (launch/disk.py). Any process that dies is
 restarted, up to `run.max_restarts` times each: an inference server or Valkey (on its
 append-only file) whatever its exit code, the trainer (from its newest complete
 checkpoint) and the controller (at its data position) when they fail. An inference
@@ -249,8 +249,12 @@ def start_services(
     by_role: dict[str, list[ProcessSpec]] = {}
     for spec in specs:
         by_role.setdefault(roles[spec.name], []).append(spec)
-    for spec in by_role.get("redis", []):
+    servers = by_role.get("inference", [])
+    # the servers first, beside Valkey: they need no buffer, and their start (imports,
+    # the model) is the longest before the first groups
+    for spec in servers + by_role.get("redis", []):
         sup.start(spec)
+    for spec in by_role.get("redis", []):
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
         sup.events.append((time.time(), spec.name, "ready"))
     for spec in by_role.get("worker", []):  # the workflow's other tasks
@@ -258,10 +262,9 @@ def start_services(
     if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
         with contextlib.closing(client):
             forget_weight_groups(client, str(cfg.run.run_id))
-    servers = by_role.get("inference", [])
-    # all at once: the trainer's start (imports, DeepSpeed, the model) overlaps the
-    # servers' and the first groups'; the controller waits for a healthy server itself
-    for spec in servers + by_role.get("trainer", []) + by_role.get("controller", []):
+    # the trainer's start (imports, DeepSpeed, the model) overlaps the servers' and the
+    # first groups'; the controller waits for a healthy server itself
+    for spec in by_role.get("trainer", []) + by_role.get("controller", []):
         sup.start(spec)
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
