@@ -42,6 +42,7 @@ from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
 from hexctl.launch.hung import HungServers
 from hexctl.launch.stall import Stalled, StallWatch
+from hexctl.launch.startup_cores import StartupCores
 from hexctl.launch.storage import (
     aof_damage,
     aof_refused,
@@ -334,19 +335,21 @@ def execute(
     aof = valkey_dir(cfg)
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
+    # a local run starts on every core, pinned from its first step (startup_cores.py)
+    cores = StartupCores(specs if place is None else [])
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         sup.events.extend((t, "launcher", what) for t, what in milestones)
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
         try:
             attempt.tick()
-            start_services(sup, cfg, layout, specs)
+            start_services(sup, cfg, layout, cores.unpinned(specs))
         except (LaunchError, KeyboardInterrupt, OSError) as exc:
             return _start_failed(sup, cfg, layout, attempt, exc)
         attempt.t_ready = time.time()
         if aof is not None and (cut := aof_damage(aof)) is not None:
             print(f"areal-hex run: {cut}", file=stream, flush=True)
             sup.events.append((time.time(), "redis", f"damaged storage: {cut}"))
-        outcome = _watch(sup, cfg, layout, attempt, disk, stream, progress, timeout_s)
+        outcome = _watch(sup, cfg, layout, attempt, disk, stream, progress, timeout_s, cores)
         try:
             stats, ledger = stop_services(sup, cfg, layout)
         except KeyboardInterrupt:
@@ -389,6 +392,7 @@ def _watch(
     stream: TextIO,
     progress: bool,
     timeout_s: float | None,
+    cores: StartupCores,
 ) -> Outcome:
     """Watch the started services until the run ends, showing progress: hung servers
     are replaced, a stall (run.stall_after_s) or a full disk stops the run."""
@@ -420,6 +424,8 @@ def _watch(
         idle = stall.check(int(view.state.get("step", 0)))
         view.state["no_step_s"] = idle if idle >= cfg.run.stall_after_s / 2 else None
         view.tick()
+        if cores.check(sup, int(view.state.get("step", 0))):
+            sup.events.append((time.time(), "launcher", "pinned to the planned cores"))
         disk.check()
         attempt.tick()
 
