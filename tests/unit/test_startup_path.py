@@ -85,3 +85,32 @@ def test_nothing_planned_starts_as_given(tmp_path: Path) -> None:
     cores = StartupCores([spec])
     assert cores.unpinned([spec]) == [spec] and cores.done
     assert not cores.check(Supervisor(), 5)
+
+
+def test_light_tokenizer_is_what_autotokenizer_loads(tmp_path: Path) -> None:
+    """The tiny tokenizer saved to a directory loads through its own class, without the
+    model config, and equals AutoTokenizer's; a directory without a config, or naming
+    another class, goes through AutoTokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from areal_hex.models import build_tokenizer
+    from areal_hex.tokenizer_files import load_tokenizer_light, saved_tokenizer_class
+
+    build_tokenizer().save_pretrained(tmp_path)
+    light, auto = load_tokenizer_light(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(light) is type(auto)
+    for key in ("special_tokens_map", "chat_template", "padding_side", "all_special_ids"):
+        assert getattr(light, key) == getattr(auto, key), key
+    text = "What is 13 + 4?\n13 + 4 = 17\n#### 17<|im_end|>"
+    assert light(text)["input_ids"] == auto(text)["input_ids"]
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    kw = {"add_generation_prompt": True, "tokenize": False}
+    assert light.apply_chat_template(chat, **kw) == auto.apply_chat_template(chat, **kw)
+    assert saved_tokenizer_class(tmp_path / "none") is None
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "tokenizer_class": "Other"}))
+    assert saved_tokenizer_class(tmp_path) == "Other"
+    cfg.write_text("not json")
+    assert saved_tokenizer_class(tmp_path) is None
