@@ -18,7 +18,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.device_kind import device_kind
 from areal_hex.errors import UsageError
-from areal_hex.gc_freeze import freeze_startup
+from areal_hex.gc_freeze import defer_collection, freeze_startup
 from areal_hex.lifetime import tie_to_launcher
 from areal_hex.prom import (
     BufferCollector,
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    defer_collection()  # until freeze_startup, once the trainer is built
     tie_to_launcher()  # a rank of `areal-hex run`'s trainer ends with the launcher
     cfg = load_config(args.config, args.overrides)
     # stdout, line by line: the launcher's progress display reads the [status] lines, its

@@ -27,14 +27,19 @@ def command_modules() -> list[str]:
     return [f"hexctl.cli.{n}" for n in sorted(names)]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `areal-hex` parser; `only`: just that command's (its module `<only>_cmd`), which
+    spares a service's start the import and set-up of every other command."""
     parser = argparse.ArgumentParser(
         prog="areal-hex",
         description="Asynchronous RL for LLMs on heterogeneous GPUs.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in command_modules():
+    modules = command_modules()
+    if only is not None and f"hexctl.cli.{only}_cmd" in modules:
+        modules = [f"hexctl.cli.{only}_cmd"]
+    for name in modules:
         importlib.import_module(name).register(sub)
     return parser
 
@@ -42,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from areal_hex.lifetime import tie_to_launcher
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    # a command named first needs its own parser only; anything else (--help, a typo)
+    # gets the whole one, with every command listed
+    first = words[0] if words and not words[0].startswith("-") else None
+    parser = build_parser(only=first)
+    args = parser.parse_args(words)
     tie_to_launcher()  # a service of `areal-hex run` ends with it
     try:
         return int(args.func(args) or 0)

@@ -42,8 +42,10 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     log = logging.getLogger("areal_hex.rollout")
+    from areal_hex.gc_freeze import defer_collection
     from rollout_service.controller.wiring import SamplingExhausted, run_rollout
 
+    defer_collection()  # until run_rollout's freeze_startup, once the controller is built
     try:
         final = asyncio.run(run_rollout(cfg))
     except DataError as exc:

@@ -141,8 +141,10 @@ def _run(args: argparse.Namespace) -> int:
             return 1
     if args.print_command:
         raise UsageError("--print-command applies to inference.backend=sglang only")
+    from areal_hex.gc_freeze import defer_collection
     from rollout_service.server.main import serve
 
+    defer_collection()  # until the app's start-up freezes what is loaded (server/app.py)
     try:
         serve(cfg.model, inf, port)
     except ValueError as exc:

@@ -1,12 +1,12 @@
 """`areal-hex run`: the whole job as local processes, from the layout `deploy` renders.
 
-Order: run directory and resolved config (prepare.py), v0 weights, Valkey, then the
-inference servers, trainer and controller together (the launcher waits for the servers'
-/health; the controller for one healthy server). The run ends when the trainer
-finishes its last step (then the controller, servers and Valkey are stopped, in that
-order, and the report is written), on Ctrl-C / SIGTERM, or when a process fails for good
-(its last log lines are printed and the exit code is 1), or when the disk fills
-(launch/disk.py). Any process that dies is
+Order: run directory and resolved config (prepare.py), v0 weights, the inference servers
+and Valkey together, then (Valkey answering) the trainer and controller (the launcher
+waits for the servers' /health; the controller for one healthy server). The run ends
+when the trainer finishes its last step (then the controller, servers and Valkey are
+stopped, in that order, and the report is written), on Ctrl-C / SIGTERM, or when a
+process fails for good (its last log lines are printed and the exit code is 1), or when
+the disk fills (launch/disk.py). Any process that dies is
 restarted, up to `run.max_restarts` times each: an inference server or Valkey (on its
 append-only file) whatever its exit code, the trainer (from its newest complete
 checkpoint) and the controller (at its data position) when they fail. An inference
@@ -42,6 +42,7 @@ from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
 from hexctl.launch.hung import HungServers
 from hexctl.launch.stall import Stalled, StallWatch
+from hexctl.launch.startup_cores import StartupCores
 from hexctl.launch.storage import (
     aof_damage,
     aof_refused,
@@ -249,8 +250,12 @@ def start_services(
     by_role: dict[str, list[ProcessSpec]] = {}
     for spec in specs:
         by_role.setdefault(roles[spec.name], []).append(spec)
-    for spec in by_role.get("redis", []):
+    servers = by_role.get("inference", [])
+    # the servers first, beside Valkey: they need no buffer, and their start (imports,
+    # the model) is the longest before the first groups
+    for spec in servers + by_role.get("redis", []):
         sup.start(spec)
+    for spec in by_role.get("redis", []):
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
         sup.events.append((time.time(), spec.name, "ready"))
     for spec in by_role.get("worker", []):  # the workflow's other tasks
@@ -258,10 +263,9 @@ def start_services(
     if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
         with contextlib.closing(client):
             forget_weight_groups(client, str(cfg.run.run_id))
-    servers = by_role.get("inference", [])
-    # all at once: the trainer's start (imports, DeepSpeed, the model) overlaps the
-    # servers' and the first groups'; the controller waits for a healthy server itself
-    for spec in servers + by_role.get("trainer", []) + by_role.get("controller", []):
+    # the trainer's start (imports, DeepSpeed, the model) overlaps the servers' and the
+    # first groups'; the controller waits for a healthy server itself
+    for spec in by_role.get("trainer", []) + by_role.get("controller", []):
         sup.start(spec)
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
@@ -331,19 +335,21 @@ def execute(
     aof = valkey_dir(cfg)
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
+    # a local run starts on every core, pinned from its first step (startup_cores.py)
+    cores = StartupCores(specs if place is None else [])
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         sup.events.extend((t, "launcher", what) for t, what in milestones)
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
         try:
             attempt.tick()
-            start_services(sup, cfg, layout, specs)
+            start_services(sup, cfg, layout, cores.unpinned(specs))
         except (LaunchError, KeyboardInterrupt, OSError) as exc:
             return _start_failed(sup, cfg, layout, attempt, exc)
         attempt.t_ready = time.time()
         if aof is not None and (cut := aof_damage(aof)) is not None:
             print(f"areal-hex run: {cut}", file=stream, flush=True)
             sup.events.append((time.time(), "redis", f"damaged storage: {cut}"))
-        outcome = _watch(sup, cfg, layout, attempt, disk, stream, progress, timeout_s)
+        outcome = _watch(sup, cfg, layout, attempt, disk, stream, progress, timeout_s, cores)
         try:
             stats, ledger = stop_services(sup, cfg, layout)
         except KeyboardInterrupt:
@@ -386,6 +392,7 @@ def _watch(
     stream: TextIO,
     progress: bool,
     timeout_s: float | None,
+    cores: StartupCores,
 ) -> Outcome:
     """Watch the started services until the run ends, showing progress: hung servers
     are replaced, a stall (run.stall_after_s) or a full disk stops the run."""
@@ -417,6 +424,8 @@ def _watch(
         idle = stall.check(int(view.state.get("step", 0)))
         view.state["no_step_s"] = idle if idle >= cfg.run.stall_after_s / 2 else None
         view.tick()
+        if cores.check(sup, int(view.state.get("step", 0))):
+            sup.events.append((time.time(), "launcher", "pinned to the planned cores"))
         disk.check()
         attempt.tick()
 

@@ -199,7 +199,9 @@ class Dispatcher:
         async def enough() -> bool:
             return await self.probe_all() >= min_servers
 
-        interval = min(self.probe_interval_s, 0.5)
+        # a probe of a port not yet listening costs next to nothing; the first groups
+        # start as soon as a server answers
+        interval = min(self.probe_interval_s, 0.1)
         if not await async_wait_until(enough, timeout_s, interval_s=interval):
             down = ", ".join(
                 f"{s.url} ({s.last_error or 'not healthy'})" for s in self.servers if not s.healthy

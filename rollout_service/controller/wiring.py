@@ -28,15 +28,17 @@ log = logging.getLogger(__name__)
 
 
 def load_rollout_tokenizer(cfg: ExperimentConfig):  # -> PreTrainedTokenizerBase
-    """The tokenizer of `model.tokenizer_path`, else `model.path`, else the tiny one."""
+    """The tokenizer of `model.tokenizer_path`, else `model.path`, else the tiny one
+    (without torch where it is not needed: areal_hex/tokenizer_files.py)."""
     from areal_hex import models
+    from areal_hex.tokenizer_files import load_tokenizer_light
 
     path = cfg.model.tokenizer_path or cfg.model.path
     if path is None:
         if cfg.model.tiny is None:
             raise ValueError("model: set model.path (or model.tokenizer_path) or model.tiny")
         return models.build_tokenizer()
-    return models.load_tokenizer(path)
+    return load_tokenizer_light(path)
 
 
 def load_prompt_set(cfg: ExperimentConfig, tokenizer: Any) -> PromptSet:
@@ -144,6 +146,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run the controller for `cfg`; SIGTERM/SIGINT stop it cleanly. Returns the final
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
+    from areal_hex.rewards import RewardPool
     from rollout_service.client import InferenceClient
     from rollout_service.controller.lend import phases_for
     from rollout_service.controller.reference import ScoredProducer
@@ -169,7 +172,10 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     redis_client = endpoint.async_client()
     producer = RedisTrajectoryProducer(redis_client, run_id, cfg.buffer)
     eos = tokenizer.eos_token_id
-    scorer = build_scorer(cfg)  # None: the rule alone, the controller's own pool
+    # the rule alone (math-verify in its worker processes), or weighted with a reward model
+    scorer = build_scorer(cfg) or RewardPool(
+        cfg.rollout.reward_workers, cfg.rollout.reward_timeout_s
+    )
     ref_scorer = reference_scorer(cfg)  # π_ref log-probs of each group, on its way to the buffer
     ctl = RolloutController(
         clients,
@@ -202,10 +208,11 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctl.request_stop)
     try:
-        if scorer is not None:
-            await scorer.start()
         log.info("%swaiting for the inference servers", STATUS_MARK)
-        n = await ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s)
+        # the reward workers start (a spawn, math-verify's import) while the servers do
+        n, _ = await asyncio.gather(
+            ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s), scorer.start()
+        )
         log.info(
             "%s%d/%d inference servers healthy; producing %d groups of %d",
             STATUS_MARK,
@@ -229,8 +236,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
             metrics.stop()
         if trackers is not None:
             trackers.close()
-        if scorer is not None:
-            await scorer.aclose()
+        await scorer.aclose()
         await give_back(producer)
         await producer.aclose()
         await redis_client.aclose()

@@ -30,3 +30,18 @@ def test_startup_objects_frozen_later_cycles_collected() -> None:
         assert later_ref() is None  # made after the freeze: collected as usual
     finally:
         gc.unfreeze()
+
+
+def test_collection_deferred_until_the_freeze() -> None:
+    """`defer_collection` turns automatic collection off for the start; `freeze_startup`
+    turns it on again."""
+    from areal_hex.gc_freeze import defer_collection
+
+    try:
+        defer_collection()
+        assert not gc.isenabled()
+        freeze_startup()
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()

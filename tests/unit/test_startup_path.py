@@ -1,0 +1,116 @@
+"""The start-up path: a named command builds only its own parser, and a local run's
+processes start on every core and move to their planned cores at the first step (every
+thread of every process in the group)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hexctl.cli import build_parser, command_modules
+from hexctl.launch.startup_cores import StartupCores
+from hexctl.launch.supervisor import ProcessSpec, Supervisor
+
+# a process with a second thread and a child process (its group), all asleep
+FAMILY = (
+    "import subprocess, sys, threading, time\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print('up', flush=True); time.sleep(60)\n"
+)
+
+
+def commands(parser) -> list[str]:  # argparse.ArgumentParser
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return list(sub.choices)
+
+
+def test_a_named_command_builds_only_its_parser() -> None:
+    every = [m.rsplit(".", 1)[1].removesuffix("_cmd") for m in command_modules()]
+    assert commands(build_parser()) == every
+    assert commands(build_parser(only="serve")) == ["serve"]
+    assert commands(build_parser(only="nosuch")) == every  # a typo gets every choice
+    args = build_parser(only="serve").parse_args(["serve", "c.yaml", "--index", "1"])
+    full = build_parser().parse_args(["serve", "c.yaml", "--index", "1"])
+    assert vars(args) == vars(full)
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def _group(pid: int) -> list[int]:
+    from areal_hex.lifetime import group_members
+
+    return [p for p, _ in group_members(pid)]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+@pytest.mark.timeout(30)
+def test_unpinned_start_then_planned_cores_at_the_first_step(tmp_path: Path) -> None:
+    every = os.sched_getaffinity(0)
+    one = {min(every)}
+    planned = ProcessSpec("svc", [sys.executable, "-c", FAMILY], tmp_path / "svc.log", cpus=one)
+    other = ProcessSpec("free", [sys.executable, "-c", "1"], tmp_path / "free.log")
+    cores = StartupCores([planned, other])
+    started = cores.unpinned([planned, other])
+    assert started[0].cpus is None and started[1] is other and planned.cpus == one
+    with Supervisor(poll_s=0.05) as sup:
+        sup.start(started[0])
+        pid = sup.pid("svc")
+        assert pid is not None
+        deadline = time.monotonic() + 20
+        while "up" not in (tmp_path / "svc.log").read_text() or len(_group(pid)) < 2:
+            assert time.monotonic() < deadline, "the process did not start its family"
+            time.sleep(0.05)
+        assert os.sched_getaffinity(pid) == every
+        assert not cores.check(sup, 0)  # the first value seen: the start goes on
+        assert not cores.check(sup, 0)
+        assert cores.check(sup, 1)  # the first step: pinned
+        members = _group(pid)
+        assert len(members) == 2
+        for p in members:
+            for tid in _threads(p):
+                assert os.sched_getaffinity(tid) == one, (p, tid)
+        assert sup.procs["svc"].spec.cpus == one  # a restart starts pinned
+        assert not cores.check(sup, 2)  # once
+
+
+def test_nothing_planned_starts_as_given(tmp_path: Path) -> None:
+    spec = ProcessSpec("svc", [sys.executable, "-c", "1"], tmp_path / "svc.log")
+    cores = StartupCores([spec])
+    assert cores.unpinned([spec]) == [spec] and cores.done
+    assert not cores.check(Supervisor(), 5)
+
+
+def test_light_tokenizer_is_what_autotokenizer_loads(tmp_path: Path) -> None:
+    """The tiny tokenizer saved to a directory loads through its own class, without the
+    model config, and equals AutoTokenizer's; a directory without a config, or naming
+    another class, goes through AutoTokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from areal_hex.models import build_tokenizer
+    from areal_hex.tokenizer_files import load_tokenizer_light, saved_tokenizer_class
+
+    build_tokenizer().save_pretrained(tmp_path)
+    light, auto = load_tokenizer_light(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(light) is type(auto)
+    for key in ("special_tokens_map", "chat_template", "padding_side", "all_special_ids"):
+        assert getattr(light, key) == getattr(auto, key), key
+    text = "What is 13 + 4?\n13 + 4 = 17\n#### 17<|im_end|>"
+    assert light(text)["input_ids"] == auto(text)["input_ids"]
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    kw = {"add_generation_prompt": True, "tokenize": False}
+    assert light.apply_chat_template(chat, **kw) == auto.apply_chat_template(chat, **kw)
+    assert saved_tokenizer_class(tmp_path / "none") is None
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "tokenizer_class": "Other"}))
+    assert saved_tokenizer_class(tmp_path) == "Other"
+    cfg.write_text("not json")
+    assert saved_tokenizer_class(tmp_path) is None
