@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from areal_hex.config.base import Section, build, read_yaml, refuse_renamed
 from areal_hex.config.rollout import WeightSyncMode
 from areal_hex.config.workflow import PlacementMode
+from areal_hex.plan_placement import check_placement, sharing_sides
 
 # 2: a trainer across GPU kinds (`trainer.gpu_kinds`, `trainer.rank_speeds`); version 1
 # files load unchanged (the new fields are optional).
@@ -171,6 +172,10 @@ class Decisions(Section):
     publish_every: int | None = Field(None, ge=1)
     weight_sync: WeightSyncMode | None = None  # None: the config's rollout.weight_sync
     tasks: list[TaskPlacement] = []  # the tasks beyond generate and train
+    # hybrid: the indices in `rollout` of the generation instances on the trainer's GPUs,
+    # which generate only while the trainer waits for its batch; the last ones (a run
+    # lends its last `workflow.lent_servers` servers). Empty in every other placement.
+    lent: list[int] = []
 
     @model_validator(mode="before")
     @classmethod
@@ -231,11 +236,11 @@ class Plan(Section):
     def _devices_used_once(self) -> Plan:
         """No GPU serves two instances of one task; disaggregated, no GPU serves two
         tasks either. Colocated, the generation instances take turns with the trainer
-        (and the other tasks) on the same GPUs, so only those two sides may share one."""
-        slots = self.device_slots()
-        n_rollout = len(self.rollout)
-        apart = self.decisions.placement == "disaggregated"
-        sides = [slots] if apart else [slots[:n_rollout], slots[n_rollout:]]
+        (and the other tasks) on the same GPUs, so only those two sides may share one;
+        hybrid, only the lent instances share (`plan_placement.py`, which also refuses
+        decisions that disagree with the placement)."""
+        check_placement(self)
+        sides = sharing_sides(self, self.device_slots())
         for side in sides:
             seen: dict[tuple[str, int], str] = {}
             for who, _, slot in side:

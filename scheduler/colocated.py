@@ -78,6 +78,37 @@ def best_colocated(
     return best
 
 
+def trainer_slots(
+    cl: Cluster, c: TrainerOption, names: dict[str, str]
+) -> list[tuple[str, str, list[int]]]:
+    """(node group, machine, GPU ids) of the trainer's ranks, first-fit on its node
+    groups' machines (`names`: merged machine names as the inventory's)."""
+    used: dict[str, int] = {}
+    slots: list[tuple[str, str, list[int]]] = []
+    for group, k in trainer_shape(cl, c):
+        i = used[group] = used.get(group, -1) + 1
+        node = machine_name(group, i)
+        slots.append((group, names.get(node, node), list(range(k))))
+    return slots
+
+
+def instances_on(
+    cl: Cluster,
+    slots: list[tuple[str, str, list[int]]],
+    options: tuple[tuple[str, RolloutOption], ...],
+    first: int,
+) -> list[InferenceInstance]:
+    """One generation instance per TP-sized slice of every slot's GPUs, of its node
+    group's option; numbered from `first`."""
+    option = dict(options)
+    out: list[InferenceInstance] = []
+    for group, node, ids in slots:
+        r = option[group]
+        for lo in range(0, len(ids), r.tp):
+            out.append(rollout_instance(cl, r, first + len(out), node, ids[lo : lo + r.tp]))
+    return out
+
+
 def colocated_plan(
     cl: Cluster, w: Workload, pick: Colocated, names: dict[str, str], base: Plan
 ) -> Plan:
@@ -86,19 +117,9 @@ def colocated_plan(
     generation instance per TP-sized slice of every trainer machine's GPUs. `names`:
     merged machine names as the inventory's (`cluster.merge_identical`)."""
     c = pick.trainer
-    option = dict(pick.rollout)
-    used: dict[str, int] = {}
-    slots: list[tuple[str, str, list[int]]] = []  # (group, machine, GPU ids)
-    for group, k in trainer_shape(cl, c):
-        i = used[group] = used.get(group, -1) + 1
-        node = machine_name(group, i)
-        slots.append((group, names.get(node, node), list(range(k))))
+    slots = trainer_slots(cl, c, names)
     toks = w.prompt_tokens + w.response_tokens
-    rollout: list[InferenceInstance] = []
-    for group, node, ids in slots:
-        r = option[group]
-        for lo in range(0, len(ids), r.tp):
-            rollout.append(rollout_instance(cl, r, len(rollout), node, ids[lo : lo + r.tp]))
+    rollout = instances_on(cl, slots, pick.rollout, 0)
     trainer = TrainerPlacement(
         gpu_kind=c.kind,
         world_size=c.dp,

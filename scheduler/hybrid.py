@@ -20,9 +20,12 @@ the same cost model as every other layout.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from scheduler.colocated import on_trainer_gpus, switch_s
+from areal_hex.plan import Plan
+from scheduler.cluster import Cluster, machine_name
+from scheduler.colocated import instances_on, on_trainer_gpus, switch_s
+from scheduler.costmodel import RolloutOption
 from scheduler.milp import PlanSpace, Solution
 from scheduler.predict import LayoutPrediction, LayoutRates
 from scheduler.profile import Profile
@@ -66,13 +69,20 @@ def hybrid_rates(
     return LayoutPrediction(asynchronous, synchronous)
 
 
-def best_hybrid(
+@dataclass(frozen=True)
+class Hybrid:
+    samples_per_s: float
+    generation_samples_per_s: float  # the instances of their own and the lent ones
+    rollout: tuple[tuple[str, RolloutOption], ...]  # the lent ones' option per node group
+
+
+def hybrid_pick(
     p: PlanSpace, w: Workload, sol: Solution, prof: Profile | None = None
-) -> float | None:
+) -> Hybrid | None:
     """The asynchronous plan `sol` as a hybrid: its trainer's GPUs also generate while it
     waits (one instance per TP-sized slice, as a colocated plan places them), each step
-    one switch; samples/s, None where the trainer's GPUs cannot generate (a trainer
-    across kinds, or no rollout option tiles them)."""
+    one switch; None where the trainer's GPUs cannot generate (a trainer across kinds,
+    or no rollout option tiles them)."""
     c = sol.trainer
     if c.mixed:
         return None
@@ -81,4 +91,44 @@ def best_hybrid(
         return None
     own = LayoutRates(sol.rate, sol.gen_rate, sol.train_rate, 0.0)
     lent = lent_asynchronous(own, g_lent, w.samples_per_step, switch_s(w, prof, c.kind))
-    return lent.pipeline_samples_per_s
+    return Hybrid(lent.pipeline_samples_per_s, lent.generation_samples_per_s, tuple(picks))
+
+
+def best_hybrid(
+    p: PlanSpace, w: Workload, sol: Solution, prof: Profile | None = None
+) -> float | None:
+    """`hybrid_pick`'s samples/s."""
+    pick = hybrid_pick(p, w, sol, prof)
+    return None if pick is None else pick.samples_per_s
+
+
+def hybrid_plan(cl: Cluster, pick: Hybrid, names: dict[str, str], base: Plan) -> Plan | None:
+    """`base` (the asynchronous plan) with the lent instances: one per TP-sized slice of
+    each of its trainer's slots, after its own (`decisions.lent`), k = 1 (`names`:
+    merged machine names as the inventory's, `cluster.merge_identical`); None where
+    `base` tuned k above 1 (a hybrid follows the trainer's steps by each version) or a
+    trainer machine is not the cluster's."""
+    if base.decisions.publish_every not in (None, 1):
+        return None
+    machines = [
+        (machine_name(g.name, i), g.name) for g in cl.spec.node_groups for i in range(g.nodes)
+    ]
+    group_of = {names.get(m, m): g for m, g in machines}
+    if any(s.node not in group_of for s in base.trainer.placements):
+        return None
+    slots = [(group_of[s.node], s.node, list(s.gpu_ids)) for s in base.trainer.placements]
+    n = len(base.rollout)
+    lent = instances_on(cl, slots, pick.rollout, n)
+    decisions = base.decisions.model_copy(
+        update={"placement": "hybrid", "lent": list(range(n, n + len(lent))), "publish_every": 1}
+    )
+    predicted = base.predicted.model_copy(
+        update={
+            "samples_per_s": round(pick.samples_per_s, 4),
+            "generation_samples_per_s": round(pick.generation_samples_per_s, 4),
+        }
+    )
+    plan = base.model_copy(
+        update={"rollout": [*base.rollout, *lent], "decisions": decisions, "predicted": predicted}
+    )
+    return Plan.model_validate(plan.model_dump())  # the whole plan checked again

@@ -16,7 +16,7 @@ from scheduler.colocated import Colocated, best_colocated, colocated_plan
 from scheduler.costmodel import (
     rollout_configs,
 )
-from scheduler.hybrid import best_hybrid
+from scheduler.hybrid import hybrid_pick, hybrid_plan
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.one_kind import kinds_of, one_kind_plans
@@ -328,11 +328,15 @@ def _plan_reserved(
     )
     plan.decisions.tasks = reserved.placements
     plan.baselines.disaggregated_samples_per_s = round(best.rate, 4)
-    hybrid = best_hybrid(p, w, best.solution, prof) if baselines else None
-    plan.baselines.hybrid_samples_per_s = None if hybrid is None else round(hybrid, 4)
+    hybrid = hybrid_pick(p, w, best.solution, prof) if baselines else None
+    plan.baselines.hybrid_samples_per_s = None if hybrid is None else round(hybrid.samples_per_s, 4)
     cap = bound[0] if bound is not None else float("inf")
-    if colocated is not None and min(colocated.samples_per_s, cap) > best.rate and target is None:
+    col = 0.0 if colocated is None else min(colocated.samples_per_s, cap)
+    hyb = 0.0 if hybrid is None else min(hybrid.samples_per_s, cap)
+    if colocated is not None and col > max(best.rate, hyb) and target is None:
         plan = colocated_plan(cl, w, colocated, names, plan)  # the faster placement
+    elif hybrid is not None and hyb > best.rate * (1 + 1e-6) and target is None:
+        plan = hybrid_plan(cl, hybrid, names, plan) or plan
     if bound is not None:
         _capped(plan, *bound)
     plan.predicted.cost_usd_per_h = round(plan.predicted.cost_usd_per_h + reserved.usd_per_h, 2)

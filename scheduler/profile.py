@@ -19,6 +19,17 @@ from areal_hex.config import ConfigError
 from areal_hex.config.base import Section, build, read_yaml
 
 
+class EveryCore(Section):
+    """Generation and training of one device kind timed on every core of the host, as a
+    colocated run gives each phase (`hexctl/profile/every_core.py`)."""
+
+    decode_step_s: dict[int, float]  # batch -> seconds per decode step, one server
+    prefill_tokens_per_s: float = Field(gt=0)
+    train_tokens_per_s: float = Field(gt=0)
+    inference_threads: int = Field(ge=1)  # each server's, as the colocated run starts it
+    trainer_threads: int = Field(ge=1)
+
+
 class DeviceRates(Section):
     device: str  # what torch reported, e.g. "cpu" or "NVIDIA H100 80GB HBM3"
     decode_step_s: dict[int, float]  # batch -> seconds per decode step (mean context)
@@ -103,6 +114,28 @@ class DeviceRates(Section):
     # its threads sleep while it waits), s; the median of several. None: the workload's
     # `constants.context_switch_s`.
     context_switch_s: float | None = Field(None, ge=0)
+    # The same device's rates when one task takes every core in turn (`profile --local`
+    # on a CPU host whose run pins the two sides apart): a colocated phase's generation
+    # (each server its share of every core) and training (every core). None: not
+    # measured (a GPU, or the profile already ran each side on every core).
+    every_core: EveryCore | None = None
+
+    def on_every_core(self) -> DeviceRates:
+        """These rates as a colocated phase sees them: generation and training measured
+        on every core, where they were; the ratios and the switch as measured."""
+        e = self.every_core
+        if e is None:
+            return self
+        train = e.train_tokens_per_s / self.train_tokens_per_s
+        upd: dict[str, object] = {
+            "decode_step_s": dict(e.decode_step_s),
+            "prefill_tokens_per_s": e.prefill_tokens_per_s,
+            "train_tokens_per_s": e.train_tokens_per_s,
+            "every_core": None,
+        }
+        if self.train_sync_tokens_per_s is not None:
+            upd["train_sync_tokens_per_s"] = self.train_sync_tokens_per_s * train
+        return self.model_copy(update=upd)
 
     def scoring_tokens_per_s(self) -> float:
         """The actor's scoring rate a task is priced at: at the run's concurrency where
@@ -130,6 +163,14 @@ class DeviceRates(Section):
             value = getattr(self, name)
             if value is not None:
                 upd[name] = value / factor
+        if (e := self.every_core) is not None:
+            upd["every_core"] = e.model_copy(
+                update={
+                    "decode_step_s": {b: t / factor for b, t in e.decode_step_s.items()},
+                    "prefill_tokens_per_s": e.prefill_tokens_per_s * factor,
+                    "train_tokens_per_s": e.train_tokens_per_s * factor,
+                }
+            )
         return self.model_copy(update=upd)
 
 
@@ -264,6 +305,15 @@ class Profile(Section):
 
     def context_switch_s(self, kind: str) -> float | None:
         return self.kinds[kind].context_switch_s if kind in self.kinds else None
+
+    def on_every_core(self) -> Profile:
+        """The profile as a colocated run's phases see it: each kind's rates on every
+        core where measured (`DeviceRates.on_every_core`)."""
+        kinds = {k: r.on_every_core() for k, r in self.kinds.items()}
+        return self.model_copy(update={"kinds": kinds})
+
+    def has_every_core(self, kind: str) -> bool:
+        return kind in self.kinds and self.kinds[kind].every_core is not None
 
 
 def load_profile(path: str | Path, model_params: int | None = None) -> Profile:

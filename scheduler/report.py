@@ -35,6 +35,12 @@ def table(res: PlanResult, sweep: list[dict[str, float]] | None = None) -> str:
             "the pools below are the best disaggregated plan's",
             "",
         ]
+    if plan.decisions.placement == "hybrid":
+        lines += [
+            f"hybrid: {len(plan.decisions.lent)} generation instance(s) lent by the "
+            "trainer's GPUs (generating while it waits for its batch) beside the pools below",
+            "",
+        ]
     hdr = f"{'pool':<9}{'GPU':<11}{'zone':<11}{'count':>6}{'GPUs':>6}  {'parallelism':<22}"
     hdr += f"{'samples/s':>10}{'$/h':>9}"
     lines += [hdr, "-" * len(hdr)]
@@ -186,8 +192,7 @@ def _verdict(b, placement: str) -> str:
         line += (
             f"\nbest of each placement: colocated sync {b.synchronous_samples_per_s:.3f}, "
             f"disaggregated async {dis:.3f}{hyb} samples/s; picked "
-            f"{placement} (`areal-hex run --plan` carries it out; a hybrid runs locally, "
-            "`workflow.placement=hybrid`)"
+            f"{placement} (`areal-hex run --plan` and `deploy` carry it out)"
         )
     elif b.recommended_mode == "synchronous":
         line += (

@@ -19,7 +19,7 @@ from areal_hex.config import ExperimentConfig
 from areal_hex.errors import UsageError
 from areal_hex.plan import Plan
 from hexctl.deploy.checks import image_warnings, placement_warning
-from hexctl.deploy.common import Bundle, Deployment
+from hexctl.deploy.common import Bundle, Deployment, on_trainer_gpus
 from hexctl.deploy.common import prepare as prepare_deployment
 from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.output import IGNORE_FILES, check_out_dir, write_files
@@ -100,9 +100,9 @@ def render(
     files = {**IGNORE_FILES, **bundle.files}
     write_files(out_dir, files, bundle.private)
     gpus: Counter[str] = Counter()
-    shared = d.cfg.workflow.placement == "colocated"  # the servers take the trainer's turns
+    shared = on_trainer_gpus(d.cfg, d.layout)  # counted with the trainer's
     for s in d.layout.services:
-        if shared and s.role == "inference":
+        if s.name in shared:
             continue
         for kind, _, nodes in s.kind_segments():
             if kind is not None:

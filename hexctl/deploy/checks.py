@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from areal_hex.config import ConfigError, ExperimentConfig
 from areal_hex.plan import Plan
+from areal_hex.plan_placement import sharing_sides
 from hexctl.deploy.config import DeployConfig
 from hexctl.deploy.names import (
     GPU_PRODUCT_LABELS,
@@ -194,11 +195,12 @@ def _check_placement(plan: Plan, dcfg: DeployConfig) -> list[str]:
 
 def _check_devices(plan: Plan) -> list[str]:
     """No GPU may be planned twice (colocated: generation and training take turns on the
-    same GPUs, so only twice within one of the two)."""
+    same GPUs, so only twice within one of the two; hybrid: the lent instances share the
+    trainer's)."""
     errors: list[str] = []
     gen = [(i.id, i.placement) for i in plan.rollout]
     train = [("trainer", p) for p in plan.trainer.placements]
-    sides = [gen + train] if plan.decisions.placement == "disaggregated" else [gen, train]
+    sides = sharing_sides(plan, gen + train)  # which may share a GPU (colocated, hybrid)
     for side in sides:
         owner: dict[tuple[str, int], str] = {}
         for who, slot in side:

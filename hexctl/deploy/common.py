@@ -315,3 +315,13 @@ def prepare(
     secrets_ = load_secrets(cfg, dcfg, out_dir)
     prediction = prediction_for_plan(plan, resolved)
     return Deployment(resolved, plan, layout, dcfg, prefix, secrets_, cfg.model, prediction)
+
+
+def on_trainer_gpus(cfg: ExperimentConfig, layout: Layout) -> set[str]:
+    """The services whose GPUs are the trainer's (counted once, with the trainer's):
+    every inference server colocated, the lent ones hybrid."""
+    from hexctl.job.cores import lent_services
+
+    if cfg.workflow.placement == "colocated":
+        return {s.name for s in layout.by_role("inference")}
+    return lent_services(cfg, layout)

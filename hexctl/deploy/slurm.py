@@ -45,6 +45,7 @@ from hexctl.deploy.common import (
     Deployment,
     load_secrets,
     object_prefix,
+    on_trainer_gpus,
     prediction_for_plan,
     prediction_text,
     resolve_config,
@@ -101,13 +102,14 @@ def site_errors(cfg: ExperimentConfig, plan: Plan, site: SiteConfig, source: str
 def _node_size_errors(plan: Plan, site: SiteConfig, source: str) -> list[str]:
     """A plan node of a kind holds at most that kind's `gpus_per_node` GPUs (the shares
     of CPUs and memory are taken from it)."""
-    used: dict[tuple[str, str], int] = {}
+    used: dict[tuple[str, str], set[int]] = {}  # a GPU shared by two tasks counts once
     for _, kind, slot in plan.device_slots():
         if kind is None:
             continue
-        used[(kind, slot.node)] = used.get((kind, slot.node), 0) + len(slot.gpu_ids)
+        used.setdefault((kind, slot.node), set()).update(slot.gpu_ids)
     errors = []
-    for (kind, node), n in sorted(used.items()):
+    for (kind, node), ids in sorted(used.items()):
+        n = len(ids)
         place = site.placement(kind)
         if place is not None and place.gpus_per_node is not None and n > place.gpus_per_node:
             errors.append(
@@ -364,7 +366,10 @@ def render_slurm(
     write_files(out_dir, files, private)
     (out_dir / SCRIPT).chmod(0o755)
     gpus: dict[str, int] = {}
+    shared = on_trainer_gpus(job.d.cfg, job.d.layout)  # counted with the trainer's
     for s in job.d.layout.services:
+        if s.name in shared:
+            continue
         for kind, _, nodes in s.kind_segments():
             place = site.placement(kind) if kind is not None else None
             if kind is not None and place is not None and place.gpus:

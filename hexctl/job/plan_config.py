@@ -14,6 +14,7 @@
 | tuned publish interval k, `decisions.publish_every` | `trainer.publish_every`               |
 | weight-sync mode, `decisions.weight_sync`    | `rollout.weight_sync`                        |
 | placement, `decisions.placement`             | `workflow.placement` (colocated: `run.mode` sync) |
+| lent instances, `decisions.lent` (hybrid)    | `workflow.lent_servers` (the last servers)   |
 | each instance's decode batch                 | `rollout.max_concurrent_groups` (raised only) |
 
 Policy: the plan wins. Where the config asked for another value, the plan's is applied
@@ -80,6 +81,8 @@ def planned_values(plan: Plan, nodes: Nodes) -> dict[str, Any]:
     values["workflow.placement"] = d.placement
     if d.placement == "colocated":  # phases alternate: synchronous (η = 0, k = 1)
         values["run.mode"] = "sync"
+    if d.placement == "hybrid":  # the last instances, on the trainer's GPUs
+        values["workflow.lent_servers"] = len(d.lent)
     if d.max_staleness is not None:
         values["buffer.max_staleness"] = d.max_staleness
     if d.publish_every is not None:

@@ -177,6 +177,8 @@ def predict_run(
             }
         )
         prof = load_profile(profile, m.params) if profile else None
+        if prof is not None and cfg.workflow.placement == "colocated":
+            prof = prof.on_every_core()  # each phase on every core, where measured
         inst, trainer = _layout(cfg, plan, cl)
 
         def price(servers: list) -> Any:

@@ -5,7 +5,8 @@ a hash of exactly those:
 
 - the machine: CPU model, cores this process may use, memory, and the GPUs' names and
   count where the job runs on CUDA;
-- the job's fields the measurement reads: the model (architecture, dtype, warm start),
+- the job's fields the measurement reads (of `profiled_job`: one profile for every
+  placement and staleness of a job): the model (architecture, dtype, warm start),
   data, sampling, inference, buffer, algorithm and trainer settings, and the run's core
   pinning; not names, paths, ports, step counts or tracking, which change from run to
   run but not what is measured;
@@ -47,7 +48,8 @@ _SKIP = {
         "keep_versions",
     },
     "rollout": {"metrics_port", "metrics_interval_s", "max_groups"},
-    "buffer": {"consumer_name"},
+    # η: the profile's controller runs at staleness of its own (`controller.py`)
+    "buffer": {"consumer_name", "max_staleness"},
 }
 _SECTIONS = ("model", "data", "inference", "rollout", "buffer", "algo", "trainer")
 # The packages whose code is timed (server, controller, trainer) or times it.
@@ -87,8 +89,6 @@ def job_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     data = cfg.model_dump(mode="json")
     out = {s: {k: v for k, v in data[s].items() if k not in _SKIP.get(s, ())} for s in _SECTIONS}
     out["run"] = {k: data["run"][k] for k in _RUN_FIELDS + _RUN_WARM_START}
-    if cfg.workflow.placement != "disaggregated":  # each phase timed on every core
-        out["placement"] = cfg.workflow.placement
     if cfg.workflow.task_with_role("reward_model") is not None:  # its /classify is timed
         out["reward_model_task"] = True
     # The initial model: a path is named by its files (v0 of each run is a new directory
@@ -119,8 +119,25 @@ def _tree_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def profiled_job(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The job a profile for `cfg` measures: the disaggregated split with its servers of
+    their own, whatever `cfg`'s placement and staleness. One profile prices every mode:
+    the split's rates the disaggregated and hybrid runs (a lent server priced as one of
+    its own on the trainer's cores), the rates on every core it also takes
+    (`every_core.py`) the colocated run."""
+    if cfg.workflow.placement == "disaggregated":
+        return cfg
+    job = cfg.model_copy(deep=True)
+    if cfg.workflow.placement == "hybrid":
+        job.inference.num_servers -= cfg.workflow.lent_servers
+    job.workflow.placement = "disaggregated"
+    return job
+
+
 def key_of(cfg: ExperimentConfig) -> tuple[str, dict[str, Any]]:
-    parts = {"machine": machine(cfg), "job": job_fields(cfg), "code": code_version()}
+    """The cache key of `cfg`'s profile (that of `profiled_job(cfg)`), and its parts."""
+    job = profiled_job(cfg)
+    parts = {"machine": machine(job), "job": job_fields(job), "code": code_version()}
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:24], parts
 
@@ -168,3 +185,14 @@ def last_seconds(parts: dict[str, Any]) -> float | None:
 def restore(entry: Path, out: Path) -> None:
     """The cached profile's files into `out` (a run's profile directory)."""
     shutil.copytree(entry, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("seconds"))
+
+
+def refresh(entry: Path, out: Path, name: str) -> None:
+    """The cache entry's file `name` replaced by the run's (atomically: a rename); left as
+    it was if the cache cannot be written."""
+    tmp = entry / f".{name}.tmp"
+    try:
+        shutil.copy(out / name, tmp)
+        os.replace(tmp, entry / name)
+    except OSError:
+        tmp.unlink(missing_ok=True)

@@ -99,26 +99,8 @@ def measure_generation(
     """An `areal-hex serve` process on the inference cores, driven over HTTP from this
     process on the trainer cores, where `run` puts the controller: the server's HTTP
     handling and the client's work are in the figures, as they are in a run."""
-    from rollout_service.controller.wiring import load_prompt_set, load_rollout_tokenizer
-
-    cfg = cfg.model_copy(deep=True)
-    cfg.model.path = str(model_dir)
-    cfg.model.tokenizer_path = None
-    tok = load_rollout_tokenizer(cfg)
-    prompts = [p.input_ids for p in load_prompt_set(cfg, tok).prompts]
-    serve = {
-        "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
-        "inference": {
-            "device": cfg.inference.device,
-            "host": dev.address,
-            "num_threads": dev.inference_threads,
-            "max_running_requests": cfg.inference.max_running_requests,
-            "context_length": cfg.inference.context_length,
-            "weights_dir": str(model_dir.parent),
-        },
-        "data": {"max_prompt_tokens": cfg.data.max_prompt_tokens},
-        "rollout": {"max_new_tokens": cfg.rollout.max_new_tokens},
-    }
+    cfg, tok, prompts = job_prompts(cfg, model_dir)
+    serve = serve_config(cfg, model_dir, dev)
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
         path = Path(tmp) / "serve.yaml"
         path.write_text(yaml.safe_dump(serve))
@@ -433,3 +415,31 @@ async def _generation(
         sync_cycle_s=0.0,
         context_switch_s=statistics.median(switches),
     )
+
+
+def job_prompts(cfg: ExperimentConfig, model_dir: Path) -> tuple[ExperimentConfig, Any, list]:
+    """(`cfg` on the model in `model_dir`, its tokenizer, the dataset's prompts' ids)."""
+    from rollout_service.controller.wiring import load_prompt_set, load_rollout_tokenizer
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.path = str(model_dir)
+    cfg.model.tokenizer_path = None
+    tok = load_rollout_tokenizer(cfg)
+    return cfg, tok, [p.input_ids for p in load_prompt_set(cfg, tok).prompts]
+
+
+def serve_config(cfg: ExperimentConfig, model_dir: Path, dev: LocalDevices) -> dict[str, Any]:
+    """The `areal-hex serve` config of the server a profile times on `dev`."""
+    return {
+        "model": {"path": str(model_dir), "dtype": cfg.model.dtype},
+        "inference": {
+            "device": cfg.inference.device,
+            "host": dev.address,
+            "num_threads": dev.inference_threads,
+            "max_running_requests": cfg.inference.max_running_requests,
+            "context_length": cfg.inference.context_length,
+            "weights_dir": str(model_dir.parent),
+        },
+        "data": {"max_prompt_tokens": cfg.data.max_prompt_tokens},
+        "rollout": {"max_new_tokens": cfg.rollout.max_new_tokens},
+    }

@@ -13,7 +13,11 @@ run gives it. What is timed is the job's own code on the job's model:
 - training: `trainer_service.step.optimize` under DeepSpeed (one rank, in a process of
   its own) on groups shaped like the run's batch (prompt and answer lengths as
   measured);
-- weight sync: the engine's reload of a published weights directory.
+- weight sync: the engine's reload of a published weights directory;
+- with `every_core` (a colocated run's `run.profile_first`), on a CPU host whose run pins
+  the sides apart: one server's decode steps and prefill, and the trainer's step, each on
+  every core (`every_core.py`), for the colocated price. One profile of the
+  disaggregated split prices every placement (`cache.profiled_job`).
 
 Writes `cluster.yaml`, `profile.yaml`, `workload.yaml` and `model/config.json` into one
 directory, the inputs of `areal-hex plan`:
@@ -37,6 +41,7 @@ from areal_hex.config import ExperimentConfig
 from hexctl.job.predict import LocalProfileFiles
 from hexctl.profile.controller import LOCAL_GROUP, composed_rate, replayed_cycle_s
 from hexctl.profile.devices import LocalDevices, Say, local_devices, passive_waits, quiet
+from hexctl.profile.every_core import every_core_devices, measure_every_core
 from hexctl.profile.generation import GenerationRates, measure_generation
 from hexctl.profile.training import measure_training
 
@@ -55,12 +60,14 @@ def profile_local(
     batches: list[int] | None = None,
     dev: LocalDevices | None = None,
     say: Say | None = None,
+    every_core: bool = False,
 ) -> LocalProfileFiles:
     """Measure this machine for `cfg`'s job and write the planner's inputs into `out`;
     `dev`: the devices to time (default: those `run` uses here); `say` hears each stage
-    as it begins (with the seconds so far)."""
+    as it begins (with the seconds so far); `every_core`: also time each side on every
+    core, for a colocated run's price (`every_core.py`; where the sides are apart)."""
     from scheduler.model_shape import load_model_shape
-    from scheduler.profile import DeviceRates, Profile, save_profile
+    from scheduler.profile import DeviceRates, EveryCore, Profile, save_profile
 
     files = LocalProfileFiles(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -73,6 +80,12 @@ def profile_local(
         gen = measure_generation(cfg, model_dir, dev, batches, say)
         prompt = int(gen.prompt_tokens)
         train = measure_training(cfg, model_dir, dev, prompt, gen.response_tokens, say)
+    every = every_core_devices(cfg, dev) if every_core else None
+    shared = None
+    if every is not None:  # a colocated run's phases: each on every core
+        shared = measure_every_core(
+            cfg, model_dir, every, batches, prompt, gen.response_tokens, say
+        )
     say("training timed; writing the profile")
     files.model.mkdir(parents=True, exist_ok=True)
     if files.model.resolve() != model_dir.resolve():
@@ -96,6 +109,7 @@ def profile_local(
         reload_idle_s=gen.reload_idle_s,
         # the server's part; the trainer on a CPU gives nothing back (its threads sleep)
         context_switch_s=gen.context_switch_s,
+        every_core=EveryCore(**shared) if shared is not None else None,
     )
     prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
     spec = cluster_spec(dev, shape.params, gen, train.tokens_per_s)
@@ -131,6 +145,7 @@ def profile_local(
         "generation_efficiency_shared": mine.generation_efficiency_shared,
         "sync_cycle_factor": mine.sync_cycle_factor,
         "reload_overlap_s": mine.reload_overlap_s,
+        "every_core": shared,
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files

@@ -244,6 +244,7 @@ def test_bench_modes_json_ranks_and_picks() -> None:
     assert bare["planner_pick"] is None and bare["pick_vs_fastest"] is None
     assert all(v["error"] is None for v in bare["modes"].values())
     assert bare["measured_ranking"] == out["measured_ranking"]
+    assert out["unpredicted"] == [] and bare["unpredicted"] == list(runs)
 
 
 def test_bench_modes_is_registered_and_refuses_unknown_modes() -> None:

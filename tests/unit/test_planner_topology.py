@@ -200,22 +200,29 @@ def test_plan_names_binding_resource_and_ratios() -> None:
     assert b.cost_ratio is None or b.cost_ratio >= 1.0 - 1e-6
 
 
-def test_the_colocated_synchronous_plan_is_picked_when_it_wins() -> None:
+def test_the_fastest_placement_is_picked() -> None:
     cl = load_cluster(EX / "clusters" / "hetrl_a100_l40s_l4.yaml")
     m = load_model_shape("qwen3-14b")
     # η = 1 and long answers on a small budget: the colocated synchronous plan, which
-    # also generates on the trainer's GPUs, beats every asynchronous split
+    # also generates on the trainer's GPUs, beats every asynchronous split; the split
+    # with the trainer's GPUs generating while it waits (hybrid) beats both
     w = load_workload(EX / "workloads" / "long_cot.yaml").model_copy(update={"max_staleness": 1})
     res = make_plan(cl, m, w, budget=20, simulate_plan=False)
     b = res.plan.baselines
-    assert b.disaggregated_samples_per_s is not None
-    assert res.plan.predicted.samples_per_s == b.synchronous_samples_per_s
+    assert b.disaggregated_samples_per_s is not None and b.hybrid_samples_per_s is not None
     assert b.synchronous_samples_per_s > b.disaggregated_samples_per_s
+    assert b.hybrid_samples_per_s > b.synchronous_samples_per_s
+    assert res.plan.predicted.samples_per_s == b.hybrid_samples_per_s
     assert b.recommended_mode == "synchronous"
-    assert res.plan.decisions.placement == "colocated"
+    d = res.plan.decisions
+    assert d.placement == "hybrid" and d.publish_every == 1 and d.lent
+    trainer = {(s.node, g) for s in res.plan.trainer.placements for g in s.gpu_ids}
+    lent = [res.plan.rollout[i].placement for i in d.lent]
+    assert all((s.node, g) in trainer for s in lent for g in s.gpu_ids)
+    assert len(res.plan.rollout) == len(res.solution.replicas) + len(d.lent)
     from scheduler.report import table
 
-    assert "picked colocated" in table(res)
+    assert "picked hybrid" in table(res) and "lent by the trainer's GPUs" in table(res)
     loose = make_plan(cl, m, w, budget=60, simulate_plan=False)
     assert loose.plan.baselines.recommended_mode == "async"
     assert loose.plan.decisions.placement == "disaggregated"

@@ -49,7 +49,7 @@ def test_key_follows_the_machine_and_the_code(monkeypatch: pytest.MonkeyPatch) -
 
 
 def _fake_profile(calls: list[Path]):  # type: ignore[no-untyped-def]
-    def profile_local(cfg: ExperimentConfig, out: Path, say=None) -> None:  # noqa: ANN001
+    def profile_local(cfg: ExperimentConfig, out: Path, say=None, **_: bool) -> None:  # noqa: ANN001
         calls.append(out)
         out.mkdir(parents=True)
         (out / "profile.yaml").write_text("measured: 1\n")
@@ -124,3 +124,65 @@ def test_cached_uses_a_kept_profile_and_never_takes_one(
     )
     assert failed is None and out is not None and len(calls) == 1
     assert (out / "profile.yaml").read_text() == "measured: 1\n" and "reusing" in log.getvalue()
+
+
+def test_every_mode_of_a_job_shares_one_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The five modes of `bench modes` (placement x staleness, a hybrid with its lent
+    servers on top) key one profile, of the disaggregated split; another server count of
+    its own is another job. A colocated run has the rates on every core timed into it."""
+    import hexctl.profile.every_core as every_core
+    import hexctl.profile.local as local
+    from areal_hex.config import load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "examples/tiny_cpu.yaml"
+    modes = [
+        [],
+        ["run.mode=sync"],
+        ["workflow.placement=colocated", "run.mode=sync"],
+        ["workflow.placement=hybrid", "inference.num_servers=2"],
+        ["workflow.placement=hybrid", "inference.num_servers=2", "run.mode=sync"],
+    ]
+    cfgs = [load_config(tiny, [*m, "run.profile_first=true"]) for m in modes]
+    assert len({cache.key_of(c)[0] for c in cfgs}) == 1
+    other = load_config(tiny, ["inference.num_servers=2"])
+    assert cache.key_of(other)[0] != cache.key_of(cfgs[0])[0]
+    seen: list[tuple[ExperimentConfig, bool]] = []
+    added: list[ExperimentConfig] = []
+
+    def profile_local(cfg: ExperimentConfig, out: Path, say=None, every_core=False) -> None:  # noqa: ANN001
+        seen.append((cfg, every_core))
+        out.mkdir(parents=True)
+        (out / "profile.yaml").write_text("measured: 1\n")
+
+    def add_every_core(cfg: ExperimentConfig, out: Path, say=None) -> None:  # noqa: ANN001
+        added.append(cfg)
+        (out / "profile.yaml").write_text("measured: 2\n")
+
+    def lacks(cfg: ExperimentConfig, out: Path) -> bool:
+        return "2" not in (out / "profile.yaml").read_text()
+
+    monkeypatch.setattr(local, "profile_local", profile_local)
+    monkeypatch.setattr(every_core, "add_every_core", add_every_core)
+    monkeypatch.setattr(every_core, "lacks_every_core", lacks)
+    launch_run.profile_first(cfgs[3], tmp_path / "hybrid", io.StringIO())
+    assert [(c.workflow.placement, c.inference.num_servers, e) for c, e in seen] == [
+        ("disaggregated", 1, False)
+    ]
+    for i, cfg in enumerate(cfgs[:2] + cfgs[3:]):
+        out, failed = launch_run.profile_first(cfg, tmp_path / f"run{i}", io.StringIO())
+        assert failed is None and out is not None
+    assert len(seen) == 1 and not added
+    # colocated: the kept profile lacks the rates on every core; `cached` will not time them
+    cached = load_config(tiny, [*modes[2], "run.profile_first=cached"])
+    out, failed = launch_run.profile_first(cached, tmp_path / "cached", io.StringIO())
+    assert out is None and failed is not None and "every core" in failed["unavailable"]
+    # `true` times them into the kept profile, once
+    out, failed = launch_run.profile_first(cfgs[2], tmp_path / "colocated", io.StringIO())
+    assert failed is None and out is not None and len(added) == 1
+    assert added[0].workflow.placement == "disaggregated"
+    again, failed = launch_run.profile_first(cached, tmp_path / "again", io.StringIO())
+    assert failed is None and again is not None
+    assert (again / "profile.yaml").read_text() == "measured: 2\n"
+    assert len(seen) == 1 and len(added) == 1

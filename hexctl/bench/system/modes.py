@@ -7,9 +7,11 @@ async and sync (`workflow.placement`, docs/modes.md; hybrid: the config's server
 `workflow.lent_servers` on the trainer's devices). Measured: trained samples/s over the same window
 of steps in every run (from step η + 1 of the async run on, as `bench e2e`). Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
-the machine's profile for that job (`run.profile_first`: the config's unless overridden;
-`--profile-first` takes one per mode where this machine has none). The planner's pick is
-the mode with the highest prediction (None without predictions)."""
+the machine's one profile of the job (`run.profile_first`: the config's unless overridden;
+`--profile-first` takes it where this machine has none, before the first mode): every
+mode keys the same profile (`hexctl/profile/cache.py:profiled_job`), the colocated run
+priced from its rates on every core. The planner's pick is the mode with the highest
+prediction; `unpredicted` names the modes without one (the pick is then over the rest)."""
 
 from __future__ import annotations
 
@@ -115,6 +117,7 @@ def report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "planner_pick": pick,
         "measured_ranking": measured,
         "predicted_ranking": predicted,
+        "unpredicted": [n for n, r in runs.items() if r.get("predicted") is None],
         # the pick's measured rate over the fastest's: 1.0 when the pick is the fastest
         "pick_vs_fastest": (pick_rate / best_rate) if pick_rate and best_rate else None,
     }
