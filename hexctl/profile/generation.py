@@ -35,7 +35,7 @@ from hexctl.profile.controller import (
     sync_cycle,
 )
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
-from hexctl.profile.scoring import measure_classify, scoring_concurrency
+from hexctl.profile.scoring import measure_classify, scoring_concurrency, scoring_window_s
 from rollout_service.client import GenerationError
 
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
@@ -126,7 +126,7 @@ def measure_generation(
         with server_process(path, dev, Path(tmp) / "serve.log") as (url, pid):
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
-                timing = (dev.repeats, dev.min_decode_s, dev.min_window_s)
+                timing = (dev.repeats, dev.min_decode_s, scoring_window_s(dev))
                 gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir, *timing))
                 say("decode, prefill and reload timed; a synchronous run's cycle")
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))

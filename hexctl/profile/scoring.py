@@ -38,6 +38,12 @@ def scoring_concurrency(max_concurrent_groups: int, batch_limit: int, group_size
     return max(1, min(max_concurrent_groups, batch_limit // max(1, group_size)))
 
 
+def scoring_window_s(dev: LocalDevices) -> float:
+    """Seconds a round of scoring lasts at least: a box node's load window (its quota is
+    granted in periods); none on this machine's own cores."""
+    return dev.min_window_s if dev.cgroup is not None else 0.0
+
+
 async def timed_rounds(
     send: Callable[[int], Awaitable[int]],
     concurrency: int,
@@ -101,7 +107,7 @@ async def _classify_rate(
             return tokens
 
         await timed_rounds(send, concurrency, 1)  # warm-up: the first forwards' allocations
-        return await timed_rounds(send, concurrency, dev.repeats, dev.min_window_s)
+        return await timed_rounds(send, concurrency, dev.repeats, scoring_window_s(dev))
     finally:
         await client.aclose()
 
