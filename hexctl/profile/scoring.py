@@ -93,13 +93,15 @@ async def _classify_rate(
     url: str, tok: Any, prompts: list[list[int]], response: int, g: int, concurrency: int,
     dev: LocalDevices,
 ) -> float:  # fmt: skip
+    from rollout_service.client import InferenceClient
     from rollout_service.controller.reward_model import RewardModelClient
 
+    async with InferenceClient(url, timeout_s=60.0) as health:  # its /health, as SGLang's
+        await health.wait_healthy(timeout_s=180, interval_s=0.2)
     rng = random.Random(0)
     client = RewardModelClient([url], None, timeout_s=600.0, wait_s=180.0)
     await client.start()
     try:
-        await client.score(_texts(tok, prompts, response, g, rng)[0])  # waits for it to load
 
         async def send(_k: int) -> int:
             texts, tokens = _texts(tok, prompts, response, g, rng)
