@@ -35,7 +35,7 @@ from hexctl.profile.controller import (
     sync_cycle,
 )
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
-from hexctl.profile.scoring import measure_classify, scoring_concurrency
+from hexctl.profile.scoring import measure_classify, scoring_concurrency, scoring_window_s
 from rollout_service.client import GenerationError
 
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
@@ -108,11 +108,8 @@ def measure_generation(
         with server_process(path, dev, Path(tmp) / "serve.log") as (url, pid):
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
-                gen = asyncio.run(
-                    _generation(
-                        url, cfg, prompts, eos, batches, model_dir, dev.repeats, dev.min_decode_s
-                    )
-                )
+                timing = (dev.repeats, dev.min_decode_s, scoring_window_s(dev))
+                gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir, *timing))
                 say("decode, prefill and reload timed; a synchronous run's cycle")
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
@@ -217,11 +214,12 @@ class _Driver:
         cfg: ExperimentConfig,
         prompts: list[list[int]],
         min_decode_s: float = 0.0,
+        min_window_s: float = 0.0,  # seconds a round of scoring requests lasts, at least
     ) -> None:
         import random
 
         self.client, self.r, self.prompts = client, cfg.rollout, prompts
-        self.min_decode_s = min_decode_s
+        self.min_decode_s, self.min_window_s = min_decode_s, min_window_s
         self.g = cfg.rollout.group_size
         self.rng = random.Random(0)
 
@@ -315,7 +313,8 @@ class _Driver:
             await self.client.generate_raw(scoring_request(group, range(self.g), gid))
             return self.g * (len(prompt) + response)
 
-        return await timed_rounds(send, concurrency)
+        await timed_rounds(send, concurrency, 1)  # warm-up at this concurrency
+        return await timed_rounds(send, concurrency, REPEATS, self.min_window_s)
 
     def scoring_group(self, gid: str, response: int) -> tuple[Any, list[int]]:
         """A finished group of G random completions of `response` tokens to one prompt."""
@@ -377,13 +376,14 @@ async def _generation(
     model_dir: Path,
     repeats: int = REPEATS,
     min_decode_s: float = 0.0,
+    min_window_s: float = 0.0,
 ) -> GenerationRates:
     from rollout_service.client import InferenceClient
 
     # a request unanswered for WAVE_TIMEOUT_S is a stuck server: an error, not a wait
     async with InferenceClient(url, timeout_s=WAVE_TIMEOUT_S) as client:
         await client.wait_healthy(timeout_s=180, interval_s=0.2)
-        d = _Driver(client, cfg, prompts, min_decode_s)
+        d = _Driver(client, cfg, prompts, min_decode_s, min_window_s)
         await d.wave([prompts[0]], d.fixed(4))  # warm-up: first-call allocations
         response = await d.answer_length(eos)
         steps = {b: await d.decode_step(b) for b in batches}

@@ -38,25 +38,41 @@ def scoring_concurrency(max_concurrent_groups: int, batch_limit: int, group_size
     return max(1, min(max_concurrent_groups, batch_limit // max(1, group_size)))
 
 
+def scoring_window_s(dev: LocalDevices) -> float:
+    """Seconds a round of scoring lasts at least: a box node's load window (its quota is
+    granted in periods); none on this machine's own cores."""
+    return dev.min_window_s if dev.cgroup is not None else 0.0
+
+
 async def timed_rounds(
-    send: Callable[[int], Awaitable[int]], concurrency: int, repeats: int = REPEATS
+    send: Callable[[int], Awaitable[int]],
+    concurrency: int,
+    repeats: int = REPEATS,
+    min_window_s: float = 0.0,
 ) -> float:
     """Tokens/s of `send` (request k -> tokens it scored) with `concurrency` requests in
-    flight, over `repeats` rounds of max(ROUND_REQUESTS, 2 x concurrency) requests; the
-    median round's."""
+    flight, over `repeats` rounds, each of at least max(ROUND_REQUESTS, 2 x concurrency)
+    requests and `min_window_s` seconds (a box node's quota is granted in periods: a
+    short round catches a burst); the median round's. Each of `concurrency` senders
+    starts its next request when its last one ends."""
     per_round = max(ROUND_REQUESTS, 2 * concurrency)
-    slots = asyncio.Semaphore(concurrency)
-    rates = []
-    for r in range(repeats):
+    sent = 0
 
-        async def one(k: int, r: int = r) -> int:
-            async with slots:
-                return await send(r * per_round + k)
+    async def one_round() -> float:
+        nonlocal sent
+        t0, started, tokens = time.perf_counter(), 0, 0
 
-        t0 = time.perf_counter()
-        tokens = await asyncio.gather(*(one(k) for k in range(per_round)))
-        rates.append(sum(tokens) / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        async def sender() -> None:
+            nonlocal started, tokens, sent
+            while started < per_round or time.perf_counter() - t0 < min_window_s:
+                started, sent = started + 1, sent + 1
+                got = await send(sent)  # not `tokens += await ...`: that reads it before
+                tokens += got
+
+        await asyncio.gather(*(sender() for _ in range(concurrency)))
+        return tokens / (time.perf_counter() - t0)
+
+    return statistics.median([await one_round() for _ in range(repeats)])
 
 
 def _texts(
@@ -75,22 +91,25 @@ def _texts(
 
 async def _classify_rate(
     url: str, tok: Any, prompts: list[list[int]], response: int, g: int, concurrency: int,
-    repeats: int,
+    dev: LocalDevices,
 ) -> float:  # fmt: skip
+    from rollout_service.client import InferenceClient
     from rollout_service.controller.reward_model import RewardModelClient
 
+    async with InferenceClient(url, timeout_s=60.0) as health:  # its /health, as SGLang's
+        await health.wait_healthy(timeout_s=180, interval_s=0.2)
     rng = random.Random(0)
     client = RewardModelClient([url], None, timeout_s=600.0, wait_s=180.0)
     await client.start()
     try:
-        await client.score(_texts(tok, prompts, response, g, rng)[0])  # waits for it to load
 
         async def send(_k: int) -> int:
             texts, tokens = _texts(tok, prompts, response, g, rng)
             await client.score(texts)
             return tokens
 
-        return await timed_rounds(send, concurrency, repeats)
+        await timed_rounds(send, concurrency, 1)  # warm-up: the first forwards' allocations
+        return await timed_rounds(send, concurrency, dev.repeats, scoring_window_s(dev))
     finally:
         await client.aclose()
 
@@ -139,6 +158,6 @@ def measure_classify(
         with server_process(path, dev, Path(tmp) / "rm.log", ["--reward-model"]) as (url, _):
             with pinned(dev.trainer_cores, 1):
                 rate = asyncio.run(
-                    _classify_rate(url, tok, prompts, round(response), g, concurrency, dev.repeats)
+                    _classify_rate(url, tok, prompts, round(response), g, concurrency, dev)
                 )
     return rate, concurrency

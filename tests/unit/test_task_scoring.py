@@ -27,9 +27,20 @@ def test_the_runs_concurrency_is_its_groups_in_flight_within_the_batch_limit() -
     assert scoring_concurrency(2, 64, 8) == 2  # two slots: two requests at most
 
 
+def test_a_box_nodes_rounds_last_its_load_window_and_this_machines_do_not() -> None:
+    from hexctl.profile.devices import LocalDevices
+    from hexctl.profile.scoring import scoring_window_s
+
+    cores = LocalDevices("CPU", "cpu", 1, None, None, 1, 1, 1.0, min_window_s=1.0)
+    node = LocalDevices("CPU", "cpu", 1, None, None, 1, 1, 1.0, cgroup="/cg/mem-0",
+                        min_window_s=4.0)  # fmt: skip
+    assert scoring_window_s(cores) == 0.0 and scoring_window_s(node) == 4.0
+
+
 def test_timed_rounds_keeps_that_many_requests_in_flight_and_no_more() -> None:
     """A request that waits 20 ms: four in flight score four times the tokens per second
-    of one at a time, and the fifth never starts before one of the four ends."""
+    of one at a time, and the fifth never starts before one of the four ends; with a
+    window, a round goes on until it has lasted that long."""
     from hexctl.profile.scoring import timed_rounds
 
     in_flight, peak = 0, 0
@@ -46,6 +57,16 @@ def test_timed_rounds_keeps_that_many_requests_in_flight_and_no_more() -> None:
     assert peak == 1 and one == pytest.approx(100 / 0.02, rel=0.35)
     four = asyncio.run(timed_rounds(send, 4, repeats=2))
     assert peak == 4 and four / one == pytest.approx(4.0, rel=0.35)
+
+    calls = []
+
+    async def counted(k: int) -> int:
+        calls.append(k)
+        return await send(k)
+
+    # a round of one sender lasts its window: ~0.2 s of 20 ms requests, not the least 4
+    windowed = asyncio.run(timed_rounds(counted, 1, repeats=1, min_window_s=0.2))
+    assert len(calls) >= 8 and windowed == pytest.approx(one, rel=0.35)
 
 
 def _rates(**kw: float) -> DeviceRates:
