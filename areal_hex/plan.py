@@ -112,7 +112,7 @@ class Baselines(Section):
     synchronous_samples_per_s: float = 0.0
     disaggregated_samples_per_s: float | None = None
     # the disaggregated plan as a hybrid (its trainer's GPUs also generate while it waits:
-    # scheduler/hybrid.py); priced beside the others, not written as a plan
+    # scheduler/hybrid.py); the plan where it is the fastest (`decisions.lent`)
     hybrid_samples_per_s: float | None = None
     simulated_samples_per_s: float | None = None
     simulated_max_version_lag: int | None = None
