@@ -1,7 +1,7 @@
 """`areal-hex run`: the whole job as local processes, from the layout `deploy` renders.
 
-Order: run directory and resolved config (prepare.py), v0 weights, the inference servers
-and Valkey together, then (Valkey answering) the trainer and controller (the launcher
+Order: run directory and resolved config (prepare.py), v0 weights, the inference servers,
+the trainer and Valkey together, then (Valkey answering) the controller (the launcher
 waits for the servers' /health; the controller for one healthy server). The run ends
 when the trainer finishes its last step (then the controller, servers and Valkey are
 stopped, in that order, and the report is written), on Ctrl-C / SIGTERM, or when a
@@ -250,10 +250,13 @@ def start_services(
     by_role: dict[str, list[ProcessSpec]] = {}
     for spec in specs:
         by_role.setdefault(roles[spec.name], []).append(spec)
-    servers = by_role.get("inference", [])
-    # the servers first, beside Valkey: they need no buffer, and their start (imports,
-    # the model) is the longest before the first groups
-    for spec in servers + by_role.get("redis", []):
+    servers, trainers = by_role.get("inference", []), by_role.get("trainer", [])
+    # the servers and the trainer first, beside Valkey: their starts (imports, the model)
+    # are the longest, and neither uses the buffer before it answers (the trainer retries
+    # its connection); with network weight sync the trainer waits for the old manifests
+    # to be forgotten
+    early = servers + (trainers if cfg.rollout.weight_sync != "network" else [])
+    for spec in early + by_role.get("redis", []):
         sup.start(spec)
     for spec in by_role.get("redis", []):
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
@@ -263,9 +266,8 @@ def start_services(
     if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
         with contextlib.closing(client):
             forget_weight_groups(client, str(cfg.run.run_id))
-    # the trainer's start (imports, DeepSpeed, the model) overlaps the servers' and the
-    # first groups'; the controller waits for a healthy server itself
-    for spec in by_role.get("trainer", []) + by_role.get("controller", []):
+    # the controller waits for a healthy server itself
+    for spec in [t for t in trainers if t not in early] + by_role.get("controller", []):
         sup.start(spec)
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
