@@ -79,13 +79,14 @@ def profile_box(
 ) -> LocalProfileFiles:
     """Each kind of `box` profiled inside one of its nodes, merged into one inventory and
     profile in `out`; `say` hears each stage, prefixed with the kind."""
-    from hexctl.profile.local import _model_dir, profile_local
+    from hexctl.job.prepare import initial_model_dir
+    from hexctl.profile.local import profile_local
 
     out.mkdir(parents=True, exist_ok=True)
     files = LocalProfileFiles(out)
     cfg = cfg.model_copy(deep=True)
     cfg.run.pin_cores = False
-    cfg.model.path = str(_model_dir(cfg, out))  # one initial model for every kind
+    cfg.model.path = str(initial_model_dir(cfg, out))  # one initial model for every kind
     per_kind: dict[str, LocalProfileFiles] = {}
     for kind, spec in box.spec.kinds.items():
         node = next(n.name for n in box.nodes if n.kind == kind)

@@ -139,6 +139,14 @@ def default_run_id(cfg: ExperimentConfig) -> str:
     return f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.mode}"
 
 
+def initial_model_dir(cfg: ExperimentConfig, out: Path) -> Path:
+    """The job's initial model: `model.path` if set, else written (warm start included)
+    under `out`."""
+    if cfg.model.path is not None and (Path(cfg.model.path) / "config.json").is_file():
+        return Path(cfg.model.path)
+    return materialize_v0(cfg, out)
+
+
 def materialize_v0(cfg: ExperimentConfig, weights_dir: Path) -> Path:
     """Write `weights_dir/v0` (kept if present: a resumed run keeps its initial model)."""
     from areal_hex.models import build_tokenizer, materialize

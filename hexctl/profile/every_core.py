@@ -116,7 +116,7 @@ def add_every_core(cfg: ExperimentConfig, out: Path, say: Say = quiet) -> None:
     without them: the batches its decode steps were timed at, the lengths its workload
     holds, the job's initial model."""
     from hexctl.job.predict import LocalProfileFiles
-    from hexctl.profile.local import _model_dir
+    from hexctl.job.prepare import initial_model_dir
     from scheduler.profile import EveryCore, load_profile, save_profile
 
     files = LocalProfileFiles(out)
@@ -129,7 +129,7 @@ def add_every_core(cfg: ExperimentConfig, out: Path, say: Say = quiet) -> None:
     rates = prof.kinds[dev.kind]
     fields = measure_every_core(
         cfg,
-        _model_dir(cfg, out),
+        initial_model_dir(cfg, out),
         every,
         sorted(rates.decode_step_s),
         int(work["prompt_tokens"]),

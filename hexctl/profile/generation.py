@@ -164,7 +164,7 @@ def measure_generation(
                 pauses = [p for _, _, p in shared if p is not None]
                 gen.reload_shared_s = statistics.median(pauses) if pauses else None
     # the reward model on its own server, once the generation server has stopped
-    classify = measure_classify(cfg, dev, prompts, gen.response_tokens, tok, say)
+    classify = measure_classify(cfg, dev, prompts, gen.response_tokens, tok, server_process, say)
     if classify is not None:
         gen.classify_tokens_per_s, gen.classify_concurrency = classify
     return gen

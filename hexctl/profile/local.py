@@ -71,7 +71,9 @@ def profile_local(
 
     files = LocalProfileFiles(out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = _model_dir(cfg, out)
+    from hexctl.job.prepare import initial_model_dir
+
+    model_dir = initial_model_dir(cfg, out)
     dev = dev or local_devices(cfg)
     cap = cfg.inference.max_running_requests
     batches = sorted({b for b in (batches or [1, 8, 32, cap]) if 0 < b <= cap} | {cap})
@@ -149,15 +151,6 @@ def profile_local(
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files
-
-
-def _model_dir(cfg: ExperimentConfig, out: Path) -> Path:
-    """The job's initial model: `model.path` if set, else written (warm start included)."""
-    if cfg.model.path is not None and (Path(cfg.model.path) / "config.json").is_file():
-        return Path(cfg.model.path)
-    from hexctl.job.prepare import materialize_v0
-
-    return materialize_v0(cfg, out)
 
 
 def cluster_spec(

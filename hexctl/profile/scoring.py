@@ -23,11 +23,17 @@ import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from areal_hex.config import ExperimentConfig
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+
+# generation.server_process's shape, passed in (the profile's server starts there)
+ServeProcess = Callable[
+    [Path, LocalDevices, Path, list[str] | None], AbstractContextManager[tuple[str, int]]
+]
 
 ROUND_REQUESTS = 4  # requests of a round, at least; at least two per slot in flight
 
@@ -135,14 +141,16 @@ def measure_classify(
     prompts: list[list[int]],
     response: float,
     tok: Any,
+    serve: ServeProcess,
     say: Say = quiet,
 ) -> tuple[float, int] | None:
     """(prompt + completion tokens/s, requests in flight) of the job's reward model on
-    `dev`, groups scored as the controller scores them; None without a reward model."""
+    `dev`, groups scored as the controller scores them; None without a reward model.
+    `serve(config, dev, log, extra)`: starts `areal-hex serve` on `dev`, yields (url, pid)
+    (`generation.server_process`)."""
     import tempfile
 
     from areal_hex.config import save_config
-    from hexctl.profile.generation import server_process
 
     rm_cfg = rm_config(cfg)
     if rm_cfg is None:
@@ -155,7 +163,7 @@ def measure_classify(
     say(f"the reward model's /classify, {concurrency} group(s) in flight")
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-rm-") as tmp:
         path = save_config(rm_cfg, Path(tmp) / "rm.yaml")
-        with server_process(path, dev, Path(tmp) / "rm.log", ["--reward-model"]) as (url, _):
+        with serve(path, dev, Path(tmp) / "rm.log", ["--reward-model"]) as (url, _):
             with pinned(dev.trainer_cores, 1):
                 rate = asyncio.run(
                     _classify_rate(url, tok, prompts, round(response), g, concurrency, dev)
