@@ -66,7 +66,14 @@ def test_profile_local_plan_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     plan = load_plan(plan_path)
-    assert len(plan.rollout) == 1 and plan.trainer.world_size == 1  # one device each
+    # one device each: the trainer's, and generation's own (a hybrid pick also lends the
+    # trainer's device to generation: its lent instance sits there)
+    own = [r for i, r in enumerate(plan.rollout) if i not in plan.decisions.lent]
+    assert len(own) == 1 and plan.trainer.world_size == 1
+    trainer_slots = {(s.node, tuple(s.gpu_ids)) for s in plan.trainer.placements}
+    for i in plan.decisions.lent:
+        lent = plan.rollout[i].placement
+        assert (lent.node, tuple(lent.gpu_ids)) in trainer_slots
     assert plan.sources is not None and plan.sources.profile == str(lp / "profile.yaml")
 
     out = tmp_path / "runs"
