@@ -69,7 +69,7 @@ def measure_every_core(
 def _generation(
     cfg: ExperimentConfig, model_dir: Path, every: LocalDevices, batches: list[int], say: Say
 ) -> tuple[dict[int, float], float]:
-    from hexctl.profile.generation import _server, job_prompts, serve_config
+    from hexctl.profile.generation import job_prompts, serve_config, server_process
 
     cfg, _tok, prompts = job_prompts(cfg, model_dir)
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-every-") as tmp:
@@ -79,7 +79,7 @@ def _generation(
             f"every core: a server with {every.inference_threads} thread(s); decode steps "
             f"at batches {batches} and prefill"
         )
-        with _server(path, every, Path(tmp) / "serve.log") as (url, _pid):
+        with server_process(path, every, Path(tmp) / "serve.log") as (url, _pid):
             with pinned(every.trainer_cores, 1):
                 return asyncio.run(_timings(url, cfg, prompts, batches))
 
