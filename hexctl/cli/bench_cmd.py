@@ -4,6 +4,7 @@ prints one JSON object."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -53,13 +54,19 @@ def _runner(fn: Callable[[argparse.Namespace], dict[str, Any]]) -> Callable[...,
     def run(args: argparse.Namespace) -> int:
         from hexctl.bench import BenchFailed
 
+        out = sys.stdout
+        # --json: the object alone on stdout; whatever the bench's own code and the
+        # libraries it imports print there meanwhile (DeepSpeed's accelerator notice)
+        # goes to stderr with the bench's progress
+        quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
         try:
-            result = fn(args)
+            with quiet:
+                result = fn(args)
         except BenchFailed as exc:  # still one JSON object, and what failed on stderr
-            print(json.dumps({"bench": args.bench, "error": str(exc)}, sort_keys=True))
+            print(json.dumps({"bench": args.bench, "error": str(exc)}, sort_keys=True), file=out)
             print(f"areal-hex bench {args.bench}: failed: {exc}", file=sys.stderr)
             return 1
-        print(json.dumps(result, indent=None if args.json else 2, sort_keys=True))
+        print(json.dumps(result, indent=None if args.json else 2, sort_keys=True), file=out)
         return 0
 
     return run
