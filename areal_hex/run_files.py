@@ -7,6 +7,7 @@
       rollout.jsonl        one `RolloutRow` per metrics interval (controller; last: final)
       events.json          launcher: start/ready/end times, restarts (every attempt)
       prediction.json      the cost model's rates for the run's layout (launcher)
+      placement.json       how `workflow.placement: auto` was resolved (launcher)
       summary.json         the report's summary (the ledger over every attempt)
       attempts/<n>/        each `areal-hex run` attempt's own events.json and summary.json
       committed.jsonl      trainer: the group ids of each committed checkpoint
@@ -87,6 +88,10 @@ class RunPaths:
     @property
     def prediction(self) -> Path:
         return self.root / "prediction.json"
+
+    @property
+    def placement_choice(self) -> Path:
+        return self.root / "placement.json"
 
     @property
     def summary(self) -> Path:

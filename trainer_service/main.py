@@ -144,7 +144,7 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
         )
     consumer = make_consumer(cfg) if rank == 0 else None
     network = make_network_sink(cfg) if rank == 0 else None
-    shares_devices = cfg.workflow.placement != "disaggregated"
+    shares_devices = cfg.workflow.placement_in_effect() != "disaggregated"
     return Trainer(
         t,
         cfg.algo,

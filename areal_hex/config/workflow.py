@@ -29,6 +29,14 @@ BUILTIN_TASKS = ("generate", "train")
 # it steps): the devices the trainer leaves idle between its steps generate too.
 PlacementMode = Literal["disaggregated", "colocated", "hybrid"]
 PLACEMENT_MODES: tuple[PlacementMode, ...] = ("disaggregated", "colocated", "hybrid")
+# auto: `areal-hex run` prices every placement valid for the run (colocated only with
+# run.mode sync; hybrid with the config's servers of their own plus `lent_servers` on the
+# trainer's devices, and a version every step) from this machine's cached profile of the
+# job, and runs the fastest (hexctl/job/placement_choice.py); without a profile, the
+# default. A run's resolved config.yaml holds the placement it ran.
+PlacementSetting = Literal["auto", "disaggregated", "colocated", "hybrid"]
+AUTO_PLACEMENT = "auto"
+DEFAULT_PLACEMENT: PlacementMode = "disaggregated"
 # What a task does, so that the rollout controller can call it and the planner can price
 # it. custom: anything beside the job (started, stopped and restarted; its work is not
 # priced). reference: a server holding the initial policy (v0) that scores the sampled
@@ -97,7 +105,7 @@ class TaskSpec(Section):
 
 
 class WorkflowConfig(Section):
-    placement: PlacementMode = "disaggregated"
+    placement: PlacementSetting = DEFAULT_PLACEMENT
     # hybrid: how many of the inference servers (the last ones, by index) are lent by the
     # trainer's devices; the others generate on devices of their own
     lent_servers: int = Field(1, ge=1, le=1024)
@@ -117,6 +125,14 @@ class WorkflowConfig(Section):
                     "(give it more instances instead)"
                 )
         return self
+
+    def placement_in_effect(self) -> PlacementMode:
+        """The placement the job's processes run in: `auto` is made concrete by `areal-hex
+        run` before they start (their config.yaml names what it chose); a config left at
+        `auto` elsewhere (a service started by hand) runs in the default."""
+        if self.placement == AUTO_PLACEMENT:
+            return DEFAULT_PLACEMENT
+        return self.placement
 
     def task_with_role(self, role: TaskRole) -> TaskSpec | None:
         """The task that plays `role`, if the workflow has one."""

@@ -104,6 +104,16 @@ def _on_box(cfg: Any) -> tuple[Any, Any]:  # cfg: ExperimentConfig
     return apply_box, place_on_box
 
 
+def _prices(cfg: Any, plan: Any) -> Any:  # (ExperimentConfig, Plan | None) -> Price | None
+    """`workflow.placement: auto` without a plan: the candidates priced from this
+    machine's cached profile of the job (a plan's placement is the plan's)."""
+    if plan is not None or cfg.workflow.placement != "auto":
+        return None
+    from hexctl.launch.placement_prices import profile_prices
+
+    return profile_prices(_say)
+
+
 def _run(args: argparse.Namespace) -> int:
     args.t_command = time.time()  # the start-up timeline's first milestone
     from hexctl.cli import UsageError, config_from_args
@@ -142,7 +152,9 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     addresses, place = _on_box(cfg)
     sigterm_as_ctrl_c()
     try:
-        cfg, config_path = prepare_run(cfg, plan, args.mode, say=_say, place=addresses)
+        cfg, config_path = prepare_run(
+            cfg, plan, args.mode, say=_say, place=addresses, price=_prices(cfg, plan)
+        )
     except BaseException as exc:
         if not existed:  # a new run's half-made directory (made for its lock) goes
             shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)

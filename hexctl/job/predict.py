@@ -195,7 +195,7 @@ def predict_run(
             )
 
         pred = price(inst)
-        placement = cfg.workflow.placement
+        placement = cfg.workflow.placement_in_effect()
         kind = {g.name: g.gpu for g in cl.spec.node_groups}.get(trainer.parts[0][0], "")
         switch = switch_s(w, prof, kind)
         if placement == "hybrid":  # the servers of their own, and the lent ones

@@ -18,6 +18,7 @@ from areal_hex.errors import UsageError
 from areal_hex.net import free_port, free_port_block, port_free
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
+from hexctl.job.placement_choice import Price, resolve_placement, write_choice
 from hexctl.job.plan_config import project_plan
 from hexctl.job.v0_cache import warm_started_v0
 from hexctl.job.warm_start import sft_texts
@@ -205,18 +206,22 @@ def prepare_run(
     mode: str | None = None,
     say: Callable[[str], None] | None = None,
     place: Callable[[ExperimentConfig, Plan | None], None] | None = None,
+    price: Price | None = None,
 ) -> tuple[ExperimentConfig, Path]:
     """Resolve `cfg` for a local run and write the run directory. Returns the resolved
     config and the path of its `config.yaml`. A config that already names its run (a
     resume) keeps its run directory, weights v0, checkpoints and Valkey data. `place`
     rewrites the services' addresses for where they run, once the ports are chosen (a
-    box's: `hexctl.box.run_config.apply_box`); `run.box` needs one."""
+    box's: `hexctl.box.run_config.apply_box`); `run.box` needs one. `workflow.placement:
+    auto` becomes the fastest placement by `price` (`placement_choice.py`; None: the
+    default), kept in the run directory."""
     if cfg.run.box is not None and place is None:
         raise UsageError(
             f"run.box={cfg.run.box}: only `areal-hex run`, `bench hetero` and `bench tasks` "
             "run on a box"
         )
     cfg = apply_plan(apply_mode(cfg, mode), plan, say)
+    cfg, choice = resolve_placement(cfg, price, say or _to_stderr)
     if cfg.run.run_id is None:
         cfg.run.run_id = default_run_id(cfg)
     run_dir = cfg.run.run_dir().resolve()
@@ -224,6 +229,8 @@ def prepare_run(
     new = not run_dir.exists()
     try:
         RunPaths.at(run_dir).logs.mkdir(parents=True, exist_ok=True)
+        if choice is not None:
+            write_choice(RunPaths.at(run_dir).placement_choice, choice)
         if cfg.redis.url is None:  # embedded Valkey: the `redis` service of the layout
             cfg.run.embedded_redis = True
         if cfg.run.embedded_redis:

@@ -106,7 +106,7 @@ def process_specs(
     the trainer on the others, and Valkey and the controller on the `host` side's
     (colocated: every process on every core, each side's threads as many as the cores)."""
     run_dir = cfg.run.run_dir()
-    placement = cfg.workflow.placement
+    placement = cfg.workflow.placement_in_effect()
     inference_cores, trainer_cores = core_groups(cfg.run.pin_cores, placement)
     host_cores = inference_cores if host == "inference" else trainer_cores
     lent = lent_services(cfg, layout)  # hybrid: servers on the trainer's cores

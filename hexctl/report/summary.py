@@ -163,6 +163,8 @@ def summarize(
             events, metrics, {n: paths.log(n) for n in ("trainer", "controller")}
         ),
     }
+    if paths.placement_choice.is_file():  # workflow.placement auto: what ran, and why
+        summary["placement_choice"] = json.loads(paths.placement_choice.read_text())
     if ledger is not None:
         for superseded in ("in_buffer_at_stop", "in_flight_controller"):
             summary.pop(superseded, None)
