@@ -54,15 +54,9 @@ def _cache_profile(
         "node_groups": [group],
         "gpu_overrides": {"CPU": {"bf16_tflops": 0.01, "hbm_gb": 4.0, "hbm_gbs": 0.06}},
     }
-    kind = {
-        "device": "cpu",
-        **_side(decode_s, train_tps),
-        "decode_context": 40,
-        "train_publish_s": 0.005,
-        "train_checkpoint_s": 0.03,
-        "reload_idle_s": 0.01,
-        "context_switch_s": switch_s,
-    }
+    # the box profile's measured overheads, this host's rates
+    kind = yaml.safe_load((DATA / "profile.yaml").read_text())["kinds"]["fast"]
+    kind.update(device="cpu", context_switch_s=switch_s, **_side(decode_s, train_tps))
     if every_core is not None:
         shared = _side(decode_s / every_core, train_tps * every_core)
         kind["every_core"] = {**shared, "inference_threads": 2, "trainer_threads": 2}
