@@ -156,6 +156,14 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["model"]["path"] == str(run_dir / "weights" / "v0")
+    # workflow.placement auto: priced from the profile taken first, the fastest run
+    choice = full["placement_choice"]
+    assert choice["source"] == "profile" and set(choice["candidates"]) == {
+        "disaggregated",
+        "hybrid",
+    }
+    assert choice["candidates"][choice["chosen"]] == max(choice["candidates"].values())
+    assert cfg["workflow"]["placement"] == choice["chosen"]
     assert not port_open(cfg["redis"]["url"])  # Valkey stopped
     assert not port_open(f"http://127.0.0.1:{cfg['inference']['base_port']}")  # server stopped
 
