@@ -23,6 +23,7 @@ from areal_hex.config import ConfigError, ExperimentConfig
 from hexctl.job.placement_choice import Price
 
 Say = Callable[[str], None]
+_ABSENT = "no profile of this machine for this job; run.profile_first=true measures one"
 
 
 def profile_prices(say: Say) -> Price:
@@ -36,7 +37,7 @@ def profile_prices(say: Say) -> Price:
         if key not in entries:
             found = cache.lookup(key)
             measure = cfg.run.profile_first is True
-            entries[key] = found or (_measure(cfg, key, parts, say) if measure else _absent(cfg))
+            entries[key] = found or (_measure(cfg, key, parts, say) if measure else _ABSENT)
         entry = entries[key]
         if isinstance(entry, str):
             return entry
@@ -47,13 +48,6 @@ def profile_prices(say: Say) -> Price:
         return _predicted(cfg, entry)
 
     return price
-
-
-def _absent(cfg: ExperimentConfig) -> str:
-    return (
-        "no profile of this machine for this job "
-        f"(run.profile_first {cfg.run.profile_first}; run.profile_first=true measures one)"
-    )
 
 
 def _measure(cfg: ExperimentConfig, key: str, parts: dict, say: Say) -> Path | str:
