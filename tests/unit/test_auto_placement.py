@@ -181,3 +181,16 @@ def test_a_bad_placement_names_the_field_and_the_choices() -> None:
     assert _cfg("run.mode=sync", "workflow.placement=colocated").workflow.placement_in_effect() == (
         "colocated"
     )
+
+
+@pytest.mark.parametrize("nodes", ["local", "cluster"])
+def test_a_plans_placement_replaces_auto(nodes: str) -> None:
+    """`run --plan`, every deploy render and a box run read the config through the plan's
+    projection: the plan's decision is the placement, never `auto`."""
+    from areal_hex.plan import load_plan
+    from hexctl.job.plan_config import project_plan
+
+    plan = load_plan(ROOT / "examples/plans/local_cpu.yaml")
+    got = project_plan(_cfg(), plan, nodes)  # type: ignore[arg-type]
+    assert got.config.workflow.placement == plan.decisions.placement
+    assert f"workflow.placement: 'auto' -> '{plan.decisions.placement}'" in "\n".join(got.changes)
