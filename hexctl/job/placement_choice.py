@@ -91,14 +91,10 @@ def choose(cfg: ExperimentConfig, price: Price | None) -> tuple[PlacementChoice,
         if isinstance(got, str):
             notes[name] = got
     priced = {k: v for k, v in rates.items() if v is not None}
-    if not priced:
-        chosen, source = DEFAULT_PLACEMENT, "default"
-    else:
-        floor = priced.get(DEFAULT_PLACEMENT, 0.0) * (1 + _TIE)
-        best = max(priced, key=lambda k: priced[k])
-        chosen = best if priced[best] > floor else DEFAULT_PLACEMENT
-        chosen = chosen if chosen in priced else best
-        source = "profile"
+    source: Literal["profile", "default"] = "profile" if priced else "default"
+    chosen = max(priced, key=lambda k: priced[k], default=DEFAULT_PLACEMENT)
+    if DEFAULT_PLACEMENT in priced and priced[chosen] <= priced[DEFAULT_PLACEMENT] * (1 + _TIE):
+        chosen = DEFAULT_PLACEMENT  # a tie keeps the default
     choice = PlacementChoice(chosen, source, cfg.run.mode, rates, notes)
     return choice, valid[chosen]
 

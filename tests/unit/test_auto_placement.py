@@ -42,9 +42,18 @@ def _cache_profile(
     every_core: float | None = None,
     switch_s: float = 0.02,
 ) -> Path:
-    """A profile of a 2-core host kept in the cache for `cfg`'s job: each side on its own
-    core and (with `every_core`) both sides that much faster on every core."""
+    """A profile of a 2-core host kept in the cache for `cfg`'s job (`_write_profile`)."""
     entry = cache.cache_root() / "profiles" / cache.key_of(cfg)[0]
+    _write_profile(entry, decode_s, train_tps, every_core, switch_s)
+    (entry / "seconds").write_text("1.0\n")
+    return entry
+
+
+def _write_profile(
+    entry: Path, decode_s: float, train_tps: float, every_core: float | None, switch_s: float
+) -> None:
+    """The files of a local profile of a 2-core host: each side on its own core and (with
+    `every_core`) both sides that much faster on every core."""
     shutil.copytree(DATA / "model", entry / "model")
     group = yaml.safe_load((DATA / "cluster.yaml").read_text())["node_groups"][0]
     group.update(name="here", gpu="CPU", gpus_per_node=2, nodes=1, zone="here")
@@ -65,8 +74,6 @@ def _cache_profile(
     work.update(weight_sync="disk", max_trainer_nodes=1)
     for name, data in (("cluster", cluster), ("profile", prof), ("workload", work)):
         (entry / f"{name}.yaml").write_text(yaml.safe_dump(data))
-    (entry / "seconds").write_text("1.0\n")
-    return entry
 
 
 # (run.mode, decode step s, training tokens/s, every-core speed-up, switch s) -> winner
@@ -130,6 +137,32 @@ def test_without_a_profile_auto_is_the_default_and_says_so() -> None:
     assert "the default" in line and "run.profile_first=true measures one" in line
     assert said == [] and not (cache.cache_root() / "profiles").exists()  # nothing measured
     assert choose(cfg, None)[0].source == "default"  # no price at all (a bench's run)
+
+
+def test_profile_first_true_measures_once_then_prices_from_the_kept_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only `run.profile_first: true` takes a profile to decide (profiling itself, ~100 s
+    of real timing, is `profile_local`'s own test): taken once, kept in the cache, with
+    the rates on every core for a synchronous run's colocated candidate."""
+    from hexctl.profile import local
+
+    taken: list[bool] = []
+
+    def profile_local(job: ExperimentConfig, out: Path, say=None, every_core=False):  # noqa: ANN001, ANN202
+        assert job.workflow.placement == "disaggregated"  # the job every placement keys
+        taken.append(every_core)
+        _write_profile(out, *FAVOURS["colocated"][1:])
+
+    monkeypatch.setattr(local, "profile_local", profile_local)
+    cfg = _cfg("run.mode=sync", "run.profile_first=true")
+    said: list[str] = []
+    choice, _ = choose(cfg, profile_prices(said.append))
+    assert taken == [True] and choice.chosen == "colocated" and choice.source == "profile"
+    assert "measuring this machine" in said[0]
+    assert cache.lookup(cache.key_of(cfg)[0]) is not None  # kept for the run and later runs
+    again, _ = choose(cfg, profile_prices(said.append))
+    assert taken == [True] and again.candidates == choice.candidates
 
 
 def test_colocated_without_rates_on_every_core_has_no_price() -> None:
