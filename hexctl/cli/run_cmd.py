@@ -104,14 +104,15 @@ def _on_box(cfg: Any) -> tuple[Any, Any]:  # cfg: ExperimentConfig
     return apply_box, place_on_box
 
 
-def _prices(cfg: Any, plan: Any) -> Any:  # (ExperimentConfig, Plan | None) -> Price | None
-    """`workflow.placement: auto` without a plan: the candidates priced from this
-    machine's cached profile of the job (a plan's placement is the plan's)."""
+def _prices(cfg: Any, plan: Any, profile: str | None) -> Any:  # -> Price | None
+    """`workflow.placement: auto` without a plan: the candidates priced from `--profile
+    DIR`, else from this machine's cached profile of the job (a plan's placement is the
+    plan's)."""
     if plan is not None or cfg.workflow.placement != "auto":
         return None
     from hexctl.launch.placement_prices import profile_prices
 
-    return profile_prices(_say)
+    return profile_prices(_say, Path(profile) if profile else None)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -153,7 +154,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     sigterm_as_ctrl_c()
     try:
         cfg, config_path = prepare_run(
-            cfg, plan, args.mode, say=_say, place=addresses, price=_prices(cfg, plan)
+            cfg, plan, args.mode, say=_say, place=addresses, price=_prices(cfg, plan, args.profile)
         )
     except BaseException as exc:
         if not existed:  # a new run's half-made directory (made for its lock) goes

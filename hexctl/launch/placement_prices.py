@@ -26,23 +26,24 @@ Say = Callable[[str], None]
 _ABSENT = "no profile of this machine for this job; run.profile_first=true measures one"
 
 
-def profile_prices(say: Say) -> Price:
-    """A `Price` over the profile cache; each profile is looked up (or measured) once."""
+def profile_prices(say: Say, profile_dir: Path | None = None) -> Price:
+    """A `Price` over the profile cache (each profile looked up, or measured, once); or
+    over the local profile in `profile_dir` (`run --profile DIR`), read as it is."""
     entries: dict[str, Path | str] = {}
 
     def price(cfg: ExperimentConfig) -> float | str:
         from hexctl.profile import cache
 
-        key, parts = cache.key_of(cfg)
+        key, parts = ("given", {}) if profile_dir is not None else cache.key_of(cfg)
         if key not in entries:
-            found = cache.lookup(key)
+            found = profile_dir or cache.lookup(key)
             measure = cfg.run.profile_first is True
             entries[key] = found or (_measure(cfg, key, parts, say) if measure else _ABSENT)
         entry = entries[key]
         if isinstance(entry, str):
             return entry
         if cfg.workflow.placement == "colocated":
-            lacking = _every_core(cfg, entry, say)
+            lacking = _every_core(cfg, entry, say, add=profile_dir is None)
             if lacking is not None:
                 return lacking
         return _predicted(cfg, entry)
@@ -71,20 +72,19 @@ def _measure(cfg: ExperimentConfig, key: str, parts: dict, say: Say) -> Path | s
     return stored or "the profile cache cannot be written"
 
 
-def _every_core(cfg: ExperimentConfig, entry: Path, say: Say) -> str | None:
+def _every_core(cfg: ExperimentConfig, entry: Path, say: Say, add: bool) -> str | None:
     """None when the profile prices a colocated run (its phases' rates on every core,
-    timed now into the kept profile where `run.profile_first: true`); else why not."""
+    timed now into the kept profile where `run.profile_first: true` and `add`); else why
+    not."""
     from hexctl.profile import cache
     from hexctl.profile.every_core import add_every_core, lacks_every_core
 
     job = cache.profiled_job(cfg)
     if not lacks_every_core(job, entry):
         return None
-    if cfg.run.profile_first is not True:
-        return (
-            "this machine's profile of the job has no rates on every core (a colocated "
-            "run's phases); run.profile_first=true times them"
-        )
+    if cfg.run.profile_first is not True or not add:
+        how = "; run.profile_first=true times them" if add else ""
+        return f"the profile has no rates on every core (a colocated run's phases){how}"
     say("timing the colocated phases on every core into the kept profile (run.profile_first)")
     with tempfile.TemporaryDirectory(prefix="areal-hex-placement-") as tmp:
         out = Path(tmp)

@@ -227,3 +227,16 @@ def test_a_plans_placement_replaces_auto(nodes: str) -> None:
     got = project_plan(_cfg(), plan, nodes)  # type: ignore[arg-type]
     assert got.config.workflow.placement == plan.decisions.placement
     assert f"workflow.placement: 'auto' -> '{plan.decisions.placement}'" in "\n".join(got.changes)
+
+
+def test_a_profile_given_to_run_prices_the_candidates(tmp_path: Path) -> None:
+    """`run --profile DIR`: that profile, read as it is (never timed into)."""
+    given = tmp_path / "local"
+    _write_profile(given, *FAVOURS["hybrid"][1:])
+    choice, _ = choose(_cfg(), profile_prices(lambda _: None, given))
+    assert (choice.chosen, choice.source) == ("hybrid", "profile")
+    sync = _cfg("run.mode=sync", "run.profile_first=true")
+    choice, _ = choose(sync, profile_prices(lambda _: None, given))
+    assert choice.candidates["colocated"] is None
+    assert choice.notes["colocated"].endswith("(a colocated run's phases)")
+    assert not (cache.cache_root() / "profiles").exists()
