@@ -108,7 +108,9 @@ def _prices(cfg: Any, plan: Any, profile: str | None) -> Any:  # -> Price | None
     """`workflow.placement: auto` without a plan: the candidates priced from `--profile
     DIR`, else from this machine's cached profile of the job (a plan's placement is the
     plan's)."""
-    if plan is not None or cfg.workflow.placement != "auto":
+    from areal_hex.config.workflow import AUTO_PLACEMENT
+
+    if plan is not None or cfg.workflow.placement != AUTO_PLACEMENT:
         return None
     from hexctl.launch.placement_prices import profile_prices
 
