@@ -131,18 +131,42 @@ def test_lent_servers_run_on_the_trainers_cores(tmp_path: Path) -> None:
 
 
 def test_a_hybrid_lends_only_when_the_trainer_would_wait() -> None:
-    """G_own·T ≥ B: the disaggregated rate; below it, the wait shrinks by the lent share."""
+    """The trainer's step pays the lend (T' = T + lend); below G_own·T' = B the wait
+    shrinks by the lent share, above it nothing is lent and the rate is B / T'."""
     from scheduler.hybrid import lent_asynchronous
     from scheduler.predict import LayoutRates
 
     # B = 128, T = 0.5 s (256 samples/s trained); the server of its own makes 128/s
     own = LayoutRates(128.0, 128.0, 256.0, 0.01)
     got = lent_asynchronous(own, 128.0, 128, 0.01)
-    # while stepping: 64 made; the other 64 at 256/s: 0.25 s; cycle 0.5 + 0.25 + 0.01
-    assert got.pipeline_samples_per_s == pytest.approx(128 / 0.76)
+    # T' = 0.51: 65.28 made while stepping; the other 62.72 at 256/s: 0.245 s
+    assert got.pipeline_samples_per_s == pytest.approx(128 / (0.51 + 62.72 / 256))
     assert got.generation_samples_per_s == 256.0
+    assert got.training_samples_per_s == pytest.approx(128 / 0.51)
     fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
-    assert lent_asynchronous(fast, 400.0, 128, 0.01) == fast
+    assert lent_asynchronous(fast, 400.0, 128, 0.0) == fast
+    paid = lent_asynchronous(fast, 400.0, 128, 0.01)
+    assert paid.pipeline_samples_per_s == pytest.approx(128 / 0.51)
+    assert paid.generation_samples_per_s == 400.0  # the lent servers stay paused
+
+
+@pytest.mark.parametrize("lend", [0.0, 0.01, 0.05])
+def test_the_lend_lowers_the_hybrid_price_in_either_binding(lend: float) -> None:
+    """Training binds (the servers of their own keep up): the hybrid is the disaggregated
+    rate less the lend's share of the step, equal with a lend of nothing. Generation
+    binds: lending raises the rate while the lend costs less than the wait it saves, and
+    every second of lend lowers it."""
+    from scheduler.hybrid import lent_asynchronous
+    from scheduler.predict import LayoutRates
+
+    trainer_bound = LayoutRates(256.0, 400.0, 256.0, 0.01)
+    got = lent_asynchronous(trainer_bound, 200.0, 128, lend).pipeline_samples_per_s
+    assert got == pytest.approx(128 / (0.5 + lend))
+    assert (got < 256.0) if lend > 0 else (got == pytest.approx(256.0))
+    gen_bound = LayoutRates(128.0, 128.0, 256.0, 0.01)
+    lent = lent_asynchronous(gen_bound, 128.0, 128, lend).pipeline_samples_per_s
+    more = lent_asynchronous(gen_bound, 128.0, 128, lend + 0.01).pipeline_samples_per_s
+    assert lent > 128.0 and more < lent
 
 
 # ---------------------------------------------------------------- the switch, profiled
@@ -191,9 +215,10 @@ async def test_the_profile_times_a_switch_as_the_controller_makes_it() -> None:
 
 
 def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
-    """Training binds the 56-GPU plan: lending its GPUs adds nothing (the hybrid's price is
-    the disaggregated one). The same plan with generation binding: the trainer's GPUs
-    generating while it waits raise the rate, never past training's."""
+    """Training binds the 56-GPU plan: lending its GPUs adds nothing, and the trainer pays
+    one switch a step for them (the hybrid's price is below the disaggregated one). The
+    same plan with generation binding: the trainer's GPUs generating while it waits raise
+    the rate, never past training's."""
     from dataclasses import replace
 
     from test_modes import _plan_on
@@ -204,9 +229,12 @@ def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
 
     res = _plan_on("examples/clusters/h800_h20.yaml", 60.0)
     b = res.plan.baselines
-    assert b.binding == "training" and b.hybrid_samples_per_s == b.disaggregated_samples_per_s
-    assert "hybrid async" in table(res)
     w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    assert b.binding == "training" and b.hybrid_samples_per_s is not None
+    step = w.samples_per_step / res.solution.rate + w.constants.context_switch_s
+    assert b.hybrid_samples_per_s == pytest.approx(w.samples_per_step / step, rel=1e-3)
+    assert b.hybrid_samples_per_s < b.disaggregated_samples_per_s
+    assert "hybrid async" in table(res)
     sol = res.solution
     slow = replace(sol, rate=sol.train_rate / 2, gen_rate=sol.train_rate / 2)
     got = best_hybrid(res.problem, w, slow)

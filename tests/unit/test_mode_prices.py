@@ -124,18 +124,82 @@ def test_colocated_is_the_sync_layout_on_every_core_plus_the_switch(tmp_path: Pa
 
 
 def test_hybrid_async_lends_the_trainers_core_while_it_waits(tmp_path: Path) -> None:
-    """Hybrid async from the split's rates: W = (B − G_own·T) / (G_own + G_lent), rate =
-    B / (T + W + switch), the lent server priced as one of its own."""
+    """Hybrid async from the split's rates: T' = T + switch + the lent server's idle
+    update, W = (B − G_own·T') / (G_own + G_lent), rate = B / (T' + W); no host work
+    profiled on the trainer's core, so the lent server makes what one of its own does."""
     from hexctl.job.predict import predict_run
 
     prof = _profile(tmp_path)
     own = predict_run(_cfg("disaggregated-async"), None, prof)["asynchronous"]
+    hybrid = predict_run(_cfg("hybrid-async"), None, prof)
     b = 8 * 16
-    g, t = own["generation_samples_per_s"], b / own["training_samples_per_s"]
+    g = own["generation_samples_per_s"]
+    t = b / own["training_samples_per_s"] + SWITCH_S + hybrid["synchronous"]["weight_sync_s"]
     assert g * t < b  # generation binds: something to lend
-    expect = b / (t + (b - g * t) / (2 * g) + SWITCH_S)
-    assert _rate(_cfg("hybrid-async"), prof) == pytest.approx(expect, rel=1e-6)
-    assert _rate(_cfg("hybrid-async"), prof) > own["pipeline_samples_per_s"]
+    # the lent server as one of its own, without the weight updates' pauses (its update
+    # is in T', the trainer's to pay)
+    g_lent = hybrid["asynchronous"]["generation_samples_per_s"] - g
+    assert g < g_lent < 1.1 * g
+    expect = b / (t + (b - g * t) / (g + g_lent))
+    assert hybrid["asynchronous"]["pipeline_samples_per_s"] == pytest.approx(expect, rel=1e-6)
+    assert expect > own["pipeline_samples_per_s"]
+
+
+def _busy_host(prof: Path, host_cpu_s: float, shared: float | None) -> None:
+    """The profile's host work: `host_cpu_s` CPU seconds a sample, and generation beside
+    it at `shared` of the server's rate alone (None: not timed)."""
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    p["kinds"]["CPU"].update(host_cpu_s_per_sample=host_cpu_s, generation_efficiency_shared=shared)
+    (prof / "profile.yaml").write_text(yaml.safe_dump(p))
+
+
+def test_a_lent_server_makes_what_the_host_work_leaves_it(tmp_path: Path) -> None:
+    """On the trainer's core beside the controller: the rate measured sharing its core,
+    times 1 − h·G_own (the controller's work for the server of its own); beside nothing
+    (the host's work on the servers' side) the rate of one of its own."""
+    from scheduler.cluster import load_cluster
+    from scheduler.costmodel import rollout_config
+    from scheduler.model_shape import load_model_shape
+    from scheduler.predict import TrainerLayout, predict_layout
+    from scheduler.profile import load_profile
+    from scheduler.workload import load_workload
+
+    d = _profile(tmp_path)
+    _busy_host(d, 0.0005, 0.5)
+    cl, m = load_cluster(d / "cluster.yaml"), load_model_shape(str(d / "model"))
+    w, prof = load_workload(d / "workload.yaml"), load_profile(d / "profile.yaml")
+    trainer, servers = TrainerLayout((("local", 1),), 1), [("local", 1)] * 2
+    alone = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
+    assert alone is not None and w.host_work == "trainer"
+    r = alone.samples_per_s  # efficiency 1 (not profiled): beside the host work 0.5 of it
+    for host, expect in (("trainer", 0.5 * r * (1 - 0.0005 * r)), ("rollout", r)):
+        wh = w.model_copy(update={"host_work": host})
+        got = predict_layout(cl, m, wh, prof, servers, trainer, lent=1).lent_samples_per_s
+        assert got == pytest.approx(expect)
+        assert predict_layout(cl, m, wh, prof, servers, trainer).lent_samples_per_s == 0.0
+
+
+def test_hybrid_sync_below_the_split_where_the_lent_core_is_busy(tmp_path: Path) -> None:
+    """Synchronous: a lent server on a core the controller keeps busy takes whole groups
+    at a fraction of the rate, so the batch ends later than on the server of its own
+    alone; with its core free it ends sooner. A dearer switch lowers both hybrids."""
+    prof = _profile(tmp_path)
+    free = _rate(_cfg("hybrid-sync"), prof)
+    split = _rate(_cfg("disaggregated-sync"), prof)
+    assert free > split
+    _busy_host(prof, 0.002, 0.3)
+    busy = _rate(_cfg("hybrid-sync"), prof)
+    assert busy < _rate(_cfg("disaggregated-sync"), prof)
+    b = 8 * 16
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    dearer = tmp_path / "dearer"
+    shutil.copytree(prof, dearer)
+    p["kinds"]["CPU"]["context_switch_s"] = 3 * SWITCH_S
+    (dearer / "profile.yaml").write_text(yaml.safe_dump(p))
+    for name in ("hybrid-sync", "hybrid-async"):
+        cheap, dear = _rate(_cfg(name), prof), _rate(_cfg(name), dearer)
+        assert dear < cheap
+    assert b / _rate(_cfg("hybrid-sync"), dearer) == pytest.approx(b / busy + 2 * SWITCH_S)
 
 
 def test_every_core_rates_scale_with_the_kind() -> None:
