@@ -80,8 +80,9 @@ class DeviceRates(Section):
     # the controller for the server's cores. Replaces the link's pause on this kind.
     reload_shared_s: float | None = Field(None, ge=0)
     # CPU seconds the controller spends per sample (HTTP, detokenising, rewards, the
-    # record). Where the kind's devices are the host's own cores (`device: cpu`), the
-    # controller runs beside the trainer and an asynchronous step pays for them.
+    # record), with the Valkey the run starts beside it (storing the record). Where the
+    # kind's devices are the host's own cores (`device: cpu`), the controller runs beside
+    # the trainer and an asynchronous step pays for them.
     host_cpu_s_per_sample: float | None = Field(None, ge=0)
     # A synchronous step's generation and weight reload as the run's controller and
     # buffer take them (from the trainer's publish to its whole next batch, measured by
