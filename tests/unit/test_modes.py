@@ -373,18 +373,13 @@ def test_run_mode_sync_on_the_command_line_runs_a_colocated_config() -> None:
 def test_bench_modes_measures_a_window_as_the_runs_summary_does(tmp_path: Path) -> None:
     """A mode's measured figure is its run's fidelity measure over the same window (the
     README run's `summary.json` rule), from step η + 1 to the last, components too."""
-    from test_fidelity import rows
+    from test_fidelity import rows, written_rows
 
-    from areal_hex.run_files import RunPaths, append_row
     from hexctl.bench.system.modes import window_rates
     from hexctl.report.fidelity import measured_rates
 
     metrics, rollout = rows()
-    paths = RunPaths.at(tmp_path)
-    for r in metrics:
-        append_row(paths.metrics, r)
-    for r in rollout:
-        append_row(paths.rollout, r)
+    written_rows(tmp_path)
     got = window_rates(tmp_path, 4, 3)
     assert got == measured_rates(metrics, rollout, 4, 3).__dict__
     assert got["pipeline_samples_per_s"] == pytest.approx(24 / 1.5)  # steps 3 -> 6
