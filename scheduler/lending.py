@@ -62,8 +62,6 @@ def lent_options(
     that runs there (see the module's docstring)."""
     if lent <= 0:
         return opts
-    if lent >= len(opts):
-        raise ValueError(f"{lent} lent of {len(opts)} instances: a hybrid keeps one of its own")
     own = opts[: len(opts) - lent]
     g_own = sum(o.samples_per_s for o in own)
     groups = {g.name: g for g in cl.spec.node_groups}

@@ -117,6 +117,11 @@ def predict_layout(
     instances sit on the trainer's devices (`lending.lent_options`)."""
     if not instances:
         raise LayoutError("a layout needs at least one rollout instance")
+    if lent >= len(instances):
+        raise LayoutError(
+            f"{lent} lent of {len(instances)} rollout instances: a hybrid keeps at least one "
+            "of its own"
+        )
     if nodes is not None and len(nodes.rollout) != len(instances):
         raise LayoutError(f"{len(instances)} rollout instances but {len(nodes.rollout)} nodes")
     opts = lent_options(cl, m, w, prof, instances, _rollouts(cl, m, w, prof, instances), lent)

@@ -160,7 +160,7 @@ def test_a_lent_server_makes_what_the_host_work_leaves_it(tmp_path: Path) -> Non
     from scheduler.cluster import load_cluster
     from scheduler.costmodel import rollout_config
     from scheduler.model_shape import load_model_shape
-    from scheduler.predict import TrainerLayout, predict_layout
+    from scheduler.predict import LayoutError, TrainerLayout, predict_layout
     from scheduler.profile import load_profile
     from scheduler.workload import load_workload
 
@@ -177,6 +177,8 @@ def test_a_lent_server_makes_what_the_host_work_leaves_it(tmp_path: Path) -> Non
         got = predict_layout(cl, m, wh, prof, servers, trainer, lent=1).lent_samples_per_s
         assert got == pytest.approx(expect)
         assert predict_layout(cl, m, wh, prof, servers, trainer).lent_samples_per_s == 0.0
+    with pytest.raises(LayoutError, match="2 lent of 2 rollout instances"):
+        predict_layout(cl, m, w, prof, servers, trainer, lent=2)
 
 
 def test_hybrid_sync_below_the_split_where_the_lent_core_is_busy(tmp_path: Path) -> None:
