@@ -179,6 +179,8 @@ def predict_run(
         prof = load_profile(profile, m.params) if profile else None
         if prof is not None and cfg.workflow.placement == "colocated":
             prof = prof.on_every_core()  # each phase on every core, where measured
+        if prof is not None and cfg.workflow.placement == "hybrid":
+            prof = prof.with_heap_trim()  # its trainer gives its heap back every step
         inst, trainer = _layout(cfg, plan, cl)
 
         placement = cfg.workflow.placement

@@ -225,3 +225,43 @@ def test_every_core_rates_scale_with_the_kind() -> None:
     fast = r.at_speed(2.0).on_every_core()
     assert fast.decode_step_s[1] == pytest.approx(0.001)
     assert fast.prefill_tokens_per_s == pytest.approx(10000.0)
+
+
+def test_a_hybrid_trainer_steps_at_its_trimmed_rate(tmp_path: Path) -> None:
+    """A hybrid's trainer gives its heap back every step: it is priced at the rate the
+    profile timed with the trim (the training rate in both modes falls by it); the
+    disaggregated run's trainer does not trim and keeps its rate."""
+    from hexctl.job.predict import predict_run
+    from scheduler.profile import DeviceRates
+
+    prof = _profile(tmp_path)
+    names = ("disaggregated-async", "hybrid-async", "hybrid-sync")
+
+    def training() -> dict[str, float]:
+        out = {}
+        for name in names:
+            side = "synchronous" if MODES[name].run_mode == "sync" else "asynchronous"
+            out[name] = predict_run(_cfg(name), None, prof)[side]["training_samples_per_s"]
+        return out
+
+    before = training()
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    p["kinds"]["CPU"]["train_trim_tokens_per_s"] = 0.8 * 30000.0
+    (prof / "profile.yaml").write_text(yaml.safe_dump(p))
+    after = training()
+    assert after["disaggregated-async"] == before["disaggregated-async"]
+    assert after["hybrid-async"] < before["hybrid-async"]
+    assert after["hybrid-sync"] < before["hybrid-sync"]
+    r = DeviceRates(
+        device="cpu",
+        decode_context=40,
+        **_rates(0.004, 3000.0, 6000.0),
+        train_sync_tokens_per_s=5000.0,
+        train_trim_tokens_per_s=4800.0,
+    )
+    trimmed = r.with_heap_trim()
+    assert trimmed.train_tokens_per_s == 4800.0
+    assert trimmed.train_sync_tokens_per_s == pytest.approx(4000.0)
+    untimed = r.model_copy(update={"train_trim_tokens_per_s": None})
+    assert untimed.with_heap_trim() == untimed
+    assert r.at_speed(2.0).train_trim_tokens_per_s == pytest.approx(9600.0)
