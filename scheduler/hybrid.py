@@ -34,7 +34,7 @@ from areal_hex.plan import Plan
 from scheduler.cluster import Cluster, machine_name
 from scheduler.colocated import instances_on, on_trainer_gpus, switch_s
 from scheduler.costmodel import RolloutOption
-from scheduler.lending import lend_s
+from scheduler.lending import heap_trim_s, lend_s
 from scheduler.milp import PlanSpace, Solution
 from scheduler.predict import LayoutPrediction, LayoutRates
 from scheduler.profile import Profile
@@ -93,7 +93,8 @@ def hybrid_pick(
 ) -> Hybrid | None:
     """The asynchronous plan `sol` as a hybrid: its trainer's GPUs also generate while it
     waits (one instance per TP-sized slice, as a colocated plan places them), each step
-    one lend (the switch and the lent instances' idle weight load, where profiled); None
+    one lend (the switch and the lent instances' idle weight load, where profiled, and
+    the trainer's heap trim, `lending.heap_trim_s`); None
     where the trainer's GPUs cannot generate (a trainer across kinds, or no rollout
     option tiles them)."""
     c = sol.trainer
@@ -104,7 +105,7 @@ def hybrid_pick(
         return None
     own = LayoutRates(sol.rate, sol.gen_rate, sol.train_rate, 0.0)
     idle = (prof.reload_idle_s(c.kind) if prof is not None else None) or 0.0
-    lend = lend_s(switch_s(w, prof, c.kind), idle)
+    lend = lend_s(switch_s(w, prof, c.kind), idle) + heap_trim_s(prof, c.kind, c.compute_s)
     lent = lent_asynchronous(own, g_lent, w.samples_per_step, lend)
     return Hybrid(lent.pipeline_samples_per_s, lent.generation_samples_per_s, tuple(picks))
 

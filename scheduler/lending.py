@@ -93,3 +93,13 @@ def lend_s(switch_s: float, idle_update_s: float) -> float:
     """Seconds a trainer step pays for its lent servers: one switch and their weight load
     with nothing in flight (the lent servers load in parallel, each on its own devices)."""
     return switch_s + idle_update_s
+
+
+def heap_trim_s(prof: Profile | None, kind: str, compute_s: float) -> float:
+    """Seconds a trainer step of `compute_s` s on `kind` takes longer when it gives its
+    heap back after every step, as a trainer sharing its devices does: the step at the
+    profile's trimmed rate (`train_trim_tokens_per_s`) over its rate; 0 unmeasured."""
+    rates = prof.kinds.get(kind) if prof is not None else None
+    if rates is None or rates.train_trim_tokens_per_s is None:
+        return 0.0
+    return max(0.0, compute_s * (rates.train_tokens_per_s / rates.train_trim_tokens_per_s - 1))

@@ -169,6 +169,27 @@ def test_the_lend_lowers_the_hybrid_price_in_either_binding(lend: float) -> None
     assert lent > 128.0 and more < lent
 
 
+def test_a_trimming_trainer_pays_its_trim_in_the_lend() -> None:
+    """The step at the profile's trimmed rate over its rate: compute · (rate / trimmed −
+    1) s more; nothing where the trim was not timed, or for a kind not profiled."""
+    from scheduler.lending import heap_trim_s
+    from scheduler.profile import DeviceRates, Profile
+
+    rates = DeviceRates(
+        device="cpu",
+        decode_step_s={1: 0.01},
+        decode_context=40,
+        prefill_tokens_per_s=1e4,
+        train_tokens_per_s=1000.0,
+        train_trim_tokens_per_s=800.0,
+    )
+    prof = Profile(model="m", params=1, kinds={"CPU": rates})
+    assert heap_trim_s(prof, "CPU", 0.4) == pytest.approx(0.1)
+    assert heap_trim_s(prof, "H800", 0.4) == 0.0 and heap_trim_s(None, "CPU", 0.4) == 0.0
+    untimed = rates.model_copy(update={"train_trim_tokens_per_s": None})
+    assert heap_trim_s(Profile(model="m", params=1, kinds={"CPU": untimed}), "CPU", 0.4) == 0.0
+
+
 # ---------------------------------------------------------------- the switch, profiled
 def test_a_profiled_switch_replaces_the_default() -> None:
     """`profile --local` times the switch per kind; the colocated price and a local
