@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import ConfigError, load_config
+from scheduler.profile import DeviceRates
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples/tiny_cpu.yaml"
@@ -169,20 +170,25 @@ def test_the_lend_lowers_the_hybrid_price_in_either_binding(lend: float) -> None
     assert lent > 128.0 and more < lent
 
 
+def _device_rates(device: str, context: int, **extra: float) -> DeviceRates:
+    """A kind's rates: 10 ms decode steps, 10k prefill and 1k training tokens/s."""
+    return DeviceRates(
+        device=device,
+        decode_step_s={1: 0.01},
+        decode_context=context,
+        prefill_tokens_per_s=1e4,
+        train_tokens_per_s=1e3,
+        **extra,
+    )
+
+
 def test_a_trimming_trainer_pays_its_trim_in_the_lend() -> None:
     """The step at the profile's trimmed rate over its rate: compute · (rate / trimmed −
     1) s more; nothing where the trim was not timed, or for a kind not profiled."""
     from scheduler.lending import heap_trim_s
-    from scheduler.profile import DeviceRates, Profile
+    from scheduler.profile import Profile
 
-    rates = DeviceRates(
-        device="cpu",
-        decode_step_s={1: 0.01},
-        decode_context=40,
-        prefill_tokens_per_s=1e4,
-        train_tokens_per_s=1000.0,
-        train_trim_tokens_per_s=800.0,
-    )
+    rates = _device_rates("cpu", 40, train_trim_tokens_per_s=800.0)
     prof = Profile(model="m", params=1, kinds={"CPU": rates})
     assert heap_trim_s(prof, "CPU", 0.4) == pytest.approx(0.1)
     assert heap_trim_s(prof, "H800", 0.4) == 0.0 and heap_trim_s(None, "CPU", 0.4) == 0.0
@@ -198,21 +204,14 @@ def test_a_profiled_switch_replaces_the_default() -> None:
     from scheduler.colocated import best_colocated, switch_s
     from scheduler.model_shape import load_model_shape
     from scheduler.planner import problem_for
-    from scheduler.profile import DeviceRates, Profile
+    from scheduler.profile import Profile
     from scheduler.workload import load_workload
 
     w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
     cl = load_cluster(ROOT / "tests/data/one_node_2gpu.yaml")
     m = load_model_shape("qwen3-8b")
     p = problem_for(cl, m, w)
-    rates = DeviceRates(
-        device="H800",
-        decode_step_s={1: 0.01},
-        decode_context=100,
-        prefill_tokens_per_s=1e4,
-        train_tokens_per_s=1e3,
-        context_switch_s=7.0,
-    )
+    rates = _device_rates("H800", 100, context_switch_s=7.0)
     prof = Profile(model="qwen3-8b", params=m.params, kinds={"H800": rates})
     default = best_colocated(p, w, 20.0)
     timed = best_colocated(p, w, 20.0, prof)
