@@ -93,10 +93,9 @@ def hybrid_pick(
 ) -> Hybrid | None:
     """The asynchronous plan `sol` as a hybrid: its trainer's GPUs also generate while it
     waits (one instance per TP-sized slice, as a colocated plan places them), each step
-    one lend (the switch and the lent instances' idle weight load, where profiled, and
-    the trainer's heap trim, `lending.heap_trim_s`); None
-    where the trainer's GPUs cannot generate (a trainer across kinds, or no rollout
-    option tiles them)."""
+    one lend (the switch and, where profiled, the lent instances' idle weight load and
+    the trainer's heap trim, `lending.heap_trim_s`); None where the trainer's GPUs cannot
+    generate (a trainer across kinds, or no rollout option tiles them)."""
     c = sol.trainer
     if c.mixed:
         return None
