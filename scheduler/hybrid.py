@@ -1,17 +1,25 @@
 """The hybrid placement priced: the disaggregated split, plus servers lent by the trainer's
 devices that generate only while the trainer waits for its batch.
 
-Asynchronous, one trainer step of T s (training rate B/T) is a cycle: while the trainer
-steps, the servers of their own make G_d·T samples; while it waits, every server makes
-them, at G_d + G_l (G_l: the lent servers, priced as one more instance of the same kind
-each); each step pauses and continues the lent servers once (`switch` s). When the servers
-of their own keep up alone (G_d·T ≥ B) nothing is lent and the rate is the disaggregated
-pipeline's; otherwise the trainer waits W = (B − G_d·T) / (G_d + G_l) a step, and
+What a lent server makes and what lending costs the trainer follow the run
+(`scheduler/lending.py`): G_lent, the lent servers' samples/s on the trainer's devices
+(beside the host's work where it runs there), and `lend` s a step: the switch and the lent
+servers' weight load, which the trainer's step pays whether or not they generate (the
+weight update continues them every step and the controller pauses them again).
 
-    rate = B / (T + W + switch).
+Asynchronous, one trainer step of T' = T + lend s (T: the disaggregated step) is a cycle:
+while the trainer steps, the servers of their own make G_own·T' samples; while it waits,
+every server makes them, at G_own + G_lent. Where G_own·T' ≥ B nothing is lent and the
+rate is B / T' (below the disaggregated rate: the trainer pays the lend for nothing);
+otherwise the trainer waits W = (B − G_own·T') / (G_own + G_lent) a step, and
 
-Synchronous (η = 0): every server generates the batch, then the trainer steps on its
-devices: the synchronous replay of the layout with every server in it, plus the switch.
+    rate = B / (T' + W).
+
+Synchronous (η = 0): every server generates the batch (the lent ones at G_lent, each
+taking whole groups as the dispatcher gives them, so a slow lent server can lengthen the
+batch's tail), then the trainer steps on its devices: the synchronous replay of the layout
+with every server in it (`predict.predict_layout(..., lent=n)`), plus one switch a step
+(the lent servers' weight load is in the replay's idle update).
 
 `hybrid_rates` composes both from `predict.predict_layout`'s figures for the servers of
 their own (asynchronous) and for all of them (synchronous), so a hybrid is held against
@@ -26,6 +34,7 @@ from areal_hex.plan import Plan
 from scheduler.cluster import Cluster, machine_name
 from scheduler.colocated import instances_on, on_trainer_gpus, switch_s
 from scheduler.costmodel import RolloutOption
+from scheduler.lending import heap_trim_s, lend_s
 from scheduler.milp import PlanSpace, Solution
 from scheduler.predict import LayoutPrediction, LayoutRates
 from scheduler.profile import Profile
@@ -33,40 +42,43 @@ from scheduler.workload import Workload
 
 
 def lent_asynchronous(
-    own: LayoutRates, g_lent: float, samples_per_step: int, switch: float
+    own: LayoutRates, g_lent: float, samples_per_step: int, lend: float
 ) -> LayoutRates:
-    """The asynchronous rates with lent servers generating `g_lent` samples/s beside the
-    servers of their own (`own`: the layout of those alone), each step's lend costing
-    `switch` s."""
+    """The asynchronous rates with lent servers generating `g_lent` samples/s while the
+    trainer waits, beside the servers of their own (`own`: the layout of those alone),
+    each trainer step paying `lend` s for them."""
     b, g_own = samples_per_step, own.generation_samples_per_s
     if own.training_samples_per_s <= 0 or g_own <= 0:
         return own
-    step = b / own.training_samples_per_s  # T
+    step = b / own.training_samples_per_s + lend  # T'
     made = g_own * step  # of the next batch, while the trainer steps
-    if made >= b:  # the servers of their own keep up: nothing to lend
-        return own
-    g_every = g_own + g_lent
-    wait = (b - made) / g_every
-    rate = b / (step + wait + switch)
-    return replace(own, pipeline_samples_per_s=rate, generation_samples_per_s=g_every)
+    wait = max(0.0, b - made) / (g_own + g_lent)
+    return replace(
+        own,
+        pipeline_samples_per_s=b / (step + wait),
+        generation_samples_per_s=g_own + (g_lent if wait > 0 else 0.0),
+        training_samples_per_s=b / step,
+    )
 
 
 def hybrid_rates(
     own: LayoutPrediction,
     every: LayoutPrediction,
-    own_servers: int,
-    lent: int,
     samples_per_step: int,
     switch: float,
 ) -> LayoutPrediction:
     """Both modes of a hybrid layout: `own`, the layout of the servers of their own;
-    `every`, the same with the lent servers in it; one switch of `switch` s a step."""
+    `every`, the same with the lent servers in it (`predict_layout(..., lent=n)`: their
+    rate, `lent_samples_per_s`, and the idle update they load at); one switch of `switch`
+    s a step."""
     syn = every.synchronous
     step = samples_per_step / max(syn.pipeline_samples_per_s, 1e-12)
     synchronous = replace(syn, pipeline_samples_per_s=samples_per_step / (step + switch))
-    g_lent = own.asynchronous.generation_samples_per_s / max(1, own_servers) * lent
-    asynchronous = lent_asynchronous(own.asynchronous, g_lent, samples_per_step, switch)
-    return LayoutPrediction(asynchronous, synchronous)
+    lend = lend_s(switch, syn.weight_sync_s)
+    asynchronous = lent_asynchronous(
+        own.asynchronous, every.lent_samples_per_s, samples_per_step, lend
+    )
+    return LayoutPrediction(asynchronous, synchronous, every.lent_samples_per_s)
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,9 @@ def hybrid_pick(
 ) -> Hybrid | None:
     """The asynchronous plan `sol` as a hybrid: its trainer's GPUs also generate while it
     waits (one instance per TP-sized slice, as a colocated plan places them), each step
-    one switch; None where the trainer's GPUs cannot generate (a trainer across kinds,
-    or no rollout option tiles them)."""
+    one lend (the switch and, where profiled, the lent instances' idle weight load and
+    the trainer's heap trim, `lending.heap_trim_s`); None where the trainer's GPUs cannot
+    generate (a trainer across kinds, or no rollout option tiles them)."""
     c = sol.trainer
     if c.mixed:
         return None
@@ -90,7 +103,9 @@ def hybrid_pick(
     if g_lent <= 0 or len(picks) < len(c.parts):
         return None
     own = LayoutRates(sol.rate, sol.gen_rate, sol.train_rate, 0.0)
-    lent = lent_asynchronous(own, g_lent, w.samples_per_step, switch_s(w, prof, c.kind))
+    idle = (prof.reload_idle_s(c.kind) if prof is not None else None) or 0.0
+    lend = lend_s(switch_s(w, prof, c.kind), idle) + heap_trim_s(prof, c.kind, c.compute_s)
+    lent = lent_asynchronous(own, g_lent, w.samples_per_step, lend)
     return Hybrid(lent.pipeline_samples_per_s, lent.generation_samples_per_s, tuple(picks))
 
 

@@ -28,6 +28,7 @@ from scheduler.costmodel import (
     update_latency_s,
     weight_sync_s,
 )
+from scheduler.lending import lent_options
 from scheduler.model_shape import ModelShape
 from scheduler.partition import sync_on_topology
 from scheduler.profile import Profile
@@ -69,6 +70,7 @@ class LayoutRates:
 class LayoutPrediction:
     asynchronous: LayoutRates
     synchronous: LayoutRates
+    lent_samples_per_s: float = 0.0  # hybrid: the lent instances' rate while they generate
 
     def for_mode(self, mode: str) -> LayoutRates:
         return self.synchronous if mode == "sync" else self.asynchronous
@@ -103,6 +105,7 @@ def predict_layout(
     max_inflight_groups: int | None = None,
     nodes: LayoutNodes | None = None,
     task_groups: dict[str, str] | None = None,
+    lent: int = 0,
 ) -> LayoutPrediction:
     """Rates of `instances` ((node group, TP) each) and `trainer` in both modes; `w` holds
     the asynchronous run's η (the synchronous one runs at η = 0, publishing every step).
@@ -110,12 +113,18 @@ def predict_layout(
     is priced over the links its copy crosses (`partition.sync_on_topology`); otherwise
     over its zone's link. `task_groups` (task -> node group): where the workflow's
     reference and reward-model tasks run; the pipeline runs no faster than the slowest
-    scores (`task_costs.placed_tasks_rate`), in either mode."""
+    scores (`task_costs.placed_tasks_rate`), in either mode. `lent` (hybrid): the last
+    instances sit on the trainer's devices (`lending.lent_options`)."""
     if not instances:
         raise LayoutError("a layout needs at least one rollout instance")
+    if lent >= len(instances):
+        raise LayoutError(
+            f"{lent} lent of {len(instances)} rollout instances: a hybrid keeps at least one "
+            "of its own"
+        )
     if nodes is not None and len(nodes.rollout) != len(instances):
         raise LayoutError(f"{len(instances)} rollout instances but {len(nodes.rollout)} nodes")
-    opts = _rollouts(cl, m, w, prof, instances)
+    opts = lent_options(cl, m, w, prof, instances, _rollouts(cl, m, w, prof, instances), lent)
     tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
@@ -134,7 +143,8 @@ def predict_layout(
             replace(r, pipeline_samples_per_s=min(r.pipeline_samples_per_s, bound[0]))
             for r in (asyn, syn)
         )
-    return LayoutPrediction(asyn, syn)
+    lent_rate = sum(o.samples_per_s for o in opts[len(opts) - lent :]) if lent else 0.0
+    return LayoutPrediction(asyn, syn, lent_rate)
 
 
 def _with_traffic(

@@ -55,6 +55,12 @@ class DeviceRates(Section):
     # nothing, between the others): a synchronous run's step, whose write ends while it
     # waits for its next batch; unmeasured: `train_tokens_per_s`
     train_sync_tokens_per_s: float | None = Field(None, gt=0)
+    # ... with each step giving its freed heap back to the OS after the publish, as a
+    # trainer that shares its devices with generation does (`trainer_service/heap.py`:
+    # the trim and the next step's taking the pages again; `profile --local` on a CPU
+    # device). A hybrid run's trainer steps at it (`with_heap_trim`); unmeasured: as
+    # `train_tokens_per_s`
+    train_trim_tokens_per_s: float | None = Field(None, gt=0)
     # What a trainer step on this kind spends beyond its optimizer step, as the run's
     # trainer does it (`profile --local`): one weight publish's share of the step (the
     # gather and the hand-off to the writing thread, and the wait for the previous write),
@@ -80,8 +86,9 @@ class DeviceRates(Section):
     # the controller for the server's cores. Replaces the link's pause on this kind.
     reload_shared_s: float | None = Field(None, ge=0)
     # CPU seconds the controller spends per sample (HTTP, detokenising, rewards, the
-    # record). Where the kind's devices are the host's own cores (`device: cpu`), the
-    # controller runs beside the trainer and an asynchronous step pays for them.
+    # record), with the Valkey the run starts beside it (storing the record). Where the
+    # kind's devices are the host's own cores (`device: cpu`), the controller runs beside
+    # the trainer and an asynchronous step pays for them.
     host_cpu_s_per_sample: float | None = Field(None, ge=0)
     # A synchronous step's generation and weight reload as the run's controller and
     # buffer take them (from the trainer's publish to its whole next batch, measured by
@@ -135,6 +142,20 @@ class DeviceRates(Section):
         }
         if self.train_sync_tokens_per_s is not None:
             upd["train_sync_tokens_per_s"] = self.train_sync_tokens_per_s * train
+        if self.train_trim_tokens_per_s is not None:
+            upd["train_trim_tokens_per_s"] = self.train_trim_tokens_per_s * train
+        return self.model_copy(update=upd)
+
+    def with_heap_trim(self) -> DeviceRates:
+        """These rates for a trainer that trims its heap after every step: its step at
+        the trimmed rate where measured (a synchronous step's rate by the same ratio)."""
+        trimmed = self.train_trim_tokens_per_s
+        if trimmed is None:
+            return self
+        ratio = trimmed / self.train_tokens_per_s
+        upd: dict[str, object] = {"train_tokens_per_s": trimmed}
+        if self.train_sync_tokens_per_s is not None:
+            upd["train_sync_tokens_per_s"] = self.train_sync_tokens_per_s * ratio
         return self.model_copy(update=upd)
 
     def scoring_tokens_per_s(self) -> float:
@@ -181,6 +202,7 @@ _RATES = (
     "classify_tokens_per_s",
     "train_tokens_per_s",
     "train_sync_tokens_per_s",
+    "train_trim_tokens_per_s",
 )
 _TIMES = (
     "train_publish_s",
@@ -310,6 +332,12 @@ class Profile(Section):
         """The profile as a colocated run's phases see it: each kind's rates on every
         core where measured (`DeviceRates.on_every_core`)."""
         kinds = {k: r.on_every_core() for k, r in self.kinds.items()}
+        return self.model_copy(update={"kinds": kinds})
+
+    def with_heap_trim(self) -> Profile:
+        """The profile as a trainer that trims its heap after every step (a hybrid run's)
+        sees it (`DeviceRates.with_heap_trim`)."""
+        kinds = {k: r.with_heap_trim() for k, r in self.kinds.items()}
         return self.model_copy(update={"kinds": kinds})
 
     def has_every_core(self, kind: str) -> bool:

@@ -177,11 +177,16 @@ def predict_run(
             }
         )
         prof = load_profile(profile, m.params) if profile else None
-        if prof is not None and cfg.workflow.placement == "colocated":
+        placement = cfg.workflow.placement_in_effect()
+        if prof is not None and placement == "colocated":
             prof = prof.on_every_core()  # each phase on every core, where measured
+        if prof is not None and placement == "hybrid":
+            prof = prof.with_heap_trim()  # its trainer gives its heap back every step
         inst, trainer = _layout(cfg, plan, cl)
 
-        def price(servers: list) -> Any:
+        lent = cfg.workflow.lent_servers if placement == "hybrid" else 0
+
+        def price(servers: list, lent: int = 0) -> Any:
             return predict_layout(
                 cl,
                 m,
@@ -192,16 +197,15 @@ def predict_run(
                 max_inflight_groups=cfg.rollout.max_concurrent_groups,
                 nodes=_nodes(plan),
                 task_groups=_task_groups(plan, cl),
+                lent=lent,
             )
 
-        pred = price(inst)
-        placement = cfg.workflow.placement_in_effect()
+        pred = price(inst, lent)
         kind = {g.name: g.gpu for g in cl.spec.node_groups}.get(trainer.parts[0][0], "")
         switch = switch_s(w, prof, kind)
-        if placement == "hybrid":  # the servers of their own, and the lent ones
-            lent = cfg.workflow.lent_servers
+        if lent:  # the servers of their own, and the lent ones (scheduler/lending.py)
             own = price(inst[: len(inst) - lent])
-            pred = hybrid_rates(own, pred, len(inst) - lent, lent, w.samples_per_step, switch)
+            pred = hybrid_rates(own, pred, w.samples_per_step, switch)
     except (ConfigError, LayoutError) as exc:
         return {"unavailable": str(exc)}
     syn, asyn = pred.synchronous.as_dict(), pred.asynchronous.as_dict()

@@ -78,6 +78,13 @@ async def _controller(
 PROFILE_RUN = "profile"  # the buffer's run id inside the profile's own Valkey
 
 
+def uncounted(exclude: set[int], valkey: int | None, valkey_elsewhere: bool) -> set[int]:
+    """The processes whose CPU is not the host's work: the server's (`exclude`), and the
+    profile's Valkey where the run's Valkey runs elsewhere (`redis.url` set); a run that
+    starts its own runs it beside the controller, on the same cores."""
+    return exclude | ({valkey} if valkey_elsewhere and valkey is not None else set())
+
+
 async def continuous_load(
     url: str,
     cfg: ExperimentConfig,
@@ -90,7 +97,10 @@ async def continuous_load(
     """The run's controller with its gate wide open, so that the server stays as full as
     an asynchronous run keeps it. Over the middle of it (from a quarter to nine tenths of
     the groups: no start-up, no drain): samples/s, and the CPU seconds per sample of this
-    process and its children but the server (`exclude`) and Valkey. With `reloads`, a
+    process and its children but the server (`exclude`): the controller, its rewards and,
+    where the run starts its own Valkey beside the controller (no `redis.url`), Valkey's
+    share for the records (without the trainer's reads, which the profile does not
+    make); a Valkey the run reaches elsewhere is left out. With `reloads`, a
     weight update made by the controller itself (`rollout.update_pause`, as in a run) every
     `RELOAD_EVERY_S`, from disk or over the network as `reloads` says: the median pause
     is the third figure (else None), and samples/s are those between pauses. A load
@@ -181,7 +191,7 @@ async def _load_once(
         network = rank0.source() if rank0 is not None else None
         # no trainer here: nothing may wait on the gate
         async with _controller(url, cfg, model_dir, 1 << 20, groups, network) as (ctl, _, valkey):
-            skip = exclude | ({valkey} if valkey is not None else set())
+            skip = uncounted(exclude, valkey, cfg.redis.url is not None)
 
             async def watch() -> None:
                 # a load that makes no sample for STALL_S is stuck: an error, not a wait

@@ -56,7 +56,7 @@ def measure_every_core(
     with passive_waits(every):
         decode, prefill = _generation(cfg, model_dir, every, batches, say)
         say("every core: the trainer's step")
-        train = measure_training(cfg, model_dir, every, prompt_len, response, say)
+        train = measure_training(cfg, model_dir, every, prompt_len, response, say, trim=False)
     return {
         "decode_step_s": decode,
         "prefill_tokens_per_s": prefill,

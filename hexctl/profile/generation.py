@@ -54,7 +54,7 @@ class GenerationRates:
     reload_idle_s: float  # the same with nothing in flight (a synchronous run's case)
     # The run's own controller keeping the server full (an asynchronous run's load):
     continuous_samples_per_s: float  # samples/s generated
-    host_cpu_s_per_sample: float  # the controller's CPU (HTTP, decoding, rewards, records)
+    host_cpu_s_per_sample: float  # the controller's CPU (HTTP, decoding, rewards, records; Valkey)
     # ... with the controller, its Valkey and reward workers on the server's cores
     # (None without pinning: they share every core anyway)
     continuous_shared_samples_per_s: float | None

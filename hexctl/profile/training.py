@@ -39,6 +39,11 @@ class TrainingRates:
     publish_sync: str = "disk"  # how the steps published: disk | network
     # over the network: seconds of a version's broadcast as the sender saw it (median)
     broadcast_s: float | None = None
+    # tokens/s in rounds whose steps each give the freed heap back to the OS after the
+    # publish, as a trainer that shares its devices does (`trainer_service/heap.py`:
+    # the trim, and the next step taking the pages again); by default timed on a CPU
+    # device, one such round after each of the others
+    trim_tokens_per_s: float | None = None
 
 
 def measure_training(
@@ -50,6 +55,7 @@ def measure_training(
     say: Say = quiet,
     rounds: tuple[int, int] | None = None,
     network: bool | None = None,
+    trim: bool | None = None,
 ) -> TrainingRates:
     """The trainer's step on one rank, the run's batch, in a process of its own as the
     run's trainer is: nothing of the generation measurements in its heap, and
@@ -65,20 +71,26 @@ def measure_training(
     `network` (None: on a box node whose run syncs over the network): the steps publish
     as such a run's trainer does, broadcasting each version to a receiver of their own
     (`WeightReceiver`, outside the node's quota, as a server on another node is), so the
-    broadcast's share of the node is in the rate."""
+    broadcast's share of the node is in the rate. `trim` (None: on a CPU device): each
+    round is also followed by one whose steps give the freed heap back after their
+    publish, as a trainer that shares its devices with generation does (hybrid,
+    colocated): `trim_tokens_per_s`, one round more per repeat."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     rounds = rounds or (dev.repeats, TRAIN_STEPS)
     if network is None:
         network = dev.cgroup is not None and cfg.rollout.weight_sync == "network"
+    if trim is None:
+        trim = dev.device == "cpu"
     quiet_too = ", each followed by one that publishes nothing" if dev.cgroup else ""
+    quiet_too += ", each followed by one that trims the heap after every step" if trim else ""
     say(
         f"training: {rounds[0]} rounds of {rounds[1]} steps and at least "
         f"{dev.min_window_s:g} s each after a warm-up{quiet_too}, in a new process"
     )
     spawn = multiprocessing.get_context("spawn")
-    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds, network)
+    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds, network, trim)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(_measure_training, job).result()
 
@@ -94,6 +106,7 @@ class _TrainingJob:
     response: float  # mean answer length, tokens
     rounds: tuple[int, int]  # (timed rounds, steps each)
     network: bool = False  # publish over the network to a `WeightReceiver`
+    trim: bool = False  # also rounds whose steps trim the heap (`trim_tokens_per_s`)
 
 
 def _measure_training(job: _TrainingJob) -> TrainingRates:
@@ -217,6 +230,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     from areal_hex.models import load_model
     from trainer_service import checkpoint
     from trainer_service.engine import build_engine
+    from trainer_service.heap import trim_heap
     from trainer_service.publish import AsyncPublisher, full_state_dict
     from trainer_service.step import StepContext, optimize
     from trainer_service.synthetic import synthetic_groups
@@ -253,6 +267,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     ref = cfg.algo.kl_coef > 0 and cfg.workflow.task_with_role("reference") is not None
     rates: list[float] = []
     alone: list[float] = []
+    trimmed: list[float] = []
     published: list[float] = []
     saved: list[float] = []
     broadcasts: list[float] = []
@@ -275,8 +290,9 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         n_rounds, n_steps = job.rounds
         k = 0
 
-        def timed_round(publishing: bool) -> float:
-            """n_steps steps or more, tokens over seconds."""
+        def timed_round(publishing: bool, trim: bool = False) -> float:
+            """n_steps steps or more, tokens over seconds (with `trim`, each step's heap
+            trim after its publish counted in them)."""
             nonlocal k
             tokens, busy, steps = 0, 0.0, 0
             while steps < n_steps or busy < dev.min_window_s:
@@ -287,6 +303,10 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
                 busy += time.perf_counter() - t0
                 if publishing and k % t.publish_every == 0:
                     publish(k)
+                if trim:
+                    t0 = time.perf_counter()
+                    trim_heap()
+                    busy += time.perf_counter() - t0
             publisher.wait()  # the last write is not the next round's
             if sink is not None and sink.failures:
                 raise RuntimeError(
@@ -299,6 +319,8 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
             rates.append(timed_round(publishing=True))
             if dev.cgroup is not None:  # a box node: the step alone, right after
                 alone.append(timed_round(publishing=False))
+            if job.trim:  # a trainer sharing its devices, right after
+                trimmed.append(timed_round(publishing=True, trim=True))
         publisher.wait()
         for i in range(CHECKPOINTS):
             t0 = time.perf_counter()
@@ -318,4 +340,5 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         checkpoint_s=statistics.median(saved),
         publish_sync="network" if sink is not None else "disk",
         broadcast_s=statistics.median(broadcasts) if broadcasts else None,
+        trim_tokens_per_s=statistics.median(trimmed) if trimmed else None,
     )

@@ -132,3 +132,5 @@ def test_training_profile_twice_in_one_process(tmp_path: Path) -> None:
     # the step published its weights (publish_every 1) and two checkpoints were written
     assert all(r.publish_s is not None and r.publish_s >= 0 for r in rates)
     assert all(r.checkpoint_s > 0 for r in rates)
+    # on a CPU each round is followed by one whose steps trim the heap (a hybrid's trainer)
+    assert all(r.trim_tokens_per_s is not None and r.trim_tokens_per_s > 0 for r in rates)

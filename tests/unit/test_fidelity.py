@@ -51,13 +51,19 @@ def test_measured_rates_over_the_window() -> None:
     assert errs["weight_sync_s"] is None and errs["training_samples_per_s"] is None
 
 
-def test_summary_block_and_plot(tmp_path: Path) -> None:
+def written_rows(run_dir: Path) -> RunPaths:
+    """`rows()` written into the run directory `run_dir`, as a run writes them."""
     metrics, rollout = rows()
-    paths = RunPaths.at(tmp_path)
+    paths = RunPaths.at(run_dir)
     for r in metrics:
         append_row(paths.metrics, r)
     for r in rollout:
         append_row(paths.rollout, r)
+    return paths
+
+
+def test_summary_block_and_plot(tmp_path: Path) -> None:
+    paths = written_rows(tmp_path)
     cfg = ExperimentConfig()
     cfg.buffer.groups_per_step, cfg.rollout.group_size, cfg.buffer.max_staleness = 2, 4, 2
     summary: dict = {}

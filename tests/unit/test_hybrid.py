@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_hex.config import ConfigError, load_config
+from scheduler.profile import DeviceRates
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples/tiny_cpu.yaml"
@@ -131,18 +132,68 @@ def test_lent_servers_run_on_the_trainers_cores(tmp_path: Path) -> None:
 
 
 def test_a_hybrid_lends_only_when_the_trainer_would_wait() -> None:
-    """G_own·T ≥ B: the disaggregated rate; below it, the wait shrinks by the lent share."""
+    """The trainer's step pays the lend (T' = T + lend); below G_own·T' = B the wait
+    shrinks by the lent share, above it nothing is lent and the rate is B / T'."""
     from scheduler.hybrid import lent_asynchronous
     from scheduler.predict import LayoutRates
 
     # B = 128, T = 0.5 s (256 samples/s trained); the server of its own makes 128/s
     own = LayoutRates(128.0, 128.0, 256.0, 0.01)
     got = lent_asynchronous(own, 128.0, 128, 0.01)
-    # while stepping: 64 made; the other 64 at 256/s: 0.25 s; cycle 0.5 + 0.25 + 0.01
-    assert got.pipeline_samples_per_s == pytest.approx(128 / 0.76)
+    # T' = 0.51: 65.28 made while stepping; the other 62.72 at 256/s: 0.245 s
+    assert got.pipeline_samples_per_s == pytest.approx(128 / (0.51 + 62.72 / 256))
     assert got.generation_samples_per_s == 256.0
+    assert got.training_samples_per_s == pytest.approx(128 / 0.51)
     fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
-    assert lent_asynchronous(fast, 400.0, 128, 0.01) == fast
+    assert lent_asynchronous(fast, 400.0, 128, 0.0) == fast
+    paid = lent_asynchronous(fast, 400.0, 128, 0.01)
+    assert paid.pipeline_samples_per_s == pytest.approx(128 / 0.51)
+    assert paid.generation_samples_per_s == 400.0  # the lent servers stay paused
+
+
+@pytest.mark.parametrize("lend", [0.0, 0.01, 0.05])
+def test_the_lend_lowers_the_hybrid_price_in_either_binding(lend: float) -> None:
+    """Training binds (the servers of their own keep up): the hybrid is the disaggregated
+    rate less the lend's share of the step, equal with a lend of nothing. Generation
+    binds: lending raises the rate while the lend costs less than the wait it saves, and
+    every second of lend lowers it."""
+    from scheduler.hybrid import lent_asynchronous
+    from scheduler.predict import LayoutRates
+
+    trainer_bound = LayoutRates(256.0, 400.0, 256.0, 0.01)
+    got = lent_asynchronous(trainer_bound, 200.0, 128, lend).pipeline_samples_per_s
+    assert got == pytest.approx(128 / (0.5 + lend))
+    assert (got < 256.0) if lend > 0 else (got == pytest.approx(256.0))
+    gen_bound = LayoutRates(128.0, 128.0, 256.0, 0.01)
+    lent = lent_asynchronous(gen_bound, 128.0, 128, lend).pipeline_samples_per_s
+    more = lent_asynchronous(gen_bound, 128.0, 128, lend + 0.01).pipeline_samples_per_s
+    assert lent > 128.0 and more < lent
+
+
+def _device_rates(device: str, context: int, **extra: float) -> DeviceRates:
+    """A kind's rates: 10 ms decode steps, 10k prefill and 1k training tokens/s."""
+    return DeviceRates(
+        device=device,
+        decode_step_s={1: 0.01},
+        decode_context=context,
+        prefill_tokens_per_s=1e4,
+        train_tokens_per_s=1e3,
+        **extra,
+    )
+
+
+def test_a_trimming_trainer_pays_its_trim_in_the_lend() -> None:
+    """The step at the profile's trimmed rate over its rate: compute · (rate / trimmed −
+    1) s more; nothing where the trim was not timed, or for a kind not profiled."""
+    from scheduler.lending import heap_trim_s
+    from scheduler.profile import Profile
+
+    rates = _device_rates("cpu", 40, train_trim_tokens_per_s=800.0)
+    prof = Profile(model="m", params=1, kinds={"CPU": rates})
+    assert heap_trim_s(prof, "CPU", 0.4) == pytest.approx(0.1)
+    assert heap_trim_s(prof, "H800", 0.4) == 0.0 and heap_trim_s(None, "CPU", 0.4) == 0.0
+    untimed = rates.model_copy(update={"train_trim_tokens_per_s": None})
+    assert heap_trim_s(Profile(model="m", params=1, kinds={"CPU": untimed}), "CPU", 0.4) == 0.0
 
 
 # ---------------------------------------------------------------- the switch, profiled
@@ -153,21 +204,14 @@ def test_a_profiled_switch_replaces_the_default() -> None:
     from scheduler.colocated import best_colocated, switch_s
     from scheduler.model_shape import load_model_shape
     from scheduler.planner import problem_for
-    from scheduler.profile import DeviceRates, Profile
+    from scheduler.profile import Profile
     from scheduler.workload import load_workload
 
     w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
     cl = load_cluster(ROOT / "tests/data/one_node_2gpu.yaml")
     m = load_model_shape("qwen3-8b")
     p = problem_for(cl, m, w)
-    rates = DeviceRates(
-        device="H800",
-        decode_step_s={1: 0.01},
-        decode_context=100,
-        prefill_tokens_per_s=1e4,
-        train_tokens_per_s=1e3,
-        context_switch_s=7.0,
-    )
+    rates = _device_rates("H800", 100, context_switch_s=7.0)
     prof = Profile(model="qwen3-8b", params=m.params, kinds={"H800": rates})
     default = best_colocated(p, w, 20.0)
     timed = best_colocated(p, w, 20.0, prof)
@@ -191,9 +235,10 @@ async def test_the_profile_times_a_switch_as_the_controller_makes_it() -> None:
 
 
 def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
-    """Training binds the 56-GPU plan: lending its GPUs adds nothing (the hybrid's price is
-    the disaggregated one). The same plan with generation binding: the trainer's GPUs
-    generating while it waits raise the rate, never past training's."""
+    """Training binds the 56-GPU plan: lending its GPUs adds nothing, and the trainer pays
+    one switch a step for them (the hybrid's price is below the disaggregated one). The
+    same plan with generation binding: the trainer's GPUs generating while it waits raise
+    the rate, never past training's."""
     from dataclasses import replace
 
     from test_modes import _plan_on
@@ -204,9 +249,12 @@ def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
 
     res = _plan_on("examples/clusters/h800_h20.yaml", 60.0)
     b = res.plan.baselines
-    assert b.binding == "training" and b.hybrid_samples_per_s == b.disaggregated_samples_per_s
-    assert "hybrid async" in table(res)
     w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
+    assert b.binding == "training" and b.hybrid_samples_per_s is not None
+    step = w.samples_per_step / res.solution.rate + w.constants.context_switch_s
+    assert b.hybrid_samples_per_s == pytest.approx(w.samples_per_step / step, rel=1e-3)
+    assert b.hybrid_samples_per_s < b.disaggregated_samples_per_s
+    assert "hybrid async" in table(res)
     sol = res.solution
     slow = replace(sol, rate=sol.train_rate / 2, gen_rate=sol.train_rate / 2)
     got = best_hybrid(res.problem, w, slow)

@@ -124,18 +124,84 @@ def test_colocated_is_the_sync_layout_on_every_core_plus_the_switch(tmp_path: Pa
 
 
 def test_hybrid_async_lends_the_trainers_core_while_it_waits(tmp_path: Path) -> None:
-    """Hybrid async from the split's rates: W = (B − G_own·T) / (G_own + G_lent), rate =
-    B / (T + W + switch), the lent server priced as one of its own."""
+    """Hybrid async from the split's rates: T' = T + switch + the lent server's idle
+    update, W = (B − G_own·T') / (G_own + G_lent), rate = B / (T' + W); no host work
+    profiled on the trainer's core, so the lent server makes what one of its own does."""
     from hexctl.job.predict import predict_run
 
     prof = _profile(tmp_path)
     own = predict_run(_cfg("disaggregated-async"), None, prof)["asynchronous"]
+    hybrid = predict_run(_cfg("hybrid-async"), None, prof)
     b = 8 * 16
-    g, t = own["generation_samples_per_s"], b / own["training_samples_per_s"]
+    g = own["generation_samples_per_s"]
+    t = b / own["training_samples_per_s"] + SWITCH_S + hybrid["synchronous"]["weight_sync_s"]
     assert g * t < b  # generation binds: something to lend
-    expect = b / (t + (b - g * t) / (2 * g) + SWITCH_S)
-    assert _rate(_cfg("hybrid-async"), prof) == pytest.approx(expect, rel=1e-6)
-    assert _rate(_cfg("hybrid-async"), prof) > own["pipeline_samples_per_s"]
+    # the lent server as one of its own, without the weight updates' pauses (its update
+    # is in T', the trainer's to pay)
+    g_lent = hybrid["asynchronous"]["generation_samples_per_s"] - g
+    assert g < g_lent < 1.1 * g
+    expect = b / (t + (b - g * t) / (g + g_lent))
+    assert hybrid["asynchronous"]["pipeline_samples_per_s"] == pytest.approx(expect, rel=1e-6)
+    assert expect > own["pipeline_samples_per_s"]
+
+
+def _busy_host(prof: Path, host_cpu_s: float, shared: float | None) -> None:
+    """The profile's host work: `host_cpu_s` CPU seconds a sample, and generation beside
+    it at `shared` of the server's rate alone (None: not timed)."""
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    p["kinds"]["CPU"].update(host_cpu_s_per_sample=host_cpu_s, generation_efficiency_shared=shared)
+    (prof / "profile.yaml").write_text(yaml.safe_dump(p))
+
+
+def test_a_lent_server_makes_what_the_host_work_leaves_it(tmp_path: Path) -> None:
+    """On the trainer's core beside the controller: the rate measured sharing its core,
+    times 1 − h·G_own (the controller's work for the server of its own); beside nothing
+    (the host's work on the servers' side) the rate of one of its own."""
+    from scheduler.cluster import load_cluster
+    from scheduler.costmodel import rollout_config
+    from scheduler.model_shape import load_model_shape
+    from scheduler.predict import LayoutError, TrainerLayout, predict_layout
+    from scheduler.profile import load_profile
+    from scheduler.workload import load_workload
+
+    d = _profile(tmp_path)
+    _busy_host(d, 0.0005, 0.5)
+    cl, m = load_cluster(d / "cluster.yaml"), load_model_shape(str(d / "model"))
+    w, prof = load_workload(d / "workload.yaml"), load_profile(d / "profile.yaml")
+    trainer, servers = TrainerLayout((("local", 1),), 1), [("local", 1)] * 2
+    alone = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
+    assert alone is not None and w.host_work == "trainer"
+    r = alone.samples_per_s  # efficiency 1 (not profiled): beside the host work 0.5 of it
+    for host, expect in (("trainer", 0.5 * r * (1 - 0.0005 * r)), ("rollout", r)):
+        wh = w.model_copy(update={"host_work": host})
+        got = predict_layout(cl, m, wh, prof, servers, trainer, lent=1).lent_samples_per_s
+        assert got == pytest.approx(expect)
+        assert predict_layout(cl, m, wh, prof, servers, trainer).lent_samples_per_s == 0.0
+    with pytest.raises(LayoutError, match="2 lent of 2 rollout instances"):
+        predict_layout(cl, m, w, prof, servers, trainer, lent=2)
+
+
+def test_hybrid_sync_below_the_split_where_the_lent_core_is_busy(tmp_path: Path) -> None:
+    """Synchronous: a lent server on a core the controller keeps busy takes whole groups
+    at a fraction of the rate, so the batch ends later than on the server of its own
+    alone; with its core free it ends sooner. A dearer switch lowers both hybrids."""
+    prof = _profile(tmp_path)
+    free = _rate(_cfg("hybrid-sync"), prof)
+    split = _rate(_cfg("disaggregated-sync"), prof)
+    assert free > split
+    _busy_host(prof, 0.002, 0.3)
+    busy = _rate(_cfg("hybrid-sync"), prof)
+    assert busy < _rate(_cfg("disaggregated-sync"), prof)
+    b = 8 * 16
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    dearer = tmp_path / "dearer"
+    shutil.copytree(prof, dearer)
+    p["kinds"]["CPU"]["context_switch_s"] = 3 * SWITCH_S
+    (dearer / "profile.yaml").write_text(yaml.safe_dump(p))
+    for name in ("hybrid-sync", "hybrid-async"):
+        cheap, dear = _rate(_cfg(name), prof), _rate(_cfg(name), dearer)
+        assert dear < cheap
+    assert b / _rate(_cfg("hybrid-sync"), dearer) == pytest.approx(b / busy + 2 * SWITCH_S)
 
 
 def test_every_core_rates_scale_with_the_kind() -> None:
@@ -159,3 +225,43 @@ def test_every_core_rates_scale_with_the_kind() -> None:
     fast = r.at_speed(2.0).on_every_core()
     assert fast.decode_step_s[1] == pytest.approx(0.001)
     assert fast.prefill_tokens_per_s == pytest.approx(10000.0)
+
+
+def test_a_hybrid_trainer_steps_at_its_trimmed_rate(tmp_path: Path) -> None:
+    """A hybrid's trainer gives its heap back every step: it is priced at the rate the
+    profile timed with the trim (the training rate in both modes falls by it); the
+    disaggregated run's trainer does not trim and keeps its rate."""
+    from hexctl.job.predict import predict_run
+    from scheduler.profile import DeviceRates
+
+    prof = _profile(tmp_path)
+    names = ("disaggregated-async", "hybrid-async", "hybrid-sync")
+
+    def training() -> dict[str, float]:
+        out = {}
+        for name in names:
+            side = "synchronous" if MODES[name].run_mode == "sync" else "asynchronous"
+            out[name] = predict_run(_cfg(name), None, prof)[side]["training_samples_per_s"]
+        return out
+
+    before = training()
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    p["kinds"]["CPU"]["train_trim_tokens_per_s"] = 0.8 * 30000.0
+    (prof / "profile.yaml").write_text(yaml.safe_dump(p))
+    after = training()
+    assert after["disaggregated-async"] == before["disaggregated-async"]
+    assert after["hybrid-async"] < before["hybrid-async"]
+    assert after["hybrid-sync"] < before["hybrid-sync"]
+    r = DeviceRates(
+        device="cpu",
+        decode_context=40,
+        **_rates(0.004, 3000.0, 6000.0),
+        train_sync_tokens_per_s=5000.0,
+        train_trim_tokens_per_s=4800.0,
+    )
+    trimmed = r.with_heap_trim()
+    assert trimmed.train_tokens_per_s == 4800.0
+    assert trimmed.train_sync_tokens_per_s == pytest.approx(4000.0)
+    untimed = r.model_copy(update={"train_trim_tokens_per_s": None})
+    assert untimed.with_heap_trim() == untimed
+    assert r.at_speed(2.0).train_trim_tokens_per_s == pytest.approx(9600.0)

@@ -255,6 +255,7 @@ def test_bench_modes_is_registered_and_refuses_unknown_modes() -> None:
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="cmd"))
+    assert parser.parse_args(["bench", "modes"]).steps is None  # the config's: the README's
     args = parser.parse_args(["bench", "modes", "--json", "--steps", "5"])
     assert args.steps == 5 and args.modes.split(",") == list(
         ("disaggregated-async", "disaggregated-sync", "colocated-sync")
@@ -367,3 +368,19 @@ def test_run_mode_sync_on_the_command_line_runs_a_colocated_config() -> None:
     )
     with pytest.raises(ConfigError, match="colocated with run.mode async"):
         config_from_args(argparse.Namespace(config=str(TINY), overrides=args.overrides))
+
+
+def test_bench_modes_measures_a_window_as_the_runs_summary_does(tmp_path: Path) -> None:
+    """A mode's measured figure is its run's fidelity measure over the same window (the
+    README run's `summary.json` rule), from step η + 1 to the last, components too."""
+    from test_fidelity import rows, written_rows
+
+    from hexctl.bench.system.modes import window_rates
+    from hexctl.report.fidelity import measured_rates
+
+    metrics, rollout = rows()
+    written_rows(tmp_path)
+    got = window_rates(tmp_path, 4, 3)
+    assert got == measured_rates(metrics, rollout, 4, 3).__dict__
+    assert got["pipeline_samples_per_s"] == pytest.approx(24 / 1.5)  # steps 3 -> 6
+    assert window_rates(tmp_path, 4, 1)["pipeline_samples_per_s"] == pytest.approx(40 / 2.5)

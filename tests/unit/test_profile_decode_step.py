@@ -176,3 +176,11 @@ def test_a_kind_at_another_speed_scales_its_rates_and_times_not_its_ratios() -> 
     assert (mem.generation_efficiency, mem.sync_cycle_factor) == (0.5, 1.2)
     assert mem.host_cpu_s_per_sample == 0.001  # the head node's, not the kind's
     assert half.kinds["fast"] == rates and prof.kinds["mem"] == rates  # others, the original
+
+
+def test_the_host_work_counts_the_valkey_the_run_starts_beside_the_controller() -> None:
+    from hexctl.profile.controller import uncounted
+
+    assert uncounted({10}, 20, valkey_elsewhere=False) == {10}  # the run's own: counted
+    assert uncounted({10}, 20, valkey_elsewhere=True) == {10, 20}  # elsewhere: not ours
+    assert uncounted({10}, None, valkey_elsewhere=True) == {10}

@@ -4,8 +4,13 @@ the planner's pick and the measured ranking.
 
 Modes: disaggregated async (the config's η), disaggregated sync, colocated sync, hybrid
 async and sync (`workflow.placement`, docs/modes.md; hybrid: the config's servers plus
-`workflow.lent_servers` on the trainer's devices). Measured: trained samples/s over the same window
-of steps in every run (from step η + 1 of the async run on, as `bench e2e`). Predicted:
+`workflow.lent_servers` on the trainer's devices). Each runs the config's
+`trainer.total_steps` (the README job's 80; `--steps` overrides). Measured: trained
+samples/s over the same window of steps in every run, from step η + 1 of the async run
+(the config's η) to the last, by the rule a run's own `summary.json` measures its
+fidelity with (`hexctl/report/fidelity.py:measured_rates`), so a mode's figure and the
+README run's are the same measure; each mode also reports the components it measured
+there (training, generation, weight-sync pause) beside those predicted. Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
 the machine's one profile of the job (`run.profile_first`: the config's unless overridden;
 `--profile-first` takes it where this machine has none, before the first mode): every
@@ -54,7 +59,12 @@ def lent_overrides(config: str, overrides: list[str], mode: Mode) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML (default: tiny)")
-    p.add_argument("--steps", type=int, default=20, help="trainer.total_steps of every run")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="trainer.total_steps of every run (default: the config's, the README job's 80)",
+    )
     p.add_argument(
         "--modes",
         default=",".join(MODES),
@@ -143,22 +153,47 @@ def run_mode(
     result = execute(cfg, path, None, progress=False)
     check_run(result, f"the {name} run")
     s = result.summary
-    fid = s.get("fidelity") or {}
+    predicted = (s.get("fidelity") or {}).get("predicted") or {}
     return {
         "run_dir": str(cfg.run.run_dir()),
         "max_staleness": s.get("max_staleness"),
         "group_size": s.get("group_size"),
+        "steps": s.get("steps"),
         "wall_time_s": s.get("wall_time_s"),
         "final_reward": s.get("final_reward"),
-        "predicted": (fid.get("predicted") or {}).get("pipeline_samples_per_s"),
+        "predicted": predicted.get("pipeline_samples_per_s"),
+        "predicted_components": {k: v for k, v in predicted.items() if k in COMPONENTS},
     }
 
 
+COMPONENTS = ("generation_samples_per_s", "training_samples_per_s", "weight_sync_s")
+
+
+def window_rates(run_dir: Path, group_size: int, from_step: int) -> dict[str, float | None]:
+    """The run's rates from step `from_step` to its last, as its summary's fidelity
+    block measures them: the pipeline's and each component's."""
+    from dataclasses import asdict
+
+    from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
+    from hexctl.report.fidelity import measured_rates
+
+    paths = RunPaths.at(run_dir)
+    rates = measured_rates(
+        read_rows(paths.metrics, TrainerRow),
+        read_rows(paths.rollout, RolloutRow),
+        group_size,
+        from_step,
+    )
+    return asdict(rates)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from hexctl.bench.system.e2e import initial_weights, steady_rate
+    from hexctl.bench.system.e2e import initial_weights
 
     names = chosen_modes(args.modes)
-    overrides = [*args.overrides, f"trainer.total_steps={args.steps}"]
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"trainer.total_steps={args.steps}")
     runs: dict[str, dict[str, Any]] = {}
     with scratch_dir("areal-hex-bench-modes-", args.output_dir) as out:
         v0 = initial_weights(args.config, overrides, Path(out) / "initial")
@@ -168,7 +203,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # the same window in every run: after the async run's head start of η + 1 steps
         skip = max(int(r["max_staleness"] or 0) for r in runs.values()) + 1
         for r in runs.values():
-            r["measured"] = steady_rate(Path(r.pop("run_dir")), int(r["group_size"]), skip)
+            rates = window_rates(Path(r.pop("run_dir")), int(r["group_size"]), skip)
+            r["measured"] = rates.pop("pipeline_samples_per_s")
+            r["measured_components"] = rates
     out_json = report(runs)
-    out_json.update({"config": args.config, "steps": args.steps, "window_from_step": skip})
+    steps = sorted({r.get("steps") for r in runs.values()}, key=str)
+    out_json.update(
+        {
+            "config": args.config,
+            "steps": steps[0] if len(steps) == 1 else steps,
+            "window_from_step": skip,
+        }
+    )
     return out_json
