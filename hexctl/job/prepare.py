@@ -213,8 +213,8 @@ def prepare_run(
     box's: `hexctl.box.run_config.apply_box`); `run.box` needs one."""
     if cfg.run.box is not None and place is None:
         raise UsageError(
-            f"run.box={cfg.run.box}: only `areal-hex run`, `bench hetero` and `bench tasks` "
-            "run on a box"
+            f"run.box={cfg.run.box}: only `areal-hex run`, `bench hetero`, `bench tasks` "
+            "and `bench modes --box` run on a box"
         )
     cfg = apply_plan(apply_mode(cfg, mode), plan, say)
     if cfg.run.run_id is None:

@@ -53,12 +53,17 @@ def lent_overrides(config: str, overrides: list[str], mode: Mode) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML (default: tiny)")
-    p.add_argument("--steps", type=int, default=20, help="trainer.total_steps of every run")
+    p.add_argument(
+        "--config", default=None, help="experiment YAML (default: tiny; on a box: tiny_box)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="trainer.total_steps of every run (20; box: 60)"
+    )
     p.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated subset of {', '.join(MODES)} (default: all)",
+        default=None,
+        help=f"comma-separated subset of {', '.join(MODES)} (default: all; on a box: all "
+        "it can run)",
     )
     p.add_argument(
         "--profile-first",
@@ -69,7 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
-def chosen_modes(text: str) -> list[str]:
+def chosen_modes(text: str | None) -> list[str]:
+    """The modes `--modes` names (None: all)."""
+    if text is None:
+        return list(MODES)
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODES]
     if unknown or not names:
@@ -157,6 +165,8 @@ def run_mode(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hexctl.bench.system.e2e import initial_weights, steady_rate
 
+    args.config = args.config or DEFAULT_CONFIG
+    args.steps = 20 if args.steps is None else args.steps
     names = chosen_modes(args.modes)
     overrides = [*args.overrides, f"trainer.total_steps={args.steps}"]
     runs: dict[str, dict[str, Any]] = {}
