@@ -171,3 +171,15 @@ def test_bench_modes_box_refuses_in_seconds(
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (flags, err)
         assert time.monotonic() - t0 < 10
+
+
+def test_a_placement_the_planner_cannot_make_is_named_not_run(tmp_path: Path) -> None:
+    """solo at $1/h buys one small node: colocated runs there; the split generates
+    nothing (its plan has no server), so neither it nor a hybrid of it is run."""
+    files = _profile(ROOT / "examples/box/solo.yaml", tmp_path / "solo")
+    plans, missing, pick = mode_plans(files, 1.0, list(MODES), time_limit_s=20.0)
+    assert list(plans) == ["colocated-sync"] and pick == "colocated-sync"
+    assert [i.placement.node for i in plans["colocated-sync"].rollout] == ["small-0"]
+    assert set(missing) == set(MODES) - {"colocated-sync"}
+    assert "no disaggregated plan at $1/h: no split" in missing["disaggregated-sync"]
+    assert "no hybrid plan at $1/h" in missing["hybrid-async"]

@@ -44,6 +44,13 @@ from hexctl.bench.system.hetero import DEFAULT_BOX_CONFIG
 from hexctl.bench.system.modes import MODES
 
 STEPS = 60  # `bench tasks`' window: a box's node runs at a fraction of a core
+# why the planner makes no plan of a placement (`scheduler/by_placement.py`)
+NO_PLAN = {
+    "disaggregated": "no split of the box's nodes within the budget generates",
+    "colocated": "no trainer node within the budget also generates (no rollout option fits it)",
+    "hybrid": "its split has no server of its own, its trainer's node fits no rollout "
+    "option, or its publish interval k is above 1",
+}
 # nodes a placement needs on a box (one device each): a trainer node and one that
 # generates, or one node both take turns on
 NODES_NEEDED = {"disaggregated": 2, "hybrid": 2, "colocated": 1}
@@ -164,12 +171,11 @@ def mode_plans(
     plans, missing = {}, {}
     for name in names:
         placement = MODES[name].placement
-        if placement in by_placement:
+        if placement in by_placement and by_placement[placement].rollout:
             plans[name] = by_placement[placement]
         else:
             missing[name] = (
-                f"the planner made no {placement} plan at ${budget:g}/h on this box "
-                "(no rollout option fits the trainer's node)"
+                f"the planner made no {placement} plan at ${budget:g}/h: " + NO_PLAN[placement]
             )
     picked = res.plan.decisions.placement
     return plans, missing, f"{picked}-{'sync' if picked == 'colocated' else 'async'}"
