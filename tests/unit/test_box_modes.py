@@ -183,3 +183,73 @@ def test_a_placement_the_planner_cannot_make_is_named_not_run(tmp_path: Path) ->
     assert set(missing) == set(MODES) - {"colocated-sync"}
     assert "no disaggregated plan at $1/h: no split" in missing["disaggregated-sync"]
     assert "no hybrid plan at $1/h" in missing["hybrid-async"]
+
+
+def _solo_up(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The state file `box up` writes for solo, without bringing it up."""
+    import json
+    from dataclasses import asdict
+
+    from hexctl.box import emulate
+
+    monkeypatch.setattr(emulate, "STATE_ROOT", tmp / "run")
+    box = load_box(ROOT / "examples/box/solo.yaml")
+    kinds = box.spec.kinds
+    nodes = {
+        n.name: emulate.NodeState(
+            n.name, n.kind, "a", emulate.netns_name("solo", n.name), box.address(n), "eth0",
+            f"/cg/{n.name}", kinds[n.kind].cpu, kinds[n.kind].max_running_requests,
+        )
+        for n in box.nodes
+    }  # fmt: skip
+    state = emulate.BoxState("solo", box.host_address, 24, nodes, {})
+    emulate.state_dir("solo").mkdir(parents=True)
+    (emulate.state_dir("solo") / "state.json").write_text(json.dumps(asdict(state)))
+    return state
+
+
+def _placed(name: str, plan: object, tmp: Path) -> tuple[object, dict]:
+    """Mode `name` of `plan` as the box's launcher starts it: (config, process by name)."""
+    from hexctl.bench.system.modes_cluster import mode_config
+    from hexctl.box.place import place_on_box
+    from hexctl.box.run_config import apply_box
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.run import process_specs
+
+    extra = ["run.box=solo", "run.run_id=r", f"run.output_dir={tmp}"]
+    cfg = mode_config(TINY_BOX, extra, name, plan)
+    cfg.run.embedded_redis, cfg.redis.port = True, 6399
+    apply_box(cfg, plan)  # type: ignore[arg-type]
+    layout = build_layout(cfg, plan)  # type: ignore[arg-type]
+    specs = process_specs(cfg, layout, tmp / "config.yaml")
+    place_on_box(cfg, layout, specs)
+    return cfg, {s.name: s for s in specs}
+
+
+def test_colocated_and_hybrid_runs_share_the_trainers_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Colocated: the server and the trainer start in the big node (one cgroup, one
+    quota, taken in turn); hybrid: the lent server in the trainer's node, its own server
+    in the other node."""
+    state = _solo_up(tmp_path, monkeypatch)
+    files = _profile(ROOT / "examples/box/solo.yaml", tmp_path / "solo")
+    plans, _, _ = mode_plans(files, 2.0, ["colocated-sync", "hybrid-async"], time_limit_s=20.0)
+    big = state.node("big-0")  # type: ignore[attr-defined]
+    cfg, procs = _placed("colocated-sync", plans["colocated-sync"], tmp_path)
+    assert (cfg.workflow.placement, cfg.run.mode) == ("colocated", "sync")
+    servers = [p for n, p in procs.items() if n.startswith("rollout-")]
+    assert len(servers) == 1 and cfg.inference.server_urls[0].startswith(f"http://{big.address}:")
+    for proc in (servers[0], procs["trainer"]):
+        assert proc.command[4:6] == [big.cgroup, big.netns]
+        assert proc.env["OMP_WAIT_POLICY"] == "PASSIVE" and proc.env["OMP_NUM_THREADS"] == "2"
+    assert f"inference.host={big.address}" in servers[0].command
+
+    plan = plans["hybrid-async"]
+    cfg, procs = _placed("hybrid-async", plan, tmp_path / "h")
+    assert (cfg.workflow.placement, cfg.workflow.lent_servers) == ("hybrid", 1)
+    trainer = state.node(plan.trainer.placements[0].node)  # type: ignore[attr-defined]
+    servers = [p for n, p in sorted(procs.items()) if n.startswith("rollout-")]
+    netns = {p.command[5] for p in servers}
+    assert trainer.netns in netns and len(netns) == 2
+    assert procs["trainer"].command[5] == trainer.netns
