@@ -89,9 +89,11 @@ def test_many_devices_a_split_is_priced_fastest(tmp_path: Path) -> None:
     split = plans["disaggregated-async"]
     assert split.trainer.placements[0].node == "fast-0" and len(split.rollout) == 4
     assert len(plans["colocated-sync"].rollout) == 1
-    best = max(rates, key=lambda n: rates[n] or 0.0)
-    assert best in ("disaggregated-async", "hybrid-async") and pick == best
-    assert rates["colocated-sync"] < 0.6 * rates[best]
+    best = max(rates.values(), key=lambda r: r or 0.0)
+    # a hybrid whose own servers keep up lends nothing: priced as the split, a tie
+    assert pick in ("disaggregated-async", "hybrid-async") and rates[pick] == best
+    assert max(rates, key=lambda n: rates[n] or 0.0) in ("disaggregated-async", "hybrid-async")
+    assert rates["colocated-sync"] is not None and rates["colocated-sync"] < 0.6 * best
     # the hybrid's servers of their own are priced on their own nodes (not all of them)
     assert rates["hybrid-async"] is not None and rates["hybrid-sync"] is not None
 
