@@ -1,5 +1,6 @@
-"""Execution modes, on this machine (`modes.py`) or on a box (`--box`): every mode from
-the same v0 for the same steps, in one invocation.
+"""Execution modes, here or on a box (--box): every mode from one v0, in one invocation.
+
+On this machine: `modes.py`, the same job in every placement and staleness mode.
 
 `bench modes --box BOX --budget B`: every execution mode run on a box (`areal-hex box`,
 brought up here and down at the end).
