@@ -11,12 +11,13 @@ from dataclasses import dataclass, field, replace
 from areal_hex.config import ConfigError
 from areal_hex.plan import Plan
 from scheduler.assess import Assessment, assess
+from scheduler.by_placement import placement_plans
 from scheduler.cluster import Cluster, merge_identical
-from scheduler.colocated import Colocated, best_colocated, colocated_plan
+from scheduler.colocated import Colocated, best_colocated
 from scheduler.costmodel import (
     rollout_configs,
 )
-from scheduler.hybrid import hybrid_pick, hybrid_plan
+from scheduler.hybrid import hybrid_pick
 from scheduler.milp import PlanSpace, Solution, build_problem, solve
 from scheduler.model_shape import ModelShape
 from scheduler.one_kind import kinds_of, one_kind_plans
@@ -57,6 +58,9 @@ class PlanResult:
     assessment: Assessment | None = None
     pool_rate: float = 0.0  # what the pools reach before any task's bound (searched)
     tasks: list[TaskCost] = field(default_factory=list)  # beyond generate and train
+    # the best plan of each placement the planner priced, the pick among them (`plan`)
+    # included: disaggregated always, colocated and hybrid where they generate
+    by_placement: dict[str, Plan] = field(default_factory=dict)
 
 
 def problem_for(cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None = None) -> PlanSpace:
@@ -333,19 +337,21 @@ def _plan_reserved(
     cap = bound[0] if bound is not None else float("inf")
     col = 0.0 if colocated is None else min(colocated.samples_per_s, cap)
     hyb = 0.0 if hybrid is None else min(hybrid.samples_per_s, cap)
-    if colocated is not None and col > max(best.rate, hyb) and target is None:
-        plan = colocated_plan(cl, w, colocated, names, plan)  # the faster placement
-    elif hybrid is not None and hyb > best.rate * (1 + 1e-6) and target is None:
-        plan = hybrid_plan(cl, hybrid, names, plan) or plan
-    if bound is not None:
-        _capped(plan, *bound)
-    plan.predicted.cost_usd_per_h = round(plan.predicted.cost_usd_per_h + reserved.usd_per_h, 2)
-    plan.budget_usd_per_h = whole_budget
+    by_placement = placement_plans(cl, w, plan, colocated, hybrid, names, target)
+    if "colocated" in by_placement and col > max(best.rate, hyb):
+        plan = by_placement["colocated"]  # the faster placement
+    elif "hybrid" in by_placement and hyb > best.rate * (1 + 1e-6):
+        plan = by_placement["hybrid"]
+    for each in by_placement.values():
+        if bound is not None:
+            _capped(each, *bound)
+        each.predicted.cost_usd_per_h = round(each.predicted.cost_usd_per_h + reserved.usd_per_h, 2)
+        each.budget_usd_per_h = whole_budget
     plan.baselines.local_search_moves = found.moves
     plan.baselines.milp_pick_samples_per_s = round(found.pick_rate, 4)
     return PlanResult(
         plan, sol, placement, p, sim, homo, sync, best.cost, best.rate, ff, ff_sim,
-        pool_rate=pool_rate,
+        pool_rate=pool_rate, by_placement=by_placement,
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "weight-sync": "hexctl.bench.micro.weight_sync",
     "trl": "hexctl.bench.system.trl",
     "host": "hexctl.bench.system.host",
-    "modes": "hexctl.bench.system.modes",
+    "modes": "hexctl.bench.system.modes_cluster",  # modes.py here, or on a box
     "switching": "hexctl.bench.system.switching",
 }
 

@@ -90,15 +90,17 @@ def _layout(cfg: ExperimentConfig, plan: Plan | None, cl: Any) -> tuple[list, An
     return inst, TrainerLayout(((group, ranks),), ranks)
 
 
-def _nodes(plan: Plan | None) -> Any:
-    """The plan's machines (the trainer's first, each instance's), for pricing the weights'
-    path on racks and NICs; None without a plan (a local run: one machine)."""
+def _nodes(plan: Plan | None, servers: int | None = None) -> Any:
+    """The plan's machines (the trainer's first, each instance's: the first `servers`,
+    default all), for pricing the weights' path on racks and NICs; None without a plan
+    (a local run: one machine)."""
     from scheduler.predict import LayoutNodes
 
     if plan is None:
         return None
     return LayoutNodes(
-        plan.trainer.placements[0].node, tuple(i.placement.node for i in plan.rollout)
+        plan.trainer.placements[0].node,
+        tuple(i.placement.node for i in plan.rollout[:servers]),
     )
 
 
@@ -195,7 +197,7 @@ def predict_run(
                 servers,
                 trainer,
                 max_inflight_groups=cfg.rollout.max_concurrent_groups,
-                nodes=_nodes(plan),
+                nodes=_nodes(plan, len(servers)),  # a hybrid's own: the first
                 task_groups=_task_groups(plan, cl),
                 lent=lent,
             )

@@ -217,8 +217,8 @@ def prepare_run(
     default), kept in the run directory."""
     if cfg.run.box is not None and place is None:
         raise UsageError(
-            f"run.box={cfg.run.box}: only `areal-hex run`, `bench hetero` and `bench tasks` "
-            "run on a box"
+            f"run.box={cfg.run.box}: only `areal-hex run`, `bench hetero`, `bench tasks` "
+            "and `bench modes --box` run on a box"
         )
     cfg = apply_plan(apply_mode(cfg, mode), plan, say)
     cfg, choice = resolve_placement(cfg, price, say or _to_stderr)

@@ -182,7 +182,7 @@ def test_a_run_on_a_box_needs_the_boxs_placement(tmp_path: Path) -> None:
     cfg = load_config(
         root / "examples/box/tiny_box.yaml", ["run.box=inv", f"run.output_dir={tmp_path}"]
     )
-    with pytest.raises(UsageError, match="only `areal-hex run`, `bench hetero` and `bench tasks`"):
+    with pytest.raises(UsageError, match="only `areal-hex run`, `bench hetero`, `bench tasks`"):
         prepare_run(cfg, _plan(["fast-0"], ["mem-0"]))
     assert list(tmp_path.iterdir()) == []
 

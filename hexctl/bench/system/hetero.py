@@ -50,7 +50,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hexctl.bench.system import scratch_dir
 from hexctl.bench.system.hetero_summary import (
     LABELS,
     figures_table,
@@ -278,16 +277,13 @@ def predict_at_speed(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from areal_hex.config import load_config
     from areal_hex.errors import UsageError
     from areal_hex.plan import save_plan
-    from hexctl.bench.system.e2e import initial_weights
+    from hexctl.bench.system.emulated import box_session
     from hexctl.box import emulate as box
     from hexctl.box.checks import check_budget, check_fits
-    from hexctl.box.profile import profile_box, profiled_speed
+    from hexctl.box.profile import profiled_speed
     from hexctl.box.spec import load_box
-    from hexctl.job.predict import LocalProfileFiles
-    from hexctl.job.processes import sigterm_as_ctrl_c
 
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: expected a whole number of rounds, 1 or more")
@@ -295,66 +291,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_fits(spec)  # every refusal before the box is built and profiled
     check_budget(spec, args.budget)
     box.check_host()
-    # SIGTERM (a scheduler's stop, `kill`) ends the bench as Ctrl-C does: through the
-    # `finally` below, which takes the box down
-    sigterm_as_ctrl_c()
-    overrides = [*args.overrides, f"trainer.total_steps={args.steps}", f"run.box={spec.name}"]
-    load_start = os.getloadavg()[0]
-    state = box.up(spec)
-    try:
-        with scratch_dir("areal-hex-hetero-", args.output_dir) as scratch:
-            out = Path(scratch).resolve()
-            v0 = initial_weights(args.config, overrides, out / "initial")
-            overrides.append(f"model.path={v0}")
-            cfg = load_config(args.config, overrides)
-            host: dict[str, list[float]] = {}
-            if args.profile_dir:
-                files = LocalProfileFiles(Path(args.profile_dir).resolve())
-            else:
-                host["profile"] = [_host_gflops()]
-                files = profile_box(cfg, spec, state, out / "profile", None, say=_say)
-                host["profile"].append(_host_gflops())
-            plans = make_plans(files, args.budget)
-            for label, plan in plans.items():
-                save_plan(plan, out / f"plan-{label}.yaml")
-            profiled = profiled_speed(files)
-            # one node of each kind, the one its profile ran on where it says so
-            probes = [state.node(n) for n in speed_nodes(spec, files)]
-            rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
-            for r, label in round_order(args.rounds):
-                mode = "sync" if label == "d" else "async"
-                of = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
-                _say(f"running plan {label} ({mode}, {args.steps} steps{of})")
-                plan = plan_of(plans, label)
-                run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
-                host.setdefault(label, []).append(_host_gflops())
-                before = kind_speed(spec, probes)
-                got = run_plan(args.config, overrides, out, label, plan, mode, run_id)
-                got["speed"] = [before, kind_speed(spec, probes)]
-                host[label].append(_host_gflops())
-                rounds[label].append(got)
-            runs, at_speed, speed = {}, {}, {}
-            for label in LABELS:
-                runs[label] = rounds[label][median_round(rounds[label])]
-                if args.rounds > 1:
-                    runs[label]["rounds"] = [
-                        pipeline_of(r["block"], "measured") for r in rounds[label]
-                    ]
-                speed[label] = runs[label]["speed"]
-                plan = plan_of(plans, label)
-                factors = speed_factors(profiled, speed[label])
-                if factors:
-                    at = out / "at-speed" / f"profile-{label}.yaml"
-                    at.parent.mkdir(parents=True, exist_ok=True)
-                    got = predict_at_speed(runs[label], plan, factors, at)
-                    at_speed[label] = {"factors": factors, "predicted": got}
-            result = summarise(runs, plans, at_speed)
-            result["host_gflops"], result["host_moved"] = host, host_moved(host)
-            result["kind_speed"] = {"profile": profiled, **speed}
-            _say("each plan's rate, samples/s:\n" + figures_table(result))
-    finally:
-        box.down(spec.name)
-    return box_result(args, spec.name, state.cpu_check, load_start, result)
+    with box_session(args, spec, "areal-hex-hetero-") as session:
+        out, overrides, state = session.out, session.overrides, session.state
+        host: dict[str, list[float]] = {} if args.profile_dir else {"profile": [_host_gflops()]}
+        files = session.profile(args, _say)
+        if "profile" in host:
+            host["profile"].append(_host_gflops())
+        plans = make_plans(files, args.budget)
+        for label, plan in plans.items():
+            save_plan(plan, out / f"plan-{label}.yaml")
+        profiled = profiled_speed(files)
+        # one node of each kind, the one its profile ran on where it says so
+        probes = [state.node(n) for n in speed_nodes(spec, files)]
+        rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
+        for r, label in round_order(args.rounds):
+            mode = "sync" if label == "d" else "async"
+            of = f", round {r + 1}/{args.rounds}" if args.rounds > 1 else ""
+            _say(f"running plan {label} ({mode}, {args.steps} steps{of})")
+            plan = plan_of(plans, label)
+            run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
+            host.setdefault(label, []).append(_host_gflops())
+            before = kind_speed(spec, probes)
+            got = run_plan(args.config, overrides, out, label, plan, mode, run_id)
+            got["speed"] = [before, kind_speed(spec, probes)]
+            host[label].append(_host_gflops())
+            rounds[label].append(got)
+        runs, at_speed, speed = {}, {}, {}
+        for label in LABELS:
+            runs[label] = rounds[label][median_round(rounds[label])]
+            if args.rounds > 1:
+                runs[label]["rounds"] = [pipeline_of(r["block"], "measured") for r in rounds[label]]
+            speed[label] = runs[label]["speed"]
+            plan = plan_of(plans, label)
+            factors = speed_factors(profiled, speed[label])
+            if factors:
+                at = out / "at-speed" / f"profile-{label}.yaml"
+                at.parent.mkdir(parents=True, exist_ok=True)
+                got = predict_at_speed(runs[label], plan, factors, at)
+                at_speed[label] = {"factors": factors, "predicted": got}
+        result = summarise(runs, plans, at_speed)
+        result["host_gflops"], result["host_moved"] = host, host_moved(host)
+        result["kind_speed"] = {"profile": profiled, **speed}
+        _say("each plan's rate, samples/s:\n" + figures_table(result))
+    return box_result(args, spec.name, state.cpu_check, session.load_start, result)
 
 
 def box_result(
@@ -371,7 +350,7 @@ def box_result(
         "box": box_name,
         "budget_usd_per_h": args.budget,
         "steps": args.steps,
-        "rounds": args.rounds,
+        "rounds": getattr(args, "rounds", 1),  # `bench modes --box`: one round
         "config": args.config,
         **result,
         "cpu_check": cpu_check,

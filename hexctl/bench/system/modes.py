@@ -58,17 +58,21 @@ def lent_overrides(config: str, overrides: list[str], mode: Mode) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML (default: tiny)")
+    p.add_argument(
+        "--config", default=None, help="experiment YAML (default: tiny; on a box: tiny_box)"
+    )
     p.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="trainer.total_steps of every run (default: the config's, the README job's 80)",
+        help="trainer.total_steps of every run (default: the config's, the README job's 80;"
+        " box: 60)",
     )
     p.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated subset of {', '.join(MODES)} (default: all)",
+        default=None,
+        help=f"comma-separated subset of {', '.join(MODES)} (default: all; on a box: all "
+        "it can run)",
     )
     p.add_argument(
         "--profile-first",
@@ -79,7 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
 
 
-def chosen_modes(text: str) -> list[str]:
+def chosen_modes(text: str | None) -> list[str]:
+    """The modes `--modes` names (None: all)."""
+    if text is None:
+        return list(MODES)
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODES]
     if unknown or not names:
@@ -190,6 +197,7 @@ def window_rates(run_dir: Path, group_size: int, from_step: int) -> dict[str, fl
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hexctl.bench.system.e2e import initial_weights
 
+    args.config = args.config or DEFAULT_CONFIG
     names = chosen_modes(args.modes)
     overrides = list(args.overrides)
     if args.steps is not None:

@@ -28,7 +28,6 @@ median round's.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -230,15 +229,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.errors import UsageError
     from areal_hex.plan import save_plan
-    from hexctl.bench.system import scratch_dir
-    from hexctl.bench.system.e2e import initial_weights
+    from hexctl.bench.system.emulated import box_session
     from hexctl.bench.system.hetero import box_result, speed_nodes
     from hexctl.box import emulate as box
     from hexctl.box.checks import check_budget, check_fits
-    from hexctl.box.profile import profile_box, profiled_speed
+    from hexctl.box.profile import profiled_speed
     from hexctl.box.spec import load_box
-    from hexctl.job.predict import LocalProfileFiles
-    from hexctl.job.processes import sigterm_as_ctrl_c
 
     if args.rounds < 1 or args.steps < 1:
         raise UsageError(f"--rounds {args.rounds} --steps {args.steps}: expected 1 or more each")
@@ -246,38 +242,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_fits(spec)
     check_budget(spec, args.budget)
     box.check_host()
-    sigterm_as_ctrl_c()  # a stop ends the bench through the `finally` below
-    overrides = [*args.overrides, f"trainer.total_steps={args.steps}", f"run.box={spec.name}"]
-    load_start = os.getloadavg()[0]
-    state = box.up(spec)
-    try:
-        with scratch_dir("areal-hex-tasks-", args.output_dir) as scratch:
-            out = Path(scratch).resolve()
-            v0 = initial_weights(args.config, overrides, out / "initial")
-            overrides.append(f"model.path={v0}")
-            _build_reward_model(load_config(args.config, overrides))
-            if args.profile_dir:
-                files = LocalProfileFiles(Path(args.profile_dir).resolve())
-            else:
-                cfg = load_config(args.config, overrides)
-                files = profile_box(cfg, spec, state, out / "profile", None, say=_say)
-            plans = make_task_plans(files, args.budget)
-            for label, plan in plans.items():
-                save_plan(plan, out / f"plan-{label}.yaml")
-            ctx = {
-                "spec": spec,
-                "probes": [state.node(n) for n in speed_nodes(spec, files)],
-                "profiled": profiled_speed(files),
-            }
-            rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
-            for r in range(args.rounds):
-                for label in LABELS if r % 2 == 0 else LABELS[::-1]:
-                    _say(f"running plan {label} ({args.steps} steps, round {r + 1})")
-                    run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
-                    got = _one_run(args, overrides, out, plans, label, run_id, ctx)
-                    rounds[label].append(got)
-            result = summarise_pair(_median_runs(rounds), plans)
-            result["kind_speed_profiled"] = ctx["profiled"]
-    finally:
-        box.down(spec.name)
-    return box_result(args, spec.name, state.cpu_check, load_start, result)
+    with box_session(args, spec, "areal-hex-tasks-") as session:
+        out, overrides, state = session.out, session.overrides, session.state
+        _build_reward_model(load_config(args.config, overrides))
+        files = session.profile(args, _say)
+        plans = make_task_plans(files, args.budget)
+        for label, plan in plans.items():
+            save_plan(plan, out / f"plan-{label}.yaml")
+        ctx = {
+            "spec": spec,
+            "probes": [state.node(n) for n in speed_nodes(spec, files)],
+            "profiled": profiled_speed(files),
+        }
+        rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in LABELS}
+        for r in range(args.rounds):
+            for label in LABELS if r % 2 == 0 else LABELS[::-1]:
+                _say(f"running plan {label} ({args.steps} steps, round {r + 1})")
+                run_id = f"plan-{label}" + (f"-r{r + 1}" if r else "")
+                got = _one_run(args, overrides, out, plans, label, run_id, ctx)
+                rounds[label].append(got)
+        result = summarise_pair(_median_runs(rounds), plans)
+        result["kind_speed_profiled"] = ctx["profiled"]
+    return box_result(args, spec.name, state.cpu_check, session.load_start, result)
