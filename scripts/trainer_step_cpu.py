@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--completion", type=int, nargs=2, default=(8, 22))
     p.add_argument("--prompt-len", type=int, default=34)
+    p.add_argument("--keep-heap", action="store_true", help="trainer_service.heap.keep_heap")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of a step")
     args = p.parse_args()
     with contextlib.redirect_stdout(sys.stderr):
@@ -56,6 +57,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
+    if args.keep_heap:
+        from trainer_service.heap import keep_heap
+
+        assert keep_heap()
     from areal_hex.config import load_config
     from areal_hex.models import load_model
     from trainer_service import step as step_mod
