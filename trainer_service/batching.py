@@ -123,6 +123,10 @@ class MicroBatch:
     # (B, L - 1) float π_ref log-probs from the records (0 off completions); None when
     # some row's record has none (the trainer computes them)
     ref_logp: torch.Tensor | None = None
+    # (B,) int64 each row's group in the step and (B,) int64 its prompt length: rows of
+    # a group share their prompt (trainer_service/shared_prompt.py); None: not known
+    group: torch.Tensor | None = None
+    prompt_len: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -170,6 +174,8 @@ def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
         targets=input_ids[:, 1:].clone(),
         versions=torch.from_numpy(versions),
         ref_logp=None if ref is None else torch.from_numpy(ref),
+        group=torch.tensor([it.group for it in items], dtype=torch.long),
+        prompt_len=torch.tensor([it.prompt_len for it in items], dtype=torch.long),
     )
 
 

@@ -139,13 +139,17 @@ def token_logprobs(
     softmax over the vocabulary and their backward are the step's largest tensors, and
     prompt positions carry no loss); earlier positions hold 0. Rows are right-padded, so
     causal attention alone keeps every real token from seeing padding: no padding mask
-    is built (padding positions see the tokens before them, and carry no loss).
+    is built (padding positions see the tokens before them, and carry no loss). Rows
+    that share prompts (a group's completions) run each prompt once (shared_prompt.py).
     """
     import torch
     import torch.nn.functional as F
 
     from areal_hex.algorithms import entropy_from_logp
+    from trainer_service.shared_prompt import shared_prompt_logprobs, shares_prompts
 
+    if shares_prompts(model, mb):
+        return shared_prompt_logprobs(model, mb, with_entropy, entropy_grad)
     width = mb.input_ids.shape[1]
     start = first_scored(mb)
     out = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=width - start)

@@ -6,6 +6,7 @@ and gradients equal those of the full pass with the padding mask (to 1e-6)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
 from trainer_service import step as step_mod
 from trainer_service.batching import collate, flatten_groups
 from trainer_service.engine import first_scored, token_logprobs
+from trainer_service.shared_prompt import shares_prompts
 
 
 def full_pass(
@@ -35,13 +37,14 @@ def full_pass(
 
 
 class PlainEngine:
-    """The engine calls `optimize` makes, on a plain module; `step` leaves the weights."""
+    """The engine calls `optimize` makes, on a plain module (`module`, as DeepSpeed's
+    engine holds it); `step` leaves the weights."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
+        self.module = model
 
     def __call__(self, **kw: Any) -> Any:
-        return self.model(**kw)
+        return self.module(**kw)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -74,10 +77,33 @@ def test_window_starts_at_the_first_completion_token(setup: tuple) -> None:
     assert mb.attention_mask.min() == 0  # some rows are padded
 
 
-@pytest.mark.parametrize("entropy_grad", [False, True])
-def test_same_logprobs_entropy_and_gradients(setup: tuple, entropy_grad: bool) -> None:
-    model, groups = setup
+def _batch(groups: list, shared: bool) -> Any:
     mb = collate(flatten_groups(groups), 0)
+    if not shared:  # rows whose groups are not known: the windowed padded pass
+        mb.group = None
+    return mb
+
+
+def test_shared_pass_only_where_it_computes_fewer_positions(setup: tuple) -> None:
+    model, groups = setup
+    assert shares_prompts(model, _batch(groups, shared=True))
+    assert not shares_prompts(model, _batch(groups, shared=False))
+    one_each = [replace(g, completions=g.completions[:1]) for g in groups]
+    assert not shares_prompts(model, _batch(one_each, shared=True))  # nothing shared
+    checkpointed = copy.deepcopy(model)
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None)
+    (enable or checkpointed.gradient_checkpointing_enable)()
+    assert not shares_prompts(checkpointed, _batch(groups, shared=True))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "window"])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_same_logprobs_entropy_and_gradients(
+    setup: tuple, entropy_grad: bool, shared: bool
+) -> None:
+    model, groups = setup
+    mb = _batch(groups, shared)
+    assert shares_prompts(model, mb) is shared
     mask = mb.loss_mask
     w = torch.linspace(0.5, 2.0, mask.shape[1])  # a loss weighting every position apart
     got: list[tuple] = []
@@ -85,20 +111,26 @@ def test_same_logprobs_entropy_and_gradients(setup: tuple, entropy_grad: bool) -
         model.zero_grad(set_to_none=True)
         logp, ent = fn(model, mb, with_entropy=True, entropy_grad=entropy_grad)
         assert ent is not None and logp.shape == mask.shape == ent.shape
-        loss = (logp * mask * w).sum() + (ent * mask).sum() * float(entropy_grad)
+        # a token mean, as the step's loss is
+        loss = ((logp * w + ent * float(entropy_grad)) * mask).sum() / mask.sum()
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         got.append((logp.detach() * mask, ent.detach() * mask, grads))
     (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = got
     assert lp_a.abs().sum() > 0
-    torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent_b, ent_a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-6, rtol=1e-6)
     for n, g in g_a.items():
-        torch.testing.assert_close(g_b[n], g, atol=1e-6, rtol=1e-6, msg=n)
+        torch.testing.assert_close(g_b[n], g, atol=1e-6, rtol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_same_step_as_the_full_pass(setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "window"])
+def test_same_step_as_the_full_pass(
+    setup: tuple, shared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, groups = setup
+    if not shared:
+        monkeypatch.setattr("trainer_service.shared_prompt.shares_prompts", lambda m, mb: False)
     ref = copy.deepcopy(model).eval()
     with torch.no_grad():
         for p in ref.parameters():
@@ -115,8 +147,8 @@ def test_same_step_as_the_full_pass(setup: tuple, monkeypatch: pytest.MonkeyPatc
     (a, g_a), (b, g_b) = runs
     assert a.sums["loss"] != 0.0 and a.sums["kl"] != 0.0
     for k in a.sums:
-        assert b.sums[k] == pytest.approx(a.sums[k], abs=1e-6), k
+        assert b.sums[k] == pytest.approx(a.sums[k], rel=1e-6, abs=1e-6), k
     assert b.maxima["behav_w_max"] == pytest.approx(a.maxima["behav_w_max"], abs=1e-6)
     np.testing.assert_allclose(b.advantages, a.advantages, atol=1e-6)
     for n, g in g_a.items():
-        torch.testing.assert_close(g_b[n], g, atol=1e-6, rtol=1e-6, msg=n)
+        torch.testing.assert_close(g_b[n], g, atol=1e-6, rtol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
