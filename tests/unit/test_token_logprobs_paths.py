@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fakes import PlainEngine
 
 from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
 from trainer_service import step as step_mod
@@ -34,26 +35,6 @@ def full_pass(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logp(logp_all)
     return logp, entropy
-
-
-class PlainEngine:
-    """The engine calls `optimize` makes, on a plain module (`module`, as DeepSpeed's
-    engine holds it); `step` leaves the weights."""
-
-    def __init__(self, model: Any) -> None:
-        self.module = model
-
-    def __call__(self, **kw: Any) -> Any:
-        return self.module(**kw)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        pass
-
-    def get_global_grad_norm(self) -> None:
-        return None
 
 
 @pytest.fixture(scope="module")
