@@ -2,7 +2,7 @@
 (examples/tiny_cpu.yaml's model, DeepSpeed on CPU, one rank) on synthetic groups of the
 job's shape. CPU time, not wall time, so a busy machine does not skew it.
 
-    python scripts/trainer_step_cpu.py MODEL_DIR [--steps 30] [--profile]
+    python scripts/trainer_step_cpu.py MODEL_DIR [--steps 30] [--default-heap] [--profile]
 
 MODEL_DIR: an HF directory of the job's model (a run's weights/v0, or the cached v0).
 Prints one JSON object: medians over the steps after the warm-up, per phase.
@@ -43,9 +43,14 @@ def main() -> None:
     p.add_argument("--config", default="examples/tiny_cpu.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--completion", type=int, nargs=2, default=(8, 22))
+    # a README run's rows: ~34 prompt tokens (chat template), ~15 completion tokens
+    p.add_argument("--completion", type=int, nargs=2, default=(8, 22), help="length range")
     p.add_argument("--prompt-len", type=int, default=34)
-    p.add_argument("--keep-heap", action="store_true", help="trainer_service.heap.keep_heap")
+    p.add_argument(
+        "--default-heap",
+        action="store_true",
+        help="glibc's heap defaults (not keep_heap, which a disaggregated trainer sets)",
+    )
     p.add_argument("--profile", action="store_true", help="torch.profiler table of a step")
     args = p.parse_args()
     with contextlib.redirect_stdout(sys.stderr):
@@ -57,10 +62,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    if args.keep_heap:
+    if not args.default_heap:
         from trainer_service.heap import keep_heap
 
-        assert keep_heap()
+        keep_heap()
     from areal_hex.config import load_config
     from areal_hex.models import load_model
     from trainer_service import step as step_mod
