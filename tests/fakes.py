@@ -26,6 +26,28 @@ TOK = build_tokenizer()
 ANSWER = TOK("#### 7", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
 
 
+class PlainEngine:
+    """The calls `trainer_service.step` makes of a DeepSpeed engine, on a plain HF module
+    held as `module` (as the engine holds it): gradients accumulate in the module, and
+    `step` leaves the weights as they are so that a step's gradients can be compared
+    (DeepSpeed's own path: tests/integration/test_trainer_dist.py)."""
+
+    def __init__(self, model: Any) -> None:
+        self.module = model
+
+    def __call__(self, **kw: Any) -> Any:
+        return self.module(**kw)
+
+    def backward(self, loss: Any) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        pass
+
+    def get_global_grad_norm(self) -> None:
+        return None
+
+
 class ServerDown(ConnectionError):
     pass
 

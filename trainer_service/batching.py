@@ -123,6 +123,10 @@ class MicroBatch:
     # (B, L - 1) float π_ref log-probs from the records (0 off completions); None when
     # some row's record has none (the trainer computes them)
     ref_logp: torch.Tensor | None = None
+    # (B,) int64 each row's group in the step and (B,) int64 its prompt length: rows of
+    # a group share their prompt (trainer_service/shared_prompt.py); None: not known
+    group: torch.Tensor | None = None
+    prompt_len: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -135,39 +139,43 @@ class MicroBatch:
 
 
 def collate(items: Sequence[SeqItem], pad_id: int) -> MicroBatch:
-    """Right-pad `items` into one micro-batch."""
+    """Right-pad `items` into one micro-batch (filled row by row in numpy, then handed to
+    torch without a copy: one tensor op per field instead of several per row)."""
     import torch
 
     rows, width = len(items), max(len(it.tokens) for it in items)
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((rows, width), dtype=torch.long)
-    mask = torch.zeros((rows, width - 1))
-    behav = torch.zeros((rows, width - 1))
-    versions = torch.full((rows, width - 1), -1, dtype=torch.long)
+    ids = np.full((rows, width), pad_id, dtype=np.int64)
+    attn = np.zeros((rows, width), dtype=np.int64)
+    mask = np.zeros((rows, width - 1), dtype=np.float32)
+    behav = np.zeros((rows, width - 1), dtype=np.float32)
+    versions = np.full((rows, width - 1), -1, dtype=np.int64)
     with_ref = all(it.ref_logp is not None for it in items)
-    ref = torch.zeros((rows, width - 1)) if with_ref else None
+    ref = np.zeros((rows, width - 1), dtype=np.float32) if with_ref else None
     for r, it in enumerate(items):
         n, p = len(it.tokens), it.prompt_len
-        ids[r, :n] = torch.from_numpy(it.tokens)
+        ids[r, :n] = it.tokens
         attn[r, :n] = 1
         # completion token t (absolute position p + t) is predicted at position p + t - 1
         mask[r, p - 1 : n - 1] = 1.0
-        behav[r, p - 1 : n - 1] = torch.from_numpy(it.behav_logp)
+        behav[r, p - 1 : n - 1] = it.behav_logp
         if it.versions is not None:
-            versions[r, p - 1 : n - 1] = torch.from_numpy(it.versions.astype(np.int64))
+            versions[r, p - 1 : n - 1] = it.versions
         if ref is not None and it.ref_logp is not None:
-            ref[r, p - 1 : n - 1] = torch.from_numpy(it.ref_logp)
+            ref[r, p - 1 : n - 1] = it.ref_logp
     temps = torch.tensor([it.temperature for it in items], dtype=torch.float32)
+    input_ids = torch.from_numpy(ids)
     return MicroBatch(
         seq_index=torch.tensor([it.index for it in items], dtype=torch.long),
-        input_ids=ids,
-        attention_mask=attn,
-        loss_mask=mask,
-        behav_logp=behav,
+        input_ids=input_ids,
+        attention_mask=torch.from_numpy(attn),
+        loss_mask=torch.from_numpy(mask),
+        behav_logp=torch.from_numpy(behav),
         temperature=temps.view(rows, 1, 1),
-        targets=ids[:, 1:].clone(),
-        versions=versions,
-        ref_logp=ref,
+        targets=input_ids[:, 1:].clone(),
+        versions=torch.from_numpy(versions),
+        ref_logp=None if ref is None else torch.from_numpy(ref),
+        group=torch.tensor([it.group for it in items], dtype=torch.long),
+        prompt_len=torch.tensor([it.prompt_len for it in items], dtype=torch.long),
     )
 
 

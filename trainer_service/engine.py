@@ -134,17 +134,37 @@ def token_logprobs(
 
     Returns (B, L - 1) log-probs and, if asked, the (B, L - 1) entropy (with its graph
     only when `entropy_grad`, for the entropy bonus: it costs a (B, L, V) tensor).
+
+    Only the positions from the batch's first completion token on are scored (logits,
+    softmax over the vocabulary and their backward are the step's largest tensors, and
+    prompt positions carry no loss); earlier positions hold 0. Rows are right-padded, so
+    causal attention alone keeps every real token from seeing padding: no padding mask
+    is built (padding positions see the tokens before them, and carry no loss). Rows
+    that share prompts (a group's completions) run each prompt once (shared_prompt.py).
     """
     import torch
+    import torch.nn.functional as F
 
     from areal_hex.algorithms import entropy_from_logp
+    from trainer_service.shared_prompt import shared_prompt_logprobs, shares_prompts
 
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1].float() / mb.temperature  # (B, L - 1, V)
+    if shares_prompts(model, mb):
+        return shared_prompt_logprobs(model, mb, with_entropy, entropy_grad)
+    width = mb.input_ids.shape[1]
+    start = first_scored(mb)
+    out = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=width - start)
+    # (B, L - 1 - start, V); a model that returns every position is cut here
+    logits = out.logits[:, start - width : -1].float() / mb.temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)  # (B, L - 1)
+    logp = logp_all.gather(-1, mb.targets[:, start:].unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logp(logp_all)
-    return logp, entropy
+            entropy = F.pad(entropy_from_logp(logp_all), (start, 0))
+    return F.pad(logp, (start, 0)), entropy
+
+
+def first_scored(mb: MicroBatch) -> int:
+    """The first position (of L - 1) that predicts a completion token in any row; 0
+    when none does (a dummy micro-batch)."""
+    return int(mb.loss_mask.any(dim=0).float().argmax())  # argmax of all zeros: 0

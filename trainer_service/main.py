@@ -30,6 +30,7 @@ from areal_hex.prom import (
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from areal_hex.weight_net import Manifest
+from trainer_service.heap import keep_heap
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.publish import NetworkSink
 from trainer_service.reference import reference_model
@@ -145,6 +146,8 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
     consumer = make_consumer(cfg) if rank == 0 else None
     network = make_network_sink(cfg) if rank == 0 else None
     shares_devices = cfg.workflow.placement_in_effect() != "disaggregated"
+    if not shares_devices:
+        keep_heap()  # the step's activations stay mapped from one step to the next
     return Trainer(
         t,
         cfg.algo,

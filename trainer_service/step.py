@@ -248,6 +248,8 @@ def train_inference_mismatch(ctx: StepContext, prepared: Sequence[_Minibatch]) -
     """Mean |log pi_train - log pi_infer| and k3 KL(pi_infer || pi_train) over the tokens
     that the version being trained generated, by inference server and by GPU kind.
     Collective: every rank knows every sequence, so the keys agree across ranks."""
+    import torch
+
     keys = sorted(
         {("server", it.server or "unknown") for p in prepared for it in p.items}
         | {("gpu_kind", it.gpu_kind or "unknown") for p in prepared for it in p.items}
@@ -257,19 +259,22 @@ def train_inference_mismatch(ctx: StepContext, prepared: Sequence[_Minibatch]) -
     slot = {k: i for i, k in enumerate(keys)}
     sums = np.zeros((len(keys), 3))  # |dlogp|, k3, tokens
     for p in prepared:
+        # (N, 2) the slots of each sequence's server and GPU kind
+        slots = np.array(
+            [
+                (slot["server", it.server or "unknown"], slot["gpu_kind", it.gpu_kind or "unknown"])
+                for it in p.items
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 2)
         for mb, prox in zip(p.mbs, p.prox, strict=True):
             own = mb.loss_mask * (mb.versions == ctx.version)  # tokens of this version
             abs_d, k3 = mismatch_sums(prox, mb.behav_logp, own)
-            n = own.sum(dim=1)
-            for row, idx in enumerate(mb.seq_index.tolist()):
-                if idx < 0:
-                    continue
-                it = p.items[idx]
-                for key in (
-                    ("server", it.server or "unknown"),
-                    ("gpu_kind", it.gpu_kind or "unknown"),
-                ):
-                    sums[slot[key]] += (float(abs_d[row]), float(k3[row]), float(n[row]))
+            rows = torch.stack([abs_d, k3, own.sum(dim=1)], dim=1).double().cpu().numpy()
+            idx = mb.seq_index.cpu().numpy()
+            real = idx >= 0
+            for col in range(2):  # row by row, in order: the sums of the per-row loop
+                np.add.at(sums, slots[idx[real], col], rows[real])
     total = np.asarray(_all_reduce(sums.ravel().tolist(), "sum", ctx.device)).reshape(-1, 3)
     out: dict[str, dict[str, dict[str, float]]] = {"server": {}, "gpu_kind": {}}
     for (kind, name), (a, k, n) in zip(keys, total, strict=True):

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import PlainEngine
 
 from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
 from trainer_service.batching import assign_to_ranks
@@ -16,20 +17,6 @@ from trainer_service.step import (
     _accumulate,
     _prepare,
 )
-
-
-class PlainEngine:
-    """The engine calls the step makes, on a plain module: gradients of every "rank"
-    accumulate in one model, so their sum / world is DeepSpeed's average."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def __call__(self, **kw: Any) -> Any:
-        return self.model(**kw)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
 
 
 def test_equal_speeds_keep_equal_token_loads() -> None:
@@ -72,6 +59,7 @@ def _grads(model: Any, groups: list, algo: AlgoConfig, world: int, speeds: list 
     )
     rows = []
     for rank in range(world):
+        # every "rank" accumulates into one model: the sum / world is DeepSpeed's average
         ctx = StepContext(PlainEngine(model), algo, 64, 16, 0, rank=rank, world=world)
         ctx.speeds = speeds
         prepared = _prepare(ctx, groups)

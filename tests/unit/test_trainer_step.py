@@ -7,23 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import PlainEngine
 
 from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
 from trainer_service.step import StepContext, _accumulate, _prepare
-
-
-class PlainEngine:
-    """The three engine calls the step makes, on a plain module (DeepSpeed's own path is
-    covered by tests/integration/test_trainer_dist.py)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def __call__(self, **kw: Any) -> Any:
-        return self.model(**kw)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
 
 
 @pytest.fixture(scope="module")
