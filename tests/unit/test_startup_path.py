@@ -1,10 +1,12 @@
-"""The start-up path: a named command builds only its own parser, and a local run's
+"""The start-up path: a named command builds only its own parser, the train command
+reaches its only rank without torch, and a local run's
 processes start on every core and move to their planned cores at the first step (every
 thread of every process in the group)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,29 @@ def test_a_named_command_builds_only_its_parser() -> None:
     args = build_parser(only="serve").parse_args(["serve", "c.yaml", "--index", "1"])
     full = build_parser().parse_args(["serve", "c.yaml", "--index", "1"])
     assert vars(args) == vars(full)
+
+
+TRAIN_PATH = """
+import sys
+from hexctl.cli import build_parser
+from hexctl.cli.train_cmd import launcher_env, preflight, rank_env, single_rank
+words = ["train", sys.argv[1], "run.run_id=r", "redis.url=redis://127.0.0.1:1/0"]
+cfg = preflight(build_parser(only="train").parse_args(words))
+env = {**launcher_env(cfg), **rank_env(cfg)}
+assert single_rank(cfg) and env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"]
+print(sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modules))
+"""
+
+
+def test_the_train_command_reaches_its_only_rank_without_torch() -> None:
+    """`areal-hex train` runs a one-rank job's rank in its own process (no second
+    interpreter importing the CLI and config again), which it can only do while torch is
+    not imported: the thread settings it sets are read at torch's import."""
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
+    out = subprocess.run(
+        [sys.executable, "-c", TRAIN_PATH, config], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def _threads(pid: int) -> list[int]:
