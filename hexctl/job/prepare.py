@@ -18,10 +18,11 @@ from areal_hex.errors import UsageError
 from areal_hex.net import free_port, free_port_block, port_free
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
+from areal_hex.tokenizer_files import TinyChat
 from hexctl.job.placement_choice import Price, resolve_placement, write_choice
 from hexctl.job.plan_config import project_plan
 from hexctl.job.v0_cache import warm_started_v0
-from hexctl.job.warm_start import TinyChat, sft_texts
+from hexctl.job.warm_start import sft_texts
 
 
 # ---------------------------------------------------------------- preflight

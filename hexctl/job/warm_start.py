@@ -3,43 +3,9 @@ deploy `prepare` step build the same initial weights from the same config)."""
 
 from __future__ import annotations
 
-import functools
 import random
-from typing import Any
 
 from areal_hex.config import ExperimentConfig
-from areal_hex.models import CHAT_TEMPLATE, IM_END
-
-
-class TinyChat:
-    """What the warm start's texts take from the tiny tokenizer (`build_tokenizer`): its
-    end-of-turn token and its chat template, rendered as transformers renders a chat
-    template (a sandboxed Jinja environment, blocks trimmed) but without importing
-    transformers, which was most of the launcher's CPU before the services start with a
-    cached v0. The texts, and so the v0 cache key, are those the tokenizer gives."""
-
-    chat_template = CHAT_TEMPLATE
-    eos_token = IM_END
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, str]],
-        tokenize: bool = False,
-        add_generation_prompt: bool = False,
-    ) -> str:
-        if tokenize:
-            raise ValueError("TinyChat renders text only: tokenize with build_tokenizer()")
-        return str(
-            _tiny_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
-        )
-
-
-@functools.cache
-def _tiny_template() -> Any:  # jinja2.Template
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(CHAT_TEMPLATE)
 
 
 def sft_texts(cfg: ExperimentConfig, tokenizer: object) -> list[str]:

@@ -38,7 +38,8 @@ def test_second_run_copies_the_cached_v0(tmp_path: Path, monkeypatch: pytest.Mon
 WARM_START_PATH = """
 import sys
 from areal_hex.config import load_config
-from hexctl.job.warm_start import TinyChat, sft_texts
+from areal_hex.tokenizer_files import TinyChat
+from hexctl.job.warm_start import sft_texts
 texts = sft_texts(load_config(sys.argv[1]), TinyChat())
 assert len(texts) > 100
 print(sorted(m for m in ("torch", "transformers", "tokenizers") if m in sys.modules))
@@ -54,7 +55,8 @@ def test_the_warm_start_texts_without_the_tokenizer_are_the_same() -> None:
 
     from areal_hex.config import load_config
     from areal_hex.models import build_tokenizer
-    from hexctl.job.warm_start import TinyChat, sft_texts
+    from areal_hex.tokenizer_files import TinyChat
+    from hexctl.job.warm_start import sft_texts
 
     path = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
     tok = build_tokenizer()
