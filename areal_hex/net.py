@@ -9,11 +9,13 @@ can no longer come (its process exited).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +76,24 @@ def wait_until(
         if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(interval_s)
+
+
+def http_ok(url: str, path: str = "/health", timeout_s: float = 2.0) -> bool:
+    """True if GET `url` + `path` answers 200; False if nothing listens there, the
+    connection fails or times out, or it answers otherwise. Plain `http.client`: a poll
+    every quarter second costs a fraction of a millisecond, where a fresh httpx client
+    (its TLS context built each time) costs ~20 ms of CPU, taken from the processes that
+    are starting beside it."""
+    parts = urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.netloc, timeout=timeout_s)
+    try:
+        conn.request("GET", parts.path.rstrip("/") + path)
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 async def async_wait_until(

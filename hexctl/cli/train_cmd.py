@@ -1,6 +1,6 @@
 """`areal-hex train CONFIG [overrides]`: start the trainer ranks through the deepspeed
-(or torchrun) launcher, one rank per device (one rank on one node: the rank itself);
-`DS_ACCELERATOR=cpu` on CPU."""
+(or torchrun) launcher, one rank per device (one rank on one node: the rank itself, in
+this process); `DS_ACCELERATOR=cpu` on CPU."""
 
 from __future__ import annotations
 
@@ -108,6 +108,19 @@ def _run(args: argparse.Namespace) -> int:
     if single_rank(cfg):
         env.update(rank_env(cfg))
         env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "torch" not in sys.modules:  # its settings (threads) are still to be read
+            return run_rank_here(env, [args.config, *args.overrides])
     sys.stdout.flush()
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached
+
+
+def run_rank_here(env: dict[str, str], argv: list[str]) -> int:
+    """The only rank, in this process: a new interpreter would import the config and
+    the CLI again (~0.3 s of CPU taken from the servers starting beside it). Its
+    environment is set before torch and DeepSpeed are imported, as the launcher's is."""
+    from trainer_service.main import main as rank_main
+
+    os.environ.clear()
+    os.environ.update(env)
+    return rank_main(argv)

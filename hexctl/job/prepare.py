@@ -18,6 +18,7 @@ from areal_hex.errors import UsageError
 from areal_hex.net import free_port, free_port_block, port_free
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
+from areal_hex.tokenizer_files import TinyChat
 from hexctl.job.placement_choice import Price, resolve_placement, write_choice
 from hexctl.job.plan_config import project_plan
 from hexctl.job.v0_cache import warm_started_v0
@@ -150,11 +151,11 @@ def initial_model_dir(cfg: ExperimentConfig, out: Path) -> Path:
 
 def materialize_v0(cfg: ExperimentConfig, weights_dir: Path) -> Path:
     """Write `weights_dir/v0` (kept if present: a resumed run keeps its initial model)."""
-    from areal_hex.models import build_tokenizer, materialize
+    from areal_hex.models import materialize
 
     tiny = cfg.model.tiny
     if cfg.model.path is None and tiny is not None and tiny.sft_steps > 0:
-        texts = sft_texts(cfg, build_tokenizer())
+        texts = sft_texts(cfg, TinyChat())
         return warm_started_v0(cfg.model, texts, weights_dir / "v0")  # cached across runs
     return materialize(cfg.model, weights_dir / "v0")
 

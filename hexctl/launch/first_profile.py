@@ -25,7 +25,6 @@ def profile_first(
     from hexctl.job.predict import LocalProfileFiles
     from hexctl.profile import cache
     from hexctl.profile.every_core import lacks_every_core
-    from hexctl.profile.local import profile_local
 
     out = run_dir / "profile"
     if LocalProfileFiles(out).profile.is_file():
@@ -58,6 +57,8 @@ def profile_first(
         f"measuring this machine for the run's prediction (run.profile_first; {took}; "
         "kept for later runs of this job)"
     )
+    from hexctl.profile.local import profile_local  # its client and servers: a measurement only
+
     t0 = time.monotonic()
     try:
         with contextlib.redirect_stdout(stream):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+from areal_hex.net import http_ok
 from hexctl.launch.supervisor import Supervisor
 
 
@@ -27,15 +28,10 @@ class HungServers:
             self._thread.start()
 
     def _probe_loop(self) -> None:
-        import httpx
-
         while not self._stop.wait(self.every_s):
             for name, url in self.urls.items():
                 pid = self.sup.pid(name)
-                try:
-                    ok = httpx.get(f"{url}/health", timeout=self.every_s).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
+                ok = http_ok(url, timeout_s=self.every_s)
                 if ok and pid is not None:
                     self.last_ok[(name, pid)] = time.monotonic()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from areal_hex.config import ExperimentConfig
-from areal_hex.net import WaitAborted, wait_until
+from areal_hex.net import WaitAborted, http_ok, wait_until
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths, remove_stale_tmp
 from hexctl.job.cores import core_groups, lent_services
@@ -188,12 +188,7 @@ def redis_probe(cfg: ExperimentConfig) -> Any:
 
 
 def http_probe(url: str) -> Any:
-    def probe() -> bool:
-        import httpx
-
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-
-    return probe
+    return lambda: http_ok(url)
 
 
 def buffer_stats(cfg: ExperimentConfig) -> dict[str, Any] | None:

@@ -29,16 +29,16 @@ log = logging.getLogger(__name__)
 
 def load_rollout_tokenizer(cfg: ExperimentConfig):  # -> PreTrainedTokenizerBase
     """The tokenizer of `model.tokenizer_path`, else `model.path`, else the tiny one
-    (without torch where it is not needed: areal_hex/tokenizer_files.py)."""
+    (without torch, or transformers, where it is not needed: areal_hex/tokenizer_files.py)."""
     from areal_hex import models
-    from areal_hex.tokenizer_files import load_tokenizer_light
+    from areal_hex.tokenizer_files import load_controller_tokenizer
 
     path = cfg.model.tokenizer_path or cfg.model.path
     if path is None:
         if cfg.model.tiny is None:
             raise ValueError("model: set model.path (or model.tokenizer_path) or model.tiny")
         return models.build_tokenizer()
-    return load_tokenizer_light(path)
+    return load_controller_tokenizer(path)
 
 
 def load_prompt_set(cfg: ExperimentConfig, tokenizer: Any) -> PromptSet:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -12,6 +15,7 @@ from areal_hex.net import (
     async_retry,
     async_wait_until,
     free_port,
+    http_ok,
     wait_event,
     wait_until,
 )
@@ -94,3 +98,33 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (the handler's name)
+        self.send_response(200 if self.path == "/v1/health" else 503)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_http_ok_answers_and_costs_little_cpu() -> None:
+    """200 on the path under the URL's prefix; another status, a port nobody listens
+    on: not ok. A poll of a port not yet listening costs well under a millisecond of
+    CPU (a fresh httpx client cost ~20 ms), so the launcher's wait takes next to nothing
+    from the processes starting beside it."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert http_ok(f"{url}/v1")
+        assert http_ok(f"{url}/v1/")
+        assert not http_ok(url)  # /health: 503
+    finally:
+        server.shutdown()
+        server.server_close()
+    closed = f"http://127.0.0.1:{free_port()}"
+    start = time.process_time()
+    assert not any(http_ok(closed, timeout_s=1.0) for _ in range(50))
+    assert (time.process_time() - start) / 50 < 0.005

@@ -1,10 +1,12 @@
-"""The start-up path: a named command builds only its own parser, and a local run's
-processes start on every core and move to their planned cores at the first step (every
-thread of every process in the group)."""
+"""The start-up path: a named command builds only its own parser, the launcher looks up
+its profile and the train command reaches its only rank without heavy imports, and a
+local run's processes start on every core and move to their planned cores at the first
+step (every thread of every process in the group)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,54 @@ def test_a_named_command_builds_only_its_parser() -> None:
     args = build_parser(only="serve").parse_args(["serve", "c.yaml", "--index", "1"])
     full = build_parser().parse_args(["serve", "c.yaml", "--index", "1"])
     assert vars(args) == vars(full)
+
+
+TRAIN_PATH = """
+import sys
+from hexctl.cli import build_parser
+from hexctl.cli.train_cmd import launcher_env, preflight, rank_env, single_rank
+words = ["train", sys.argv[1], "run.run_id=r", "redis.url=redis://127.0.0.1:1/0"]
+cfg = preflight(build_parser(only="train").parse_args(words))
+env = {**launcher_env(cfg), **rank_env(cfg)}
+assert single_rank(cfg) and env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"]
+print(sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modules))
+"""
+
+
+def test_the_train_command_reaches_its_only_rank_without_torch() -> None:
+    """`areal-hex train` runs a one-rank job's rank in its own process (no second
+    interpreter importing the CLI and config again), which it can only do while torch is
+    not imported: the thread settings it sets are read at torch's import."""
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
+    out = subprocess.run(
+        [sys.executable, "-c", TRAIN_PATH, config], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+LAUNCH_PATH = """
+import io, sys
+from pathlib import Path
+from areal_hex.config import load_config
+from hexctl.launch.first_profile import profile_first
+import hexctl.launch.run
+cfg = load_config(sys.argv[1], ["run.profile_first=cached"])
+out = io.StringIO()
+assert profile_first(cfg, Path(sys.argv[2]), out)[0] is None, out.getvalue()
+assert "no profile for this job" in out.getvalue()
+heavy = ("torch", "transformers", "numpy", "rollout_service.client", "hexctl.profile.local")
+print(sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+def test_the_launcher_looks_up_its_profile_without_the_profilers_imports(tmp_path: Path) -> None:
+    """Before the services start, the launcher looks up the job's kept profile; the
+    profiler's client and servers (numpy, aiohttp) are imported only to measure one."""
+    config = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
+    env = {**os.environ, "AREAL_HEX_CACHE_DIR": str(tmp_path / "cache")}
+    code = [sys.executable, "-c", LAUNCH_PATH, config, str(tmp_path / "run")]
+    out = subprocess.run(code, capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]"
 
 
 def _threads(pid: int) -> list[int]:
