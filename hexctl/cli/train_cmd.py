@@ -10,6 +10,7 @@ import shlex
 import sys
 
 from areal_hex.net import free_port
+from hexctl.launch.zygote import PRELOADED_ENV
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -108,7 +109,9 @@ def _run(args: argparse.Namespace) -> int:
     if single_rank(cfg):
         env.update(rank_env(cfg))
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "torch" not in sys.modules:  # its settings (threads) are still to be read
+        # torch's settings (threads) still to be read, or set again by a service forked
+        # with torch loaded (launch/zygote.py)
+        if "torch" not in sys.modules or os.environ.get(PRELOADED_ENV):
             return run_rank_here(env, [args.config, *args.overrides])
     sys.stdout.flush()
     os.execvpe(cmd[0], cmd, env)
@@ -119,8 +122,10 @@ def run_rank_here(env: dict[str, str], argv: list[str]) -> int:
     """The only rank, in this process: a new interpreter would import the config and
     the CLI again (~0.3 s of CPU taken from the servers starting beside it). Its
     environment is set before torch and DeepSpeed are imported, as the launcher's is."""
+    from hexctl.launch.zygote import apply_threads
     from trainer_service.main import main as rank_main
 
     os.environ.clear()
     os.environ.update(env)
+    apply_threads()
     return rank_main(argv)

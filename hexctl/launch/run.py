@@ -40,6 +40,7 @@ from hexctl.job.cores import core_groups, lent_services
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
+from hexctl.launch.fork_services import attach_fork_server
 from hexctl.launch.hung import HungServers
 from hexctl.launch.stall import Stalled, StallWatch
 from hexctl.launch.startup_cores import StartupCores
@@ -150,6 +151,10 @@ def process_specs(
                 restart_on_failure=True,
                 max_restarts=cfg.run.max_restarts,
                 cpus=cores,
+                # Valkey's start is short and must not wait for the fork server's imports
+                fork=cfg.run.fork_services
+                and svc.role != "redis"
+                and svc.command[:1] == ["areal-hex"],
             )
         )
     return specs
@@ -251,7 +256,8 @@ def start_services(
     # its connection); with network weight sync the trainer waits for the old manifests
     # to be forgotten
     early = servers + (trainers if cfg.rollout.weight_sync != "network" else [])
-    for spec in early + by_role.get("redis", []):
+    # Valkey first: a forked service's start waits for the fork server's imports
+    for spec in by_role.get("redis", []) + early:
         sup.start(spec)
     for spec in by_role.get("redis", []):
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
@@ -336,6 +342,8 @@ def execute(
     cores = StartupCores(specs if place is None else [])
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         sup.events.extend((t, "launcher", what) for t, what in milestones)
+        if place is None:  # a box's nodes start their processes as before
+            attach_fork_server(sup, cfg, specs)
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
         try:
             attempt.tick()

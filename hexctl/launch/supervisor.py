@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from areal_hex import lifetime
+from hexctl.launch.forkserver import ForkedProcess, ForkError, ForkServer, become_subreaper
 
 OnExit = Literal["fail", "restart", "finish"]
 
@@ -44,12 +45,15 @@ class ProcessSpec:
     max_restarts: int = 3
     cpus: set[int] | None = None  # CPU affinity (None: inherit)
     cwd: str | None = None
+    # Forked from the run's fork server where one is attached (`Supervisor.forker`) and
+    # `command` is `python -m MODULE ...`; a plain process otherwise or on any failure.
+    fork: bool = False
 
 
 @dataclass
 class Managed:
     spec: ProcessSpec
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     restarts: int = 0
     started_at: float = 0.0
     returncode: int | None = None
@@ -176,6 +180,15 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.procs: dict[str, Managed] = {}
         self.events: list[tuple[float, str, str]] = []  # (time, name, what happened)
+        self.forker: ForkServer | None = None
+
+    def attach(self, forker: ForkServer) -> None:
+        """Start the `fork` processes from `forker` (closed with the supervisor); they
+        are re-parented to this process, which waits for them as for its own."""
+        if become_subreaper():
+            self.forker = forker
+        else:
+            forker.close()
 
     # ------------------------------------------------------------ starting
     def start(self, spec: ProcessSpec) -> Managed:
@@ -196,20 +209,41 @@ class Supervisor:
         with open(spec.log_path, "ab") as log:
             log.write(f"\n=== start {spec.name}: {' '.join(spec.command)}\n".encode())
             log.flush()
-            m.proc = subprocess.Popen(
-                spec.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=spec.cwd,
-                start_new_session=True,
-                preexec_fn=_pre_exec(spec.cpus),
-            )
+            m.proc = self._forked(spec, env)
+            if m.proc is None:
+                m.proc = subprocess.Popen(
+                    spec.command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=spec.cwd,
+                    start_new_session=True,
+                    preexec_fn=_pre_exec(spec.cpus),
+                )
         m.started_at = time.monotonic()
         m.returncode = None
         self.events.append((time.time(), spec.name, "start"))
         self._write_pids()
+
+    def _forked(self, spec: ProcessSpec, env: dict[str, str]) -> ForkedProcess | None:
+        """`spec` forked from the fork server, or None (none attached, not a `python -m`
+        command, load-time settings of its own, or the fork server failed: said in its
+        log and the events)."""
+        forker = self.forker
+        argv = spec.command
+        if forker is None or not spec.fork or len(argv) < 3 or argv[1] != "-m":
+            return None
+        why = None if forker.accepts(env) else "its load-time environment differs"
+        if why is None:
+            try:
+                return forker.spawn(argv, env, spec.log_path, spec.cwd, spec.cpus)
+            except ForkError as exc:
+                why = str(exc)
+        self.events.append((time.time(), spec.name, f"plain process: {why}"))
+        with open(spec.log_path, "ab") as log:
+            log.write(f"=== a plain process: {why}\n".encode())
+        return None
 
     def _write_pids(self) -> None:
         if self.pid_file is None:
@@ -329,7 +363,7 @@ class Supervisor:
         return True
 
     @staticmethod
-    def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    def _signal(proc: subprocess.Popen[bytes] | ForkedProcess, sig: int) -> None:
         try:
             os.killpg(proc.pid, sig)  # its own session: pgid == pid
         except (ProcessLookupError, PermissionError):
@@ -340,3 +374,5 @@ class Supervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self.forker is not None:
+            self.forker.close()

@@ -1,0 +1,48 @@
+"""`run.fork_services`: which modules the fork server of a local run imports, and its
+start beside the supervisor (forkserver.py, zygote.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from areal_hex.config import ExperimentConfig
+from areal_hex.run_files import RunPaths
+from hexctl.launch.forkserver import ForkServer, loadtime_env
+from hexctl.launch.supervisor import ProcessSpec, Supervisor
+
+
+def preload_modules(cfg: ExperimentConfig) -> list[str]:
+    """What the fork server imports for the services: torch, transformers' model modules,
+    FastAPI and uvicorn, the services' entry modules, and DeepSpeed for a CPU trainer
+    (on a GPU its accelerator would be chosen before the trainer's settings)."""
+    modules = [
+        "torch", "transformers", "transformers.modeling_utils",
+        "transformers.models.qwen3.modeling_qwen3", "fastapi", "uvicorn",
+        "hexctl.cli", "hexctl.cli.serve_cmd", "hexctl.cli.train_cmd", "hexctl.cli.rollout_cmd",
+        "rollout_service.server.main", "rollout_service.controller.wiring",
+        "trainer_service.main",
+    ]  # fmt: skip
+    if cfg.trainer.device == "cpu" and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
+        modules.append("deepspeed")
+    return modules
+
+
+def attach_fork_server(sup: Supervisor, cfg: ExperimentConfig, specs: list[ProcessSpec]) -> None:
+    """With `run.fork_services` on Linux: start the fork server now (it imports while the
+    launcher goes on) with the load-time settings of the first service it will fork."""
+    forked = [s for s in specs if s.fork]
+    if not forked or not sys.platform.startswith("linux"):
+        return
+    env = {**os.environ, **loadtime_env(forked[0].env)}
+    if "deepspeed" in (modules := preload_modules(cfg)):
+        env["DS_ACCELERATOR"] = "cpu"
+    log = RunPaths.of(cfg).log("fork-server")
+    try:
+        forker = ForkServer(cfg.run.run_dir(), modules, env, log)
+    except OSError as exc:
+        sup.events.append((time.time(), "launcher", f"no fork server: {exc}"))
+        return
+    sup.attach(forker)
+    sup.events.append((time.time(), "launcher", "fork server started"))

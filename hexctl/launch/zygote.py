@@ -1,0 +1,209 @@
+"""The fork server's own process: import the services' heavy modules once, then fork
+each service on request (`python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR MODULE...`).
+
+The inference server and the trainer each import torch and transformers' model modules
+(about 3.3 s of CPU each on this project's 2-core machine); forked from one parent that
+has imported them, each child starts with them loaded. The launcher's side is
+`forkserver.py`.
+
+Fork safety: the parent starts no thread and no CUDA context (both are checked after
+the imports; either refuses every request, and the launcher starts plain processes).
+Settings a library reads when it is loaded (OpenMP's wait policy, DeepSpeed's
+accelerator) are the parent's, so the launcher forks only a service whose own settings
+agree (`forkserver.LOADTIME`); the thread counts each child sets itself
+(`apply_threads`).
+
+Each request is a JSON line {argv, env, cwd, log, cpus, launcher}; the reply a JSON line
+{pid} or {error}. A request is served by a short-lived middle process that forks the
+service and exits, so that the service is re-parented to the launcher (a child
+subreaper): the launcher waits for it, signals its group and reads its exit code as it
+does for a process it started itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+PRELOADED_ENV = "AREAL_HEX_PRELOADED"  # set in each forked service's environment
+_PR_SET_PDEATHSIG = 1
+
+
+def apply_threads() -> None:
+    """torch's intra-op threads from this process's OMP_NUM_THREADS, when torch was
+    loaded before it was set (a forked service; a rank run in-process)."""
+    torch = sys.modules.get("torch")
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and raw.isdigit() and int(raw) > 0:
+        torch.set_num_threads(int(raw))
+
+
+def preload(modules: list[str]) -> list[str]:
+    """Import `modules`; returns what failed (a service imports it again itself)."""
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any import error: that module is the child's to load
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failed
+
+
+def fork_unsafe() -> str | None:
+    """Why forking this process now would not be safe, or None."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        threads = threading.active_count()
+    if threads != 1:
+        names = sorted(t.name for t in threading.enumerate())
+        return f"{threads} threads after the imports (Python's: {names})"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised by the imports"
+    return None
+
+
+def _wait_reparented(launcher: int, timeout_s: float = 10.0) -> None:
+    """Until the middle process is gone and this one is the launcher's child."""
+    deadline = time.monotonic() + timeout_s
+    while os.getppid() != launcher:
+        if time.monotonic() > deadline:
+            os._exit(1)  # the launcher is gone
+        time.sleep(0.001)
+
+
+def _die_with_launcher() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _redirect(log: str) -> None:
+    """stdin from /dev/null, stdout and stderr appended to `log`; no other descriptor of
+    the parent stays open."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for fd in [int(f) for f in os.listdir("/proc/self/fd")]:
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _entry(argv: list[str]) -> int:
+    """Run `python -m MODULE ARGS...` in this process; its exit code."""
+    if len(argv) < 3 or argv[1] != "-m":
+        raise ValueError(f"not a `python -m MODULE` command: {argv}")
+    sys.argv = ["", *argv[3:]]
+    try:
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return int(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def child(request: dict[str, Any]) -> None:
+    """The forked service: its session, launcher, logs, cores, directory, environment and
+    threads, then its entry point; never returns."""
+    code = 1
+    try:
+        _wait_reparented(int(request["launcher"]))
+        os.setsid()
+        _die_with_launcher()
+        _redirect(request["log"])
+        if request.get("cpus"):
+            os.sched_setaffinity(0, set(request["cpus"]))
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update({**request["env"], PRELOADED_ENV: "1"})
+        apply_threads()
+        code = _entry(list(request["argv"]))
+        threading_shutdown = getattr(threading, "_shutdown", None)
+        if threading_shutdown is not None:
+            threading_shutdown()  # as at interpreter exit: non-daemon threads finish
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def spawn(request: dict[str, Any]) -> int:
+    """Fork the service of `request` through a middle process; its pid."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(r)
+            pid = os.fork()
+            if pid == 0:
+                os.close(w)
+                child(request)
+            os.write(w, str(pid).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(middle, 0)  # the service is the launcher's child from here
+    if not data:
+        raise OSError("the middle process forked nothing")
+    return int(data)
+
+
+def serve(req_fd: int, rep_fd: int, modules: list[str]) -> int:
+    """Preload, say whether forking is safe, then serve requests until the launcher
+    closes its end."""
+    started = time.process_time()
+    failed = preload(modules)
+    gc.freeze()  # what the imports made is never collected, so its pages stay shared
+    why = fork_unsafe()
+    hello = {"ready": why is None, "why": why, "failed": failed}
+    hello["cpu_s"] = round(time.process_time() - started, 3)
+    with os.fdopen(req_fd, "rb") as requests, os.fdopen(rep_fd, "wb", buffering=0) as replies:
+        replies.write(json.dumps(hello).encode() + b"\n")
+        if why is not None:
+            return 1
+        for line in requests:
+            try:
+                reply: dict[str, Any] = {"pid": spawn(json.loads(line))}
+            except Exception as exc:  # any failure: that start falls back to a process
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            replies.write(json.dumps(reply).encode() + b"\n")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or not argv[0].isdigit() or not argv[1].isdigit():
+        print("usage: python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR [MODULE...]",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return serve(int(argv[0]), int(argv[1]), argv[3:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,139 @@
+"""The fork server (launch/zygote.py, forkserver.py) with the real supervisor: a forked
+service runs its `python -m` entry with its own environment, directory and log, in its
+own session, as the launcher's child; a killed one is forked again; the switch off (or a
+service whose load-time settings differ) gives plain processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hexctl.launch.forkserver import ForkedProcess, ForkServer
+from hexctl.launch.supervisor import ProcessSpec, Supervisor, tail_lines
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+ENTRY = """\
+import os, sys, time
+print("entry", os.environ["MARK"], os.getcwd(), "preloaded" if "json" in sys.modules else "-",
+      "ppid", os.getppid(), "leader", os.getpgrp() == os.getpid(), "args", sys.argv[1:],
+      flush=True)
+if sys.argv[1:] == ["crash-once"] and not os.path.exists("crashed"):
+    open("crashed", "w").close()
+    sys.exit(3)
+if sys.argv[1:] == ["exit", "5"]:
+    sys.exit(5)
+time.sleep(60)
+"""
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    return {"PYTHONPATH": f"{tmp}{os.pathsep}{root}"}
+
+
+def _spec(tmp: Path, name: str, *args: str, **kw: object) -> ProcessSpec:
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    env = {**_env(tmp), "MARK": name}
+    cmd = [sys.executable, "-m", "fork_entry", *args]
+    return ProcessSpec(name, cmd, tmp / f"{name}.log", env, cwd=str(work), fork=True, **kw)  # type: ignore[arg-type]
+
+
+def _supervisor(tmp: Path) -> Supervisor:
+    (tmp / "fork_entry.py").write_text(ENTRY)
+    sup = Supervisor(poll_s=0.05)
+    env = {**os.environ, **_env(tmp)}
+    sup.attach(ForkServer(tmp, ["json"], env, tmp / "fork-server.log", ready_timeout_s=30))
+    return sup
+
+
+def _wait_log(
+    path: Path, text: str, count: int = 1, sup: Supervisor | None = None, timeout_s: float = 20.0
+) -> str:
+    """The log once it holds `text` `count` times (the supervisor restarting meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log = path.read_text() if path.exists() else ""
+        if log.count(text) >= count:
+            return log
+        if sup is not None:
+            assert sup.check() is None
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} x{count} not in {path}: {tail_lines(path)}")
+
+
+@pytest.mark.timeout(60)
+def test_forked_service_runs_its_entry_with_its_env_and_log(tmp_path: Path) -> None:
+    with _supervisor(tmp_path) as sup:
+        m = sup.start(_spec(tmp_path, "inference-0", "a", "b"))
+        assert isinstance(m.proc, ForkedProcess)
+        log = _wait_log(tmp_path / "inference-0.log", "entry inference-0")
+        line = log.splitlines()[-1]
+        # its env, cwd, the parent's imports, the launcher as parent, its own session
+        assert f"entry inference-0 {tmp_path / 'work'} preloaded ppid {os.getpid()}" in line
+        assert "leader True" in line and "['a', 'b']" in line
+        fin = sup.start(_spec(tmp_path, "trainer", "exit", "5", on_exit="finish"))
+        out = sup.watch(timeout_s=20)
+        assert (out.status, out.name, out.returncode) == ("failed", "trainer", 5)
+        assert isinstance(fin.proc, ForkedProcess) and sup.running("inference-0")
+        server = sup.pid("inference-0")
+    assert server is not None and not sup.running("inference-0")
+    assert sup.forker is not None and sup.forker.proc is None  # closed with the supervisor
+
+
+@pytest.mark.timeout(60)
+def test_killed_forked_service_is_forked_again(tmp_path: Path) -> None:
+    with _supervisor(tmp_path) as sup:
+        sup.start(_spec(tmp_path, "inference-0", "crash-once", on_exit="restart"))
+        log_path = tmp_path / "inference-0.log"
+        _wait_log(log_path, "entry inference-0", 2, sup)  # crashed (3), forked again
+        first = sup.pid("inference-0")
+        assert first is not None
+        os.kill(first, signal.SIGKILL)  # bench chaos's fault
+        _wait_log(log_path, "entry inference-0", 3, sup)
+        assert sup.running("inference-0") and sup.pid("inference-0") != first
+        assert isinstance(sup.procs["inference-0"].proc, ForkedProcess)
+        exits = [e for _, n, e in sup.events if n == "inference-0" and e.startswith("exit")]
+        assert exits == ["exit 3", "exit -9"]
+        assert "plain process" not in log_path.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_plain_processes_without_fork_or_with_other_loadtime_env(tmp_path: Path) -> None:
+    with _supervisor(tmp_path) as sup:
+        plain = sup.start(dataclasses.replace(_spec(tmp_path, "controller"), fork=False))
+        other = _spec(tmp_path, "worker-0")
+        other.env["OMP_WAIT_POLICY"] = "ACTIVE"
+        differs = sup.start(other)
+        assert isinstance(plain.proc, subprocess.Popen)
+        assert isinstance(differs.proc, subprocess.Popen)
+        _wait_log(tmp_path / "controller.log", "entry controller")
+        log = _wait_log(tmp_path / "worker-0.log", "entry worker-0")
+        assert "a plain process: its load-time environment differs" in log
+        assert "entry worker-0" in log and " - ppid" in log  # a fresh interpreter
+
+
+@pytest.mark.timeout(60)
+def test_unsafe_parent_falls_back_to_plain_processes(tmp_path: Path) -> None:
+    (tmp_path / "threads_at_import.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+    )
+    sup = _supervisor(tmp_path)
+    assert sup.forker is not None
+    sup.forker.close()
+    env = {**os.environ, **_env(tmp_path)}
+    sup.forker = ForkServer(tmp_path, ["threads_at_import"], env, tmp_path / "fs.log", 30)
+    with sup:
+        m = sup.start(_spec(tmp_path, "inference-0"))
+        assert isinstance(m.proc, subprocess.Popen)
+        assert "2 threads after the imports" in sup.forker.why
+        _wait_log(tmp_path / "inference-0.log", "entry inference-0")
