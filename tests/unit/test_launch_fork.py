@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hexctl.launch.forkserver import ForkedProcess, ForkServer
-from hexctl.launch.supervisor import ProcessSpec, Supervisor, tail_lines
+from hexctl.launch.supervisor import ProcessSpec, Supervisor, live_processes, tail_lines
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -49,7 +49,7 @@ def _spec(tmp: Path, name: str, *args: str, **kw: object) -> ProcessSpec:
 
 def _supervisor(tmp: Path) -> Supervisor:
     (tmp / "fork_entry.py").write_text(ENTRY)
-    sup = Supervisor(poll_s=0.05)
+    sup = Supervisor(poll_s=0.05, pid_file=tmp / "pids.json")
     env = {**os.environ, **_env(tmp)}
     sup.attach(ForkServer(tmp, ["json"], env, tmp / "fork-server.log", ready_timeout_s=30))
     return sup
@@ -80,6 +80,9 @@ def test_forked_service_runs_its_entry_with_its_env_and_log(tmp_path: Path) -> N
         # its env, cwd, the parent's imports, the launcher as parent, its own session
         assert f"entry inference-0 {tmp_path / 'work'} preloaded ppid {os.getpid()}" in line
         assert "leader True" in line and "['a', 'b']" in line
+        # found as the run's process by the run directory on its command line
+        live = live_processes(tmp_path / "pids.json", f"{tmp_path.name}/")
+        assert live["inference-0"] == [sup.pid("inference-0")]
         fin = sup.start(_spec(tmp_path, "trainer", "exit", "5", on_exit="finish"))
         out = sup.watch(timeout_s=20)
         assert (out.status, out.name, out.returncode) == ("failed", "trainer", 5)
@@ -137,3 +140,22 @@ def test_unsafe_parent_falls_back_to_plain_processes(tmp_path: Path) -> None:
         assert isinstance(m.proc, subprocess.Popen)
         assert "2 threads after the imports" in sup.forker.why
         _wait_log(tmp_path / "inference-0.log", "entry inference-0")
+
+
+def test_switch_marks_the_python_services_to_fork(tmp_path: Path) -> None:
+    from areal_hex.config import load_config
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.fork_services import preload_modules
+    from hexctl.launch.run import process_specs
+
+    base = [f"run.output_dir={tmp_path}", "run.run_id=r"]
+    config = tmp_path / "r" / "config.yaml"
+    for switch, want in (("true", True), ("false", False)):
+        cfg = load_config(None, [*base, f"run.fork_services={switch}"])
+        specs = {s.name: s.fork for s in process_specs(cfg, build_layout(cfg), config)}
+        assert specs.pop("redis") is False  # Valkey never waits for the imports
+        assert specs == {"inference-0": want, "controller": want, "trainer": want}
+    cpu = load_config(None, base)
+    assert "deepspeed" in preload_modules(cpu) and "torch" in preload_modules(cpu)
+    gpu = load_config(None, [*base, "trainer.device=cuda"])
+    assert "deepspeed" not in preload_modules(gpu)

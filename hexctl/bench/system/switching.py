@@ -184,6 +184,9 @@ def measured_run(args: argparse.Namespace, name: str, overrides: list[str], out:
     mode = MODES[name]
     extra = [f"run.output_dir={out}", f"run.run_id=switching-{name}", "run.progress=log"]
     extra.append(f"rollout.metrics_interval_s={ROW_S}")
+    # each process's own memory, found by its command line: forked services would share
+    # their parent's pages and carry its command line
+    extra.append("run.fork_services=false")
     lent = lent_overrides(args.config, overrides, mode)
     cfg = load_config(args.config, [*overrides, *lent, *mode.overrides(), *extra])
     fresh_run_dir(cfg.run.run_dir())
