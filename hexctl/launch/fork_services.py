@@ -1,5 +1,5 @@
-"""`run.fork_services`: which modules the fork server of a local run imports, and its
-start beside the supervisor (forkserver.py, zygote.py)."""
+"""`run.fork_services`: which services of a local run are forked, which modules the fork
+server imports for them, and its start beside the supervisor (forkserver.py, zygote.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,17 @@ import time
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.run_files import RunPaths
+from hexctl.job.layout import ServiceSpec
 from hexctl.launch.forkserver import ForkServer, loadtime_env
 from hexctl.launch.supervisor import ProcessSpec, Supervisor
+
+
+def forkable(svc: ServiceSpec) -> bool:
+    """Forked from the fork server (launch/forkserver.py): the servers, the trainer and
+    `areal-hex` workflow tasks, which import torch and transformers. Valkey and the
+    controller need neither: started as plain processes at once, they run on the core the
+    fork server's imports leave idle."""
+    return svc.role in ("inference", "trainer", "worker") and svc.command[:1] == ["areal-hex"]
 
 
 def preload_modules(cfg: ExperimentConfig) -> list[str]:
@@ -20,9 +29,8 @@ def preload_modules(cfg: ExperimentConfig) -> list[str]:
     modules = [
         "torch", "transformers", "transformers.modeling_utils",
         "transformers.models.qwen3.modeling_qwen3", "fastapi", "uvicorn",
-        "hexctl.cli", "hexctl.cli.serve_cmd", "hexctl.cli.train_cmd", "hexctl.cli.rollout_cmd",
-        "rollout_service.server.main", "rollout_service.controller.wiring",
-        "trainer_service.main",
+        "hexctl.cli", "hexctl.cli.serve_cmd", "hexctl.cli.train_cmd",
+        "rollout_service.server.main", "trainer_service.main",
     ]  # fmt: skip
     if cfg.trainer.device == "cpu" and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
         modules.append("deepspeed")

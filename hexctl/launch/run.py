@@ -40,7 +40,7 @@ from hexctl.job.cores import core_groups, lent_services
 from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_layout
 from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
-from hexctl.launch.fork_services import attach_fork_server
+from hexctl.launch.fork_services import attach_fork_server, forkable
 from hexctl.launch.hung import HungServers
 from hexctl.launch.stall import Stalled, StallWatch
 from hexctl.launch.startup_cores import StartupCores
@@ -151,10 +151,7 @@ def process_specs(
                 restart_on_failure=True,
                 max_restarts=cfg.run.max_restarts,
                 cpus=cores,
-                # Valkey's start is short and must not wait for the fork server's imports
-                fork=cfg.run.fork_services
-                and svc.role != "redis"
-                and svc.command[:1] == ["areal-hex"],
+                fork=cfg.run.fork_services and forkable(svc),
             )
         )
     return specs
@@ -247,6 +244,16 @@ def start_services(
     sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
 ) -> None:
     roles = {s.name: s.role for s in layout.services}
+    # a forked service starts once the fork server has imported (seconds): the plain ones
+    # (Valkey and its wait, the controller) go first, beside those imports
+    forked: list[ProcessSpec] = []
+
+    def start(spec: ProcessSpec) -> None:
+        if spec.fork and sup.forker is not None:
+            forked.append(spec)
+        else:
+            sup.start(spec)
+
     by_role: dict[str, list[ProcessSpec]] = {}
     for spec in specs:
         by_role.setdefault(roles[spec.name], []).append(spec)
@@ -256,19 +263,20 @@ def start_services(
     # its connection); with network weight sync the trainer waits for the old manifests
     # to be forgotten
     early = servers + (trainers if cfg.rollout.weight_sync != "network" else [])
-    # Valkey first: a forked service's start waits for the fork server's imports
-    for spec in by_role.get("redis", []) + early:
-        sup.start(spec)
+    for spec in early + by_role.get("redis", []):
+        start(spec)
     for spec in by_role.get("redis", []):
         wait_ready(sup, spec.name, redis_probe(cfg), cfg.run.start_timeout_s)
         sup.events.append((time.time(), spec.name, "ready"))
     for spec in by_role.get("worker", []):  # the workflow's other tasks
-        sup.start(spec)
+        start(spec)
     if cfg.rollout.weight_sync == "network" and (client := _client(cfg)) is not None:
         with contextlib.closing(client):
             forget_weight_groups(client, str(cfg.run.run_id))
     # the controller waits for a healthy server itself
     for spec in [t for t in trainers if t not in early] + by_role.get("controller", []):
+        start(spec)
+    for spec in forked:
         sup.start(spec)
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
