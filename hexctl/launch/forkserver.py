@@ -1,9 +1,10 @@
 """The launcher's side of the fork server (`zygote.py`): start it, ask it for services,
 wait for them as for any child.
 
-`run.fork_services` (on by default for local runs) starts the Python services of a local
-run (inference servers, trainer, controller, `python -m` workflow tasks) from one parent
-that has imported torch, transformers' model modules, FastAPI and DeepSpeed once. Any
+`run.fork_services` (on by default for local runs) starts the services of a local run
+that import torch (inference servers, trainer, `areal-hex` workflow tasks) from one
+parent that has imported torch, transformers' model modules, FastAPI and DeepSpeed once
+(fork_services.py). Any
 failure (the parent not safe to fork, a request refused, the parent gone) starts that
 service as a plain process, as with the switch off.
 """

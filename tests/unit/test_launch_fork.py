@@ -160,3 +160,18 @@ def test_switch_marks_the_python_services_to_fork(tmp_path: Path) -> None:
     assert "deepspeed" in preload_modules(cpu) and "torch" in preload_modules(cpu)
     gpu = load_config(None, [*base, "trainer.device=cuda"])
     assert "deepspeed" not in preload_modules(gpu)
+
+
+@pytest.mark.timeout(60)
+def test_fork_server_gone_gives_plain_processes(tmp_path: Path) -> None:
+    with _supervisor(tmp_path) as sup:
+        first = sup.start(_spec(tmp_path, "inference-0"))
+        assert isinstance(first.proc, ForkedProcess) and sup.forker is not None
+        assert sup.forker.proc is not None
+        sup.forker.proc.kill()  # e.g. the kernel's OOM killer
+        sup.forker.proc.wait()
+        later = sup.start(_spec(tmp_path, "inference-1"))
+        assert isinstance(later.proc, subprocess.Popen)
+        log = _wait_log(tmp_path / "inference-1.log", "entry inference-1")
+        assert "a plain process: the fork server is gone" in log
+        assert sup.running("inference-0")  # the forked one is the launcher's, not its
