@@ -122,6 +122,10 @@ class ForkServer:
                     start_new_session=True,
                     preexec_fn=lifetime.die_with_parent(),
                 )
+        except OSError:
+            self.proc = None
+            self.close()
+            raise
         finally:
             os.close(req_r)
             os.close(rep_w)
