@@ -130,9 +130,11 @@ class ForkServer:
             os.close(req_r)
             os.close(rep_w)
 
-    def accepts(self, env: Mapping[str, str]) -> bool:
-        """Would a service with `env` run as it would as a plain process?"""
-        return loadtime_env(env) == loadtime_env(self.env)
+    def differs(self, env: Mapping[str, str]) -> list[str]:
+        """The load-time settings a service with `env` would not have forked (none: it runs
+        as it would as a plain process)."""
+        mine, its = loadtime_env(self.env), loadtime_env(env)
+        return sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k))
 
     def _line(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s

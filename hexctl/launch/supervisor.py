@@ -234,7 +234,8 @@ class Supervisor:
         argv = spec.command
         if forker is None or not spec.fork or len(argv) < 3 or argv[1] != "-m":
             return None
-        why = None if forker.accepts(env) else "its load-time environment differs"
+        differs = forker.differs(env)
+        why = f"its load-time environment differs ({', '.join(differs)})" if differs else None
         if why is None:
             try:
                 return forker.spawn(argv, env, spec.log_path, spec.cwd, spec.cpus)

@@ -120,7 +120,7 @@ def test_plain_processes_without_fork_or_with_other_loadtime_env(tmp_path: Path)
         assert isinstance(differs.proc, subprocess.Popen)
         _wait_log(tmp_path / "controller.log", "entry controller")
         log = _wait_log(tmp_path / "worker-0.log", "entry worker-0")
-        assert "a plain process: its load-time environment differs" in log
+        assert "a plain process: its load-time environment differs (OMP_WAIT_POLICY)" in log
         assert "entry worker-0" in log and " - ppid" in log  # a fresh interpreter
 
 
