@@ -6,12 +6,13 @@ The inference server and the trainer each import torch and transformers' model m
 has imported them, each child starts with them loaded. The launcher's side is
 `forkserver.py`.
 
-Fork safety: the parent starts no thread and no CUDA context (both are checked after
-the imports; either refuses every request, and the launcher starts plain processes).
-Settings a library reads when it is loaded (OpenMP's wait policy, DeepSpeed's
-accelerator) are the parent's, so the launcher forks only a service whose own settings
-agree (`forkserver.LOADTIME`); the thread counts each child sets itself
-(`apply_threads`).
+Fork safety: the parent starts no thread, no CUDA context and does not load the CUDA
+driver (each is checked after the imports; any refuses every request, and the launcher
+starts plain processes).
+Settings a library reads when it is loaded (OpenMP's wait policy) are the parent's, so
+the launcher forks only a service whose own settings agree (`forkserver.LOADTIME`); the
+thread counts each child sets itself (`apply_threads`). DeepSpeed is imported only for a
+CPU trainer, with the CPU accelerator the trainer sets.
 
 Each request is a JSON line {argv, env, cwd, log, cpus, launcher}; the reply a JSON line
 {pid} or {error}. A request is served by a short-lived middle process that forks the
@@ -73,7 +74,18 @@ def fork_unsafe() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised by the imports"
+    if _cuda_driver_loaded():  # e.g. a device count asked: the driver is not fork-safe
+        return "the CUDA driver was loaded by the imports"
     return None
+
+
+def _cuda_driver_loaded() -> bool:
+    """Is the CUDA driver library mapped into this process (loaded at its first use)?"""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
 
 
 def _wait_reparented(launcher: int, timeout_s: float = 10.0) -> None:
