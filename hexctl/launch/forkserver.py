@@ -46,16 +46,17 @@ def loadtime_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(LOADTIME) and k not in PER_CHILD}
 
 
-def become_subreaper() -> bool:
+def become_subreaper(on: bool = True) -> bool:
     """Make this process the reaper of its orphaned descendants (Linux), so that a service
-    the fork server's middle process leaves is this process's child."""
+    the fork server's middle process leaves is this process's child; `on=False`: no more
+    (a process that runs more than the one supervisor, e.g. a bench)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return False
-    return prctl(_PR_SET_CHILD_SUBREAPER, 1) == 0
+    return prctl(_PR_SET_CHILD_SUBREAPER, int(on)) == 0
 
 
 class ForkedProcess:

@@ -377,3 +377,4 @@ class Supervisor:
         self.stop()
         if self.forker is not None:
             self.forker.close()
+            become_subreaper(False)

@@ -5,6 +5,7 @@ service whose load-time settings differ) gives plain processes."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import signal
@@ -74,7 +75,7 @@ def _wait_log(
 def test_forked_service_runs_its_entry_with_its_env_and_log(tmp_path: Path) -> None:
     with _supervisor(tmp_path) as sup:
         m = sup.start(_spec(tmp_path, "inference-0", "a", "b"))
-        assert isinstance(m.proc, ForkedProcess)
+        assert isinstance(m.proc, ForkedProcess) and _subreaper()
         log = _wait_log(tmp_path / "inference-0.log", "entry inference-0")
         line = log.splitlines()[-1]
         # its env, cwd, the parent's imports, the launcher as parent, its own session
@@ -90,6 +91,13 @@ def test_forked_service_runs_its_entry_with_its_env_and_log(tmp_path: Path) -> N
         server = sup.pid("inference-0")
     assert server is not None and not sup.running("inference-0")
     assert sup.forker is not None and sup.forker.proc is None  # closed with the supervisor
+    assert not _subreaper()  # and this process reaps its orphans no more
+
+
+def _subreaper() -> bool:
+    flag = ctypes.c_int(0)
+    ctypes.CDLL("libc.so.6").prctl(37, ctypes.byref(flag))  # PR_GET_CHILD_SUBREAPER
+    return bool(flag.value)
 
 
 @pytest.mark.timeout(60)
