@@ -6,30 +6,29 @@ in this process (uvicorn on a loopback port, the engine's step-loop thread, one 
 thread); the load generator runs here too, and its thread is not counted. CPU time per
 thread (/proc), not wall time, so a busy machine does not skew it.
 
-    python scripts/engine_step_cpu.py MODEL_DIR [--groups 120] [--repeats 3]
+    python scripts/engine_step_cpu.py MODEL_DIR [--groups 120] [--repeats 3] [--default-heap]
 
 MODEL_DIR: an HF directory of the job's model (a run's weights/v0, or the cached v0).
 Prints one JSON object: per repeat and the median, CPU s per 1000 generated tokens of
 prefill, decode forward, sampling, scheduling (the rest of the step loop), HTTP/JSON
-(the uvicorn thread less the tokenizer) and tokenizer (decoding the outputs' text).
+(the uvicorn thread less the tokenizer) and tokenizer (decoding the outputs' text), and
+the process's minor page faults per 1000 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from cpu_parts import add_heap_flag, answer, one_thread, timed
 
 PARTS = ("prefill", "decode", "sampling", "scheduling", "http_json", "tokenizer")
 
@@ -41,26 +40,21 @@ def _thread_cpu(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            table[name] += time.thread_time() - t0
-
-    return wrapper
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (a fresh mapping faults each page in)."""
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
 def _instrument(table: dict[str, float]) -> None:
     """Time the engine's parts on the thread that runs them."""
     from rollout_service.server import batching, generate_routes, step_loop
 
-    step_loop.batching.prefill_keep = _timed(table, "prefill", batching.prefill_keep)
-    step_loop.batching.decode_step = _timed(table, "decode", batching.decode_step)
-    step_loop.Core._sample = _timed(table, "sampling", step_loop.Core._sample)
-    step_loop.Core.tick = _timed(table, "tick", step_loop.Core.tick)
-    generate_routes.trimmed_text = _timed(table, "tokenizer", generate_routes.trimmed_text)
+    step_loop.batching.prefill_keep = timed(table, "prefill", batching.prefill_keep)
+    step_loop.batching.decode_step = timed(table, "decode", batching.decode_step)
+    step_loop.Core._sample = timed(table, "sampling", step_loop.Core._sample)
+    step_loop.Core.tick = timed(table, "tick", step_loop.Core.tick)
+    generate_routes.trimmed_text = timed(table, "tokenizer", generate_routes.trimmed_text)
 
 
 def _prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
@@ -105,9 +99,11 @@ def _engine_tid(name: str) -> int:
 def _repeat(url: str, server: Any, prompts: list[list[int]], table: dict[str, float]) -> dict:
     ids = {"engine": _engine_tid("engine-scheduler"), "http": server.thread.native_id}
     before = {k: _thread_cpu(v) for k, v in ids.items()}
+    faults = _minor_faults()
     table.clear()
     tokens = asyncio.run(_load(url, prompts, 24, 16))
     cpu = {k: _thread_cpu(v) - before[k] for k, v in ids.items()}
+    faults = _minor_faults() - faults
     t = dict(table)
     per = 1000.0 / tokens
     engine_rest = t["tick"] - t["prefill"] - t["decode"] - t["sampling"]
@@ -122,6 +118,7 @@ def _repeat(url: str, server: Any, prompts: list[list[int]], table: dict[str, fl
     res = {k: round(v * per, 4) for k, v in out.items()}
     res["total"] = round(sum(out.values()) * per, 4)
     res["tokens"] = tokens
+    res["minor_faults"] = round(faults * per)  # the load generator's included
     return res
 
 
@@ -131,16 +128,12 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=120, help="groups per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=0, help="loopback port (0: any free one)")
-    args = p.parse_args()
-    with contextlib.redirect_stdout(sys.stderr):
-        out = _run(args)
-    print(json.dumps(out, indent=1))
+    add_heap_flag(p, "a CPU server")
+    answer(_run, p.parse_args())
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(1)
+    one_thread(args)  # as `serve` runs a CPU server (with --num-threads 1)
     from areal_hex.config import InferenceConfig, ModelConfig
     from rollout_service.server.app import create_app
     from rollout_service.server.main import ServerThread, build_engine, server_settings
@@ -159,7 +152,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.repeats):
             part = prompts[(r + 1) * args.groups : (r + 2) * args.groups]
             runs.append(_repeat(url, server, part, table))
-    median = {k: statistics.median(r[k] for r in runs) for k in (*PARTS, "total")}
+    median = {k: statistics.median(r[k] for r in runs) for k in (*PARTS, "total", "minor_faults")}
     return {"unit": "CPU s per 1000 generated tokens", "median": median, "runs": runs}
 
 
