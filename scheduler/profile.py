@@ -56,7 +56,7 @@ class DeviceRates(Section):
     # waits for its next batch; unmeasured: `train_tokens_per_s`
     train_sync_tokens_per_s: float | None = Field(None, gt=0)
     # ... with each step giving its freed heap back to the OS after the publish, as a
-    # trainer that shares its devices with generation does (`trainer_service/heap.py`:
+    # trainer that shares its devices with generation does (`areal_hex/heap.py`:
     # the trim and the next step's taking the pages again; `profile --local` on a CPU
     # device). A hybrid run's trainer steps at it (`with_heap_trim`); unmeasured: as
     # `train_tokens_per_s`

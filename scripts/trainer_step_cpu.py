@@ -11,30 +11,17 @@ Prints one JSON object: medians over the steps after the warm-up, per phase.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cpu_parts import add_heap_flag, answer, one_thread, timed
+
 PHASES = ("prepare", "forward", "loss", "backward", "optimizer", "publish")
-
-
-def _timed(table: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            table[name] += time.thread_time() - t0
-
-    return wrapper
 
 
 def main() -> None:
@@ -46,26 +33,14 @@ def main() -> None:
     # a README run's rows: ~34 prompt tokens (chat template), ~15 completion tokens
     p.add_argument("--completion", type=int, nargs=2, default=(8, 22), help="length range")
     p.add_argument("--prompt-len", type=int, default=34)
-    p.add_argument(
-        "--default-heap",
-        action="store_true",
-        help="glibc's heap defaults (not keep_heap, which a disaggregated trainer sets)",
-    )
+    add_heap_flag(p, "a disaggregated trainer")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of a step")
-    args = p.parse_args()
-    with contextlib.redirect_stdout(sys.stderr):
-        out = _run(args)
-    print(json.dumps(out, indent=1))
+    answer(_run, p.parse_args())
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
 
-    torch.set_num_threads(1)
-    if not args.default_heap:
-        from trainer_service.heap import keep_heap
-
-        keep_heap()
+    one_thread(args)
     from areal_hex.config import load_config
     from areal_hex.models import load_model
     from trainer_service import step as step_mod
@@ -83,11 +58,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         world=1, max_new_tokens=cfg.rollout.max_new_tokens,
     )  # fmt: skip
     table: dict[str, float] = defaultdict(float)
-    step_mod._prepare = _timed(table, "prepare", step_mod._prepare)
-    step_mod.token_logprobs = _timed(table, "forward", step_mod.token_logprobs)
-    step_mod.policy_loss = _timed(table, "loss", step_mod.policy_loss)
-    engine.backward = _timed(table, "backward", engine.backward)
-    engine.step = _timed(table, "optimizer", engine.step)
+    step_mod._prepare = timed(table, "prepare", step_mod._prepare)
+    step_mod.token_logprobs = timed(table, "forward", step_mod.token_logprobs)
+    step_mod.policy_loss = timed(table, "loss", step_mod.policy_loss)
+    engine.backward = timed(table, "backward", engine.backward)
+    engine.step = timed(table, "optimizer", engine.step)
     vocab = model.config.vocab_size
     rows: list[dict[str, float]] = []
     tmp = Path(tempfile.mkdtemp())

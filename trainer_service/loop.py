@@ -35,10 +35,10 @@ from typing import Any
 from areal_hex.api import Batch, TrajectorySource
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.config.trainer import TrainerConfig
+from areal_hex.heap import trim_heap
 from areal_hex.run_files import RunPaths, TrainerRow, append_row, version_dir
 from trainer_service import checkpoint
 from trainer_service.critic import CHECKPOINT_TAG as CRITIC_TAG
-from trainer_service.heap import trim_heap
 from trainer_service.publish import AsyncPublisher, NetworkSink, Redelivery, full_state_dict
 from trainer_service.step import StepContext, StepResult, optimize
 

@@ -19,6 +19,7 @@ from areal_hex.config import ExperimentConfig, load_config
 from areal_hex.device_kind import device_kind
 from areal_hex.errors import UsageError
 from areal_hex.gc_freeze import defer_collection, freeze_startup
+from areal_hex.heap import keep_heap
 from areal_hex.lifetime import tie_to_launcher
 from areal_hex.prom import (
     BufferCollector,
@@ -30,7 +31,6 @@ from areal_hex.prom import (
 from areal_hex.run_files import STATUS_MARK, RunPaths
 from areal_hex.trackers import open_run_trackers
 from areal_hex.weight_net import Manifest
-from trainer_service.heap import keep_heap
 from trainer_service.loop import Trainer, TrainerPaths
 from trainer_service.publish import NetworkSink
 from trainer_service.reference import reference_model

@@ -40,7 +40,7 @@ class TrainingRates:
     # over the network: seconds of a version's broadcast as the sender saw it (median)
     broadcast_s: float | None = None
     # tokens/s in rounds whose steps each give the freed heap back to the OS after the
-    # publish, as a trainer that shares its devices does (`trainer_service/heap.py`:
+    # publish, as a trainer that shares its devices does (`areal_hex/heap.py`:
     # the trim, and the next step taking the pages again); by default timed on a CPU
     # device, one such round after each of the others
     trim_tokens_per_s: float | None = None
@@ -227,10 +227,10 @@ def receive_versions(inbox: Any, done: Any, parent: int) -> None:
 def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> TrainingRates:
     import tempfile
 
+    from areal_hex.heap import trim_heap
     from areal_hex.models import load_model
     from trainer_service import checkpoint
     from trainer_service.engine import build_engine
-    from trainer_service.heap import trim_heap
     from trainer_service.publish import AsyncPublisher, full_state_dict
     from trainer_service.step import StepContext, optimize
     from trainer_service.synthetic import synthetic_groups

@@ -301,7 +301,10 @@ def select(batch: KVBatch, keep: list[int]) -> KVBatch:
     cap = _room(n)
 
     def cut(t: torch.Tensor) -> torch.Tensor:  # rows `keep`, columns [start, length)
-        return _buffers([(t.narrow(-2, start, n).index_select(0, idx), n)], n, cap)
+        # gathered straight into the new buffer's first n columns: one copy, not two
+        out = t.new_empty((len(keep), *t.shape[1:-2], cap, t.shape[-1]))
+        torch.index_select(t.narrow(-2, start, n), 0, idx, out=out.narrow(-2, 0, n))
+        return out
 
     return KVBatch(
         keys=[cut(k) for k in batch.keys],

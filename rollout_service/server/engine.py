@@ -38,6 +38,7 @@ from rollout_service.server.requests import (
     LogprobSpec,
 )
 from rollout_service.server.step_loop import Core
+from rollout_service.server.wakeups import LoopPost
 from rollout_service.wire import FinishReason, SamplingParamsIn
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None  # set = not paused
+        self._post: LoopPost | None = None  # results onto the event loop
         self._core: Any = None  # the scheduler's state (rollout_service.server.step_loop.Core)
         self.counters = dict.fromkeys(
             ("gen", "prompt", "requests", "aborted", "updates", "prefills", "steps"), 0
@@ -102,10 +104,12 @@ class Engine:
         """Start the step-loop thread; call from the event loop that serves requests."""
 
         self._loop = asyncio.get_running_loop()
+        self._post = LoopPost(self._loop)
         self._gate = asyncio.Event()
         self._gate.set()
         self._core = Core(self)
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+        self._post.owner = self._thread
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -188,15 +192,15 @@ class Engine:
                 "call /resume_memory_occupation first",
                 503,
             )
-        assert self._loop is not None and self._gate is not None, "engine not started"
-        loop = self._loop
-        fut: asyncio.Future[GenRequest] = loop.create_future()
+        assert self._loop is not None and self._post is not None, "engine not started"
+        post = self._post
+        fut: asyncio.Future[GenRequest] = self._loop.create_future()
         req = GenRequest(rid=rid, prompt=list(prompt), sampling=sampling, want=want)
         if sampling.grammar is not None:
             req.grammar = self.grammars.matcher(*sampling.grammar)
-        req.on_done = lambda r: loop.call_soon_threadsafe(_resolve, fut, r)
+        req.on_done = lambda r: post.post(_resolve, fut, r)
         if on_token is not None:
-            req.on_token = lambda r: loop.call_soon_threadsafe(on_token, len(r.output_ids))
+            req.on_token = lambda r: post.post(on_token, len(r.output_ids))
         with self._cv:
             if rid in self._inflight:
                 raise EngineError(f"rid {rid!r}: a request with this id is already in flight")
@@ -454,6 +458,7 @@ class Engine:
 
     def _run(self) -> None:
         core = self._core
+        assert self._post is not None
         while True:
             with self._cv:
                 while not (self._stopping or self._controls or core.has_work(bool(self._waiting))):
@@ -471,9 +476,11 @@ class Engine:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 core.abort_running(f"engine error: {self.last_error}")
             self._n_running = core.num_running()
+            self._post.flush()
         core.abort_running("server is shutting down")
         for req in self.drain_waiting():
             self.finish(req, FinishReason(type="abort", message="server is shutting down"))
+        self._post.flush()
         with self._cv:
             leftover = list(self._controls)
             self._controls.clear()

@@ -16,6 +16,7 @@ from typing import Any
 
 from areal_hex.config import InferenceConfig, ModelConfig
 from areal_hex.config.reward import RewardModelConfig
+from areal_hex.heap import keep_heap
 from areal_hex.net import WaitAborted, wait_until
 from rollout_service.server.app import ServerSettings, create_app
 from rollout_service.server.engine import Engine, EngineOptions
@@ -125,6 +126,10 @@ def serve(model_cfg: ModelConfig, inf: InferenceConfig, port: int, app: Any = No
 
     logging.basicConfig(level=inf.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if app is None:
+        if inf.device == "cpu":
+            # the running batch's KV buffers, made anew at each merge, stay mapped
+            # (a release of the server's memory trims the heap: step_loop.Core.memory)
+            keep_heap()
         app = build_server_app(model_cfg, inf)
         if inf.weights_dir:
             Path(inf.weights_dir).mkdir(parents=True, exist_ok=True)

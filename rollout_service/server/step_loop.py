@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from areal_hex.api import PauseMode
+from areal_hex.heap import trim_heap
 from areal_hex.models import load_weights_in_place
 from rollout_service.server import batching, decoder, grammar, sampling
 from rollout_service.server.batching import KVBatch
@@ -153,6 +154,8 @@ class Core:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             done.append("kv_cache")
+        elif release and trim_heap():  # the freed KV buffers the server's kept heap holds
+            done.append("freed heap")
         return ", ".join(done) or "nothing (CPU device: all of it is host memory)"
 
     def abort(self, rid: str | None, message: str) -> int:

@@ -221,7 +221,7 @@ def test_text_offset_skips_hidden_special_tokens(client: openai.OpenAI, name: st
         seed=3,
         logprobs=0,
         echo=True,
-        logit_bias={str(UNK): 3},
+        logit_bias={str(UNK): 4},
         extra_body={"ignore_eos": True},
     )
     c = res.choices[0]

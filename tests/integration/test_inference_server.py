@@ -158,12 +158,12 @@ async def test_logprobs_match_full_forward(
         assert res.finish_reason == "length" and len(res.output_ids) == n
         want = recompute(models["0"], prompt, res.output_ids, temperature)
         torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
-    if temperature == 0:  # greedy: every token is the argmax, so log-probs are the row max
-        res = results[0]
-        ids = torch.tensor([prompts[0] + res.output_ids])
-        with torch.no_grad():
-            logits = models["0"](ids).logits[0, len(prompts[0]) - 1 : -1]
-        assert logits.argmax(-1).tolist() == res.output_ids
+    if temperature == 0:  # greedy: every token of every request is the full forward's argmax
+        for prompt, res in zip(prompts, results, strict=True):
+            ids = torch.tensor([prompt + res.output_ids])
+            with torch.no_grad():
+                logits = models["0"](ids).logits[0, len(prompt) - 1 : -1]
+            assert logits.argmax(-1).tolist() == res.output_ids
 
 
 async def test_short_request_overtakes_long_one(weights: Path) -> None:

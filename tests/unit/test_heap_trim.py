@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer_service.heap import trim_heap
+from areal_hex.heap import trim_heap
 
 
 def _rss_bytes() -> int:
@@ -33,7 +33,7 @@ def test_freed_heap_below_a_live_block_goes_back_to_the_os() -> None:
 
 _REFAULTS = """
 import resource, sys
-from trainer_service.heap import keep_heap
+from areal_hex.heap import keep_heap
 if sys.argv[1] == "keep":
     assert keep_heap() is True
 def cycle():  # a step's activations: 48 blocks of 1 MiB, written, then all freed

@@ -10,7 +10,10 @@ same activations again, and glibc by default serves blocks above a (self-adjusti
 size from fresh mappings and shrinks the heap's top once enough of it is free, so
 every step faults the same pages in again and the kernel zeroes them: on a small model
 about a tenth of the step's CPU time. `keep_heap` keeps those blocks in the heap and the
-heap's free top in the process. Elsewhere (another C library) both are no-ops."""
+heap's free top in the process. The built-in inference server on CPU keeps its heap as
+well (its running batch's KV buffers are made anew at each merge of new requests) and
+trims it when asked to release its memory. Elsewhere (another C library) both are
+no-ops."""
 
 from __future__ import annotations
 
