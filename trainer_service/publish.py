@@ -119,13 +119,16 @@ class NetworkSink:
     """Version N over the network: rank 0 of the weight-update group, the servers ranks
     1..S. Per version: plan the buckets, leave the manifest for the controller, announce
     N (the controller then pauses the servers and asks each for every bucket in order),
-    join the group if not yet joined (it forms once every server has joined), broadcast
-    bucket by bucket. A failed broadcast (a server gone) drops the group: the next
-    version forms a new one (`group_name` with the next epoch), which the controller
-    sees in the manifest and has the servers join, and the version not delivered is
-    kept in `undelivered` for the trainer to send again (Trainer.redeliver). Each
-    trainer process names its groups with its own `incarnation`, so a restarted
-    trainer never meets servers still in the group of the one that died."""
+    join the group if not yet joined (sized to the members the controller recorded for
+    it, the servers up then: `members`; it forms once they have joined, or fails in
+    `join_timeout_s`), broadcast bucket by bucket. A server that came up since asks
+    for a new group (`regroup_asked`): the next version forms one. A failed broadcast
+    (a server gone) drops the group: the next version forms a new one (`group_name`
+    with the next epoch), which the controller sees in the manifest and has the
+    servers join, and the version not delivered is kept in `undelivered` for the
+    trainer to send again (Trainer.redeliver). Each trainer process names its groups
+    with its own `incarnation`, so a restarted trainer never meets servers still in
+    the group of the one that died."""
 
     master_address: str
     master_port: int
@@ -166,7 +169,7 @@ class NetworkSink:
         # gloo sends host memory; NCCL the device tensors as they are
         if self.backend == "gloo":
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        if self.regroup_wanted():  # a server came up since the group formed
+        if self._group is not None and self.regroup_wanted():  # a server came up since
             log.info("weights v%d: a new group, with every server up now", version)
             self.regroup()
         manifest = Manifest(version, self.group_spec(), plan_buckets(tensors, self.bucket_bytes))

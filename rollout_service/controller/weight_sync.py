@@ -9,8 +9,11 @@ The sequence, across processes:
    `RedisWeightPublisher.set_version`).
    network: plan the buckets, SET the manifest `<run>:weights_manifest:<N>` (the group's
    address and name, each bucket's names, dtypes, shapes: areal_hex/weight_net.py),
-   SET + PUBLISH N with no path; then join the weight-update group as its rank 0 (it
-   forms once every server joined, in step 4) and broadcast bucket after bucket.
+   SET + PUBLISH N with no path; then join the weight-update group as its rank 0 and
+   broadcast bucket after bucket. A new group's size comes from its members, which
+   the controller records in step 4 (`<run>:weights_members:<group>`, set once: the
+   trainer waits `rollout.weight_sync_join_timeout_s` for them, then claims the group
+   empty and forms none); it forms once those have joined.
 2. notify (buffer -> controller): `TrajectoryProducer.watch_versions()` yields N;
    `WeightSync.follow` coalesces versions that arrive during a reload (only the newest
    is loaded next).
@@ -25,8 +28,12 @@ The sequence, across processes:
    server (server side: rollout_service/server/app.py `_weight_routes` ->
    engine.Engine.update_weights -> step_loop.Core reloads between two decode steps and,
    under retract, recomputes).
-   network: read N's manifest; servers not yet in its group join it, all at once
-   (`/init_weights_update_group`, server i as rank 1 + i); then for each bucket in order,
+   network: read N's manifest; a group new to the controller gets as members the
+   servers healthy now (recorded for the trainer, unless already recorded: then the
+   record stands), which join it all at once (`/init_weights_update_group`, member i
+   as rank 1 + i of 1 + members); a healthy server outside the group has the
+   controller ask the trainer for a new one (`<run>:weights_regroup`), which the
+   next version (or this one, sent again at once) forms; then for each bucket in order,
    every server at once `/update_weights_from_distributed` {names, dtypes, shapes,
    group_name} — the server receives the trainer's broadcasts into new tensors
    (engine.Engine.update_weights_from_group) and copies them into the model between two
@@ -45,8 +52,10 @@ The sequence, across processes:
    that no server could load is not the current one for recovery. Over
    the network a server that failed is out of its group: it resumes with the weights it
    has (its tokens carry their version) until the trainer, whose broadcast failed with
-   it, forms the next group (a new `group_name` in the next manifest) and every server
-   joins that one.
+   it (or which the controller asks, as for a server that was not up when the group
+   formed), forms the next group (a new `group_name` in the next manifest) and every
+   server up then joins that one. No join waits for a missing member longer than
+   `rollout.weight_sync_join_timeout_s`.
 """
 
 from __future__ import annotations
