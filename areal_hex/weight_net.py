@@ -218,7 +218,7 @@ class WeightGroup:
             store = open_store(spec, rank, join_s)
         store.set_timeout(datetime.timedelta(seconds=join_s))
         try:
-            pg = _process_group(spec, rank, store, timeout_s, ifname)
+            pg = _process_group(spec, rank, store, timeout_s, join_s, ifname)
         finally:
             store.set_timeout(datetime.timedelta(seconds=timeout_s))
         return cls(spec, rank, pg, store, timeout_s)
@@ -232,6 +232,7 @@ class WeightGroup:
         for t in tensors:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
             works.append(self._pg.broadcast([t], opts))
         for w in works:
             if not w.wait(datetime.timedelta(seconds=self.timeout_s)):
@@ -246,20 +247,21 @@ class WeightGroup:
 
 
 def _process_group(
-    spec: GroupSpec, rank: int, store: Any, timeout_s: float, ifname: str | None
+    spec: GroupSpec, rank: int, store: Any, timeout_s: float, join_s: float, ifname: str | None
 ) -> Any:
-    """The group's gloo or NCCL process group over `store` (under the group's prefix);
-    `timeout_s` bounds each collective: a peer that died fails it, not hangs."""
+    """The group's gloo or NCCL process group over `store` (under the group's prefix).
+    gloo meets every rank here, within `join_s` (its broadcasts carry their own
+    `timeout_s`); NCCL meets them at its first collective: `timeout_s` bounds each
+    collective, so a peer that died fails it, not hangs."""
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(spec.group_name, store)
     if spec.backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timeout
+        nccl_opts._timeout = datetime.timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, nccl_opts)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
+    opts._timeout = datetime.timedelta(seconds=join_s)
     opts._devices = [_gloo_device(spec.master_address, rank, ifname)]
     return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
 

@@ -143,7 +143,7 @@ class NetworkSink:
     members: Callable[[str, float], list[str]] | None = None
     regroup_asked: Callable[[], str | None] = lambda: None
     ranks_per_server: int = 1
-    join_timeout_s: float = 30.0  # the members' record, then the rendezvous
+    join_timeout_s: float | None = None  # the members' record, the rendezvous (timeout_s)
     epoch: int = 0
     last_sync_s: float = 0.0
     failures: int = 0
@@ -209,16 +209,20 @@ class NetworkSink:
         """Join `group` as rank 0, sized to the members the controller recorded for it;
         False when it has none."""
         if self.members is not None:
-            urls = self.members(group.group_name, self.join_timeout_s)
+            urls = self.members(group.group_name, self._join_s)
             if not urls:
                 return False
             group = replace(group, world_size=1 + len(urls) * self.ranks_per_server)
         if self._store is None:
             self._store = open_store(group, 0, self.timeout_s)
         self._group = WeightGroup.join(
-            group, 0, self.timeout_s, self.ifname, self._store, self.join_timeout_s
+            group, 0, self.timeout_s, self.ifname, self._store, self._join_s
         )
         return True
+
+    @property
+    def _join_s(self) -> float:
+        return self.timeout_s if self.join_timeout_s is None else self.join_timeout_s
 
     def regroup_wanted(self) -> bool:
         """Whether the controller asked for a group other than the last one left (a

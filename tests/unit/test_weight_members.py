@@ -151,3 +151,16 @@ def test_a_group_with_no_member_is_not_formed_and_a_regroup_is_due() -> None:
     assert sink.regroup_wanted() and r.due(sink, 1.0)
     asked[0] = "some-older-group"
     assert not sink.regroup_wanted()
+
+
+def test_a_missing_member_fails_the_join_in_the_join_timeout() -> None:
+    """Rank 0 of a group of two whose other member never comes: the rendezvous gives up
+    in `join_timeout_s`, not in the broadcast timeout."""
+    from areal_hex.net import free_port
+    from areal_hex.weight_net import WeightGroup
+
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "areal-hex-weights-alone-0", "gloo")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        WeightGroup.join(spec, 0, timeout_s=120.0, join_timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
