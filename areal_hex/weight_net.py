@@ -18,6 +18,8 @@ import datetime
 import json
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -81,6 +83,35 @@ class Manifest:
 
 def manifest_key(run_id: str, version: int) -> str:
     return f"{run_id}:weights_manifest:{version}"
+
+
+def members_key(run_id: str, group_name: str) -> str:
+    """Where a group's members are recorded: the servers' URLs, in rank order."""
+    return f"{run_id}:weights_members:{group_name}"
+
+
+def regroup_key(run_id: str) -> str:
+    """The group the controller asks the trainer to replace (a server is not in it)."""
+    return f"{run_id}:weights_regroup"
+
+
+def agree_members(
+    get: Callable[[], str | bytes | None],
+    set_if_absent: Callable[[str], object],
+    timeout_s: float,
+    poll_s: float = 0.1,
+) -> list[str]:
+    """The trainer's side of a group's membership: the member list the controller records
+    (the servers healthy when it starts the update), waited for up to `timeout_s`; then
+    the group is claimed empty (set only if still absent, so a controller that records it
+    at the same moment is either read back or finds it taken and joins nobody to it)."""
+    deadline = time.monotonic() + timeout_s
+    while (raw := get()) is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    if raw is None:
+        set_if_absent("[]")
+        raw = get()
+    return [] if raw is None else list(json.loads(raw))
 
 
 # ---------------------------------------------------------------- tensors
@@ -174,26 +205,22 @@ class WeightGroup:
         timeout_s: float,
         ifname: str | None = None,
         store: Any = None,
+        join_timeout_s: float | None = None,
     ) -> WeightGroup:
         """`store`: rank 0's TCPStore from `open_store`, kept across groups (a store
-        made anew on the same port can leave the old listener in the way)."""
-        import torch.distributed as dist
-
+        made anew on the same port can leave the old listener in the way).
+        `join_timeout_s`: how long the rendezvous waits for a missing rank (default
+        `timeout_s`, which bounds every broadcast after it)."""
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} outside the group's world size {spec.world_size}")
-        timeout = datetime.timedelta(seconds=timeout_s)
+        join_s = timeout_s if join_timeout_s is None else join_timeout_s
         if store is None:
-            store = open_store(spec, rank, timeout_s)
-        prefixed = dist.PrefixStore(spec.group_name, store)
-        if spec.backend == "nccl":
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = timeout  # a peer that died fails the collective, not hangs
-            pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, nccl_opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [_gloo_device(spec.master_address, rank, ifname)]
-            pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
+            store = open_store(spec, rank, join_s)
+        store.set_timeout(datetime.timedelta(seconds=join_s))
+        try:
+            pg = _process_group(spec, rank, store, timeout_s, join_s, ifname)
+        finally:
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))
         return cls(spec, rank, pg, store, timeout_s)
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
@@ -205,6 +232,7 @@ class WeightGroup:
         for t in tensors:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
             works.append(self._pg.broadcast([t], opts))
         for w in works:
             if not w.wait(datetime.timedelta(seconds=self.timeout_s)):
@@ -216,6 +244,26 @@ class WeightGroup:
     def close(self) -> None:
         self._pg = None
         self._store = None
+
+
+def _process_group(
+    spec: GroupSpec, rank: int, store: Any, timeout_s: float, join_s: float, ifname: str | None
+) -> Any:
+    """The group's gloo or NCCL process group over `store` (under the group's prefix).
+    gloo meets every rank here, within `join_s` (its broadcasts carry their own
+    `timeout_s`); NCCL meets them at its first collective: `timeout_s` bounds each
+    collective, so a peer that died fails it, not hangs."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(spec.group_name, store)
+    if spec.backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, nccl_opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=join_s)
+    opts._devices = [_gloo_device(spec.master_address, rank, ifname)]
+    return dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
 
 
 def open_store(spec: GroupSpec, rank: int, timeout_s: float) -> Any:

@@ -75,6 +75,7 @@ class FakeServer:
         self.updates: list[tuple[str, int]] = []
         self.aborted: set[str] = set()
         self.groups: dict[str, int] = {}  # weight-update groups joined: name -> rank
+        self.world_sizes: dict[str, int] = {}  # each group's size as it was asked to join
         self.buckets: list[tuple[str, list[str]]] = []  # (group, tensor names) received
         # load from disk as the real server does: a directory without config.json fails
         self.reads_disk = False
@@ -159,6 +160,7 @@ class FakeServer:
     async def init_weights_update_group(self, group: GroupSpec, rank_offset: int) -> None:
         self._check_up()
         self.groups[group.group_name] = rank_offset
+        self.world_sizes[group.group_name] = group.world_size
 
     async def update_weights_from_distributed(
         self,

@@ -235,7 +235,13 @@ class Trainer:
         if tensors is None:
             return
         v = self.state.version
-        why = "not delivered" if sink.undelivered is not None else "no group for long"
+        why = (
+            "not delivered"
+            if sink.undelivered is not None
+            else "a server is not in the group"
+            if sink.regroup_wanted()
+            else "no group for long"
+        )
         print(f"trainer: sending weights v{v} again over the network ({why})", flush=True)
         sink.regroup()  # never the group the servers may hold it from already
         pub.publish_now(v, tensors, via=self.consumer.restore)

@@ -169,8 +169,17 @@ def make_network_sink(cfg: ExperimentConfig) -> NetworkSink | None:
     from urllib.parse import urlparse
 
     from areal_hex.buffer import open_redis
+    from areal_hex.buffer.errors import BUFFER_ERRORS
     from areal_hex.config.checks import weight_sync_backend, weight_sync_ranks_per_server
-    from areal_hex.weight_net import MANIFEST_TTL_S, address_toward, free_port, manifest_key
+    from areal_hex.weight_net import (
+        MANIFEST_TTL_S,
+        address_toward,
+        agree_members,
+        free_port,
+        manifest_key,
+        members_key,
+        regroup_key,
+    )
 
     if cfg.redis.url is None or cfg.run.run_id is None:
         raise UsageError("rollout.weight_sync=network needs redis.url and run.run_id")
@@ -182,15 +191,35 @@ def make_network_sink(cfg: ExperimentConfig) -> NetworkSink | None:
     def put_manifest(m: Manifest) -> None:
         client.set(manifest_key(run_id, m.version), m.to_json(), ex=MANIFEST_TTL_S)
 
+    def members(group_name: str, timeout_s: float) -> list[str]:
+        key = members_key(run_id, group_name)
+        return agree_members(
+            lambda: client.get(key),
+            lambda v: client.set(key, v, nx=True, ex=MANIFEST_TTL_S),
+            timeout_s,
+        )
+
+    def regroup_asked() -> str | None:
+        try:
+            raw = client.get(regroup_key(run_id))
+        except BUFFER_ERRORS:  # asked again once the buffer answers
+            return None
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    rpp = weight_sync_ranks_per_server(cfg)
     return NetworkSink(
         master_address=address,
         master_port=ws.weight_sync_port or free_port(address),
-        server_ranks=len(cfg.inference.urls()) * weight_sync_ranks_per_server(cfg),
+        server_ranks=len(cfg.inference.urls()) * rpp,
         backend=weight_sync_backend(cfg),
         bucket_bytes=int(ws.weight_sync_bucket_mb * 2**20),
         timeout_s=ws.weight_sync_timeout_s,
         put_manifest=put_manifest,
         ifname=ws.weight_sync_ifname,
+        members=members,
+        regroup_asked=regroup_asked,
+        ranks_per_server=rpp,
+        join_timeout_s=ws.weight_sync_join_timeout_s,
     )
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,13 +119,16 @@ class NetworkSink:
     """Version N over the network: rank 0 of the weight-update group, the servers ranks
     1..S. Per version: plan the buckets, leave the manifest for the controller, announce
     N (the controller then pauses the servers and asks each for every bucket in order),
-    join the group if not yet joined (it forms once every server has joined), broadcast
-    bucket by bucket. A failed broadcast (a server gone) drops the group: the next
-    version forms a new one (`group_name` with the next epoch), which the controller
-    sees in the manifest and has the servers join, and the version not delivered is
-    kept in `undelivered` for the trainer to send again (Trainer.redeliver). Each
-    trainer process names its groups with its own `incarnation`, so a restarted
-    trainer never meets servers still in the group of the one that died."""
+    join the group if not yet joined (sized to the members the controller recorded for
+    it, the servers up then: `members`; it forms once they have joined, or fails in
+    `join_timeout_s`), broadcast bucket by bucket. A server that came up since asks
+    for a new group (`regroup_asked`): the next version forms one. A failed broadcast
+    (a server gone) drops the group: the next version forms a new one (`group_name`
+    with the next epoch), which the controller sees in the manifest and has the
+    servers join, and the version not delivered is kept in `undelivered` for the
+    trainer to send again (Trainer.redeliver). Each trainer process names its groups
+    with its own `incarnation`, so a restarted trainer never meets servers still in
+    the group of the one that died."""
 
     master_address: str
     master_port: int
@@ -135,11 +138,18 @@ class NetworkSink:
     timeout_s: float
     put_manifest: Callable[[Manifest], None]
     ifname: str | None = None
+    # the group's members as the controller records them (group name, how long to wait
+    # -> the servers' URLs; None: every planned server), and the group it asks to replace
+    members: Callable[[str, float], list[str]] | None = None
+    regroup_asked: Callable[[], str | None] = lambda: None
+    ranks_per_server: int = 1
+    join_timeout_s: float | None = None  # the members' record, the rendezvous (timeout_s)
     epoch: int = 0
     last_sync_s: float = 0.0
     failures: int = 0
     undelivered: int | None = None  # the version whose broadcast failed last, if any
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    _last_group: str | None = None  # of the last manifest left
     _group: WeightGroup | None = field(default=None, repr=False)
     _store: Any = field(default=None, repr=False)  # the TCPStore, kept across groups
 
@@ -159,16 +169,25 @@ class NetworkSink:
         # gloo sends host memory; NCCL the device tensors as they are
         if self.backend == "gloo":
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        if self._group is not None and self.regroup_wanted():  # a server came up since
+            log.info("weights v%d: a new group, with every server up now", version)
+            self.regroup()
         manifest = Manifest(version, self.group_spec(), plan_buckets(tensors, self.bucket_bytes))
         self.put_manifest(manifest)
+        self._last_group = manifest.group.group_name
         announce(version, "")  # no directory: the weights come over the group
         try:
-            if self._store is None:
-                self._store = open_store(manifest.group, 0, self.timeout_s)
-            if self._group is None:
-                self._group = WeightGroup.join(
-                    manifest.group, 0, self.timeout_s, self.ifname, self._store
+            if self._group is None and not self._form(manifest.group):
+                log.warning(
+                    "weights v%d: no inference server is in group %s; a server that comes "
+                    "up asks for a new one",
+                    version,
+                    manifest.group.group_name,
                 )
+                self.regroup()
+                self.undelivered = None
+                return
+            assert self._group is not None
             for bucket in manifest.buckets:
                 self._group.broadcast([tensors[n] for n in bucket.names])
         except RuntimeError as exc:  # a server left or never joined (c10d's errors)
@@ -186,6 +205,30 @@ class NetworkSink:
         self.undelivered = None
         self.last_sync_s = time.perf_counter() - t0
 
+    def _form(self, group: GroupSpec) -> bool:
+        """Join `group` as rank 0, sized to the members the controller recorded for it;
+        False when it has none."""
+        if self.members is not None:
+            urls = self.members(group.group_name, self._join_s)
+            if not urls:
+                return False
+            group = replace(group, world_size=1 + len(urls) * self.ranks_per_server)
+        if self._store is None:
+            self._store = open_store(group, 0, self.timeout_s)
+        self._group = WeightGroup.join(
+            group, 0, self.timeout_s, self.ifname, self._store, self._join_s
+        )
+        return True
+
+    @property
+    def _join_s(self) -> float:
+        return self.timeout_s if self.join_timeout_s is None else self.join_timeout_s
+
+    def regroup_wanted(self) -> bool:
+        """Whether the controller asked for a group other than the last one left (a
+        server that is up is not in it)."""
+        return self._last_group is not None and self.regroup_asked() == self._last_group
+
     def regroup(self) -> None:
         """Leave the group: the next version (or this one again) forms a new one."""
         self.close()
@@ -201,8 +244,10 @@ class NetworkSink:
 class Redelivery:
     """When rank 0, waiting for a batch, sends its current version over the network
     again (a new group): at once when the last broadcast failed (`NetworkSink.undelivered`),
-    or when no group has arrived for `after_s` — a server that restarted since the last
-    broadcast holds its initial weights, and the controller's gate holds its groups back
+    at once when the controller asks for a new group (a server that came up is not in
+    the last one), or when no group has arrived for `after_s` — a server that restarted
+    since the last broadcast holds its initial weights, and the controller's gate holds
+    its groups back
     until it has the current version. `after_s` starts at `min_s` and is at least three
     times the longest wait between groups seen so far (a slow generation is not taken
     for a lost server); each redelivery doubles it, up to `max_s`."""
@@ -220,6 +265,8 @@ class Redelivery:
         self.after_s = max(self.min_s, 3 * self.longest_gap_s)
 
     def due(self, sink: NetworkSink, now: float) -> bool:
+        if sink.regroup_wanted():
+            return True
         idle = now - self.last_group
         return idle >= (self.min_s / 10 if sink.undelivered is not None else self.after_s)
 

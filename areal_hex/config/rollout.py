@@ -77,12 +77,15 @@ class RolloutConfig(Section):
     # from the manifest), the network interface gloo uses (None: GLOO_SOCKET_IFNAME, else
     # the address's); then, for the network mode, the bucket size (one
     # /update_weights_from_distributed call each) and how long a group may take to form
-    # or a bucket to arrive.
+    # or a bucket to arrive; how long the members of a new group (the servers healthy
+    # when the controller starts its update, recorded in Redis) take to be agreed and to
+    # meet: a member that does not come fails the group in that time, not the above.
     weight_sync: WeightSyncMode = "disk"
     weight_sync_address: str | None = None
     weight_sync_port: int | None = Field(None, gt=0, lt=65536)
     weight_sync_ifname: str | None = None
     weight_sync_bucket_mb: float = Field(512.0, gt=0)
     weight_sync_timeout_s: float = Field(300.0, gt=0)
+    weight_sync_join_timeout_s: float = Field(30.0, gt=0)
 
     _reward = field_validator("reward", mode="before")(check_reward_spec)

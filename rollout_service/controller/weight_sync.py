@@ -9,8 +9,11 @@ The sequence, across processes:
    `RedisWeightPublisher.set_version`).
    network: plan the buckets, SET the manifest `<run>:weights_manifest:<N>` (the group's
    address and name, each bucket's names, dtypes, shapes: areal_hex/weight_net.py),
-   SET + PUBLISH N with no path; then join the weight-update group as its rank 0 (it
-   forms once every server joined, in step 4) and broadcast bucket after bucket.
+   SET + PUBLISH N with no path; then join the weight-update group as its rank 0 and
+   broadcast bucket after bucket. A new group's size comes from its members, which
+   the controller records in step 4 (`<run>:weights_members:<group>`, set once: the
+   trainer waits `rollout.weight_sync_join_timeout_s` for them, then claims the group
+   empty and forms none); it forms once those have joined.
 2. notify (buffer -> controller): `TrajectoryProducer.watch_versions()` yields N;
    `WeightSync.follow` coalesces versions that arrive during a reload (only the newest
    is loaded next).
@@ -25,8 +28,12 @@ The sequence, across processes:
    server (server side: rollout_service/server/app.py `_weight_routes` ->
    engine.Engine.update_weights -> step_loop.Core reloads between two decode steps and,
    under retract, recomputes).
-   network: read N's manifest; servers not yet in its group join it, all at once
-   (`/init_weights_update_group`, server i as rank 1 + i); then for each bucket in order,
+   network: read N's manifest; a group new to the controller gets as members the
+   servers healthy now (recorded for the trainer, unless already recorded: then the
+   record stands), which join it all at once (`/init_weights_update_group`, member i
+   as rank 1 + i of 1 + members); a healthy server outside the group has the
+   controller ask the trainer for a new one (`<run>:weights_regroup`), which the
+   next version (or this one, sent again at once) forms; then for each bucket in order,
    every server at once `/update_weights_from_distributed` {names, dtypes, shapes,
    group_name} — the server receives the trainer's broadcasts into new tensors
    (engine.Engine.update_weights_from_group) and copies them into the model between two
@@ -45,8 +52,10 @@ The sequence, across processes:
    that no server could load is not the current one for recovery. Over
    the network a server that failed is out of its group: it resumes with the weights it
    has (its tokens carry their version) until the trainer, whose broadcast failed with
-   it, forms the next group (a new `group_name` in the next manifest) and every server
-   joins that one.
+   it (or which the controller asks, as for a server that was not up when the group
+   formed), forms the next group (a new `group_name` in the next manifest) and every
+   server up then joins that one. No join waits for a missing member longer than
+   `rollout.weight_sync_join_timeout_s`.
 """
 
 from __future__ import annotations
@@ -55,47 +64,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from areal_hex.api import GenerationClient, PauseMode, TrajectoryProducer
 from areal_hex.config.rollout import UpdatePause
 from areal_hex.run_files import version_dir, versions_in
-from areal_hex.weight_net import GroupSpec, Manifest
+from areal_hex.weight_net import GroupSpec
 from rollout_service.controller.dispatch import SERVER_ERRORS, Dispatcher, ServerState
+from rollout_service.controller.network_source import NetworkSource
 
 log = logging.getLogger(__name__)
-
-
-class NetworkSource:
-    """Where versions sent over the network are described: their manifests (left by the
-    trainer in the buffer's Redis), read with `read(version)`, which returns None until
-    the manifest is there; `manifest` waits for it up to `timeout_s`."""
-
-    def __init__(
-        self,
-        read: Callable[[int], Awaitable[Manifest | None]],
-        ranks_per_server: int = 1,
-        timeout_s: float = 300.0,
-        poll_s: float = 0.2,
-    ) -> None:
-        self.read = read
-        self.ranks_per_server = ranks_per_server
-        self.timeout_s = timeout_s
-        self.poll_s = poll_s
-
-    async def manifest(
-        self, version: int, superseded: Callable[[], bool] = lambda: False
-    ) -> Manifest | None:
-        """N's manifest, waiting for it up to `timeout_s`, or None once `superseded()`
-        (a newer version was announced: a trainer that died before leaving N's manifest,
-        or whose manifests the launcher cleared, never will)."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            m = await self.read(version)
-            if m is not None or time.monotonic() >= deadline or superseded():
-                return m
-            await asyncio.sleep(self.poll_s)
 
 
 class UpdateGate:
@@ -343,17 +323,15 @@ class WeightSync:
             return servers
         members = [s for s in servers if self.joined.get(s.client.base_url) == group.group_name]
         if group.group_name not in self.joined.values():
-            # a new group forms only with every rank: all servers join together
-            fresh = [s for s in servers if s not in members]
-            fresh = await self._phase(fresh, "join", lambda s: self._join(s, group))
-            members += fresh
-        elif len(members) < len(servers):
+            members = await self._join_new(servers, group)
+        if len(members) < len(servers):
             log.warning(
                 "%d server(s) are not in weight group %s: they keep their weights until "
-                "the next group",
+                "the next group, asked for now",
                 len(servers) - len(members),
                 group.group_name,
             )
+            await self.network.ask_regroup(group.group_name)
         last = len(manifest.buckets) - 1
         for i, bucket in enumerate(manifest.buckets):
             tag = version if i == last else None
@@ -369,7 +347,23 @@ class WeightSync:
         # every server that did not fail goes on, in the group or not
         return [s for s in servers if s.healthy]
 
-    async def _join(self, server: ServerState, group: GroupSpec) -> None:
+    async def _join_new(self, servers: list[ServerState], group: GroupSpec) -> list[ServerState]:
+        """A new group: its members are the servers up now (`servers`), unless the group
+        already has members recorded (the trainer, tired of waiting, found none; or an
+        earlier update recorded them); they join together, each at its rank among the
+        members, in a group sized to them."""
+        assert self.network is not None
+        rpp = self.network.ranks_per_server
+        urls = await self.network.record(group.group_name, [s.client.base_url for s in servers])
+        sized = replace(group, world_size=1 + len(urls) * rpp)
+        chosen = [s for s in servers if s.client.base_url in urls]
+        return await self._phase(
+            chosen,
+            "join",
+            lambda s: self._join(s, sized, 1 + urls.index(s.client.base_url) * rpp),
+        )
+
+    async def _join(self, server: ServerState, group: GroupSpec, rank: int) -> None:
         url = server.client.base_url
         old = self.joined.pop(url, None)
         if old is not None:  # leave the broken group first (best effort: it may be gone)
@@ -377,13 +371,8 @@ class WeightSync:
                 await server.client.destroy_weights_update_group(old)
             except SERVER_ERRORS as exc:
                 log.info("%s: leaving weight group %s: %s", url, old, exc)
-        await server.client.init_weights_update_group(group, self.network_rank(server))
+        await server.client.init_weights_update_group(group, rank)
         self.joined[url] = group.group_name
-
-    def network_rank(self, server: ServerState) -> int:
-        """Server i's first rank in the weight-update group (the trainer is rank 0)."""
-        assert self.network is not None
-        return 1 + self.dispatcher.servers.index(server) * self.network.ranks_per_server
 
     async def _phase(
         self,
@@ -422,6 +411,7 @@ class WeightSync:
                     )
                     self._serve(held)
                 if held is not None and held < self.gate.version:
+                    await self._ask_regroup()
                     await self._catch_up(server.client.base_url, left)
             elif self.applied is not None:
                 version, path = self.applied
@@ -429,6 +419,14 @@ class WeightSync:
                 if await server.client.weight_version() != version:
                     await self._reload(server, version, path)
             await server.client.resume()
+
+    async def _ask_regroup(self) -> None:
+        """Ask the trainer for a new group in place of the current version's (a server
+        that came back is not in it); the trainer sends the version again over it."""
+        assert self.network is not None
+        manifest = await self.network.read(self.gate.version)
+        if manifest is not None:
+            await self.network.ask_regroup(manifest.group.group_name)
 
     async def _catch_up(self, server_url: str, left: str | None) -> None:
         """A version announced (or sent again) while a server was down waits, in a group

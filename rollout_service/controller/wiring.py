@@ -107,11 +107,20 @@ async def give_back(producer: RedisTrajectoryProducer) -> None:
 
 
 def network_source(cfg: ExperimentConfig, redis_client: Any) -> NetworkSource | None:
-    """rollout.weight_sync=network: the manifests the trainer leaves in Redis."""
+    """rollout.weight_sync=network: the manifests the trainer leaves in Redis, and each
+    group's members recorded there for it (set once: the first record stands)."""
     if cfg.rollout.weight_sync != "network":
         return None
+    import json
+
     from areal_hex.config.checks import weight_sync_ranks_per_server
-    from areal_hex.weight_net import Manifest, manifest_key
+    from areal_hex.weight_net import (
+        MANIFEST_TTL_S,
+        Manifest,
+        manifest_key,
+        members_key,
+        regroup_key,
+    )
     from rollout_service.controller.weight_sync import NetworkSource
 
     run_id = cfg.run.run_id
@@ -121,8 +130,21 @@ def network_source(cfg: ExperimentConfig, redis_client: Any) -> NetworkSource | 
         raw = await redis_client.get(manifest_key(run_id, version))
         return None if raw is None else Manifest.from_json(raw)
 
+    async def record(group_name: str, urls: list[str]) -> list[str]:
+        key = members_key(run_id, group_name)
+        await redis_client.set(key, json.dumps(urls), nx=True, ex=MANIFEST_TTL_S)
+        raw = await redis_client.get(key)
+        return [] if raw is None else list(json.loads(raw))
+
+    async def ask_regroup(group_name: str) -> None:
+        await redis_client.set(regroup_key(run_id), group_name, ex=MANIFEST_TTL_S)
+
     return NetworkSource(
-        read, weight_sync_ranks_per_server(cfg), timeout_s=cfg.rollout.weight_sync_timeout_s
+        read,
+        weight_sync_ranks_per_server(cfg),
+        timeout_s=cfg.rollout.weight_sync_timeout_s,
+        record=record,
+        ask_regroup=ask_regroup,
     )
 
 

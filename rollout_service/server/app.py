@@ -52,7 +52,8 @@ class ServerSettings:
     # characters of one text prompt, checked before tokenizing (None: 32 per context token)
     max_prompt_chars: int | None = None
     served_model_name: str | None = None  # the OpenAI `model` id; default: the model path
-    weights_group_timeout_s: float = 300.0  # joining a weight group, receiving a bucket
+    weights_group_timeout_s: float = 300.0  # receiving a bucket
+    weights_join_timeout_s: float = 30.0  # joining a weight group: every rank meets in it
 
     def prompt_chars(self, context_length: int) -> int:
         return self.max_prompt_chars or prompts.default_max_chars(context_length)
@@ -209,10 +210,15 @@ def _network_weight_routes(app: FastAPI) -> None:
             group_name=body.group_name,
             backend=body.backend,
         )
-        timeout = request.app.state.settings.weights_group_timeout_s
+        settings = request.app.state.settings
         engine: Engine = request.app.state.engine
         return await _answer(
-            engine.init_weights_group(spec, body.rank_offset, timeout),
+            engine.init_weights_group(
+                spec,
+                body.rank_offset,
+                settings.weights_group_timeout_s,
+                settings.weights_join_timeout_s,
+            ),
             f"joined {body.group_name!r} as rank {body.rank_offset} of {body.world_size}",
         )
 

@@ -280,9 +280,12 @@ class Engine:
         return int(await self._control("reload", path=path, version=version, abort_all=abort_all))
 
     # ------------------------------------------------------------------ weights over the network
-    async def init_weights_group(self, spec: GroupSpec, rank: int, timeout_s: float) -> None:
+    async def init_weights_group(
+        self, spec: GroupSpec, rank: int, timeout_s: float, join_timeout_s: float | None = None
+    ) -> None:
         """Join the weight-update group `spec.group_name` as `rank` (blocks until every
-        rank has joined; EngineError after `timeout_s`). Joining the group this server
+        rank has joined; EngineError after `join_timeout_s`; `timeout_s` bounds each
+        bucket's broadcast). Joining the group this server
         is already in, as the same rank, succeeds at once: a controller that lost track
         of it (restarted, or it saw this server fail) asks again."""
         async with self._group_lock:
@@ -297,7 +300,9 @@ class Engine:
             if spec.backend == "nccl" and not self.opts.device.startswith("cuda"):
                 raise EngineError("backend 'nccl' needs a CUDA server; this one runs on CPU")
             try:
-                group = await asyncio.to_thread(WeightGroup.join, spec, rank, timeout_s)
+                group = await asyncio.to_thread(
+                    WeightGroup.join, spec, rank, timeout_s, None, None, join_timeout_s
+                )
             except (RuntimeError, ValueError, OSError) as exc:  # c10d's errors are RuntimeErrors
                 msg = f"failed to join weight group {spec.group_name!r}: {exc}"
                 raise EngineError(msg) from None
