@@ -76,14 +76,20 @@ def test_up_shapes_links_and_quotas_then_down_leaves_nothing(tmp_path: Path) -> 
         assert all(0.0 < r <= 0.3 * 1.25 + 0.05 for r in state.cpu_check.values())
         # the speed sample runs under the node's quota: well under its free speed
         speeds = box_speed.node_speed([a, b], seconds=0.5)
-        free = subprocess.run(
-            [sys.executable, "-c", box_speed._WORK, "0.5"],
-            capture_output=True,
-            text=True,
-            check=True,
+        # free speed: the best of three samples (another test's processes share the cores)
+        free = max(
+            float(
+                subprocess.run(
+                    [sys.executable, "-c", box_speed._WORK, "0.5"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.split()[0]
+            )
+            for _ in range(3)
         )
         assert set(speeds) == {"slow-0", "slow-1"}
-        assert all(0 < v < 2 * 0.3 * float(free.stdout.split()[0]) for v in speeds.values())
+        assert all(0 < v < 2 * 0.3 * free for v in speeds.values()), (speeds, free)
         assert box.prefix(spec.name) in _tc_devices()
     finally:
         box.down(spec.name)
