@@ -98,8 +98,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def collect_versions(weights_dir: str | Path, keep: int) -> list[Path]:
-    """Delete version directories beyond the newest `keep` (never v0); returns removed."""
+def collect_versions(weights_dir: str | Path, keep: int, current: int | None = None) -> list[Path]:
+    """Delete version directories beyond the newest `keep` (never v0); returns removed.
+
+    With `current` (the version just written), versions above it are deleted first: they
+    were published by a trainer that died after its last checkpoint, and a resumed one
+    writes its restored version below them. Left there, they would push that version out
+    of the newest `keep` the moment it is written (the servers would find it gone), and a
+    restarted server would load weights the buffer no longer counts."""
     root = Path(weights_dir)
     found = sorted(
         (int(m.group(1)), p)
@@ -107,10 +113,12 @@ def collect_versions(weights_dir: str | Path, keep: int) -> list[Path]:
         if p.is_dir() and (m := _VERSION_DIR.match(p.name))
     )
     removed = []
-    for v, p in found[:-keep] if keep < len(found) else []:
-        if v != 0:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+    if current is not None:
+        removed = [p for v, p in found if v > current]
+        found = [(v, p) for v, p in found if v <= current]
+    removed += [p for v, p in (found[:-keep] if keep < len(found) else []) if v != 0]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
     return removed
 
 
@@ -357,7 +365,7 @@ class AsyncPublisher:
             if announce:
                 self.announce(version, str(path.resolve()))
             self.published.append(version)
-            collect_versions(self.weights_dir, self.keep)
+            collect_versions(self.weights_dir, self.keep, current=version)
         except BaseException as exc:  # surfaced on the training thread by wait()
             self._error = exc
 

@@ -132,6 +132,35 @@ def test_collect_versions_keeps_newest_and_v0(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [".v11.tmp-1", "v0", "v10", "v3"]
 
 
+def test_collect_versions_drops_a_dead_lineage_above_the_current(tmp_path: Path) -> None:
+    """A trainer resumed at v5 after its predecessor published up to v16: v5 stays (it is
+    the version the servers are told to load), the dead lineage's v14-v16 go."""
+    for v in (0, 5, 14, 15, 16):
+        (tmp_path / f"v{v}").mkdir()
+    removed = collect_versions(tmp_path, keep=3, current=5)
+    assert sorted(p.name for p in removed) == ["v14", "v15", "v16"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0", "v5"]
+
+
+def test_publisher_republishing_below_newer_versions_keeps_its_own(tmp_path: Path) -> None:
+    from areal_hex.config import ModelConfig, TinyModelConfig
+    from areal_hex.models import load_model, materialize
+    from trainer_service.publish import AsyncPublisher
+
+    src = materialize(ModelConfig(tiny=TinyModelConfig(num_layers=1)), tmp_path / "model")
+    weights = tmp_path / "weights"
+    for v in (14, 15, 16):
+        (weights / f"v{v}").mkdir(parents=True)
+        (weights / f"v{v}" / "config.json").write_text("{}")
+    announced: list[tuple[int, str]] = []
+    pub = AsyncPublisher(weights, src, 3, lambda v, p: announced.append((v, p)))
+    tensors = {n: p.detach() for n, p in load_model(src).named_parameters()}
+    pub.publish_now(5, tensors)
+    assert sorted(p.name for p in weights.iterdir()) == ["v5"]
+    assert (weights / "v5" / "config.json").is_file()
+    assert announced == [(5, str((weights / "v5").resolve()))]
+
+
 def test_resume_picks_newest_complete(tmp_path: Path) -> None:
     for s in (2, 4, 6):
         (tmp_path / f"step{s}").mkdir()
