@@ -156,6 +156,7 @@ def test_bench_modes_box_refuses_in_seconds(
         (["--profile-dir", str(tmp_path)], "--profile-dir without --box"),
         (["--box", solo, "--budget", "-1"], "--budget -1: expected a positive"),
         (["--box", solo, "--budget", "2", "--profile-first"], "--profile-first is for this"),
+        (["--box", solo, "--budget", "2", "--profile-fresh"], "--profile-fresh is for this"),
         (["--box", solo, "--budget", "2", "--profile-dir", str(tmp_path)], "no profile.yaml"),
         (["--box", solo, "--budget", "2", "--steps", "0"], "--steps 0: expected 1 or more"),
         (["--box", solo, "--budget", "2", "--modes", "colocated-eager"], "unknown colocated-eager"),

@@ -3,6 +3,7 @@ the config accepts, and a colocated plan's shared devices."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -384,3 +385,21 @@ def test_bench_modes_measures_a_window_as_the_runs_summary_does(tmp_path: Path) 
     assert got == measured_rates(metrics, rollout, 4, 3).__dict__
     assert got["pipeline_samples_per_s"] == pytest.approx(24 / 1.5)  # steps 3 -> 6
     assert window_rates(tmp_path, 4, 1)["pipeline_samples_per_s"] == pytest.approx(40 / 2.5)
+
+
+def test_profile_fresh_keeps_its_profile_to_the_invocation(tmp_path: Path, monkeypatch) -> None:
+    """`bench modes --profile-fresh`: the modes look profiles up under the invocation's
+    own cache (the first measures one, the rest reuse it); the machine's is untouched."""
+    from hexctl.bench.system.modes import invocation_cache
+    from hexctl.job.v0_cache import cache_root
+
+    monkeypatch.setenv("AREAL_HEX_CACHE_DIR", str(tmp_path / "machine"))
+    with invocation_cache(tmp_path / "scratch" / "cache"):
+        assert cache_root() == tmp_path / "scratch" / "cache"
+    assert cache_root() == tmp_path / "machine"
+    with invocation_cache(None):
+        assert cache_root() == tmp_path / "machine"
+    monkeypatch.delenv("AREAL_HEX_CACHE_DIR")
+    with invocation_cache(tmp_path / "c"):
+        assert cache_root() == tmp_path / "c"
+    assert "AREAL_HEX_CACHE_DIR" not in os.environ

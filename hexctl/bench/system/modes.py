@@ -13,7 +13,9 @@ README run's are the same measure; each mode also reports the components it meas
 there (training, generation, weight-sync pause) beside those predicted. Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
 the machine's one profile of the job (`run.profile_first`: the config's unless overridden;
-`--profile-first` takes it where this machine has none, before the first mode): every
+`--profile-first` takes it where this machine has none, before the first mode;
+`--profile-fresh` measures one for this invocation only, so that the predictions price
+the machine as it is while the modes run, not as it was when it was cached): every
 mode keys the same profile (`hexctl/profile/cache.py:profiled_job`), the colocated run
 priced from its rates on every core. The planner's pick is the mode with the highest
 prediction; `unpredicted` names the modes without one (the pick is then over the rest)."""
@@ -21,6 +23,9 @@ prediction; `unpredicted` names the modes without one (the pick is then over the
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile-first",
         action="store_true",
         help="profile this machine for each mode's job where it has no profile yet",
+    )
+    p.add_argument(
+        "--profile-fresh",
+        action="store_true",
+        help="measure the profile anew at the start of this invocation, for its modes only"
+        " (the machine's cached profile is neither used nor replaced): every prediction"
+        " then prices the machine as it is while the modes run",
     )
     p.add_argument("--output-dir", default=None, help="keep the run directories here")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
@@ -176,6 +188,24 @@ def run_mode(
 COMPONENTS = ("generation_samples_per_s", "training_samples_per_s", "weight_sync_s")
 
 
+@contextmanager
+def invocation_cache(root: Path | None) -> Iterator[None]:
+    """With `root`, profiles are looked up and kept under it while the modes run (the
+    first mode measures one; the others reuse it); without, the machine's cache."""
+    if root is None:
+        yield
+        return
+    before = os.environ.get("AREAL_HEX_CACHE_DIR")
+    os.environ["AREAL_HEX_CACHE_DIR"] = str(root)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("AREAL_HEX_CACHE_DIR", None)
+        else:
+            os.environ["AREAL_HEX_CACHE_DIR"] = before
+
+
 def window_rates(run_dir: Path, group_size: int, from_step: int) -> dict[str, float | None]:
     """The run's rates from step `from_step` to its last, as its summary's fidelity
     block measures them: the pipeline's and each component's."""
@@ -206,8 +236,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with scratch_dir("areal-hex-bench-modes-", args.output_dir) as out:
         v0 = initial_weights(args.config, overrides, Path(out) / "initial")
         overrides.append(f"model.path={v0}")
-        for name in names:
-            runs[name] = run_mode(args.config, overrides, name, out, args.profile_first)
+        with invocation_cache(Path(out) / "cache" if args.profile_fresh else None):
+            for name in names:
+                first = args.profile_first or args.profile_fresh
+                runs[name] = run_mode(args.config, overrides, name, out, first)
         # the same window in every run: after the async run's head start of η + 1 steps
         skip = max(int(r["max_staleness"] or 0) for r in runs.values()) + 1
         for r in runs.values():

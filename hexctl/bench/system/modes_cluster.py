@@ -106,11 +106,15 @@ def check_box_arguments(args: argparse.Namespace) -> None:
         raise UsageError("bench modes --box: expected --budget B ($/h every plan is made at)")
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise UsageError(f"--budget {args.budget:g}: expected a positive number of $/h")
-    if args.profile_first:
-        raise UsageError(
-            "bench modes --box: --profile-first is for this machine; a box is profiled by "
-            "the bench itself (or reused with --profile-dir)"
-        )
+    for flag, given in (
+        ("--profile-first", args.profile_first),
+        ("--profile-fresh", args.profile_fresh),
+    ):
+        if given:
+            raise UsageError(
+                f"bench modes --box: {flag} is for this machine; a box is profiled by "
+                "the bench itself (or reused with --profile-dir)"
+            )
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected 1 or more")
     if args.profile_dir is not None and not (Path(args.profile_dir) / "profile.yaml").is_file():
