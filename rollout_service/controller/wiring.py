@@ -169,10 +169,12 @@ def reference_scorer(cfg: ExperimentConfig) -> ReferenceScorer | None:
 async def wait_for_servers(dispatcher: Dispatcher, rollout: RolloutConfig) -> int:
     """The servers `rollout.wait_for_servers` names, healthy: the first one, or every one
     configured (`all`). A server counts once its probe's recovery has run
-    (`WeightSync.recover`: one behind the current weights loads them, or asks for the
-    next weight group), so with `all` no group starts before every planned server holds
-    the current weights. Past `rollout.startup_timeout_s`, TimeoutError naming the
-    servers that never came up. Returns how many are healthy."""
+    (`WeightSync.recover`: one behind the weights the controller serves loads them, or
+    asks for the next weight group), so with `all` the first group starts with every
+    planned server up and on the weights the others hold (a version published before
+    the controller started reaches them all at once: `WeightSync.follow`). Past
+    `rollout.startup_timeout_s`, TimeoutError naming the servers that never came up.
+    Returns how many are healthy."""
     need = len(dispatcher.servers) if rollout.wait_for_servers == "all" else 1
     try:
         return await dispatcher.wait_healthy(rollout.startup_timeout_s, min_servers=need)
