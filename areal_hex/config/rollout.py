@@ -20,6 +20,9 @@ WeightSyncMode = Literal["disk", "network"]
 # are `areal_hex.api.PauseMode`, the mode every layer below carries.
 UpdatePause = Literal["auto", "abort", "retract", "in_place"]
 
+# The servers the controller waits for at start (`RolloutConfig.wait_for_servers`).
+WaitForServers = Literal["first", "all"]
+
 
 class RolloutConfig(Section):
     group_size: int = Field(4, gt=0)
@@ -58,7 +61,13 @@ class RolloutConfig(Section):
     metrics_port: int | None = Field(None, ge=0, lt=65536)
     # Seconds between health probes of unhealthy servers.
     probe_interval_s: float = Field(2.0, gt=0)
-    # How long `areal-hex rollout` waits at start for the first healthy server.
+    # Which inference servers the controller waits for before it makes its first group:
+    # "first" (the first healthy one; the others join as they come up) or "all" (every
+    # configured server healthy and holding the current weights: a run that measures its
+    # plan, such as `bench hetero`'s, generates on the servers it planned from the start).
+    wait_for_servers: WaitForServers = "first"
+    # How long `areal-hex rollout` waits at start for the servers `wait_for_servers`
+    # names; past it the controller ends, naming the servers that never came up.
     startup_timeout_s: float = Field(600.0, gt=0)
     # What a weight update does to the requests in flight. "abort": they end with their
     # partial output and are resent (SGLang's way; each token tagged with the version of

@@ -2,7 +2,8 @@
 
 Order: run directory and resolved config (prepare.py), v0 weights, the inference servers,
 the trainer and Valkey together, then (Valkey answering) the controller (the launcher
-waits for the servers' /health; the controller for one healthy server). The run ends
+waits for the servers' /health; the controller for one healthy server, or for every one
+with `rollout.wait_for_servers=all`). The run ends
 when the trainer finishes its last step (then the controller, servers and Valkey are
 stopped, in that order, and the report is written), on Ctrl-C / SIGTERM, or when a
 process fails for good (its last log lines are printed and the exit code is 1), or when

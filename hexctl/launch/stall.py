@@ -2,11 +2,13 @@
 `run.stall_after_s` while its processes are alive is reported, saying which side waits
 for what, and (`run.stop_on_stall`) stopped with a resume hint.
 
-The clock starts when the services are ready and starts again at each completed step and
-at each (re)start of a process (a restarted trainer loads its model and checkpoint
-again before it can step). The diagnosis reads what the launcher can see without asking
-the services: the trainer's newest metric row, the controller's newest rollout row, the
-buffer's counters in Valkey (when it answers) and the last line each service logged.
+The clock starts when the services are ready (the launcher has found every inference
+server's /health, however long a server on a small share of a core takes to start) and
+starts again at each completed step and at each (re)start of a process (a restarted
+trainer loads its model and checkpoint again before it can step). The diagnosis reads
+what the launcher can see without asking the services: the trainer's newest metric row,
+the controller's newest rollout row, the buffer's counters in Valkey (when it answers)
+and the last line each service logged.
 """
 
 from __future__ import annotations

@@ -85,6 +85,26 @@ def measured_rates(
     return out
 
 
+def servers_taking_part(
+    metrics: list[TrainerRow], rollout: list[RolloutRow], from_step: int, planned: int
+) -> dict[str, Any]:
+    """Whether the run generated on the servers it planned: `planned` beside the servers
+    healthy in the controller's first row (`at_start`) and the fewest healthy in any of
+    its rows over the window (`fewest_in_window`). `all_took_part` is False when a
+    planned server was out during the window (a late start, a failure): the run's rates
+    are then not the plan's; None without rows to tell."""
+    rows = window(metrics, from_step)
+    made = sorted((r for r in rollout if r.time > 0), key=lambda r: r.time)
+    span = _rollout_span(made, rows[0].time, rows[-1].time) if len(rows) >= 2 else []
+    fewest = min((r.servers_healthy for r in span), default=None)
+    return {
+        "planned": planned,
+        "at_start": made[0].servers_healthy if made else None,
+        "fewest_in_window": fewest,
+        "all_took_part": None if fewest is None else fewest >= planned,
+    }
+
+
 def relative_errors(predicted: dict[str, Any], measured: Rates) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for k in QUANTITIES:
@@ -97,14 +117,11 @@ def fidelity_block(run_dir: Path, cfg: ExperimentConfig, from_step: int | None =
     """Predicted, measured and relative errors for the mode the run ran in."""
     paths = RunPaths.at(run_dir, cfg.inference.weights_dir)
     start = from_step if from_step is not None else cfg.buffer.max_staleness + 1
-    measured = measured_rates(
-        read_rows(paths.metrics, TrainerRow),
-        read_rows(paths.rollout, RolloutRow),
-        cfg.rollout.group_size,
-        start,
-    )
+    metrics, rollout = read_rows(paths.metrics, TrainerRow), read_rows(paths.rollout, RolloutRow)
+    measured = measured_rates(metrics, rollout, cfg.rollout.group_size, start)
     block: dict[str, Any] = {"mode": cfg.run.mode, "window_from_step": start}
     block["measured"] = asdict(measured)
+    block["servers"] = servers_taking_part(metrics, rollout, start, len(cfg.inference.urls()))
     pred = json.loads(paths.prediction.read_text()) if paths.prediction.is_file() else None
     if pred is None or "unavailable" in pred:
         block["predicted"] = None

@@ -204,7 +204,9 @@ class Dispatcher:
         interval = min(self.probe_interval_s, 0.1)
         if not await async_wait_until(enough, timeout_s, interval_s=interval):
             down = ", ".join(
-                f"{s.url} ({s.last_error or 'not healthy'})" for s in self.servers if not s.healthy
+                f"{s.url} ({s.last_error or 'no answer to /health'})"
+                for s in self.servers
+                if not s.healthy
             )
             raise TimeoutError(
                 f"{self.num_healthy} of {len(self.servers)} inference servers healthy "

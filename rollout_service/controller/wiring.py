@@ -20,6 +20,8 @@ from areal_hex.trackers import open_run_trackers
 
 if TYPE_CHECKING:
     from areal_hex.buffer import RedisTrajectoryProducer
+    from areal_hex.config.rollout import RolloutConfig
+    from rollout_service.controller.dispatch import Dispatcher
     from rollout_service.controller.reference import ReferenceScorer
     from rollout_service.controller.rollout import RolloutController
     from rollout_service.controller.weight_sync import NetworkSource
@@ -164,6 +166,22 @@ def reference_scorer(cfg: ExperimentConfig) -> ReferenceScorer | None:
     )
 
 
+async def wait_for_servers(dispatcher: Dispatcher, rollout: RolloutConfig) -> int:
+    """The servers `rollout.wait_for_servers` names, healthy: the first one, or every one
+    configured (`all`). A server counts once its probe's recovery has run
+    (`WeightSync.recover`: one behind the weights the controller serves loads them, or
+    asks for the next weight group), so with `all` the first group starts with every
+    planned server up and on the weights the others hold (a version published before
+    the controller started reaches them all at once: `WeightSync.follow`). Past
+    `rollout.startup_timeout_s`, TimeoutError naming the servers that never came up.
+    Returns how many are healthy."""
+    need = len(dispatcher.servers) if rollout.wait_for_servers == "all" else 1
+    try:
+        return await dispatcher.wait_healthy(rollout.startup_timeout_s, min_servers=need)
+    except TimeoutError as exc:
+        raise TimeoutError(f"rollout.wait_for_servers={rollout.wait_for_servers}: {exc}") from None
+
+
 async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     """Run the controller for `cfg`; SIGTERM/SIGINT stop it cleanly. Returns the final
     metrics line (also appended to `<run_dir>/rollout.jsonl`)."""
@@ -232,9 +250,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     try:
         log.info("%swaiting for the inference servers", STATUS_MARK)
         # the reward workers start (a spawn, math-verify's import) while the servers do
-        n, _ = await asyncio.gather(
-            ctl.dispatcher.wait_healthy(cfg.rollout.startup_timeout_s), scorer.start()
-        )
+        n, _ = await asyncio.gather(wait_for_servers(ctl.dispatcher, cfg.rollout), scorer.start())
         log.info(
             "%s%d/%d inference servers healthy; producing %d groups of %d",
             STATUS_MARK,

@@ -2,7 +2,9 @@
 to the server that is (the trainer's group is sized to the members the controller
 records in the run's Valkey, so nobody waits for the missing one and no healthy server
 is marked unhealthy); once the late server is up it asks for a new group, and the next
-version reaches both, over real gloo groups, real servers and a real Valkey."""
+version reaches both, over real gloo groups, real servers and a real Valkey. The
+controller's start (`rollout.wait_for_servers`) goes on with the server that is up
+(`first`), or waits for both (`all`) and ends naming the late one when it does not come."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from areal_hex.net import free_port
 from rollout_service.client import InferenceClient
 from rollout_service.controller.dispatch import Dispatcher
 from rollout_service.controller.weight_sync import UpdateGate, WeightSync
-from rollout_service.controller.wiring import network_source
+from rollout_service.controller.wiring import network_source, wait_for_servers
 from rollout_service.server.main import ServerThread, build_server_app
 from tests.fakes import MemoryProducer
 from tests.integration.test_weight_network import recompute
@@ -111,7 +113,12 @@ async def test_a_late_server_is_not_waited_for_and_gets_the_next_version(tmp_pat
                 InferenceClient(late_url, timeout_s=60) as late,
             ):
                 d = Dispatcher([early, late], probe_interval_s=60)
-                assert await d.wait_healthy(30) == 1
+                assert await wait_for_servers(d, cfg.rollout) == 1  # `first`, the default
+                every = cfg.rollout.model_copy(
+                    update={"wait_for_servers": "all", "startup_timeout_s": 0.5}
+                )
+                with pytest.raises(TimeoutError, match=f"down: {late_url} "):
+                    await wait_for_servers(d, every)
                 sync = WeightSync(d, MemoryProducer(), UpdateGate(), None, source)
                 d.on_recover = sync.recover
                 await sync.start("abort")
@@ -123,7 +130,9 @@ async def test_a_late_server_is_not_waited_for_and_gets_the_next_version(tmp_pat
                 one = await asyncio.to_thread(results.get, True, 30)
                 assert one[:2] == (1, 0)  # v1 delivered to the server that was up
                 with server(late_port):
-                    assert await d.probe_all() == 2  # the late one asks for a new group
+                    # `all` now finds both; the late one asks for a new group on its way
+                    every.startup_timeout_s = 30
+                    assert await wait_for_servers(d, every) == 2
                     assert await late.weight_version() == 0
                     go.put(2)
                     await sync.update(2, "")

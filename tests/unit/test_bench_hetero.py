@@ -29,12 +29,14 @@ def _plan(cost: float, rate: float = 1.0) -> Plan:
     })  # fmt: skip
 
 
-def _run(pred: float, meas: float, mode: str = "async") -> dict:
+def _run(pred: float, meas: float, mode: str = "async", servers_up: int = 2) -> dict:
     block = {
         "predicted": {"pipeline_samples_per_s": pred, "weight_sync_s": 0.02},
         "measured": {"pipeline_samples_per_s": meas, "weight_sync_s": 0.03},
         "relative_error": {"pipeline_samples_per_s": (pred - meas) / meas},
-    }
+        "servers": {"planned": 2, "at_start": servers_up, "fewest_in_window": servers_up,
+                    "all_took_part": servers_up >= 2},
+    }  # fmt: skip
     return {"block": block, "wall_s": 1.0, "mode": mode, "sync": "network"}
 
 
@@ -75,6 +77,7 @@ def test_the_planners_figure_beside_the_runs_prediction() -> None:
         "predictions_counted": 4,
         "planner_figures_within_20pct": 2,
         "planner_figures_counted": 3,
+        "not_the_plan": [],
     }
     assert figure_counts({"x": {"error": None, "plan_error": None}})["predictions_counted"] == 0
     table = figures_table(out).splitlines()
@@ -82,6 +85,33 @@ def test_the_planners_figure_beside_the_runs_prediction() -> None:
     assert "115.0 (+15.0 %)" in table[1] and "118.0 (+18.0 %)" in table[1]
     assert table[4].split()[:3] == ["d", "sync", "50.0"] and table[4].rstrip().endswith("-")
     assert table[-1].endswith("within 15%: 2 of 4; planner's figures within 20%: 2 of 3")
+
+
+def test_a_run_without_all_its_servers_is_flagged_and_not_counted() -> None:
+    """Plan c generated on one of its two planned servers through its window (the other
+    still starting): its figures are kept but flagged, and neither of its errors counts
+    among the figures within bounds."""
+    from hexctl.bench.system.hetero_summary import figures_table
+
+    runs = {"a": _run(115, 100), "b": _run(100, 95), "c": _run(110, 105, servers_up=1),
+            "d": _run(60, 50, "sync")}  # fmt: skip
+    plans = {"a": _plan(6, 118.0), "b": _plan(3, 96.0), "c": _plan(6, 106.0)}
+    out = summarise(runs, plans)
+    assert out["plans"]["c"]["ran_plan"] is False and out["plans"]["a"]["ran_plan"] is True
+    assert out["plans"]["c"]["servers"]["fewest_in_window"] == 1
+    assert out["plans"]["c"]["measured_samples_per_s"] == 105  # kept, not scored
+    # a +0.15, b +0.0526, d +0.2 counted (c's +0.0476 is not); planner: a, b (not c)
+    assert out["figures"] == {
+        "predictions_within_15pct": 2,
+        "predictions_counted": 3,
+        "planner_figures_within_20pct": 2,
+        "planner_figures_counted": 2,
+        "not_the_plan": ["c"],
+    }
+    table = figures_table(out).splitlines()
+    assert table[-1] == (
+        "plan c did not run its plan (not counted): 1 of 2 planned servers up in its window"
+    )
 
 
 def test_plans_predicted_alike_are_tied_in_the_ranking() -> None:

@@ -11,7 +11,12 @@ import pytest
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, append_row
-from hexctl.report.fidelity import add_fidelity, measured_rates, relative_errors
+from hexctl.report.fidelity import (
+    add_fidelity,
+    measured_rates,
+    relative_errors,
+    servers_taking_part,
+)
 
 
 def rows() -> tuple[list[TrainerRow], list[RolloutRow]]:
@@ -51,6 +56,22 @@ def test_measured_rates_over_the_window() -> None:
     assert errs["weight_sync_s"] is None and errs["training_samples_per_s"] is None
 
 
+def test_a_planned_server_out_in_the_window_is_said() -> None:
+    """Two servers planned: both healthy in every row of the window, all took part; one
+    still starting in the first rows only (before the window) is not held against the
+    run; one out in a row of the window (a late start, a failure) is."""
+    metrics, rollout = rows()
+    for r in rollout:
+        r.servers_healthy = 2
+    rollout[0].servers_healthy = 1  # t = 100: before step 3 (t = 101.5)
+    got = servers_taking_part(metrics, rollout, from_step=3, planned=2)
+    assert got == {"planned": 2, "at_start": 1, "fewest_in_window": 2, "all_took_part": True}
+    rollout[3].servers_healthy = 1  # t = 103: inside the window (steps 3-6, t 101.5-103)
+    got = servers_taking_part(metrics, rollout, from_step=3, planned=2)
+    assert got["fewest_in_window"] == 1 and got["all_took_part"] is False
+    assert servers_taking_part(metrics, [], from_step=3, planned=2)["all_took_part"] is None
+
+
 def written_rows(run_dir: Path) -> RunPaths:
     """`rows()` written into the run directory `run_dir`, as a run writes them."""
     metrics, rollout = rows()
@@ -76,6 +97,8 @@ def test_summary_block_and_plot(tmp_path: Path) -> None:
     add_fidelity(tmp_path, cfg, summary)
     block = summary["fidelity"]
     assert block["window_from_step"] == 3 and block["mode"] == "async"
+    # one server configured (the default), none healthy in the rows written
+    assert block["servers"]["planned"] == 1 and block["servers"]["all_took_part"] is False
     assert block["relative_error"]["pipeline_samples_per_s"] == pytest.approx(0.0)
     assert block["relative_error"]["generation_samples_per_s"] == pytest.approx(0.2)
     assert (paths.report / "fidelity.png").read_bytes()[:4] == b"\x89PNG"

@@ -209,7 +209,10 @@ def run_plan(
     run_id: str | None = None,
 ) -> dict[str, Any]:
     """One run of `plan` on the box; its fidelity block over the window after the
-    config's η + 1 steps, the same window in either mode (as `bench fidelity`)."""
+    config's η + 1 steps, the same window in either mode (as `bench fidelity`). The
+    controller makes no group before every planned server is up and holds the current
+    weights (`rollout.wait_for_servers=all`: a server on a small share of a core starts
+    for a minute), so the window is the plan's; the block's `servers` says whether it was."""
     from areal_hex.config import load_config
     from areal_hex.run_files import RunPaths
     from hexctl.bench.system import check_run
@@ -220,7 +223,8 @@ def run_plan(
     from hexctl.launch.run import execute
     from hexctl.report.fidelity import fidelity_block
 
-    cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.run_id=null"])
+    given = ["rollout.wait_for_servers=all", *overrides]
+    cfg = load_config(config, [*given, f"run.output_dir={out}", "run.run_id=null"])
     skip = cfg.buffer.max_staleness + 1
     cfg.run.run_id = run_id or f"plan-{label}"
     fresh_run_dir(cfg.run.run_dir())

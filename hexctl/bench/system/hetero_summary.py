@@ -7,6 +7,11 @@ mode re-priced from the plan's sources, `hexctl/job/predict.py`: `predicted_samp
 a run synchronously, for which the planner states no figure. `figure_counts` counts the
 first within `RUN_WITHIN` and the second within `PLANNER_WITHIN`; `figures_table` prints
 them side by side.
+
+A run that did not generate on every server its plan names throughout its window (one
+still starting, or out: the fidelity block's `servers`) did not run its plan: its
+`ran_plan` is False, it is listed in `figures.not_the_plan`, and its errors are not
+counted among the figures within bounds.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ def summarise(
             },
             "unavailable": block.get("unavailable"),
             "wall_s": r["wall_s"],
+            "servers": block.get("servers"),
+            "ran_plan": ran_plan(block),
         }
         if "rounds" in r:  # every round's measure, the median one's figures above
             out["plans"][label]["rounds_measured_samples_per_s"] = r["rounds"]
@@ -178,17 +185,25 @@ def planner_figure(label: str, plan: Any) -> float | None:
     return None if label == "d" else plan.predicted.samples_per_s
 
 
+def ran_plan(block: dict[str, Any]) -> bool | None:
+    """Whether every server the run planned took part in its window (the fidelity
+    block's `servers.all_took_part`); None where the run's rows cannot tell."""
+    return (block.get("servers") or {}).get("all_took_part")
+
+
 def figure_counts(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """How many runs' re-priced predictions are within `RUN_WITHIN` of the measured rate
     and how many of the planner's figures within `PLANNER_WITHIN`, each of those with
-    an error to count."""
-    runs = [p["error"] for p in plans.values() if p.get("error") is not None]
-    own = [p["plan_error"] for p in plans.values() if p.get("plan_error") is not None]
+    an error to count, from runs that ran their plan; the others in `not_the_plan`."""
+    ran = [p for p in plans.values() if p.get("ran_plan") is not False]
+    runs = [p["error"] for p in ran if p.get("error") is not None]
+    own = [p["plan_error"] for p in ran if p.get("plan_error") is not None]
     return {
         "predictions_within_15pct": sum(abs(e) <= RUN_WITHIN for e in runs),
         "predictions_counted": len(runs),
         "planner_figures_within_20pct": sum(abs(e) <= PLANNER_WITHIN for e in own),
         "planner_figures_counted": len(own),
+        "not_the_plan": [k for k, p in plans.items() if p.get("ran_plan") is False],
     }
 
 
@@ -219,4 +234,10 @@ def figures_table(summary: dict[str, Any]) -> str:
         f"{c['predictions_counted']}; planner's figures within {PLANNER_WITHIN:.0%}: "
         f"{c['planner_figures_within_20pct']} of {c['planner_figures_counted']}"
     )
+    for label in c.get("not_the_plan", []):
+        sv = summary["plans"][label].get("servers") or {}
+        lines.append(
+            f"plan {label} did not run its plan (not counted): {sv.get('fewest_in_window')} "
+            f"of {sv.get('planned')} planned servers up in its window"
+        )
     return "\n".join(lines)
