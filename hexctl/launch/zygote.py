@@ -1,5 +1,6 @@
 """The fork server's own process: import the services' heavy modules once, then fork
-each service on request (`python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR MODULE...`).
+each service on request (`python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR MODULE...`;
+`-PACKAGE`: kept out of those imports, see `preload`).
 
 The inference server and the trainer each import torch and transformers' model modules
 (about 3.3 s of CPU each on this project's 2-core machine); forked from one parent that
@@ -52,13 +53,25 @@ def apply_threads() -> None:
 
 
 def preload(modules: list[str]) -> list[str]:
-    """Import `modules`; returns what failed (a service imports it again itself)."""
+    """Import `modules`; returns what failed (a service imports it again itself). A name
+    `-PACKAGE` is not imported: PACKAGE looks absent while the others import (an optional
+    dependency of theirs that no service uses), and can be imported again afterwards."""
+    hidden = [m[1:] for m in modules if m.startswith("-") and m[1:] not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # find_spec: not installed
     failed = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # any import error: that module is the child's to load
-            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    try:
+        for name in modules:
+            if name.startswith("-"):
+                continue
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # any import error: that module is the child's to load
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
     return failed
 
 
@@ -201,8 +214,11 @@ def serve(req_fd: int, rep_fd: int, modules: list[str]) -> int:
     why = fork_unsafe()
     hello = {"ready": why is None, "why": why, "failed": failed}
     hello["cpu_s"] = round(time.process_time() - started, 3)
-    print(f"fork server: {len(modules)} modules imported in {hello['cpu_s']} s of CPU; "
-          f"failed: {failed or 'none'}; {'ready' if why is None else why}", flush=True)  # fmt: skip
+    loaded = [m for m in modules if not m.startswith("-")]
+    skipped = [m[1:] for m in modules if m.startswith("-")]
+    print(f"fork server: {len(loaded)} modules imported in {hello['cpu_s']} s of CPU "
+          f"(not loaded: {', '.join(skipped) or 'none'}); failed: {failed or 'none'}; "
+          f"{'ready' if why is None else why}", flush=True)  # fmt: skip
     with os.fdopen(req_fd, "rb") as requests, os.fdopen(rep_fd, "wb", buffering=0) as replies:
         replies.write(json.dumps(hello).encode() + b"\n")
         if why is not None:
@@ -218,7 +234,7 @@ def serve(req_fd: int, rep_fd: int, modules: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or not argv[0].isdigit() or not argv[1].isdigit():
-        print("usage: python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR [MODULE...]",
+        print("usage: python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR [MODULE|-PACKAGE...]",
               file=sys.stderr)  # fmt: skip
         return 2
     return serve(int(argv[0]), int(argv[1]), argv[3:])

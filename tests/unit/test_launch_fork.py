@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 from hexctl.launch.forkserver import ForkedProcess, ForkServer
 from hexctl.launch.supervisor import ProcessSpec, Supervisor, live_processes, tail_lines
+from hexctl.launch.zygote import preload
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -166,6 +168,7 @@ def test_switch_marks_the_python_services_to_fork(tmp_path: Path) -> None:
         assert specs == {"inference-0": want, "trainer": want}
     cpu = load_config(None, base)
     assert "deepspeed" in preload_modules(cpu) and "torch" in preload_modules(cpu)
+    assert "-scipy" in preload_modules(cpu)  # transformers' optional import, never used
     gpu = load_config(None, [*base, "trainer.device=cuda"])
     assert "deepspeed" not in preload_modules(gpu)
 
@@ -183,3 +186,27 @@ def test_fork_server_gone_gives_plain_processes(tmp_path: Path) -> None:
         log = _wait_log(tmp_path / "inference-1.log", "entry inference-1")
         assert "a plain process: the fork server is gone" in log
         assert sup.running("inference-0")  # the forked one is the launcher's, not its
+
+
+def test_preload_keeps_a_hidden_package_out_of_the_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "opt_dep.py").write_text("VALUE = 1\n")
+    (tmp_path / "uses_opt.py").write_text(
+        "import importlib.util\n"
+        "HAS = importlib.util.find_spec('opt_dep') is not None\n"
+        "if HAS:\n    import opt_dep\n"
+    )
+    (tmp_path / "needs_opt.py").write_text("import opt_dep\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("opt_dep", "uses_opt", "needs_opt")
+    try:
+        failed = preload(["-opt_dep", "uses_opt", "needs_opt"])
+        # an optional user sees it absent; a hard one fails (its service imports it itself)
+        assert sys.modules["uses_opt"].HAS is False and "opt_dep" not in sys.modules
+        assert len(failed) == 1 and failed[0].startswith("needs_opt: ModuleNotFoundError")
+        assert importlib.import_module("opt_dep").VALUE == 1  # importable afterwards
+        assert preload(["-json", "uses_opt"]) == [] and sys.modules["json"] is not None
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
