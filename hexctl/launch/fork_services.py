@@ -8,8 +8,9 @@ import sys
 import time
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
-from hexctl.job.layout import ServiceSpec
+from hexctl.job.layout import ServiceSpec, build_layout
 from hexctl.launch.forkserver import ForkServer, loadtime_env
 from hexctl.launch.supervisor import ProcessSpec, Supervisor
 
@@ -46,20 +47,69 @@ def preload_modules(cfg: ExperimentConfig) -> list[str]:
     return modules
 
 
-def attach_fork_server(sup: Supervisor, cfg: ExperimentConfig, specs: list[ProcessSpec]) -> None:
-    """With `run.fork_services` on Linux: start the fork server now (it imports while the
-    launcher goes on) with the load-time settings of the first service it will fork."""
+def start_fork_server(cfg: ExperimentConfig, specs: list[ProcessSpec]) -> ForkServer | None:
+    """The run's fork server, importing from now on, with the load-time settings of the
+    first service it will fork; None where nothing is forked or not on Linux. OSError if
+    it cannot start."""
     forked = [s for s in specs if s.fork]
     if not forked or not sys.platform.startswith("linux"):
-        return
+        return None
     env = {**os.environ, **loadtime_env(forked[0].env)}
     if "deepspeed" in (modules := preload_modules(cfg)):
         env["DS_ACCELERATOR"] = "cpu"
-    log = RunPaths.of(cfg).log("fork-server")
+    run_dir = cfg.run.run_dir().resolve()
+    return ForkServer(run_dir, modules, env, RunPaths.at(run_dir).log("fork-server"))
+
+
+def early_fork_server(cfg: ExperimentConfig, plan: Plan | None) -> ForkServer | None:
+    """A local run's fork server started before the run is prepared (its directory, v0,
+    ports: `prepare_run`), so that its imports (the start's critical path, seconds on one
+    core) run beside the launcher's own preparation on another core; its services as the
+    config says before preparation. `attach_fork_server` keeps it if the prepared run
+    forks the same way, else starts another. None: a box run, the switch off, or a
+    config whose services are only known once prepared."""
+    if cfg.run.box is not None or not cfg.run.fork_services:
+        return None
+    from hexctl.launch.run import process_specs
+
     try:
-        forker = ForkServer(cfg.run.run_dir(), modules, env, log)
+        specs = process_specs(cfg, build_layout(cfg, plan), cfg.run.run_dir() / "config.yaml")
+        return start_fork_server(cfg, specs)
+    except (ValueError, KeyError, OSError):  # what the prepared run will say, or start
+        return None
+
+
+def serves(forker: ForkServer, cfg: ExperimentConfig, specs: list[ProcessSpec]) -> bool:
+    """Whether `forker` (started early) forks the prepared run's services as one started
+    now would: the same run directory, modules and load-time settings."""
+    forked = [s for s in specs if s.fork]
+    return (
+        bool(forked)
+        and forker.run_dir == cfg.run.run_dir().resolve()
+        and forker.modules == preload_modules(cfg)
+        and not forker.differs({**os.environ, **forked[0].env})
+    )
+
+
+def attach_fork_server(
+    sup: Supervisor,
+    cfg: ExperimentConfig,
+    specs: list[ProcessSpec],
+    early: ForkServer | None = None,
+) -> None:
+    """With `run.fork_services` on Linux: the fork server `early` if it `serves` the run,
+    else one started now (it imports while the launcher goes on)."""
+    if early is not None and serves(early, cfg, specs):
+        sup.attach(early)
+        sup.events.append((early.started_at, "launcher", "fork server started"))
+        return
+    if early is not None:
+        early.close()
+    try:
+        forker = start_fork_server(cfg, specs)
     except OSError as exc:
         sup.events.append((time.time(), "launcher", f"no fork server: {exc}"))
         return
-    sup.attach(forker)
-    sup.events.append((time.time(), "launcher", "fork server started"))
+    if forker is not None:
+        sup.attach(forker)
+        sup.events.append((time.time(), "launcher", "fork server started"))

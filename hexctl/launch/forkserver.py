@@ -99,6 +99,8 @@ class ForkServer:
         log_path: Path,
         ready_timeout_s: float = 120.0,
     ) -> None:
+        self.run_dir, self.modules = run_dir, list(modules)
+        self.started_at = time.time()
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
         self.env.setdefault("OPENBLAS_NUM_THREADS", "1")
         self.ready_timeout_s = ready_timeout_s

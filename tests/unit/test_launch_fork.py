@@ -210,3 +210,43 @@ def test_preload_keeps_a_hidden_package_out_of_the_imports(
     finally:
         for name in names:
             sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(60)
+def test_fork_server_started_before_preparation_serves_the_prepared_run(tmp_path: Path) -> None:
+    from areal_hex.config import load_config
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.fork_services import attach_fork_server, early_fork_server, serves
+    from hexctl.launch.run import process_specs
+
+    def specs(cfg):  # ExperimentConfig -> list[ProcessSpec]
+        return process_specs(cfg, build_layout(cfg), tmp_path / "r" / "config.yaml")
+
+    base = [f"run.output_dir={tmp_path}", "run.run_id=r"]
+    cfg = load_config(None, base)
+    # the phases share cores: servers' threads sleep at barriers (a load-time setting)
+    colocated = load_config(None, [*base, "workflow.placement=colocated", "run.mode=sync"])
+    other_run = load_config(None, [f"run.output_dir={tmp_path}", "run.run_id=q"])
+    off = load_config(None, [*base, "run.fork_services=false"])
+    assert early_fork_server(off, None) is None
+    early = early_fork_server(cfg, None)
+    assert early is not None and early.proc is not None
+    try:
+        assert serves(early, cfg, specs(cfg))
+        for prepared in (colocated, other_run, off):
+            assert not serves(early, prepared, specs(prepared))
+        with Supervisor(pid_file=tmp_path / "pids.json") as sup:
+            attach_fork_server(sup, cfg, specs(cfg), early)
+            assert sup.forker is early
+            assert (early.started_at, "launcher", "fork server started") in sup.events
+        assert early.proc is None  # closed with the supervisor
+        again = early_fork_server(cfg, None)
+        assert again is not None
+        with Supervisor(pid_file=tmp_path / "pids.json") as sup:
+            attach_fork_server(sup, colocated, specs(colocated), again)
+            assert again.proc is None and sup.forker is not None and sup.forker is not again
+            forked = next(s for s in specs(colocated) if s.fork)
+            assert forked.env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert not sup.forker.differs({**os.environ, **forked.env})
+    finally:
+        early.close()
