@@ -31,20 +31,22 @@ NOT_PRELOADED = ("scipy",)
 
 
 def preload_modules(cfg: ExperimentConfig) -> list[str]:
-    """What the fork server imports for the services: torch, transformers' model modules,
-    FastAPI and uvicorn, the services' entry modules, and DeepSpeed for a CPU trainer
-    (on a GPU its accelerator would be chosen before the trainer's settings); and, as
-    `-PACKAGE`, what it keeps out of those imports (`NOT_PRELOADED`)."""
-    modules = [
+    """What the fork server imports for the services (zygote.py `groups`): first what
+    they all need (torch, transformers' model modules); then, in a branch for the trainer
+    (`@train`), its entry modules and DeepSpeed for a CPU trainer (on a GPU its accelerator
+    would be chosen before the trainer's settings), beside the others' own (`@`: FastAPI,
+    uvicorn, the server's entry modules) in the first; and, as `-PACKAGE`, what it keeps
+    out of those imports (`NOT_PRELOADED`)."""
+    trainer = ["hexctl.cli.train_cmd", "trainer_service.main"]
+    if cfg.trainer.device == "cpu" and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
+        trainer.append("deepspeed")
+    return [
         *(f"-{name}" for name in NOT_PRELOADED),
         "torch", "transformers", "transformers.modeling_utils",
-        "transformers.models.qwen3.modeling_qwen3", "fastapi", "uvicorn",
-        "hexctl.cli", "hexctl.cli.serve_cmd", "hexctl.cli.train_cmd",
-        "rollout_service.server.main", "trainer_service.main",
+        "transformers.models.qwen3.modeling_qwen3", "hexctl.cli",
+        "@train", *trainer,
+        "@", "fastapi", "uvicorn", "hexctl.cli.serve_cmd", "rollout_service.server.main",
     ]  # fmt: skip
-    if cfg.trainer.device == "cpu" and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
-        modules.append("deepspeed")
-    return modules
 
 
 def start_fork_server(cfg: ExperimentConfig, specs: list[ProcessSpec]) -> ForkServer | None:

@@ -250,3 +250,43 @@ def test_fork_server_started_before_preparation_serves_the_prepared_run(tmp_path
             assert not sup.forker.differs({**os.environ, **forked.env})
     finally:
         early.close()
+
+
+BRANCH_ENTRY = """\
+import os, sys, time
+loaded = sorted(m for m in ("json", "mod_t", "mod_s") if m in sys.modules)
+print("ran", sys.argv[1], "ppid", os.getppid(), loaded, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_branch_forks_the_services_of_its_word_with_its_own_imports(tmp_path: Path) -> None:
+    (tmp_path / "branch_entry.py").write_text(BRANCH_ENTRY)
+    for name in ("mod_t", "mod_s"):
+        (tmp_path / f"{name}.py").write_text("")
+    env = {**os.environ, **_env(tmp_path)}
+    modules = ["json", "@train", "mod_t", "@", "mod_s"]  # shared, the branch's, its own
+    sup = Supervisor(poll_s=0.05, pid_file=tmp_path / "pids.json")
+    sup.attach(ForkServer(tmp_path, modules, env, tmp_path / "fork-server.log", 30))
+
+    def spec(name: str, word: str) -> ProcessSpec:
+        cmd = [sys.executable, "-m", "branch_entry", word, "c.yaml"]
+        log = tmp_path / f"{name}.log"
+        return ProcessSpec(name, cmd, log, _env(tmp_path), on_exit="restart", fork=True)
+
+    with sup:
+        forked = [sup.start(spec("inference-0", "serve")), sup.start(spec("trainer", "train"))]
+        assert all(isinstance(m.proc, ForkedProcess) for m in forked)
+        server = _wait_log(tmp_path / "inference-0.log", "ran serve")
+        trainer = _wait_log(tmp_path / "trainer.log", "ran train")
+        assert f"ppid {os.getpid()} ['json', 'mod_s']" in server  # the launcher's child
+        assert f"ppid {os.getpid()} ['json', 'mod_t']" in trainer
+        first = sup.pid("trainer")
+        assert first is not None
+        os.kill(first, signal.SIGKILL)  # forked again, by the same branch
+        trainer = _wait_log(tmp_path / "trainer.log", "ran train", 2, sup)
+        assert trainer.count(f"ppid {os.getpid()} ['json', 'mod_t']") == 2
+    log = (tmp_path / "fork-server.log").read_text()
+    assert "fork server (train): 1 modules imported" in log
+    assert "fork server: 2 modules imported" in log
