@@ -8,6 +8,7 @@ import sys
 import time
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.errors import UsageError
 from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
 from hexctl.job.layout import ServiceSpec, build_layout
@@ -77,7 +78,7 @@ def early_fork_server(cfg: ExperimentConfig, plan: Plan | None) -> ForkServer | 
     try:
         specs = process_specs(cfg, build_layout(cfg, plan), cfg.run.run_dir() / "config.yaml")
         return start_fork_server(cfg, specs)
-    except (ValueError, KeyError, OSError):  # what the prepared run will say, or start
+    except (UsageError, ValueError, KeyError, OSError):  # the prepared run will say, or start
         return None
 
 
