@@ -34,13 +34,15 @@ NOT_PRELOADED = ("scipy",)
 def preload_modules(cfg: ExperimentConfig) -> list[str]:
     """What the fork server imports for the services (zygote.py `groups`): first what
     they all need (torch, transformers' model modules); then, in a branch for the trainer
-    (`@train`), its entry modules and DeepSpeed for a CPU trainer (on a GPU its accelerator
-    would be chosen before the trainer's settings), beside the others' own (`@`: FastAPI,
-    uvicorn, the server's entry modules) in the first; and, as `-PACKAGE`, what it keeps
-    out of those imports (`NOT_PRELOADED`)."""
+    (`@train`), its entry modules and DeepSpeed with its ops' probe for a CPU trainer (on
+    a GPU its accelerator would be chosen before the trainer's settings), beside the
+    others' own (`@`: FastAPI, uvicorn, the server's entry modules) in the first; and,
+    as `-PACKAGE`, what it keeps out of those imports (`NOT_PRELOADED`)."""
     trainer = ["hexctl.cli.train_cmd", "trainer_service.main"]
     if cfg.trainer.device == "cpu" and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
-        trainer.append("deepspeed")
+        # and its probe of which ops can build, made at the trainer's `init_distributed`
+        # otherwise: a test program compiled and linked against libaio each start
+        trainer += ["deepspeed", "deepspeed.ops:__compatible_ops__"]
     return [
         *(f"-{name}" for name in NOT_PRELOADED),
         "torch", "transformers", "transformers.modeling_utils",

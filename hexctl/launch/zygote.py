@@ -1,6 +1,7 @@
 """The fork server's own process: import the services' heavy modules once, then fork
 each service on request (`python -m hexctl.launch.zygote REQ_FD REP_FD RUN_DIR MODULE...`;
-`-PACKAGE`: kept out of those imports, see `preload`; `@WORD`, `@`: groups, see `groups`).
+`-PACKAGE`: kept out of those imports, `MODULE:ATTR`: a value read, see `preload`;
+`@WORD`, `@`: groups, see `groups`).
 
 The inference server and the trainer each import torch and transformers' model modules
 (about 3.3 s of CPU each on this project's 2-core machine); forked from one parent that
@@ -57,7 +58,8 @@ def apply_threads() -> None:
 def preload(modules: list[str]) -> list[str]:
     """Import `modules`; returns what failed (a service imports it again itself). A name
     `-PACKAGE` is not imported: PACKAGE looks absent while the others import (an optional
-    dependency of theirs that no service uses), and can be imported again afterwards."""
+    dependency of theirs that no service uses), and can be imported again afterwards.
+    `MODULE:ATTR` imports MODULE and reads its ATTR (a value it computes on first use)."""
     hidden = [m[1:] for m in modules if m.startswith("-") and m[1:] not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]  # find_spec: not installed
@@ -66,8 +68,11 @@ def preload(modules: list[str]) -> list[str]:
         for name in modules:
             if name.startswith("-"):
                 continue
+            module, _, attr = name.partition(":")
             try:
-                importlib.import_module(name)
+                loaded = importlib.import_module(module)
+                if attr:
+                    getattr(loaded, attr)
             except Exception as exc:  # any import error: that module is the child's to load
                 failed.append(f"{name}: {type(exc).__name__}: {exc}")
     finally:

@@ -198,8 +198,17 @@ def test_preload_keeps_a_hidden_package_out_of_the_imports(
         "if HAS:\n    import opt_dep\n"
     )
     (tmp_path / "needs_opt.py").write_text("import opt_dep\n")
+    (tmp_path / "computed.py").write_text(
+        "CALLS = []\n"
+        "def __getattr__(name):\n"
+        "    if name != 'value':\n"
+        "        raise AttributeError(name)\n"
+        "    CALLS.append(name)\n"
+        "    globals()['value'] = 42\n"
+        "    return 42\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    names = ("opt_dep", "uses_opt", "needs_opt")
+    names = ("opt_dep", "uses_opt", "needs_opt", "computed")
     try:
         failed = preload(["-opt_dep", "uses_opt", "needs_opt"])
         # an optional user sees it absent; a hard one fails (its service imports it itself)
@@ -207,6 +216,10 @@ def test_preload_keeps_a_hidden_package_out_of_the_imports(
         assert len(failed) == 1 and failed[0].startswith("needs_opt: ModuleNotFoundError")
         assert importlib.import_module("opt_dep").VALUE == 1  # importable afterwards
         assert preload(["-json", "uses_opt"]) == [] and sys.modules["json"] is not None
+        # `MODULE:ATTR`: a value the module computes on first use, computed once here
+        assert preload(["computed:value", "computed:value"]) == []
+        assert sys.modules["computed"].CALLS == ["value"]
+        assert preload(["computed:other"])[0].startswith("computed:other: AttributeError")
     finally:
         for name in names:
             sys.modules.pop(name, None)
