@@ -303,3 +303,27 @@ def test_a_branch_forks_the_services_of_its_word_with_its_own_imports(tmp_path: 
     log = (tmp_path / "fork-server.log").read_text()
     assert "fork server (train): 1 modules imported" in log
     assert "fork server: 2 modules imported" in log
+
+
+@pytest.mark.timeout(60)
+def test_an_unsafe_branch_gives_its_services_plain_processes(tmp_path: Path) -> None:
+    (tmp_path / "branch_entry.py").write_text(BRANCH_ENTRY)
+    (tmp_path / "threads_at_import.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+    )
+    env = {**os.environ, **_env(tmp_path)}
+    sup = Supervisor(poll_s=0.05, pid_file=tmp_path / "pids.json")
+    modules = ["json", "@train", "threads_at_import"]
+    sup.attach(ForkServer(tmp_path, modules, env, tmp_path / "fork-server.log", 30))
+    with sup:
+        started = {}
+        for name, word in (("trainer", "train"), ("inference-0", "serve")):
+            cmd = [sys.executable, "-m", "branch_entry", word]
+            log = tmp_path / f"{name}.log"
+            started[name] = sup.start(ProcessSpec(name, cmd, log, _env(tmp_path), fork=True))
+        assert isinstance(started["trainer"].proc, subprocess.Popen)  # its branch: unsafe
+        assert isinstance(started["inference-0"].proc, ForkedProcess)  # the first: forks
+        log = _wait_log(tmp_path / "trainer.log", "ran train")
+        assert "a plain process: the fork server refused: its fork server: 2 threads" in log
+        _wait_log(tmp_path / "inference-0.log", "ran serve")
