@@ -71,9 +71,13 @@ def early_fork_server(cfg: ExperimentConfig, plan: Plan | None) -> ForkServer | 
     ports: `prepare_run`), so that its imports (the start's critical path, seconds on one
     core) run beside the launcher's own preparation on another core; its services as the
     config says before preparation. `attach_fork_server` keeps it if the prepared run
-    forks the same way, else starts another. None: a box run, the switch off, or a
-    config whose services are only known once prepared."""
-    if cfg.run.box is not None or not cfg.run.fork_services:
+    forks the same way, else starts another. None: a box run, the switch off, a run that
+    may measure this machine first (`run.profile_first`: its imports would share the
+    cores with the measurement), or a config whose services are only known once prepared."""
+    measures = cfg.run.profile_first is True or (
+        cfg.run.profile_first == "cached" and cfg.workflow.placement == "colocated"
+    )  # colocated: a cached profile may lack the rates on every core, then measured
+    if cfg.run.box is not None or not cfg.run.fork_services or measures:
         return None
     from hexctl.launch.run import process_specs
 

@@ -242,6 +242,8 @@ def test_fork_server_started_before_preparation_serves_the_prepared_run(tmp_path
     other_run = load_config(None, [f"run.output_dir={tmp_path}", "run.run_id=q"])
     off = load_config(None, [*base, "run.fork_services=false"])
     assert early_fork_server(off, None) is None
+    # a measurement of this machine may come first: no imports beside it
+    assert early_fork_server(load_config(None, [*base, "run.profile_first=true"]), None) is None
     early = early_fork_server(cfg, None)
     assert early is not None and early.proc is not None
     try:
