@@ -40,9 +40,10 @@ class RunConfig(Section):
     # namespace), reached over the links. None: this machine's own devices.
     box: str | None = Field(None, pattern=r"^[a-z0-9]{1,6}$")
     # A local `areal-hex run` starts its inference servers and trainer forked from one
-    # parent that has imported torch, transformers' model modules, FastAPI and DeepSpeed
-    # once, instead of each importing them (seconds of CPU each; docs/running.md); any
-    # failure starts plain processes. false: plain processes always.
+    # parent that has imported torch, transformers' model modules and FastAPI (the
+    # trainer from a branch of it with DeepSpeed) once, instead of each importing them
+    # (seconds of CPU each; docs/running.md); any failure starts plain processes.
+    # false: plain processes always.
     fork_services: bool = True
     # Restarts allowed per crashed inference server before the run fails.
     max_restarts: int = Field(3, ge=0)

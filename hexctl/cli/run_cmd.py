@@ -146,6 +146,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     from hexctl.job.prepare import prepare_run
     from hexctl.job.processes import sigterm_as_ctrl_c
     from hexctl.launch.disk import DiskFull, disk_full_message, is_disk_full
+    from hexctl.launch.fork_services import early_fork_server
     from hexctl.launch.run import execute, failure_message
 
     if existed:
@@ -154,11 +155,15 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     # removed, a started run's services are stopped
     addresses, place = _on_box(cfg)
     sigterm_as_ctrl_c()
+    # its imports, the start's longest part, from now on beside the preparation
+    forker = early_fork_server(cfg, plan)
     try:
         cfg, config_path = prepare_run(
             cfg, plan, args.mode, say=_say, place=addresses, price=_prices(cfg, plan, args.profile)
         )
     except BaseException as exc:
+        if forker is not None:
+            forker.close()
         if not existed:  # a new run's half-made directory (made for its lock) goes
             shutil.rmtree(cfg.run.run_dir(), ignore_errors=True)
         if isinstance(exc, (ValueError, OSError)):
@@ -178,6 +183,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
             profile_dir=Path(args.profile) if args.profile else None,
             place=place,
             milestones=milestones,
+            forker=forker,
         )
     except OSError as exc:
         if not is_disk_full(exc):
@@ -185,6 +191,9 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
         _say(f"error: {exc if isinstance(exc, DiskFull) else disk_full_message(run_dir)}")
         _say(f"continue with: areal-hex run --resume {run_dir}")
         return 1
+    finally:
+        if forker is not None:  # closed with the run's supervisor, unless never attached
+            forker.close()
     if result.outcome.status == "interrupted":
         _say(f"interrupted; all processes stopped (continue with --resume {run_dir})")
         return 130

@@ -8,8 +8,10 @@ import sys
 import time
 
 from areal_hex.config import ExperimentConfig
+from areal_hex.errors import UsageError
+from areal_hex.plan import Plan
 from areal_hex.run_files import RunPaths
-from hexctl.job.layout import ServiceSpec
+from hexctl.job.layout import ServiceSpec, build_layout
 from hexctl.launch.forkserver import ForkServer, loadtime_env
 from hexctl.launch.supervisor import ProcessSpec, Supervisor
 
@@ -22,35 +24,101 @@ def forkable(svc: ServiceSpec) -> bool:
     return svc.role in ("inference", "trainer", "worker") and svc.command[:1] == ["areal-hex"]
 
 
+# Optional packages the fork server's imports would load that no service uses (zygote.py
+# `preload`: `-PACKAGE`): transformers' model module imports scipy.optimize only for the
+# Hungarian matching of its object-detection losses (about 0.25 s of CPU, 380 modules).
+# A forked service can still import it; transformers, asked before, says it is absent.
+NOT_PRELOADED = ("scipy",)
+
+
 def preload_modules(cfg: ExperimentConfig) -> list[str]:
-    """What the fork server imports for the services: torch, transformers' model modules,
-    FastAPI and uvicorn, the services' entry modules, and DeepSpeed for a CPU trainer
-    (on a GPU its accelerator would be chosen before the trainer's settings)."""
-    modules = [
-        "torch", "transformers", "transformers.modeling_utils",
-        "transformers.models.qwen3.modeling_qwen3", "fastapi", "uvicorn",
-        "hexctl.cli", "hexctl.cli.serve_cmd", "hexctl.cli.train_cmd",
-        "rollout_service.server.main", "trainer_service.main",
-    ]  # fmt: skip
+    """What the fork server imports for the services (zygote.py `groups`): first what
+    they all need (torch, transformers' model modules); then, in a branch for the trainer
+    (`@train`), its entry modules and DeepSpeed with its ops' probe for a CPU trainer (on
+    a GPU its accelerator would be chosen before the trainer's settings), beside the
+    others' own (`@`: FastAPI, uvicorn, the server's entry modules) in the first; and,
+    as `-PACKAGE`, what it keeps out of those imports (`NOT_PRELOADED`)."""
+    trainer = ["hexctl.cli.train_cmd", "trainer_service.main"]
     if cfg.trainer.device == "cpu" and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
-        modules.append("deepspeed")
-    return modules
+        # and its probe of which ops can build, made at the trainer's `init_distributed`
+        # otherwise: a test program compiled and linked against libaio each start
+        trainer += ["deepspeed", "deepspeed.ops:__compatible_ops__"]
+    return [
+        *(f"-{name}" for name in NOT_PRELOADED),
+        "torch", "transformers", "transformers.modeling_utils",
+        "transformers.models.qwen3.modeling_qwen3", "hexctl.cli",
+        "@train", *trainer,
+        "@", "fastapi", "uvicorn", "hexctl.cli.serve_cmd", "rollout_service.server.main",
+    ]  # fmt: skip
 
 
-def attach_fork_server(sup: Supervisor, cfg: ExperimentConfig, specs: list[ProcessSpec]) -> None:
-    """With `run.fork_services` on Linux: start the fork server now (it imports while the
-    launcher goes on) with the load-time settings of the first service it will fork."""
+def start_fork_server(cfg: ExperimentConfig, specs: list[ProcessSpec]) -> ForkServer | None:
+    """The run's fork server, importing from now on, with the load-time settings of the
+    first service it will fork; None where nothing is forked or not on Linux. OSError if
+    it cannot start."""
     forked = [s for s in specs if s.fork]
     if not forked or not sys.platform.startswith("linux"):
-        return
+        return None
     env = {**os.environ, **loadtime_env(forked[0].env)}
     if "deepspeed" in (modules := preload_modules(cfg)):
         env["DS_ACCELERATOR"] = "cpu"
-    log = RunPaths.of(cfg).log("fork-server")
+    run_dir = cfg.run.run_dir().resolve()
+    return ForkServer(run_dir, modules, env, RunPaths.at(run_dir).log("fork-server"))
+
+
+def early_fork_server(cfg: ExperimentConfig, plan: Plan | None) -> ForkServer | None:
+    """A local run's fork server started before the run is prepared (its directory, v0,
+    ports: `prepare_run`), so that its imports (the start's critical path, seconds on one
+    core) run beside the launcher's own preparation on another core; its services as the
+    config says before preparation. `attach_fork_server` keeps it if the prepared run
+    forks the same way, else starts another. None: a box run, the switch off, a run that
+    may measure this machine first (`run.profile_first`: its imports would share the
+    cores with the measurement), or a config whose services are only known once prepared."""
+    measures = cfg.run.profile_first is True or (
+        cfg.run.profile_first == "cached" and cfg.workflow.placement == "colocated"
+    )  # colocated: a cached profile may lack the rates on every core, then measured
+    if cfg.run.box is not None or not cfg.run.fork_services or measures:
+        return None
+    from hexctl.launch.run import process_specs
+
     try:
-        forker = ForkServer(cfg.run.run_dir(), modules, env, log)
+        specs = process_specs(cfg, build_layout(cfg, plan), cfg.run.run_dir() / "config.yaml")
+        return start_fork_server(cfg, specs)
+    except (UsageError, ValueError, KeyError, OSError):  # the prepared run will say, or start
+        return None
+
+
+def serves(forker: ForkServer, cfg: ExperimentConfig, specs: list[ProcessSpec]) -> bool:
+    """Whether `forker` (started early) forks the prepared run's services as one started
+    now would: the same run directory, modules and load-time settings."""
+    forked = [s for s in specs if s.fork]
+    return (
+        bool(forked)
+        and forker.run_dir == cfg.run.run_dir().resolve()
+        and forker.modules == preload_modules(cfg)
+        and not forker.differs({**os.environ, **forked[0].env})
+    )
+
+
+def attach_fork_server(
+    sup: Supervisor,
+    cfg: ExperimentConfig,
+    specs: list[ProcessSpec],
+    early: ForkServer | None = None,
+) -> None:
+    """With `run.fork_services` on Linux: the fork server `early` if it `serves` the run,
+    else one started now (it imports while the launcher goes on)."""
+    if early is not None and serves(early, cfg, specs):
+        sup.attach(early)
+        sup.events.append((early.started_at, "launcher", "fork server started"))
+        return
+    if early is not None:
+        early.close()
+    try:
+        forker = start_fork_server(cfg, specs)
     except OSError as exc:
         sup.events.append((time.time(), "launcher", f"no fork server: {exc}"))
         return
-    sup.attach(forker)
-    sup.events.append((time.time(), "launcher", "fork server started"))
+    if forker is not None:
+        sup.attach(forker)
+        sup.events.append((time.time(), "launcher", "fork server started"))

@@ -3,10 +3,10 @@ wait for them as for any child.
 
 `run.fork_services` (on by default for local runs) starts the services of a local run
 that import torch (inference servers, trainer, `areal-hex` workflow tasks) from one
-parent that has imported torch, transformers' model modules, FastAPI and DeepSpeed once
-(fork_services.py). Any
-failure (the parent not safe to fork, a request refused, the parent gone) starts that
-service as a plain process, as with the switch off.
+parent that has imported torch, transformers' model modules and FastAPI once (the
+trainer from a branch of it that has imported DeepSpeed instead of FastAPI:
+fork_services.py). Any failure (the parent not safe to fork, a request refused, the
+parent gone) starts that service as a plain process, as with the switch off.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ class ForkServer:
         log_path: Path,
         ready_timeout_s: float = 120.0,
     ) -> None:
+        self.run_dir, self.modules = run_dir, list(modules)
+        self.started_at = time.time()
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
         self.env.setdefault("OPENBLAS_NUM_THREADS", "1")
         self.ready_timeout_s = ready_timeout_s

@@ -42,6 +42,7 @@ from hexctl.job.layout import CONFIG_PLACEHOLDER, Layout, ServiceSpec, build_lay
 from hexctl.launch.attempts import AttemptLog, begin_attempt, end_attempt
 from hexctl.launch.disk import NO_SPACE, DiskFull, DiskWatch, disk_full_message, is_disk_full
 from hexctl.launch.fork_services import attach_fork_server, forkable
+from hexctl.launch.forkserver import ForkServer
 from hexctl.launch.hung import HungServers
 from hexctl.launch.stall import Stalled, StallWatch
 from hexctl.launch.startup_cores import StartupCores
@@ -317,13 +318,14 @@ def execute(
     profile_dir: Path | None = None,
     place: Callable[[ExperimentConfig, Layout, list[ProcessSpec]], None] | None = None,
     milestones: Sequence[tuple[float, str]] = (),
+    forker: ForkServer | None = None,
 ) -> RunResult:
     """Start, watch and stop the services of a prepared run; write the report. The cost
     model's prediction for the layout (`prediction.json`) comes from the plan, else from a
     local profile (`profile_dir`), for the report to hold the run against. `place` starts
     each process where it runs (a box's node: `hexctl.box.place.place_on_box`);
     `milestones`, (time, what) of the launcher before this call, join the events (the
-    start-up timeline)."""
+    start-up timeline); `forker`, a fork server started before (`early_fork_server`)."""
     from hexctl.job.predict import host_side, write_prediction
 
     stream = stream or sys.stderr
@@ -352,7 +354,7 @@ def execute(
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         sup.events.extend((t, "launcher", what) for t, what in milestones)
         if place is None:  # a box's nodes start their processes as before
-            attach_fork_server(sup, cfg, specs)
+            attach_fork_server(sup, cfg, specs, forker)
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
         try:
             attempt.tick()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 from hexctl.launch.forkserver import ForkedProcess, ForkServer
 from hexctl.launch.supervisor import ProcessSpec, Supervisor, live_processes, tail_lines
+from hexctl.launch.zygote import preload
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -166,6 +168,7 @@ def test_switch_marks_the_python_services_to_fork(tmp_path: Path) -> None:
         assert specs == {"inference-0": want, "trainer": want}
     cpu = load_config(None, base)
     assert "deepspeed" in preload_modules(cpu) and "torch" in preload_modules(cpu)
+    assert "-scipy" in preload_modules(cpu)  # transformers' optional import, never used
     gpu = load_config(None, [*base, "trainer.device=cuda"])
     assert "deepspeed" not in preload_modules(gpu)
 
@@ -183,3 +186,146 @@ def test_fork_server_gone_gives_plain_processes(tmp_path: Path) -> None:
         log = _wait_log(tmp_path / "inference-1.log", "entry inference-1")
         assert "a plain process: the fork server is gone" in log
         assert sup.running("inference-0")  # the forked one is the launcher's, not its
+
+
+def test_preload_keeps_a_hidden_package_out_of_the_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "opt_dep.py").write_text("VALUE = 1\n")
+    (tmp_path / "uses_opt.py").write_text(
+        "import importlib.util\n"
+        "HAS = importlib.util.find_spec('opt_dep') is not None\n"
+        "if HAS:\n    import opt_dep\n"
+    )
+    (tmp_path / "needs_opt.py").write_text("import opt_dep\n")
+    (tmp_path / "computed.py").write_text(
+        "CALLS = []\n"
+        "def __getattr__(name):\n"
+        "    if name != 'value':\n"
+        "        raise AttributeError(name)\n"
+        "    CALLS.append(name)\n"
+        "    globals()['value'] = 42\n"
+        "    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("opt_dep", "uses_opt", "needs_opt", "computed")
+    try:
+        failed = preload(["-opt_dep", "uses_opt", "needs_opt"])
+        # an optional user sees it absent; a hard one fails (its service imports it itself)
+        assert sys.modules["uses_opt"].HAS is False and "opt_dep" not in sys.modules
+        assert len(failed) == 1 and failed[0].startswith("needs_opt: ModuleNotFoundError")
+        assert importlib.import_module("opt_dep").VALUE == 1  # importable afterwards
+        assert preload(["-json", "uses_opt"]) == [] and sys.modules["json"] is not None
+        # `MODULE:ATTR`: a value the module computes on first use, computed once here
+        assert preload(["computed:value", "computed:value"]) == []
+        assert sys.modules["computed"].CALLS == ["value"]
+        assert preload(["computed:other"])[0].startswith("computed:other: AttributeError")
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(60)
+def test_fork_server_started_before_preparation_serves_the_prepared_run(tmp_path: Path) -> None:
+    from areal_hex.config import load_config
+    from hexctl.job.layout import build_layout
+    from hexctl.launch.fork_services import attach_fork_server, early_fork_server, serves
+    from hexctl.launch.run import process_specs
+
+    def specs(cfg):  # ExperimentConfig -> list[ProcessSpec]
+        return process_specs(cfg, build_layout(cfg), tmp_path / "r" / "config.yaml")
+
+    base = [f"run.output_dir={tmp_path}", "run.run_id=r"]
+    cfg = load_config(None, base)
+    # the phases share cores: servers' threads sleep at barriers (a load-time setting)
+    colocated = load_config(None, [*base, "workflow.placement=colocated", "run.mode=sync"])
+    other_run = load_config(None, [f"run.output_dir={tmp_path}", "run.run_id=q"])
+    off = load_config(None, [*base, "run.fork_services=false"])
+    assert early_fork_server(off, None) is None
+    # a measurement of this machine may come first: no imports beside it
+    assert early_fork_server(load_config(None, [*base, "run.profile_first=true"]), None) is None
+    early = early_fork_server(cfg, None)
+    assert early is not None and early.proc is not None
+    try:
+        assert serves(early, cfg, specs(cfg))
+        for prepared in (colocated, other_run, off):
+            assert not serves(early, prepared, specs(prepared))
+        with Supervisor(pid_file=tmp_path / "pids.json") as sup:
+            attach_fork_server(sup, cfg, specs(cfg), early)
+            assert sup.forker is early
+            assert (early.started_at, "launcher", "fork server started") in sup.events
+        assert early.proc is None  # closed with the supervisor
+        again = early_fork_server(cfg, None)
+        assert again is not None
+        with Supervisor(pid_file=tmp_path / "pids.json") as sup:
+            attach_fork_server(sup, colocated, specs(colocated), again)
+            assert again.proc is None and sup.forker is not None and sup.forker is not again
+            forked = next(s for s in specs(colocated) if s.fork)
+            assert forked.env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert not sup.forker.differs({**os.environ, **forked.env})
+    finally:
+        early.close()
+
+
+BRANCH_ENTRY = """\
+import os, sys, time
+loaded = sorted(m for m in ("json", "mod_t", "mod_s") if m in sys.modules)
+print("ran", sys.argv[1], "ppid", os.getppid(), loaded, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_branch_forks_the_services_of_its_word_with_its_own_imports(tmp_path: Path) -> None:
+    (tmp_path / "branch_entry.py").write_text(BRANCH_ENTRY)
+    for name in ("mod_t", "mod_s"):
+        (tmp_path / f"{name}.py").write_text("")
+    env = {**os.environ, **_env(tmp_path)}
+    modules = ["json", "@train", "mod_t", "@", "mod_s"]  # shared, the branch's, its own
+    sup = Supervisor(poll_s=0.05, pid_file=tmp_path / "pids.json")
+    sup.attach(ForkServer(tmp_path, modules, env, tmp_path / "fork-server.log", 30))
+
+    def spec(name: str, word: str) -> ProcessSpec:
+        cmd = [sys.executable, "-m", "branch_entry", word, "c.yaml"]
+        log = tmp_path / f"{name}.log"
+        return ProcessSpec(name, cmd, log, _env(tmp_path), on_exit="restart", fork=True)
+
+    with sup:
+        forked = [sup.start(spec("inference-0", "serve")), sup.start(spec("trainer", "train"))]
+        assert all(isinstance(m.proc, ForkedProcess) for m in forked)
+        server = _wait_log(tmp_path / "inference-0.log", "ran serve")
+        trainer = _wait_log(tmp_path / "trainer.log", "ran train")
+        assert f"ppid {os.getpid()} ['json', 'mod_s']" in server  # the launcher's child
+        assert f"ppid {os.getpid()} ['json', 'mod_t']" in trainer
+        first = sup.pid("trainer")
+        assert first is not None
+        os.kill(first, signal.SIGKILL)  # forked again, by the same branch
+        trainer = _wait_log(tmp_path / "trainer.log", "ran train", 2, sup)
+        assert trainer.count(f"ppid {os.getpid()} ['json', 'mod_t']") == 2
+    log = (tmp_path / "fork-server.log").read_text()
+    assert "fork server (train): 1 modules imported" in log
+    assert "fork server: 2 modules imported" in log
+
+
+@pytest.mark.timeout(60)
+def test_an_unsafe_branch_gives_its_services_plain_processes(tmp_path: Path) -> None:
+    (tmp_path / "branch_entry.py").write_text(BRANCH_ENTRY)
+    (tmp_path / "threads_at_import.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+    )
+    env = {**os.environ, **_env(tmp_path)}
+    sup = Supervisor(poll_s=0.05, pid_file=tmp_path / "pids.json")
+    modules = ["json", "@train", "threads_at_import"]
+    sup.attach(ForkServer(tmp_path, modules, env, tmp_path / "fork-server.log", 30))
+    with sup:
+        started = {}
+        for name, word in (("trainer", "train"), ("inference-0", "serve")):
+            cmd = [sys.executable, "-m", "branch_entry", word]
+            log = tmp_path / f"{name}.log"
+            started[name] = sup.start(ProcessSpec(name, cmd, log, _env(tmp_path), fork=True))
+        assert isinstance(started["trainer"].proc, subprocess.Popen)  # its branch: unsafe
+        assert isinstance(started["inference-0"].proc, ForkedProcess)  # the first: forks
+        log = _wait_log(tmp_path / "trainer.log", "ran train")
+        assert "a plain process: the fork server refused: its fork server: 2 threads" in log
+        _wait_log(tmp_path / "inference-0.log", "ran serve")
