@@ -104,12 +104,16 @@ def init_single_rank(device: str = "cpu") -> None:
 def build_engine(
     model: torch.nn.Module, cfg: TrainerConfig, world_size: int, updates_per_step: int = 1
 ) -> Any:
-    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule."""
+    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule; its
+    attention runs packed completions where it can (packed.py)."""
     import deepspeed
     import torch
 
+    from trainer_service import packed
+
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
+    packed.enable(model)  # completions without padding (packed.py), where the model can
     fn = lr_lambda(cfg, updates_per_step)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from trainer_service import packed
+
 if TYPE_CHECKING:
     import torch
 
@@ -70,8 +72,10 @@ def shares_prompts(model: Callable[..., Any], mb: MicroBatch) -> bool:
         return False
     rows, width = mb.input_ids.shape
     groups = int(mb.group.unique().numel())
-    completion = int((mb.attention_mask.sum(dim=1) - mb.prompt_len).max())
-    return groups * int(mb.prompt_len.max()) + rows * completion < rows * width
+    n_comp = mb.attention_mask.sum(dim=1) - mb.prompt_len
+    # the completion pass: packed, its real tokens; else padded to the longest
+    completion = int(n_comp.sum()) if packed.enabled(model) else rows * int(n_comp.max())
+    return groups * int(mb.prompt_len.max()) + completion < rows * width
 
 
 def shared_prompt_logprobs(
@@ -101,6 +105,13 @@ def shared_prompt_logprobs(
     keep = longest - int(gp.min()) + 1  # logits from the shortest prompt's last position
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=keep)
     kv = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    # (B, V) each row's logits at its prompt's last position: its first token's
+    at_prompt = out.logits[row_prompt, plen - 1 - (longest - keep)]
+    if packed.enabled(model):
+        prompt_kv = [(layer.keys, layer.values) for layer in kv.layers]
+        return packed.packed_logprobs(
+            model, mb, at_prompt, prompt_kv, row_prompt, with_entropy, entropy_grad
+        )
     kv.batch_select_indices(row_prompt)
     n_comp = mb.attention_mask.sum(dim=1) - plen  # (B,)
     t = int(n_comp.max())
@@ -113,7 +124,6 @@ def shared_prompt_logprobs(
         input_ids=comp, attention_mask=seen, position_ids=pos, use_cache=True, **{name: kv}
     )
     # (B, T, V): token 0 from the prompt's last position, token j from completion j - 1
-    at_prompt = out.logits[row_prompt, plen - 1 - (longest - keep)]
     logits = torch.cat([at_prompt[:, None], after.logits[:, :-1]], dim=1).float()
     logp_all = torch.log_softmax(logits / mb.temperature, dim=-1)
     logp = logp_all.gather(-1, comp.unsqueeze(-1)).squeeze(-1)  # (B, T)
