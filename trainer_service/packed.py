@@ -22,6 +22,7 @@ pass the function is transformers' SDPA attention itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,37 +36,93 @@ _ROWS = "packed_rows"  # the keyword that carries `PackedRows` down to the atten
 
 @dataclass
 class PackedRows:
-    """Where the packed tokens sit in the padded layout, and each layer's prompt keys and
-    values; `layers` counts the attention calls that took them."""
+    """Where the packed tokens go in the padded layouts of attention, and each layer's
+    prompt keys and values; `layers` counts the attention calls that took them. A
+    layout is filled by one row gather from [sources; a zero row]."""
 
-    flat: torch.Tensor  # (N,) index of each real token in the (B * T) layout
+    flat: torch.Tensor  # (N,) each packed token's slot in the (B * T) layout
     rows: int  # B
     width: int  # T
     prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (G, KV heads, P, D)
-    row_prompt: torch.Tensor  # (B,) each row's prompt among the G
-    # (G,) rows per prompt when each prompt's rows are contiguous, in prompt order
-    repeats: torch.Tensor | None = None
+    queries: torch.Tensor  # (B * T,) each slot's packed token, N off them (the zero row)
+    # (B * (P + T),) each key slot's row in [prompt keys (G * P); packed (N); zero]
+    keys: torch.Tensor
     layers: int = 0
 
-    def per_row(self, x: torch.Tensor) -> torch.Tensor:
-        """(G, ...) -> (B, ...): each row's prompt's. Repeated where the rows are grouped
-        (its backward sums slices; an index's is a scatter, slow on the strided gradient
-        that attention hands back)."""
-        if self.repeats is not None:
-            return x.repeat_interleave(self.repeats, dim=0, output_size=self.rows)
-        return x.index_select(0, self.row_prompt)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
+    def pad_queries(self, x: torch.Tensor) -> torch.Tensor:
         """(1, H, N, D) -> (B, H, T, D), zeros off the real tokens."""
-        heads, dim = x.shape[1], x.shape[3]
-        out = x.new_zeros(self.rows * self.width, heads, dim)
-        out = out.index_copy(0, self.flat, x[0].transpose(0, 1))
-        return out.view(self.rows, self.width, heads, dim).transpose(1, 2)
+        rows = x.squeeze(0).transpose(0, 1)  # (N, H, D)
+        out = _gather(_with_zero_row([rows]), self.queries)
+        return out.view(self.rows, self.width, *rows.shape[1:]).transpose(1, 2)
+
+    def with_prompt(self, prompt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """(G, H, P, D) prompt and (1, H, N, D) packed keys (or values) -> (B, H, P + T,
+        D): each row's prompt's, then its own tokens (zeros after them)."""
+        g, h, p, d = prompt.shape
+        parts = [prompt.transpose(1, 2).reshape(g * p, h, d), x.squeeze(0).transpose(0, 1)]
+        out = _gather(_with_zero_row(parts), self.keys)
+        return out.view(self.rows, p + self.width, h, d).transpose(1, 2)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, T, D) -> (1, N, H, D), the layout attention functions return."""
         b, h, t, d = x.shape
-        return x.transpose(1, 2).reshape(b * t, h, d).index_select(0, self.flat)[None]
+        return _gather(x.transpose(1, 2).reshape(b * t, h, d), self.flat).unsqueeze(0)
+
+
+def packed_rows(
+    real: torch.Tensor,
+    row_prompt: torch.Tensor,
+    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]],
+) -> PackedRows:
+    """The layouts of the rows whose real tokens `real` (B, T) marks, row r continuing
+    prompt `row_prompt[r]` of the (G, H, P, D) `prompt_kv`."""
+    import torch
+
+    rows, width = real.shape
+    dev = real.device
+    flat = real.view(-1).nonzero().squeeze(1)  # (N,) row-major
+    n = flat.numel()
+    queries = torch.full((rows * width,), n, dtype=torch.long, device=dev)
+    queries[flat] = torch.arange(n, device=dev)
+    g, _, p, _ = prompt_kv[0][0].shape
+    prompt = row_prompt[:, None] * p + torch.arange(p, device=dev)  # (B, P)
+    own = g * p + queries.view(rows, width)  # (B, T): the zero row off the tokens
+    keys = torch.cat([prompt, own], dim=1).view(-1)
+    return PackedRows(flat, rows, width, prompt_kv, queries, keys)
+
+
+def _with_zero_row(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `parts`, then one zero row."""
+    import torch
+
+    return torch.cat([*parts, parts[0].new_zeros(1, *parts[0].shape[1:])])
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index), whose backward sums the gradient of each output row into
+    its source row from a contiguous copy (the gradients attention hands back are strided,
+    and a scatter over strided rows is slow)."""
+    return _row_gather().apply(x, index)
+
+
+@cache
+def _row_gather() -> Any:
+    import torch
+
+    class RowGather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(index)
+            ctx.rows = x.shape[0]
+            return x.index_select(0, index)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            (index,) = ctx.saved_tensors
+            out = grad.new_zeros(ctx.rows, *grad.shape[1:])
+            return out.index_add_(0, index, grad.contiguous()), None
+
+    return RowGather
 
 
 def _attention(
@@ -79,7 +136,6 @@ def _attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA over packed rows (`_ROWS` given), else transformers' SDPA attention."""
-    import torch
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -89,10 +145,9 @@ def _attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     prompt_k, prompt_v = packed.prompt_kv[module.layer_idx]
-    k = torch.cat([packed.per_row(prompt_k), packed.pad(key)], dim=2)
-    v = torch.cat([packed.per_row(prompt_v), packed.pad(value)], dim=2)
+    k, v = packed.with_prompt(prompt_k, key), packed.with_prompt(prompt_v, value)
     out = F.scaled_dot_product_attention(
-        packed.pad(query), k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        packed.pad_queries(query), k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
         enable_gqa=True,
     )  # fmt: skip
     packed.layers += 1
@@ -150,7 +205,8 @@ def packed_logprobs(
     n_comp = mb.attention_mask.sum(dim=1) - plen  # (B,)
     t = int(n_comp.max())
     real = torch.arange(t, device=dev) < n_comp[:, None]  # (B, T)
-    flat = real.view(-1).nonzero().squeeze(1)  # (N,) row-major
+    packed = packed_rows(real, row_prompt, prompt_kv)
+    flat = packed.flat
     row, j = flat // t, flat % t
     pos = plen[row] + j  # (N,) absolute positions
     tokens = ids[row, pos]
@@ -159,10 +215,6 @@ def packed_logprobs(
     seen = torch.arange(longest, device=dev) < plen[:, None]
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
     mask = torch.cat([seen[:, None].expand(rows, t, longest), causal.expand(rows, t, t)], -1)
-    grouped = bool((row_prompt[1:] >= row_prompt[:-1]).all())
-    n_prompts = prompt_kv[0][0].shape[0]
-    repeats = torch.bincount(row_prompt, minlength=n_prompts) if grouped else None
-    packed = PackedRows(flat, rows, t, prompt_kv, row_prompt, repeats)
     out = model(
         input_ids=tokens[None], position_ids=pos[None], attention_mask=mask[:, None],
         use_cache=False, logits_to_keep=0, **{_ROWS: packed},
