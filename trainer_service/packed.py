@@ -8,9 +8,10 @@ embeddings are per token), and only attention sees the rows: the attention funct
 registered with transformers under `ATTENTION` scatters a layer's queries, keys and
 values into the (B, T) layout, puts each row's prompt keys and values (its prompt's, of
 the G run once) before its own, and attends with the prompt-padding and causal mask
-(SDPA; on CPU two batched matmuls, `_cpu_attention`), then gathers the real tokens back. Every token sees exactly what it sees in the padded
-pass, so log-probs and gradients are the same up to float rounding. Outside a packed
-pass the function is transformers' SDPA attention itself.
+(SDPA; on CPU two batched matmuls, `_cpu_attention`), then gathers the real tokens
+back. Every token sees exactly what it sees in the padded pass, so log-probs and
+gradients are the same up to float rounding. Outside a packed pass the function is
+transformers' SDPA attention itself.
 
     packed pass   (1, N)            the real completion tokens, row after row
     attention     (B, H, T, P + T)  row r's tokens see its prompt (padding masked) and
