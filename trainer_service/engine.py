@@ -105,15 +105,17 @@ def build_engine(
     model: torch.nn.Module, cfg: TrainerConfig, world_size: int, updates_per_step: int = 1
 ) -> Any:
     """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule; its
-    attention runs packed completions where it can (packed.py)."""
+    attention runs packed completions where it can (packed.py), its fp32 RMSNorms the
+    written-out backward (rms_norm.py)."""
     import deepspeed
     import torch
 
-    from trainer_service import packed
+    from trainer_service import packed, rms_norm
 
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
     packed.enable(model)  # completions without padding (packed.py), where the model can
+    rms_norm.fuse(model)  # fp32 norms with their backward written out (rms_norm.py)
     fn = lr_lambda(cfg, updates_per_step)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -17,7 +17,7 @@ import torch
 from fakes import PlainEngine
 
 from areal_hex.config import AlgoConfig, ModelConfig, TinyModelConfig
-from trainer_service import packed
+from trainer_service import packed, rms_norm
 from trainer_service import step as step_mod
 from trainer_service.batching import collate, flatten_groups
 from trainer_service.engine import first_scored, token_logprobs
@@ -59,12 +59,13 @@ PATHS = ["packed", "packed-mixed", "shared", "window"]
 
 
 def _model_for(model: Any, path: str) -> Any:
-    """`model` as the trainer runs it on `path` (its attention packs completions on
-    `packed` only)."""
+    """`model` as the trainer runs it (engine.build_engine) on `packed` paths: its
+    attention packs completions, its norms have their backward written out."""
     if not path.startswith("packed"):
         return model
     out = copy.deepcopy(model)
     assert packed.enable(out) and packed.enabled(out)
+    assert rms_norm.fuse(out) > 0
     return out
 
 
