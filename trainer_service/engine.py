@@ -1,12 +1,14 @@
 """The DeepSpeed engine over an HF causal LM, and token log-probs as the server samples.
 
 CPU: fp32, gloo, `DS_ACCELERATOR=cpu`. CUDA: bf16, NCCL. The optimizer is torch AdamW
-(built by DeepSpeed with `torch_adam`, so no fused-op build is needed) and the LR
-schedule a `LambdaLR` that DeepSpeed steps and checkpoints with the engine.
+(built by DeepSpeed with `torch_adam`, so no fused-op build is needed; on CPU torch's
+fused kernel, one op per parameter) and the LR schedule a `LambdaLR` that DeepSpeed
+steps and checkpoints with the engine.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -66,6 +68,7 @@ def ds_config(cfg: TrainerConfig, world_size: int) -> dict[str, Any]:
                 "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay,
                 "torch_adam": True,
+                **({"fused": True} if cfg.device == "cpu" else {}),
             },
         },
         "bf16": {"enabled": cfg.device == "cuda"},
@@ -127,7 +130,21 @@ def build_engine(
         # one rank: averaging its gradients over itself is a flatten, an all-reduce and a
         # copy back of every gradient each step, for the same values
         engine.enable_backward_allreduce = False
+        if cfg.device == "cpu":
+            engine.clip_fp32_gradients = functools.partial(clip_one_rank, engine)
     return engine
+
+
+def clip_one_rank(engine: Any) -> None:
+    """DeepSpeed's fp32 gradient clipping on one rank (stage 0): the same norm and scale
+    in two foreach ops, without its average of the norm over the one rank (a gloo
+    all-reduce); the norm is kept for `get_global_grad_norm` (which stage 0 leaves
+    unset)."""
+    import torch
+
+    grads = [p for p in engine.module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(grads, engine.gradient_clipping(), foreach=True)
+    engine._global_grad_norm = float(norm)
 
 
 def token_logprobs(
