@@ -1,28 +1,30 @@
-"""A micro-batch's completions as one packed sequence: no padding in the completion pass.
+"""A micro-batch's prompts and completions as one packed sequence: no padding, one pass.
 
-`shared_prompt.py` runs each distinct prompt once and then the completions as a (B, T)
-batch padded to the longest one: with completions of 12 to 24 tokens about a fifth of
-that pass is padding, which every linear layer, norm and MLP computes. Here the real
-completion tokens run as one sequence (1, N), each at its absolute position (rotary
-embeddings are per token), and only attention sees the rows: the attention function
-registered with transformers under `ATTENTION` scatters a layer's queries, keys and
-values into the (B, T) layout, puts each row's prompt keys and values (its prompt's, of
-the G run once) before its own, and attends with the prompt-padding and causal mask
-(SDPA; on CPU two batched matmuls, `_cpu_attention`), then gathers the real tokens
-back. Every token sees exactly what it sees in the padded pass, so log-probs and
-gradients are the same up to float rounding. Outside a packed pass the function is
-transformers' SDPA attention itself.
+The rows of a micro-batch share prompts (a GRPO group's completions all continue one
+prompt) and are padded to the longest row. Here each distinct prompt's tokens and then
+every row's completion tokens run as one sequence (1, M) of real tokens only, each at its
+absolute position (rotary embeddings are per token): the linear layers, norms, MLP and
+head compute no padding and no prompt twice, and the model runs once (its fixed cost per
+op is paid once, not for a prompt pass and a completion pass). Only attention sees the
+rows: the attention function registered with transformers under `ATTENTION` gathers a
+layer's queries, keys and values into two padded layouts and gathers the outputs back:
 
-    packed pass   (1, N)            the real completion tokens, row after row
-    attention     (B, H, T, P + T)  row r's tokens see its prompt (padding masked) and
-                                    its own earlier tokens
-    logits        (N, V)            token j of row r from the row's position j - 1, token
-                                    0 from its prompt's last position (the prompt pass)
+    sequence      (1, M)            the G prompts' tokens, then the B rows' completions
+    prompts       (G, H, P, P)      causal within each prompt (padding after its tokens)
+    completions   (B, H, T, P + T)  row r's tokens see its prompt's keys (padding masked)
+                                    and, causally, its own
+    logits        (G + N, V)        each prompt's last position, then every completion
+                                    token's; token j of row r is scored at its position
+                                    j - 1, token 0 at its prompt's last position
+
+Every token sees exactly what it sees in the padded pass (SDPA; on CPU two batched
+matmuls, `_cpu_attention`), so log-probs and gradients are the same up to float
+rounding. Outside a packed pass the function is transformers' SDPA attention itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -32,76 +34,78 @@ if TYPE_CHECKING:
     from trainer_service.batching import MicroBatch
 
 ATTENTION = "areal_packed_sdpa"
-_ROWS = "packed_rows"  # the keyword that carries `PackedRows` down to the attention
+_ROWS = "packed_rows"  # the keyword that carries `PackedRows` down to attention
 
 
 @dataclass
 class PackedRows:
-    """Where the packed tokens go in the padded layouts of attention, and each layer's
-    prompt keys and values; `layers` counts the attention calls that took them. A
-    layout is filled by one row gather from [sources; a zero row]."""
+    """Where the packed sequence's M tokens go in the two padded layouts of attention:
+    each index points into the sequence's rows plus one zero row (index M), which fills
+    the padding. `layers` counts the attention calls that took them."""
 
-    flat: torch.Tensor  # (N,) each packed token's slot in the (B * T) layout
+    prompts: int  # G
+    longest: int  # P
     rows: int  # B
     width: int  # T
-    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (G, KV heads, P, D)
-    queries: torch.Tensor  # (B * T,) each slot's packed token, N off them (the zero row)
-    # (B * (P + T),) each key slot's row in [prompt keys (G * P); packed (N); zero]
-    keys: torch.Tensor
+    prompt_slots: torch.Tensor  # (G * P,) each prompt slot's token
+    prompt_flat: torch.Tensor  # (Np,) each prompt token's slot, sequence order
+    queries: torch.Tensor  # (B * T,) each completion slot's token
+    keys: torch.Tensor  # (B * (P + T),) each row's prompt's slots, then its own
+    flat: torch.Tensor  # (N,) each completion token's slot, sequence order
+    mask: torch.Tensor  # (B, 1, T, P + T) which keys each completion slot sees
     layers: int = 0
-    bias: torch.Tensor | None = None  # `score_bias`, made by the first layer
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)  # `_cpu_attention`'s
 
-    def score_bias(self, mask: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
-        """(B, 1, T, S) boolean mask -> (B * K, H / K * T, S) additive bias (0 or -inf)
-        for `_cpu_attention`; the same for every layer."""
-        if self.bias is None:
-            b, _, t, s = mask.shape
-            bias = mask.new_zeros(mask.shape, dtype=self.prompt_kv[0][0].dtype)
-            bias = bias.masked_fill(~mask, float("-inf"))
-            rep = heads // kv_heads
-            self.bias = bias[:, None].expand(b, kv_heads, rep, t, s).reshape(-1, rep * t, s)
-        return self.bias
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        scaling: float | None, dropout: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """(1, H, M, D) queries, (1, K, M, D) keys and values -> (1, M, H, D) outputs."""
+        import torch
 
-    def pad_queries(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, H, N, D) -> (B, H, T, D), zeros off the real tokens."""
-        rows = x.squeeze(0).transpose(0, 1)  # (N, H, D)
-        out = _gather(_with_zero_row([rows]), self.queries)
-        return out.view(self.rows, self.width, *rows.shape[1:]).transpose(1, 2)
+        q, k, v = (_with_zero_row([x.squeeze(0).transpose(0, 1)]) for x in (query, key, value))
+        g, p, b, t = self.prompts, self.longest, self.rows, self.width
+        qp, kp, vp = (_layout(x, self.prompt_slots, g, p) for x in (q, k, v))
+        causal = torch.ones(p, p, dtype=torch.bool, device=q.device).tril()
+        op = self._attention("prompts", qp, kp, vp, causal.expand(g, 1, p, p), scaling, dropout)
+        kc, vc = (_layout(x, self.keys, b, p + t) for x in (k, v))
+        qc = _layout(q, self.queries, b, t)
+        oc = self._attention("completions", qc, kc, vc, self.mask, scaling, dropout)
+        return torch.cat([_unlayout(op, self.prompt_flat), _unlayout(oc, self.flat)])[None]
 
-    def with_prompt(self, prompt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """(G, H, P, D) prompt and (1, H, N, D) packed keys (or values) -> (B, H, P + T,
-        D): each row's prompt's, then its own tokens (zeros after them)."""
-        g, h, p, d = prompt.shape
-        parts = [prompt.transpose(1, 2).reshape(g * p, h, d), x.squeeze(0).transpose(0, 1)]
-        out = _gather(_with_zero_row(parts), self.keys)
-        return out.view(self.rows, p + self.width, h, d).transpose(1, 2)
+    def _attention(
+        self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor, scaling: float | None, dropout: float,
+    ) -> torch.Tensor:  # fmt: skip
+        import torch.nn.functional as F
 
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, H, T, D) -> (1, N, H, D), the layout attention functions return."""
-        b, h, t, d = x.shape
-        return _gather(x.transpose(1, 2).reshape(b * t, h, d), self.flat).unsqueeze(0)
+        if q.device.type != "cpu":
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        if name not in self.biases:  # the same for every layer
+            self.biases[name] = _score_bias(mask, k.shape[1], q.shape[1], q.dtype)
+        return _cpu_attention(q, k, v, self.biases[name], scaling, dropout)
 
 
-def packed_rows(
-    real: torch.Tensor,
-    row_prompt: torch.Tensor,
-    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]],
-) -> PackedRows:
-    """The layouts of the rows whose real tokens `real` (B, T) marks, row r continuing
-    prompt `row_prompt[r]` of the (G, H, P, D) `prompt_kv`."""
-    import torch
+def _layout(x: torch.Tensor, index: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """(M + 1, H, D) sequence rows -> (n, H, length, D) by `index` (n * length,)."""
+    return _gather(x, index).view(n, length, *x.shape[1:]).transpose(1, 2)
 
-    rows, width = real.shape
-    dev = real.device
-    flat = real.view(-1).nonzero().squeeze(1)  # (N,) row-major
-    n = flat.numel()
-    queries = torch.full((rows * width,), n, dtype=torch.long, device=dev)
-    queries[flat] = torch.arange(n, device=dev)
-    g, _, p, _ = prompt_kv[0][0].shape
-    prompt = row_prompt[:, None] * p + torch.arange(p, device=dev)  # (B, P)
-    own = g * p + queries.view(rows, width)  # (B, T): the zero row off the tokens
-    keys = torch.cat([prompt, own], dim=1).view(-1)
-    return PackedRows(flat, rows, width, prompt_kv, queries, keys)
+
+def _unlayout(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """(n, H, length, D) -> (len(flat), H, D): the real tokens' rows, sequence order."""
+    n, h, length, d = x.shape
+    return _gather(x.transpose(1, 2).reshape(n * length, h, d), flat)
+
+
+def _score_bias(mask: torch.Tensor, kv_heads: int, heads: int, dtype: Any) -> torch.Tensor:
+    """(n, 1, T, S) boolean mask -> (n * K, H / K * T, S) additive bias (0 or -inf), each
+    key head's query heads stacked as `_cpu_attention` stacks them."""
+    n, _, t, s = mask.shape
+    bias = mask.new_zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    rep = heads // kv_heads
+    return bias[:, None].expand(n, kv_heads, rep, t, s).reshape(-1, rep * t, s)
 
 
 def _with_zero_row(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -148,8 +152,7 @@ def _attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA over packed rows (`_ROWS` given), else transformers' SDPA attention."""
-    import torch.nn.functional as F
+    """Attention over a packed sequence (`_ROWS` given), else transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     packed: PackedRows | None = kwargs.pop(_ROWS, None)
@@ -157,19 +160,8 @@ def _attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    assert attention_mask is not None
-    prompt_k, prompt_v = packed.prompt_kv[module.layer_idx]
-    k, v = packed.with_prompt(prompt_k, key), packed.with_prompt(prompt_v, value)
-    q = packed.pad_queries(query)
-    if q.device.type == "cpu":
-        out = _cpu_attention(q, k, v, packed.score_bias(attention_mask, k.shape[1], q.shape[1]),
-                             scaling, dropout)  # fmt: skip
-    else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-        )
     packed.layers += 1
-    return packed.unpad(out), None
+    return packed.attend(query, key, value, scaling, dropout), None
 
 
 def _cpu_attention(
@@ -229,64 +221,105 @@ def enabled(model: Any) -> bool:
     return getattr(cfg, "_attn_implementation", None) == ATTENTION
 
 
-def packed_logprobs(
-    model: Any,
-    mb: MicroBatch,
-    at_prompt: torch.Tensor,
-    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]],
-    row_prompt: torch.Tensor,
-    with_entropy: bool,
-    entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs` of `mb` ((B, L - 1), 0 off completion tokens) from the prompt
-    pass's outputs: `at_prompt` (B, V) the logits at each row's last prompt position,
-    `prompt_kv` each layer's prompt keys and values, `row_prompt` (B,) each row's
-    prompt; the completions run packed."""
+@dataclass
+class _Sequence:
+    """The packed sequence of a micro-batch and what scoring needs of it."""
+
+    rows: PackedRows
+    tokens: torch.Tensor  # (M,) the prompts' tokens, then the completions'
+    positions: torch.Tensor  # (M,) absolute positions
+    keep: torch.Tensor  # (G + N,) the positions whose logits score a token
+    row_prompt: torch.Tensor  # (B,) each row's prompt among the G
+    row: torch.Tensor  # (N,) each completion token's row
+    j: torch.Tensor  # (N,) its index in its completion
+    at: torch.Tensor  # (N,) where the (B, L - 1) layout holds its log-prob
+
+
+def _sequence(mb: MicroBatch) -> _Sequence:
+    """Pack `mb`: each distinct prompt once (from its first row), then every row's
+    completion, real tokens only."""
     import torch
 
+    assert mb.group is not None and mb.prompt_len is not None
     ids, plen = mb.input_ids, mb.prompt_len
-    assert plen is not None
     rows, width = ids.shape
     dev = ids.device
+    _, row_prompt = torch.unique(mb.group, return_inverse=True)  # (B,)
+    g = int(row_prompt.max()) + 1
+    first = torch.full((g,), rows, dtype=torch.long, device=dev)
+    first = first.scatter_reduce(0, row_prompt, torch.arange(rows, device=dev), "amin")
+    gp = plen[first]  # (G,) prompt lengths
+    p = int(gp.max())
+    prompt_flat = (torch.arange(p, device=dev) < gp[:, None]).view(-1).nonzero().squeeze(1)
+    prompt_tokens = ids[first[prompt_flat // p], prompt_flat % p]
     n_comp = mb.attention_mask.sum(dim=1) - plen  # (B,)
     t = int(n_comp.max())
-    real = torch.arange(t, device=dev) < n_comp[:, None]  # (B, T)
-    packed = packed_rows(real, row_prompt, prompt_kv)
-    flat = packed.flat
+    flat = (torch.arange(t, device=dev) < n_comp[:, None]).view(-1).nonzero().squeeze(1)
     row, j = flat // t, flat % t
-    pos = plen[row] + j  # (N,) absolute positions
-    tokens = ids[row, pos]
+    pos = plen[row] + j
+    n_p, n = len(prompt_flat), len(flat)
+    m = n_p + n  # the zero row's index
+    prompt_slots = torch.full((g * p,), m, dtype=torch.long, device=dev)
+    prompt_slots[prompt_flat] = torch.arange(n_p, device=dev)
+    queries = torch.full((rows * t,), m, dtype=torch.long, device=dev)
+    queries[flat] = torch.arange(n_p, m, device=dev)
+    keys = torch.cat([prompt_slots.view(g, p)[row_prompt], queries.view(rows, t)], dim=1)
     # (B, 1, T, P + T): its prompt (padding masked), then causal over its own tokens
-    longest = prompt_kv[0][0].shape[2]
-    seen = torch.arange(longest, device=dev) < plen[:, None]
-    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    mask = torch.cat([seen[:, None].expand(rows, t, longest), causal.expand(rows, t, t)], -1)
+    seen = (torch.arange(p, device=dev) < plen[:, None])[:, None].expand(rows, t, p)
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(rows, t, t)
+    mask = torch.cat([seen, causal], dim=-1)[:, None]
+    layout = PackedRows(g, p, rows, t, prompt_slots, prompt_flat, queries, keys.view(-1),
+                        flat, mask)  # fmt: skip
+    last = torch.cumsum(gp, 0) - 1  # each prompt's last token in the sequence
+    return _Sequence(
+        rows=layout,
+        tokens=torch.cat([prompt_tokens, ids[row, pos]]),
+        positions=torch.cat([prompt_flat % p, pos]),
+        keep=torch.cat([last, torch.arange(n_p, m, device=dev)]),
+        row_prompt=row_prompt,
+        row=row,
+        j=j,
+        at=row * (width - 1) + pos - 1,  # token j of row r is predicted at p_r - 1 + j
+    )
+
+
+def packed_logprobs(
+    model: Any, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of `mb` ((B, L - 1), 0 off completion tokens) in one pass over
+    the packed sequence; `model` runs the packed attention (`enable`) and `mb`'s rows
+    know their groups and prompt lengths."""
+    import torch
+
+    seq = _sequence(mb)
     out = model(
-        input_ids=tokens[None], position_ids=pos[None], attention_mask=mask[:, None],
-        use_cache=False, logits_to_keep=0, **{_ROWS: packed},
+        input_ids=seq.tokens[None], position_ids=seq.positions[None],
+        attention_mask=seq.rows.mask, use_cache=False, logits_to_keep=seq.keep,
+        **{_ROWS: seq.rows},
     )  # fmt: skip
-    layers = len(prompt_kv)
-    if packed.layers != layers:
+    layers = getattr(model, "module", model).config.num_hidden_layers
+    if seq.rows.layers != layers:
         raise RuntimeError(
-            f"packed completion pass: {packed.layers} of {layers} attention layers took the "
-            f"packed rows (the model's attention must be {ATTENTION!r})"
+            f"packed pass: {seq.rows.layers} of {layers} attention layers took the packed "
+            f"rows (the model's attention must be {ATTENTION!r})"
         )
-    # token j of row r: scored at the row's packed position j - 1, or (j = 0) at its
-    # prompt's last position; each position scores the token after it (the next packed
-    # one: a row's last position scores the next row's first, and is not used)
-    n = flat.numel()
+    g, n, rows = seq.rows.prompts, len(seq.row), seq.rows.rows
+    tokens = seq.tokens[-n:] if n else seq.tokens[:0]
+    # each completion position scores the token after it (a row's last scores the next
+    # row's first, and is not used); each row's first token is scored at its prompt's end
     after = torch.cat([tokens[1:], tokens[:1]])
     temperature = mb.temperature.view(-1)
-    logp_pk, ent_pk = _score(out.logits[0], temperature[row], after, with_entropy, entropy_grad)
-    first = ids.gather(1, plen[:, None].clamp(max=width - 1)).squeeze(1)  # (B,)
-    logp_pr, ent_pr = _score(at_prompt, temperature, first, with_entropy, entropy_grad)
-    src = torch.where(j == 0, row, rows + torch.arange(n, device=dev) - 1)  # (N,)
-    # (B, L - 1) layout: token j of row r is predicted at position p_r - 1 + j
-    at = row * (width - 1) + pos - 1
+    logits = out.logits[0]  # (G + N, V)
+    logp_pk, ent_pk = _score(logits[g:], temperature[seq.row], after, with_entropy, entropy_grad)
+    first = mb.input_ids.gather(1, mb.prompt_len[:, None].clamp(max=mb.input_ids.shape[1] - 1))
+    at_prompt = logits[:g].index_select(0, seq.row_prompt)  # (B, V)
+    logp_pr, ent_pr = _score(at_prompt, temperature, first.squeeze(1), with_entropy, entropy_grad)
+    src = torch.where(seq.j == 0, seq.row, rows + torch.arange(n, device=tokens.device) - 1)
+    width = mb.input_ids.shape[1] - 1
 
     def place(prompt_part: torch.Tensor, packed_part: torch.Tensor) -> torch.Tensor:
         got = torch.cat([prompt_part, packed_part]).index_select(0, src)
-        return got.new_zeros(rows * (width - 1)).index_copy(0, at, got).view(rows, width - 1)
+        return got.new_zeros(rows * width).index_copy(0, seq.at, got).view(rows, width)
 
     entropy = None
     if with_entropy:

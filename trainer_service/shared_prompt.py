@@ -90,6 +90,8 @@ def shared_prompt_logprobs(
 
     from areal_hex.algorithms import entropy_from_logp
 
+    if packed.enabled(model):  # prompts and completions in one packed pass
+        return packed.packed_logprobs(model, mb, with_entropy, entropy_grad)
     assert mb.group is not None and mb.prompt_len is not None
     ids, plen = mb.input_ids, mb.prompt_len
     rows, width = ids.shape
@@ -107,11 +109,6 @@ def shared_prompt_logprobs(
     kv = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     # (B, V) each row's logits at its prompt's last position: its first token's
     at_prompt = out.logits[row_prompt, plen - 1 - (longest - keep)]
-    if packed.enabled(model):
-        prompt_kv = [(layer.keys, layer.values) for layer in kv.layers]
-        return packed.packed_logprobs(
-            model, mb, at_prompt, prompt_kv, row_prompt, with_entropy, entropy_grad
-        )
     kv.batch_select_indices(row_prompt)
     n_comp = mb.attention_mask.sum(dim=1) - plen  # (B,)
     t = int(n_comp.max())
