@@ -107,8 +107,8 @@ def init_single_rank(device: str = "cpu") -> None:
 def build_engine(
     model: torch.nn.Module, cfg: TrainerConfig, world_size: int, updates_per_step: int = 1
 ) -> Any:
-    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule; its
-    attention runs packed completions where it can (packed.py), its fp32 RMSNorms the
+    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule; on CPU
+    its attention runs packed sequences where it can (packed.py) and its RMSNorms the
     written-out backward (rms_norm.py)."""
     import deepspeed
     import torch
@@ -117,8 +117,9 @@ def build_engine(
 
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
-    packed.enable(model)  # completions without padding (packed.py), where the model can
-    rms_norm.fuse(model)  # fp32 norms with their backward written out (rms_norm.py)
+    if cfg.device == "cpu":  # measured there (docs/trainer.md, "The step's CPU time")
+        packed.enable(model)  # one pass, no padding (packed.py), where the model can
+        rms_norm.fuse(model)  # fp32 norms with their backward written out (rms_norm.py)
     fn = lr_lambda(cfg, updates_per_step)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
