@@ -8,7 +8,8 @@ here the forward makes the same ops (so the same values) and the backward is
     x_hat = x / rms(x),   g_hat = g * w
     dx = (g_hat - x_hat * mean(g_hat * x_hat)) / rms(x),   dw = sum of g * x_hat
 
-four products and two sums over contiguous tensors. Only the norm classes known to
+in six passes over contiguous tensors (for dx a product, a fused product-sum, a fused
+multiply-add and a scaling; for dw a product and a sum). Only the norm classes known to
 compute exactly `weight * x / rms(x)` in fp32 are switched (a Gemma norm scales by
 1 + weight, and is left alone).
 """
@@ -73,7 +74,9 @@ def _function() -> Any:
             dx = dw = None
             if ctx.needs_input_grad[0]:
                 g_hat = g * w
-                dx = inv * (g_hat - x_hat * (g_hat * x_hat).mean(-1, keepdim=True))
+                # -mean(g_hat * x_hat), one fused product-sum
+                dot = torch.linalg.vecdot(g_hat, x_hat).unsqueeze(-1).div_(-x_hat.shape[-1])
+                dx = torch.addcmul(g_hat, x_hat, dot).mul_(inv)
             if ctx.needs_input_grad[1]:
                 dw = (g * x_hat).reshape(-1, x_hat.shape[-1]).sum(0)
             return dx, dw, None
