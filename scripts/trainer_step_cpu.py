@@ -34,8 +34,9 @@ def main() -> None:
     p.add_argument("--config", default="examples/tiny_cpu.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    # a README run's rows: ~34 prompt tokens (chat template), ~15 completion tokens
-    p.add_argument("--completion", type=int, nargs=2, default=(8, 22), help="length range")
+    # a README run's rows: ~34 prompt tokens (chat template), completions of ~19 tokens
+    # on average, up to rollout.max_new_tokens (24)
+    p.add_argument("--completion", type=int, nargs=2, default=(12, 24), help="length range")
     p.add_argument("--prompt-len", type=int, default=34)
     add_heap_flag(p, "a disaggregated trainer")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of a step")
