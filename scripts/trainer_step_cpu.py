@@ -50,11 +50,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from areal_hex.config import load_config
     from areal_hex.models import load_model
     from trainer_service import step as step_mod
-    from trainer_service.engine import build_engine, init_single_rank
+    from trainer_service.engine import build_engine, flush_denormals, init_single_rank
     from trainer_service.publish import full_state_dict, write_model_dir
     from trainer_service.synthetic import synthetic_groups
 
     cfg = load_config(args.config)
+    flush_denormals("cpu")  # as the trainer sets it (trainer_service/main.py)
     init_single_rank("cpu")
     model = load_model(args.model_dir)
     engine = build_engine(model.train(), cfg.trainer, world_size=1)

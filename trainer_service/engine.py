@@ -88,6 +88,17 @@ def cpu_environment(env: dict[str, str] | os._Environ[str]) -> None:
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
+def flush_denormals(device: str) -> None:
+    """On CPU, floats below ~1e-38 (denormals) count as zero on this thread and the
+    threads it starts: x86 computes on them through a slow path, and the step's softmax
+    and gradients make some (about 3 % of the step's CPU in the README job); values that
+    small change no result at 1e-6 (tests/unit/test_token_logprobs_paths.py)."""
+    if device == "cpu":
+        import torch
+
+        torch.set_flush_denormal(True)
+
+
 def init_single_rank(device: str = "cpu") -> None:
     """A one-rank process group for DeepSpeed outside its launcher (profiling and benches
     time the trainer's step in-process): a free loopback port, gloo on CPU, NCCL on CUDA."""

@@ -189,3 +189,25 @@ def test_same_step_as_the_full_pass(
     np.testing.assert_allclose(b.advantages, a.advantages, atol=1e-6)
     for n, g in g_a.items():
         torch.testing.assert_close(g_b[n], g, atol=1e-6, rtol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_flushed_denormals_change_no_gradient(setup: tuple) -> None:
+    """The CPU trainer counts denormal floats as zero (engine.flush_denormals): the same
+    log-probs and gradients to 1e-6."""
+    base, groups = setup
+    model = _model_for(base, "packed")
+    mb = _batch(groups, shared=True)
+    got = []
+    try:
+        for flush in (False, True):
+            torch.set_flush_denormal(flush)
+            model.zero_grad(set_to_none=True)
+            logp, _ = token_logprobs(model, mb)
+            (logp * mb.loss_mask).sum().backward()
+            got.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    finally:
+        torch.set_flush_denormal(False)
+    (lp_a, g_a), (lp_b, g_b) = got
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=1e-6)
+    for n, g in g_a.items():
+        torch.testing.assert_close(g_b[n], g, atol=1e-6, rtol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
