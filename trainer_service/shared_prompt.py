@@ -15,6 +15,9 @@ differ only by the order of their sums (float rounding).
     token j of row r      predicted at the prompt's last position (j = 0) or at the
                           completion's position j - 1; returned at p_r - 1 + j of the
                           (B, L - 1) layout of `token_logprobs`
+
+A model that runs the packed attention (packed.py, the CPU trainer's) does the same in
+one pass over a sequence of real tokens only, without the padding of either pass.
 """
 
 from __future__ import annotations
