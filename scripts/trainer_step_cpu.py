@@ -1,6 +1,9 @@
 """CPU seconds of the trainer's step, by phase, on one thread: the README job's trainer
 (examples/tiny_cpu.yaml's model, DeepSpeed on CPU, one rank) on synthetic groups of the
-job's shape. CPU time, not wall time, so a busy machine does not skew it.
+job's shape. CPU time, not wall time, so a busy machine does not skew it. Besides the
+step's phases: decoding the batch's records from their buffer encoding (`decode`), the
+step's metrics row (`metrics`), and `process`, the CPU of all the process's threads
+over decode, step, publish and metrics (DeepSpeed's and gloo's threads included).
 
     python scripts/trainer_step_cpu.py MODEL_DIR [--steps 30] [--default-heap] [--profile]
 
@@ -11,6 +14,7 @@ Prints one JSON object: medians over the steps after the warm-up, per phase.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import tempfile
@@ -30,8 +34,9 @@ def main() -> None:
     p.add_argument("--config", default="examples/tiny_cpu.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    # a README run's rows: ~34 prompt tokens (chat template), ~15 completion tokens
-    p.add_argument("--completion", type=int, nargs=2, default=(8, 22), help="length range")
+    # a README run's rows: ~34 prompt tokens (chat template), completions of ~19 tokens
+    # on average, up to rollout.max_new_tokens (24)
+    p.add_argument("--completion", type=int, nargs=2, default=(12, 24), help="length range")
     p.add_argument("--prompt-len", type=int, default=34)
     add_heap_flag(p, "a disaggregated trainer")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of a step")
@@ -41,14 +46,16 @@ def main() -> None:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     one_thread(args)
+    from areal_hex.buffer.codec import decode_group, encode_group
     from areal_hex.config import load_config
     from areal_hex.models import load_model
     from trainer_service import step as step_mod
-    from trainer_service.engine import build_engine, init_single_rank
+    from trainer_service.engine import build_engine, flush_denormals, init_single_rank
     from trainer_service.publish import full_state_dict, write_model_dir
     from trainer_service.synthetic import synthetic_groups
 
     cfg = load_config(args.config)
+    flush_denormals("cpu")  # as the trainer sets it (trainer_service/main.py)
     init_single_rank("cpu")
     model = load_model(args.model_dir)
     engine = build_engine(model.train(), cfg.trainer, world_size=1)
@@ -71,10 +78,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             cfg.buffer.groups_per_step, cfg.rollout.group_size, vocab, args.prompt_len,
             tuple(args.completion), seed=i, temperature=cfg.rollout.temperature,
         )  # fmt: skip
+        payloads = [encode_group(g) for g in groups]
         table.clear()
+        p0 = time.process_time()
+        t0 = time.thread_time()
+        groups = [decode_group(b) for b in payloads]
+        table["decode"] = time.thread_time() - t0
         r0 = resource.getrusage(resource.RUSAGE_THREAD)
         t0 = time.thread_time()
-        step_mod.optimize(ctx, groups)
+        result = step_mod.optimize(ctx, groups)
         total = time.thread_time() - t0
         r1 = resource.getrusage(resource.RUSAGE_THREAD)
         table["sys"] = r1.ru_stime - r0.ru_stime
@@ -84,6 +96,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         assert tensors is not None
         write_model_dir(tensors, args.model_dir, tmp / f"v{i}")
         table["publish"] = time.thread_time() - t1
+        t1 = time.thread_time()
+        _metrics_row(engine, groups, result, i)
+        table["metrics"] = time.thread_time() - t1
+        table["process"] = time.process_time() - p0
         table["step"] = total
         table["other"] = total - sum(table[k] for k in PHASES if k != "publish")
         if i >= args.warmup:
@@ -91,9 +107,26 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     out = {k: round(statistics.median(r[k] for r in rows), 5) for k in rows[0]}
     out["step+publish"] = round(statistics.median(r["step"] + r["publish"] for r in rows), 5)
     out["steps"] = len(rows)
+    (Path(tempfile.gettempdir()) / f"trainer_step_cpu_{os.getpid()}.jsonl").unlink()
     if args.profile:
         _profile(step_mod, ctx, vocab, cfg, args)
     return out
+
+
+def _metrics_row(engine: Any, groups: list, result: Any, step: int) -> None:
+    """The trainer's metrics row of a step (loop.Trainer._metrics), written to a file."""
+    from types import SimpleNamespace
+
+    from areal_hex.api import Batch
+    from areal_hex.run_files import append_row
+    from trainer_service.loop import Totals, Trainer
+
+    ids = [f"{step}-{k}" for k in range(len(groups))]
+    batch = Batch(entry_ids=ids, groups=groups, version_lags=[0] * len(groups))
+    me = SimpleNamespace(state=SimpleNamespace(step=step, version=step, totals=Totals()),
+                         ctx=SimpleNamespace(engine=engine))  # fmt: skip
+    row = Trainer._metrics(me, batch, result, wait_s=0.0, compute_s=0.05, publish_s=0.0)  # type: ignore[arg-type]
+    append_row(Path(tempfile.gettempdir()) / f"trainer_step_cpu_{os.getpid()}.jsonl", row)
 
 
 def _profile(step_mod: Any, ctx: Any, vocab: int, cfg: Any, args: argparse.Namespace) -> None:

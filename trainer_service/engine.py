@@ -1,12 +1,14 @@
 """The DeepSpeed engine over an HF causal LM, and token log-probs as the server samples.
 
 CPU: fp32, gloo, `DS_ACCELERATOR=cpu`. CUDA: bf16, NCCL. The optimizer is torch AdamW
-(built by DeepSpeed with `torch_adam`, so no fused-op build is needed) and the LR
-schedule a `LambdaLR` that DeepSpeed steps and checkpoints with the engine.
+(built by DeepSpeed with `torch_adam`, so no fused-op build is needed; on CPU torch's
+fused kernel, one op per parameter) and the LR schedule a `LambdaLR` that DeepSpeed
+steps and checkpoints with the engine.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -66,6 +68,7 @@ def ds_config(cfg: TrainerConfig, world_size: int) -> dict[str, Any]:
                 "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay,
                 "torch_adam": True,
+                **({"fused": True} if cfg.device == "cpu" else {}),
             },
         },
         "bf16": {"enabled": cfg.device == "cuda"},
@@ -83,6 +86,17 @@ def cpu_environment(env: dict[str, str] | os._Environ[str]) -> None:
     env.setdefault("DS_ACCELERATOR", "cpu")
     if "TORCH_EXTENSIONS_DIR" not in env and os.access(sys.prefix, os.W_OK):
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+
+
+def flush_denormals(device: str) -> None:
+    """On CPU, floats below ~1e-38 (denormals) count as zero on this thread and the
+    threads it starts: x86 computes on them through a slow path, and the step's softmax
+    and gradients make some (about 3 % of the step's CPU in the README job); values that
+    small change no result at 1e-6 (tests/unit/test_token_logprobs_paths.py)."""
+    if device == "cpu":
+        import torch
+
+        torch.set_flush_denormal(True)
 
 
 def init_single_rank(device: str = "cpu") -> None:
@@ -104,12 +118,19 @@ def init_single_rank(device: str = "cpu") -> None:
 def build_engine(
     model: torch.nn.Module, cfg: TrainerConfig, world_size: int, updates_per_step: int = 1
 ) -> Any:
-    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule."""
+    """Wrap `model` in a DeepSpeed engine with AdamW and the warm-up LR schedule; on CPU
+    its attention runs packed sequences where it can (packed.py) and its RMSNorms the
+    written-out backward (rms_norm.py)."""
     import deepspeed
     import torch
 
+    from trainer_service import packed, rms_norm
+
     if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
+    if cfg.device == "cpu":  # measured there (docs/trainer.md, "The step's CPU time")
+        packed.enable(model)  # one pass, no padding (packed.py), where the model can
+        rms_norm.fuse(model)  # fp32 norms with their backward written out (rms_norm.py)
     fn = lr_lambda(cfg, updates_per_step)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -121,7 +142,21 @@ def build_engine(
         # one rank: averaging its gradients over itself is a flatten, an all-reduce and a
         # copy back of every gradient each step, for the same values
         engine.enable_backward_allreduce = False
+        if cfg.device == "cpu":
+            engine.clip_fp32_gradients = functools.partial(clip_one_rank, engine)
     return engine
+
+
+def clip_one_rank(engine: Any) -> None:
+    """DeepSpeed's fp32 gradient clipping on one rank (stage 0): the same norm and scale
+    in two foreach ops, without its average of the norm over the one rank (a gloo
+    all-reduce); the norm is kept for `get_global_grad_norm` (which stage 0 leaves
+    unset)."""
+    import torch
+
+    grads = [p for p in engine.module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(grads, engine.gradient_clipping(), foreach=True)
+    engine._global_grad_norm = float(norm)
 
 
 def token_logprobs(

@@ -102,13 +102,14 @@ def build_trainer(cfg: ExperimentConfig, rank: int, world: int) -> Trainer:
     import torch
 
     from areal_hex.models import load_model, load_tokenizer
-    from trainer_service.engine import build_engine
+    from trainer_service.engine import build_engine, flush_denormals
 
     paths = resolve_paths(cfg)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     prepare_model_dir(cfg, paths, rank)
     torch.manual_seed(cfg.run.seed)
     t = cfg.trainer
+    flush_denormals(t.device)
     device = "cpu" if t.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
     model = load_model(paths.model_dir, "cpu", "float32").train()
     engine = build_engine(model, t, world, cfg.algo.ppo_minibatches)

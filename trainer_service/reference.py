@@ -39,9 +39,12 @@ def reference_model(
 
     def load() -> Any:
         from areal_hex.models import load_model
+        from trainer_service import packed
 
         model = load_model(model_dir, device, dtype)
         model.requires_grad_(False)
+        if device == "cpu":
+            packed.enable(model)  # the policy's pass (engine.build_engine)
         return model
 
     task = cfg.workflow.task_with_role("reference")

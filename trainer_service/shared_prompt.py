@@ -15,6 +15,9 @@ differ only by the order of their sums (float rounding).
     token j of row r      predicted at the prompt's last position (j = 0) or at the
                           completion's position j - 1; returned at p_r - 1 + j of the
                           (B, L - 1) layout of `token_logprobs`
+
+A model that runs the packed attention (packed.py, the CPU trainer's) does the same in
+one pass over a sequence of real tokens only, without the padding of either pass.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import inspect
 from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
+
+from trainer_service import packed
 
 if TYPE_CHECKING:
     import torch
@@ -70,8 +75,10 @@ def shares_prompts(model: Callable[..., Any], mb: MicroBatch) -> bool:
         return False
     rows, width = mb.input_ids.shape
     groups = int(mb.group.unique().numel())
-    completion = int((mb.attention_mask.sum(dim=1) - mb.prompt_len).max())
-    return groups * int(mb.prompt_len.max()) + rows * completion < rows * width
+    n_comp = mb.attention_mask.sum(dim=1) - mb.prompt_len
+    # the completion pass: packed, its real tokens; else padded to the longest
+    completion = int(n_comp.sum()) if packed.enabled(model) else rows * int(n_comp.max())
+    return groups * int(mb.prompt_len.max()) + completion < rows * width
 
 
 def shared_prompt_logprobs(
@@ -86,6 +93,8 @@ def shared_prompt_logprobs(
 
     from areal_hex.algorithms import entropy_from_logp
 
+    if packed.enabled(model):  # prompts and completions in one packed pass
+        return packed.packed_logprobs(model, mb, with_entropy, entropy_grad)
     assert mb.group is not None and mb.prompt_len is not None
     ids, plen = mb.input_ids, mb.prompt_len
     rows, width = ids.shape
@@ -101,6 +110,8 @@ def shared_prompt_logprobs(
     keep = longest - int(gp.min()) + 1  # logits from the shortest prompt's last position
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=keep)
     kv = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    # (B, V) each row's logits at its prompt's last position: its first token's
+    at_prompt = out.logits[row_prompt, plen - 1 - (longest - keep)]
     kv.batch_select_indices(row_prompt)
     n_comp = mb.attention_mask.sum(dim=1) - plen  # (B,)
     t = int(n_comp.max())
@@ -113,7 +124,6 @@ def shared_prompt_logprobs(
         input_ids=comp, attention_mask=seen, position_ids=pos, use_cache=True, **{name: kv}
     )
     # (B, T, V): token 0 from the prompt's last position, token j from completion j - 1
-    at_prompt = out.logits[row_prompt, plen - 1 - (longest - keep)]
     logits = torch.cat([at_prompt[:, None], after.logits[:, :-1]], dim=1).float()
     logp_all = torch.log_softmax(logits / mb.temperature, dim=-1)
     logp = logp_all.gather(-1, comp.unsqueeze(-1)).squeeze(-1)  # (B, T)

@@ -13,6 +13,7 @@ from areal_hex.config import ExperimentConfig, ModelConfig, TinyModelConfig
 from areal_hex.config.algo import AlgoConfig
 from areal_hex.models import materialize
 from areal_hex.record import Completion, GroupRecord
+from trainer_service import packed
 from trainer_service.batching import collate, dummy_batch, flatten_groups
 from trainer_service.reference import reference_logprobs, reference_model
 from trainer_service.step import StepContext
@@ -88,4 +89,5 @@ def test_without_a_reference_task_the_model_is_held_from_the_start(v0: Path) -> 
     )
     assert held is not None and load is None
     assert not any(p.requires_grad for p in held.parameters())
+    assert packed.enabled(held)  # its log-probs in the policy's one packed pass
     assert reference_model(ExperimentConfig(), v0, "cpu") == (None, None)

@@ -69,6 +69,7 @@ def _throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
 
     from areal_hex.config import AlgoConfig, TrainerConfig
     from areal_hex.models import load_model
+    from trainer_service import packed, rms_norm
     from trainer_service.engine import build_engine
     from trainer_service.step import StepContext, optimize
     from trainer_service.synthetic import synthetic_groups
@@ -77,6 +78,9 @@ def _throughput(args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
     algo = AlgoConfig()
     engine = build_engine(load_model(model_dir).train(), tcfg, world_size=1)
     plain = load_model(model_dir).train()
+    # the engine's attention and norms (build_engine), so both run the same passes
+    packed.enable(plain)
+    rms_norm.fuse(plain)
     opt = torch.optim.AdamW(
         plain.parameters(), lr=tcfg.lr, betas=tcfg.adam_betas, eps=tcfg.adam_eps,
         weight_decay=tcfg.weight_decay,
