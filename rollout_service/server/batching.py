@@ -12,8 +12,11 @@ its column in place instead of concatenating a new copy of the cache.
   longer one's length).
 - Prefill and decode run `decoder.Decoder` (the same operations as HF's modules,
   without their Python layers) where the model supports it, else HF's forward.
-- Finished rows leave by index-select; leading columns that became padding in every
-  remaining row are cut, so the cache stays as long as the longest live sequence.
+- Finished rows leave in place (`remove`): the last rows move into their slots, so a
+  step copies the rows that move, not the whole cache. Leading columns that became
+  padding in every remaining row are skipped by attention (`start`) and cut when the
+  buffers are next rebuilt (full, or a merge), so the work stays that of the longest
+  live sequence.
 
 Each row samples with its own parameters (`sampling.SamplingTensors`).
 """
@@ -38,10 +41,11 @@ class KVBatch:
         entries right-aligned at `length` (its left padding before them)
     cols: (B, cap) bool, True where the column holds a real token of that row
     length: columns in use; a decode step writes column `length` of every row in place
-        (the buffers double when it reaches cap), so a token costs no copy of the cache
+        (the buffers are rebuilt when it reaches cap), so a token costs no copy of the cache
     pos: (B,) int64, the position id of each row's next token
     last: (B,) int64, the token each row feeds into the next decode step
     params: per-row sampling parameters
+    start: columns [0, start) are padding in every row (attention skips them)
     """
 
     keys: list[torch.Tensor]
@@ -51,6 +55,7 @@ class KVBatch:
     pos: torch.Tensor
     last: torch.Tensor
     params: SamplingTensors
+    start: int = 0
 
     @property
     def size(self) -> int:
@@ -64,6 +69,12 @@ class KVBatch:
     def mask(self) -> torch.Tensor:
         """(B, length) bool: the real columns of each row."""
         return self.cols[:, : self.length]
+
+    def used(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """`t` (cols, or a layer's keys/values) from column `start` on, and how many of
+        its columns are in use (for `_buffers`)."""
+        n = self.length - self.start
+        return t.narrow(1 if t.dim() == 2 else t.dim() - 2, self.start, n), n
 
 
 def _room(columns: int) -> int:
@@ -229,14 +240,14 @@ def decode_step(model: Any, batch: KVBatch, decoder: Decoder | None = None) -> t
     """Feed each row's `last` token; returns next-token logits (B, V). With `decoder`
     (`decoder.for_model(model)`) the lean step runs, else HF's forward."""
     if batch.length == batch.capacity:
-        _grow(batch)
-    column = batch.length
+        _rebuild(batch)
+    column, start = batch.length, batch.start
     batch.cols[:, column] = True
     if decoder is not None:
-        mask = batch.cols[:, None, None, : column + 1]  # (B, 1, 1, L + 1)
+        mask = batch.cols[:, None, None, start : column + 1]  # (B, 1, 1, L + 1 - start)
         cache = batch.keys, batch.values
-        logits = decoder.forward(batch.last[:, None], batch.pos[:, None], *cache, column, mask)
-        logits = logits[:, -1]
+        tokens, pos = batch.last[:, None], batch.pos[:, None]
+        logits = decoder.forward(tokens, pos, *cache, column, mask, start=start)[:, -1]
     else:
         logits = _hf_decode(model, batch, column)
     batch.length = column + 1
@@ -248,12 +259,13 @@ def _hf_decode(model: Any, batch: KVBatch, column: int) -> torch.Tensor:
     """HF's forward over the cache's used columns; its new column is copied back in."""
     from transformers import DynamicCache
 
+    start = batch.start
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(zip(batch.keys, batch.values, strict=True)):
-        cache.update(k[:, :, :column], v[:, :, :column], i)
+        cache.update(k[:, :, start:column], v[:, :, start:column], i)
     out = model(
         input_ids=batch.last[:, None],
-        attention_mask=_attention(model, batch.cols[:, : column + 1], 1),
+        attention_mask=_attention(model, batch.cols[:, start : column + 1], 1),
         position_ids=batch.pos[:, None],
         past_key_values=cache,
         use_cache=True,
@@ -264,21 +276,25 @@ def _hf_decode(model: Any, batch: KVBatch, column: int) -> torch.Tensor:
     return out.logits[:, -1, :]
 
 
-def _grow(batch: KVBatch) -> None:
-    """Double the buffers' columns (the cache is full)."""
-    n, cap = batch.length, 2 * batch.capacity
-    batch.keys = [_buffers([(k, n)], n, cap) for k in batch.keys]
-    batch.values = [_buffers([(v, n)], n, cap) for v in batch.values]
-    batch.cols = _buffers([(batch.cols, n)], n, cap)
+def _rebuild(batch: KVBatch) -> None:
+    """New buffers for a full cache: its columns from `start` on, with as many free
+    again (`_room`)."""
+    n = batch.length - batch.start
+    cap = _room(n)
+    batch.keys = [_buffers([batch.used(k)], n, cap) for k in batch.keys]
+    batch.values = [_buffers([batch.used(v)], n, cap) for v in batch.values]
+    batch.cols = _buffers([batch.used(batch.cols)], n, cap)
+    batch.length, batch.start = n, 0
 
 
 def merge(a: KVBatch, b: KVBatch) -> KVBatch:
-    """Stack b's rows under a's, both right-aligned at the longer one's length."""
-    width = max(a.length, b.length)
+    """Stack b's rows under a's, both right-aligned at the longer one's length (from
+    each one's `start`)."""
+    width = max(a.length - a.start, b.length - b.start)
     cap = _room(width)
 
     def stack(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _buffers([(x, a.length), (y, b.length)], width, cap)
+        return _buffers([a.used(x), b.used(y)], width, cap)
 
     return KVBatch(
         keys=[stack(x, y) for x, y in zip(a.keys, b.keys, strict=True)],
@@ -289,6 +305,39 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
         last=torch.cat([a.last, b.last]),
         params=SamplingTensors.cat(a.params, b.params),
     )
+
+
+def remove(batch: KVBatch, keep: list[int]) -> list[int]:
+    """Keep rows `keep` (ascending), in place: each row that leaves from among the
+    first len(keep) is overwritten by a kept row from beyond them, and every tensor is
+    cut to len(keep) rows. Only the rows that move are copied (`select` copies the
+    whole cache). Returns the old index of each row now in the batch; `start` moves to
+    the first column a remaining row uses."""
+    n = len(keep)
+    kept = set(keep)
+    holes = [i for i in range(n) if i not in kept]
+    movers = [i for i in keep if i >= n]  # as many as the holes
+    order = list(range(n))
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
+    if holes:
+        device = batch.cols.device
+        dst = torch.tensor(holes, dtype=torch.long, device=device)
+        src = torch.tensor(movers, dtype=torch.long, device=device)
+        for t in (*batch.keys, *batch.values, batch.cols):
+            t.index_copy_(0, dst, t.index_select(0, src))
+        idx = torch.tensor(order, dtype=torch.long, device=device)
+        batch.pos, batch.last = batch.pos.index_select(0, idx), batch.last.index_select(0, idx)
+        batch.params = batch.params.select(idx)
+    else:
+        batch.pos, batch.last = batch.pos[:n], batch.last[:n]
+        batch.params = batch.params.select(torch.arange(n, device=batch.cols.device))
+    batch.keys = [k[:n] for k in batch.keys]
+    batch.values = [v[:n] for v in batch.values]
+    batch.cols = batch.cols[:n]
+    live = batch.cols[:, batch.start : batch.length].any(dim=0)
+    batch.start += int(live.to(torch.uint8).argmax())  # a kept row has a live column
+    return order
 
 
 def select(batch: KVBatch, keep: list[int]) -> KVBatch:

@@ -162,11 +162,13 @@ class Decoder:
         column: int,
         mask: torch.Tensor,
         keep: int = 1,
+        start: int = 0,
     ) -> torch.Tensor:
         """tokens, pos: (B, T) int64, written to cache columns [column, column + T);
-        keys/values: per layer (B, H_kv, cap, D); mask: (B, 1, T, column + T) bool, True
-        where a query may attend. Returns the logits of the last `keep` positions
-        (B, keep, V)."""
+        keys/values: per layer (B, H_kv, cap, D), attended from column `start` on (the
+        columns before are padding in every row); mask: (B, 1, T, column + T - start)
+        bool, True where a query may attend. Returns the logits of the last `keep`
+        positions (B, keep, V)."""
         x = F.embedding(tokens, self.embed)  # (B, T, hidden)
         # SDPA turns a bool mask into this additive one in every layer; once is enough
         mask = torch.where(mask, self.zero, self.minus_inf)
@@ -175,7 +177,8 @@ class Decoder:
         cos, sin = self.rope(pos, end)  # (B, T, 1, D)
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
             h = layer.norm_in(x)
-            x = x + self._attend(layer, h, cos, sin, k_cache, v_cache, column, end, mask)
+            span = (column, end, start)
+            x = x + self._attend(layer, h, cos, sin, k_cache, v_cache, span, mask)
             h = layer.norm_post(x)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         if keep < x.shape[1]:
@@ -190,10 +193,10 @@ class Decoder:
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        column: int,
-        end: int,
+        span: tuple[int, int, int],
         mask: torch.Tensor,
     ) -> torch.Tensor:
+        column, end, start = span  # write [column, end), attend to [start, end)
         b, t, d = h.shape[0], h.shape[1], self.head_dim
         # (B, T, heads, D) throughout: for one query that is already SDPA's packed layout
         q = layer.q(h).view(b, t, self.heads, d)
@@ -205,7 +208,7 @@ class Decoder:
         k = k * cos + _swap_halves(k) * sin
         k_cache[:, :, column:end] = k.transpose(1, 2)
         v_cache[:, :, column:end] = v.transpose(1, 2)
-        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        keys, values = k_cache[:, :, start:end], v_cache[:, :, start:end]
         rep = self.heads // self.kv_heads
         if t == 1:  # the query heads of a KV head become its rows (HF's pack_gqa)
             q = q.view(b, self.kv_heads, rep, d)

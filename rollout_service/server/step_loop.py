@@ -365,9 +365,11 @@ class Core:
         self.batch.last = tokens
         self.e.note_tokens(len(self.rows))
         keep = self._advance(self.rows, tokens.tolist(), logps.tolist(), tops)
-        if len(keep) < len(self.rows):
-            self.rows = [self.rows[i] for i in keep]
-            self.batch = batching.select(self.batch, keep) if keep else None
+        if not keep:
+            self.rows, self.batch = [], None
+        elif len(keep) < len(self.rows):
+            # the rows that finished leave in place; the last rows take their slots
+            self.rows = [self.rows[i] for i in batching.remove(self.batch, keep)]
 
     def _advance(
         self,

@@ -102,6 +102,32 @@ def test_prefill_merge_decode_select_match_full_forward(model: Any) -> None:
         torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
 
 
+def test_remove_in_place_matches_full_forward(model: Any) -> None:
+    """Rows leave in place: the last row takes the first one's slot, attention skips the
+    columns no remaining row uses, and a merge then cuts them."""
+    seqs = [[30, 31, 32, 33, 34, 35, 36, 37, 38], [20, 21], [7, 8, 9, 10]]
+    batch, _ = batching.prefill(model, seqs, params(3), pad_id=0)
+    batch.last = torch.tensor([40, 41, 42])
+    seqs = [s + [t] for s, t in zip(seqs, [40, 41, 42], strict=True)]
+    keys = batch.keys[0]
+    order = batching.remove(batch, [1, 2])  # the longest row (0) leaves
+    assert order == [2, 1] and batch.size == 2 and batch.keys[0].data_ptr() == keys.data_ptr()
+    assert batch.start == 9 - 4 and batch.length == 9
+    seqs = [seqs[i] for i in order]
+    logits = batching.decode_step(model, batch)
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+    batch.last = logits.argmax(-1)
+    seqs = [s + [int(t)] for s, t in zip(seqs, batch.last, strict=True)]
+    other, _ = batching.prefill(model, [[50, 51, 52]], params(1), pad_id=0)
+    other.last = torch.tensor([53])
+    merged = batching.merge(batch, other)
+    assert merged.start == 0 and merged.length == 5  # the skipped columns are gone
+    logits = batching.decode_step(model, merged)
+    for row, seq in enumerate([*seqs, [50, 51, 52, 53]]):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+
+
 def test_identical_prompts_are_prefilled_once_and_decode_apart(model: Any) -> None:
     group = [[7, 8, 9, 10], [20, 21], [7, 8, 9, 10], [7, 8, 9, 10]]
     temps = SamplingTensors.cat(params(2, temperature=0.5), params(2, temperature=1.5))
