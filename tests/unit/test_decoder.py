@@ -141,7 +141,8 @@ def test_the_engine_picks_the_lean_step_and_keeps_it_through_an_in_place_reload(
     tmp_path: Any,
 ) -> None:
     """The step loop builds the decoder from its model (a wrapped model runs HF); a reload
-    into the running model keeps the decoder, which then computes with the new weights."""
+    into the running model keeps the decoder, which then computes with the new weights
+    (its fused copies of them too, built before the reload)."""
     from rollout_service.server.engine import Engine, EngineOptions
     from rollout_service.server.requests import Control
     from rollout_service.server.step_loop import Core
@@ -151,6 +152,7 @@ def test_the_engine_picks_the_lean_step_and_keeps_it_through_an_in_place_reload(
     core = Core(Engine(model, None, lambda p: model, "tiny", "0", EngineOptions()))
     lean = core.decoder
     assert lean is not None
+    assert torch.equal(run(model, lean)[0], run(model, None)[0])
     reload = Control("reload", {"path": str(tmp_path / "v1"), "version": "1", "abort_all": False})
     assert core._reload(reload) and core.e.model is model and core.decoder is lean
     assert torch.equal(run(model, lean)[0], run(new, None)[0])
