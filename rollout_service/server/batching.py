@@ -328,10 +328,10 @@ def remove(batch: KVBatch, keep: list[int]) -> list[int]:
             t.index_copy_(0, dst, t.index_select(0, src))
         idx = torch.tensor(order, dtype=torch.long, device=device)
         batch.pos, batch.last = batch.pos.index_select(0, idx), batch.last.index_select(0, idx)
-        batch.params = batch.params.select(idx)
     else:
+        idx = torch.arange(n, device=batch.cols.device)
         batch.pos, batch.last = batch.pos[:n], batch.last[:n]
-        batch.params = batch.params.select(torch.arange(n, device=batch.cols.device))
+    batch.params = batch.params.take(idx)
     batch.keys = [k[:n] for k in batch.keys]
     batch.values = [v[:n] for v in batch.values]
     batch.cols = batch.cols[:n]

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from rollout_service import wire
 from rollout_service.server import prompts
 from rollout_service.server.engine import Engine
-from rollout_service.server.http_common import SSE_DONE, run_all, sse
+from rollout_service.server.http_common import SSE_DONE, FastJSON, run_all, sse
 from rollout_service.server.requests import (
     NO_EXTRA_LOGPROBS,
     EngineError,
@@ -174,7 +174,7 @@ def add_generate_routes(app: FastAPI) -> None:
         if done is None:
             return Response(status_code=499)
         outs = [_output(engine, it, req) for it, req in zip(items, done, strict=True)]
-        return JSONResponse(outs if many else outs[0])
+        return FastJSON(outs if many else outs[0])
 
 
 def _stream(engine: Engine, item: _Item) -> StreamingResponse:
