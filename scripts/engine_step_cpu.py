@@ -10,9 +10,11 @@ thread (/proc), not wall time, so a busy machine does not skew it.
 
 MODEL_DIR: an HF directory of the job's model (a run's weights/v0, or the cached v0).
 Prints one JSON object: per repeat and the median, CPU s per 1000 generated tokens of
-prefill, decode forward, sampling, scheduling (the rest of the step loop), HTTP/JSON
-(the uvicorn thread less the tokenizer) and tokenizer (decoding the outputs' text), and
-the process's minor page faults per 1000 tokens.
+prefill, decode forward, sampling, upkeep (merging new rows into the running batch and
+taking finished ones out), advance (appending each token to its request and checking
+its stop rules), scheduling (the rest of the step loop), HTTP/JSON (the uvicorn thread
+less the tokenizer) and tokenizer (decoding the outputs' text), and the process's minor
+page faults per 1000 tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +32,16 @@ from typing import Any
 
 from cpu_parts import add_heap_flag, answer, one_thread, timed
 
-PARTS = ("prefill", "decode", "sampling", "scheduling", "http_json", "tokenizer")
+PARTS = (
+    "prefill",
+    "decode",
+    "sampling",
+    "upkeep",
+    "advance",
+    "scheduling",
+    "http_json",
+    "tokenizer",
+)
 
 
 def _thread_cpu(tid: int) -> float:
@@ -53,6 +64,9 @@ def _instrument(table: dict[str, float]) -> None:
     step_loop.batching.prefill_keep = timed(table, "prefill", batching.prefill_keep)
     step_loop.batching.decode_step = timed(table, "decode", batching.decode_step)
     step_loop.Core._sample = timed(table, "sampling", step_loop.Core._sample)
+    step_loop.batching.merge = timed(table, "upkeep", batching.merge)
+    step_loop.batching.remove = timed(table, "upkeep", batching.remove)
+    step_loop.Core._advance = timed(table, "advance", step_loop.Core._advance)
     step_loop.Core.tick = timed(table, "tick", step_loop.Core.tick)
     generate_routes.trimmed_text = timed(table, "tokenizer", generate_routes.trimmed_text)
 
@@ -107,10 +121,13 @@ def _repeat(url: str, server: Any, prompts: list[list[int]], table: dict[str, fl
     t = dict(table)
     per = 1000.0 / tokens
     engine_rest = t["tick"] - t["prefill"] - t["decode"] - t["sampling"]
+    engine_rest -= t["upkeep"] + t["advance"]
     out = {
         "prefill": t["prefill"],
         "decode": t["decode"],
         "sampling": t["sampling"],
+        "upkeep": t["upkeep"],
+        "advance": t["advance"],
         "scheduling": engine_rest + max(0.0, cpu["engine"] - t["tick"]),
         "http_json": cpu["http"] - t["tokenizer"],
         "tokenizer": t["tokenizer"],
