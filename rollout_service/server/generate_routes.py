@@ -147,11 +147,12 @@ def _partial(engine: Engine, item: _Item, ids: list[int]) -> str:
 
 
 def _open_all(engine: Engine, items: list[_Item]) -> list[tuple[GenRequest, Any]]:
-    """Register every request of a call, or none (a refused one releases the others)."""
+    """Register every request of a call (`_items` validated them), or none (a refused one
+    releases the others)."""
     opened: list[tuple[GenRequest, Any]] = []
     try:
         for it in items:
-            opened.append(engine.open(it.prompt, it.params, it.rid, want=it.want))
+            opened.append(engine.open(it.prompt, it.params, it.rid, want=it.want, checked=True))
     except EngineError:
         for req, _ in opened:
             engine.finish(req, wire.FinishReason(type="abort", message="batch refused"))

@@ -58,21 +58,20 @@ async def disconnected(request: Request) -> None:
 async def run_all(
     engine: Engine, opened: list[tuple[GenRequest, Any]], request: Request
 ) -> list[GenRequest] | None:
-    """Run the opened requests to their end; None if the client went away first (the
-    requests are then aborted, which frees their batch slots)."""
-    tasks = [asyncio.ensure_future(engine.run(r, f)) for r, f in opened]
-    work = asyncio.gather(*tasks)
+    """Run the opened requests to their end (sent to the engine together); None if the
+    client went away first (the requests are then aborted, which frees their batch
+    slots)."""
+    work = asyncio.ensure_future(engine.run_many(opened))
     gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
     if not work.done():
-        for t in tasks:
-            t.cancel()
+        work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         return None
-    return list(work.result())
+    return work.result()
 
 
 def token_matches(header: str, key: str) -> bool:
