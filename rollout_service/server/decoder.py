@@ -271,6 +271,9 @@ class Decoder:
         rep = self.heads // self.kv_heads
         if t == 1:  # the query heads of a KV head become its rows (HF's pack_gqa)
             q = q.reshape(b, self.kv_heads, rep, d)
+            if q.dtype == torch.float32:
+                out = _one_query(q, keys, values, mask, self.scale)
+                return layer.o(out.reshape(b, t, self.heads * d))
         else:
             q = q.transpose(1, 2)  # (B, H, T, D)
             if rep > 1:  # HF's repeat_kv
@@ -279,6 +282,18 @@ class Decoder:
         if t > 1:
             out = out.transpose(1, 2)  # (B, T, H, D); for one query (B, H_kv, rep, D) is that
         return layer.o(out.reshape(b, t, self.heads * d))
+
+
+def _one_query(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA's function for a decode step in float32: q (B, H_kv, rep, D) against
+    keys/values (B, H_kv, L, D), additive mask (B, 1, 1, L). Two batched matmuls and a
+    softmax cost less than SDPA's CPU kernel for a few dozen keys; the sums run in
+    another order, so the logits move by float32 rounding only (about 1e-6, far below
+    what could change a sampled token's probability by 1e-6; tests/unit/test_decoder.py)."""
+    scores = torch.matmul(q * scale, keys.transpose(-1, -2)).add_(mask)  # (B, H_kv, rep, L)
+    return torch.matmul(torch.softmax(scores, dim=-1), values)  # (B, H_kv, rep, D)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
