@@ -42,7 +42,8 @@ class KVBatch:
     cols: (B, cap) bool, True where the column holds a real token of that row
     length: columns in use; a decode step writes column `length` of every row in place
         (the buffers are rebuilt when it reaches cap), so a token costs no copy of the cache
-    pos: (B,) int64, the position id of each row's next token
+    pos: (B,) int64, the position id of each row's next token, which is also how many
+        columns the row uses: [length - pos, length)
     last: (B,) int64, the token each row feeds into the next decode step
     params: per-row sampling parameters
     start: columns [0, start) are padding in every row (attention skips them)
@@ -310,9 +311,10 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
 def remove(batch: KVBatch, keep: list[int]) -> list[int]:
     """Keep rows `keep` (ascending), in place: each row that leaves from among the
     first len(keep) is overwritten by a kept row from beyond them, and every tensor is
-    cut to len(keep) rows. Only the rows that move are copied (`select` copies the
-    whole cache). Returns the old index of each row now in the batch; `start` moves to
-    the first column a remaining row uses."""
+    cut to len(keep) rows. Only the rows that move are copied, and of them only the
+    columns in use, [start, length) (`select` copies the whole cache). Returns the old
+    index of each row now in the batch; `start` moves to the first column a remaining
+    row uses."""
     n = len(keep)
     kept = set(keep)
     holes = [i for i in range(n) if i not in kept]
@@ -325,7 +327,10 @@ def remove(batch: KVBatch, keep: list[int]) -> list[int]:
         dst = torch.tensor(holes, dtype=torch.long, device=device)
         src = torch.tensor(movers, dtype=torch.long, device=device)
         for t in (*batch.keys, *batch.values, batch.cols):
-            t.index_copy_(0, dst, t.index_select(0, src))
+            # columns before `start` are padding in every row and never read again; those
+            # from `length` on are written before they are read
+            used, _ = batch.used(t)
+            used.index_copy_(0, dst, used.index_select(0, src))
         idx = torch.tensor(order, dtype=torch.long, device=device)
         batch.pos, batch.last = batch.pos.index_select(0, idx), batch.last.index_select(0, idx)
     else:
@@ -335,8 +340,8 @@ def remove(batch: KVBatch, keep: list[int]) -> list[int]:
     batch.keys = [k[:n] for k in batch.keys]
     batch.values = [v[:n] for v in batch.values]
     batch.cols = batch.cols[:n]
-    live = batch.cols[:, batch.start : batch.length].any(dim=0)
-    batch.start += int(live.to(torch.uint8).argmax())  # a kept row has a live column
+    # row b holds its pos[b] tokens so far in columns [length - pos[b], length)
+    batch.start = batch.length - int(batch.pos.max())
     return order
 
 

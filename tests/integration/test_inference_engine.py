@@ -102,6 +102,13 @@ def test_prefill_merge_decode_select_match_full_forward(model: Any) -> None:
         torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
 
 
+def assert_cols_follow_pos(batch: batching.KVBatch) -> None:
+    """Row b's real columns are [length - pos[b], length); none of them lie before start."""
+    for b, n in enumerate(batch.pos.tolist()):
+        want = [batch.length - n <= c for c in range(batch.length)]
+        assert batch.mask[b].tolist() == want and batch.length - n >= batch.start
+
+
 def test_remove_in_place_matches_full_forward(model: Any) -> None:
     """Rows leave in place: the last row takes the first one's slot, attention skips the
     columns no remaining row uses, and a merge then cuts them."""
@@ -113,6 +120,7 @@ def test_remove_in_place_matches_full_forward(model: Any) -> None:
     order = batching.remove(batch, [1, 2])  # the longest row (0) leaves
     assert order == [2, 1] and batch.size == 2 and batch.keys[0].data_ptr() == keys.data_ptr()
     assert batch.start == 9 - 4 and batch.length == 9
+    assert_cols_follow_pos(batch)
     seqs = [seqs[i] for i in order]
     logits = batching.decode_step(model, batch)
     for row, seq in enumerate(seqs):
@@ -123,6 +131,7 @@ def test_remove_in_place_matches_full_forward(model: Any) -> None:
     other.last = torch.tensor([53])
     merged = batching.merge(batch, other)
     assert merged.start == 0 and merged.length == 5  # the skipped columns are gone
+    assert_cols_follow_pos(merged)
     logits = batching.decode_step(model, merged)
     for row, seq in enumerate([*seqs, [50, 51, 52, 53]]):
         torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
