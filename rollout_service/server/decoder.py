@@ -11,15 +11,11 @@ running batch's preallocated cache (`batching.KVBatch`) instead of growing it.
 
 Per layer, as HF computes it (x: (B, T, hidden), the cache's used columns [0, L)):
 
-    h = rms(x) ; q, k, v = proj(h)   (one matmul over the stacked q/k/v weights; q_norm /
-                                       k_norm on the head dim where the model has them)
+    h = rms(x) ; q, k, v = proj(h)   (q_norm / k_norm on the head dim where the model has them)
     q, k = rope(q, k) ; cache[:, :, L : L + T] = k, v
     x = x + o_proj(sdpa(q, cache[:, :, : L + T], mask))   (GQA as HF: packed for one query,
                                                             repeated keys/values otherwise)
-    x = x + down(silu(gate(rms(x))) * up(rms(x)))   (gate and up: one matmul)
-
-Stacking weights changes no number (each output is the same dot product); the stacked
-copies are rebuilt whenever a parameter they come from changes (`_Joined`).
+    x = x + down(silu(gate(rms(x))) * up(rms(x)))
 
 `for_model` returns None for any other model (another architecture, eager attention,
 sliding-window layers, a length-dependent RoPE, quantized or wrapped modules); the
@@ -92,70 +88,18 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-class _Joined:
-    """A tensor built from some of the model's parameters (`build(params)`), built again
-    whenever one of them has changed: written in place (a weight reload copies into the
-    parameters, and torch counts every in-place write in a tensor's `_version`) or given
-    new storage. So a copy of the weights never runs stale."""
-
-    def __init__(self, params: list[torch.Tensor], build: Any) -> None:
-        self.params = params
-        self.build = build
-        self.key: tuple[tuple[int, int], ...] = ()
-        self.value = params[0]
-
-    def get(self) -> torch.Tensor:
-        key = tuple((p.data_ptr(), p._version) for p in self.params)
-        if key != self.key:
-            with torch.no_grad():
-                self.value = self.build(self.params)
-            self.key = key
-        return self.value
-
-
-class _Fused:
-    """Linears on the same input as one: their weights (and biases) stacked on the
-    output dim, one matmul instead of several (each output is the same dot product, so
-    the same numbers)."""
-
-    def __init__(self, parts: list[_Linear]) -> None:
-        self.weight = _Joined([p.weight for p in parts], torch.cat)
-        biases = [p.bias for p in parts if p.bias is not None]
-        self.bias = _Joined(biases, torch.cat) if biases else None
-        self.sizes = [int(p.weight.shape[0]) for p in parts]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.get(), self.bias.get() if self.bias is not None else None)
-
-
-class _HeadNorm:
-    """q_norm and k_norm (RMS over the head dim, each its own weight) over the query
-    and key heads at once: (B, T, H + H_kv, D), the weights stacked per head."""
-
-    def __init__(self, q: _Norm, k: _Norm, heads: int, kv_heads: int) -> None:
-        def build(w: list[torch.Tensor]) -> torch.Tensor:
-            d = w[0].shape[0]
-            return torch.cat((w[0].expand(heads, d), w[1].expand(kv_heads, d)))
-
-        self.weight = _Joined([q.weight, k.weight], build)  # (H + H_kv, D)
-        self.eps = q.eps
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.get()
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # rms_norm, then the weight: in float32 the same numbers as with the weight in
-            return F.rms_norm(x, weight.shape[-1:], None, self.eps).mul_(weight)
-        return _Norm(weight, self.eps)(x)
-
-
 @dataclass
 class _Layer:
     norm_in: _Norm
     norm_post: _Norm
-    qkv: _Fused  # q | k | v
+    q: _Linear
+    k: _Linear
+    v: _Linear
     o: _Linear
-    qk_norm: _HeadNorm | None
-    gate_up: _Fused  # gate | up
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    gate: _Linear
+    up: _Linear
     down: _Linear
 
 
@@ -167,20 +111,21 @@ def _linear(module: Any) -> _Linear:
     return _Linear(module.weight, module.bias)
 
 
-def _layer(block: Any, heads: int, kv_heads: int) -> _Layer:
+def _layer(block: Any) -> _Layer:
     attn, mlp = block.self_attn, block.mlp
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
-    qk_norm = None
-    if q_norm is not None and k_norm is not None:
-        qk_norm = _HeadNorm(_norm(q_norm), _norm(k_norm), heads, kv_heads)
     return _Layer(
         norm_in=_norm(block.input_layernorm),
         norm_post=_norm(block.post_attention_layernorm),
-        qkv=_Fused([_linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)]),
+        q=_linear(attn.q_proj),
+        k=_linear(attn.k_proj),
+        v=_linear(attn.v_proj),
         o=_linear(attn.o_proj),
-        qk_norm=qk_norm,
-        gate_up=_Fused([_linear(mlp.gate_proj), _linear(mlp.up_proj)]),
+        q_norm=_norm(q_norm) if q_norm is not None else None,
+        k_norm=_norm(k_norm) if k_norm is not None else None,
+        gate=_linear(mlp.gate_proj),
+        up=_linear(mlp.up_proj),
         down=_linear(mlp.down_proj),
     )
 
@@ -193,12 +138,11 @@ class Decoder:
         base = model.model
         self.embed = base.embed_tokens.weight
         self.rope = _Rope(base.rotary_emb, self.embed.dtype, self.embed.device)
-        self.heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(cfg.num_key_value_heads)
-        blocks = base.layers[: cfg.num_hidden_layers]
-        self.layers = [_layer(block, self.heads, self.kv_heads) for block in blocks]
+        self.layers = [_layer(block) for block in base.layers[: cfg.num_hidden_layers]]
         self.norm = _norm(base.norm)
         self.lm_head = model.lm_head.weight
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.scale = self.head_dim**-0.5
         self.zero = self.embed.new_zeros(())
@@ -238,8 +182,8 @@ class Decoder:
             h = layer.norm_in(x)
             span = (column, end, start)
             x = x + self._attend(layer, h, cos, sin, k_cache, v_cache, span, mask)
-            gate, up = layer.gate_up(layer.norm_post(x)).split(layer.gate_up.sizes, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            h = layer.norm_post(x)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         if keep < x.shape[1]:
             x = x[:, -keep:]
         return F.linear(self.norm(x), self.lm_head)
@@ -257,20 +201,20 @@ class Decoder:
     ) -> torch.Tensor:
         column, end, start = span  # write [column, end), attend to [start, end)
         b, t, d = h.shape[0], h.shape[1], self.head_dim
-        # (B, T, heads, D) throughout: for one query that is already SDPA's packed layout;
-        # the query and key heads are normed and rotated together (the same numbers)
-        qkv = layer.qkv(h).view(b, t, self.heads + 2 * self.kv_heads, d)
-        qk, v = qkv[:, :, : self.heads + self.kv_heads], qkv[:, :, self.heads + self.kv_heads :]
-        if layer.qk_norm is not None:
-            qk = layer.qk_norm(qk)
-        qk = qk * cos + _swap_halves(qk) * sin
-        q, k = qk[:, :, : self.heads], qk[:, :, self.heads :]
+        # (B, T, heads, D) throughout: for one query that is already SDPA's packed layout
+        q = layer.q(h).view(b, t, self.heads, d)
+        k = layer.k(h).view(b, t, self.kv_heads, d)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        v = layer.v(h).view(b, t, self.kv_heads, d)
+        q = q * cos + _swap_halves(q) * sin
+        k = k * cos + _swap_halves(k) * sin
         k_cache[:, :, column:end] = k.transpose(1, 2)
         v_cache[:, :, column:end] = v.transpose(1, 2)
         keys, values = k_cache[:, :, start:end], v_cache[:, :, start:end]
         rep = self.heads // self.kv_heads
         if t == 1:  # the query heads of a KV head become its rows (HF's pack_gqa)
-            q = q.reshape(b, self.kv_heads, rep, d)
+            q = q.view(b, self.kv_heads, rep, d)
             if q.dtype == torch.float32:
                 out = _one_query(q, keys, values, mask, self.scale)
                 return layer.o(out.reshape(b, t, self.heads * d))
@@ -327,20 +271,6 @@ def for_model(model: Any) -> Decoder | None:
             isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear
             for m in model.modules()
         )
-        or not all(_fusable(block) for block in model.model.layers)
     ):
         return None
     return Decoder(model)
-
-
-def _fusable(block: Any) -> bool:
-    """Whether the layer's q/k/v and gate/up linears all have a bias or none does, and
-    its q_norm and k_norm (where present) share their epsilon."""
-    attn, mlp = block.self_attn, block.mlp
-    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-        if len({m.bias is None for m in group}) > 1:
-            return False
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if q_norm is None or k_norm is None:
-        return q_norm is None and k_norm is None
-    return float(q_norm.variance_epsilon) == float(k_norm.variance_epsilon)
