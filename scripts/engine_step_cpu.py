@@ -7,6 +7,7 @@ thread); the load generator runs here too, and its thread is not counted. CPU ti
 thread (/proc), not wall time, so a busy machine does not skew it.
 
     python scripts/engine_step_cpu.py MODEL_DIR [--groups 120] [--repeats 3] [--default-heap]
+        [--max-running 64] [--min-admit N]
 
 MODEL_DIR: an HF directory of the job's model (a run's weights/v0, or the cached v0).
 Prints one JSON object: per repeat and the median, CPU s per 1000 generated tokens of
@@ -145,6 +146,12 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=120, help="groups per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=0, help="loopback port (0: any free one)")
+    p.add_argument(
+        "--max-running", type=int, default=64, help="inference.max_running_requests (the job's: 64)"
+    )
+    p.add_argument(
+        "--min-admit", type=int, default=None, help="inference.min_admit (the job's: unset)"
+    )
     add_heap_flag(p, "a CPU server")
     answer(_run, p.parse_args())
 
@@ -157,7 +164,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     table: dict[str, float] = defaultdict(float)
     _instrument(table)
-    inf = InferenceConfig(max_running_requests=64, context_length=128, num_threads=1)
+    inf = InferenceConfig(
+        max_running_requests=args.max_running,
+        min_admit=args.min_admit,
+        context_length=128,
+        num_threads=1,
+    )
     model_cfg = ModelConfig(path=str(args.model_dir))
     engine = build_engine(model_cfg, inf)
     app = create_app(engine, server_settings(model_cfg, inf))
