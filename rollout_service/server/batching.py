@@ -39,7 +39,8 @@ class KVBatch:
 
     keys, values: per layer (B, H_kv, cap, D); columns [0, length) are in use, each row's
         entries right-aligned at `length` (its left padding before them)
-    cols: (B, cap) bool, True where the column holds a real token of that row
+    cols: (B, cap) bool, True where the column holds a real token of that row (read
+        from `start` on: the columns before it may be unset)
     length: columns in use; a decode step writes column `length` of every row in place
         (the buffers are rebuilt when it reaches cap), so a token costs no copy of the cache
     pos: (B,) int64, the position id of each row's next token, which is also how many
@@ -47,6 +48,8 @@ class KVBatch:
     last: (B,) int64, the token each row feeds into the next decode step
     params: per-row sampling parameters
     start: columns [0, start) are padding in every row (attention skips them)
+    store: the whole buffers when they have rows to spare (keys, values and cols are
+        then their first B rows): new rows are written there (`admit`), not merged
     """
 
     keys: list[torch.Tensor]
@@ -57,6 +60,7 @@ class KVBatch:
     last: torch.Tensor
     params: SamplingTensors
     start: int = 0
+    store: Store | None = None
 
     @property
     def size(self) -> int:
@@ -68,8 +72,8 @@ class KVBatch:
 
     @property
     def mask(self) -> torch.Tensor:
-        """(B, length) bool: the real columns of each row."""
-        return self.cols[:, : self.length]
+        """(B, length - start) bool: the real columns of each row from `start` on."""
+        return self.cols[:, self.start : self.length]
 
     def used(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """`t` (cols, or a layer's keys/values) from column `start` on, and how many of
@@ -78,22 +82,43 @@ class KVBatch:
         return t.narrow(1 if t.dim() == 2 else t.dim() - 2, self.start, n), n
 
 
+@dataclass
+class Store:
+    """Buffers of a running batch with spare rows: keys, values per layer (R, H_kv, cap, D)
+    and cols (R, cap); the batch's B live rows are the first B."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cols: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.cols.shape[0])
+
+    def views(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """keys, values and cols of the first n rows."""
+        return [k[:n] for k in self.keys], [v[:n] for v in self.values], self.cols[:n]
+
+
 def _room(columns: int) -> int:
     """Buffer columns for a batch of `columns`: twice as many, so that growing by one
     column a step copies the cache O(log n) times, not n."""
     return max(32, 2 * columns)
 
 
-def _buffers(parts: Sequence[tuple[torch.Tensor, int]], width: int, cap: int) -> torch.Tensor:
+def _buffers(
+    parts: Sequence[tuple[torch.Tensor, int]], width: int, cap: int, rows: int = 0
+) -> torch.Tensor:
     """Stack (tensor (B_i, ..., L_i, D) or (B_i, L_i), used columns L_i) row-wise into one
-    buffer of `cap` columns, each part right-aligned at `width`. Columns past `width`
-    stay unset: each is written before it is read. The left padding of a shorter part
-    is zeroed, not left as it was: it is masked out of attention, but NaN garbage there
-    would still poison real rows through 0 * NaN."""
+    buffer of `cap` columns (and at least `rows` rows; the spare ones stay unset), each
+    part right-aligned at `width`. Columns past `width` stay unset: each is written
+    before it is read. The left padding of a shorter part is zeroed, not left as it was:
+    it is masked out of attention, but NaN garbage there would still poison real rows
+    through 0 * NaN."""
     first = parts[0][0]
     dim = first.dim() - 2 if first.dim() == 4 else 1
     shape = list(first.shape)
-    shape[0] = sum(t.shape[0] for t, _ in parts)
+    shape[0] = max(rows, sum(t.shape[0] for t, _ in parts))
     shape[dim] = cap
     out = first.new_empty(shape)
     row = 0
@@ -279,32 +304,76 @@ def _hf_decode(model: Any, batch: KVBatch, column: int) -> torch.Tensor:
 
 def _rebuild(batch: KVBatch) -> None:
     """New buffers for a full cache: its columns from `start` on, with as many free
-    again (`_room`)."""
-    n = batch.length - batch.start
+    again (`_room`), and as many rows as before."""
+    n, rows = batch.length - batch.start, batch.store.rows if batch.store else 0
     cap = _room(n)
-    batch.keys = [_buffers([batch.used(k)], n, cap) for k in batch.keys]
-    batch.values = [_buffers([batch.used(v)], n, cap) for v in batch.values]
-    batch.cols = _buffers([batch.used(batch.cols)], n, cap)
+    store = Store(
+        keys=[_buffers([batch.used(k)], n, cap, rows) for k in batch.keys],
+        values=[_buffers([batch.used(v)], n, cap, rows) for v in batch.values],
+        cols=_buffers([batch.used(batch.cols)], n, cap, rows),
+    )
+    batch.keys, batch.values, batch.cols = store.views(batch.size)
+    batch.store = store if rows else None
     batch.length, batch.start = n, 0
 
 
-def merge(a: KVBatch, b: KVBatch) -> KVBatch:
+def merge(a: KVBatch, b: KVBatch, rows: int = 0) -> KVBatch:
     """Stack b's rows under a's, both right-aligned at the longer one's length (from
-    each one's `start`)."""
+    each one's `start`), in new buffers of at least `rows` rows."""
     width = max(a.length - a.start, b.length - b.start)
     cap = _room(width)
 
     def stack(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _buffers([a.used(x), b.used(y)], width, cap)
+        return _buffers([a.used(x), b.used(y)], width, cap, rows)
 
-    return KVBatch(
+    store = Store(
         keys=[stack(x, y) for x, y in zip(a.keys, b.keys, strict=True)],
         values=[stack(x, y) for x, y in zip(a.values, b.values, strict=True)],
         cols=stack(a.cols, b.cols),
+    )
+    n = a.size + b.size
+    keys, values, cols = store.views(n)
+    return KVBatch(
+        keys=keys,
+        values=values,
+        cols=cols,
         length=width,
         pos=torch.cat([a.pos, b.pos]),
         last=torch.cat([a.last, b.last]),
         params=SamplingTensors.cat(a.params, b.params),
+        store=store if rows else None,
+    )
+
+
+def admit(a: KVBatch, b: KVBatch, rows: int) -> KVBatch:
+    """`merge`, in place where it can be: b's rows written into the spare rows of a's
+    buffers, right-aligned at a's length (only b is copied), when they are free and b's
+    columns fit before that length; else `merge` into new buffers of `rows` rows. The
+    columns that join the attended span [start, length) as padding are zeroed."""
+    store, n, span = a.store, a.size + b.size, b.length - b.start
+    if store is None or n > store.rows or span > a.length:
+        return merge(a, b, rows)
+    first = a.length - span  # b's first column in a
+    start = min(a.start, first)
+    new = slice(a.size, n)
+    for full, part in zip((*store.keys, *store.values), (*b.keys, *b.values), strict=True):
+        full[new, :, first : a.length] = part[:, :, b.start : b.length]
+        full[new, :, start:first] = 0
+        full[: a.size, :, start : a.start] = 0
+    store.cols[: a.size, start : a.start] = False  # unset before a.start (a rule of cols)
+    store.cols[new, start:first] = False
+    store.cols[new, first : a.length] = b.cols[:, b.start : b.length]
+    keys, values, cols = store.views(n)
+    return KVBatch(
+        keys=keys,
+        values=values,
+        cols=cols,
+        length=a.length,
+        pos=torch.cat([a.pos, b.pos]),
+        last=torch.cat([a.last, b.last]),
+        params=SamplingTensors.cat(a.params, b.params),
+        start=start,
+        store=store,
     )
 
 
@@ -350,7 +419,8 @@ def select(batch: KVBatch, keep: list[int]) -> KVBatch:
     idx = torch.tensor(keep, dtype=torch.long, device=batch.cols.device)
     mask = batch.mask.index_select(0, idx)
     live = mask.any(dim=0).nonzero()
-    start = int(live[0]) if live.numel() else batch.length
+    skip = int(live[0]) if live.numel() else mask.shape[1]  # columns from batch.start
+    start, mask = batch.start + skip, mask[:, skip:]
     n = batch.length - start
     cap = _room(n)
 
@@ -363,7 +433,7 @@ def select(batch: KVBatch, keep: list[int]) -> KVBatch:
     return KVBatch(
         keys=[cut(k) for k in batch.keys],
         values=[cut(v) for v in batch.values],
-        cols=_buffers([(mask[:, start:], n)], n, cap),
+        cols=_buffers([(mask, n)], n, cap),
         length=n,
         pos=batch.pos.index_select(0, idx),
         last=batch.last.index_select(0, idx),

@@ -318,7 +318,10 @@ class Core:
             return
         if len(keep) < len(reqs):
             new = batching.select(new, keep)
-        self.batch = new if self.batch is None else batching.merge(self.batch, new)
+        if self.batch is None:
+            self.batch = new
+        else:  # buffers with a row for every request that may run, so later ones fit in
+            self.batch = batching.admit(self.batch, new, self.e.opts.max_running_requests)
         self.rows.extend(reqs[i] for i in keep)
 
     def _score_prompts(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
