@@ -65,7 +65,7 @@ def _instrument(table: dict[str, float]) -> None:
     step_loop.batching.prefill_keep = timed(table, "prefill", batching.prefill_keep)
     step_loop.batching.decode_step = timed(table, "decode", batching.decode_step)
     step_loop.Core._sample = timed(table, "sampling", step_loop.Core._sample)
-    step_loop.batching.merge = timed(table, "upkeep", batching.merge)
+    step_loop.batching.admit = timed(table, "upkeep", batching.admit)
     step_loop.batching.remove = timed(table, "upkeep", batching.remove)
     step_loop.Core._advance = timed(table, "advance", step_loop.Core._advance)
     step_loop.Core.tick = timed(table, "tick", step_loop.Core.tick)
