@@ -4,12 +4,14 @@ Sequences are stacked with LEFT padding: row b of every cache tensor holds that
 sequence's keys/values right-aligned at the batch's current length, and `mask[b]` marks
 its real columns. All rows therefore write their next key/value at the same column, so
 a decode step is one forward of shape (B, 1) with per-row position ids. The cache lives
-in preallocated buffers with spare columns (doubled when full): a decode step writes
-its column in place instead of concatenating a new copy of the cache.
+in preallocated buffers with spare columns (rebuilt twice as wide as the columns in use
+when full): a decode step writes its column in place instead of concatenating a new
+copy of the cache.
 
-- New requests are prefilled together (their own left-padded batch), then merged into
-  the running batch between decode steps (the shorter cache is left-padded to the
-  longer one's length).
+- New requests are prefilled together (their own left-padded batch), then join the
+  running batch between decode steps: written into spare rows of its buffers (`admit`,
+  right-aligned at its length), or where they do not fit, merged with it into new
+  buffers (the shorter cache left-padded to the longer one's length).
 - Prefill and decode run `decoder.Decoder` (the same operations as HF's modules,
   without their Python layers) where the model supports it, else HF's forward.
 - Finished rows leave in place (`remove`): the last rows move into their slots, so a
