@@ -185,21 +185,38 @@ def prefill_keep(
     pad_id: int,
     keep: int,
     decoder: Decoder | None = None,
+    shared: bool = False,
 ) -> tuple[KVBatch, torch.Tensor]:
     """`prefill`, returning the logits of the last `keep` columns, (B, keep, V) (prompt
     log-probs need more than the final position).
 
     Identical prompts (a GRPO group's samples arrive together) are computed once and
-    their KV rows copied: the same numbers for a fraction of the work."""
+    their KV rows copied: the same numbers for a fraction of the work. With `shared`
+    and one distinct prompt, the rows are views of its one row instead (no copy): such a
+    batch can join another (`admit`, `merge`), be selected or owned (`own`), each a
+    copy, but not be stepped (its rows would write to the same memory)."""
     first: dict[tuple[int, ...], int] = {}
     rows = [first.setdefault(tuple(p), len(first)) for p in prompts]
     if len(first) == len(prompts):
         return _prefill(model, prompts, params, pad_id, keep, decoder)
     uniq = [list(p) for p in first]
     idx = torch.tensor([rows.index(i) for i in range(len(uniq))], device=params.temperature.device)
-    batch, logits = _prefill(model, uniq, params.select(idx), pad_id, keep, decoder)
-    batch = select(batch, rows)
-    batch.params = params
+    one, logits = _prefill(model, uniq, params.select(idx), pad_id, keep, decoder)
+    if shared and len(uniq) == 1:
+        n = len(prompts)
+        zeros = torch.zeros(n, dtype=torch.long, device=one.pos.device)
+        batch = KVBatch(
+            keys=[k.expand(n, *k.shape[1:]) for k in one.keys],
+            values=[v.expand(n, *v.shape[1:]) for v in one.values],
+            cols=one.cols.expand(n, -1),
+            length=one.length,
+            pos=one.pos.index_select(0, zeros),
+            last=one.last.index_select(0, zeros),
+            params=params,
+        )
+    else:
+        batch = select(one, rows)
+        batch.params = params
     return batch, logits[rows]
 
 
@@ -304,19 +321,39 @@ def _hf_decode(model: Any, batch: KVBatch, column: int) -> torch.Tensor:
     return out.logits[:, -1, :]
 
 
-def _rebuild(batch: KVBatch) -> None:
-    """New buffers for a full cache: its columns from `start` on, with as many free
-    again (`_room`), and as many rows as before."""
-    n, rows = batch.length - batch.start, batch.store.rows if batch.store else 0
+def own(batch: KVBatch, rows: int = 0) -> KVBatch:
+    """`batch` in new buffers of its own: its columns from `start` on, with as many free
+    again (`_room`), and at least `rows` rows (the spare ones for `admit`)."""
+    n = batch.length - batch.start
     cap = _room(n)
     store = Store(
         keys=[_buffers([batch.used(k)], n, cap, rows) for k in batch.keys],
         values=[_buffers([batch.used(v)], n, cap, rows) for v in batch.values],
         cols=_buffers([batch.used(batch.cols)], n, cap, rows),
     )
-    batch.keys, batch.values, batch.cols = store.views(batch.size)
-    batch.store = store if rows else None
-    batch.length, batch.start = n, 0
+    keys, values, cols = store.views(batch.size)
+    return KVBatch(
+        keys=keys,
+        values=values,
+        cols=cols,
+        length=n,
+        pos=batch.pos,
+        last=batch.last,
+        params=batch.params,
+        store=store if rows else None,
+    )
+
+
+def _rebuild(batch: KVBatch) -> None:
+    """New buffers for a full cache (`own`), with as many rows as before."""
+    fresh = own(batch, batch.store.rows if batch.store else 0)
+    batch.keys, batch.values, batch.cols, batch.store = (
+        fresh.keys,
+        fresh.values,
+        fresh.cols,
+        fresh.store,
+    )
+    batch.length, batch.start = fresh.length, 0
 
 
 def merge(a: KVBatch, b: KVBatch, rows: int = 0) -> KVBatch:

@@ -306,7 +306,7 @@ class Core:
         )
         try:
             new, logits = batching.prefill_keep(
-                self.e.model, prompts, params, self.pad_id, keep, self.decoder
+                self.e.model, prompts, params, self.pad_id, keep, self.decoder, shared=True
             )
         except Exception as exc:
             msg = f"engine error in prefill: {type(exc).__name__}: {exc}"
@@ -326,10 +326,13 @@ class Core:
             return
         if len(keep) < len(reqs):
             new = batching.select(new, keep)
+        # buffers with a row for every request that may run, so later ones fit in; a
+        # group's rows (views of one prefilled row) are copied into them once
+        rows = self.e.opts.max_running_requests
         if self.batch is None:
-            self.batch = new
-        else:  # buffers with a row for every request that may run, so later ones fit in
-            self.batch = batching.admit(self.batch, new, self.e.opts.max_running_requests)
+            self.batch = batching.own(new, rows)
+        else:
+            self.batch = batching.admit(self.batch, new, rows)
         self.rows.extend(reqs[i] for i in keep)
 
     def _score_prompts(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:

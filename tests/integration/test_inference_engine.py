@@ -189,6 +189,29 @@ def test_admit_in_place_matches_full_forward(model: Any) -> None:
     assert full.store is not None and full.store is not store and full.size == 7
 
 
+def test_a_shared_group_joins_by_copy_and_never_steps_shared(model: Any) -> None:
+    """A group's rows as views of one prefilled row: owned (new buffers) or admitted into
+    a running batch, each row then decodes on its own; stepped as views, it is refused."""
+    group = [[7, 8, 9, 10]] * 3
+    shared, logits = batching.prefill_keep(model, group, params(3), 0, 1, shared=True)
+    assert shared.keys[0].stride(0) == 0 and logits.shape[0] == 3
+    shared.last = torch.tensor([40, 41, 42])
+    with pytest.raises(RuntimeError):  # its first write, before anything moved
+        batching.decode_step(model, shared)
+    assert shared.length == 4
+    owned = batching.own(shared, rows=5)
+    assert owned.store is not None and owned.store.rows == 5 and owned.keys[0].stride(0) != 0
+    other, _ = batching.prefill_keep(model, [[20, 21]] * 2, params(2), 0, 1, shared=True)
+    other.last = torch.tensor([43, 44])
+    batch = batching.admit(owned, other, rows=5)
+    assert batch.store is owned.store and batch.size == 5
+    out = batching.decode_step(model, batch)
+    seqs = [g + [t] for g, t in zip(group, [40, 41, 42], strict=True)]
+    seqs += [[20, 21, 43], [20, 21, 44]]
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(out[row], last_logits(model, seq), atol=1e-4, rtol=0)
+
+
 def test_identical_prompts_are_prefilled_once_and_decode_apart(model: Any) -> None:
     group = [[7, 8, 9, 10], [20, 21], [7, 8, 9, 10], [7, 8, 9, 10]]
     temps = SamplingTensors.cat(params(2, temperature=0.5), params(2, temperature=1.5))
