@@ -11,8 +11,8 @@ thread (/proc), not wall time, so a busy machine does not skew it.
 
 MODEL_DIR: an HF directory of the job's model (a run's weights/v0, or the cached v0).
 Prints one JSON object: per repeat and the median, CPU s per 1000 generated tokens of
-prefill, decode forward, sampling, upkeep (merging new rows into the running batch and
-taking finished ones out), advance (appending each token to its request and checking
+prefill, decode forward, sampling, upkeep (new rows into the running batch, `admit`, and
+finished ones out, `remove`), advance (appending each token to its request and checking
 its stop rules), scheduling (the rest of the step loop), HTTP/JSON (the uvicorn thread
 less the tokenizer) and tokenizer (decoding the outputs' text), and the process's minor
 page faults per 1000 tokens.
