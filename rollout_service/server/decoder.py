@@ -183,9 +183,9 @@ class Decoder:
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
             h = layer.norm_in(x)
             span = (column, end, start)
-            x = x + self._attend(layer, h, cos, sin, k_cache, v_cache, span, mask)
+            x += self._attend(layer, h, cos, sin, k_cache, v_cache, span, mask)
             h = layer.norm_post(x)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            x += layer.down(F.silu(layer.gate(h), inplace=True).mul_(layer.up(h)))
         if keep < x.shape[1]:
             x = x[:, -keep:]
         return F.linear(self.norm(x), self.lm_head)
