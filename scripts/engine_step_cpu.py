@@ -7,12 +7,15 @@ thread); the load generator runs here too, and its thread is not counted. CPU ti
 thread (/proc), not wall time, so a busy machine does not skew it.
 
     python scripts/engine_step_cpu.py MODEL_DIR [--groups 120] [--repeats 3] [--default-heap]
+        [--max-running 64] [--min-admit N]
 
 MODEL_DIR: an HF directory of the job's model (a run's weights/v0, or the cached v0).
 Prints one JSON object: per repeat and the median, CPU s per 1000 generated tokens of
-prefill, decode forward, sampling, scheduling (the rest of the step loop), HTTP/JSON
-(the uvicorn thread less the tokenizer) and tokenizer (decoding the outputs' text), and
-the process's minor page faults per 1000 tokens.
+prefill, decode forward, sampling, upkeep (new rows into the running batch, `admit`, and
+finished ones out, `remove`), advance (appending each token to its request and checking
+its stop rules), scheduling (the rest of the step loop), HTTP/JSON (the uvicorn thread
+less the tokenizer) and tokenizer (decoding the outputs' text), and the process's minor
+page faults per 1000 tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ from typing import Any
 
 from cpu_parts import add_heap_flag, answer, one_thread, timed
 
-PARTS = ("prefill", "decode", "sampling", "scheduling", "http_json", "tokenizer")
+PARTS = (
+    "prefill",
+    "decode",
+    "sampling",
+    "upkeep",
+    "advance",
+    "scheduling",
+    "http_json",
+    "tokenizer",
+)
 
 
 def _thread_cpu(tid: int) -> float:
@@ -53,6 +65,9 @@ def _instrument(table: dict[str, float]) -> None:
     step_loop.batching.prefill_keep = timed(table, "prefill", batching.prefill_keep)
     step_loop.batching.decode_step = timed(table, "decode", batching.decode_step)
     step_loop.Core._sample = timed(table, "sampling", step_loop.Core._sample)
+    step_loop.batching.admit = timed(table, "upkeep", batching.admit)
+    step_loop.batching.remove = timed(table, "upkeep", batching.remove)
+    step_loop.Core._advance = timed(table, "advance", step_loop.Core._advance)
     step_loop.Core.tick = timed(table, "tick", step_loop.Core.tick)
     generate_routes.trimmed_text = timed(table, "tokenizer", generate_routes.trimmed_text)
 
@@ -107,10 +122,13 @@ def _repeat(url: str, server: Any, prompts: list[list[int]], table: dict[str, fl
     t = dict(table)
     per = 1000.0 / tokens
     engine_rest = t["tick"] - t["prefill"] - t["decode"] - t["sampling"]
+    engine_rest -= t["upkeep"] + t["advance"]
     out = {
         "prefill": t["prefill"],
         "decode": t["decode"],
         "sampling": t["sampling"],
+        "upkeep": t["upkeep"],
+        "advance": t["advance"],
         "scheduling": engine_rest + max(0.0, cpu["engine"] - t["tick"]),
         "http_json": cpu["http"] - t["tokenizer"],
         "tokenizer": t["tokenizer"],
@@ -128,6 +146,12 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=120, help="groups per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=0, help="loopback port (0: any free one)")
+    p.add_argument(
+        "--max-running", type=int, default=64, help="inference.max_running_requests (the job's: 64)"
+    )
+    p.add_argument(
+        "--min-admit", type=int, default=None, help="inference.min_admit (the job's: unset)"
+    )
     add_heap_flag(p, "a CPU server")
     answer(_run, p.parse_args())
 
@@ -140,7 +164,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     table: dict[str, float] = defaultdict(float)
     _instrument(table)
-    inf = InferenceConfig(max_running_requests=64, context_length=128, num_threads=1)
+    inf = InferenceConfig(
+        max_running_requests=args.max_running,
+        min_admit=args.min_admit,
+        context_length=128,
+        num_threads=1,
+    )
     model_cfg = ModelConfig(path=str(args.model_dir))
     engine = build_engine(model_cfg, inf)
     app = create_app(engine, server_settings(model_cfg, inf))

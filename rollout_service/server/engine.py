@@ -36,6 +36,7 @@ from rollout_service.server.requests import (
     EngineOptions,
     GenRequest,
     LogprobSpec,
+    check_request,
 )
 from rollout_service.server.step_loop import Core
 from rollout_service.server.wakeups import LoopPost
@@ -134,33 +135,7 @@ class Engine:
     def validate(
         self, prompt: list[int], sampling: SamplingParamsIn, want: LogprobSpec = NO_EXTRA_LOGPROBS
     ) -> None:
-        if not prompt:
-            raise EngineError("input_ids: the prompt is empty")
-        if len(prompt) > self.opts.context_length:  # before the checks that read every id
-            raise EngineError(
-                f"prompt: {len(prompt)} tokens exceed the context length {self.opts.context_length}"
-            )
-        vocab = self.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        bad = [t for t in sampling.bias if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(
-                f"sampling_params.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})"
-            )
-        if want.start >= len(prompt):
-            raise EngineError(
-                f"logprob_start_len ({want.start}) must be below the prompt length ({len(prompt)})"
-            )
-        if want.top > vocab:
-            raise EngineError(f"top_logprobs_num ({want.top}) exceeds the vocabulary ({vocab})")
-        total = len(prompt) + sampling.max_new_tokens
-        if total > self.opts.context_length:
-            raise EngineError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                f"= {total} exceeds the context length {self.opts.context_length}"
-            )
+        check_request(prompt, sampling, want, self.vocab_size, self.opts.context_length)
 
     async def generate(
         self,
@@ -182,10 +157,13 @@ class Engine:
         rid: str,
         on_token: Callable[[int], None] | None = None,
         want: LogprobSpec = NO_EXTRA_LOGPROBS,
+        checked: bool = False,
     ) -> tuple[GenRequest, asyncio.Future[GenRequest]]:
-        """Validate and register a request (EngineError: refused); `run` then sends it.
-        `want`: prompt log-probs and top alternatives to compute."""
-        self.validate(prompt, sampling, want)
+        """Validate (unless `checked`: the caller did) and register a request
+        (EngineError: refused); `run` then sends it. `want`: prompt log-probs and top
+        alternatives to compute."""
+        if not checked:
+            self.validate(prompt, sampling, want)
         if self.released:
             raise EngineError(
                 f"memory released ({', '.join(sorted(self.released))}): "
@@ -209,27 +187,40 @@ class Engine:
         return req, fut
 
     async def run(self, req: GenRequest, fut: asyncio.Future[GenRequest]) -> GenRequest:
+        return (await self.run_many([(req, fut)]))[0]
+
+    async def run_many(
+        self, opened: list[tuple[GenRequest, asyncio.Future[GenRequest]]]
+    ) -> list[GenRequest]:
+        """Send opened requests to the step loop together (one lock, one wake-up) and
+        wait for all of them. Cancelled (the client went away): abort the unfinished."""
+        futs = [fut for _, fut in opened]
         try:
-            if req.sampling.max_new_tokens == 0 and not req.want.scores_prompt:
-                self.finish(req, FinishReason(type="length", length=0))
-            await self._wait_open(fut)
+            for req, _ in opened:
+                if req.sampling.max_new_tokens == 0 and not req.want.scores_prompt:
+                    self.finish(req, FinishReason(type="length", length=0))
+            await self._wait_open(futs)
             with self._cv:
+                for req, _ in opened:
+                    if not req.done:
+                        req.submitted = True
+                        self._waiting.append(req)
+                self._cv.notify_all()
+            return [await fut for fut in futs]
+        except asyncio.CancelledError:  # free the slots
+            for req, _ in opened:
                 if not req.done:
-                    req.submitted = True
-                    self._waiting.append(req)
-                    self._cv.notify_all()
-            return await fut
-        except asyncio.CancelledError:  # the client went away: free the slot
-            self._submit(Control("abort", {"rid": req.rid, "message": "client disconnected"}))
+                    msg = {"rid": req.rid, "message": "client disconnected"}
+                    self._submit(Control("abort", msg))
             raise
 
-    async def _wait_open(self, fut: asyncio.Future[GenRequest]) -> None:
-        """While paused, wait for `continue` (or for this request to be aborted)."""
+    async def _wait_open(self, futs: list[asyncio.Future[GenRequest]]) -> None:
+        """While paused, wait for `continue` (or for all these requests to be aborted)."""
         assert self._gate is not None
-        while not self._gate.is_set() and not fut.done():
+        while not self._gate.is_set() and not all(f.done() for f in futs):
             opened = asyncio.ensure_future(self._gate.wait())
             try:
-                await asyncio.wait({opened, fut}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({opened, *futs}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 opened.cancel()
 

@@ -70,6 +70,37 @@ class GenRequest:
         return (self.finished_at or time.monotonic()) - self.created
 
 
+def check_request(
+    prompt: list[int], sampling: SamplingParamsIn, want: LogprobSpec, vocab: int, context: int
+) -> None:
+    """Refuse (EngineError) a request the engine cannot run: an empty or too long prompt,
+    token ids outside the vocabulary, log-prob options past the prompt or vocabulary."""
+    if not prompt:
+        raise EngineError("input_ids: the prompt is empty")
+    if len(prompt) > context:  # before the checks that read every id
+        raise EngineError(f"prompt: {len(prompt)} tokens exceed the context length {context}")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise EngineError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
+    bad = [t for t in sampling.bias if not 0 <= t < vocab]
+    if bad:
+        raise EngineError(
+            f"sampling_params.logit_bias: token id {bad[0]} outside the vocabulary [0, {vocab})"
+        )
+    if want.start >= len(prompt):
+        raise EngineError(
+            f"logprob_start_len ({want.start}) must be below the prompt length ({len(prompt)})"
+        )
+    if want.top > vocab:
+        raise EngineError(f"top_logprobs_num ({want.top}) exceeds the vocabulary ({vocab})")
+    total = len(prompt) + sampling.max_new_tokens
+    if total > context:
+        raise EngineError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+            f"= {total} exceeds the context length {context}"
+        )
+
+
 def check_stop(
     req: GenRequest,
     token: int,

@@ -9,6 +9,7 @@ batch in which no row asks for them carries no shaping state and pays nothing.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,6 +163,19 @@ class SamplingTensors:
             self.min_p[idx],
             shaping if shaping is not None and shaping.active() else None,
         )
+
+    def take(self, idx: torch.Tensor) -> SamplingTensors:
+        """`select` for a batch that only loses rows, without deriving the flags again
+        (each a host sync): a flag may stay set with no row left that needs it, which
+        costs a pass that changes no value (top-k of all, top-p of 1, min-p of 0, greedy
+        nowhere) and so no draw."""
+        out = copy.copy(self)
+        for name in ("temperature", "top_p", "top_k", "min_p", "greedy", "divisor"):
+            setattr(out, name, getattr(self, name).index_select(0, idx))
+        if self.shaping is not None:
+            shaping = self.shaping.select(idx)
+            out.shaping = shaping if shaping.active() else None
+        return out
 
     @staticmethod
     def cat(a: SamplingTensors, b: SamplingTensors) -> SamplingTensors:

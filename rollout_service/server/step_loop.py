@@ -1,8 +1,13 @@
 """The engine's step loop: the running batch, control commands and one tick.
 
 Everything here runs on the engine's step-loop thread only; `Engine` is the thread-safe
-front. A tick = (reload if one is due) → prefill and merge newly admitted requests →
+front. A tick = (reload if one is due) → prefill and admit newly queued requests →
 one decode step for the whole running batch.
+
+Ticks and controls run in torch's inference mode: no tensor of the running batch ever
+meets autograd, and dropping its bookkeeping (version counters, view tracking) makes
+each of a decode step's small operations cheaper (a tenth of the step at 58 rows). The
+batch's tensors are then inference tensors: written in place only from here.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class Core:
         return bool(self.rows) or waiting
 
     # ------------------------------------------------------------------ controls
+    @torch.inference_mode()
     def apply(self, ctl: Control) -> None:
         try:
             if ctl.kind == "abort":
@@ -177,6 +183,7 @@ class Core:
             self.e.finish(req, reason)
         return n
 
+    @torch.inference_mode()
     def abort_running(self, message: str) -> None:
         self._drop_rows(list(range(len(self.rows))), FinishReason(type="abort", message=message))
 
@@ -191,6 +198,7 @@ class Core:
         self.batch = batching.select(self.batch, keep) if keep and self.batch else None
 
     # ------------------------------------------------------------------ one tick
+    @torch.inference_mode()
     def tick(self) -> None:
         if self.pending_reload is not None:
             if self.rows and not self.held:  # drain in-flight requests, admit nothing new
@@ -298,7 +306,7 @@ class Core:
         )
         try:
             new, logits = batching.prefill_keep(
-                self.e.model, prompts, params, self.pad_id, keep, self.decoder
+                self.e.model, prompts, params, self.pad_id, keep, self.decoder, shared=True
             )
         except Exception as exc:
             msg = f"engine error in prefill: {type(exc).__name__}: {exc}"
@@ -318,7 +326,13 @@ class Core:
             return
         if len(keep) < len(reqs):
             new = batching.select(new, keep)
-        self.batch = new if self.batch is None else batching.merge(self.batch, new)
+        # buffers with a row for every request that may run, so later ones fit in; a
+        # group's rows (views of one prefilled row) are copied into them once
+        rows = self.e.opts.max_running_requests
+        if self.batch is None:
+            self.batch = batching.own(new, rows)
+        else:
+            self.batch = batching.admit(self.batch, new, rows)
         self.rows.extend(reqs[i] for i in keep)
 
     def _score_prompts(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
@@ -365,9 +379,11 @@ class Core:
         self.batch.last = tokens
         self.e.note_tokens(len(self.rows))
         keep = self._advance(self.rows, tokens.tolist(), logps.tolist(), tops)
-        if len(keep) < len(self.rows):
-            self.rows = [self.rows[i] for i in keep]
-            self.batch = batching.select(self.batch, keep) if keep else None
+        if not keep:
+            self.rows, self.batch = [], None
+        elif len(keep) < len(self.rows):
+            # the rows that finished leave in place; the last rows take their slots
+            self.rows = [self.rows[i] for i in batching.remove(self.batch, keep)]
 
     def _advance(
         self,

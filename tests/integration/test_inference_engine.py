@@ -102,6 +102,116 @@ def test_prefill_merge_decode_select_match_full_forward(model: Any) -> None:
         torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
 
 
+def assert_cols_follow_pos(batch: batching.KVBatch) -> None:
+    """Row b's real columns are [length - pos[b], length); none of them lie before start."""
+    for b, n in enumerate(batch.pos.tolist()):
+        want = [batch.length - n <= c for c in range(batch.start, batch.length)]
+        assert batch.mask[b].tolist() == want and batch.length - n >= batch.start
+
+
+def test_remove_in_place_matches_full_forward(model: Any) -> None:
+    """Rows leave in place: the last row takes the first one's slot, attention skips the
+    columns no remaining row uses, and a merge then cuts them."""
+    seqs = [[30, 31, 32, 33, 34, 35, 36, 37, 38], [20, 21], [7, 8, 9, 10]]
+    batch, _ = batching.prefill(model, seqs, params(3), pad_id=0)
+    batch.last = torch.tensor([40, 41, 42])
+    seqs = [s + [t] for s, t in zip(seqs, [40, 41, 42], strict=True)]
+    keys = batch.keys[0]
+    order = batching.remove(batch, [1, 2])  # the longest row (0) leaves
+    assert order == [2, 1] and batch.size == 2 and batch.keys[0].data_ptr() == keys.data_ptr()
+    assert batch.start == 9 - 4 and batch.length == 9
+    assert_cols_follow_pos(batch)
+    seqs = [seqs[i] for i in order]
+    logits = batching.decode_step(model, batch)
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+    batch.last = logits.argmax(-1)
+    seqs = [s + [int(t)] for s, t in zip(seqs, batch.last, strict=True)]
+    other, _ = batching.prefill(model, [[50, 51, 52]], params(1), pad_id=0)
+    other.last = torch.tensor([53])
+    merged = batching.merge(batch, other)
+    assert merged.start == 0 and merged.length == 5  # the skipped columns are gone
+    assert_cols_follow_pos(merged)
+    logits = batching.decode_step(model, merged)
+    for row, seq in enumerate([*seqs, [50, 51, 52, 53]]):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+
+
+def test_admit_in_place_matches_full_forward(model: Any) -> None:
+    """New rows go into the spare rows of the running batch's buffers (no copy of the
+    cache), even when they reach further left than its rows do; whatever the spare rows
+    and the columns before `start` held (NaN and True here) is never attended to."""
+    seqs = [[30, 31, 32, 33, 34, 35, 36, 37, 38], [20, 21], [7, 8, 9, 10]]
+    a, _ = batching.prefill(model, seqs[:2], params(2), pad_id=0)
+    b, _ = batching.prefill(model, seqs[2:], params(1), pad_id=0)
+    a.last, b.last = torch.tensor([40, 41]), torch.tensor([42])
+    batch = batching.merge(a, b, rows=6)
+    assert batch.store is not None and batch.store.rows == 6 and batch.size == 3
+    seqs = [s + [t] for s, t in zip(seqs, [40, 41, 42], strict=True)]
+    for _ in range(2):
+        batch.last = batching.decode_step(model, batch).argmax(-1)
+        seqs = [s + [int(t)] for s, t in zip(seqs, batch.last, strict=True)]
+    order = batching.remove(batch, [1, 2])  # the longest row leaves: start moves right
+    seqs = [seqs[i] for i in order]
+    assert batch.start == 5 and batch.length == 11
+    store = batch.store
+    assert store is not None
+    for t in (*store.keys, *store.values):  # garbage where nothing real is
+        t[batch.size :] = float("nan")
+        t[:, :, : batch.start] = float("nan")
+    store.cols[batch.size :] = True
+    store.cols[:, : batch.start] = True
+    new_seq = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    c, _ = batching.prefill(model, [new_seq], params(1), pad_id=0)
+    c.last = torch.tensor([60])
+    ptr = store.keys[0].data_ptr()
+    batch = batching.admit(batch, c, rows=6)
+    assert batch.store is store and batch.keys[0].data_ptr() == ptr  # in place
+    assert batch.start == 1 and batch.size == 3  # reaches left of the old start
+    assert_cols_follow_pos(batch)
+    logits = batching.decode_step(model, batch)
+    seqs = [*seqs, new_seq + [60]]
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+    batch.last = logits.argmax(-1)
+    seqs = [s + [int(t)] for s, t in zip(seqs, batch.last, strict=True)]
+    # a short row lands in a spare (NaN) row, padded from `start` up to its columns
+    d, _ = batching.prefill(model, [[70, 71]], params(1), pad_id=0)
+    d.last = torch.tensor([72])
+    batch = batching.admit(batch, d, rows=6)
+    assert batch.store is store and batch.start == 1 and batch.size == 4
+    assert_cols_follow_pos(batch)
+    logits = batching.decode_step(model, batch)
+    for row, seq in enumerate([*seqs, [70, 71, 72]]):
+        torch.testing.assert_close(logits[row], last_logits(model, seq), atol=1e-4, rtol=0)
+    # no spare rows left for four more: a merge into new buffers instead
+    full = batching.admit(batch, batching.select(batch, [0, 1, 2]), rows=6)
+    assert full.store is not None and full.store is not store and full.size == 7
+
+
+def test_a_shared_group_joins_by_copy_and_never_steps_shared(model: Any) -> None:
+    """A group's rows as views of one prefilled row: owned (new buffers) or admitted into
+    a running batch, each row then decodes on its own; stepped as views, it is refused."""
+    group = [[7, 8, 9, 10]] * 3
+    shared, logits = batching.prefill_keep(model, group, params(3), 0, 1, shared=True)
+    assert shared.keys[0].stride(0) == 0 and logits.shape[0] == 3
+    shared.last = torch.tensor([40, 41, 42])
+    with pytest.raises(RuntimeError):  # its first write, before anything moved
+        batching.decode_step(model, shared)
+    assert shared.length == 4
+    owned = batching.own(shared, rows=5)
+    assert owned.store is not None and owned.store.rows == 5 and owned.keys[0].stride(0) != 0
+    other, _ = batching.prefill_keep(model, [[20, 21]] * 2, params(2), 0, 1, shared=True)
+    other.last = torch.tensor([43, 44])
+    batch = batching.admit(owned, other, rows=5)
+    assert batch.store is owned.store and batch.size == 5
+    out = batching.decode_step(model, batch)
+    seqs = [g + [t] for g, t in zip(group, [40, 41, 42], strict=True)]
+    seqs += [[20, 21, 43], [20, 21, 44]]
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(out[row], last_logits(model, seq), atol=1e-4, rtol=0)
+
+
 def test_identical_prompts_are_prefilled_once_and_decode_apart(model: Any) -> None:
     group = [[7, 8, 9, 10], [20, 21], [7, 8, 9, 10], [7, 8, 9, 10]]
     temps = SamplingTensors.cat(params(2, temperature=0.5), params(2, temperature=1.5))

@@ -248,16 +248,15 @@ async def test_pause_continue(weights: Path) -> None:
             await c.pause()
             res = await asyncio.wait_for(running, 5)
             assert res.finish_reason == "abort" and len(res.output_ids) > 0
-            waiting = asyncio.create_task(
-                c.generate([52], SamplingParams(max_new_tokens=3, ignore_eos=True))
-            )
+            three = SamplingParams(max_new_tokens=3, ignore_eos=True)
+            waiting = asyncio.create_task(c.generate_batch([[52], [54]], three, ["w0", "w1"]))
             await asyncio.sleep(0.5)
             assert not waiting.done()
             await c.update_weights_from_disk(str(weights / "v1"), 1, abort_all_requests=True)
             assert not waiting.done()
             await c.resume()
-            late = await asyncio.wait_for(waiting, 10)
-            assert late.finish_reason == "length" and late.weight_version == 1
+            for late in await asyncio.wait_for(waiting, 10):
+                assert late.finish_reason == "length" and late.weight_version == 1
 
             # in-place pause keeps the request and its progress
             task = asyncio.create_task(
@@ -324,18 +323,18 @@ async def test_metrics_health_and_info(weights: Path) -> None:
 
 
 async def test_client_that_leaves_frees_its_request(weights: Path) -> None:
-    """A client that times out disconnects; the server aborts its request, so the same
-    rid can be sent again at once (no 'already in flight'). 500 tokens take well over
-    the client's 0.05 s (about 0.5 ms a decode step here)."""
+    """A client that times out disconnects; the server aborts its requests (a batch of
+    two), so the same rid can be sent again at once (no 'already in flight'). 500 tokens
+    take well over the client's 0.05 s (about 0.5 ms a decode step here)."""
     with start(weights) as url:
         async with InferenceClient(url, timeout_s=0.05) as impatient, InferenceClient(url) as c:
             sp = SamplingParams(max_new_tokens=500, ignore_eos=True)
             with pytest.raises(GenerationError) as err:
-                await impatient.generate([70], sp, rid="retry-me")
+                await impatient.generate_batch([[70], [71]], sp, ["retry-me", "other"])
             assert err.value.status is None  # a transport timeout, not an HTTP answer
             # the server may still be reading the request when the client gives up: wait
-            # for its abort, not merely for an empty batch
-            aborted = "sglang:num_aborted_requests_total 1.0"
+            # for its aborts, not merely for an empty batch
+            aborted = "sglang:num_aborted_requests_total 2.0"
             deadline = time.monotonic() + 10
             while aborted not in await c.metrics_text():
                 assert time.monotonic() < deadline, "the abandoned request was not aborted"

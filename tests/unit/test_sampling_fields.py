@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from rollout_service.server.requests import GenRequest, trimmed_text
-from rollout_service.server.sampling import LogitShaping, SamplingTensors, prompt_logprobs
+from rollout_service.server.sampling import (
+    LogitShaping,
+    SamplingTensors,
+    prompt_logprobs,
+    sample,
+)
 from rollout_service.wire import FinishReason, SamplingParamsIn
 
 CPU = torch.device("cpu")
@@ -55,6 +60,26 @@ def test_shaping_state_follows_rows() -> None:
     assert merged.shaping is not None and merged.shaping.counts.shape == (3, 4)
     assert merged.select(torch.tensor([0, 2])).shaping is not None
     assert merged.select(torch.tensor([1, 2])).shaping is None  # only neutral rows left
+
+
+def test_take_keeps_the_flags_and_draws_as_select() -> None:
+    """Rows that need top-k, top-p, min-p and greedy leave: `take` keeps the flags set,
+    `select` clears them; both draw the same tokens with the same log-probs."""
+    rows = [
+        SamplingParamsIn(temperature=0.0),
+        SamplingParamsIn(temperature=1.2, top_k=3, top_p=0.5, min_p=0.1),
+        SamplingParamsIn(temperature=1.2),
+        SamplingParamsIn(temperature=0.7),
+    ]
+    params = SamplingTensors.build(rows, CPU)
+    idx = torch.tensor([3, 2])
+    kept, fresh = params.take(idx), params.select(idx)
+    assert kept.need_k and kept.need_p and kept.need_min and kept.any_greedy
+    assert not (fresh.need_k or fresh.need_p or fresh.need_min or fresh.any_greedy)
+    assert torch.equal(kept.divisor, fresh.divisor) and torch.equal(kept.top_k, fresh.top_k)
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    draws = [sample(logits, p, torch.Generator().manual_seed(4)) for p in (kept, fresh)]
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
 
 
 def test_greedy_below_1e_6() -> None:
