@@ -146,7 +146,7 @@ def _launch(args: argparse.Namespace, cfg: Any, plan: Any, existed: bool) -> int
     from hexctl.job.prepare import prepare_run
     from hexctl.job.processes import sigterm_as_ctrl_c
     from hexctl.launch.disk import DiskFull, disk_full_message, is_disk_full
-    from hexctl.launch.fork_services import early_fork_server
+    from hexctl.launch.early_fork import early_fork_server
     from hexctl.launch.run import execute, failure_message
 
     if existed:

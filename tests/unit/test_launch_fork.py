@@ -229,7 +229,8 @@ def test_preload_keeps_a_hidden_package_out_of_the_imports(
 def test_fork_server_started_before_preparation_serves_the_prepared_run(tmp_path: Path) -> None:
     from areal_hex.config import load_config
     from hexctl.job.layout import build_layout
-    from hexctl.launch.fork_services import attach_fork_server, early_fork_server, serves
+    from hexctl.launch.early_fork import early_fork_server
+    from hexctl.launch.fork_services import attach_fork_server, serves
     from hexctl.launch.run import process_specs
 
     def specs(cfg):  # ExperimentConfig -> list[ProcessSpec]
