@@ -45,7 +45,7 @@ from hexctl.launch.fork_services import attach_fork_server, forkable
 from hexctl.launch.forkserver import ForkServer
 from hexctl.launch.hung import HungServers
 from hexctl.launch.stall import Stalled, StallWatch
-from hexctl.launch.startup_cores import StartupCores
+from hexctl.launch.startup_cores import StartupCores, run_cores
 from hexctl.launch.storage import (
     aof_damage,
     aof_refused,
@@ -95,11 +95,8 @@ def _command(svc: ServiceSpec, config_path: Path) -> list[str]:
 
 # What a service exiting means (supervisor.OnExit); any of them failing is restarted.
 ON_EXIT: dict[str, OnExit] = {
-    "inference": "restart",
-    "redis": "restart",
-    "worker": "restart",
-    "trainer": "finish",
-}
+    "inference": "restart", "redis": "restart", "worker": "restart", "trainer": "finish",
+}  # fmt: skip
 
 
 def process_specs(
@@ -243,8 +240,10 @@ def run_ledger(cfg: ExperimentConfig) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the run
 def start_services(
-    sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
-) -> None:
+    sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec],
+    forked_hook: Callable[[], object] = lambda: None,
+) -> None:  # fmt: skip
+    """Start `specs` in order (`forked_hook`: called once the forked ones are started)."""
     roles = {s.name: s.role for s in layout.services}
     # a forked service starts once the fork server has imported (seconds): the plain ones
     # (Valkey and its wait, the controller) go first, beside those imports
@@ -280,6 +279,7 @@ def start_services(
         start(spec)
     for spec in forked:
         sup.start(spec)
+    forked_hook()
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
         timeout = cfg.run.start_timeout_s
@@ -350,7 +350,7 @@ def execute(
     stats: dict[str, Any] | None = None
     ledger: dict[str, Any] | None = None
     # a local run starts on every core, pinned from its first step (startup_cores.py)
-    cores = StartupCores(specs if place is None else [])
+    cores = run_cores(cfg, specs, host) if place is None else StartupCores([])
     with Supervisor(pid_file=run_dir / "pids.json") as sup:
         sup.events.extend((t, "launcher", what) for t, what in milestones)
         if place is None:  # a box's nodes start their processes as before
@@ -358,7 +358,8 @@ def execute(
         attempt = AttemptLog(run_dir, sup, time.time(), begin_attempt(run_dir))
         try:
             attempt.tick()
-            start_services(sup, cfg, layout, cores.unpinned(specs))
+            starting = cores.unpinned(specs, forking=sup.forker is not None)
+            start_services(sup, cfg, layout, starting, lambda: cores.release(sup))
         except (LaunchError, KeyboardInterrupt, OSError) as exc:
             return _start_failed(sup, cfg, layout, attempt, exc)
         attempt.t_ready = time.time()

@@ -8,6 +8,12 @@ optimizer step every process may therefore run on every core the launcher has; t
 each is moved to its planned cores, every thread of every process in its group (the
 controller's reward workers, Valkey's server), and a process restarted later starts
 pinned as before. The steady state runs exactly as planned.
+
+Before that, while the fork server imports the services' modules (the start's critical
+path: seconds of one core), one core is kept for it: the plain processes started then
+(Valkey, the controller and its reward workers, each importing on its own) run on the
+other cores until the forked services are started (`release`), so that on a 2-core
+machine they take nothing from those imports.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from areal_hex.config import ExperimentConfig
 from areal_hex.lifetime import group_members
+from hexctl.job.cores import core_groups, usable_cores
 from hexctl.launch.supervisor import ProcessSpec, Supervisor
 
 
@@ -39,19 +47,69 @@ def pin_group(pgid: int, cpus: set[int]) -> int:
     return moved
 
 
-class StartupCores:
-    """The planned affinity of `specs`, held back until the first step (`check`)."""
+def reserved_core(usable: set[int] | None, host: set[int] | None = None) -> int | None:
+    """The core kept for the fork server's imports during the start: the last usable one
+    outside `host` (where Valkey and the controller are planned), else the last usable
+    one; None with fewer than two usable cores (nothing to keep it from)."""
+    if not usable or len(usable) < 2:
+        return None
+    return max((usable - (host or set())) or usable)
 
-    def __init__(self, specs: Sequence[ProcessSpec]) -> None:
+
+def run_cores(cfg: ExperimentConfig, specs: Sequence[ProcessSpec], host: str) -> StartupCores:
+    """The `StartupCores` of a local run whose Valkey and controller are on the `host`
+    side ("trainer" or "inference")."""
+    usable = usable_cores()
+    inference, trainer = core_groups(cfg.run.pin_cores, cfg.workflow.placement_in_effect())
+    reserve = reserved_core(usable, inference if host == "inference" else trainer)
+    return StartupCores(specs, reserve, usable)
+
+
+class StartupCores:
+    """The planned affinity of `specs`, held back until the first step (`check`); with
+    `reserve` (a core of `usable`), the plain processes kept off it until `release`."""
+
+    def __init__(
+        self,
+        specs: Sequence[ProcessSpec],
+        reserve: int | None = None,
+        usable: set[int] | None = None,
+    ) -> None:
         self.planned = {s.name: s for s in specs if s.cpus}
         self.done = not self.planned or not hasattr(os, "sched_setaffinity")
         self._first_seen: int | None = None
+        can = hasattr(os, "sched_setaffinity") and usable is not None and reserve in usable
+        self.others = (usable or set()) - {reserve} if can else set()
+        self.usable = set(usable or ())
+        self.held: set[str] = set()  # the plain processes kept off the reserved core
 
-    def unpinned(self, specs: Sequence[ProcessSpec]) -> list[ProcessSpec]:
-        """`specs` as they start: without their affinity while the start lasts."""
-        if self.done:
-            return list(specs)
-        return [dataclasses.replace(s, cpus=None) if s.name in self.planned else s for s in specs]
+    def unpinned(self, specs: Sequence[ProcessSpec], forking: bool = False) -> list[ProcessSpec]:
+        """`specs` as they start: without their affinity while the start lasts; with
+        `forking` (a fork server imports for the `fork` ones), the others off the
+        reserved core until `release`."""
+        out = list(specs)
+        if not self.done:
+            out = [dataclasses.replace(s, cpus=None) if s.name in self.planned else s for s in out]
+        if not forking or not self.others:
+            return out
+        self.held = {s.name for s in out if not s.fork}
+        return [dataclasses.replace(s, cpus=set(self.others)) if not s.fork else s for s in out]
+
+    def release(self, sup: Supervisor) -> int:
+        """The processes held off the reserved core on every usable core again (their
+        planned cores follow at the first step), restarts too; returns how many threads
+        were moved."""
+        moved = 0
+        for name in sorted(self.held):
+            m = sup.procs.get(name)
+            if m is None:
+                continue
+            m.spec = dataclasses.replace(m.spec, cpus=None)
+            pid = sup.pid(name)
+            if pid is not None and sup.running(name):
+                moved += pin_group(pid, self.usable)
+        self.held = set()
+        return moved
 
     def check(self, sup: Supervisor, step: int) -> bool:
         """Pin every process once `step` (the trainer's latest) moves past the first value

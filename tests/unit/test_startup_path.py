@@ -164,3 +164,47 @@ def test_light_tokenizer_is_what_autotokenizer_loads(tmp_path: Path) -> None:
     assert saved_tokenizer_class(tmp_path) == "Other"
     cfg.write_text("not json")
     assert saved_tokenizer_class(tmp_path) is None
+
+
+def test_the_reserved_core_is_outside_the_host_side() -> None:
+    from hexctl.launch.startup_cores import reserved_core
+
+    assert reserved_core({0, 1}, {1}) == 0
+    assert reserved_core({0, 1}, {0}) == 1
+    assert reserved_core({0, 1, 2, 3}, None) == 3
+    assert reserved_core({0, 1}, {0, 1}) == 1  # colocated: every core is the host's
+    assert reserved_core({4}, None) is None and reserved_core(None) is None
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs sched_setaffinity and two cores",
+)
+@pytest.mark.timeout(30)
+def test_plain_processes_keep_off_the_reserved_core_until_released(tmp_path: Path) -> None:
+    """While a fork server imports, the plain processes (and their threads and children)
+    run on every core but the reserved one; once the forked services are started they
+    are back on every core, restarts too; without a fork server nothing is held."""
+    every = os.sched_getaffinity(0)
+    reserve = max(every)
+    plain = ProcessSpec("svc", [sys.executable, "-c", FAMILY], tmp_path / "svc.log")
+    forked = ProcessSpec("srv", [sys.executable, "-c", "1"], tmp_path / "srv.log", fork=True)
+    cores = StartupCores([plain, forked], reserve, set(every))
+    assert cores.unpinned([plain, forked]) == [plain, forked] and not cores.held
+    started = cores.unpinned([plain, forked], forking=True)
+    assert started[0].cpus == every - {reserve} and started[1] is forked
+    assert cores.held == {"svc"}
+    with Supervisor(poll_s=0.05) as sup:
+        sup.start(started[0])
+        pid = sup.pid("svc")
+        assert pid is not None
+        deadline = time.monotonic() + 20
+        while "up" not in (tmp_path / "svc.log").read_text() or len(_group(pid)) < 2:
+            assert time.monotonic() < deadline, "the process did not start its family"
+            time.sleep(0.05)
+        for p in _group(pid):
+            assert all(os.sched_getaffinity(t) == every - {reserve} for t in _threads(p))
+        assert cores.release(sup) >= 3  # two threads and the child
+        for p in _group(pid):
+            assert all(os.sched_getaffinity(t) == every for t in _threads(p)), p
+        assert sup.procs["svc"].spec.cpus is None and not cores.held
