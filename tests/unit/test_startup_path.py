@@ -99,6 +99,18 @@ def _group(pid: int) -> list[int]:
     return [p for p, _ in group_members(pid)]
 
 
+def _start_family(sup: Supervisor, spec: ProcessSpec) -> int:
+    """Start `spec` (a FAMILY) and wait until its thread and child are up; its pid."""
+    sup.start(spec)
+    pid = sup.pid(spec.name)
+    assert pid is not None
+    deadline = time.monotonic() + 20
+    while "up" not in spec.log_path.read_text() or len(_group(pid)) < 2:
+        assert time.monotonic() < deadline, "the process did not start its family"
+        time.sleep(0.05)
+    return pid
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 @pytest.mark.timeout(30)
 def test_unpinned_start_then_planned_cores_at_the_first_step(tmp_path: Path) -> None:
@@ -110,13 +122,7 @@ def test_unpinned_start_then_planned_cores_at_the_first_step(tmp_path: Path) -> 
     started = cores.unpinned([planned, other])
     assert started[0].cpus is None and started[1] is other and planned.cpus == one
     with Supervisor(poll_s=0.05) as sup:
-        sup.start(started[0])
-        pid = sup.pid("svc")
-        assert pid is not None
-        deadline = time.monotonic() + 20
-        while "up" not in (tmp_path / "svc.log").read_text() or len(_group(pid)) < 2:
-            assert time.monotonic() < deadline, "the process did not start its family"
-            time.sleep(0.05)
+        pid = _start_family(sup, started[0])
         assert os.sched_getaffinity(pid) == every
         assert not cores.check(sup, 0)  # the first value seen: the start goes on
         assert not cores.check(sup, 0)
@@ -195,13 +201,7 @@ def test_plain_processes_keep_off_the_reserved_core_until_released(tmp_path: Pat
     assert started[0].cpus == every - {reserve} and started[1] is forked
     assert cores.held == {"svc"}
     with Supervisor(poll_s=0.05) as sup:
-        sup.start(started[0])
-        pid = sup.pid("svc")
-        assert pid is not None
-        deadline = time.monotonic() + 20
-        while "up" not in (tmp_path / "svc.log").read_text() or len(_group(pid)) < 2:
-            assert time.monotonic() < deadline, "the process did not start its family"
-            time.sleep(0.05)
+        pid = _start_family(sup, started[0])
         for p in _group(pid):
             assert all(os.sched_getaffinity(t) == every - {reserve} for t in _threads(p))
         assert cores.release(sup) >= 3  # two threads and the child
