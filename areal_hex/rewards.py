@@ -13,6 +13,12 @@ answer with no final answer scores 0 without a worker call, and the last `CACHE`
 pairs are remembered across groups (a confident policy repeats its answers to the same
 prompt every epoch). A reward function other than `math_reward` is keyed by the whole
 completion. Failures are never remembered.
+
+Answers that need no worker: a final answer and a gold one that are both plain integers
+are compared in the controller (`plain_integer_reward`, math-verify's result on them,
+microseconds); anything else goes to a worker, as its check takes milliseconds and may
+hang (docs/rollout.md has the measurements). A worker remembers math-verify's parse of
+each answer text it has seen (`ParseMemo`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -35,6 +42,8 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 CACHE = 65536  # (final answer, gold) pairs remembered across groups
+PARSED = 4096  # parsed answers (and gold answers) a process remembers
+_PLAIN_INT = re.compile(r"0|-?[1-9][0-9]{0,8}")
 
 
 def extract_final_answer(completion: str) -> str | None:
@@ -50,15 +59,55 @@ def extract_final_answer(completion: str) -> str | None:
     return None
 
 
+def plain_integer_reward(answer: str, gold: str) -> float | None:
+    """`math_reward` of a final answer against a gold answer when both are plain integers
+    (`_PLAIN_INT`: an optional minus, no leading zero, at most 9 digits), without
+    math-verify: it parses each to a SymPy Integer and compares them exactly, and a plain
+    integer's text is the only one of its value, so the reward is 1.0 exactly when the
+    texts are equal. None when either is not a plain integer."""
+    if _PLAIN_INT.fullmatch(answer) and _PLAIN_INT.fullmatch(gold):
+        return 1.0 if answer == gold else 0.0
+    return None
+
+
 def math_reward(completion: str, gold: str) -> float:
     """1.0 when the completion's final answer equals `gold` per math-verify, else 0.0."""
     return _math_reward_parsed(completion, _parse_boxed(gold))
 
 
-def _parse_boxed(answer: str) -> list:
-    from math_verify import parse
+class ParseMemo:
+    """math-verify's parse of `\\boxed{answer}`, remembered for the last `size` answers.
 
-    return parse(f"\\boxed{{{answer}}}")
+    The parse is a pure function of the answer's text, and it is most of a check's cost
+    (an ANTLR LaTeX parse and a SymPy conversion); the same few answers come back for
+    every gold answer (`17` scored against many prompts' golds). An empty parse, which
+    a parse that timed out also gives, is not remembered: the text is parsed again."""
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"ParseMemo: size must be > 0, got {size}")
+        self.size = size
+        self._known: OrderedDict[str, list] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def __call__(self, answer: str) -> list:
+        got = self._known.get(answer)
+        if got is not None:
+            self._known.move_to_end(answer)
+            self.hits += 1
+            return got
+        from math_verify import parse
+
+        self.misses += 1
+        got = parse(f"\\boxed{{{answer}}}")
+        if got:
+            self._known[answer] = got
+            if len(self._known) > self.size:
+                self._known.popitem(last=False)
+        return got
+
+
+_parse_boxed = ParseMemo(PARSED)  # one per process: each reward worker keeps its own
 
 
 def _math_reward_parsed(completion: str, gold_parsed: list) -> float:
@@ -113,7 +162,8 @@ class RewardStats:
     failures: int = 0  # timeouts + exceptions + worker crashes: each scored 0
     timeouts: int = 0
     restarts: int = 0  # worker pools replaced after a timeout or crash
-    cached: int = 0  # answers scored from the cache or without a final answer (no call)
+    # answers scored without a worker call: remembered, no final answer, plain integers
+    cached: int = 0
 
 
 class GroupScorer(Protocol):
@@ -236,9 +286,15 @@ class RewardPool:
         only the slow or crashing one scores 0 (and is not remembered)."""
         keys = [self._key(c) for c in completions]
         todo: dict[str, str] = {}  # key -> a completion that has it
+        scores: dict[str | None, float] = {None: 0.0}
         for k, c in zip(keys, completions, strict=True):
-            if k is not None and (k, gold) not in self._known:
-                todo.setdefault(k, c)
+            if k in scores or k in todo or (k, gold) in self._known:
+                continue
+            exact = plain_integer_reward(k, gold) if self.fn is math_reward else None
+            if exact is None:
+                todo[k] = c
+            else:
+                scores[k] = exact
         self.stats.cached += len(completions) - len(todo)
         if len(todo) == 1:
             got: list[float | None] = [await self._score_one(next(iter(todo.values())), gold)]
@@ -251,7 +307,6 @@ class RewardPool:
             got = batch
         else:
             got = []
-        scores: dict[str | None, float] = {None: 0.0}
         for k, r in zip(todo, got, strict=True):
             scores[k] = 0.0 if r is None else r
             if r is not None:

@@ -15,6 +15,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from operator import itemgetter
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -80,12 +81,21 @@ def _message(resp: Response) -> str:
 
 def parse_generate(body: Any) -> GenerateResult:
     """A `/generate` response (one request, `return_logprob: true`) as a GenerateResult."""
-    out = wire.GenerateOutput.model_validate(body)
+    return generate_result(wire.GenerateOutput.model_validate(body))
+
+
+# A batch response read straight from its bytes by pydantic's own JSON parser: a third
+# of the CPU of `json.loads` and then validating each result (16 results of 24 tokens).
+_OUTPUTS = pydantic.TypeAdapter(list[wire.GenerateOutput])
+
+
+def generate_result(out: wire.GenerateOutput) -> GenerateResult:
+    """One validated `/generate` result as a GenerateResult."""
     meta = out.meta_info
     pairs = meta.output_token_logprobs
     if pairs is None:
         raise ValueError("response has no meta_info.output_token_logprobs (return_logprob?)")
-    logprobs = [float(p[0]) for p in pairs]
+    logprobs = _floats(list(map(itemgetter(0), pairs)))
     # some servers omit output_ids: the ids are in the log-prob tuples
     output_ids = out.output_ids or [int(p[1]) for p in pairs]
     if len(logprobs) != len(output_ids):
@@ -100,8 +110,27 @@ def parse_generate(body: Any) -> GenerateResult:
         finish_reason=str(finish.get("type") or "abort"),
         weight_version=wire.version_from_wire(meta.weight_version),
         prompt_tokens=meta.prompt_tokens,
-        token_versions=None if versions is None else [wire.version_from_wire(v) for v in versions],
+        token_versions=None if versions is None else _versions(versions),
     )
+
+
+# A response carries a few values per token: the usual ones (float log-probs, versions
+# all ints or all strings) are converted at C speed rather than by a Python call per
+# token; anything else one by one, as before.
+
+
+def _floats(values: list[Any]) -> list[float]:
+    return values if set(map(type, values)) <= {float} else [float(v) for v in values]
+
+
+def _versions(values: list[Any]) -> list[int | None]:
+    kinds = set(map(type, values))
+    if kinds <= {int}:
+        return values
+    if kinds <= {str}:  # our server's: the version of each token as a string
+        table = {v: wire.version_from_wire(v) for v in set(values)}
+        return list(map(table.__getitem__, values))
+    return [wire.version_from_wire(v) for v in values]
 
 
 class InferenceClient:
@@ -192,8 +221,10 @@ class InferenceClient:
     ) -> GenerateResult:
         """One request with behaviour log-probs; an aborted request returns normally
         with `finish_reason == "abort"` and the tokens generated so far."""
-        body = await self._generate(list(input_ids), sampling, rid)
-        return self._parsed(lambda: parse_generate(body))
+        resp = await self._generate(list(input_ids), sampling, rid)
+        return self._parsed(
+            lambda: generate_result(wire.GenerateOutput.model_validate_json(resp.content))
+        )
 
     async def generate_batch(
         self, input_ids: list[list[int]], sampling: SamplingParams, rids: list[str]
@@ -205,16 +236,17 @@ class InferenceClient:
         with `sampling_params.n`: SGLang gives parallel samples random ids, so only the
         batch form lets `abort(rid)` reach each sample (SGLang's prefix cache and our
         engine's shared prefill keep the repeated prompt cheap)."""
-        body = await self._generate([list(x) for x in input_ids], sampling, list(rids))
+        resp = await self._generate([list(x) for x in input_ids], sampling, list(rids))
 
         def parse() -> list[GenerateResult]:
-            if not isinstance(body, list) or len(body) != len(input_ids):
+            outs = _OUTPUTS.validate_json(resp.content)
+            if len(outs) != len(input_ids):
                 raise ValueError(f"expected a list of {len(input_ids)} results")
-            return [parse_generate(b) for b in body]
+            return [generate_result(o) for o in outs]
 
         return self._parsed(parse)
 
-    async def _generate(self, input_ids: Any, sampling: SamplingParams, rid: Any) -> Any:
+    async def _generate(self, input_ids: Any, sampling: SamplingParams, rid: Any) -> Response:
         params = sampling.to_wire()
         payload: dict[str, Any] = {
             "input_ids": input_ids,
@@ -224,7 +256,7 @@ class InferenceClient:
         if rid is not None:
             payload["rid"] = rid
         async with self._slots:
-            return await self._json("POST", "/generate", payload)
+            return await self._call("POST", "/generate", payload)
 
     def _parsed(self, parse: Callable[[], T]) -> T:
         try:

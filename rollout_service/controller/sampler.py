@@ -83,6 +83,8 @@ class Sampler:
         """Each output token's policy version: the server's per-token report if it sends
         one, else the version of the response."""
         if res.token_versions is not None:
+            if None not in res.token_versions:  # every token's version stated: as sent
+                return list(res.token_versions)  # type: ignore[arg-type]
             return [self._version(v) for v in res.token_versions]
         return [self._version(res.weight_version)] * len(res.output_ids)
 

@@ -154,18 +154,21 @@ async def test_answers_are_checked_once_per_final_answer_and_gold() -> None:
     """math_reward depends on the final answer and the gold one only: a group's answers
     that reach the same final answer by different text are one check, a later group
     repeating them is none, an answer without a final answer is 0 without a check, and
-    the same answer against another gold answer is checked again."""
+    the same answer against another gold answer is checked again. Two plain integers
+    need no check at all."""
     pool = RewardPool(workers=1, timeout_s=5.0)
     await pool.start()
     try:
-        group = ["3 + 4 = 7\n#### 7", "so it is 7 #### 7", "\\boxed{8}", "no answer"]
+        group = ["3 + 4 = 7\n#### 7.0", "so it is 7 #### 7.0", "\\boxed{8.0}", "no answer"]
         assert await pool.score_many(group, "7") == [1.0, 1.0, 0.0, 0.0]
         assert pool.stats.calls == 2 and pool.stats.cached == 2
-        again = ["first 7 #### 7", "\\boxed{8}", "#### 8"]
+        again = ["first 7 #### 7.0", "\\boxed{8.0}", "#### 8.0"]
         assert await pool.score_many(again, "7") == [1.0, 0.0, 0.0]
-        assert pool.stats.calls == 2 and pool.stats.cached == 5  # "8" either way
-        assert await pool.score_many(["#### 8"], "8") == [1.0]
+        assert pool.stats.calls == 2 and pool.stats.cached == 5  # "8.0" either way
+        assert await pool.score_many(["#### 8.0"], "8") == [1.0]
         assert pool.stats.calls == 3
+        assert await pool.score_many(["#### 7", "#### 8", "\\boxed{7}"], "7") == [1.0, 0.0, 1.0]
+        assert pool.stats.calls == 3 and pool.stats.cached == 8
     finally:
         await pool.aclose()
     pool = RewardPool(workers=1, timeout_s=5.0, fn=raise_on_bad)  # failures not remembered

@@ -1,0 +1,87 @@
+"""The reward's shortcuts give math-verify's rewards: plain integers compared without it,
+parses remembered per answer text, and completions of a real run scored as that run did."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areal_hex.data import Prompt
+from areal_hex.rewards import ParseMemo, RewardPool, math_reward, plain_integer_reward
+
+# Plain integers, with the neighbours and lengths where a shortcut would go wrong.
+PLAIN = ["0", "1", "7", "17", "18", "71", "100", "-17", "123456789", "-999999999"]
+
+
+def test_plain_integers_score_as_math_verify_does() -> None:
+    for gold in ["0", "17", "-17", "123456789"]:
+        for answer in PLAIN:
+            want = math_reward(f"2 + 15 = {answer}\n#### {answer}", gold)
+            assert plain_integer_reward(answer, gold) == want, (answer, gold)
+
+
+@pytest.mark.parametrize(
+    "text", ["017", "+5", "-0", "1,000", "1 7", " 17", "17.0", "1234567890", "", "x", "17?"]
+)
+def test_other_texts_are_left_to_math_verify(text: str) -> None:
+    assert plain_integer_reward(text, "17") is None
+    assert plain_integer_reward("17", text) is None
+
+
+def test_parse_memo_gives_the_parse_and_is_bounded() -> None:
+    from math_verify import parse
+
+    memo = ParseMemo(2)
+    first = memo("\\frac{1}{2}")
+    assert str(first) == str(parse("\\boxed{\\frac{1}{2}}"))
+    assert memo("\\frac{1}{2}") is first and (memo.hits, memo.misses) == (1, 1)
+    memo("17")
+    memo("x^{2}")  # the oldest goes
+    assert memo("\\frac{1}{2}") is not first and memo.misses == 4
+    assert memo("") == [] and memo("") == [] and memo.misses == 6  # empty: parsed again
+    with pytest.raises(ValueError, match="size"):
+        ParseMemo(0)
+
+
+# Completions of a README run (tiny_cpu.yaml) and the rewards that run gave them.
+RUN = [
+    ("5", [("3 + 2 = 5", 0.0), ("3 + 2 = 4\n#### 4", 0.0), ("3 + 2 = 5\n#### 0", 0.0),
+           ("3 + 2 = 5\n#### Pant\n### ", 0.0), ("3 + 2 = 5\n#### 5", 1.0)]),
+    ("16", [("14 + 2 = 16\n#### 16", 1.0), ("14 + 2 = 17\n#### 17s= 5", 0.0),
+            ("14 + 2 + 17", 0.0)]),
+    ("11", [("11 + 0 = 11\n#### 11", 1.0), ("11 + 0 = 1+1\n#### 21", 0.0),
+            ("11 + 0 = 11\n####311", 0.0), ("11 + 0 = 11\n#### 1G", 0.0)]),
+    ("33", [("15 + 18 = 33\n#### 33", 1.0), ("15 + 18 = 33ant\n#####w ", 0.0)]),
+    ("28", [("13 + 15 = 28\n#### 28", 1.0), ("13 + 15 = 28\n#### 28\ta", 0.0),
+            ("1\t + 15 = 28\n#### 28", 1.0), ("13 + 15 = 29\n#### 29", 0.0)]),
+    ("35", [("17 + 18 = 35\n####=== 7", 0.0), ("17 + 18 = 35\n#### 34", 0.0),
+            ("16 + 19 = 35\n#### 35l", 1.0)]),
+    ("26", [("16 + 10 = 26\n#### 26t\na", 1.0), ("16 + 10 = 26\n#### 26", 1.0)]),
+    ("21", [("8 + 13 = 21\n#### 21", 1.0), ("8 + 13 = 21\n#### 2nttt6", 0.0),
+            ("3 + 13 = 21\n##jisii8 + 1", 0.0), ("8 + 13 = 21\n#### 29", 0.0)]),
+]  # fmt: skip
+
+
+async def test_a_runs_completions_score_as_that_run_did() -> None:
+    pool = RewardPool(workers=1, timeout_s=30.0)
+    await pool.start()
+    try:
+        for i, (gold, scored) in enumerate(RUN):
+            texts = [t for t, _ in scored] * 2  # a group repeats its answers
+            prompt = Prompt(id=f"p{i}", input_ids=[1], answer=gold, text="")
+            got = await pool.score_group(prompt, texts)
+            assert got == [r for _, r in scored] * 2, gold
+    finally:
+        await pool.aclose()
+    # only the final answers that are not plain integers went to the worker: Pant, 17s= 5,
+    # 1G, w, 28<tab>a, === 7, 35l, 26t and 2nttt6 (once each: the repeats are remembered)
+    assert pool.stats.calls == 9 and pool.stats.failures == 0
+
+
+def test_score_many_needs_no_worker_for_plain_integers() -> None:
+    async def go() -> list[float]:
+        pool = RewardPool(workers=1, timeout_s=5.0)  # never started: no worker to call
+        return await pool.score_many(["#### 17", "#### 18", "no answer", "#### 17"], "17")
+
+    assert asyncio.run(go()) == [1.0, 0.0, 0.0, 1.0]
