@@ -12,6 +12,10 @@ Delivery guarantees (one consumer group, `trainer`):
   trainer restart that rolled the version back), are acknowledged, deleted and counted
   (`<run>:groups_dropped_stale`) and handed back to the gate;
   malformed entries go to `<run>:dead` with the reason and raw payload (`<run>:dead_count`).
+
+New entries and acks go through one connection kept for them (`SyncLink`: replies read
+by hand, each payload received into a buffer of its own); calls from several threads
+queue for it. The keepalive thread and everything else use the client's pool.
 """
 
 from __future__ import annotations
