@@ -32,13 +32,13 @@ class ReplyReader:
     """RESP2/RESP3 replies off a socket (`recv` and `recv_into` are all it calls)."""
 
     def __init__(self, sock: Any, parse_error: Any) -> None:
-        self._sock = sock
+        self.sock = sock
         self._parse_error = parse_error  # error line -> the redis-py exception it means
         self._buf = b""
         self._pos = 0
 
     def _more(self) -> None:
-        chunk = self._sock.recv(_CHUNK)
+        chunk = self.sock.recv(_CHUNK)
         if not chunk:
             raise redis.ConnectionError("Connection closed by the buffer's server")
         self._buf = self._buf[self._pos :] + chunk
@@ -64,7 +64,7 @@ class ReplyReader:
         view[:have] = memoryview(self._buf)[self._pos : self._pos + have]
         self._pos += have
         while have < n + 2:
-            got = self._sock.recv_into(view[have:])
+            got = self.sock.recv_into(view[have:])
             if not got:
                 raise redis.ConnectionError("Connection closed by the buffer's server")
             have += got
@@ -122,8 +122,8 @@ class SyncLink:
                 self._conn = self._pool.get_connection()
             conn = self._conn
             try:
-                if conn._sock is None or self._reader is None:
-                    conn.connect()  # no-op when connected
+                if self._reader is None or self._reader.sock is not conn._sock:
+                    conn.connect()  # no-op when connected; again after a disconnect
                     self._reader = ReplyReader(conn._sock, conn._parser.parse_error)
                 conn.send_packed_command(conn.pack_commands(commands), check_health=False)
                 replies = [self._reader.reply() for _ in commands]

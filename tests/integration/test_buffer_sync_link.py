@@ -18,11 +18,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[redis.Redis]:
+def endpoint_url() -> Iterator[str]:
     with EmbeddedValkey(appendonly=False) as server:
-        r = RedisEndpoint(server.url).sync_client()
-        yield r
-        r.close()
+        yield server.url
+
+
+@pytest.fixture
+def client(endpoint_url: str) -> Iterator[redis.Redis]:
+    r = RedisEndpoint(endpoint_url).sync_client()
+    yield r
+    r.close()
 
 
 def test_stream_entries_come_back_raw_with_large_payloads_as_read_only_views(
@@ -55,6 +60,20 @@ def test_one_connection_kept_and_opened_again_after_a_loss(client: redis.Redis) 
     finally:
         link.close()
     assert client.get(key) == b"2"
+
+
+def test_a_link_reconnects_after_its_pool_disconnected_it(endpoint_url: str) -> None:
+    """The pool drops every connection, the link's included (the client closed): the
+    next call connects again instead of reading a dead socket."""
+    r = redis.Redis.from_url(endpoint_url)
+    link = SyncLink(r)
+    try:
+        first = link.call([(b"CLIENT", b"ID")])[0]
+        r.connection_pool.disconnect()
+        assert link.call([(b"CLIENT", b"ID")])[0] != first
+    finally:
+        link.close()
+        r.close()
 
 
 def test_an_error_reply_is_raised_once_every_reply_is_read(client: redis.Redis) -> None:
