@@ -12,6 +12,10 @@ Delivery guarantees (one consumer group, `trainer`):
   trainer restart that rolled the version back), are acknowledged, deleted and counted
   (`<run>:groups_dropped_stale`) and handed back to the gate;
   malformed entries go to `<run>:dead` with the reason and raw payload (`<run>:dead_count`).
+
+New entries and acks go through one connection kept for them (`SyncLink`: replies read
+by hand, each payload received into a buffer of its own); calls from several threads
+queue for it. The keepalive thread and everything else use the client's pool.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from areal_hex.api import Batch, BufferStats
 from areal_hex.buffer import scripts
 from areal_hex.buffer.codec import DecodeError, decode_group_with_versions
 from areal_hex.buffer.keys import GIVE_BACK_REASONS, GROUP, PAYLOAD_FIELD, BufferKeys
+from areal_hex.buffer.sync_link import SyncLink
 from areal_hex.config.buffer import BufferConfig
 from areal_hex.record import GroupRecord
 
-Entry = tuple[str, dict[bytes, bytes] | None]  # (stream id, fields); fields None: deleted
+# (stream id, fields); fields None: deleted. A payload read by the consumer's own link is
+# a read-only memoryview of the buffer it was received into.
+Entry = tuple[str, dict[bytes, bytes | memoryview] | None]
 Item = tuple[str, GroupRecord, int]  # (stream id, group, group version computed once)
 
 
@@ -45,6 +52,17 @@ def ensure_group(r: redis.Redis, keys: BufferKeys) -> None:
 
 def _sid(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
+
+
+def _entries(resp: list | None) -> list[Entry]:
+    """XREADGROUP's raw reply for one stream ([[stream, [[id, [field, value, ...]], ...]]],
+    None when nothing came) as entries."""
+    if not resp:
+        return []
+    return [
+        (_sid(i), None if f is None else dict(zip(f[::2], f[1::2], strict=True)))
+        for i, f in resp[0][1]
+    ]
 
 
 def read_stats(r: redis.Redis, keys: BufferKeys) -> BufferStats:
@@ -133,6 +151,7 @@ class RedisTrajectoryConsumer:
         self.copy_arrays = copy_arrays
         self._rng = random.Random(cfg.shuffle_seed)
         self._ack = client.register_script(scripts.ACK_DELETE)
+        self._link = SyncLink(client)  # the connection new entries and acks go through
         ensure_group(client, self.keys)
         self._history_cursor: str | None = "0-0"  # own pending entries, read first
         self._claim_cursor = "0-0"
@@ -187,11 +206,12 @@ class RedisTrajectoryConsumer:
     def _read_new(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
         """New entries, and the policy version read in the same round trip (before the
         read blocks, as it is checked against)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.get(self.keys.version)
-        pipe.xreadgroup(GROUP, self.name, {self.keys.traj: ">"}, count=count, block=block_ms)
-        version, resp = pipe.execute()
-        return [(_sid(i), f) for i, f in (resp[0][1] if resp else [])], int(version or 0)
+        read = [b"XREADGROUP", b"GROUP", GROUP, self.name, b"COUNT", count]
+        if block_ms is not None:
+            read += [b"BLOCK", block_ms]
+        read += [b"STREAMS", self.keys.traj, b">"]
+        version, resp = self._link.call([(b"GET", self.keys.version), read])
+        return _entries(resp), int(version or 0)
 
     def _fetch(self, count: int, block_ms: int | None) -> tuple[list[Entry], int]:
         try:
@@ -360,7 +380,7 @@ class RedisTrajectoryConsumer:
         ids = list(entry_ids)
         for lo in range(0, len(ids), scripts.MAX_IDS_PER_CALL):
             chunk = ids[lo : lo + scripts.MAX_IDS_PER_CALL]
-            self._ack(keys=[self.keys.traj, self.keys.acked], args=[GROUP, *chunk])
+            self._link.run_script(self._ack, [self.keys.traj, self.keys.acked], [GROUP, *chunk])
         with self._lock:
             self._held.difference_update(ids)
 
@@ -390,6 +410,7 @@ class RedisTrajectoryConsumer:
         if self._keeper is not None:
             self._keeper.join(timeout=5)
             self._keeper = None
+        self._link.close()
 
     def __enter__(self) -> RedisTrajectoryConsumer:
         return self

@@ -52,6 +52,7 @@ def _parse_update(data: bytes | str) -> VersionUpdate | None:
 
 PUT_TOKEN_TTL_S = 86_400  # a retried put is recognised for this long
 _PUT_LEDGER = scripts.PUT_LEDGER.encode()
+_PUT_LEASE = scripts.PUT_LEASE.encode()
 
 
 def _entry_id(x: bytes | str) -> str:
@@ -237,19 +238,27 @@ class RedisTrajectoryProducer:
         the first one's entry id (without one, every call appends)."""
         await self._ensure_group()
         commands: list[tuple[Arg, ...]] = []
+        tokened: list[bool] = []
         for g in groups:
             payload = Parts(*encode_group_parts(g))
             commands.append((b"XADD", self.keys.traj, b"*", PAYLOAD_FIELD, payload))
-            ledger_args = (self.holder, PUT_TOKEN_TTL_S, TIP_GROUP)
-            commands.append((b"EVAL", _PUT_LEDGER, 3, *self._put_keys(g), *ledger_args))
+            token = g.metadata.get("put_token")
+            commands.append(self._ledger(token))
+            tokened.append(bool(token))
         replies = await self._link.transaction(commands)
-        return [_entry_id(x) for x in replies[1::2]]  # the ledger's id: the first put's
+        # With the caller's token, the ledger's id (the first put's); else the XADD's own.
+        return [_entry_id(replies[2 * i + t]) for i, t in enumerate(tokened)]
 
-    def _put_keys(self, group: GroupRecord) -> list[str]:
-        # A fresh token when the group has none (the caller did not ask for dedup): unique
-        # as this incarnation's holder id is, without drawing random bytes per put.
-        token = group.metadata.get("put_token") or f"{self.holder}-{next(self._put_seq)}"
-        return [self.keys.traj, self.keys.leases, self.keys.put_token(token)]
+    def _ledger(self, token: str | None) -> tuple[Arg, ...]:
+        """The script that follows a group's XADD: PUT_LEDGER for the caller's token, else
+        PUT_LEASE under a fresh token of ours, unique as this incarnation's holder id is
+        (drawing no random bytes per put)."""
+        k, ttl = self.keys, PUT_TOKEN_TTL_S
+        if token:
+            keys = (k.traj, k.leases, k.put_token(token))
+            return (b"EVAL", _PUT_LEDGER, 3, *keys, self.holder, ttl, TIP_GROUP)
+        own = k.put_token(f"{self.holder}-{next(self._put_seq)}")
+        return (b"EVAL", _PUT_LEASE, 3, k.traj, k.leases, own, self.holder, ttl)
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)

@@ -1,8 +1,9 @@
 """Lua scripts: the read-check-write steps that must be atomic on the server.
 
 Each is run with EVALSHA (redis-py's `register_script`), so the source travels once, but
-for PUT_LEDGER: it runs inside a MULTI/EXEC after an XADD, where a script the server has
-lost (a restart) would fail after the XADD had run, so it is sent whole (EVAL; small).
+for PUT_LEDGER and PUT_LEASE: they run inside a MULTI/EXEC after an XADD, where a script
+the server has lost (a restart) would fail after the XADD had run, so they are sent whole
+(EVAL; small).
 """
 
 from __future__ import annotations
@@ -87,18 +88,31 @@ end
 return sub
 """
 
-# Put one admitted group, in one MULTI/EXEC with the XADD that appends it (XADD first, this
-# script right after: nothing runs between them, so the stream's newest entry is that
-# group's). The payload never passes through Lua: a 100 kB script argument costs the
-# server more than the XADD itself. The script ends one admission of the holder's lease
-# and records the put token with the entry id, once per token: when the token is already
-# there (a retry of a put whose reply was lost, in whatever order the two ran), the entry
-# just added is deleted again and the first append's id returned.
+# End one admission of a holder's lease (never below zero): the group it was for is put.
+# Expects: leases_key, holder.
+_END_ONE = """
+local function end_one(leases_key, holder)
+  if redis.call('HINCRBY', leases_key, holder, -1) <= 0 then
+    redis.call('HDEL', leases_key, holder)
+  end
+end
+"""
+
+# Put one admitted group whose caller gave it a put token, in one MULTI/EXEC with the XADD
+# that appends it (XADD first, this script right after: nothing runs between them, so the
+# stream's newest entry is that group's). The payload never passes through Lua: a 100 kB
+# script argument costs the server more than the XADD itself. The script ends one
+# admission of the holder's lease and records the put token with the entry id, once per
+# token: when the token is already there (a retry of a put whose reply was lost, in
+# whatever order the two ran), the entry just added is deleted again and the first
+# append's id returned.
 # The entry id is read from the helper consumer group `tip`, moved to the stream's end
 # ('$'): reading the newest entry itself would bring its payload into Lua.
 # KEYS: traj, leases, token key.  ARGV: holder, token TTL in s, helper group name.
 # Returns the entry id.
-PUT_LEDGER = """
+PUT_LEDGER = (
+    _END_ONE
+    + """
 local traj, tip = KEYS[1], ARGV[3]
 if not pcall(redis.call, 'XGROUP', 'SETID', traj, tip, '$') then
   redis.call('XGROUP', 'CREATE', traj, tip, '$')
@@ -114,15 +128,27 @@ if done then
   redis.call('XDEL', traj, id)
   return done
 end
-local held = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-if held <= 1 then
-  redis.call('HDEL', KEYS[2], ARGV[1])
-else
-  redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
-end
+end_one(KEYS[2], ARGV[1])
 redis.call('SET', KEYS[3], id, 'EX', ARGV[2])
 return id
 """
+)
+
+# PUT_LEDGER for a put without a caller's token, after its XADD in the same MULTI/EXEC.
+# Its token is the producer's own, fresh (`<holder>-<seq>`): no retry can name it, so no
+# entry id is looked up (the caller has XADD's reply); the key records that the put was
+# made (the run ledger counts prompts produced twice by these names) and holds 1.
+# XLEN fails, leaving the lease as it was, when the XADD before could not append (the key
+# is not a stream). KEYS: traj, leases, token key.  ARGV: holder, token TTL in s.
+PUT_LEASE = (
+    _END_ONE
+    + """
+redis.call('XLEN', KEYS[1])
+end_one(KEYS[2], ARGV[1])
+redis.call('SET', KEYS[3], 1, 'EX', ARGV[2])
+return 1
+"""
+)
 
 # Reclaim what dead holders held, then report the durable position of production.
 # KEYS: submitted, leases, reclaimed, admitted, then counters read as they are (one

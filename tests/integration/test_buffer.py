@@ -288,6 +288,29 @@ def test_malformed_entries_go_to_dead_letter(endpoint: RedisEndpoint, run_id: st
             assert len(fields[b"payload"]) > 0
 
 
+def test_large_entries_decode_read_only_and_dead_letter_whole(
+    endpoint: RedisEndpoint, run_id: str
+) -> None:
+    """Payloads of 100 kB, received into buffers of their own: a good one decodes into
+    read-only arrays, a malformed one reaches the dead-letter stream byte for byte."""
+    r = endpoint.sync_client()
+    keys = BufferKeys(run_id)
+    good = group(1, tokens=8_000)
+    bad = encode_group(group(2, tokens=8_000))[:-5]  # truncated
+    r.xadd(keys.traj, {b"d": bad})
+    r.xadd(keys.traj, {b"d": encode_group(good)})
+    consumer = RedisTrajectoryConsumer(r, run_id, cfg())
+    batch = consumer.get_batch(1, timeout_s=5)
+    consumer.ack(batch.entry_ids)
+    consumer.close()
+    (got,) = batch.groups
+    assert batch.dead_lettered == 1 and got.prompt_id == "p1"
+    tokens = got.completions[0].token_ids
+    assert not tokens.flags.writeable and np.array_equal(tokens, np.arange(8_000))
+    ((_, fields),) = r.xrange(keys.dead)
+    assert fields[b"payload"] == bad
+
+
 # ---------------------------------------------------------------- versions
 async def test_watch_versions_yields_current_then_updates(
     endpoint: RedisEndpoint, run_id: str

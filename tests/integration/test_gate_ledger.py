@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -180,6 +181,53 @@ async def test_a_retried_put_appends_its_group_once(endpoint: RedisEndpoint) -> 
         assert unaccounted(ledger(r, keys)) == 0
         untokened = _group(0)
         assert await p.put(untokened) != await p.put(untokened)  # no token: each call appends
+    finally:
+        await p.aclose()
+
+
+async def test_a_put_without_a_token_records_its_own_and_ends_one_admission(
+    endpoint: RedisEndpoint,
+) -> None:
+    """No caller's token: the put leaves `<holder>-<seq>` (for the run ledger), answers
+    XADD's own entry id, and ends exactly one admission of the lease."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    keys, r = BufferKeys(run_id), endpoint.sync_client()
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, BufferConfig(groups_per_step=4))
+    try:
+        await p.admit(3)
+        ids = [await p.put(_group(0)) for _ in range(2)]
+        assert [e.decode() for e, _ in r.xrange(keys.traj)] == ids
+        assert await p.held() == 1
+        names = sorted(k.decode() for k in r.scan_iter(match=keys.put_token("*")))
+        assert names == [keys.put_token(f"{p.holder}-{i}") for i in range(2)]
+        assert r.get(names[0]) == b"1" and 0 < r.ttl(names[0]) <= 86_400
+        await p.put(_group(0))
+        await p.put(_group(0))  # more puts than admissions: the lease stays at zero
+        assert await p.held() == 0 and r.hget(keys.leases, p.holder) is None
+    finally:
+        await p.aclose()
+
+
+@pytest.mark.parametrize("token", [None, "ctl-1"])
+async def test_a_put_that_cannot_append_keeps_its_admission(
+    endpoint: RedisEndpoint, token: str | None
+) -> None:
+    """The XADD fails when run (the stream's key holds a string): the script after it
+    fails too, so the lease still holds the admission and no token is recorded."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    keys, r = BufferKeys(run_id), endpoint.sync_client()
+    p = RedisTrajectoryProducer(endpoint.async_client(), run_id, BufferConfig(groups_per_step=4))
+    try:
+        await p.admit(1)
+        r.delete(keys.traj)
+        r.set(keys.traj, "not a stream")
+        group = _group(0)
+        if token:
+            group.metadata["put_token"] = token
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            await p.put(group)
+        assert await p.held() == 1
+        assert list(r.scan_iter(match=keys.put_token("*"))) == []
     finally:
         await p.aclose()
 
