@@ -7,19 +7,26 @@ generate only while the trainer waits for its next batch. One step, across proce
 1. the trainer waits: every server, lent ones included, makes groups.
 2. the trainer has its batch: the groups put by this controller reach the trainer's next
    step (`(steps done + 1) · B`, steps done read from the version the trainer published,
-   one a step): the lent servers pause in place (`/pause_generation` mode `in_place`:
-   their requests in flight stay, with their KV cache, and wait) and the dispatcher sends
-   them nothing new while another server is healthy. The trainer steps on its devices.
-3. the trainer publishes v+1: the weight update pauses, loads and continues every server,
-   the lent ones with the rest; then, unless the next batch is already made (generation
-   ahead of the trainer), they keep generating; otherwise they pause again.
+   one a step): the lent servers pause with mode `abort` (their requests in flight end
+   with the tokens they have, and the sampler continues each on a server of its own:
+   a group held on a paused server would wait out the trainer's step, and every step
+   after it while generation keeps ahead) and the dispatcher sends them nothing new
+   while another server is healthy. The trainer steps on its devices.
+3. the trainer publishes v+1: the weight update pauses, loads and continues the servers
+   of their own and the lent servers that generate; a lent server paused for the
+   trainer is left out (it holds nothing, and its load would take the trainer's devices
+   and hold the other servers' continue). Then, unless the next batch is already made
+   (generation ahead of the trainer), the lent servers load the version served, if they
+   lack it, and continue; otherwise they stay paused.
 
-A lend is one pause and its continue (`context_switches_total`, `context_switch_s_total`
-in each metrics row, as the controller waits for every lent server). No request is given
-up by a lend: a paused server holds its requests and answers them after it continues.
-Groups the trainer drops as stale, and groups in the buffer from before a restart, are
-not counted: the lent servers then generate a little longer than the trainer needs, which
-costs the trainer a share of its devices, never a group.
+A lend is one pause and its continue, the continue with its load
+(`context_switches_total`, `context_switch_s_total` in each metrics row, as the
+controller waits for every lent server; `lent_loads_total`, `lent_tokens_total`: the
+loads a continue made and the tokens the lent servers generated). No request is given up
+by a lend: an aborted request goes on elsewhere from the tokens it has. Groups the trainer
+drops as stale, and groups in the buffer from before a restart, are not counted: the lent
+servers then generate a little longer than the trainer needs, which costs the trainer a
+share of its devices, never a group.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from rollout_service.controller.dispatch import SERVER_ERRORS, ServerState
 from rollout_service.controller.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+
+Loaded = tuple[int, str]  # (version, path) of the weights a server holds
 
 
 class Lending:
@@ -69,6 +78,23 @@ class Lending:
         self.switch_s_total = 0.0
         self._pause_s = 0.0  # of the lend under way
         self._lock = asyncio.Lock()
+        self.loads_total = 0  # weight loads a continue made
+        self._loaded: dict[int, Loaded] = {}  # lent server index -> the weights it holds
+        self._left: set[int] = set()  # lent servers the last update left out
+        if weights.network is None:  # over the network every server takes each broadcast
+            weights.leave_out = self.leave_out
+
+    def leave_out(self, s: ServerState, weights: Loaded) -> bool:
+        """Whether the weight update loading `weights` leaves `s` out: a lent server
+        paused for the trainer (it loads them when it continues)."""
+        if all(s is not x for x in self.lent):
+            return False
+        if s.lent_away:
+            self._left.add(s.index)
+            return True
+        self._left.discard(s.index)
+        self._loaded[s.index] = weights
+        return False
 
     def gated(self, admit: Callable[..., Awaitable[None]]) -> Admit:
         """Admissions are the staleness gate's alone: the lent servers follow the puts."""
@@ -114,14 +140,23 @@ class Lending:
         self._pause_s = 0.0
 
     async def _one(self, s: ServerState, away: bool) -> None:
-        """Pause `s` in place (`away`) or continue it; a server that fails the call is
-        left as it is (the dispatcher's probe finds a dead one)."""
+        """Pause `s`, its requests ended for a server of their own to go on with
+        (`away`), or bring it to the version served and continue it; a server that fails
+        the call is left as it is (the dispatcher's probe finds a dead one)."""
         s.lent_away = away
         try:
             if away:
-                await s.client.pause("in_place")
-            else:
-                await s.client.resume()
+                if s.index not in self._left:  # else paused since, untouched by the update
+                    await s.client.pause("abort")
+                return
+            self._left.discard(s.index)
+            want = self.weights.applied
+            if want is not None and self.weights.network is None:
+                if self._loaded.get(s.index) != want:
+                    await s.client.update_weights_from_disk(want[1], want[0], False)
+                    self._loaded[s.index] = want
+                    self.loads_total += 1
+            await s.client.resume()
         except SERVER_ERRORS as exc:
             verb = "pause" if away else "continue"
             log.warning("%s: %s for the trainer failed: %s", s.url, verb, exc)
@@ -132,6 +167,8 @@ class Lending:
         return {
             "context_switches_total": self.switches_total,
             "context_switch_s_total": round(self.switch_s_total, 4),
+            "lent_loads_total": self.loads_total,
+            "lent_tokens_total": sum(s.tokens_total for s in self.lent),
         }
 
 
