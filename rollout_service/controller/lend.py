@@ -23,10 +23,13 @@ A lend is one pause and its continue, the continue with its load
 (`context_switches_total`, `context_switch_s_total` in each metrics row, as the
 controller waits for every lent server; `lent_loads_total`, `lent_tokens_total`: the
 loads a continue made and the tokens the lent servers generated). No request is given up
-by a lend: an aborted request goes on elsewhere from the tokens it has. Groups the trainer
-drops as stale, and groups in the buffer from before a restart, are not counted: the lent
-servers then generate a little longer than the trainer needs, which costs the trainer a
-share of its devices, never a group.
+by a lend: an aborted request goes on elsewhere from the tokens it has. The groups the
+trainer dropped as stale count for no batch: they are read from the buffer
+(`position().groups_dropped_stale`) before the lent servers pause and after each update,
+so a drop never keeps them paused while the trainer waits (counted as put, every drop
+would: the trainer a group short, the lend a group ahead). Groups in the buffer from
+before a restart are not counted: the lent servers then generate a little longer than
+the trainer needs, which costs the trainer a share of its devices, never a group.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from areal_hex.buffer.errors import BUFFER_ERRORS
 from rollout_service.controller.colocate import Admit, Colocation, InFlight, Phases
 from rollout_service.controller.dispatch import SERVER_ERRORS, ServerState
 from rollout_service.controller.weight_sync import WeightSync
@@ -79,6 +83,8 @@ class Lending:
         self._pause_s = 0.0  # of the lend under way
         self._lock = asyncio.Lock()
         self.loads_total = 0  # weight loads a continue made
+        self.dropped = 0  # groups the trainer dropped as stale since the first put
+        self._dropped_before: int | None = None  # its count before the first put
         self._loaded: dict[int, Loaded] = {}  # lent server index -> the weights it holds
         self._left: set[int] = set()  # lent servers the last update left out
         if weights.network is None:  # over the network every server takes each broadcast
@@ -101,18 +107,33 @@ class Lending:
         return admit
 
     def trainer_has_batch(self) -> bool:
-        """The groups put reach the batch of the trainer's next step."""
+        """The groups put, less those the trainer dropped as stale, reach the batch of
+        the trainer's next step."""
         if self.first_version is None:
             return False
         steps_done = max(0, self.weights.serving - self.first_version)
-        return self.put_total >= (steps_done + 1) * self.groups_per_step
+        kept = self.put_total - self.dropped
+        return kept >= (steps_done + 1) * self.groups_per_step
 
     async def after_put(self) -> None:
         """One more group in the buffer: the trainer may have its batch now."""
         if self.first_version is None:
             self.first_version = self.weights.serving
+            await self._count_dropped()
         self.put_total += 1
         await self.settle()
+
+    async def _count_dropped(self) -> None:
+        """Read the groups the trainer dropped as stale since the first put: each one
+        put counts for no batch (left as it was where the buffer cannot be read)."""
+        try:
+            total = (await self.weights.producer.position()).groups_dropped_stale
+        except BUFFER_ERRORS as exc:
+            log.warning("the groups dropped as stale could not be read: %s", exc)
+            return
+        if self._dropped_before is None:
+            self._dropped_before = total
+        self.dropped = total - self._dropped_before
 
     async def after_update(self) -> None:
         """A new version is served (the update continued every server it loaded): the
@@ -126,6 +147,11 @@ class Lending:
             away = self.trainer_has_batch()
             if away == self.away and not again:
                 return
+            if away:  # the trainer may have dropped some of them at its last fetch
+                await self._count_dropped()
+                away = self.trainer_has_batch()
+                if away == self.away and not again:
+                    return
             t0 = time.monotonic()
             await asyncio.gather(*[self._one(s, away) for s in self.lent])
             if away and not self.away:

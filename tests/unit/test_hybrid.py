@@ -141,6 +141,33 @@ async def test_a_paused_lent_server_misses_the_updates_and_loads_as_it_continues
     await weights.dispatcher.aclose()
 
 
+async def test_a_group_dropped_as_stale_keeps_the_lent_server_generating() -> None:
+    """B = 1: the trainer dropped one group put as stale, so the next group put is not
+    its batch yet; the lent server generates on until the one after."""
+    from fakes import FakeServer, MemoryProducer
+
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.lend import Lending
+    from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+
+    producer = MemoryProducer(groups_per_step=1)
+    producer.groups_dropped_stale = 3  # before this controller's first put: not its own
+    weights = WeightSync(
+        Dispatcher([FakeServer("a"), FakeServer("b")], 0.05), producer, UpdateGate()
+    )
+    await weights.dispatcher.probe_all()
+    lending = Lending(weights, set, lent=1, groups_per_step=1)
+    await lending.after_put()
+    await weights.update(1, "/w/1")  # the trainer stepped and waits for its next batch
+    assert not lending.away
+    producer.groups_dropped_stale += 1  # it dropped the group put as stale
+    await lending.after_put()
+    assert not lending.away and lending.dropped == 1
+    await lending.after_put()
+    assert lending.away
+    await weights.dispatcher.aclose()
+
+
 def test_lending_refuses_a_layout_without_a_server_of_its_own() -> None:
     from fakes import FakeServer, MemoryProducer
 
