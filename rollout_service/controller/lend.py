@@ -60,11 +60,15 @@ class Lending:
         *,
         lent: int,
         groups_per_step: int,
+        max_requests: int | None = None,
     ) -> None:
         """`weights`: the controller's protocol (its updates continue every server, then
         call `settle`); `lent`: how many of the last servers the trainer's devices hold;
-        `groups_per_step`: B, the trainer's batch in groups. `in_flight` is unused (the
-        signature of every phase control)."""
+        `groups_per_step`: B, the trainer's batch in groups; `max_requests`: the requests
+        each server is sent at once, the rest waiting in the controller for the first
+        server free, so that a lent server that continues takes them at once (None: no
+        bound). `in_flight` is unused (the signature of every phase
+        control)."""
         servers = weights.dispatcher.servers
         if not 0 < lent < len(servers):
             raise ValueError(
@@ -75,6 +79,7 @@ class Lending:
         self.lent: list[ServerState] = servers[-lent:]
         self.groups_per_step = groups_per_step
         weights.after_update.append(self.after_update)
+        weights.dispatcher.max_requests = max_requests
         self.put_total = 0  # groups this controller put
         self.first_version: int | None = None  # the trainer's version at the first put
         self.away = False  # the lent servers are paused: the trainer has its devices
@@ -183,6 +188,7 @@ class Lending:
                     self._loaded[s.index] = want
                     self.loads_total += 1
             await s.client.resume()
+            self.weights.dispatcher.wake()  # the requests waiting for a server come here
         except SERVER_ERRORS as exc:
             verb = "pause" if away else "continue"
             log.warning("%s: %s for the trainer failed: %s", s.url, verb, exc)
@@ -198,10 +204,21 @@ class Lending:
         }
 
 
-def phases_for(placement: str, lent: int, groups_per_step: int) -> Phases | None:
+def phases_for(
+    placement: str, lent: int, groups_per_step: int, max_requests: int | None = None
+) -> Phases | None:
     """The phase control of `placement` (workflow.placement); None: disaggregated."""
     if placement == "colocated":
         return Colocation
     if placement == "hybrid":
-        return functools.partial(Lending, lent=lent, groups_per_step=groups_per_step)
+        return functools.partial(
+            Lending, lent=lent, groups_per_step=groups_per_step, max_requests=max_requests
+        )
     return None
+
+
+def server_requests(max_running_requests: int, group_size: int, asynchronous: bool) -> int | None:
+    """A hybrid's `max_requests`: asynchronous, what a server runs at once and one group
+    more (queued there, so that it never waits for the next); synchronous, no bound (the
+    whole batch is sent at once, as the price's replay has it)."""
+    return max_running_requests + group_size if asynchronous else None

@@ -168,6 +168,40 @@ async def test_a_group_dropped_as_stale_keeps_the_lent_server_generating() -> No
     await weights.dispatcher.aclose()
 
 
+async def test_requests_wait_in_the_controller_for_the_lent_server() -> None:
+    """Asynchronous hybrid: a server is sent what it runs at once and one group more; a
+    group beyond waits in the controller, and goes to the lent server as soon as it
+    continues (not to the back of the server of its own's queue)."""
+    import asyncio
+
+    from fakes import FakeServer
+
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.lend import server_requests
+
+    assert server_requests(64, 16, asynchronous=True) == 80
+    assert server_requests(64, 16, asynchronous=False) is None
+    d = Dispatcher([FakeServer("own"), FakeServer("lent")])
+    await d.probe_all()
+    own, lent = d.servers
+    d.max_requests = server_requests(16, 16, asynchronous=True)  # one group runs, one waits
+    lent.lent_away = True
+    with d.lease(own, 100, 16), d.lease(own, 100, 16):
+        assert d.pick() is None  # full, and the lent server paused for the trainer
+        waiting = asyncio.ensure_future(d.acquire())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        lent.lent_away = False  # the trainer waits for its batch: the lend continues it
+        d.wake()
+        assert await asyncio.wait_for(waiting, 1.0) is lent
+        with d.lease(lent, 100, 16), d.lease(lent, 100, 16):
+            waiting = asyncio.ensure_future(d.acquire())
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+        assert await asyncio.wait_for(waiting, 1.0) is lent  # a call ended there
+    await d.aclose()
+
+
 def test_lending_refuses_a_layout_without_a_server_of_its_own() -> None:
     from fakes import FakeServer, MemoryProducer
 
