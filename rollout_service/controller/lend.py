@@ -5,25 +5,31 @@ disaggregated); the last `workflow.lent_servers` servers run on the trainer's de
 generate only while the trainer waits for its next batch. One step, across processes:
 
 1. the trainer waits: every server, lent ones included, makes groups.
-2. the trainer has its batch: the groups put by this controller reach the trainer's next
-   step (`(steps done + 1) · B`, steps done read from the version the trainer published,
-   one a step): the lent servers pause with mode `abort` (their requests in flight end
-   with the tokens they have, and the sampler continues each on a server of its own:
-   a group held on a paused server would wait out the trainer's step, and every step
-   after it while generation keeps ahead) and the dispatcher sends them nothing new
-   while another server is healthy. The trainer steps on its devices.
+2. the trainer has its batch: the groups put by this controller, less those the trainer
+   dropped as stale, reach the trainer's next step (`(steps done + 1) · B`, steps done
+   read from the version the trainer published, one a step): the lent servers pause in
+   place (`/pause_generation` mode `in_place`: their requests in flight stay, with their
+   KV cache, for the next lend) and the dispatcher sends them nothing new while another
+   server is healthy. The trainer steps on its devices. Each server is sent at most what
+   it runs at once and one group more (asynchronous: `Dispatcher.max_requests`), so a
+   paused server holds little and the rest waits in the controller for the first server
+   free.
 3. the trainer publishes v+1: the weight update pauses, loads and continues the servers
    of their own and the lent servers that generate; a lent server paused for the
-   trainer is left out (it holds nothing, and its load would take the trainer's devices
-   and hold the other servers' continue). Then, unless the next batch is already made
-   (generation ahead of the trainer), the lent servers load the version served, if they
-   lack it, and continue; otherwise they stay paused.
+   trainer is left out (its load would take the trainer's devices and hold the other
+   servers' continue). Then, unless the next batch is already made (generation ahead of
+   the trainer), the lent servers load the version served, if they lack it, and
+   continue (what they held goes on, with the new weights, as in any in-place update);
+   otherwise they stay paused, and what they hold ends (mode `abort`) to go on on a
+   server of its own: a group held on a paused server would wait out every step while
+   generation keeps ahead.
 
 A lend is one pause and its continue, the continue with its load
 (`context_switches_total`, `context_switch_s_total` in each metrics row, as the
 controller waits for every lent server; `lent_loads_total`, `lent_tokens_total`: the
 loads a continue made and the tokens the lent servers generated). No request is given up
-by a lend: an aborted request goes on elsewhere from the tokens it has. The groups the
+by a lend: a held request goes on where it is, an aborted one elsewhere from the tokens
+it has. The groups the
 trainer dropped as stale count for no batch: they are read from the buffer
 (`position().groups_dropped_stale`) before the lent servers pause and after each update,
 so a drop never keeps them paused while the trainer waits (counted as put, every drop
@@ -92,6 +98,7 @@ class Lending:
         self._dropped_before: int | None = None  # its count before the first put
         self._loaded: dict[int, Loaded] = {}  # lent server index -> the weights it holds
         self._left: set[int] = set()  # lent servers the last update left out
+        self._holding: set[int] = set()  # lent servers paused in place, holding requests
         if weights.network is None:  # over the network every server takes each broadcast
             weights.leave_out = self.leave_out
 
@@ -177,10 +184,10 @@ class Lending:
         s.lent_away = away
         try:
             if away:
-                if s.index not in self._left:  # else paused since, untouched by the update
-                    await s.client.pause("abort")
+                await self._pause(s)
                 return
             self._left.discard(s.index)
+            self._holding.discard(s.index)  # what it holds goes on as it continues
             want = self.weights.applied
             if want is not None and self.weights.network is None:
                 if self._loaded.get(s.index) != want:
@@ -193,6 +200,18 @@ class Lending:
             verb = "pause" if away else "continue"
             log.warning("%s: %s for the trainer failed: %s", s.url, verb, exc)
             s.lent_away = False
+
+    async def _pause(self, s: ServerState) -> None:
+        """Pause `s` in place: what it runs waits, with its KV cache, for the next lend,
+        a step away where generation binds. Paused through a whole step (the update left
+        it out and the trainer has its next batch already), it is not lent again soon:
+        what it holds ends (pause mode `abort`) and goes on on a server of its own."""
+        if s.index not in self._left:
+            await s.client.pause("in_place")
+            self._holding.add(s.index)
+        elif s.index in self._holding:
+            await s.client.pause("abort")
+            self._holding.discard(s.index)
 
     def row_fields(self) -> dict[str, float]:
         """The lend counters, for the controller's metrics row."""

@@ -1,7 +1,8 @@
 """One context switch on the real built-in server, as the controller makes it, loses no
 request: colocated (release and resume, nothing in flight; requests before and after
-answered in full) and hybrid (the lent server paused with requests in flight, which end
-at once with the tokens they have, left out of the weight updates while it is paused)."""
+answered in full) and hybrid (the lent server paused in place with requests in flight,
+left out of the weight updates while it is paused: what it holds ends once it stays
+paused through an update, and it loads the version served as it continues)."""
 
 from __future__ import annotations
 
@@ -81,11 +82,14 @@ def test_a_colocated_switch_loses_no_request(url: str) -> None:
     asyncio.run(go())
 
 
-def test_a_lend_ends_its_requests_and_loads_as_it_continues(url, lent_url, root) -> None:
-    """The lent server pauses as six requests run on it: each ends while the trainer
-    steps (in full, or aborted with the tokens it had), none is held. The weight update
-    then leaves it out, and it loads the version served as the lend continues it; a
-    request after that is answered in full by the new version."""
+def test_a_lend_holds_its_requests_then_ends_them_and_loads_as_it_continues(
+    url, lent_url, root
+) -> None:
+    """The lent server pauses in place as six requests run on it: none ends while the
+    trainer steps. The trainer has its next batch already at the update: the update
+    leaves the lent server out, and what it held ends (in full, or aborted with the
+    tokens it had). At the next update the trainer waits: the lent server loads the
+    version served as the lend continues it, and answers a request in full."""
     from rollout_service.controller.lend import Lending
 
     async def go() -> None:
@@ -98,19 +102,22 @@ def test_a_lend_ends_its_requests_and_loads_as_it_continues(url, lent_url, root)
         await asyncio.sleep(0.05)  # under way on the lent server
         await lending.after_put()  # the trainer's batch is in: the lent server pauses
         assert lending.away and lent.lent_away
-        outs = await asyncio.wait_for(running, 30)  # ended while it is paused
+        await asyncio.sleep(0.3)
+        assert not running.done()  # held, not ended
+        await lending.after_put()  # and the batch after
+        await weights.update(1, str(root / "v0"))  # still not needed: what it held ends
+        outs = await asyncio.wait_for(running, 30)
         for o in outs:
             ended = "length" if len(o.output_ids) == LONG.max_new_tokens else "abort"
             assert o.finish_reason == ended
-        for v in (1, 2):  # the trainer published v: it waits for its next batch
-            await weights.update(v, str(root / "v0"))
-            assert not lending.away and lending.loads_total == v
-            assert await own.client.weight_version() == v
-            assert await lent.client.weight_version() == v
-            assert await _all_answered(lent.client, 1) == ["length"]
-            await lending.after_put()
-            assert lending.away
-        assert lending.switches_total == 2
+        assert lending.away and lending.loads_total == 0
+        assert await own.client.weight_version() == 1
+        assert await lent.client.weight_version() == 0  # left out
+        await weights.update(2, str(root / "v0"))  # the trainer waits: the lend continues
+        assert not lending.away and lending.loads_total == 1
+        assert await lent.client.weight_version() == 2
+        assert await _all_answered(lent.client, 1) == ["length"]
+        assert lending.switches_total == 1
         await weights.dispatcher.aclose()
         for s in weights.dispatcher.servers:
             await s.client.close()
