@@ -274,6 +274,9 @@ class RolloutRow(_Row):
     # seconds they took, since start
     context_switches_total: int = 0
     context_switch_s_total: float = 0.0
+    # hybrid: weight loads the lent servers made as they continued, tokens they generated
+    lent_loads_total: int = 0
+    lent_tokens_total: int = 0
     servers_healthy: int = 0
     finish_reasons: dict[str, int] = {}
     # the last line of a controller's run only

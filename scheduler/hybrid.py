@@ -1,18 +1,20 @@
 """The hybrid placement priced: the disaggregated split, plus servers lent by the trainer's
 devices that generate only while the trainer waits for its batch.
 
-What a lent server makes and what lending costs the trainer follow the run
-(`scheduler/lending.py`): G_lent, the lent servers' samples/s on the trainer's devices
-(beside the host's work where it runs there), and `lend` s a step: the switch and the lent
-servers' weight load, which the trainer's step pays whether or not they generate (the
-weight update continues them every step and the controller pauses them again).
+What a lent server makes and what lending costs follow the run (`scheduler/lending.py`):
+G_lent, the lent servers' samples/s on the trainer's devices (beside the host's work where
+it runs there), and `lend` s a lend: the switch and the lent servers' weight load, paid
+when they start to generate (a lent server paused for the trainer is left out of the
+weight updates and loads the version served as it continues).
 
-Asynchronous, one trainer step of T' = T + lend s (T: the disaggregated step) is a cycle:
-while the trainer steps, the servers of their own make G_own·T' samples; while it waits,
-every server makes them, at G_own + G_lent. Where G_own·T' ≥ B nothing is lent and the
-rate is B / T' (below the disaggregated rate: the trainer pays the lend for nothing);
-otherwise the trainer waits W = (B − G_own·T') / (G_own + G_lent) a step, and
+Asynchronous, one trainer step of T' s (T, the disaggregated step, with the trainer's
+heap trim where it gives its heap back) is a cycle: while the trainer steps, the servers
+of their own make G_own·T' samples. Where that is the batch B nothing is lent and the
+rate is B / T'. Otherwise the trainer waits for the S = B − G_own·T' samples left: the
+lent servers load and continue (`lend` s, the servers of their own generating), then
+every server makes them at G_own + G_lent:
 
+    W = lend + (S − G_own·lend) / (G_own + G_lent)     (S / G_own where G_own·lend ≥ S)
     rate = B / (T' + W).
 
 Synchronous (η = 0): every server generates the batch (the lent ones at G_lent, each
@@ -42,21 +44,29 @@ from scheduler.workload import Workload
 
 
 def lent_asynchronous(
-    own: LayoutRates, g_lent: float, samples_per_step: int, lend: float
+    own: LayoutRates, g_lent: float, samples_per_step: int, lend: float, trim: float = 0.0
 ) -> LayoutRates:
     """The asynchronous rates with lent servers generating `g_lent` samples/s while the
-    trainer waits, beside the servers of their own (`own`: the layout of those alone),
-    each trainer step paying `lend` s for them."""
+    trainer waits, beside the servers of their own (`own`: the layout of those alone):
+    each trainer step `trim` s longer (its heap given back), and each lend `lend` s (the
+    lent servers' load and continue) before they generate."""
     b, g_own = samples_per_step, own.generation_samples_per_s
     if own.training_samples_per_s <= 0 or g_own <= 0:
         return own
-    step = b / own.training_samples_per_s + lend  # T'
-    made = g_own * step  # of the next batch, while the trainer steps
-    wait = max(0.0, b - made) / (g_own + g_lent)
+    step = b / own.training_samples_per_s + trim  # T'
+    short = b - g_own * step  # of the next batch, once the trainer has stepped
+    if short <= 0:
+        return replace(own, pipeline_samples_per_s=b / step, training_samples_per_s=b / step)
+    if g_own * lend >= short:
+        wait = short / g_own
+    else:
+        wait = lend + (short - g_own * lend) / (g_own + g_lent)
+    rate = b / (step + wait)
+    # every server busy while it may generate: the servers' mean over their busy time
     return replace(
         own,
-        pipeline_samples_per_s=b / (step + wait),
-        generation_samples_per_s=g_own + (g_lent if wait > 0 else 0.0),
+        pipeline_samples_per_s=rate,
+        generation_samples_per_s=rate,
         training_samples_per_s=b / step,
     )
 
@@ -104,8 +114,9 @@ def hybrid_pick(
         return None
     own = LayoutRates(sol.rate, sol.gen_rate, sol.train_rate, 0.0)
     idle = (prof.reload_idle_s(c.kind) if prof is not None else None) or 0.0
-    lend = lend_s(switch_s(w, prof, c.kind), idle) + heap_trim_s(prof, c.kind, c.compute_s)
-    lent = lent_asynchronous(own, g_lent, w.samples_per_step, lend)
+    lend = lend_s(switch_s(w, prof, c.kind), idle)
+    trim = heap_trim_s(prof, c.kind, c.compute_s)
+    lent = lent_asynchronous(own, g_lent, w.samples_per_step, lend, trim)
     return Hybrid(lent.pipeline_samples_per_s, lent.generation_samples_per_s, tuple(picks))
 
 

@@ -7,10 +7,11 @@ server of its own gets (the trainer's threads are not reduced), and:
 - they generate only while the trainer waits for its batch; on a CPU host the devices
   they then share are the trainer's cores, where the controller, its reward workers and
   Valkey run too (`run.host_cores: trainer`), working for every server's samples;
-- every step, the weight update pauses, loads and continues every server, the lent ones
-  with the rest, and the controller pauses the lent ones again once the trainer has its
-  batch: one lend (a pause and a continue) and one weight load per step, on the trainer's
-  devices, in either mode.
+- once the trainer has its batch the controller pauses the lent servers (their requests
+  go on on the servers of their own), and the weight updates leave them out while they
+  are paused; where the trainer waits for its next batch they load the version served
+  and continue: one lend (a pause, a load and a continue) on the trainer's devices, and
+  only where the trainer waits.
 
 So, from what the profile measures:
 
@@ -20,9 +21,9 @@ So, from what the profile measures:
   servers of their own leaves it: 1 − h·G_own (h: the host's CPU seconds a sample, G_own:
   the servers of their own's samples/s). Where the host's work runs beside the servers
   of their own (`host_cores: inference`), a lent server shares nothing: its kind's rate.
-- each trainer step pays `lend_s`: the profiled switch (`context_switch_s`) plus the lent
-  server's weight load with nothing in flight (the idle update, as a synchronous run's
-  pause is priced), both taken from the trainer's devices.
+- each lend takes `lend_s` before the lent servers generate: the profiled switch
+  (`context_switch_s`) plus the lent server's weight load with nothing in flight (the
+  idle update, as a synchronous run's pause is priced), both on the trainer's devices.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ def at_rate(o: RolloutOption, samples_per_s: float) -> RolloutOption:
 
 
 def lend_s(switch_s: float, idle_update_s: float) -> float:
-    """Seconds a trainer step pays for its lent servers: one switch and their weight load
-    with nothing in flight (the lent servers load in parallel, each on its own devices)."""
+    """Seconds a lend takes before the lent servers generate: one switch and their weight
+    load with nothing in flight (the lent servers load in parallel, each on its own
+    devices)."""
     return switch_s + idle_update_s
 
 

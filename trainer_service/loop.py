@@ -276,9 +276,11 @@ class Trainer:
         publish_s = self._maybe_publish()
         t3 = time.perf_counter()
         ckpt_s = self._maybe_checkpoint()
+        t4 = time.perf_counter()
         if self.trim_heap:
             trim_heap()
-        row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=t2 - t1, publish_s=t3 - t2)
+        compute_s = t2 - t1 + time.perf_counter() - t4  # the heap given back is the step's work
+        row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=compute_s, publish_s=t3 - t2)
         # time the step waited for the previous weight write (before its optimizer step)
         row.publish_wait_s = publish_s + result.extra.get("publish_fence_s", 0.0)
         row.checkpoint_s = ckpt_s

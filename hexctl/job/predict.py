@@ -216,6 +216,8 @@ def predict_run(
         syn["pipeline_samples_per_s"] = w.samples_per_step / (step + switch)
     if placement != "disaggregated":
         syn["context_switch_s"] = asyn["context_switch_s"] = switch
+    if placement == "hybrid":  # what the lent servers make while they generate
+        syn["lent_samples_per_s"] = asyn["lent_samples_per_s"] = pred.lent_samples_per_s
     return {
         "source": "plan" if plan is not None else "local profile",
         "cluster": str(cluster),

@@ -41,7 +41,8 @@ class ServerState:
     client: GenerationClient
     healthy: bool = False
     outstanding_tokens: int = 0
-    in_flight: int = 0
+    in_flight: int = 0  # calls
+    requests_in_flight: int = 0  # their requests (a group's call: its samples)
     requests_total: int = 0
     failures_total: int = 0
     tokens_total: int = 0  # tokens generated here
@@ -67,7 +68,11 @@ class Dispatcher:
         self.servers = [ServerState(i, c) for i, c in enumerate(clients)]
         self.probe_interval_s = probe_interval_s
         self.on_recover = on_recover
-        self._changed = asyncio.Event()  # set whenever a server becomes healthy
+        self._changed = asyncio.Event()  # set whenever a server becomes healthy or free
+        # the most requests a server is sent at once (None: no bound); the rest wait here
+        # for whichever server frees first (hybrid: a lent server that continues takes
+        # them at once, instead of waiting behind a server of its own's queue)
+        self.max_requests: int | None = None
         self._busy_since: float | None = None
         self._busy_s = 0.0
         self._prober: asyncio.Task[None] | None = None
@@ -79,34 +84,45 @@ class Dispatcher:
     def pick(self, exclude: set[int] | None = None) -> ServerState | None:
         """The healthy server with the least outstanding work, avoiding `exclude` and
         servers lent away (hybrid) unless only those are healthy; None when no server is
-        healthy."""
+        healthy, or when each one to use has `max_requests` requests already."""
         healthy = [s for s in self.servers if s.healthy]
         if not healthy:
             return None
         avoid = exclude or set()
         preferred = [s for s in healthy if s.index not in avoid and not s.lent_away]
         preferred = preferred or [s for s in healthy if s.index not in avoid] or healthy
+        if self.max_requests is not None:
+            preferred = [s for s in preferred if s.requests_in_flight < self.max_requests]
+            if not preferred:
+                return None
         return min(preferred, key=lambda s: (s.outstanding_tokens, s.in_flight, s.index))
 
+    def wake(self) -> None:
+        """A server may take requests now: the waiting ones try again."""
+        self._changed.set()
+
     async def acquire(self, exclude: set[int] | None = None) -> ServerState:
-        """`pick`, waiting (and logging now and then) while no server is healthy."""
+        """`pick`, waiting while no server is healthy (logging now and then) or every
+        one to use is full."""
         waited = 0.0
         while True:
+            self._changed.clear()
             s = self.pick(exclude)
             if s is not None:
                 return s
-            self._changed.clear()
-            if not await wait_event(self._changed, 10.0):
+            if not await wait_event(self._changed, 10.0) and not self.num_healthy:
                 waited += 10.0
                 log.warning("no healthy inference server for %.0f s; waiting", waited)
 
     @contextmanager
-    def lease(self, server: ServerState, tokens: int) -> Iterator[None]:
-        """Count `tokens` of work on `server` while a request runs there."""
+    def lease(self, server: ServerState, tokens: int, requests: int = 1) -> Iterator[None]:
+        """Count `tokens` of work on `server` while a call of `requests` requests (a
+        group's batch call: its samples) runs there."""
         if self.in_flight == 0:
             self._busy_since = time.monotonic()
         server.outstanding_tokens += tokens
         server.in_flight += 1
+        server.requests_in_flight += requests
         server.requests_total += 1
         t0 = time.monotonic()
         try:
@@ -116,6 +132,9 @@ class Dispatcher:
                 observe(server, time.monotonic() - t0)
             server.outstanding_tokens -= tokens
             server.in_flight -= 1
+            server.requests_in_flight -= requests
+            if self.max_requests is not None:
+                self._changed.set()
             if self.in_flight == 0 and self._busy_since is not None:
                 self._busy_s += time.monotonic() - self._busy_since
                 self._busy_since = None

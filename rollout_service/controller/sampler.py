@@ -105,7 +105,7 @@ class Sampler:
         seg = [f"{base}_{i}" for i in range(n)]
         limit = self.sampling.max_new_tokens
         try:
-            with self.dispatcher.lease(server, n * (len(prompt_ids) + limit)):
+            with self.dispatcher.lease(server, n * (len(prompt_ids) + limit), n):
                 results = await asyncio.wait_for(
                     server.client.generate_batch([prompt_ids] * n, self.sampling, seg),
                     self.request_timeout_s,

@@ -174,6 +174,9 @@ class WeightSync:
         self.before_update: list[Callable[[], Awaitable[None]]] = []
         # awaited once the servers continued on the new version (hybrid: lend.py)
         self.after_update: list[Callable[[], Awaitable[None]]] = []
+        # whether an update of (version, path) leaves a server out (hybrid: a lent
+        # server paused for the trainer loads when it continues, lend.py)
+        self.leave_out: Callable[[ServerState, tuple[int, str]], bool] = lambda _s, _w: False
         self._lock = asyncio.Lock()
 
     async def start(self, update_pause: UpdatePause) -> None:
@@ -270,7 +273,9 @@ class WeightSync:
         try:
             for hook in self.before_update:
                 await hook()
+            at = (version, path)
             servers = [s for s in self.dispatcher.servers if s.healthy]
+            servers = [s for s in servers if not self.leave_out(s, at)]
             tried = len(servers)
             # retract / in_place: the servers keep the requests in flight (their KV
             # cache recomputed / kept); abort (SGLang's default call): they end and

@@ -188,7 +188,7 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
     from areal_hex.buffer import RedisTrajectoryProducer, open_redis
     from areal_hex.rewards import RewardPool
     from rollout_service.client import InferenceClient
-    from rollout_service.controller.lend import phases_for
+    from rollout_service.controller.lend import phases_for, server_requests
     from rollout_service.controller.reference import ScoredProducer
     from rollout_service.controller.reward_model import build_scorer
     from rollout_service.controller.rollout import RolloutController
@@ -235,7 +235,14 @@ async def run_rollout(cfg: ExperimentConfig) -> dict[str, Any]:
         network=network_source(cfg, redis_client),
         final_version=final_version(cfg),
         phases=phases_for(
-            cfg.workflow.placement, cfg.workflow.lent_servers, cfg.buffer.groups_per_step
+            cfg.workflow.placement,
+            cfg.workflow.lent_servers,
+            cfg.buffer.groups_per_step,
+            server_requests(
+                cfg.inference.max_running_requests,
+                cfg.rollout.group_size,
+                cfg.buffer.max_staleness > 0,
+            ),
         ),
         rewards=scorer,
     )

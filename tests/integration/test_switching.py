@@ -1,7 +1,8 @@
 """One context switch on the real built-in server, as the controller makes it, loses no
 request: colocated (release and resume, nothing in flight; requests before and after
 answered in full) and hybrid (the lent server paused in place with requests in flight,
-which finish once it continues)."""
+left out of the weight updates while it is paused: what it holds ends once it stays
+paused through an update, and it loads the version served as it continues)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,26 @@ LONG = SamplingParams(max_new_tokens=56, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory):
+def root(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("switching")
     materialize(ModelConfig(tiny=TinyModelConfig(), seed=5), root / "v0")
+    return root
+
+
+def _server(root):
     inf = InferenceConfig(weights_dir=str(root), context_length=64, num_threads=1)
-    with ServerThread(build_server_app(ModelConfig(path=str(root / "v0")), inf)) as u:
+    return ServerThread(build_server_app(ModelConfig(path=str(root / "v0")), inf))
+
+
+@pytest.fixture(scope="module")
+def url(root):
+    with _server(root) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def lent_url(root):
+    with _server(root) as u:
         yield u
 
 
@@ -66,26 +82,42 @@ def test_a_colocated_switch_loses_no_request(url: str) -> None:
     asyncio.run(go())
 
 
-def test_a_lend_holds_requests_in_flight_and_answers_them(url: str) -> None:
-    """The lent server (the same server seen twice: one of its own, one lent) pauses in
-    place as six requests reach it; none ends while the trainer steps, all end in full
-    once the update's continue and the lend's settle let it go."""
+def test_a_lend_holds_its_requests_then_ends_them_and_loads_as_it_continues(
+    url, lent_url, root
+) -> None:
+    """The lent server pauses in place as six requests run on it: none ends while the
+    trainer steps. The trainer has its next batch already at the update: the update
+    leaves the lent server out, and what it held ends (in full, or aborted with the
+    tokens it had). At the next update the trainer waits: the lent server loads the
+    version served as the lend continues it, and answers a request in full."""
     from rollout_service.controller.lend import Lending
 
     async def go() -> None:
-        weights = await _weights([url, url])
-        lent = weights.dispatcher.servers[1]
+        weights = await _weights([url, lent_url])
+        own, lent = weights.dispatcher.servers
         lending = Lending(weights, set, lent=1, groups_per_step=1)
-        running = asyncio.ensure_future(_all_answered(lent.client, 6))
-        await asyncio.sleep(0)  # sent: in flight, or held at the paused server's door
+        running = asyncio.ensure_future(
+            asyncio.gather(*[lent.client.generate([20 + i, 21], LONG) for i in range(6)])
+        )
+        await asyncio.sleep(0.05)  # under way on the lent server
         await lending.after_put()  # the trainer's batch is in: the lent server pauses
         assert lending.away and lent.lent_away
         await asyncio.sleep(0.3)
         assert not running.done()  # held, not ended
-        weights.serving = 1  # the trainer published: it waits for its next batch
-        await lending.after_update()
-        assert await asyncio.wait_for(running, 60) == ["length"] * 6
-        assert not lending.away and lending.switches_total == 1
+        await lending.after_put()  # and the batch after
+        await weights.update(1, str(root / "v0"))  # still not needed: what it held ends
+        outs = await asyncio.wait_for(running, 30)
+        for o in outs:
+            ended = "length" if len(o.output_ids) == LONG.max_new_tokens else "abort"
+            assert o.finish_reason == ended
+        assert lending.away and lending.loads_total == 0
+        assert await own.client.weight_version() == 1
+        assert await lent.client.weight_version() == 0  # left out
+        await weights.update(2, str(root / "v0"))  # the trainer waits: the lend continues
+        assert not lending.away and lending.loads_total == 1
+        assert await lent.client.weight_version() == 2
+        assert await _all_answered(lent.client, 1) == ["length"]
+        assert lending.switches_total == 1
         await weights.dispatcher.aclose()
         for s in weights.dispatcher.servers:
             await s.client.close()

@@ -100,6 +100,110 @@ async def test_the_lent_server_pauses_while_the_trainer_steps(tmp_path: Path) ->
     assert len(producer.groups) == 8
 
 
+async def test_a_paused_lent_server_misses_the_updates_and_loads_as_it_continues() -> None:
+    """B = 1, server b lent. Paused in place for the trainer, b is left out of the weight
+    update (no load on the trainer's devices) and loads the version as the lend
+    continues it; generating when an update comes, b loads with the others and its
+    continue loads nothing; still paused after an update (the trainer has its next
+    batch), what it holds ends, to go on elsewhere."""
+    from fakes import FakeServer, MemoryProducer
+
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.lend import Lending
+    from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+
+    own, lent = FakeServer("a"), FakeServer("b")
+    weights = WeightSync(Dispatcher([own, lent], 0.05), MemoryProducer(), UpdateGate())
+    await weights.dispatcher.probe_all()
+    lending = Lending(weights, set, lent=1, groups_per_step=1)
+    pauses: list[str] = []
+    pause = lent.pause
+
+    async def counted_pause(mode: str = "abort") -> None:
+        pauses.append(mode)
+        await pause(mode)  # type: ignore[arg-type]
+
+    lent.pause = counted_pause  # type: ignore[method-assign]
+    await lending.after_put()  # the trainer has its batch: b pauses in place
+    assert lending.away and pauses == ["in_place"]
+    await weights.update(1, "/w/1")  # the trainer waits for the next: b loads, continues
+    assert own.updates == [("/w/1", 1)] and lent.updates == [("/w/1", 1)]
+    assert pauses == ["in_place"] and not lending.away and lent.running.is_set()
+    assert lending.row_fields()["lent_loads_total"] == 1
+    await weights.update(2, "/w/2")  # b generating: loaded by the update, as the others
+    assert lent.updates[-1] == ("/w/2", 2) and lending.loads_total == 1
+    for _ in range(3):  # the next batch, and one group of the batch after
+        await lending.after_put()
+    assert lending.away
+    await lending.after_put()  # the batch after is made too: b stays paused
+    await weights.update(3, "/w/3")
+    assert lending.away and lent.updates[-1] == ("/w/2", 2) and own.updates[-1][1] == 3
+    # the lend's, update 2's, the lend's; paused through update 3, what it held ends
+    assert pauses == ["in_place", "abort", "in_place", "abort"]
+    await weights.dispatcher.aclose()
+
+
+async def test_a_group_dropped_as_stale_keeps_the_lent_server_generating() -> None:
+    """B = 1: the trainer dropped one group put as stale, so the next group put is not
+    its batch yet; the lent server generates on until the one after."""
+    from fakes import FakeServer, MemoryProducer
+
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.lend import Lending
+    from rollout_service.controller.weight_sync import UpdateGate, WeightSync
+
+    producer = MemoryProducer(groups_per_step=1)
+    producer.groups_dropped_stale = 3  # before this controller's first put: not its own
+    weights = WeightSync(
+        Dispatcher([FakeServer("a"), FakeServer("b")], 0.05), producer, UpdateGate()
+    )
+    await weights.dispatcher.probe_all()
+    lending = Lending(weights, set, lent=1, groups_per_step=1)
+    await lending.after_put()
+    await weights.update(1, "/w/1")  # the trainer stepped and waits for its next batch
+    assert not lending.away
+    producer.groups_dropped_stale += 1  # it dropped the group put as stale
+    await lending.after_put()
+    assert not lending.away and lending.dropped == 1
+    await lending.after_put()
+    assert lending.away
+    await weights.dispatcher.aclose()
+
+
+async def test_requests_wait_in_the_controller_for_the_lent_server() -> None:
+    """Asynchronous hybrid: a server is sent what it runs at once and one group more; a
+    group beyond waits in the controller, and goes to the lent server as soon as it
+    continues (not to the back of the server of its own's queue)."""
+    import asyncio
+
+    from fakes import FakeServer
+
+    from rollout_service.controller.dispatch import Dispatcher
+    from rollout_service.controller.lend import server_requests
+
+    assert server_requests(64, 16, asynchronous=True) == 80
+    assert server_requests(64, 16, asynchronous=False) is None
+    d = Dispatcher([FakeServer("own"), FakeServer("lent")])
+    await d.probe_all()
+    own, lent = d.servers
+    d.max_requests = server_requests(16, 16, asynchronous=True)  # one group runs, one waits
+    lent.lent_away = True
+    with d.lease(own, 100, 16), d.lease(own, 100, 16):
+        assert d.pick() is None  # full, and the lent server paused for the trainer
+        waiting = asyncio.ensure_future(d.acquire())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        lent.lent_away = False  # the trainer waits for its batch: the lend continues it
+        d.wake()
+        assert await asyncio.wait_for(waiting, 1.0) is lent
+        with d.lease(lent, 100, 16), d.lease(lent, 100, 16):
+            waiting = asyncio.ensure_future(d.acquire())
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+        assert await asyncio.wait_for(waiting, 1.0) is lent  # a call ended there
+    await d.aclose()
+
+
 def test_lending_refuses_a_layout_without_a_server_of_its_own() -> None:
     from fakes import FakeServer, MemoryProducer
 
@@ -132,38 +236,42 @@ def test_lent_servers_run_on_the_trainers_cores(tmp_path: Path) -> None:
 
 
 def test_a_hybrid_lends_only_when_the_trainer_would_wait() -> None:
-    """The trainer's step pays the lend (T' = T + lend); below G_own·T' = B the wait
-    shrinks by the lent share, above it nothing is lent and the rate is B / T'."""
+    """B = 128, T = 0.5 s: a server of its own at 128/s makes half the batch while the
+    trainer steps; the lent server loads and continues (the lend), then both make the
+    rest. A server of its own that keeps up lends nothing and pays no lend: the
+    disaggregated rate, less the trainer's heap trim where it gives its heap back."""
     from scheduler.hybrid import lent_asynchronous
     from scheduler.predict import LayoutRates
 
-    # B = 128, T = 0.5 s (256 samples/s trained); the server of its own makes 128/s
     own = LayoutRates(128.0, 128.0, 256.0, 0.01)
     got = lent_asynchronous(own, 128.0, 128, 0.01)
-    # T' = 0.51: 65.28 made while stepping; the other 62.72 at 256/s: 0.245 s
-    assert got.pipeline_samples_per_s == pytest.approx(128 / (0.51 + 62.72 / 256))
-    assert got.generation_samples_per_s == 256.0
-    assert got.training_samples_per_s == pytest.approx(128 / 0.51)
+    # 64 made while stepping; 1.28 more in the lend; the other 62.72 at 256/s
+    wait = 0.01 + 62.72 / 256
+    assert got.pipeline_samples_per_s == pytest.approx(128 / (0.5 + wait))
+    # the servers busy all the cycle: their mean rate is the pipeline's
+    assert got.generation_samples_per_s == pytest.approx(got.pipeline_samples_per_s)
+    assert got.training_samples_per_s == pytest.approx(256.0)
+    # a lend longer than the wait: the servers of their own make the rest alone
+    slow = lent_asynchronous(own, 128.0, 128, 1.0)
+    assert slow.pipeline_samples_per_s == pytest.approx(128.0)
     fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
-    assert lent_asynchronous(fast, 400.0, 128, 0.0) == fast
-    paid = lent_asynchronous(fast, 400.0, 128, 0.01)
-    assert paid.pipeline_samples_per_s == pytest.approx(128 / 0.51)
-    assert paid.generation_samples_per_s == 400.0  # the lent servers stay paused
+    assert lent_asynchronous(fast, 400.0, 128, 0.05) == fast
+    trimmed = lent_asynchronous(fast, 400.0, 128, 0.05, trim=0.01)
+    assert trimmed.pipeline_samples_per_s == pytest.approx(128 / 0.51)
+    assert trimmed.generation_samples_per_s == 400.0  # the lent servers stay paused
 
 
 @pytest.mark.parametrize("lend", [0.0, 0.01, 0.05])
-def test_the_lend_lowers_the_hybrid_price_in_either_binding(lend: float) -> None:
+def test_the_lend_costs_only_where_generation_binds(lend: float) -> None:
     """Training binds (the servers of their own keep up): the hybrid is the disaggregated
-    rate less the lend's share of the step, equal with a lend of nothing. Generation
-    binds: lending raises the rate while the lend costs less than the wait it saves, and
-    every second of lend lowers it."""
+    rate whatever the lend. Generation binds: lending raises the rate while the lend
+    costs less than the wait it saves, and every second of lend lowers it."""
     from scheduler.hybrid import lent_asynchronous
     from scheduler.predict import LayoutRates
 
     trainer_bound = LayoutRates(256.0, 400.0, 256.0, 0.01)
     got = lent_asynchronous(trainer_bound, 200.0, 128, lend).pipeline_samples_per_s
-    assert got == pytest.approx(128 / (0.5 + lend))
-    assert (got < 256.0) if lend > 0 else (got == pytest.approx(256.0))
+    assert got == pytest.approx(256.0)
     gen_bound = LayoutRates(128.0, 128.0, 256.0, 0.01)
     lent = lent_asynchronous(gen_bound, 128.0, 128, lend).pipeline_samples_per_s
     more = lent_asynchronous(gen_bound, 128.0, 128, lend + 0.01).pipeline_samples_per_s
@@ -235,8 +343,9 @@ async def test_the_profile_times_a_switch_as_the_controller_makes_it() -> None:
 
 
 def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
-    """Training binds the 56-GPU plan: lending its GPUs adds nothing, and the trainer pays
-    one switch a step for them (the hybrid's price is below the disaggregated one). The
+    """Training binds the 56-GPU plan: lending its GPUs adds nothing and costs nothing (a
+    lent instance paused for the trainer is left out of the weight updates), so the
+    hybrid's price is the disaggregated one and the tie goes to the split. The
     same plan with generation binding: the trainer's GPUs generating while it waits raise
     the rate, never past training's."""
     from dataclasses import replace
@@ -251,9 +360,8 @@ def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
     b = res.plan.baselines
     w = load_workload(ROOT / "examples/workloads/math_grpo.yaml")
     assert b.binding == "training" and b.hybrid_samples_per_s is not None
-    step = w.samples_per_step / res.solution.rate + w.constants.context_switch_s
-    assert b.hybrid_samples_per_s == pytest.approx(w.samples_per_step / step, rel=1e-3)
-    assert b.hybrid_samples_per_s < b.disaggregated_samples_per_s
+    assert b.hybrid_samples_per_s == pytest.approx(b.disaggregated_samples_per_s, rel=1e-3)
+    assert res.plan.decisions.placement != "hybrid"
     assert "hybrid async" in table(res)
     sol = res.solution
     slow = replace(sol, rate=sol.train_rate / 2, gen_rate=sol.train_rate / 2)

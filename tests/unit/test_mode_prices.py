@@ -124,9 +124,11 @@ def test_colocated_is_the_sync_layout_on_every_core_plus_the_switch(tmp_path: Pa
 
 
 def test_hybrid_async_lends_the_trainers_core_while_it_waits(tmp_path: Path) -> None:
-    """Hybrid async from the split's rates: T' = T + switch + the lent server's idle
-    update, W = (B − G_own·T') / (G_own + G_lent), rate = B / (T' + W); no host work
-    profiled on the trainer's core, so the lent server makes what one of its own does."""
+    """Hybrid async from the split's rates: the trainer steps T, then waits for what the
+    servers of their own did not make: the lend (the switch and the lent server's idle
+    update), then every server, W = lend + (B − G_own·(T + lend)) / (G_own + G_lent),
+    rate = B / (T + W); no host work profiled on the trainer's core, so the lent server
+    makes what one of its own does."""
     from hexctl.job.predict import predict_run
 
     prof = _profile(tmp_path)
@@ -134,14 +136,16 @@ def test_hybrid_async_lends_the_trainers_core_while_it_waits(tmp_path: Path) -> 
     hybrid = predict_run(_cfg("hybrid-async"), None, prof)
     b = 8 * 16
     g = own["generation_samples_per_s"]
-    t = b / own["training_samples_per_s"] + SWITCH_S + hybrid["synchronous"]["weight_sync_s"]
-    assert g * t < b  # generation binds: something to lend
-    # the lent server as one of its own, without the weight updates' pauses (its update
-    # is in T', the trainer's to pay)
-    g_lent = hybrid["asynchronous"]["generation_samples_per_s"] - g
+    t = b / own["training_samples_per_s"]
+    lend = SWITCH_S + hybrid["synchronous"]["weight_sync_s"]
+    assert g * (t + lend) < b  # generation binds: something to lend
+    # the lent server as one of its own, without the weight updates' pauses
+    g_lent = hybrid["asynchronous"]["lent_samples_per_s"]
     assert g < g_lent < 1.1 * g
-    expect = b / (t + (b - g * t) / (g + g_lent))
-    assert hybrid["asynchronous"]["pipeline_samples_per_s"] == pytest.approx(expect, rel=1e-6)
+    expect = b / (t + lend + (b - g * (t + lend)) / (g + g_lent))
+    got = hybrid["asynchronous"]
+    assert got["pipeline_samples_per_s"] == pytest.approx(expect, rel=1e-6)
+    assert got["generation_samples_per_s"] == pytest.approx(expect, rel=1e-6)
     assert expect > own["pipeline_samples_per_s"]
 
 
