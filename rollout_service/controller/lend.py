@@ -7,13 +7,15 @@ generate only while the trainer waits for its next batch. One step, across proce
 1. the trainer waits: every server, lent ones included, makes groups.
 2. the trainer has its batch: the groups put by this controller, less those the trainer
    dropped as stale, reach the trainer's next step (`(steps done + 1) · B`, steps done
-   read from the version the trainer published, one a step): the lent servers pause in
-   place (`/pause_generation` mode `in_place`: their requests in flight stay, with their
-   KV cache, for the next lend) and the dispatcher sends them nothing new while another
-   server is healthy. The trainer steps on its devices. Each server is sent at most what
-   it runs at once and one group more (asynchronous: `Dispatcher.max_requests`), so a
-   paused server holds little and the rest waits in the controller for the first server
-   free.
+   read from the version the trainer published, one a step): the lent servers pause and
+   the dispatcher sends them nothing new while another server is healthy. Lent after
+   the last two updates (generation binds: they are lent every step) they pause in place
+   (`/pause_generation` mode `in_place`: their requests in flight stay, with their KV
+   cache, for the next lend); else with mode `abort` (their requests end with the tokens
+   they have and go on on a server of its own). The trainer steps on its devices. Each
+   server is sent at most what it runs at once and one group more (asynchronous:
+   `Dispatcher.max_requests`), so a paused server holds little and the rest waits in the
+   controller for the first server free.
 3. the trainer publishes v+1: the weight update pauses, loads and continues the servers
    of their own and the lent servers that generate; a lent server paused for the
    trainer is left out (its load would take the trainer's devices and hold the other
@@ -99,6 +101,7 @@ class Lending:
         self._loaded: dict[int, Loaded] = {}  # lent server index -> the weights it holds
         self._left: set[int] = set()  # lent servers the last update left out
         self._holding: set[int] = set()  # lent servers paused in place, holding requests
+        self.lent_updates = 0  # the updates in a row after which the lent servers generated
         if weights.network is None:  # over the network every server takes each broadcast
             weights.leave_out = self.leave_out
 
@@ -164,6 +167,8 @@ class Lending:
                 away = self.trainer_has_batch()
                 if away == self.away and not again:
                     return
+            if again:  # one more update with the lent servers lent, or none
+                self.lent_updates = 0 if away else self.lent_updates + 1
             t0 = time.monotonic()
             await asyncio.gather(*[self._one(s, away) for s in self.lent])
             if away and not self.away:
@@ -202,13 +207,16 @@ class Lending:
             s.lent_away = False
 
     async def _pause(self, s: ServerState) -> None:
-        """Pause `s` in place: what it runs waits, with its KV cache, for the next lend,
-        a step away where generation binds. Paused through a whole step (the update left
-        it out and the trainer has its next batch already), it is not lent again soon:
-        what it holds ends (pause mode `abort`) and goes on on a server of its own."""
+        """Pause `s`. Lent at the last two updates (generation binds: it is lent every
+        step), in place: what it runs waits, with its KV cache, for the next lend, a step
+        away. Else, or once it stays paused through an update (the trainer has its next
+        batch already), what it holds ends (pause mode `abort`) and goes on on a server
+        of its own: held, it would wait out steps and come back too stale to train."""
         if s.index not in self._left:
-            await s.client.pause("in_place")
-            self._holding.add(s.index)
+            held = self.lent_updates >= 2
+            await s.client.pause("in_place" if held else "abort")
+            if held:
+                self._holding.add(s.index)
         elif s.index in self._holding:
             await s.client.pause("abort")
             self._holding.discard(s.index)

@@ -85,17 +85,22 @@ def test_a_colocated_switch_loses_no_request(url: str) -> None:
 def test_a_lend_holds_its_requests_then_ends_them_and_loads_as_it_continues(
     url, lent_url, root
 ) -> None:
-    """The lent server pauses in place as six requests run on it: none ends while the
-    trainer steps. The trainer has its next batch already at the update: the update
-    leaves the lent server out, and what it held ends (in full, or aborted with the
-    tokens it had). At the next update the trainer waits: the lent server loads the
-    version served as the lend continues it, and answers a request in full."""
+    """Lent after two updates in a row, the lent server pauses in place as six requests
+    run on it: none ends while the trainer steps. The trainer has its next batch already
+    at the update: the update leaves the lent server out, and what it held ends (in
+    full, or aborted with the tokens it had). At the next update the trainer waits: the
+    lent server loads the version served as the lend continues it, and answers a
+    request in full."""
     from rollout_service.controller.lend import Lending
 
     async def go() -> None:
         weights = await _weights([url, lent_url])
         own, lent = weights.dispatcher.servers
         lending = Lending(weights, set, lent=1, groups_per_step=1)
+        path = str(root / "v0")
+        for v in (1, 2):  # the trainer waits: the lent server generates
+            await weights.update(v, path)
+        assert lending.lent_updates == 2 and not lending.away
         running = asyncio.ensure_future(
             asyncio.gather(*[lent.client.generate([20 + i, 21], LONG) for i in range(6)])
         )
@@ -105,17 +110,17 @@ def test_a_lend_holds_its_requests_then_ends_them_and_loads_as_it_continues(
         await asyncio.sleep(0.3)
         assert not running.done()  # held, not ended
         await lending.after_put()  # and the batch after
-        await weights.update(1, str(root / "v0"))  # still not needed: what it held ends
+        await weights.update(3, path)  # still not needed: what it held ends
         outs = await asyncio.wait_for(running, 30)
         for o in outs:
             ended = "length" if len(o.output_ids) == LONG.max_new_tokens else "abort"
             assert o.finish_reason == ended
         assert lending.away and lending.loads_total == 0
-        assert await own.client.weight_version() == 1
-        assert await lent.client.weight_version() == 0  # left out
-        await weights.update(2, str(root / "v0"))  # the trainer waits: the lend continues
+        assert await own.client.weight_version() == 3
+        assert await lent.client.weight_version() == 2  # left out
+        await weights.update(4, path)  # the trainer waits: the lend continues
         assert not lending.away and lending.loads_total == 1
-        assert await lent.client.weight_version() == 2
+        assert await lent.client.weight_version() == 4
         assert await _all_answered(lent.client, 1) == ["length"]
         assert lending.switches_total == 1
         await weights.dispatcher.aclose()

@@ -101,11 +101,11 @@ async def test_the_lent_server_pauses_while_the_trainer_steps(tmp_path: Path) ->
 
 
 async def test_a_paused_lent_server_misses_the_updates_and_loads_as_it_continues() -> None:
-    """B = 1, server b lent. Paused in place for the trainer, b is left out of the weight
-    update (no load on the trainer's devices) and loads the version as the lend
-    continues it; generating when an update comes, b loads with the others and its
-    continue loads nothing; still paused after an update (the trainer has its next
-    batch), what it holds ends, to go on elsewhere."""
+    """B = 1, server b lent. Paused for the trainer, b is left out of the weight update
+    (no load on the trainer's devices) and loads the version as the lend continues it;
+    generating when an update comes, b loads with the others and its continue loads
+    nothing. Lent after two updates in a row, it pauses in place; still paused after an
+    update (the trainer has its next batch), what it holds ends, to go on elsewhere."""
     from fakes import FakeServer, MemoryProducer
 
     from rollout_service.controller.dispatch import Dispatcher
@@ -124,11 +124,11 @@ async def test_a_paused_lent_server_misses_the_updates_and_loads_as_it_continues
         await pause(mode)  # type: ignore[arg-type]
 
     lent.pause = counted_pause  # type: ignore[method-assign]
-    await lending.after_put()  # the trainer has its batch: b pauses in place
-    assert lending.away and pauses == ["in_place"]
+    await lending.after_put()  # the trainer has its batch: b pauses (not lent before: abort)
+    assert lending.away and pauses == ["abort"]
     await weights.update(1, "/w/1")  # the trainer waits for the next: b loads, continues
     assert own.updates == [("/w/1", 1)] and lent.updates == [("/w/1", 1)]
-    assert pauses == ["in_place"] and not lending.away and lent.running.is_set()
+    assert pauses == ["abort"] and not lending.away and lent.running.is_set()
     assert lending.row_fields()["lent_loads_total"] == 1
     await weights.update(2, "/w/2")  # b generating: loaded by the update, as the others
     assert lent.updates[-1] == ("/w/2", 2) and lending.loads_total == 1
@@ -138,8 +138,9 @@ async def test_a_paused_lent_server_misses_the_updates_and_loads_as_it_continues
     await lending.after_put()  # the batch after is made too: b stays paused
     await weights.update(3, "/w/3")
     assert lending.away and lent.updates[-1] == ("/w/2", 2) and own.updates[-1][1] == 3
-    # the lend's, update 2's, the lend's; paused through update 3, what it held ends
-    assert pauses == ["in_place", "abort", "in_place", "abort"]
+    # the lend's; update 2's; the lend's, in place (lent after updates 1 and 2); paused
+    # through update 3, what it held ends
+    assert pauses == ["abort", "abort", "in_place", "abort"]
     await weights.dispatcher.aclose()
 
 
