@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_hex.config.data import ArithmeticConfig, DataConfig
+from areal_hex.math_check import last_boxed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,25 +79,6 @@ def gsm8k_final_answer(solution: str) -> str:
     if "####" not in solution:
         raise DataError(f"GSM8K answer has no '#### N' final answer: {solution[-80:]!r}")
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}) in `text`, braces balanced."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None  # unbalanced: no usable answer
 
 
 # ---------------------------------------------------------------- local files

@@ -1,11 +1,10 @@
 """Rewards: the model's final answer checked against the gold one with math-verify.
 
-The final answer is the content of the completion's last `\\boxed{}`, else what follows
-its last `####` (GSM8K style) on that line; a completion with neither scores 0.
-`math_reward` is a pure function; `RewardPool` runs it in worker processes with a
-per-answer timeout so that a slow or crashing check never blocks or kills the asyncio
-controller: such an answer scores 0 and is counted in `failures`. A group's answers go to
-a worker in one call (one round trip, the gold answer parsed once).
+`math_reward` (areal_hex/math_check.py, with the final answer's rules) is a pure
+function; `RewardPool` runs it in worker processes with a per-answer timeout so that a
+slow or crashing check never blocks or kills the asyncio controller: such an answer
+scores 0 and is counted in `failures`. A group's answers go to a worker in one call (one
+round trip, the gold answer parsed once).
 
 The reward of a completion depends on its final answer and the gold one only, so the
 pool keys its work by (final answer, gold): answers a group repeats are checked once, an
@@ -27,133 +26,27 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import re
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Protocol
 
-from areal_hex.data import Prompt, last_boxed
-from areal_hex.lifetime import die_with_parent
+from areal_hex.data import Prompt
+from areal_hex.math_check import (
+    RewardFn,
+    extract_final_answer,
+    math_reward,
+    ping,
+    plain_integer_reward,
+    score_each,
+    worker_init,
+)
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str], float]
 CACHE = 65536  # (final answer, gold) pairs remembered across groups
-PARSED = 4096  # parsed answers (and gold answers) a process remembers
-_PLAIN_INT = re.compile(r"0|-?[1-9][0-9]{0,8}")
-
-
-def extract_final_answer(completion: str) -> str | None:
-    """The last \\boxed{} content, else the rest of the line after the last `####`."""
-    boxed = last_boxed(completion)
-    if boxed is not None and boxed.strip():
-        return boxed.strip()
-    if "####" in completion:
-        tail = completion.rsplit("####", 1)[1].strip()
-        line = tail.splitlines()[0].strip() if tail else ""
-        line = line.rstrip(".").lstrip("$").strip()
-        return line or None
-    return None
-
-
-def plain_integer_reward(answer: str, gold: str) -> float | None:
-    """`math_reward` of a final answer against a gold answer when both are plain integers
-    (`_PLAIN_INT`: an optional minus, no leading zero, at most 9 digits), without
-    math-verify: it parses each to a SymPy Integer and compares them exactly, and a plain
-    integer's text is the only one of its value, so the reward is 1.0 exactly when the
-    texts are equal. None when either is not a plain integer."""
-    if _PLAIN_INT.fullmatch(answer) and _PLAIN_INT.fullmatch(gold):
-        return 1.0 if answer == gold else 0.0
-    return None
-
-
-def math_reward(completion: str, gold: str) -> float:
-    """1.0 when the completion's final answer equals `gold` per math-verify, else 0.0."""
-    return _math_reward_parsed(completion, _parse_boxed(gold))
-
-
-class ParseMemo:
-    """math-verify's parse of `\\boxed{answer}`, remembered for the last `size` answers.
-
-    The parse is a pure function of the answer's text, and it is most of a check's cost
-    (an ANTLR LaTeX parse and a SymPy conversion); the same few answers come back for
-    every gold answer (`17` scored against many prompts' golds). An empty parse, which
-    a parse that timed out also gives, is not remembered: the text is parsed again."""
-
-    def __init__(self, size: int) -> None:
-        if size <= 0:
-            raise ValueError(f"ParseMemo: size must be > 0, got {size}")
-        self.size = size
-        self._known: OrderedDict[str, list] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def __call__(self, answer: str) -> list:
-        got = self._known.get(answer)
-        if got is not None:
-            self._known.move_to_end(answer)
-            self.hits += 1
-            return got
-        from math_verify import parse
-
-        self.misses += 1
-        got = parse(f"\\boxed{{{answer}}}")
-        if got:
-            self._known[answer] = got
-            if len(self._known) > self.size:
-                self._known.popitem(last=False)
-        return got
-
-
-_parse_boxed = ParseMemo(PARSED)  # one per process: each reward worker keeps its own
-
-
-def _math_reward_parsed(completion: str, gold_parsed: list) -> float:
-    from math_verify import verify
-
-    pred = extract_final_answer(completion)
-    if pred is None or not gold_parsed:
-        return 0.0
-    pred_parsed = _parse_boxed(pred)
-    if not pred_parsed:
-        return 0.0
-    return 1.0 if verify(gold_parsed, pred_parsed) else 0.0
-
-
-def score_each(fn: RewardFn, completions: Sequence[str], gold: str) -> list[float | str]:
-    """One worker call for a group's answers: each answer's reward, or the exception it
-    raised as a string (the pool scores it 0 and counts it). For `math_reward` the gold
-    answer is parsed once."""
-    out: list[float | str] = []
-    gold_parsed = None
-    for c in completions:
-        try:
-            if fn is math_reward:
-                if gold_parsed is None:
-                    gold_parsed = _parse_boxed(gold)
-                out.append(_math_reward_parsed(c, gold_parsed))
-            else:
-                out.append(float(fn(c, gold)))
-        except Exception as exc:  # noqa: BLE001  (the reward function's own failure)
-            out.append(f"{type(exc).__name__}: {exc}")
-    return out
-
-
-def _worker_init(parent: int) -> None:
-    # a worker must not outlive the process that scores through it (a SIGKILLed
-    # controller would leave it idle forever)
-    hook = die_with_parent()
-    if hook is not None:
-        hook()
-    if os.getppid() != parent:  # the parent died before the hook took effect
-        os._exit(0)
-    import math_verify  # noqa: F401  (import once per worker, not inside the timed call)
-
-
-def _ping() -> int:
-    return os.getpid()
 
 
 @dataclass
@@ -212,9 +105,9 @@ class RewardPool:
         # spawn, not fork: the controller has threads (HTTP, tokenizer) a fork would copy.
         ctx = multiprocessing.get_context("spawn")
         pool = ProcessPoolExecutor(
-            self.workers, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)
+            self.workers, mp_context=ctx, initializer=worker_init, initargs=(os.getpid(),)
         )
-        pings = [asyncio.wrap_future(pool.submit(_ping)) for _ in range(self.workers)]
+        pings = [asyncio.wrap_future(pool.submit(ping)) for _ in range(self.workers)]
         await asyncio.gather(*pings)
         self._pool = pool
         assert self._ready is not None

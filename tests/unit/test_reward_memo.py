@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from areal_hex.data import Prompt
-from areal_hex.rewards import ParseMemo, RewardPool, math_reward, plain_integer_reward
+from areal_hex.math_check import ParseMemo, math_reward, plain_integer_reward
+from areal_hex.rewards import RewardPool
 
 # Plain integers, with the neighbours and lengths where a shortcut would go wrong.
 PLAIN = ["0", "1", "7", "17", "18", "71", "100", "-17", "123456789", "-999999999"]
