@@ -9,6 +9,8 @@ inputs are those the plan was made from (`plan.sources`); without one, it is the
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +74,7 @@ def _inputs(
     return f.cluster, f.workload, f.profile, str(f.model)
 
 
-def _layout(cfg: ExperimentConfig, plan: Plan | None, cl: Any) -> tuple[list, Any]:
+def _layout(run: RunInputs, plan: Plan | None, cl: Any) -> tuple[list, Any]:
     from scheduler.predict import TrainerLayout
 
     group_of = {f"{g.name}-{i}": g.name for g in cl.spec.node_groups for i in range(g.nodes)}
@@ -85,8 +87,8 @@ def _layout(cfg: ExperimentConfig, plan: Plan | None, cl: Any) -> tuple[list, An
         per_node = max(len(p.gpu_ids) for p in plan.trainer.placements)
         return inst, TrainerLayout(tuple(parts.items()), per_node)
     group = cl.spec.node_groups[0].name
-    inst = [(group, 1)] * cfg.inference.num_servers
-    ranks = cfg.trainer.num_ranks
+    inst = [(group, 1)] * run.num_servers
+    ranks = run.num_ranks
     return inst, TrainerLayout(((group, ranks),), ranks)
 
 
@@ -142,6 +144,53 @@ def host_side(
     return side, {**chosen, "host_cores_candidates": rates}
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """All that a prediction reads of a run's config (so, with its files, its key)."""
+
+    groups_per_step: int
+    group_size: int
+    max_staleness: int
+    publish_every: int
+    checkpoint_every: int
+    max_new_tokens: int
+    weight_sync: str
+    placement: str
+    lent_servers: int
+    max_concurrent_groups: int
+    num_servers: int
+    num_ranks: int
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> RunInputs:
+        b, r, t = cfg.buffer, cfg.rollout, cfg.trainer
+        placement = cfg.workflow.placement_in_effect()
+        return cls(
+            b.groups_per_step, r.group_size, b.max_staleness, t.publish_every,
+            t.checkpoint_every, r.max_new_tokens, r.weight_sync, placement,
+            cfg.workflow.lent_servers if placement == "hybrid" else 0,
+            r.max_concurrent_groups, cfg.inference.num_servers, t.num_ranks,
+        )  # fmt: skip
+
+
+# predictions made in this process, by their inputs: the launcher prices each placement
+# `auto` may pick, then predicts the picked one's run again (hexctl/job/placement_choice.py)
+_MADE: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _stamps(paths: tuple[Path, Path, Path | None, str]) -> tuple[str, ...]:
+    """Each input's content: a file's digest (a model directory's: its config's; a copy
+    of a profile is the profile), or the name of a model that is no file."""
+    out = []
+    for p in paths:
+        path = Path(p) / "config.json" if p is not None and Path(p).is_dir() else p
+        try:
+            out.append(hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else "")
+        except OSError:
+            out.append(f"name:{p}")
+    return tuple(out)
+
+
 def predict_run(
     cfg: ExperimentConfig,
     plan: Plan | None = None,
@@ -150,7 +199,25 @@ def predict_run(
 ) -> dict[str, Any]:
     """The prediction for the run `cfg` describes, in both modes, with Valkey, the
     controller and its rewards on the `host` side's cores ("trainer" or "inference");
-    `{"unavailable": why}` when the cost model lacks an input."""
+    `{"unavailable": why}` when the cost model lacks an input. Made once per inputs
+    (`RunInputs`, the plan, the input files as they are) in a process."""
+    found = _inputs(cfg, plan, profile_dir)
+    if isinstance(found, str):
+        return {"unavailable": found}
+    run = RunInputs.of(cfg)
+    key = (run, plan.model_dump_json() if plan is not None else None, _stamps(found), host)
+    made = _MADE.get(key)
+    if made is None:
+        made = _predict(run, plan, found, host)
+        if "unavailable" in made:  # says where: not kept for inputs elsewhere
+            return made
+        _MADE[key] = made
+    return {**copy.deepcopy(made), "cluster": str(found[0])}
+
+
+def _predict(
+    run: RunInputs, plan: Plan | None, found: tuple[Path, Path, Path | None, str], host: str
+) -> dict[str, Any]:
     from scheduler.cluster import load_cluster
     from scheduler.colocated import switch_s
     from scheduler.hybrid import hybrid_rates
@@ -159,34 +226,30 @@ def predict_run(
     from scheduler.profile import load_profile
     from scheduler.workload import load_workload
 
-    found = _inputs(cfg, plan, profile_dir)
-    if isinstance(found, str):
-        return {"unavailable": found}
     cluster, workload, profile, model = found
     try:
         cl = load_cluster(cluster)
         m = load_model_shape(model)
         w = load_workload(workload).model_copy(
             update={
-                "groups_per_step": cfg.buffer.groups_per_step,
-                "group_size": cfg.rollout.group_size,
-                "max_staleness": cfg.buffer.max_staleness,
-                "publish_every": cfg.trainer.publish_every,
-                "checkpoint_every": cfg.trainer.checkpoint_every,
-                "max_response_tokens": cfg.rollout.max_new_tokens,
+                "groups_per_step": run.groups_per_step,
+                "group_size": run.group_size,
+                "max_staleness": run.max_staleness,
+                "publish_every": run.publish_every,
+                "checkpoint_every": run.checkpoint_every,
+                "max_response_tokens": run.max_new_tokens,
                 "host_work": "rollout" if host == "inference" else "trainer",
-                "weight_sync": cfg.rollout.weight_sync,
+                "weight_sync": run.weight_sync,
             }
         )
         prof = load_profile(profile, m.params) if profile else None
-        placement = cfg.workflow.placement_in_effect()
+        placement = run.placement
         if prof is not None and placement == "colocated":
             prof = prof.on_every_core()  # each phase on every core, where measured
         if prof is not None and placement == "hybrid":
             prof = prof.with_heap_trim()  # its trainer gives its heap back every step
-        inst, trainer = _layout(cfg, plan, cl)
-
-        lent = cfg.workflow.lent_servers if placement == "hybrid" else 0
+        inst, trainer = _layout(run, plan, cl)
+        lent = run.lent_servers
 
         def price(servers: list, lent: int = 0) -> Any:
             return predict_layout(
@@ -196,7 +259,7 @@ def predict_run(
                 prof,
                 servers,
                 trainer,
-                max_inflight_groups=cfg.rollout.max_concurrent_groups,
+                max_inflight_groups=run.max_concurrent_groups,
                 nodes=_nodes(plan, len(servers)),  # a hybrid's own: the first
                 task_groups=_task_groups(plan, cl),
                 lent=lent,

@@ -243,7 +243,7 @@ def start_services(
     sup: Supervisor, cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec],
     forked_hook: Callable[[], object] = lambda: None,
 ) -> None:  # fmt: skip
-    """Start `specs` in order (`forked_hook`: called once the forked ones are started)."""
+    """Start `specs` in order (`forked_hook`: called as each forked one is started)."""
     roles = {s.name: s.role for s in layout.services}
     # a forked service starts once the fork server has imported (seconds): the plain ones
     # (Valkey and its wait, the controller) go first, beside those imports
@@ -279,7 +279,7 @@ def start_services(
         start(spec)
     for spec in forked:
         sup.start(spec)
-    forked_hook()
+        forked_hook()
     urls = cfg.inference.urls()
     for i, spec in enumerate(servers):
         timeout = cfg.run.start_timeout_s

@@ -12,14 +12,15 @@ pinned as before. The steady state runs exactly as planned.
 Before that, while the fork server imports the services' modules (the start's critical
 path: seconds of one core), one core is kept for it: the plain processes started then
 (Valkey, the controller and its reward workers, each importing on its own) run on the
-other cores until the forked services are started (`release`), so that on a 2-core
-machine they take nothing from those imports.
+other cores until the first forked service is started (`release`: the imports are done),
+so that on a 2-core machine they take nothing from those imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,9 +98,11 @@ class StartupCores:
 
     def release(self, sup: Supervisor) -> int:
         """The processes held off the reserved core on every usable core again (their
-        planned cores follow at the first step), restarts too; returns how many threads
-        were moved."""
+        planned cores follow at the first step), restarts too, and an event says when;
+        returns how many threads were moved (a later call moves none)."""
         moved = 0
+        if self.held:  # the start-up timeline (summary.json `startup`)
+            sup.events.append((time.time(), "launcher", "the fork server's core shared again"))
         for name in sorted(self.held):
             m = sup.procs.get(name)
             if m is None:

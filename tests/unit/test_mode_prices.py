@@ -269,3 +269,35 @@ def test_a_hybrid_trainer_steps_at_its_trimmed_rate(tmp_path: Path) -> None:
     untimed = r.model_copy(update={"train_trim_tokens_per_s": None})
     assert untimed.with_heap_trim() == untimed
     assert r.at_speed(2.0).train_trim_tokens_per_s == pytest.approx(9600.0)
+
+
+def test_a_prediction_is_made_once_per_inputs(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The launcher prices each placement `auto` may pick from the kept profile, then
+    predicts the picked run again from the run's copy of it: the same inputs (config
+    values, files' contents) are predicted once; another value, or a changed file, anew."""
+    from hexctl.job import predict as pr
+
+    made = []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        made.append(args)
+        return real(*args)
+
+    real = pr._predict
+    monkeypatch.setattr(pr, "_MADE", {})
+    monkeypatch.setattr(pr, "_predict", counted)
+    prof = _profile(tmp_path)
+    first = pr.predict_run(_cfg("disaggregated-async"), None, prof)
+    first["asynchronous"]["pipeline_samples_per_s"] = -1.0  # the caller's own copy
+    again = pr.predict_run(_cfg("disaggregated-async", "run.run_id=x"), None, prof)
+    assert len(made) == 1 and again["asynchronous"]["pipeline_samples_per_s"] > 0
+    copied = shutil.copytree(prof, tmp_path / "run" / "profile")  # the run's own copy
+    mine = pr.predict_run(_cfg("disaggregated-async"), None, copied)
+    assert len(made) == 1 and mine == {**again, "cluster": str(copied / "cluster.yaml")}
+    more = pr.predict_run(_cfg("disaggregated-async", "buffer.groups_per_step=4"), None, prof)
+    assert len(made) == 2 and more != again
+    p = yaml.safe_load((prof / "profile.yaml").read_text())
+    p["kinds"]["CPU"]["train_tokens_per_s"] *= 2
+    (prof / "profile.yaml").write_text(yaml.safe_dump(p))
+    faster = pr.predict_run(_cfg("disaggregated-async", "run.run_id=x"), None, prof)
+    assert len(made) == 3 and faster != again

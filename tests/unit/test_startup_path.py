@@ -208,3 +208,7 @@ def test_plain_processes_keep_off_the_reserved_core_until_released(tmp_path: Pat
         for p in _group(pid):
             assert all(os.sched_getaffinity(t) == every for t in _threads(p)), p
         assert sup.procs["svc"].spec.cpus is None and not cores.held
+        assert [e[1:] for e in sup.events if e[1] == "launcher"] == [
+            ("launcher", "the fork server's core shared again")
+        ]
+        assert cores.release(sup) == 0 and len(sup.events) == 2  # once: its start and this
