@@ -4,7 +4,8 @@ Both paths move the same groups (G completions x T tokens with log-probs and ver
 through the same embedded Valkey in the same chunks (put a chunk, then consume it in
 batches of B and acknowledge), alternating chunk by chunk so both see the same load.
 The baselines are bare redis-py on pre-encoded bytes (XADD, XREADGROUP, XACK); ours adds
-encoding, validated decoding, the staleness check, dead-letter triage and XACK + XDEL.
+encoding, the put token's ledger (each group carries one, as the controller's do),
+validated decoding, the staleness check, dead-letter triage and XACK + XDEL.
 Repeated passes report medians.
 """
 
@@ -49,7 +50,13 @@ def make_groups(n: int, g: int, t: int, seed: int = 0) -> list[GroupRecord]:
         for _ in range(g)
     ]
     prompt = rng.integers(0, 150_000, 128, dtype=np.int32)
-    return [GroupRecord(f"bench-{i}", prompt, comps) for i in range(n)]
+    # Each group carries a put token, as the rollout controller's do (`put_token`): ours
+    # then takes the controller's path (the token's ledger that makes a retried put append
+    # once), not the cheaper one of a caller without a token.
+    return [
+        GroupRecord(f"bench-{i}", prompt, comps, metadata={"put_token": f"bench-{i}"})
+        for i in range(n)
+    ]
 
 
 class RawPath:
