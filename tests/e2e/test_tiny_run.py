@@ -162,7 +162,10 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
         "disaggregated",
         "hybrid",
     }
-    assert choice["candidates"][choice["chosen"]] == max(choice["candidates"].values())
+    # the fastest, or the default within the choice's tie (hybrid priced as disaggregated
+    # where its trainer binds: equal but for the sum's rounding)
+    best = max(choice["candidates"].values())
+    assert choice["candidates"][choice["chosen"]] == pytest.approx(best, rel=1e-6)
     assert cfg["workflow"]["placement"] == choice["chosen"]
     assert not port_open(cfg["redis"]["url"])  # Valkey stopped
     assert not port_open(f"http://127.0.0.1:{cfg['inference']['base_port']}")  # server stopped

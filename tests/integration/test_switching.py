@@ -17,6 +17,9 @@ from rollout_service.server.main import ServerThread, build_server_app
 
 pytestmark = pytest.mark.timeout(120)
 LONG = SamplingParams(max_new_tokens=56, ignore_eos=True)
+# requests a pause must catch under way: long enough that none ends before it, on a busy
+# machine too (the server decodes in a thread of the test's own process)
+HELD = SamplingParams(max_new_tokens=480, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def root(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _server(root):
-    inf = InferenceConfig(weights_dir=str(root), context_length=64, num_threads=1)
+    inf = InferenceConfig(weights_dir=str(root), context_length=512, num_threads=1)
     return ServerThread(build_server_app(ModelConfig(path=str(root / "v0")), inf))
 
 
@@ -102,7 +105,7 @@ def test_a_lend_holds_its_requests_then_ends_them_and_loads_as_it_continues(
             await weights.update(v, path)
         assert lending.lent_updates == 2 and not lending.away
         running = asyncio.ensure_future(
-            asyncio.gather(*[lent.client.generate([20 + i, 21], LONG) for i in range(6)])
+            asyncio.gather(*[lent.client.generate([20 + i, 21], HELD) for i in range(6)])
         )
         await asyncio.sleep(0.05)  # under way on the lent server
         await lending.after_put()  # the trainer's batch is in: the lent server pauses
@@ -113,7 +116,7 @@ def test_a_lend_holds_its_requests_then_ends_them_and_loads_as_it_continues(
         await weights.update(3, path)  # still not needed: what it held ends
         outs = await asyncio.wait_for(running, 30)
         for o in outs:
-            ended = "length" if len(o.output_ids) == LONG.max_new_tokens else "abort"
+            ended = "length" if len(o.output_ids) == HELD.max_new_tokens else "abort"
             assert o.finish_reason == ended
         assert lending.away and lending.loads_total == 0
         assert await own.client.weight_version() == 3
