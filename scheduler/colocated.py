@@ -5,20 +5,26 @@ the best rollout option that fits the trainer's GPUs of each machine (down to th
 longest answer's decode), then one context switch (the servers release their memory,
 the trainer takes the devices, and back: `CostConstants.context_switch_s`), then the
 training step. `best_colocated` searches the same trainer configurations as the
-asynchronous plan; `colocated_plan` writes the pick as a `Plan` whose generation
-instances sit on the trainer's GPUs (`decisions.placement: colocated`).
+asynchronous plan by that estimate; `replayed` prices its pick as a run of its layout is
+priced (`predict.predict_layout`, synchronous: the batch generated as a synchronous step
+fills the instances, the idle weight load, the synchronous trainer step, the profile's
+cycle factor; plus the switch), so the plan records what the run is held against;
+`colocated_plan` writes the pick as a `Plan` whose generation instances sit on the
+trainer's GPUs (`decisions.placement: colocated`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from areal_hex.plan import Decisions, DeviceSlot, InferenceInstance, Plan, TrainerPlacement
 from scheduler.cluster import Cluster, machine_name
 from scheduler.costmodel import RolloutOption, TrainerOption
 from scheduler.milp import PlanSpace
+from scheduler.model_shape import ModelShape
 from scheduler.partition import trainer_shape
 from scheduler.plan_record import rollout_instance
+from scheduler.predict import LayoutError, LayoutNodes, TrainerLayout, predict_layout
 from scheduler.profile import Profile
 from scheduler.workload import Workload
 
@@ -30,6 +36,7 @@ class Colocated:
     trainer: TrainerOption
     rollout: tuple[tuple[str, RolloutOption], ...]  # (node group, option) per trainer part
     switch_s: float  # per step
+    training_samples_per_s: float  # the trainer's steps alone
 
 
 def switch_s(w: Workload, prof: Profile | None, kind: str) -> float:
@@ -74,8 +81,42 @@ def best_colocated(
         step = max(w.samples_per_step / gen, tail) + switch + c.step_s
         rate = w.samples_per_step / step
         if best is None or rate > best.samples_per_s:
-            best = Colocated(rate, gen, c, tuple(picks), switch)
+            best = Colocated(rate, gen, c, tuple(picks), switch, w.samples_per_step / c.step_s)
     return best
+
+
+def replayed(
+    cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None, pick: Colocated
+) -> Colocated | None:
+    """`pick` at the rates its run is predicted at (`hexctl/job/predict.py`): its layout
+    (one instance per TP-sized slice of each trainer machine's GPUs, the trainer's ranks
+    there) priced by `predict.predict_layout` in the synchronous mode, with each phase's
+    rates on every core where profiled, plus one switch a step. None where the layout
+    does not fit."""
+    c, option = pick.trainer, dict(pick.rollout)
+    slots = trainer_slots(cl, c, {})
+    instances: list[tuple[str, int]] = []
+    machines: list[str] = []
+    for group, node, ids in slots:
+        for _ in range(0, len(ids), option[group].tp):
+            instances.append((group, option[group].tp))
+            machines.append(node)
+    every = prof.on_every_core() if prof is not None else None
+    run_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})  # as it runs
+    try:
+        syn = predict_layout(
+            cl, m, run_w, every, instances, TrainerLayout(c.parts, c.per_node),
+            nodes=LayoutNodes(slots[0][1], tuple(machines)),
+        ).synchronous  # fmt: skip
+    except LayoutError:
+        return None
+    step = w.samples_per_step / max(syn.pipeline_samples_per_s, 1e-12) + pick.switch_s
+    return replace(
+        pick,
+        samples_per_s=w.samples_per_step / step,
+        generation_samples_per_s=syn.generation_samples_per_s,
+        training_samples_per_s=syn.training_samples_per_s,
+    )
 
 
 def trainer_slots(
@@ -132,7 +173,7 @@ def colocated_plan(
         update={
             "samples_per_s": round(pick.samples_per_s, 4),
             "generation_samples_per_s": round(pick.generation_samples_per_s, 4),
-            "training_samples_per_s": round(w.samples_per_step / c.step_s, 4),
+            "training_samples_per_s": round(pick.training_samples_per_s, 4),
             "cost_usd_per_h": round(c.usd_per_h, 2),
         }
     )

@@ -113,8 +113,11 @@ def rollout_config(
     w: Workload,
     prof: Profile | None,
     batch_div: int = 1,
+    synchronous: bool = False,
 ) -> RolloutOption | None:
-    """The instance's throughput, or None when the weights or one request do not fit."""
+    """The instance's throughput, or None when the weights or one request do not fit.
+    `synchronous`: its batch as a synchronous step's gate admits it (`synchronous_cap`),
+    not the asynchronous gate's steady state (`inflight_cap`)."""
     kind = cl.kinds[g.name]
     k = kind_constants(w.constants, kind)
     usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
@@ -123,7 +126,8 @@ def rollout_config(
     if free < per_req:
         return None
     # no instance ever holds more requests than the staleness gate lets run in all
-    batch = int(min(k.max_running_requests, free // per_req, inflight_cap(w))) // batch_div
+    gate = synchronous_cap(w) if synchronous else inflight_cap(w)
+    batch = int(min(k.max_running_requests, free // per_req, gate)) // batch_div
     if batch < 1:
         return None
     ctx = w.prompt_tokens + w.response_tokens / 2  # mean context over a response
@@ -206,6 +210,14 @@ def inflight_cap(w: Workload) -> int:
     answers have already freed their slots: mean length / expected longest of G run."""
     groups = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
     return max(1, int(groups * w.group_size * _group_occupancy(w)))
+
+
+def synchronous_cap(w: Workload) -> int:
+    """Requests a synchronous step (η = 0) has running at its start: the gate admits the
+    whole batch at once (submitted ≤ (v + 1)·B, none of it trained or waiting), so every
+    answer of its B groups generates together until the first ends. The controller's cap
+    on groups in flight is the replay's (`simulator.simulate`), not the instance's."""
+    return w.samples_per_step
 
 
 def pipeline_rate(

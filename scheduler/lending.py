@@ -57,10 +57,12 @@ def lent_options(
     instances: list[tuple[str, int]],
     opts: list[RolloutOption],
     lent: int,
+    synchronous: bool = False,
 ) -> list[RolloutOption]:
     """`opts` (one per instance of `instances`, (node group, TP) each) with the last
     `lent` priced as lent servers: on the trainer's devices, beside the host's work where
-    that runs there (see the module's docstring)."""
+    that runs there (see the module's docstring); `synchronous`: at a synchronous step's
+    batch (`costmodel.rollout_config`)."""
     if lent <= 0:
         return opts
     own = opts[: len(opts) - lent]
@@ -72,7 +74,8 @@ def lent_options(
     lent_w = w.model_copy(update={"host_work": "rollout" if beside else "trainer"})
     out = list(own)
     for (name, tp), o in zip(instances[len(own) :], opts[len(own) :], strict=True):
-        priced = rollout_config(cl, groups[name], tp, m, lent_w, prof) or o
+        at = rollout_config(cl, groups[name], tp, m, lent_w, prof, synchronous=synchronous)
+        priced = at or o
         out.append(at_rate(o, priced.samples_per_s * lent_share(w, prof, o.kind, g_own)))
     return out
 

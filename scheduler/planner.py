@@ -13,7 +13,7 @@ from areal_hex.plan import Plan
 from scheduler.assess import Assessment, assess
 from scheduler.by_placement import placement_plans
 from scheduler.cluster import Cluster, merge_identical
-from scheduler.colocated import Colocated, best_colocated
+from scheduler.colocated import Colocated, best_colocated, replayed
 from scheduler.costmodel import (
     rollout_configs,
 )
@@ -402,7 +402,9 @@ def _compared(
             time_limit_s=time_limit_s,
         )  # fmt: skip
         homo = {k: 0.0 if g is None else g.rate for k, g in zip(kinds, got, strict=True)}
-    return best, homo, cost_ratio, best_colocated(p, w, spend, prof)
+    pick = best_colocated(p, w, spend, prof)
+    # the plan records the colocated price its run is held against
+    return best, homo, cost_ratio, None if pick is None else replayed(cl, m, w, prof, pick)
 
 
 def _at_bound(

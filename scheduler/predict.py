@@ -81,14 +81,19 @@ class LayoutError(ValueError):
 
 
 def _rollouts(
-    cl: Cluster, m: ModelShape, w: Workload, prof: Profile | None, instances: list[tuple[str, int]]
+    cl: Cluster,
+    m: ModelShape,
+    w: Workload,
+    prof: Profile | None,
+    instances: list[tuple[str, int]],
+    synchronous: bool = False,
 ) -> list[RolloutOption]:
     groups = {g.name: g for g in cl.spec.node_groups}
     out = []
     for name, tp in instances:
         if name not in groups:
             raise LayoutError(f"rollout instance on node group {name!r}: not in {cl.name!r}")
-        opt = rollout_config(cl, groups[name], tp, m, w, prof)
+        opt = rollout_config(cl, groups[name], tp, m, w, prof, synchronous=synchronous)
         if opt is None:
             raise LayoutError(f"rollout instance (TP {tp}) on {name!r}: the model does not fit")
         out.append(opt)
@@ -132,10 +137,13 @@ def predict_layout(
     a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
     asyn = _asynchronous(w, prof, a_opts, a_tr, links, _idle_syncs(cl, w, prof, opts, tr, links))
     sync_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})
-    s_opts, s_tr = _with_traffic(cl, m, sync_w, opts, tr, nodes, blocks=False)
+    # each instance's batch as a synchronous step fills it: the whole batch admitted at once
+    sync_opts = _rollouts(cl, m, sync_w, prof, instances, synchronous=True)
+    sync_opts = lent_options(cl, m, sync_w, prof, instances, sync_opts, lent, synchronous=True)
+    s_opts, s_tr = _with_traffic(cl, m, sync_w, sync_opts, tr, nodes, blocks=False)
     syn = _synchronous(
         cl, m, sync_w, prof, s_opts, s_tr, max_inflight_groups,
-        _syncs(cl, m, sync_w, opts, tr, nodes),
+        _syncs(cl, m, sync_w, sync_opts, tr, nodes),
     )  # fmt: skip
     bound = placed_tasks_rate(cl, m, w, prof, task_groups or {})
     if bound is not None:
