@@ -119,14 +119,20 @@ def _task_groups(plan: Plan | None, cl: Any) -> dict[str, str]:
 
 
 def host_side(
-    cfg: ExperimentConfig, plan: Plan | None = None, profile_dir: Path | None = None
+    cfg: ExperimentConfig,
+    plan: Plan | None = None,
+    profile_dir: Path | None = None,
+    unavailable: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """(where Valkey, the controller and its reward workers run: "trainer" or
     "inference", the prediction for the run with them there). `run.host_cores: auto`
     picks the side whose predicted asynchronous pipeline is faster (the trainer's on a
     tie, without a prediction, without pinning, and in sync mode, where the trainer waits
-    while they work); the prediction records both candidates."""
+    while they work); the prediction records both candidates. `unavailable`: why the run
+    has no profile (its prediction); a side the config names holds all the same."""
     choice = cfg.run.host_cores
+    if unavailable:
+        return ("trainer" if choice == "auto" else choice), unavailable
     if choice != "auto":
         return choice, predict_run(cfg, plan, profile_dir, choice)
     on_trainer = predict_run(cfg, plan, profile_dir, "trainer")

@@ -335,7 +335,7 @@ def execute(
         from hexctl.launch.first_profile import profile_first
 
         profile_dir, failed = profile_first(cfg, run_dir, stream)
-    host, prediction = ("trainer", failed) if failed else host_side(cfg, plan, profile_dir)
+    host, prediction = host_side(cfg, plan, profile_dir, failed)
     write_prediction(RunPaths.at(run_dir).prediction, prediction)
     layout = build_layout(cfg, plan)
     specs = process_specs(cfg, layout, config_path, host)

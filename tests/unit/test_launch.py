@@ -95,6 +95,11 @@ def test_host_side_follows_the_faster_predicted_pipeline(monkeypatch) -> None:
     sync = load_config(None, ["run.pin_cores=true", "run.mode=sync"])
     assert pr.host_side(sync)[0] == "trainer"  # the trainer waits while they work
     assert pr.host_side(load_config(None, ["run.pin_cores=false"]))[0] == "trainer"
+    # without a profile (the run's prediction unavailable) a named side holds still
+    why = {"unavailable": "no profile of this machine for this job"}
+    named = load_config(None, ["run.pin_cores=true", "run.host_cores=inference"])
+    assert pr.host_side(named, unavailable=why) == ("inference", why)
+    assert pr.host_side(cfg, unavailable=why) == ("trainer", why)
 
 
 def test_local_gpus_are_handed_out_in_layout_order() -> None:
