@@ -26,6 +26,7 @@ from areal_hex.api import GenerateResult, PauseMode, SamplingParams
 from areal_hex.net import async_wait_until
 from areal_hex.weight_net import BucketSpec, GroupSpec
 from rollout_service import wire
+from rollout_service.http_lane import HttpLane, LaneError
 
 T = TypeVar("T")
 
@@ -34,6 +35,7 @@ T = TypeVar("T")
 # too, closes a keep-alive connection after 5 s idle): a request sent on one the server
 # is closing fails with ServerDisconnectedError, and the one retry may pick another.
 KEEPALIVE_S = 4.0
+CONNECT_S = 10.0  # to open a connection, within a call's total timeout
 
 
 class GenerationError(RuntimeError):
@@ -157,6 +159,9 @@ class InferenceClient:
         self._max_connections = max_inflight + 8
         self._session: aiohttp.ClientSession | None = None  # made on first use, in a loop
         self._slots = asyncio.Semaphore(max_inflight)
+        # `/generate` (the call made per group) over plain http takes the lean transport
+        plain = self.base_url.startswith("http://")
+        self._lane = HttpLane(self.base_url, self._headers, KEEPALIVE_S) if plain else None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -181,6 +186,8 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -190,7 +197,7 @@ class InferenceClient:
         self, method: str, path: str, body: Any = None, timeout: float | None | object = ...
     ) -> Response:
         total = self.timeout_s if timeout is ... else timeout
-        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=total, connect=10.0)}
+        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=total, connect=CONNECT_S)}
         if body is not None:
             kwargs["json"] = body
         url = self.base_url + path
@@ -256,7 +263,25 @@ class InferenceClient:
         if rid is not None:
             payload["rid"] = rid
         async with self._slots:
-            return await self._call("POST", "/generate", payload)
+            if self._lane is None:
+                return await self._call("POST", "/generate", payload)
+            return await self._post_lane("/generate", payload)
+
+    async def _post_lane(self, path: str, body: Any) -> Response:
+        """`_call("POST", path, body)` over the lean transport (http_lane.py): the same
+        total timeout, errors and one resend of a request the server did not take."""
+        url = self.base_url + path
+        assert self._lane is not None
+        data = json.dumps(body).encode()
+        try:
+            post = self._lane.post(path, data, CONNECT_S)
+            status, reason, content = await asyncio.wait_for(post, self.timeout_s)
+        except (LaneError, OSError, asyncio.TimeoutError) as exc:
+            raise GenerationError(url, f"{type(exc).__name__}: {exc}") from exc
+        resp = Response(status, content, reason)
+        if status >= 400:
+            raise GenerationError(url, _message(resp), status)
+        return resp
 
     def _parsed(self, parse: Callable[[], T]) -> T:
         try:
