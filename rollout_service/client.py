@@ -159,7 +159,8 @@ class InferenceClient:
         self._max_connections = max_inflight + 8
         self._session: aiohttp.ClientSession | None = None  # made on first use, in a loop
         self._slots = asyncio.Semaphore(max_inflight)
-        # `/generate` (the call made per group) over plain http takes the lean transport
+        # POSTs over plain http (`/generate`, made per group, and the weight updates' calls)
+        # take the lean transport
         plain = self.base_url.startswith("http://")
         self._lane = HttpLane(self.base_url, self._headers, KEEPALIVE_S) if plain else None
 
@@ -197,6 +198,8 @@ class InferenceClient:
         self, method: str, path: str, body: Any = None, timeout: float | None | object = ...
     ) -> Response:
         total = self.timeout_s if timeout is ... else timeout
+        if method == "POST" and self._lane is not None:
+            return await self._post_lane(path, body, total)
         kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=total, connect=CONNECT_S)}
         if body is not None:
             kwargs["json"] = body
@@ -263,19 +266,17 @@ class InferenceClient:
         if rid is not None:
             payload["rid"] = rid
         async with self._slots:
-            if self._lane is None:
-                return await self._call("POST", "/generate", payload)
-            return await self._post_lane("/generate", payload)
+            return await self._call("POST", "/generate", payload)
 
-    async def _post_lane(self, path: str, body: Any) -> Response:
+    async def _post_lane(self, path: str, body: Any, total: float | None) -> Response:
         """`_call("POST", path, body)` over the lean transport (http_lane.py): the same
         total timeout, errors and one resend of a request the server did not take."""
         url = self.base_url + path
         assert self._lane is not None
-        data = json.dumps(body).encode()
+        data = b"" if body is None else json.dumps(body).encode()
         try:
             post = self._lane.post(path, data, CONNECT_S)
-            status, reason, content = await asyncio.wait_for(post, self.timeout_s)
+            status, reason, content = await asyncio.wait_for(post, total)
         except (LaneError, OSError, asyncio.TimeoutError) as exc:
             raise GenerationError(url, f"{type(exc).__name__}: {exc}") from exc
         resp = Response(status, content, reason)
