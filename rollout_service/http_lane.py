@@ -1,5 +1,5 @@
 """POST requests to one server over kept-alive HTTP/1.1 connections, written and read by
-hand: the transport of the controller's hot call, `/generate` (one per group).
+hand: the transport of the client's POSTs, `/generate` (one per group) first.
 
 aiohttp's client spends about 0.25 ms of Python per request on its session, connector,
 timers, request and response objects: as much as parsing the group's response, and a
