@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -48,7 +49,7 @@ class HttpLane:
         host = url.netloc.rsplit("@", 1)[-1]
         fixed = {"Host": host, "Content-Type": "application/json", **headers}
         self._head = "".join(f"{k}: {v}\r\n" for k, v in fixed.items()).encode("latin-1")
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+        self._idle: deque[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = deque()
 
     async def post(self, path: str, body: bytes, connect_s: float) -> tuple[int, str, bytes]:
         """One request; raises LaneError (or OSError, TimeoutError) when it gets no
@@ -76,10 +77,15 @@ class HttpLane:
         return conn
 
     def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        now = time.monotonic()
-        while self._idle:
-            reader, writer, since = self._idle.pop()
-            if now - since < self.keepalive_s and not reader.at_eof():
+        """The most recently used idle connection that is still open, after closing those
+        idle `keepalive_s` or longer (the oldest come first: the list is in the order
+        they came back)."""
+        now, idle = time.monotonic(), self._idle
+        while idle and (now - idle[0][2] >= self.keepalive_s or idle[0][0].at_eof()):
+            idle.popleft()[1].close()
+        while idle:
+            reader, writer, _ = idle.pop()
+            if not reader.at_eof():
                 return reader, writer
             writer.close()
         return None

@@ -198,3 +198,27 @@ async def test_no_server_is_a_connection_error() -> None:
         await HttpLane(f"http://127.0.0.1:{port}", {}, keepalive_s=4.0).post("/g", b"{}", 5.0)
     with pytest.raises(ValueError, match="http://host"):
         HttpLane("https://example.org", {}, keepalive_s=4.0)
+
+
+async def test_idle_connections_past_keepalive_are_closed_not_left_open() -> None:
+    """Connections left idle by a burst are closed once past `keepalive_s`, also those
+    no request takes (the most recent is taken first): else they would sit open after
+    the server closed its side."""
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, conn: int) -> None:
+        while await srv.take(r, conn):
+            await asyncio.sleep(0.05)  # the burst's requests overlap
+            w.write(_ok(b"x"))
+
+    srv = Server(script)
+    async with srv as url:
+        lane = HttpLane(url, {}, keepalive_s=0.5)
+        await asyncio.gather(*[lane.post("/g", b"{}", 5.0) for _ in range(3)])
+        await asyncio.sleep(0.3)
+        await lane.post("/g", b"{}", 5.0)  # takes the newest idle one
+        await asyncio.sleep(0.35)  # the other two are now past keepalive, the newest not
+        await lane.post("/g", b"{}", 5.0)
+        await asyncio.sleep(0.05)
+        assert srv.connections == 3 and len(srv.closed) == 2
+        assert [c for c, _ in srv.requests][3:] == [srv.requests[3][0]] * 2
+        lane.close()
