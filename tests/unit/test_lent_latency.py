@@ -61,3 +61,33 @@ def test_a_lent_server_counts_from_its_first_group_on() -> None:
     # training binds: nothing lent, the latency changes nothing
     fast = LayoutRates(256.0, 400.0, 256.0, 0.01)
     assert lent_asynchronous(fast, 400.0, 128, 0.05, first_group=1.0) == fast
+
+
+def test_a_synchronous_lent_server_pays_the_host_work_once_a_step() -> None:
+    """Synchronous, the batch's groups spread evenly and the host's work for the
+    servers of their own's samples (h = 0.2 ms each) is a fixed part of the step on the
+    trainer's core: a lent server at 1000/s beside its own host work makes
+    1 / (1 ms + 0.2 ms · own/lent). Asynchronous, that work takes 1 − h·G_own of every
+    second (G_own = 2000/s: 600/s). With the host's work beside the servers of their own,
+    a lent server shares nothing."""
+    from scheduler.lending import lent_share, lent_synchronous_rate
+    from scheduler.profile import DeviceRates, Profile
+
+    rates = DeviceRates(
+        device="cpu",
+        decode_step_s={1: 0.001},
+        decode_context=40,
+        prefill_tokens_per_s=1e4,
+        train_tokens_per_s=1e4,
+        host_cpu_s_per_sample=0.0002,
+    )
+    prof = Profile(model="tiny", params=80704, kinds={"CPU": rates})
+    w = _workload().model_copy(update={"host_work": "trainer"})
+    one = lent_synchronous_rate(w, prof, "CPU", 1000.0, own=1, lent=1)
+    assert one == pytest.approx(1 / 0.0012)
+    assert lent_synchronous_rate(w, prof, "CPU", 1000.0, own=2, lent=1) == pytest.approx(1 / 0.0014)
+    assert lent_synchronous_rate(w, prof, "CPU", 1000.0, own=1, lent=2) == pytest.approx(1 / 0.0011)
+    assert 1000.0 * lent_share(w, prof, "CPU", 2000.0) == pytest.approx(600.0)
+    beside_servers = w.model_copy(update={"host_work": "rollout"})
+    assert lent_synchronous_rate(beside_servers, prof, "CPU", 1000.0, 1, 1) == 1000.0
+    assert lent_synchronous_rate(w, None, "CPU", 1000.0, 1, 1) == 1000.0
