@@ -24,6 +24,10 @@ So, from what the profile measures:
 - each lend takes `lend_s` before the lent servers generate: the profiled switch
   (`context_switch_s`) plus the lent server's weight load with nothing in flight (the
   idle update, as a synchronous run's pause is priced), both on the trainer's devices.
+- a lent server counts toward the trainer's batch only in whole groups: the first it
+  takes ends `first_group_s` after it continues (the group's prefill and its longest
+  answer decoded at the lent server's pace), so a wait shorter than the lend and that
+  gains nothing from it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, rollout_config
+from scheduler.costmodel import RolloutOption, group_occupancy, rollout_config
 from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import Workload
@@ -91,6 +95,18 @@ def at_rate(o: RolloutOption, samples_per_s: float) -> RolloutOption:
         step_s=o.step_s / f,
         prefill_s=o.prefill_s / f,
     )
+
+
+def first_group_s(w: Workload, o: RolloutOption) -> float:
+    """Seconds from a lent server's continue to the end of the first group it takes: the
+    group's prefill and its longest answer (the expected longest of G,
+    `costmodel.group_occupancy`) at `o`'s decode step, both as much slower as `o`
+    generates below its decode and prefill timings alone (its efficiency, and the
+    host's work where it shares its devices)."""
+    alone = w.response_tokens * o.step_s / o.batch + o.prefill_s  # s a sample
+    pace = max(1.0, 1.0 / max(o.samples_per_s, 1e-12) / max(alone, 1e-12))
+    longest = w.response_tokens / group_occupancy(w)
+    return pace * (longest * o.step_s + w.group_size * o.prefill_s)
 
 
 def lend_s(switch_s: float, idle_update_s: float) -> float:
