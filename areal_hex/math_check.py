@@ -8,7 +8,9 @@ The final answer is the content of the completion's last `\\boxed{}`, else what 
 its last `####` (GSM8K style) on that line; a completion with neither scores 0.
 `math_reward` parses both as `\\boxed{}` with math-verify. `plain_integer_reward` gives
 its result without math-verify when both are plain integers; `ParseMemo` remembers
-math-verify's parse of each answer text a process has seen.
+math-verify's parse of each answer text a process has seen; `polynomial_verdict` gives
+math-verify's comparison of an integer gold answer with an answer that parsed to a
+polynomial in integers and letters (`3r`, `a + 7`, `2^6`) without its simplifier.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import product
+from typing import Any
 
 from areal_hex.lifetime import die_with_parent
 
@@ -117,7 +121,87 @@ def _math_reward_parsed(completion: str, gold_parsed: list) -> float:
     pred_parsed = _parse_boxed(pred)
     if not pred_parsed:
         return 0.0
-    return 1.0 if verify(gold_parsed, pred_parsed) else 0.0
+    same = polynomial_verdict(gold_parsed, pred_parsed)
+    if same is None:
+        same = verify(gold_parsed, pred_parsed)
+    return 1.0 if same else 0.0
+
+
+# What a parsed letter may assume and still stand for infinitely many values: a
+# polynomial that is not identically zero is then not zero for some of them.
+_GENERIC = {
+    "commutative": True,
+    "complex": True,
+    "extended_real": True,
+    "finite": True,
+    "hermitian": True,
+    "imaginary": False,
+    "infinite": False,
+    "real": True,
+}
+POLY_NODES = 64  # larger answers are left to math-verify
+POLY_DEGREE = 64
+
+
+def polynomial_verdict(gold_parsed: list, pred_parsed: list) -> bool | None:
+    """`math_verify.verify(gold_parsed, pred_parsed)` (its defaults) when every
+    expression of the gold parse is an integer and every one of the answer's is a
+    polynomial (`_degree`) that is not a lone letter; None otherwise (ask math-verify).
+
+    verify is true when a pair of the two parses' items (expression or string) compares
+    equal. Items of different kinds never do; two strings do when equal and non-empty
+    once stripped. An integer g and a polynomial p (no relation, set, float or percent:
+    math-verify's other branches do not apply) compare equal by structure (`g == p`), by
+    value (`g == p.doit()`) or when `simplify(g - p)` is provably zero; each holds only
+    if p is identically g, and a polynomial identically g simplifies to zero. So the
+    pair is equal exactly when `expand(p.doit()) == g`: a polynomial's expansion is
+    canonical, and its letters stand for infinitely many values (`_GENERIC`)."""
+    from sympy import Basic, Integer, Symbol, expand
+    from sympy.matrices import MatrixBase
+
+    exprs = (Basic, MatrixBase)
+    golds = [g for g in gold_parsed if isinstance(g, exprs)]
+    preds = [p for p in pred_parsed if isinstance(p, exprs)]
+    if not all(isinstance(g, Integer) for g in golds):
+        return None
+    if any(isinstance(p, Symbol) or _degree(p, [POLY_NODES]) is None for p in preds):
+        return None
+    for g, p in product(gold_parsed, pred_parsed):
+        if isinstance(g, str) and isinstance(p, str):
+            if g.strip() and g.strip() == p.strip():
+                return True
+        elif isinstance(g, exprs) and isinstance(p, exprs) and expand(p.doit()) == g:
+            return True
+    return False
+
+
+def _degree(expr: Any, budget: list[int]) -> int | None:
+    """A bound on the degree of `expr`, counting an integer as a letter (so that powers
+    of integers stay small too), when it is a polynomial built from integers and generic
+    letters by +, * and powers, within `budget[0]` nodes (spent as counted) and that
+    bound POLY_DEGREE; None when it is not one."""
+    from sympy import Add, Integer, Mul, Pow, Symbol
+
+    budget[0] -= 1
+    if budget[0] < 0:
+        return None
+    if isinstance(expr, Integer):
+        return 1
+    if type(expr) is Symbol:
+        return 1 if expr.assumptions0.items() <= _GENERIC.items() else None
+    if type(expr) in (Add, Mul):
+        parts = [_degree(a, budget) for a in expr.args]
+        if any(d is None for d in parts):
+            return None
+        d = max(parts) if type(expr) is Add else sum(parts)  # type: ignore[arg-type]
+    elif type(expr) is Pow and isinstance(expr.exp, Integer) and expr.exp >= 0:
+        base = _degree(expr.base, budget)
+        if base is None or int(expr.exp) > POLY_DEGREE:
+            return None
+        d = base * int(expr.exp)
+    else:
+        return None
+    return d if d <= POLY_DEGREE else None
 
 
 def score_each(fn: RewardFn, completions: Sequence[str], gold: str) -> list[float | str]:

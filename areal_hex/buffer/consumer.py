@@ -13,9 +13,10 @@ Delivery guarantees (one consumer group, `trainer`):
   (`<run>:groups_dropped_stale`) and handed back to the gate;
   malformed entries go to `<run>:dead` with the reason and raw payload (`<run>:dead_count`).
 
-New entries and acks go through one connection kept for them (`SyncLink`: replies read
-by hand, each payload received into a buffer of its own); calls from several threads
-queue for it. The keepalive thread and everything else use the client's pool.
+New entries, acks and version reads go through one connection kept for them (`SyncLink`:
+replies read by hand, each payload received into a buffer of its own), and so do a
+publisher's version bumps (its own); calls from several threads queue for it. The
+keepalive thread and everything else use the client's pool.
 """
 
 from __future__ import annotations
@@ -99,16 +100,25 @@ class RedisWeightPublisher:
         self.cfg = cfg
         self._restore = client.register_script(scripts.RESTORE)
         self.lineage = int(client.get(self.keys.lineage) or 0)
+        self._link = SyncLink(client)  # the connection publishes go through
 
     def set_version(self, version: int, weights_path: str) -> None:
         msg = json.dumps(
             {"version": int(version), "path": str(weights_path), "lineage": self.lineage}
         )
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(self.keys.version, int(version))
-        pipe.set(self.keys.weights_path, str(weights_path))
-        pipe.publish(self.keys.weights_channel, msg)
-        pipe.execute()
+        k = self.keys
+        replies = self._link.call(
+            [
+                (b"MULTI",),
+                (b"SET", k.version, int(version)),
+                (b"SET", k.weights_path, str(weights_path)),
+                (b"PUBLISH", k.weights_channel, msg),
+                (b"EXEC",),
+            ]
+        )
+        for x in replies[-1] or ():  # an error inside the transaction's replies
+            if isinstance(x, BaseException):
+                raise x
 
     def restore(self, version: int, weights_path: str, position: int = 0) -> int:
         """On resume from a checkpoint at `version`: set the version without notifying and
@@ -385,7 +395,7 @@ class RedisTrajectoryConsumer:
             self._held.difference_update(ids)
 
     def version(self) -> int:
-        return int(self.r.get(self.keys.version) or 0)
+        return int(self._link.call([(b"GET", self.keys.version)])[0] or 0)
 
     def stats(self) -> BufferStats:
         return read_stats(self.r, self.keys)

@@ -70,7 +70,7 @@ class RedisTrajectoryProducer:
         self._release = client.register_script(scripts.RELEASE)
         self._position = client.register_script(scripts.POSITION)
         self._group_ready = False
-        self._link = Link(client)  # the connection puts go through
+        self._link = Link(client)  # the connection admits and puts go through
         # Blocked admits wait on this event; the listener swaps in a fresh one per bump.
         self._bump = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
@@ -116,7 +116,7 @@ class RedisTrajectoryProducer:
             k = self.keys
             keys = [k.submitted, k.version, k.traj, k.leases, k.lease(self.holder)]
             keys += [k.admitted, k.given_back("reclaimed")]
-            status, sub, v, backlog, _ = await self._admit(keys=keys, args=args)
+            status, sub, v, backlog, _ = await self._link.run_script(self._admit, keys, args)
             if status == 1:
                 self._start_heartbeat()
                 return

@@ -17,9 +17,11 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio
+from redis.commands.core import AsyncScript
 
 if sys.version_info >= (3, 11, 3):  # the same choice as redis-py's (which needs
     from asyncio import timeout as _deadline  # async-timeout before 3.11.3)
@@ -53,10 +55,11 @@ def _bytes(arg: bytes | str | int) -> bytes:
     return arg.encode()
 
 
-def pack(commands: Sequence[Sequence[Arg]]) -> list[bytes | memoryview]:
-    """MULTI, the commands and EXEC in RESP, as chunks to write in order."""
+def pack(commands: Sequence[Sequence[Arg]], multi: bool = True) -> list[bytes | memoryview]:
+    """MULTI, the commands and EXEC in RESP (without `multi`, the commands alone), as
+    chunks to write in order."""
     chunks: list[bytes | memoryview] = []
-    buf = [_MULTI]
+    buf = [_MULTI] if multi else []
     for command in commands:
         buf.append(b"*%d\r\n" % len(command))
         for arg in command:
@@ -73,7 +76,8 @@ def pack(commands: Sequence[Sequence[Arg]]) -> list[bytes | memoryview]:
                 buf = [b"\r\n"]
             else:
                 buf += [x, b"\r\n"]
-    buf.append(_EXEC)
+    if multi:
+        buf.append(_EXEC)
     chunks.append(b"".join(buf))
     return chunks
 
@@ -102,8 +106,9 @@ async def _reply(conn: redis.asyncio.Connection) -> object:
     raise redis.exceptions.InvalidResponse(f"unexpected reply from the buffer's server: {line!r}")
 
 
-async def _exchange(conn: redis.asyncio.Connection, commands: Sequence[Sequence[Arg]]) -> list:
-    queued: list[BaseException] = []
+async def _exchange(
+    conn: redis.asyncio.Connection, commands: Sequence[Sequence[Arg]], multi: bool = True
+) -> list:
     try:
         # One deadline (the connection's socket timeout) over the write and all the
         # replies: by default every read arms a timer of its own, which cost more client
@@ -111,13 +116,11 @@ async def _exchange(conn: redis.asyncio.Connection, commands: Sequence[Sequence[
         async with _deadline(conn.socket_timeout):
             if not conn.is_connected:
                 await conn.connect()
-            conn._writer.writelines(pack(commands))
+            conn._writer.writelines(pack(commands, multi))
             await conn._writer.drain()
-            for _ in range(len(commands) + 1):  # +OK for MULTI, then +QUEUED per command
-                x = await _reply(conn)
-                if isinstance(x, BaseException):  # refused when queued: EXEC aborts
-                    queued.append(x)
-            replies = await _reply(conn)
+            # in a transaction: +OK for MULTI, +QUEUED (or a refusal) per command, EXEC's
+            queued = [await _reply(conn) for _ in range(len(commands) + 1)] if multi else []
+            replies = await _reply(conn) if multi else [await _reply(conn) for _ in commands]
     except BaseException as exc:
         # A reply left unread (a lost connection, a timeout, a cancelled call) must not
         # be read by the next user of this connection.
@@ -128,8 +131,9 @@ async def _exchange(conn: redis.asyncio.Connection, commands: Sequence[Sequence[
             raise redis.ConnectionError(f"Lost the buffer's server: {exc!r}") from None
         raise
     if not isinstance(replies, list):  # EXECABORT (an error) or a null EXEC
-        if queued:
-            raise queued[0]
+        for x in queued:  # refused when queued: EXEC aborts
+            if isinstance(x, BaseException):
+                raise x
         if isinstance(replies, BaseException):
             raise replies
         raise redis.exceptions.ExecAbortError("EXEC aborted")
@@ -156,6 +160,26 @@ class Link:
             if self._conn is None:
                 self._conn = await self._pool.get_connection()
             return await _exchange(self._conn, commands)
+
+    async def call(self, commands: Sequence[Sequence[Arg]]) -> list:
+        """`commands` sent in one write, not as a transaction: their raw replies, in
+        order, or the first error once all are read."""
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await self._pool.get_connection()
+            return await _exchange(self._conn, commands, multi=False)
+
+    async def run_script(
+        self, script: AsyncScript, keys: Sequence[Arg], args: Sequence[Arg]
+    ) -> Any:
+        """`script` by its SHA, sent whole once when the server does not know it (a
+        restart lost it): EVAL also caches it for the next EVALSHA. Half the client
+        CPU of calling the registered script through redis-py."""
+        tail = (len(keys), *keys, *args)
+        try:
+            return (await self.call([(b"EVALSHA", script.sha, *tail)]))[0]
+        except redis.exceptions.NoScriptError:
+            return (await self.call([(b"EVAL", script.script, *tail)]))[0]
 
     async def aclose(self) -> None:
         """Give the connection back to the pool (which closes it with the client)."""

@@ -144,3 +144,25 @@ async def test_a_silent_server_is_a_client_timeout_and_the_connection_is_dropped
     finally:
         await r.aclose()
         server.close()
+
+
+async def test_a_script_runs_by_its_sha_and_is_sent_whole_when_the_server_lost_it(
+    endpoint: RedisEndpoint,
+) -> None:
+    r, key = endpoint.async_client(), f"k{uuid.uuid4().hex[:8]}"
+    link = Link(r)
+    script = r.register_script("return {redis.call('INCRBY', KEYS[1], ARGV[1]), ARGV[2]}")
+    try:
+        await r.script_flush()  # as after a restart: the server knows no script
+        assert await link.run_script(script, [key], [2, "é"]) == [2, "é".encode()]
+        assert await r.script_exists(script.sha) == [True]  # EVAL cached it
+        assert await link.run_script(script, [key], [3, ""]) == [5, b""]
+        with pytest.raises(redis.ResponseError, match="not an integer"):
+            await link.run_script(script, [key], ["x", ""])
+        # pipelined commands: every reply read, so the connection stays in step
+        with pytest.raises(redis.ResponseError, match="not an integer"):
+            await link.call([(b"INCRBY", key, b"x"), (b"INCRBY", key, 1)])
+        assert await link.call([(b"GET", key), (b"INCRBY", key, 0)]) == [b"6", 6]
+    finally:
+        await link.aclose()
+        await r.aclose()

@@ -86,3 +86,37 @@ def test_score_many_needs_no_worker_for_plain_integers() -> None:
         return await pool.score_many(["#### 17", "#### 18", "no answer", "#### 17"], "17")
 
     assert asyncio.run(go()) == [1.0, 0.0, 0.0, 1.0]
+
+
+# Answers a sampling policy writes (most from a README run) that parse to polynomials,
+# with the cases where a shortcut would go wrong: a zero factor, terms that cancel,
+# powers, products equal to the gold, repeated letters (not the imaginary unit).
+POLYNOMIALS = [
+    "j3", "3K6", "1r 3", "20nisss", "2h0", "a+ 7", "2^6", "27 7", "-a+a", "x-x+17",
+    "(a+1)^2-a^2-2a", "aa-a^2", "x^{0}", "0^0", "2\\cdot 3", "16+1", "17x^{0}", "ii",
+    "(x+1)^{2}", "x^{32}-x^{32}+17", "0\\cdot x + 17", "(-1)^{2}\\cdot 17", "28g", "00", "17i",
+]  # fmt: skip
+# Not polynomials in integers and generic letters: left to math-verify.
+OTHERS = [
+    "t", "3e", "i^2", "\\pi", "\\frac{a}{a}", "17.0", "8.5\\cdot 2", "17\\%", "x=17",
+    "17,17", "\\{17\\}", "17^{-1}", "x^{65}", "(10^{64})^{64}", "\\sqrt{289}", "17!", "24%",
+]  # fmt: skip
+
+
+def test_polynomial_verdict_is_math_verifys() -> None:
+    from math_verify import verify
+
+    from areal_hex.math_check import polynomial_verdict
+
+    memo = ParseMemo(256)
+    decided = 0
+    for gold in ["17", "0", "1", "-1", "64"]:
+        for answer in POLYNOMIALS:
+            got = polynomial_verdict(memo(gold), memo(answer))
+            assert got is not None, (answer, gold)
+            assert got == verify(memo(gold), memo(answer)), (answer, gold)
+            decided += got
+        for answer in OTHERS:
+            assert polynomial_verdict(memo(gold), memo(answer)) is None, (answer, gold)
+    assert decided >= 8  # some of them equal a gold answer: the test sees both verdicts
+    assert polynomial_verdict(memo("\\frac{1}{2}"), memo("3r")) is None  # not an integer gold
