@@ -293,24 +293,22 @@ def drift_by_lag(ctx: StepContext, prepared: Sequence[_Minibatch]) -> dict:
     lags (the keys) agree across ranks."""
     if not ctx.algo.decoupled:  # no proximal log-probs: the weight is 1
         return {}
-    lags = sorted(
-        {ctx.version - int(v) for p in prepared for it in p.items
-         if it.versions is not None for v in np.unique(it.versions)}
-    )  # fmt: skip
-    if not lags:
+    known = [it.versions for p in prepared for it in p.items if it.versions is not None]
+    if not known:
         return {}
+    lags = [ctx.version - int(v) for v in np.unique(np.concatenate(known))[::-1]]
     sums = np.zeros((len(lags), 3))  # |dlogp|, k3, tokens
     for p in prepared:
         for mb, prox in zip(p.mbs, p.prox, strict=True):
             lag = ctx.version - mb.versions  # (B, L - 1); positions off completions masked
-            known = mb.loss_mask * (mb.versions >= 0)
+            scored = mb.loss_mask * (mb.versions >= 0)
             for i, k in enumerate(lags):
-                m = known * (lag == k)
+                m = scored * (lag == k)
                 abs_d, k3 = mismatch_sums(prox, mb.behav_logp, m)
                 sums[i] += (float(abs_d.sum()), float(k3.sum()), float(m.sum()))
     total = np.asarray(_all_reduce(sums.ravel().tolist(), "sum", ctx.device)).reshape(-1, 3)
     return {
-        str(k): {"abs_dlogp": a / n, "k3": k3 / n, "tokens": int(n)}
+        str(k): {"abs_dlogp": float(a / n), "k3": float(k3 / n), "tokens": int(n)}
         for k, (a, k3, n) in zip(lags, total, strict=True)
         if n > 0
     }
