@@ -209,6 +209,9 @@ class TrainerRow(_Row):
     # train-inference mismatch on tokens of the trained version: {"server"|"gpu_kind":
     # {name: {"abs_dlogp": mean |dlog p|, "k3": mean KL(infer || train), "tokens": n}}}
     mismatch: dict[str, dict[str, dict[str, float]]] = {}
+    # pi_prox against pi_behav by the tokens' version lag (the behaviour weights' spread):
+    # {lag: {"abs_dlogp": mean |log w|, "k3": mean KL(behav || prox), "tokens": n}}
+    drift_by_lag: dict[str, dict[str, float]] = {}
     max_version_lag: int = 0  # the largest version lag of a group in this batch
     degenerate_groups: int = 0
     sequences: int = 0

@@ -209,7 +209,7 @@ def inflight_cap(w: Workload) -> int:
     A generating group holds its admission until its longest answer ends while its shorter
     answers have already freed their slots: mean length / expected longest of G run."""
     groups = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
-    return max(1, int(groups * w.group_size * _group_occupancy(w)))
+    return max(1, int(groups * w.group_size * group_occupancy(w)))
 
 
 def synchronous_cap(w: Workload) -> int:
@@ -284,7 +284,9 @@ def window_fraction(w: Workload, r: RolloutOption, sync_s: float, rate: float) -
     return min(1.0, max(0.0, x)) ** w.group_size
 
 
-def _group_occupancy(w: Workload) -> float:
+def group_occupancy(w: Workload) -> float:
+    """A group's mean answer over its longest (`_occupancy`): the share of its longest
+    answer's decode the group's slots hold on average."""
     return _occupancy(w.max_response_tokens, w.response_tokens, w.group_size)
 
 

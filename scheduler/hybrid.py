@@ -11,10 +11,11 @@ Asynchronous, one trainer step of T' s (T, the disaggregated step, with the trai
 heap trim where it gives its heap back) is a cycle: while the trainer steps, the servers
 of their own make G_own·T' samples. Where that is the batch B nothing is lent and the
 rate is B / T'. Otherwise the trainer waits for the S = B − G_own·T' samples left: the
-lent servers load and continue (`lend` s, the servers of their own generating), then
-every server makes them at G_own + G_lent:
+lent servers load and continue (`lend` s, the servers of their own generating), and
+their groups count from the end of the first one they take, F s later
+(`lending.first_group_s`); from then on every server makes them at G_own + G_lent:
 
-    W = lend + (S − G_own·lend) / (G_own + G_lent)     (S / G_own where G_own·lend ≥ S)
+    W = (S + G_lent·(lend + F)) / (G_own + G_lent)     (S / G_own where G_own·(lend + F) ≥ S)
     rate = B / (T' + W).
 
 Synchronous (η = 0): every server generates the batch (the lent ones at G_lent, each
@@ -36,7 +37,7 @@ from areal_hex.plan import Plan
 from scheduler.cluster import Cluster, machine_name
 from scheduler.colocated import instances_on, on_trainer_gpus, switch_s
 from scheduler.costmodel import RolloutOption
-from scheduler.lending import heap_trim_s, lend_s
+from scheduler.lending import first_group_s, heap_trim_s, lend_s
 from scheduler.milp import PlanSpace, Solution
 from scheduler.predict import LayoutPrediction, LayoutRates
 from scheduler.profile import Profile
@@ -44,12 +45,18 @@ from scheduler.workload import Workload
 
 
 def lent_asynchronous(
-    own: LayoutRates, g_lent: float, samples_per_step: int, lend: float, trim: float = 0.0
+    own: LayoutRates,
+    g_lent: float,
+    samples_per_step: int,
+    lend: float,
+    trim: float = 0.0,
+    first_group: float = 0.0,
 ) -> LayoutRates:
     """The asynchronous rates with lent servers generating `g_lent` samples/s while the
     trainer waits, beside the servers of their own (`own`: the layout of those alone):
-    each trainer step `trim` s longer (its heap given back), and each lend `lend` s (the
-    lent servers' load and continue) before they generate."""
+    each trainer step `trim` s longer (its heap given back), each lend `lend` s (the
+    lent servers' load and continue) before they generate, and their first group ending
+    `first_group` s after that (what they make counts from then on)."""
     b, g_own = samples_per_step, own.generation_samples_per_s
     if own.training_samples_per_s <= 0 or g_own <= 0:
         return own
@@ -57,10 +64,11 @@ def lent_asynchronous(
     short = b - g_own * step  # of the next batch, once the trainer has stepped
     if short <= 0:
         return replace(own, pipeline_samples_per_s=b / step, training_samples_per_s=b / step)
-    if g_own * lend >= short:
+    late = lend + first_group  # the lent servers' first samples toward the batch
+    if g_own * late >= short:
         wait = short / g_own
     else:
-        wait = lend + (short - g_own * lend) / (g_own + g_lent)
+        wait = (short + g_lent * late) / (g_own + g_lent)
     rate = b / (step + wait)
     # every server busy while it may generate: the servers' mean over their busy time
     return replace(
@@ -79,16 +87,22 @@ def hybrid_rates(
 ) -> LayoutPrediction:
     """Both modes of a hybrid layout: `own`, the layout of the servers of their own;
     `every`, the same with the lent servers in it (`predict_layout(..., lent=n)`: their
-    rate, `lent_samples_per_s`, and the idle update they load at); one switch of `switch`
-    s a step."""
+    rate, `lent_samples_per_s`, their first group's latency, `lent_first_group_s`, and
+    the idle update they load at); one switch of `switch` s a step."""
     syn = every.synchronous
     step = samples_per_step / max(syn.pipeline_samples_per_s, 1e-12)
     synchronous = replace(syn, pipeline_samples_per_s=samples_per_step / (step + switch))
     lend = lend_s(switch, syn.weight_sync_s)
     asynchronous = lent_asynchronous(
-        own.asynchronous, every.lent_samples_per_s, samples_per_step, lend
+        own.asynchronous,
+        every.lent_samples_per_s,
+        samples_per_step,
+        lend,
+        first_group=every.lent_first_group_s,
     )
-    return LayoutPrediction(asynchronous, synchronous, every.lent_samples_per_s)
+    return LayoutPrediction(
+        asynchronous, synchronous, every.lent_samples_per_s, every.lent_first_group_s
+    )
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,8 @@ def hybrid_pick(
     idle = (prof.reload_idle_s(c.kind) if prof is not None else None) or 0.0
     lend = lend_s(switch_s(w, prof, c.kind), idle)
     trim = heap_trim_s(prof, c.kind, c.compute_s)
-    lent = lent_asynchronous(own, g_lent, w.samples_per_step, lend, trim)
+    first = max(first_group_s(w, r) for _, r in picks)
+    lent = lent_asynchronous(own, g_lent, w.samples_per_step, lend, trim, first)
     return Hybrid(lent.pipeline_samples_per_s, lent.generation_samples_per_s, tuple(picks))
 
 

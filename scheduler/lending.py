@@ -17,13 +17,22 @@ So, from what the profile measures:
 
 - a lent server's rate is a server of its kind sharing its devices with the host's work
   (`generation_efficiency_shared`, or its own rate less `host_cpu_s_per_sample` a sample
-  where that was not timed), times the share of those devices the host's work for the
-  servers of their own leaves it: 1 − h·G_own (h: the host's CPU seconds a sample, G_own:
-  the servers of their own's samples/s). Where the host's work runs beside the servers
-  of their own (`host_cores: inference`), a lent server shares nothing: its kind's rate.
+  where that was not timed), less what the host's work for the servers of their own
+  takes there. Asynchronous, they generate throughout and that work takes its share of
+  every second: times 1 − h·G_own (h: the host's CPU seconds a sample, G_own: the
+  servers of their own's samples/s). Synchronous, the step's groups are spread evenly
+  and that work is a fixed h·(their samples) of the step (`lent_synchronous_rate`; the
+  README job's hybrid sync, on a shared machine: the lent server made 48 % of the
+  tokens, at the CPU a sample of the server of its own). Where the host's work runs
+  beside the servers of their own (`host_cores: inference`), a lent server shares
+  nothing: its kind's rate.
 - each lend takes `lend_s` before the lent servers generate: the profiled switch
   (`context_switch_s`) plus the lent server's weight load with nothing in flight (the
   idle update, as a synchronous run's pause is priced), both on the trainer's devices.
+- a lent server counts toward the trainer's batch only in whole groups: the first it
+  takes ends `first_group_s` after it continues (the group's prefill and its longest
+  answer decoded at the lent server's pace), so a wait shorter than the lend and that
+  gains nothing from it.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, rollout_config
+from scheduler.costmodel import RolloutOption, group_occupancy, rollout_config
 from scheduler.model_shape import ModelShape
 from scheduler.profile import Profile
 from scheduler.workload import Workload
@@ -47,6 +56,24 @@ def lent_share(w: Workload, prof: Profile | None, kind: str, own_samples_per_s: 
         return 1.0
     h = prof.host_cpu_s_per_sample(kind)
     return max(MIN_SHARE, 1.0 - h * own_samples_per_s)
+
+
+def lent_synchronous_rate(
+    w: Workload, prof: Profile | None, kind: str, shared: float, own: int, lent: int
+) -> float:
+    """A lent server's rate in a synchronous step, `shared` its rate beside the host's
+    work for its own samples, with `own` servers of their own and `lent` lent: the
+    dispatcher spreads the batch's groups evenly (the least outstanding work, all
+    admitted at once), and the host's work for the servers of their own's samples,
+    h·B·own/N, is a fixed amount of the step on the trainer's devices, not a share of
+    every second: each lent server's B/N samples take (B/N)/shared + h·B·own/(N·lent)
+    s, so it makes 1 / (1/shared + h·own/lent) samples/s. (Asynchronous, the servers
+    of their own generate throughout, and their host's work takes its share of every
+    second: `lent_share`.)"""
+    if w.host_work != "trainer" or prof is None:
+        return shared
+    h = prof.host_cpu_s_per_sample(kind)
+    return 1.0 / (1.0 / shared + h * own / max(1, lent))
 
 
 def lent_options(
@@ -75,8 +102,12 @@ def lent_options(
     out = list(own)
     for (name, tp), o in zip(instances[len(own) :], opts[len(own) :], strict=True):
         at = rollout_config(cl, groups[name], tp, m, lent_w, prof, synchronous=synchronous)
-        priced = at or o
-        out.append(at_rate(o, priced.samples_per_s * lent_share(w, prof, o.kind, g_own)))
+        rate = (at or o).samples_per_s
+        if synchronous:
+            rate = lent_synchronous_rate(w, prof, o.kind, rate, len(own), lent)
+        else:
+            rate *= lent_share(w, prof, o.kind, g_own)
+        out.append(at_rate(o, rate))
     return out
 
 
@@ -91,6 +122,18 @@ def at_rate(o: RolloutOption, samples_per_s: float) -> RolloutOption:
         step_s=o.step_s / f,
         prefill_s=o.prefill_s / f,
     )
+
+
+def first_group_s(w: Workload, o: RolloutOption) -> float:
+    """Seconds from a lent server's continue to the end of the first group it takes: the
+    group's prefill and its longest answer (the expected longest of G,
+    `costmodel.group_occupancy`) at `o`'s decode step, both as much slower as `o`
+    generates below its decode and prefill timings alone (its efficiency, and the
+    host's work where it shares its devices)."""
+    alone = w.response_tokens * o.step_s / o.batch + o.prefill_s  # s a sample
+    pace = max(1.0, 1.0 / max(o.samples_per_s, 1e-12) / max(alone, 1e-12))
+    longest = w.response_tokens / group_occupancy(w)
+    return pace * (longest * o.step_s + w.group_size * o.prefill_s)
 
 
 def lend_s(switch_s: float, idle_update_s: float) -> float:

@@ -28,7 +28,7 @@ from scheduler.costmodel import (
     update_latency_s,
     weight_sync_s,
 )
-from scheduler.lending import lent_options
+from scheduler.lending import first_group_s, lent_options
 from scheduler.model_shape import ModelShape
 from scheduler.partition import sync_on_topology
 from scheduler.profile import Profile
@@ -71,6 +71,8 @@ class LayoutPrediction:
     asynchronous: LayoutRates
     synchronous: LayoutRates
     lent_samples_per_s: float = 0.0  # hybrid: the lent instances' rate while they generate
+    # hybrid: seconds from a lend's continue to the end of a lent instance's first group
+    lent_first_group_s: float = 0.0
 
     def for_mode(self, mode: str) -> LayoutRates:
         return self.synchronous if mode == "sync" else self.asynchronous
@@ -151,8 +153,10 @@ def predict_layout(
             replace(r, pipeline_samples_per_s=min(r.pipeline_samples_per_s, bound[0]))
             for r in (asyn, syn)
         )
-    lent_rate = sum(o.samples_per_s for o in opts[len(opts) - lent :]) if lent else 0.0
-    return LayoutPrediction(asyn, syn, lent_rate)
+    lent_opts = opts[len(opts) - lent :] if lent else []
+    lent_rate = sum(o.samples_per_s for o in lent_opts)
+    first = max((first_group_s(w, o) for o in lent_opts), default=0.0)
+    return LayoutPrediction(asyn, syn, lent_rate, first)
 
 
 def _with_traffic(

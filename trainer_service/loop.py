@@ -434,6 +434,7 @@ class Trainer:
             lr=float(self.ctx.engine.get_lr()[0]),
             version_lag_hist=dict(hist),
             mismatch=r.extra.get("mismatch", {}),
+            drift_by_lag=r.extra.get("drift_by_lag", {}),
             max_version_lag=max(batch.version_lags, default=0),
             degenerate_groups=r.degenerate_groups,
             sequences=r.num_sequences,

@@ -283,6 +283,37 @@ def train_inference_mismatch(ctx: StepContext, prepared: Sequence[_Minibatch]) -
     return out
 
 
+def drift_by_lag(ctx: StepContext, prepared: Sequence[_Minibatch]) -> dict:
+    """How far pi_prox is from pi_behav on the step's tokens, by each token's version lag
+    (the trained version minus the one that generated it): {lag: {"abs_dlogp": mean
+    |log w|, "k3": mean KL(behav || prox), "tokens": n}}, w = pi_prox / pi_behav the
+    decoupled objective's behaviour weight. Lag 0 is the train-inference mismatch alone;
+    lag k adds k optimizer updates, so the rows show what the staleness bound lets the
+    stale tokens' weights spread to. Collective: every rank knows every sequence, so the
+    lags (the keys) agree across ranks."""
+    if not ctx.algo.decoupled:  # no proximal log-probs: the weight is 1
+        return {}
+    known = [it.versions for p in prepared for it in p.items if it.versions is not None]
+    if not known:
+        return {}
+    lags = [ctx.version - int(v) for v in np.unique(np.concatenate(known))[::-1]]
+    sums = np.zeros((len(lags), 3))  # |dlogp|, k3, tokens
+    for p in prepared:
+        for mb, prox in zip(p.mbs, p.prox, strict=True):
+            lag = ctx.version - mb.versions  # (B, L - 1); positions off completions masked
+            scored = mb.loss_mask * (mb.versions >= 0)
+            for i, k in enumerate(lags):
+                m = scored * (lag == k)
+                abs_d, k3 = mismatch_sums(prox, mb.behav_logp, m)
+                sums[i] += (float(abs_d.sum()), float(k3.sum()), float(m.sum()))
+    total = np.asarray(_all_reduce(sums.ravel().tolist(), "sum", ctx.device)).reshape(-1, 3)
+    return {
+        str(k): {"abs_dlogp": float(a / n), "k3": float(k3 / n), "tokens": int(n)}
+        for k, (a, k3, n) in zip(lags, total, strict=True)
+        if n > 0
+    }
+
+
 def _accumulate(ctx: StepContext, mb_set: _Minibatch, sums: dict[str, float]) -> float:
     """Forward + backward of every micro-batch of one minibatch; adds statistics to
     `sums` and returns the largest behaviour weight seen."""
@@ -367,6 +398,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         if train_policy:
             ctx.engine.step()
     mismatch = train_inference_mismatch(ctx, prepared)  # the proximal log-probs are set
+    drift = drift_by_lag(ctx, prepared)
     # this rank's speed: its no-grad forward passes where the step makes them (a backward
     # may wait for the other ranks' gradients), else forward + backward
     forward_s = sum(p.forward_s for p in prepared)
@@ -379,6 +411,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     extra: dict[str, Any] = {
         "publish_fence_s": fence_s,
         "mismatch": mismatch,
+        "drift_by_lag": drift,
         "rank_speeds": speeds,
         "own_tokens_per_s": own / max(forward_s + busy_s, 1e-9),
     }

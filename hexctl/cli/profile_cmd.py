@@ -96,6 +96,12 @@ def _progress(text: str) -> None:
     print(f"areal-hex profile: {text}", file=sys.stderr, flush=True)
 
 
+def _rewarded(gen: dict) -> str:
+    """The rewarded answers' mean length, at which a run is priced (`profile/lengths.py`)."""
+    rewarded = gen.get("rewarded_response_tokens")
+    return "" if rewarded is None else f" ({rewarded:.1f} rewarded: a run priced at those)"
+
+
 def _trainer_extras(measured: dict) -> str:
     pub, ckpt = measured.get("train_publish_s"), measured.get("train_checkpoint_s")
     out = "" if pub is None else f", a weight publish {pub * 1e3:.1f} ms of a step"
@@ -122,7 +128,8 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
         f"{dev['kind']} x {dev['count']} ({dev['device']}): decode step {steps}; prefill "
         f"{gen['prefill_tokens_per_s']:,.0f} tok/s; train {measured['train_tokens_per_s']:,.0f} "
         f"tok/s{_trainer_extras(measured)}; {reload}; prompt {gen['prompt_tokens']:.0f} and answer "
-        f"{gen['response_tokens']:.1f} tokens on average; the run's controller keeping the "
+        f"{gen['response_tokens']:.1f} tokens on average{_rewarded(gen)}; the run's controller "
+        "keeping the "
         f"server full: {gen['continuous_samples_per_s']:,.1f} samples/s (efficiency "
         f"{measured['generation_efficiency']:.2f}), {gen['host_cpu_s_per_sample'] * 1e3:.2f} "
         f"ms of controller CPU per sample; a synchronous step's batch "

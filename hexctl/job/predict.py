@@ -287,6 +287,7 @@ def _predict(
         syn["context_switch_s"] = asyn["context_switch_s"] = switch
     if placement == "hybrid":  # what the lent servers make while they generate
         syn["lent_samples_per_s"] = asyn["lent_samples_per_s"] = pred.lent_samples_per_s
+        asyn["lent_first_group_s"] = pred.lent_first_group_s
     return {
         "source": "plan" if plan is not None else "local profile",
         "cluster": str(cluster),

@@ -35,6 +35,7 @@ from hexctl.profile.controller import (
     sync_cycle,
 )
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
+from hexctl.profile.lengths import Scorer, rewarded_mean, rule_scorer
 from hexctl.profile.scoring import measure_classify, scoring_concurrency, scoring_window_s
 from rollout_service.client import GenerationError
 
@@ -42,6 +43,7 @@ WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
 IDLE_UPDATES = 9  # a synchronous run's network updates timed on a box node
 SERVER_LOG_LINES = 15  # of the server's log, in the error when a profile cannot go on
 MAX_DECODE_PAIRS = 60  # pairs of waves per decode step, at most, with a min_decode_s
+ANSWERED_PROMPTS = 16  # prompts whose G answers' lengths (and rewards) the profile takes
 
 
 @dataclass
@@ -87,6 +89,9 @@ class GenerationRates:
     # one context switch of a placement that shares devices, as the controller makes it
     # (colocate.py: pause, release, resume, continue), nothing in flight; the median
     context_switch_s: float | None = None
+    # mean length of the initial policy's answers that the job's rule reward rewards
+    # (`lengths.py`); None where none is, or the reward is not the rule
+    rewarded_response_tokens: float | None = None
 
 
 def measure_generation(
@@ -99,7 +104,10 @@ def measure_generation(
     """An `areal-hex serve` process on the inference cores, driven over HTTP from this
     process on the trainer cores, where `run` puts the controller: the server's HTTP
     handling and the client's work are in the figures, as they are in a run."""
+    from rollout_service.controller.wiring import load_prompt_set
+
     cfg, tok, prompts = job_prompts(cfg, model_dir)
+    score = rule_scorer(cfg, tok, load_prompt_set(cfg, tok).prompts)
     serve = serve_config(cfg, model_dir, dev)
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-") as tmp:
         path = Path(tmp) / "serve.yaml"
@@ -109,7 +117,9 @@ def measure_generation(
             with pinned(dev.trainer_cores, 1):
                 eos = tok.eos_token_id
                 timing = (dev.repeats, dev.min_decode_s, scoring_window_s(dev))
-                gen = asyncio.run(_generation(url, cfg, prompts, eos, batches, model_dir, *timing))
+                gen = asyncio.run(
+                    _generation(url, cfg, prompts, eos, batches, model_dir, *timing, score)
+                )
                 say("decode, prefill and reload timed; a synchronous run's cycle")
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
@@ -158,7 +168,10 @@ def measure_generation(
                 gen.reload_under_load_sync = updates.sync
                 gen.continuous_rounds_samples_per_s = [r for r, _, _ in alone]
                 gen.reload_rounds_samples_per_s = [r for r, _ in updated]
-            gen.host_cpu_s_per_sample = statistics.median(c for _, c, _ in alone)
+            # the least of the rounds: a neighbour's load only adds to a round's CPU a
+            # sample (the controller's timers and polls at a lower rate, its caches
+            # taken), never takes from it
+            gen.host_cpu_s_per_sample = min(c for _, c, _ in alone)
             if shared:
                 gen.continuous_shared_samples_per_s = statistics.median(r for r, _, _ in shared)
                 pauses = [p for _, _, p in shared if p is not None]
@@ -222,6 +235,7 @@ class _Driver:
         self.min_decode_s, self.min_window_s = min_decode_s, min_window_s
         self.g = cfg.rollout.group_size
         self.rng = random.Random(0)
+        self.answered: list[tuple[list[int], list[int]]] = []  # by `answer_length`
 
     def groups(self, n: int) -> list[list[int]]:
         """`n` samples in groups of G sharing a prompt."""
@@ -257,8 +271,10 @@ class _Driver:
             top_k=r.top_k,
             stop_token_ids=[eos] if eos is not None else [],
         )
-        picked = self.rng.sample(self.prompts, min(8, len(self.prompts)))
-        _, outs = await self.wave([p for p in picked for _ in range(self.g)], sampling)
+        picked = self.rng.sample(self.prompts, min(ANSWERED_PROMPTS, len(self.prompts)))
+        work = [p for p in picked for _ in range(self.g)]
+        _, outs = await self.wave(work, sampling)
+        self.answered = [(p, list(o.output_ids)) for p, o in zip(work, outs, strict=True)]
         return statistics.fmean(len(o.output_ids) for o in outs)
 
     async def decode_step(self, batch: int) -> float:
@@ -377,6 +393,7 @@ async def _generation(
     repeats: int = REPEATS,
     min_decode_s: float = 0.0,
     min_window_s: float = 0.0,
+    score: Scorer | None = None,
 ) -> GenerationRates:
     from rollout_service.client import InferenceClient
 
@@ -386,6 +403,7 @@ async def _generation(
         d = _Driver(client, cfg, prompts, min_decode_s, min_window_s)
         await d.wave([prompts[0]], d.fixed(4))  # warm-up: first-call allocations
         response = await d.answer_length(eos)
+        rewarded = rewarded_mean(d.answered, score)
         steps = {b: await d.decode_step(b) for b in batches}
         top = max(batches)
         prefill = await d.prefill_rate(top, steps[top])
@@ -414,6 +432,7 @@ async def _generation(
         host_cpu_s_per_sample=0.0,
         sync_cycle_s=0.0,
         context_switch_s=statistics.median(switches),
+        rewarded_response_tokens=rewarded,
     )
 
 

@@ -43,6 +43,7 @@ from hexctl.profile.controller import LOCAL_GROUP, composed_rate, replayed_cycle
 from hexctl.profile.devices import LocalDevices, Say, local_devices, passive_waits, quiet
 from hexctl.profile.every_core import every_core_devices, measure_every_core
 from hexctl.profile.generation import GenerationRates, measure_generation
+from hexctl.profile.lengths import run_response_tokens
 from hexctl.profile.training import measure_training
 
 LOCAL_ZONE = "local"
@@ -117,6 +118,7 @@ def profile_local(
     prof = Profile(model=str(files.model), params=shape.params, kinds={dev.kind: rates})
     spec = cluster_spec(dev, shape.params, gen, train.tokens_per_s)
     files.cluster.write_text(yaml.safe_dump(spec, sort_keys=False))
+    # the timings calibrated at the lengths they were timed with (the initial policy's)
     files.workload.write_text(yaml.safe_dump(workload_for(cfg, gen), sort_keys=False))
     # what the timings compose to for this job, against what the controller then reached
     mine = prof.kinds[dev.kind]
@@ -131,6 +133,9 @@ def profile_local(
         mine.reload_overlap_sync = gen.reload_under_load_sync  # type: ignore[assignment]
     mine.sync_cycle_factor = gen.sync_cycle_s / replayed_cycle_s(files, prof)
     save_profile(prof, files.profile)
+    # the run's answers priced at the length they will have on average (`lengths.py`)
+    run_lengths = workload_for(cfg, gen, run_length=True)
+    files.workload.write_text(yaml.safe_dump(run_lengths, sort_keys=False))
     cores = {
         "inference_cores": sorted(dev.inference_cores or []),
         "trainer_cores": sorted(dev.trainer_cores or []),
@@ -199,13 +204,20 @@ def cluster_spec(
     return spec
 
 
-def workload_for(cfg: ExperimentConfig, gen: GenerationRates) -> dict[str, Any]:
-    """The planner's workload for `cfg`'s job, with the lengths measured here."""
+def workload_for(
+    cfg: ExperimentConfig, gen: GenerationRates, run_length: bool = False
+) -> dict[str, Any]:
+    """The planner's workload for `cfg`'s job, with the lengths measured here: the
+    initial policy's answers, or (`run_length`) the mean a run's answers will have
+    (`lengths.run_response_tokens`)."""
+    response = gen.response_tokens
+    if run_length:
+        response = run_response_tokens(response, gen.rewarded_response_tokens)
     return {
         "groups_per_step": cfg.buffer.groups_per_step,
         "group_size": cfg.rollout.group_size,
         "prompt_tokens": max(1, round(gen.prompt_tokens)),
-        "response_tokens": max(1, round(gen.response_tokens)),
+        "response_tokens": max(1, round(response)),
         "max_response_tokens": cfg.rollout.max_new_tokens,
         "max_staleness": cfg.buffer.max_staleness,
         "publish_every": cfg.trainer.publish_every,

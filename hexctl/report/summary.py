@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,26 +99,38 @@ def accounting(
     return out
 
 
+def _token_weighted(entries: Iterable[tuple[str, dict[str, float]]]) -> dict[str, dict]:
+    """Token-weighted means of {"abs_dlogp", "k3", "tokens"} entries, by name."""
+    acc: dict[str, list[float]] = {}
+    for name, m in entries:
+        a = acc.setdefault(name, [0.0, 0.0, 0.0])
+        n = m["tokens"]
+        a[0] += m["abs_dlogp"] * n
+        a[1] += m["k3"] * n
+        a[2] += n
+    return {
+        name: {"abs_dlogp": a / n, "k3": k / n, "tokens": int(n)}
+        for name, (a, k, n) in acc.items()
+        if n > 0
+    }
+
+
 def mismatch_totals(rows: list[TrainerRow]) -> dict[str, dict[str, dict[str, float]]]:
     """Token-weighted means over the run of each step's train-inference mismatch, by
     server and by GPU kind (see TrainerRow.mismatch)."""
-    acc: dict[str, dict[str, list[float]]] = {}
-    for r in rows:
-        for kind, by_name in r.mismatch.items():
-            for name, m in by_name.items():
-                a = acc.setdefault(kind, {}).setdefault(name, [0.0, 0.0, 0.0])
-                n = m["tokens"]
-                a[0] += m["abs_dlogp"] * n
-                a[1] += m["k3"] * n
-                a[2] += n
+    kinds = dict.fromkeys(kind for r in rows for kind in r.mismatch)
     return {
-        kind: {
-            name: {"abs_dlogp": a / n, "k3": k / n, "tokens": int(n)}
-            for name, (a, k, n) in by_name.items()
-            if n > 0
-        }
-        for kind, by_name in acc.items()
+        kind: _token_weighted(
+            (name, m) for r in rows for name, m in r.mismatch.get(kind, {}).items()
+        )
+        for kind in kinds
     }
+
+
+def drift_totals(rows: list[TrainerRow]) -> dict[str, dict[str, float]]:
+    """Token-weighted means over the run of each step's drift_by_lag, lags in order."""
+    out = _token_weighted((lag, m) for r in rows for lag, m in r.drift_by_lag.items())
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def summarize(
@@ -151,6 +164,7 @@ def summarize(
         "max_version_lag": max((r.max_version_lag for r in metrics), default=0),
         "version_lag_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
         "mismatch": mismatch_totals(metrics),
+        "drift_by_lag": drift_totals(metrics),
         **_throughput(metrics, cfg.rollout.group_size, t_ready),
         "wall_time_s": wall,
         **accounting(metrics, rollout, buffer),

@@ -78,8 +78,9 @@ def _write_profile(
 
 # (run.mode, decode step s, training tokens/s, every-core speed-up, switch s) -> winner
 FAVOURS = {
-    # generation binds: the trainer's idle core lent to a server pays
-    "hybrid": ("async", 0.004, 30000.0, None, 0.02),
+    # generation binds: the trainer's idle core lent to a server pays, its wait longer
+    # than a lent server's first group
+    "hybrid": ("async", 0.016, 60000.0, None, 0.02),
     # training binds, both phases almost twice as fast on both cores
     "colocated": ("sync", 0.0005, 2000.0, 1.9, 0.02),
     # a switch of seconds: sharing devices costs more than it gives

@@ -348,7 +348,9 @@ def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
     lent instance paused for the trainer is left out of the weight updates), so the
     hybrid's price is the disaggregated one and the tie goes to the split. The
     same plan with generation binding: the trainer's GPUs generating while it waits raise
-    the rate, never past training's."""
+    the rate, never past training's, where the wait outlasts a lent instance's first
+    group (the longest of G long answers, `lending.first_group_s`); a shorter wait
+    gains nothing from the lend."""
     from dataclasses import replace
 
     from test_modes import _plan_on
@@ -365,9 +367,11 @@ def test_the_planner_prices_the_hybrid_beside_the_others() -> None:
     assert res.plan.decisions.placement != "hybrid"
     assert "hybrid async" in table(res)
     sol = res.solution
-    slow = replace(sol, rate=sol.train_rate / 2, gen_rate=sol.train_rate / 2)
+    slow = replace(sol, rate=sol.train_rate / 3, gen_rate=sol.train_rate / 3)
     got = best_hybrid(res.problem, w, slow)
     assert got is not None and slow.rate < got < sol.train_rate
+    half = replace(sol, rate=sol.train_rate / 2, gen_rate=sol.train_rate / 2)
+    assert best_hybrid(res.problem, w, half) == pytest.approx(half.rate)
 
 
 # ---------------------------------------------------------------- bench switching

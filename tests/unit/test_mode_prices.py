@@ -126,9 +126,10 @@ def test_colocated_is_the_sync_layout_on_every_core_plus_the_switch(tmp_path: Pa
 def test_hybrid_async_lends_the_trainers_core_while_it_waits(tmp_path: Path) -> None:
     """Hybrid async from the split's rates: the trainer steps T, then waits for what the
     servers of their own did not make: the lend (the switch and the lent server's idle
-    update), then every server, W = lend + (B − G_own·(T + lend)) / (G_own + G_lent),
-    rate = B / (T + W); no host work profiled on the trainer's core, so the lent server
-    makes what one of its own does."""
+    update) and the lent server's first group F, then every server,
+    W = (B − G_own·T + G_lent·(lend + F)) / (G_own + G_lent), rate = B / (T + W); no
+    host work profiled on the trainer's core, so the lent server makes what one of its
+    own does."""
     from hexctl.job.predict import predict_run
 
     prof = _profile(tmp_path)
@@ -138,11 +139,12 @@ def test_hybrid_async_lends_the_trainers_core_while_it_waits(tmp_path: Path) -> 
     g = own["generation_samples_per_s"]
     t = b / own["training_samples_per_s"]
     lend = SWITCH_S + hybrid["synchronous"]["weight_sync_s"]
-    assert g * (t + lend) < b  # generation binds: something to lend
+    late = lend + hybrid["asynchronous"]["lent_first_group_s"]
+    assert g * (t + late) < b  # generation binds: something to lend
     # the lent server as one of its own, without the weight updates' pauses
     g_lent = hybrid["asynchronous"]["lent_samples_per_s"]
     assert g < g_lent < 1.1 * g
-    expect = b / (t + lend + (b - g * (t + lend)) / (g + g_lent))
+    expect = b / (t + (b - g * t + g_lent * late) / (g + g_lent))
     got = hybrid["asynchronous"]
     assert got["pipeline_samples_per_s"] == pytest.approx(expect, rel=1e-6)
     assert got["generation_samples_per_s"] == pytest.approx(expect, rel=1e-6)
@@ -223,7 +225,9 @@ def test_a_lent_server_makes_what_the_host_work_leaves_it(tmp_path: Path) -> Non
 def test_hybrid_sync_below_the_split_where_the_lent_core_is_busy(tmp_path: Path) -> None:
     """Synchronous: a lent server on a core the controller keeps busy takes whole groups
     at a fraction of the rate, so the batch ends later than on the server of its own
-    alone; with its core free it ends sooner. A dearer switch lowers both hybrids."""
+    alone; with its core free it ends sooner. A dearer switch lowers the synchronous
+    hybrid; the asynchronous one, whose busy lent server's first group outlasts the
+    trainer's wait, lends nothing and pays no switch."""
     prof = _profile(tmp_path)
     free = _rate(_cfg("hybrid-sync"), prof)
     split = _rate(_cfg("disaggregated-sync"), prof)
@@ -237,9 +241,10 @@ def test_hybrid_sync_below_the_split_where_the_lent_core_is_busy(tmp_path: Path)
     shutil.copytree(prof, dearer)
     p["kinds"]["CPU"]["context_switch_s"] = 3 * SWITCH_S
     (dearer / "profile.yaml").write_text(yaml.safe_dump(p))
-    for name in ("hybrid-sync", "hybrid-async"):
-        cheap, dear = _rate(_cfg(name), prof), _rate(_cfg(name), dearer)
-        assert dear < cheap
+    assert _rate(_cfg("hybrid-sync"), dearer) < _rate(_cfg("hybrid-sync"), prof)
+    split = _rate(_cfg("disaggregated-async"), prof)
+    assert _rate(_cfg("hybrid-async"), dearer) == _rate(_cfg("hybrid-async"), prof)
+    assert _rate(_cfg("hybrid-async"), prof) == pytest.approx(split)
     assert b / _rate(_cfg("hybrid-sync"), dearer) == pytest.approx(b / busy + 2 * SWITCH_S)
 
 

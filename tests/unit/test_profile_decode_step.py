@@ -184,3 +184,22 @@ def test_the_host_work_counts_the_valkey_the_run_starts_beside_the_controller() 
     assert uncounted({10}, 20, valkey_elsewhere=False) == {10}  # the run's own: counted
     assert uncounted({10}, 20, valkey_elsewhere=True) == {10, 20}  # elsewhere: not ours
     assert uncounted({10}, None, valkey_elsewhere=True) == {10}
+
+
+def test_the_host_cpu_leaves_out_the_profiles_own_readings() -> None:
+    """Reading the process tree's CPU from /proc costs CPU of this process, which the
+    raw total counts; `TreeCpu` takes it back out, so readings alone add (almost)
+    nothing, and work done between readings is still counted."""
+    from hexctl.profile.controller import TreeCpu, _tree_cpu_s
+
+    tree = TreeCpu()
+    raw0, net0 = _tree_cpu_s(set()), tree(set())
+    for _ in range(100):
+        tree(set())
+    raw1, net1 = _tree_cpu_s(set()), tree(set())
+    assert raw1 - raw0 > 0.02  # a hundred readings took CPU
+    assert net1 - net0 < 0.25 * (raw1 - raw0)
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.2:  # work of the host's kind between readings
+        sum(range(1000))
+    assert tree(set()) - net1 > 0.15

@@ -53,3 +53,23 @@ def test_report_draws_it_only_when_measured(tmp_path: Path) -> None:
     plots = write_plots(tmp_path, {})
     png = paths.report / "mismatch.png"
     assert png in plots and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_totals_are_token_weighted() -> None:
+    from hexctl.report.summary import drift_totals, mismatch_totals
+
+    got = mismatch_totals(rows())
+    a = got["server"]["http://a:1"]
+    assert a["tokens"] == 18
+    assert abs(a["abs_dlogp"] - (0.01 * 10 + 0.02 * 8) / 18) < 1e-12
+    assert abs(a["k3"] - (0.001 * 10 + 0.002 * 8) / 18) < 1e-12
+    assert got["gpu_kind"]["H20"] == m(0.2, 0.05, 5)
+    drift = [
+        TrainerRow(step=1, drift_by_lag={"0": m(0.0, 0.0, 4), "2": m(0.03, 0.004, 6)}),
+        TrainerRow(step=2, drift_by_lag={"10": m(0.5, 0.1, 1), "2": m(0.01, 0.002, 2)}),
+    ]
+    totals = drift_totals(drift)
+    assert list(totals) == ["0", "2", "10"]  # by lag, not as text
+    assert totals["2"]["tokens"] == 8
+    assert abs(totals["2"]["abs_dlogp"] - (0.03 * 6 + 0.01 * 2) / 8) < 1e-12
+    assert abs(totals["2"]["k3"] - (0.004 * 6 + 0.002 * 2) / 8) < 1e-12

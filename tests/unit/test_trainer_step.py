@@ -112,6 +112,42 @@ def test_train_inference_mismatch_by_server_and_kind(model_and_groups: tuple) ->
         assert got[key]["k3"] == pytest.approx(k3 / n, rel=1e-4)
 
 
+def test_drift_by_lag_from_the_tokens_versions(model_and_groups: tuple) -> None:
+    import numpy as np
+
+    from trainer_service.step import drift_by_lag
+    from trainer_service.synthetic import _model_logprobs, synthetic_groups
+
+    model, _ = model_and_groups
+    groups = synthetic_groups(2, 2, model.config.vocab_size, seed=7, temperature=0.8)
+    # trained version 3: lags 3 (v0), 1 (v2) and 0 (v3), a reload inside one completion
+    groups[0].completions[1].versions[:] = 2
+    c = groups[1].completions[0]
+    c.versions[: len(c.versions) // 2] = 2
+    c.versions[len(c.versions) // 2 :] = 3
+    ctx = StepContext(PlainEngine(model), AlgoConfig(), 4096, 16, 0, rank=0, world=1)
+    ctx.version = 3
+    out = drift_by_lag(ctx, [_prepare(ctx, groups)])
+
+    expected: dict[str, list[float]] = {}
+    for g in groups:
+        for c in g.completions:
+            d = _model_logprobs(model, g.prompt_ids, c.token_ids, 0.8) - c.logprobs
+            for lag in np.unique(3 - c.versions):
+                sel = (3 - c.versions) == lag
+                acc = expected.setdefault(str(int(lag)), [0.0, 0.0, 0.0])
+                acc[0] += float(np.abs(d[sel]).sum())
+                acc[1] += float((np.exp(d[sel]) - 1 - d[sel]).sum())
+                acc[2] += int(sel.sum())
+    assert set(out) == set(expected) == {"0", "1", "3"}
+    for lag, (a, k3, n) in expected.items():
+        assert out[lag]["tokens"] == n
+        assert out[lag]["abs_dlogp"] == pytest.approx(a / n, rel=1e-4)
+        assert out[lag]["k3"] == pytest.approx(k3 / n, rel=1e-4)
+    ctx.algo = AlgoConfig(decoupled=False)  # no proximal log-probs: nothing to report
+    assert drift_by_lag(ctx, [_prepare(ctx, groups)]) == {}
+
+
 def test_informative_denominator_leaves_out_degenerate_groups(model_and_groups: tuple) -> None:
     from trainer_service.synthetic import synthetic_groups
 
