@@ -26,7 +26,7 @@ from areal_hex.api import GenerateResult, PauseMode, SamplingParams
 from areal_hex.net import async_wait_until
 from areal_hex.weight_net import BucketSpec, GroupSpec
 from rollout_service import wire
-from rollout_service.http_lane import HttpLane, LaneError
+from areal_hex.http_lane import HttpLane, LaneError
 
 T = TypeVar("T")
 
@@ -269,7 +269,7 @@ class InferenceClient:
             return await self._call("POST", "/generate", payload)
 
     async def _post_lane(self, path: str, body: Any, total: float | None) -> Response:
-        """`_call("POST", path, body)` over the lean transport (http_lane.py): the same
+        """`_call("POST", path, body)` over the lean transport (areal_hex/http_lane.py): the same
         total timeout, errors and one resend of a request the server did not take."""
         url = self.base_url + path
         assert self._lane is not None

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from rollout_service.http_lane import HttpLane, LaneError
+from areal_hex.http_lane import HttpLane, LaneError
 
 pytestmark = pytest.mark.timeout(30)
 
