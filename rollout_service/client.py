@@ -23,10 +23,10 @@ import aiohttp
 import pydantic
 
 from areal_hex.api import GenerateResult, PauseMode, SamplingParams
+from areal_hex.http_lane import HttpLane, LaneError
 from areal_hex.net import async_wait_until
 from areal_hex.weight_net import BucketSpec, GroupSpec
 from rollout_service import wire
-from areal_hex.http_lane import HttpLane, LaneError
 
 T = TypeVar("T")
 
