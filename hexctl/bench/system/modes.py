@@ -10,7 +10,8 @@ samples/s over the same window of steps in every run, from step η + 1 of the as
 (the config's η) to the last, by the rule a run's own `summary.json` measures its
 fidelity with (`hexctl/report/fidelity.py:measured_rates`), so a mode's figure and the
 README run's are the same measure; each mode also reports the components it measured
-there (training, generation, weight-sync pause) beside those predicted. Predicted:
+there (training, generation, weight-sync pause, and the mean answer length trained on)
+beside those predicted, and the side its host's work ran on (`host_cores`). Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
 the machine's one profile of the job (`run.profile_first`: the config's unless overridden;
 `--profile-first` takes it where this machine has none, before the first mode;
