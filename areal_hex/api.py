@@ -115,8 +115,12 @@ class TrajectoryProducer(Protocol):
 
 
 class TrajectoryConsumer(Protocol):
-    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
-        """Block until `n` fresh groups are delivered (oldest first), dropping stale ones."""
+    def get_batch(
+        self, n: int, timeout_s: float | None = None, *, version: int | None = None
+    ) -> Batch:
+        """Block until `n` fresh groups are delivered (oldest first), dropping stale ones:
+        older than eta versions behind the newer of the published version and `version`
+        (the weights that will train them)."""
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Acknowledge entries after the optimizer step that used them committed."""
@@ -139,7 +143,9 @@ class TrajectorySource(Protocol):
     """What the trainer's rank 0 reads batches from and announces versions to: the buffer
     (consumer + publisher) or a replay file."""
 
-    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch: ...
+    def get_batch(
+        self, n: int, timeout_s: float | None = None, *, version: int | None = None
+    ) -> Batch: ...
 
     def ack(self, entry_ids: Sequence[str]) -> None: ...
 

@@ -334,7 +334,11 @@ class Trainer:
                 return None
             wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             try:
-                b = self.consumer.get_batch(n - len(out.groups), timeout_s=max(wait, 0.0))
+                # the lags count from the weights this batch trains: their publication
+                # may still be being written, the version it announces behind them
+                b = self.consumer.get_batch(
+                    n - len(out.groups), timeout_s=max(wait, 0.0), version=self.state.version
+                )
             except TimeoutError as exc:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(

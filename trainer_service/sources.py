@@ -105,14 +105,17 @@ class ReplayConsumer:
         self._version = 0
         self.published: list[tuple[int, str]] = []
 
-    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
+    def get_batch(
+        self, n: int, timeout_s: float | None = None, *, version: int | None = None
+    ) -> Batch:
         ids, groups = [], []
         for _ in range(n):
             k = self._position % len(self.groups)
             ids.append(f"{self._position // len(self.groups)}-{k}")
             groups.append(self.groups[k])
             self._position += 1
-        stal = [max(self._version - g.version, 0) for g in groups]
+        v = self._version if version is None else max(self._version, version)
+        stal = [max(v - g.version, 0) for g in groups]
         return Batch(entry_ids=ids, groups=groups, version_lags=stal)
 
     def ack(self, entry_ids: Sequence[str]) -> None:
@@ -188,8 +191,10 @@ class BufferSource:
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
 
-    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
-        return self._retry(lambda: self.consumer.get_batch(n, timeout_s), "read")
+    def get_batch(
+        self, n: int, timeout_s: float | None = None, *, version: int | None = None
+    ) -> Batch:
+        return self._retry(lambda: self.consumer.get_batch(n, timeout_s, version=version), "read")
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         self._retry(lambda: self.consumer.ack(entry_ids), "ack")

@@ -305,8 +305,14 @@ class RedisTrajectoryConsumer:
         pipe.execute()
 
     # ------------------------------------------------------------ contract
-    def get_batch(self, n: int, timeout_s: float | None = None) -> Batch:
+    def get_batch(
+        self, n: int, timeout_s: float | None = None, *, version: int | None = None
+    ) -> Batch:
         """Block until `n` fresh groups are delivered (oldest first, then shuffled).
+
+        `version`: the weights the batch will train, when the trainer has them before
+        their publication is announced (written in the background): staleness and the
+        lags count from the newer of it and the published version.
 
         On timeout, raises TimeoutError; groups read so far are kept for the next call, as
         they are when the server is lost mid-way (the caller may retry)."""
@@ -314,16 +320,17 @@ class RedisTrajectoryConsumer:
             raise ValueError(f"get_batch(n): n must be positive, got {n}")
         self._filling, self._carry = self._carry, []
         try:
-            return self._fill(n, timeout_s)
+            return self._fill(n, timeout_s, -1 if version is None else version)
         except redis.RedisError:
             self._carry = self._filling  # held by us: nobody else would serve them
             raise
 
-    def _fill(self, n: int, timeout_s: float | None) -> Batch:
+    def _fill(self, n: int, timeout_s: float | None, trained: int) -> Batch:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         dropped = dead = 0
         have = self._filling
-        v = self.version() if have else -1  # else the first read brings the version along
+        # else the first read brings the version along
+        v = max(self.version(), trained) if have else -1
         first = True
         while True:
             have, k = self._drop_stale_held(have, v)  # carried groups may have aged
@@ -342,6 +349,7 @@ class RedisTrajectoryConsumer:
             # Read ahead up to `prefetch` entries in one round trip; the surplus is held
             # (pending to us, kept alive) and served by the next calls.
             entries, v = self._fetch(max(n - len(have), self.cfg.prefetch), block_ms)
+            v = max(v, trained)
             new, k_stale, k_dead = self._triage(entries, v)
             dropped, dead = dropped + k_stale, dead + k_dead
             with self._lock:

@@ -227,6 +227,22 @@ def test_stale_groups_dropped_and_counted(endpoint: RedisEndpoint, run_id: str) 
     assert stats.submitted == 3  # the dropped groups' admissions went back to the gate
 
 
+def test_staleness_counts_from_the_weights_that_train(endpoint: RedisEndpoint, run_id: str) -> None:
+    # the trainer holds v3 while its publication is still being written: v2 is announced
+    c = cfg(max_staleness=1)
+    r = endpoint.sync_client()
+    for i, version in enumerate([1, 2, 3, 1]):
+        r.xadd(BufferKeys(run_id).traj, {b"d": encode_group(group(i, version))})
+    r.set(BufferKeys(run_id).submitted, 4)
+    RedisWeightPublisher(r, run_id, c).set_version(2, "/w/v2")
+    consumer = RedisTrajectoryConsumer(r, run_id, c)
+    batch = consumer.get_batch(2, timeout_s=5, version=3)  # 3 - eta = 2: versions 1 go
+    assert sorted(g.prompt_id for g in batch.groups) == ["p1", "p2"]
+    assert sorted(batch.version_lags) == [0, 1]
+    assert batch.groups_dropped_stale == 2
+    consumer.close()
+
+
 # ---------------------------------------------------------------- dead letters
 def _malformed(kind: str, i: int) -> dict[bytes, bytes]:
     good = encode_group(group(i))

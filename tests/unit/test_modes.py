@@ -382,9 +382,21 @@ def test_bench_modes_measures_a_window_as_the_runs_summary_does(tmp_path: Path) 
     metrics, rollout = rows()
     written_rows(tmp_path)
     got = window_rates(tmp_path, 4, 3)
-    assert got == measured_rates(metrics, rollout, 4, 3).__dict__
+    # rows without sequences: no answer length to tell
+    assert got == {**measured_rates(metrics, rollout, 4, 3).__dict__, "answer_tokens": None}
     assert got["pipeline_samples_per_s"] == pytest.approx(24 / 1.5)  # steps 3 -> 6
     assert window_rates(tmp_path, 4, 1)["pipeline_samples_per_s"] == pytest.approx(40 / 2.5)
+
+
+def test_bench_modes_gives_the_answer_length_trained_over_the_window() -> None:
+    """The mean answer length the window's steps trained on (completion tokens over
+    sequences, steps before the window left out), beside the length the price took."""
+    from areal_hex.run_files import TrainerRow
+    from hexctl.bench.system.modes import trained_answer_tokens
+
+    steps = [TrainerRow(step=s, sequences=8, completion_tokens=8 * (14 + s)) for s in range(1, 7)]
+    assert trained_answer_tokens(steps, 3) == pytest.approx((17 + 18 + 19 + 20) / 4)
+    assert trained_answer_tokens(steps, 7) is None
 
 
 def test_profile_fresh_keeps_its_profile_to_the_invocation(tmp_path: Path, monkeypatch) -> None:
@@ -403,3 +415,23 @@ def test_profile_fresh_keeps_its_profile_to_the_invocation(tmp_path: Path, monke
     with invocation_cache(tmp_path / "c"):
         assert cache_root() == tmp_path / "c"
     assert "AREAL_HEX_CACHE_DIR" not in os.environ
+
+
+def test_bench_modes_says_where_each_run_put_the_hosts_work(tmp_path: Path) -> None:
+    """Each mode's JSON keeps the side its run put Valkey, the controller and its
+    rewards on, and the candidates `host_cores: auto` weighed, from `prediction.json`."""
+    import json
+
+    from hexctl.bench.system.modes import host_side_of
+
+    assert host_side_of(tmp_path) == {}
+    pred = {
+        "host_cores": "inference",
+        "host_cores_candidates": {"trainer": 900.0, "inference": 950.0},
+        "asynchronous": {},
+    }
+    (tmp_path / "prediction.json").write_text(json.dumps(pred))
+    got = host_side_of(tmp_path)
+    assert got == {k: pred[k] for k in ("host_cores", "host_cores_candidates")}
+    (tmp_path / "prediction.json").write_text(json.dumps({"unavailable": "no profile"}))
+    assert host_side_of(tmp_path) == {}

@@ -10,7 +10,8 @@ samples/s over the same window of steps in every run, from step η + 1 of the as
 (the config's η) to the last, by the rule a run's own `summary.json` measures its
 fidelity with (`hexctl/report/fidelity.py:measured_rates`), so a mode's figure and the
 README run's are the same measure; each mode also reports the components it measured
-there (training, generation, weight-sync pause) beside those predicted. Predicted:
+there (training, generation, weight-sync pause, and the mean answer length trained on)
+beside those predicted, and the side its host's work ran on (`host_cores`). Predicted:
 the cost model's pipeline rate for the run's layout in its mode (`prediction.json`), from
 the machine's one profile of the job (`run.profile_first`: the config's unless overridden;
 `--profile-first` takes it where this machine has none, before the first mode;
@@ -174,6 +175,7 @@ def run_mode(
     s = result.summary
     predicted = (s.get("fidelity") or {}).get("predicted") or {}
     return {
+        **host_side_of(cfg.run.run_dir()),
         "run_dir": str(cfg.run.run_dir()),
         "max_staleness": s.get("max_staleness"),
         "group_size": s.get("group_size"),
@@ -186,6 +188,21 @@ def run_mode(
 
 
 COMPONENTS = ("generation_samples_per_s", "training_samples_per_s", "weight_sync_s")
+
+
+def host_side_of(run_dir: Path | str) -> dict[str, Any]:
+    """Where the run put Valkey, the controller and its rewards (`host_cores`: trainer
+    or inference) and, where `run.host_cores: auto` chose, each side's predicted
+    pipeline (`host_cores_candidates`), from its `prediction.json`; {} without one."""
+    from areal_hex.run_files import RunPaths
+
+    path = RunPaths.at(Path(run_dir)).prediction
+    if not path.is_file():
+        return {}
+    import json
+
+    pred = json.loads(path.read_text())
+    return {k: pred[k] for k in ("host_cores", "host_cores_candidates") if k in pred}
 
 
 @contextmanager
@@ -208,20 +225,26 @@ def invocation_cache(root: Path | None) -> Iterator[None]:
 
 def window_rates(run_dir: Path, group_size: int, from_step: int) -> dict[str, float | None]:
     """The run's rates from step `from_step` to its last, as its summary's fidelity
-    block measures them: the pipeline's and each component's."""
+    block measures them: the pipeline's and each component's; and the mean answer
+    length trained on there (`answer_tokens`)."""
     from dataclasses import asdict
 
     from areal_hex.run_files import RolloutRow, RunPaths, TrainerRow, read_rows
     from hexctl.report.fidelity import measured_rates
 
     paths = RunPaths.at(run_dir)
-    rates = measured_rates(
-        read_rows(paths.metrics, TrainerRow),
-        read_rows(paths.rollout, RolloutRow),
-        group_size,
-        from_step,
-    )
-    return asdict(rates)
+    metrics = read_rows(paths.metrics, TrainerRow)
+    rates = measured_rates(metrics, read_rows(paths.rollout, RolloutRow), group_size, from_step)
+    return {**asdict(rates), "answer_tokens": trained_answer_tokens(metrics, from_step)}
+
+
+def trained_answer_tokens(metrics: list[Any], from_step: int) -> float | None:
+    """Mean answer length the steps from `from_step` on trained on (completion tokens
+    over sequences), beside the length the prediction priced (the profile's
+    `workload.yaml`); None without such a step."""
+    rows = [r for r in metrics if r.step >= from_step and r.sequences > 0]
+    seqs = sum(r.sequences for r in rows)
+    return sum(r.completion_tokens for r in rows) / seqs if seqs else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
