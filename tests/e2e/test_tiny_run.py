@@ -117,6 +117,8 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     for m in metrics:
         assert m["max_version_lag"] <= ETA
         assert all(int(lag) <= ETA for lag in m["version_lag_hist"])
+        # every token, counted from the weights that trained it
+        assert all(int(lag) <= ETA for lag in m["drift_by_lag"])
     versions = [m["version"] for m in metrics]
     assert versions == sorted(versions) and versions[-1] > versions[0]
     assert (run_dir / "weights" / f"v{versions[-1]}" / "config.json").is_file()
