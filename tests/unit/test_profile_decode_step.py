@@ -194,11 +194,12 @@ def test_the_host_cpu_leaves_out_the_profiles_own_readings() -> None:
 
     tree = TreeCpu()
     raw0, net0 = _tree_cpu_s(set()), tree(set())
-    for _ in range(100):
+    for _ in range(200):
         tree(set())
     raw1, net1 = _tree_cpu_s(set()), tree(set())
-    assert raw1 - raw0 > 0.02  # a hundred readings took CPU
-    assert net1 - net0 < 0.25 * (raw1 - raw0)
+    assert raw1 - raw0 > 0.03  # two hundred readings took CPU
+    # /proc counts in ticks (10 ms): the readings' own CPU comes back out within that
+    assert net1 - net0 < 0.02 + 0.2 * (raw1 - raw0)
     t0 = time.thread_time()
     while time.thread_time() - t0 < 0.2:  # work of the host's kind between readings
         sum(range(1000))
