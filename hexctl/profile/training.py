@@ -42,8 +42,58 @@ class TrainingRates:
     # tokens/s in rounds whose steps each give the freed heap back to the OS after the
     # publish, as a trainer that shares its devices does (`areal_hex/heap.py`:
     # the trim, and the next step taking the pages again); by default timed on a CPU
-    # device, one such round after each of the others
+    # device, one such round after each of the others. Taken as the plain rate over
+    # `trim_step_ratio`, not as a trimmed round's own rate: one round that met a
+    # neighbour's load does not move it
     trim_tokens_per_s: float | None = None
+    # a trimmed step's CPU seconds (its optimizer step and its trim) over a plain step's,
+    # per token: the median over each trimmed round paired with the plain round before
+    # it, each round's steps taken at their median after its first (`trim_step_ratio`)
+    trim_step_ratio: float | None = None
+    # seconds of the trim call alone, per step: the median over the trimmed rounds'
+    # steps after each round's first, wall and CPU
+    trim_call_s: float | None = None
+    trim_call_cpu_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One optimizer step of a timed round: its tokens, its seconds and, in a round
+    that trims the heap, the trim's seconds after it (wall and this process's CPU)."""
+
+    tokens: int
+    step_s: float
+    step_cpu_s: float
+    trim_s: float = 0.0
+    trim_cpu_s: float = 0.0
+
+    @property
+    def cpu_s_per_token(self) -> float:
+        return (self.step_cpu_s + self.trim_cpu_s) / max(self.tokens, 1)
+
+
+def round_cpu_s_per_token(steps: list[TimedStep]) -> float:
+    """A round's CPU seconds per token: the median step's, its first step left out (it
+    pays for what the round before left in the heap) where there are others. CPU
+    seconds: what the step and its trim cost, not what a neighbour held the core for."""
+    body = steps[1:] if len(steps) > 1 else steps
+    return statistics.median(s.cpu_s_per_token for s in body)
+
+
+def trim_step_ratio(plain: list[list[TimedStep]], trimmed: list[list[TimedStep]]) -> float:
+    """A trimmed step's CPU seconds over a plain step's, per token: each trimmed round
+    against the plain round timed right before it (the same state of the machine), the
+    median of those ratios. One round slowed by a neighbour moves one ratio only."""
+    if not trimmed or len(plain) < len(trimmed):
+        raise ValueError(
+            f"{len(trimmed)} trimmed round(s) and {len(plain)} plain round(s): expected "
+            "at least one trimmed round, each after a plain round"
+        )
+    ratios = [
+        round_cpu_s_per_token(t) / round_cpu_s_per_token(p)
+        for p, t in zip(plain, trimmed, strict=False)
+    ]
+    return statistics.median(ratios)
 
 
 def measure_training(
@@ -265,9 +315,9 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     b, g = cfg.buffer.groups_per_step, cfg.rollout.group_size
     # a reference task's records carry π_ref log-probs: the step's KL term reads them
     ref = cfg.algo.kl_coef > 0 and cfg.workflow.task_with_role("reference") is not None
-    rates: list[float] = []
+    rounds: list[list[TimedStep]] = []
     alone: list[float] = []
-    trimmed: list[float] = []
+    trimmed: list[list[TimedStep]] = []
     published: list[float] = []
     saved: list[float] = []
     broadcasts: list[float] = []
@@ -290,35 +340,39 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         n_rounds, n_steps = job.rounds
         k = 0
 
-        def timed_round(publishing: bool, trim: bool = False) -> float:
-            """n_steps steps or more, tokens over seconds (with `trim`, each step's heap
-            trim after its publish counted in them)."""
+        def timed_round(publishing: bool, trim: bool = False) -> list[TimedStep]:
+            """n_steps steps or more, each timed (with `trim`, the heap trim after its
+            publish timed with it)."""
             nonlocal k
-            tokens, busy, steps = 0, 0.0, 0
-            while steps < n_steps or busy < dev.min_window_s:
-                k, steps = k + 1, steps + 1
+            steps: list[TimedStep] = []
+            busy = 0.0
+            while len(steps) < n_steps or busy < dev.min_window_s:
+                k += 1
                 groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=k, with_ref=ref)
-                t0 = time.perf_counter()
-                tokens += optimize(ctx, groups).num_tokens
-                busy += time.perf_counter() - t0
+                c0, t0 = time.process_time(), time.perf_counter()
+                tokens = optimize(ctx, groups).num_tokens
+                step_s, step_cpu_s = time.perf_counter() - t0, time.process_time() - c0
                 if publishing and k % t.publish_every == 0:
                     publish(k)
+                trim_s = trim_cpu_s = 0.0
                 if trim:
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     trim_heap()
-                    busy += time.perf_counter() - t0
+                    trim_s, trim_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+                steps.append(TimedStep(tokens, step_s, step_cpu_s, trim_s, trim_cpu_s))
+                busy += step_s + trim_s
             publisher.wait()  # the last write is not the next round's
             if sink is not None and sink.failures:
                 raise RuntimeError(
                     f"the profile's steps could not broadcast their weights: {sink.failures} "
                     f"version(s) not taken by its receiver in {RECEIVE_TIMEOUT_S:.0f} s"
                 )
-            return tokens / busy
+            return steps
 
         for _ in range(n_rounds):
-            rates.append(timed_round(publishing=True))
+            rounds.append(timed_round(publishing=True))
             if dev.cgroup is not None:  # a box node: the step alone, right after
-                alone.append(timed_round(publishing=False))
+                alone.append(_tokens_per_s(timed_round(publishing=False)))
             if job.trim:  # a trainer sharing its devices, right after
                 trimmed.append(timed_round(publishing=True, trim=True))
         publisher.wait()
@@ -333,12 +387,34 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         if sink is not None:
             sink.close()
         shutil.rmtree(scratch, ignore_errors=True)
+    tokens_per_s = statistics.median(_tokens_per_s(r) for r in rounds)
     return TrainingRates(
-        tokens_per_s=statistics.median(rates),
+        tokens_per_s=tokens_per_s,
         quiet_tokens_per_s=statistics.median(alone) if alone else None,
         publish_s=statistics.median(published) if published else None,
         checkpoint_s=statistics.median(saved),
         publish_sync="network" if sink is not None else "disk",
         broadcast_s=statistics.median(broadcasts) if broadcasts else None,
-        trim_tokens_per_s=statistics.median(trimmed) if trimmed else None,
+        **_trim_figures(tokens_per_s, rounds, trimmed),
     )
+
+
+def _tokens_per_s(steps: list[TimedStep]) -> float:
+    """A round's tokens over its seconds (with a trim, the trims' seconds in them)."""
+    return sum(s.tokens for s in steps) / sum(s.step_s + s.trim_s for s in steps)
+
+
+def _trim_figures(
+    tokens_per_s: float, plain: list[list[TimedStep]], trimmed: list[list[TimedStep]]
+) -> dict[str, float | None]:
+    """`TrainingRates`' trim fields from the rounds (None each where none trimmed)."""
+    if not trimmed:
+        return {}
+    ratio = trim_step_ratio(plain, trimmed)
+    calls = [s for r in trimmed for s in (r[1:] if len(r) > 1 else r)]
+    return {
+        "trim_tokens_per_s": tokens_per_s / ratio,
+        "trim_step_ratio": ratio,
+        "trim_call_s": statistics.median(s.trim_s for s in calls),
+        "trim_call_cpu_s": statistics.median(s.trim_cpu_s for s in calls),
+    }
