@@ -179,7 +179,7 @@ def test_a_kind_at_another_speed_scales_its_rates_and_times_not_its_ratios() -> 
 
 
 def test_the_host_work_counts_the_valkey_the_run_starts_beside_the_controller() -> None:
-    from hexctl.profile.controller import uncounted
+    from hexctl.profile.host_cpu import uncounted
 
     assert uncounted({10}, 20, valkey_elsewhere=False) == {10}  # the run's own: counted
     assert uncounted({10}, 20, valkey_elsewhere=True) == {10, 20}  # elsewhere: not ours
@@ -190,7 +190,7 @@ def test_the_host_cpu_leaves_out_the_profiles_own_readings() -> None:
     """Reading the process tree's CPU from /proc costs CPU of this process, which the
     raw total counts; `TreeCpu` takes it back out, so readings alone add (almost)
     nothing, and work done between readings is still counted."""
-    from hexctl.profile.controller import TreeCpu, _tree_cpu_s
+    from hexctl.profile.host_cpu import TreeCpu, _tree_cpu_s
 
     tree = TreeCpu()
     raw0, net0 = _tree_cpu_s(set()), tree(set())
