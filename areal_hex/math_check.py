@@ -230,7 +230,7 @@ def score_each(fn: RewardFn, completions: Sequence[str], gold: str) -> list[floa
 # LaTeX parser builds its lexer's and parser's prediction tables as it meets new input,
 # and SymPy imports modules on first use. Checking these once when a worker starts
 # moves that cost out of the run (about 0.3 s of CPU; 78 answers of a README run then
-# took 0.25 s instead of 0.42 s). Tables and imports change no result.
+# took 0.24-0.25 s instead of 0.42-0.48 s). Tables and imports change no result.
 WARM_UP = (
     "x", "3a", "1 + 2", "# 5", "2?", "7 = 1", "4^b", "[3]", "9%", "6;", "1|2", "5\t2",
     "ab 3", "+ +", "12st", "1\\ 8", "{", "3-", "0 5", "w4", "Q",
