@@ -13,6 +13,10 @@ pairs are remembered across groups (a confident policy repeats its answers to th
 prompt every epoch). A reward function other than `math_reward` is keyed by the whole
 completion. Failures are never remembered.
 
+A worker starts by checking a few odd answers (`math_check.warm_up`): the parser's
+first use costs several times its later ones, and the pool starts while the controller
+waits for its inference servers.
+
 Answers that need no worker: a final answer and a gold one that are both plain integers
 are compared in the controller (`plain_integer_reward`, math-verify's result on them,
 microseconds); anything else goes to a worker, as its check takes milliseconds and may
@@ -80,10 +84,20 @@ class RewardPool:
     killed); answers that were running in the old pool are resubmitted once.
     """
 
-    def __init__(self, workers: int, timeout_s: float, fn: RewardFn = math_reward) -> None:
+    def __init__(
+        self,
+        workers: int,
+        timeout_s: float,
+        fn: RewardFn = math_reward,
+        warm: bool | None = None,
+    ) -> None:
+        """`warm`: each worker checks a few odd answers as it starts (`math_check.warm_up`),
+        so that the run's own checks do not pay for the parser's first use; None: when
+        `fn` is `math_reward`."""
         if workers <= 0 or timeout_s <= 0:
             raise ValueError(f"RewardPool: workers ({workers}) and timeout_s ({timeout_s}) > 0")
         self.workers, self.timeout_s, self.fn = workers, timeout_s, fn
+        self.warm = fn is math_reward if warm is None else warm
         self.stats = RewardStats()
         self._pool: ProcessPoolExecutor | None = None
         self._gen = 0
@@ -96,7 +110,8 @@ class RewardPool:
         return extract_final_answer(completion) if self.fn is math_reward else completion
 
     async def start(self) -> None:
-        """Spawn the workers and wait until each has imported math-verify."""
+        """Spawn the workers and wait until each has imported math-verify (and, with
+        `warm`, made its first checks)."""
         self._slots = asyncio.Semaphore(self.workers)
         self._ready = asyncio.Event()
         await self._new_pool()
@@ -105,7 +120,10 @@ class RewardPool:
         # spawn, not fork: the controller has threads (HTTP, tokenizer) a fork would copy.
         ctx = multiprocessing.get_context("spawn")
         pool = ProcessPoolExecutor(
-            self.workers, mp_context=ctx, initializer=worker_init, initargs=(os.getpid(),)
+            self.workers,
+            mp_context=ctx,
+            initializer=worker_init,
+            initargs=(os.getpid(), self.warm),
         )
         pings = [asyncio.wrap_future(pool.submit(ping)) for _ in range(self.workers)]
         await asyncio.gather(*pings)

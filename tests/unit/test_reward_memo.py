@@ -1,5 +1,6 @@
 """The reward's shortcuts give math-verify's rewards: plain integers compared without it,
-parses remembered per answer text, and completions of a real run scored as that run did."""
+parses remembered per answer text, and completions of a real run scored as that run did
+(by workers that made their first checks as they started)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import asyncio
 import pytest
 
 from areal_hex.data import Prompt
-from areal_hex.math_check import ParseMemo, math_reward, plain_integer_reward
+from areal_hex.math_check import (
+    WARM_UP,
+    ParseMemo,
+    extract_final_answer,
+    math_reward,
+    parse_misses,
+    plain_integer_reward,
+)
 from areal_hex.rewards import RewardPool
 
 # Plain integers, with the neighbours and lengths where a shortcut would go wrong.
@@ -120,3 +128,31 @@ def test_polynomial_verdict_is_math_verifys() -> None:
             assert polynomial_verdict(memo(gold), memo(answer)) is None, (answer, gold)
     assert decided >= 8  # some of them equal a gold answer: the test sees both verdicts
     assert polynomial_verdict(memo("\\frac{1}{2}"), memo("3r")) is None  # not an integer gold
+
+
+def misses_in_worker(completion: str, gold: str) -> float:
+    """A reward function for the pool below: the answers its worker has parsed."""
+    return float(parse_misses())
+
+
+def test_warm_up_answers_each_reach_the_parser() -> None:
+    """Every warm-up answer is one the controller sends to a worker: it has a final
+    answer, it is not a plain integer, and each is a new text to parse."""
+    assert len(set(WARM_UP)) == len(WARM_UP)
+    for a in WARM_UP:
+        assert extract_final_answer(f"#### {a}") == a, a
+        assert plain_integer_reward(a, "17") is None, a
+
+
+@pytest.mark.timeout(60)
+async def test_workers_start_warm() -> None:
+    """A math_reward pool's worker has parsed the warm-up answers (and their gold answer)
+    before its first call; a pool told not to warm has parsed none."""
+    for warm, want in ((True, len(WARM_UP) + 1), (False, 0)):
+        pool = RewardPool(workers=1, timeout_s=30.0, fn=misses_in_worker, warm=warm)
+        await pool.start()
+        try:
+            assert await pool.score("#### x", "1") == float(want), warm
+        finally:
+            await pool.aclose()
+    assert RewardPool(1, 5.0).warm and not RewardPool(1, 5.0, fn=misses_in_worker).warm
