@@ -1,0 +1,255 @@
+"""What the machine delivered to each box node over a run's window (`cpu_delivered`).
+
+A node's quota caps what it may use; the machine, shared with other work, may give it
+less. While a run goes, `DeliverySampler` reads each node's counters every `SAMPLE_S`
+(files only, nothing started in the nodes): from its cgroup the CPU it used
+(`cpuacct.usage`, or v2's `usage_usec`) and its quota's periods, throttled periods and
+throttled time (`cpu.stat`); from each of its threads (`tasks`, v2 `cgroup.threads`) the
+time it waited runnable for a CPU (`/proc/TID/schedstat`, field 2, `run_delay`).
+
+What the counters show on this kernel (a busy loop in a 0.2-core quota, 10 ms period,
+3 s, docs/fidelity.md): a throttled thread counts as waiting, so `run_delay` holds the
+quota's wait too (0.80 of the window alone, against 0.68 throttled); what is left,
+`run_delay` less the throttled time, is not all the machine's loss either: alone the
+loop waited 0.12-0.28 of the window beyond its throttled time (after each unthrottle,
+for a CPU) and still used its whole quota (0.19-0.20 cores), while beside busy work the
+machine favoured over it waited 0.89-0.94 beyond it and used 0.03-0.06. So the figure that
+says whether a node got its CPU is `withheld_share`: per sampling interval, the wait
+beyond throttling that its unused quota could have run (the smaller of the two), summed
+over the window, over the quota's CPU in it. The raw figures are kept beside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+SAMPLE_S = 0.5  # seconds between readings
+# a node whose machine withheld more than this share of its quota over the window is
+# named on stderr: a busy loop alone in its quota shows 0-0.04 (timing noise), one
+# beside favoured work 0.7-0.9, and r37's trainer node ran 25-40 % slow in the box rounds
+HELD_BACK = 0.10
+
+
+@dataclass(frozen=True)
+class NodeCgroup:
+    """Where a node's counters are: its `cpu` cgroup, and the group counting its use."""
+
+    name: str
+    cpu: Path  # cpu.stat; the node's threads
+    acct: Path | None  # cpuacct.usage; None: the cpu cgroup's cpu.stat usage_usec (v2)
+    quota_cores: float
+
+    @staticmethod
+    def of(node: Any) -> NodeCgroup:
+        """From a box node (`emulate.NodeState`)."""
+        cpu = Path(node.cgroup)
+        acct = Path(node.acct) if node.acct else cpu
+        return NodeCgroup(node.name, cpu, acct if (acct / "cpuacct.usage").is_file() else None,
+                          node.cpu)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A node's cumulative counters at `time` (wall clock, as the metrics rows')."""
+
+    time: float
+    used_s: float  # CPU its cgroup used
+    periods: int  # quota periods in which it ran
+    throttled: int  # ... in which it ran out of quota
+    throttled_s: float  # time its run queues spent throttled, summed over CPUs
+    run_delay_s: float  # time its threads waited runnable, summed over threads
+    threads: int  # threads read
+
+
+class ThreadWaits:
+    """The run-queue wait of every thread a node has had: a thread that ends keeps what
+    it had at its last reading; a thread id whose count goes back is a new thread."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+        self.ended = 0
+
+    def total(self, tids: list[str]) -> tuple[int, int]:
+        """(wait ns of every thread seen so far, threads read now)."""
+        read = 0
+        for tid in tids:
+            try:
+                wait = int(Path(f"/proc/{tid}/schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # it ended between the listing and the read
+            before = self.last.get(tid, 0)
+            if wait < before:
+                self.ended += before
+            self.last[tid] = wait
+            read += 1
+        return self.ended + sum(self.last.values()), read
+
+
+def _stat(path: Path) -> dict[str, int]:
+    pairs = (line.split() for line in path.read_text().splitlines())
+    return {p[0]: int(p[1]) for p in pairs if len(p) == 2}
+
+
+def read_node(node: NodeCgroup, waits: ThreadWaits) -> Reading:
+    """The node's counters now (v1 or v2)."""
+    now = time.time()
+    stat = _stat(node.cpu / "cpu.stat")
+    if node.acct is not None:
+        used_s = int((node.acct / "cpuacct.usage").read_text()) / 1e9
+    else:
+        used_s = stat.get("usage_usec", 0) / 1e6
+    v2 = "throttled_usec" in stat
+    throttled_s = stat["throttled_usec"] / 1e6 if v2 else stat.get("throttled_time", 0) / 1e9
+    listing = node.cpu / ("cgroup.threads" if v2 else "tasks")
+    wait_ns, threads = waits.total(listing.read_text().split())
+    return Reading(now, used_s, stat.get("nr_periods", 0), stat.get("nr_throttled", 0),
+                   throttled_s, wait_ns / 1e9, threads)  # fmt: skip
+
+
+class DeliverySampler:
+    """Reads every node every `every_s` on a thread of its own, from `start` to `stop`
+    (also a context manager); `readings` by node. A node whose files went away (the
+    box taken down) stops being read."""
+
+    def __init__(self, nodes: list[NodeCgroup], every_s: float = SAMPLE_S) -> None:
+        self.nodes = {n.name: n for n in nodes}
+        self.every_s = every_s
+        self.readings: dict[str, list[Reading]] = {n: [] for n in self.nodes}
+        self._waits = {n: ThreadWaits() for n in self.nodes}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-delivered", daemon=True)
+
+    def read_all(self) -> None:
+        for name, node in list(self.nodes.items()):
+            try:
+                self.readings[name].append(read_node(node, self._waits[name]))
+            except (OSError, KeyError, ValueError):
+                del self.nodes[name]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.read_all()
+
+    def start(self) -> DeliverySampler:
+        self.read_all()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.read_all()
+
+    def __enter__(self) -> DeliverySampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- the window
+def at(readings: list[Reading], t: float) -> Reading | None:
+    """The counters at `t`, linear between the readings either side; None outside them."""
+    for a, b in zip(readings, readings[1:], strict=False):
+        if a.time <= t <= b.time:
+            f = 0.0 if b.time == a.time else (t - a.time) / (b.time - a.time)
+            v = [x + (y - x) * f for x, y in zip(astuple(a), astuple(b), strict=True)]
+            return Reading(t, v[1], round(v[2]), round(v[3]), v[4], v[5], max(a.threads, b.threads))
+    return None
+
+
+def cut(readings: list[Reading], t0: float, t1: float) -> list[Reading]:
+    """The readings of [t0, t1], the ends interpolated; empty where they do not span it."""
+    first, last = at(readings, t0), at(readings, t1)
+    if first is None or last is None or t1 <= t0:
+        return []
+    return [first, *(r for r in readings if t0 < r.time < t1), last]
+
+
+def withheld_s(span: list[Reading], quota: float) -> tuple[float, float]:
+    """(the quota's CPU-seconds the machine withheld, the threads' wait beyond throttling)
+    over consecutive readings. A thread's wait is counted when it gets a CPU back, so the
+    wait an interval shows is matched against the unused quota (`quota` times the
+    interval, less what was used) of that interval and of the ones before it that the
+    wait spans, each interval's unused quota matched once."""
+    gaps = list(zip(span, span[1:], strict=False))
+    unused = [max(0.0, quota * (b.time - a.time) - (b.used_s - a.used_s)) for a, b in gaps]
+    withheld = machine = 0.0
+    for i, (a, b) in enumerate(gaps):
+        waited = max(0.0, (b.run_delay_s - a.run_delay_s) - (b.throttled_s - a.throttled_s))
+        machine += waited
+        need, j, spanned = waited, i, 0.0
+        while need > 0 and j >= 0 and (j == i or spanned < waited):
+            take = min(need, unused[j])
+            unused[j] -= take
+            need -= take
+            withheld += take
+            if j < i:
+                spanned += gaps[j][1].time - gaps[j][0].time
+            j -= 1
+    return withheld, machine
+
+
+def node_figures(readings: list[Reading], quota: float, t0: float, t1: float) -> dict[str, Any]:
+    """What the machine delivered to a node over [t0, t1]: CPU used beside its quota's,
+    the share of its periods it ran out of quota in, its threads' wait for a CPU (thread
+    seconds per second: all of it, the throttled part, and the rest, the machine's), and
+    the quota's CPU the machine withheld while the node waited (`withheld_share`)."""
+    span = cut(readings, t0, t1)
+    if not span:
+        return {"unavailable": "the readings do not span the window"}
+    first, last = span[0], span[-1]
+    wall = t1 - t0
+    withheld, machine = withheld_s(span, quota)
+    periods = last.periods - first.periods
+    return {
+        "used_cores": round((last.used_s - first.used_s) / wall, 4),
+        "quota_cores": quota,
+        "throttled_share": round((last.throttled - first.throttled) / periods, 4)
+        if periods > 0
+        else None,
+        "run_delay_share": round((last.run_delay_s - first.run_delay_s) / wall, 4),
+        "throttled_wait_share": round((last.throttled_s - first.throttled_s) / wall, 4),
+        "machine_wait_share": round(machine / wall, 4),
+        "withheld_cores": round(withheld / wall, 4),
+        "withheld_share": round(withheld / (quota * wall), 4),
+        "threads": max(r.threads for r in span),
+    }
+
+
+def delivered_block(
+    readings: dict[str, list[Reading]], quotas: dict[str, float], t0: float, t1: float
+) -> dict[str, Any]:
+    """Every node that had threads in [t0, t1], its figures (`node_figures`), and the
+    nodes whose machine withheld more than `HELD_BACK` of their quota (`held_back`)."""
+    nodes: dict[str, Any] = {}
+    for name, got in readings.items():
+        if any(r.threads for r in got if t0 <= r.time <= t1):
+            nodes[name] = node_figures(got, quotas[name], t0, t1)
+    held = [n for n, f in nodes.items() if (f.get("withheld_share") or 0.0) > HELD_BACK]
+    return {
+        "window": {"from": round(t0, 3), "to": round(t1, 3), "seconds": round(t1 - t0, 3)},
+        "sample_s": SAMPLE_S,
+        "held_back_above": HELD_BACK,
+        "nodes": nodes,
+        "held_back": held,
+    }
+
+
+def held_back_lines(run: str, block: dict[str, Any]) -> list[str]:
+    """One line per node the machine held back in `run`'s window."""
+    out = []
+    for name in block.get("held_back", []):
+        f = block["nodes"][name]
+        out.append(
+            f"{run}: node {name} waited for the machine: it used {f['used_cores']:.3f} of "
+            f"its {f['quota_cores']:g} cores over the {block['window']['seconds']:.1f}-s "
+            f"window, and {f['withheld_share']:.0%} of its quota was withheld while its "
+            f"threads waited (not the quota: throttled in {f['throttled_share'] or 0:.0%} "
+            f"of its periods)"
+        )
+    return out
