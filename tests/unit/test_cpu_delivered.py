@@ -1,0 +1,136 @@
+"""What the machine delivered to a box node (`hexctl/box/delivered.py`): the window cut
+from a run's rows, the quota's wait told from the machine's, the summary per plan and
+the line a held-back node prints. Readings are made up here; the integration test
+`tests/integration/test_cpu_delivered.py` reads real cgroups."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from areal_hex.run_files import TrainerRow, append_row
+from hexctl.bench.system.hetero import cpu_delivered
+from hexctl.bench.system.hetero_summary import delivered_summary, figures_table, summarise
+from hexctl.box.delivered import (
+    HELD_BACK,
+    NodeCgroup,
+    Reading,
+    ThreadWaits,
+    at,
+    cut,
+    delivered_block,
+    held_back_lines,
+    node_figures,
+    withheld_s,
+)
+from tests.unit.test_bench_hetero import _plan, _run
+
+
+def _r(t: float, used: float, delay: float, thr: float = 0.0, periods: int = 0) -> Reading:
+    return Reading(t, used, periods, periods // 2, thr, delay, 1)
+
+
+def test_the_window_is_cut_with_its_ends_interpolated() -> None:
+    rs = [_r(0, 0, 0), _r(1, 0.2, 0.5), _r(2, 0.4, 1.5)]
+    mid = at(rs, 1.5)
+    assert mid is not None and mid.used_s == pytest.approx(0.3)
+    assert mid.run_delay_s == pytest.approx(1.0)
+    assert at(rs, 2.5) is None and at(rs, -0.1) is None
+    span = cut(rs, 0.5, 1.5)
+    assert [r.time for r in span] == [0.5, 1, 1.5]
+    assert cut(rs, 0.5, 3.0) == []  # the readings end before the window does
+    assert "unavailable" in node_figures(rs, 0.2, 0.5, 3.0)
+
+
+def test_the_quota_s_wait_is_not_the_machine_s() -> None:
+    # a 0.2-core quota used in full: its thread waited 0.8 s a second, all but 0.05 of it
+    # throttled; the wait beyond the throttling ran no CPU the quota had left
+    full = [_r(t, 0.2 * t, 0.8 * t, 0.75 * t, 100 * t) for t in range(5)]
+    f = node_figures(full, 0.2, 0, 4)
+    assert f["used_cores"] == pytest.approx(0.2) and f["run_delay_share"] == pytest.approx(0.8)
+    assert f["machine_wait_share"] == pytest.approx(0.05)
+    assert f["withheld_share"] == 0.0
+    assert f["throttled_share"] == pytest.approx(0.5)
+    # the same quota, 0.05 used: the machine kept it waiting, the unused quota withheld
+    starved = [_r(t, 0.05 * t, 0.95 * t) for t in range(5)]
+    g = node_figures(starved, 0.2, 0, 4)
+    assert g["withheld_cores"] == pytest.approx(0.15) and g["withheld_share"] == pytest.approx(0.75)
+
+
+def test_a_wait_counted_late_is_matched_with_the_quota_it_spanned() -> None:
+    # the thread waited 1.8 s without a CPU and its wait is counted when it got one, in
+    # the last interval: matched against the unused quota of the intervals it spanned,
+    # not only of the last one; and never more than the quota left unused
+    late = [_r(0, 0, 0), _r(0.5, 0, 0), _r(1.0, 0, 0), _r(1.5, 0, 0), _r(2.0, 0.02, 1.8)]
+    withheld, machine = withheld_s(late, 0.2)
+    assert machine == pytest.approx(1.8)
+    assert withheld == pytest.approx(0.2 * 2.0 - 0.02)
+    # idle seconds, then a busy one: a short wait counts at most itself, whatever the
+    # idle quota before it
+    idle_then = [_r(0, 0, 0), _r(1, 0, 0), _r(2, 0, 0), _r(3, 0.2, 0.01)]
+    assert withheld_s(idle_then, 0.2)[0] == pytest.approx(0.01)
+
+
+def test_the_block_names_the_held_back_node_and_the_run_window(tmp_path: Path) -> None:
+    fine = [_r(t, 0.2 * t, 0.8 * t, 0.8 * t, 100 * t) for t in range(100, 110)]
+    slow = [_r(t, 0.05 * t, 0.95 * t) for t in range(100, 110)]
+    idle = [Reading(t, 0, 0, 0, 0, 0, 0) for t in range(100, 110)]
+    readings = {"k0-0": fine, "k2-0": slow, "k1-0": idle}
+    quotas = {"k0-0": 0.2, "k2-0": 0.2, "k1-0": 0.3}
+    # the run's window: step 3 (η + 1) to the last step, by the rows' wall clock
+    (tmp_path / "metrics.jsonl").touch()
+    for step, t in ((1, 100.5), (2, 101.0), (3, 102.0), (4, 105.0), (5, 107.0)):
+        append_row(tmp_path / "metrics.jsonl", TrainerRow(step=step, time=t))
+    sampler = type("S", (), {"readings": readings})()
+    nodes = [NodeCgroup(n, tmp_path, None, q) for n, q in quotas.items()]
+    block = cpu_delivered(sampler, nodes, tmp_path, 3)
+    assert block["window"] == {"from": 102.0, "to": 107.0, "seconds": 5.0}
+    assert set(block["nodes"]) == {"k0-0", "k2-0"}  # k1-0 ran nothing
+    assert block["held_back"] == ["k2-0"] and block["held_back_above"] == HELD_BACK
+    (line,) = held_back_lines("plan a (async)", block)
+    assert line.startswith("plan a (async): node k2-0 waited for the machine")
+    assert "75% of its quota was withheld" in line
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "metrics.jsonl").touch()  # no step yet
+    assert "unavailable" in cpu_delivered(sampler, nodes, tmp_path / "none", 3)
+    direct = delivered_block(readings, quotas, 102.0, 107.0)
+    assert direct["nodes"]["k2-0"] == block["nodes"]["k2-0"]
+
+
+def _block(withheld: dict[str, float]) -> dict:
+    nodes = {n: {"used_cores": 0.2 * (1 - w), "quota_cores": 0.2, "withheld_share": w}
+             for n, w in withheld.items()}  # fmt: skip
+    return {"nodes": nodes, "held_back": [n for n, w in withheld.items() if w > HELD_BACK]}
+
+
+def test_the_plan_summary_over_its_rounds() -> None:
+    rounds = [_block({"a": 0.0, "b": 0.3}), None, _block({"a": 0.02, "b": 0.05})]
+    s = delivered_summary(rounds)
+    assert s["held_back_in_rounds"] == [1] and s["rounds"] == 3
+    assert s["nodes"]["b"]["withheld_share_max"] == 0.3
+    assert s["nodes"]["b"]["withheld_share_median"] == pytest.approx(0.175)
+    assert s["nodes"]["a"]["runs"] == 2
+    # through the bench's summary: the figures' round's block and every round's summary
+    run = {**_run(10, 10), "cpu_delivered": rounds[0], "rounds_cpu_delivered": rounds}
+    out = summarise({"a": run, "b": _run(10, 10)}, {"a": _plan(1), "b": _plan(1), "c": _plan(1)})
+    assert out["plans"]["a"]["cpu_delivered"] == rounds[0]
+    assert out["plans"]["a"]["cpu_delivered_summary"] == s
+    assert "cpu_delivered" not in out["plans"]["b"]
+    assert "plan a: the machine held a node back in round(s) 1" in figures_table(out)
+
+
+def test_thread_waits_add_up_over_threads_that_come_and_go() -> None:
+    waits = ThreadWaits()
+    me = str(threading.get_native_id())
+    first, n = waits.total([me, "999999999"])  # a thread gone before its read
+    assert n == 1 and first >= 0
+    waits.last["1"] = 5  # a thread read before, gone now: it keeps its wait
+    total, _ = waits.total([me])
+    assert total >= first + 5
+    waits.last[me] = 10**15  # a thread id whose count went back: a new thread
+    again, _ = waits.total([me])
+    assert again >= 10**15 + 5
+    assert os.path.isfile(f"/proc/{me}/schedstat")
