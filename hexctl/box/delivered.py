@@ -170,27 +170,44 @@ def cut(readings: list[Reading], t0: float, t1: float) -> list[Reading]:
     return [first, *(r for r in readings if t0 < r.time < t1), last]
 
 
-def withheld_s(span: list[Reading], quota: float) -> tuple[float, float]:
-    """(the quota's CPU-seconds the machine withheld, the threads' wait beyond throttling)
-    over consecutive readings. A thread's wait is counted when it gets a CPU back, so the
-    wait an interval shows is matched against the unused quota (`quota` times the
-    interval, less what was used) of that interval and of the ones before it that the
-    wait spans, each interval's unused quota matched once."""
-    gaps = list(zip(span, span[1:], strict=False))
-    unused = [max(0.0, quota * (b.time - a.time) - (b.used_s - a.used_s)) for a, b in gaps]
-    withheld = machine = 0.0
-    for i, (a, b) in enumerate(gaps):
-        waited = max(0.0, (b.run_delay_s - a.run_delay_s) - (b.throttled_s - a.throttled_s))
-        machine += waited
-        need, j, spanned = waited, i, 0.0
-        while need > 0 and j >= 0 and (j == i or spanned < waited):
-            take = min(need, unused[j])
-            unused[j] -= take
-            need -= take
-            withheld += take
-            if j < i:
-                spanned += gaps[j][1].time - gaps[j][0].time
+def spread_back(amounts: list[float], room: list[float]) -> list[float]:
+    """Each interval's counted wait placed in the time it spans: a thread's wait is
+    counted when it gets a CPU back, so what an interval shows fills that interval and
+    then the ones before it, each up to its `room` (its length times its threads)."""
+    left_room = list(room)
+    placed = [0.0] * len(amounts)
+    for i, amount in enumerate(amounts):
+        j = i
+        while amount > 1e-12 and j >= 0:
+            part = min(amount, left_room[j])
+            placed[j] += part
+            left_room[j] -= part
+            amount -= part
             j -= 1
+        placed[i] += amount  # more than the readings before it hold: kept where counted
+    return placed
+
+
+def withheld_s(readings: list[Reading], quota: float, t0: float, t1: float) -> tuple[float, float]:
+    """(the quota's CPU-seconds the machine withheld, the threads' wait beyond throttling)
+    in [t0, t1]. Per interval between readings, the waits placed in the time they span
+    (`spread_back`, over every reading, so that a wait counted after the window still
+    falls in it): the wait beyond the interval's throttled time, up to the quota left
+    unused in it less the quota of the time the node had nothing to run (the interval
+    less its CPU used and its waits); an interval at an end of the window by its share."""
+    gaps = [(a, b, b.time - a.time) for a, b in zip(readings, readings[1:], strict=False)]
+    delays = [b.run_delay_s - a.run_delay_s for a, b, _ in gaps]
+    placed = spread_back(delays, [dt * max(1, b.threads) for _, b, dt in gaps])
+    withheld = machine = 0.0
+    for (a, b, dt), wait in zip(gaps, placed, strict=True):
+        share = max(0.0, min(b.time, t1) - max(a.time, t0)) / dt if dt > 0 else 0.0
+        if share == 0.0:
+            continue
+        throttled, used = b.throttled_s - a.throttled_s, b.used_s - a.used_s
+        beyond = max(0.0, wait - throttled)
+        idle = max(0.0, dt - used - wait)
+        machine += share * beyond
+        withheld += share * min(beyond, max(0.0, quota * (dt - idle) - used))
     return withheld, machine
 
 
@@ -204,7 +221,7 @@ def node_figures(readings: list[Reading], quota: float, t0: float, t1: float) ->
         return {"unavailable": "the readings do not span the window"}
     first, last = span[0], span[-1]
     wall = t1 - t0
-    withheld, machine = withheld_s(span, quota)
+    withheld, machine = withheld_s(readings, quota, t0, t1)
     periods = last.periods - first.periods
     return {
         "used_cores": round((last.used_s - first.used_s) / wall, 4),

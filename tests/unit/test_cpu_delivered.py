@@ -1,7 +1,7 @@
 """What the machine delivered to a box node (`hexctl/box/delivered.py`): the window cut
 from a run's rows, the quota's wait told from the machine's, the summary per plan and
 the line a held-back node prints. Readings are made up here; the integration test
-`tests/integration/test_cpu_delivered.py` reads real cgroups."""
+`tests/integration/test_delivered_cgroups.py` reads real cgroups."""
 
 from __future__ import annotations
 
@@ -62,16 +62,26 @@ def test_the_quota_s_wait_is_not_the_machine_s() -> None:
 
 def test_a_wait_counted_late_is_matched_with_the_quota_it_spanned() -> None:
     # the thread waited 1.8 s without a CPU and its wait is counted when it got one, in
-    # the last interval: matched against the unused quota of the intervals it spanned,
-    # not only of the last one; and never more than the quota left unused
+    # the last interval: matched against the unused quota of the time it spanned, not
+    # only of the last interval
     late = [_r(0, 0, 0), _r(0.5, 0, 0), _r(1.0, 0, 0), _r(1.5, 0, 0), _r(2.0, 0.02, 1.8)]
-    withheld, machine = withheld_s(late, 0.2)
+    withheld, machine = withheld_s(late, 0.2, 0, 2)
     assert machine == pytest.approx(1.8)
-    assert withheld == pytest.approx(0.2 * 2.0 - 0.02)
-    # idle seconds, then a busy one: a short wait counts at most itself, whatever the
-    # idle quota before it
+    # the 1.8 s back from the end: 0.08 + 0.1 + 0.1 unused, and 0.3 s of the first 0.5
+    assert withheld == pytest.approx(0.08 + 0.1 + 0.1 + 0.1 * 0.3 / 0.5)
+    # idle seconds, then a busy one in which the quota was used in full: its short wait
+    # is not matched with the quota left unused while the node had nothing to run
     idle_then = [_r(0, 0, 0), _r(1, 0, 0), _r(2, 0, 0), _r(3, 0.2, 0.01)]
-    assert withheld_s(idle_then, 0.2)[0] == pytest.approx(0.01)
+    assert withheld_s(idle_then, 0.2, 0, 3) == (0.0, pytest.approx(0.01))
+    # a node busy at its quota half the time: the quota it left unused while idle is
+    # not matched with the waits after each unthrottle (0.02 s an interval)
+    bursty = [_r(t / 2, 0.05 * t, 0.02 * t) for t in range(9)]
+    assert withheld_s(bursty, 0.2, 0, 4) == (0.0, pytest.approx(8 * 0.02))
+    # a whole core, busy: the machine's waits are the quota it did not get
+    whole = [_r(t, 0.97 * t, 0.03 * t) for t in range(4)]
+    assert withheld_s(whole, 1.0, 0, 3)[0] == pytest.approx(3 * 0.03)
+    # a wait counted after the window falls in the time it spans, the window's part kept
+    assert withheld_s(late, 0.2, 0, 1.0) == (pytest.approx(0.06 + 0.1), pytest.approx(0.8))
 
 
 def test_the_block_names_the_held_back_node_and_the_run_window(tmp_path: Path) -> None:

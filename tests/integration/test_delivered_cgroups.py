@@ -63,12 +63,13 @@ def _busy(*dirs: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _measure(node: NodeCgroup, seconds: float = 1.6) -> dict[str, float]:
-    """The node's figures over `seconds`, after a settling 0.3 s."""
+def _measure(node: NodeCgroup, seconds: float = 1.5) -> dict[str, float]:
+    """The node's figures over `seconds`, after a settling 0.3 s, read on for 0.5 s after
+    (a run's readings go on past its window, while it stops)."""
     with DeliverySampler([node], every_s=0.2) as sampler:
         t0 = time.time() + 0.3
-        time.sleep(0.3 + seconds)
-        t1 = time.time()
+        t1 = t0 + seconds
+        time.sleep(0.8 + seconds)
     return node_figures(sampler.readings[node.name], QUOTA, t0, t1)
 
 
@@ -82,7 +83,12 @@ def test_the_machine_s_wait_is_told_from_the_quota_s(groups: tuple[Path, Path | 
         acct.mkdir()
     node = NodeCgroup("node", cpu, acct or cpu, QUOTA)
     loop = _busy(*([cpu] + ([acct] if acct else [])))
-    alone = _measure(node)
+    # alone, up to two tries: a machine busy with other work may take the quota of a
+    # nice 19 cgroup for a while (the measure says so: it is what it is for)
+    tries = []
+    while len(tries) < 2 and (not tries or tries[-1]["used_cores"] < 0.8 * QUOTA):
+        tries.append(_measure(node))
+    alone = tries[-1]
 
     hog = parent / "hog"
     hog.mkdir()
@@ -93,13 +99,14 @@ def test_the_machine_s_wait_is_told_from_the_quota_s(groups: tuple[Path, Path | 
         p.kill()
         p.wait()
 
-    print("alone", alone, "\nbeside", beside)
-    # alone: the loop waited most of the window, throttled by its quota, and that wait
-    # is not the machine's: what is counted withheld is at most what it did not get
-    assert alone["used_cores"] > 0.6 * QUOTA and alone["throttled_share"] > 0.5, alone
-    assert alone["run_delay_share"] > 0.5, alone
-    assert alone["withheld_share"] <= 1 - alone["used_cores"] / QUOTA + 0.05, alone
-    # beside favoured work: the machine withheld most of the quota while the loop waited
+    print("alone", tries, "\nbeside", beside)
+    # alone: its quota delivered; the loop waited most of the window, throttled by its
+    # quota, and that wait is not counted as the machine's
+    assert alone["used_cores"] > 0.8 * QUOTA, tries
+    assert alone["throttled_share"] > 0.5 and alone["run_delay_share"] > 0.5, alone
+    assert alone["withheld_share"] < HELD_BACK, alone
+    # beside favoured work: the machine withheld most of the quota while the loop waited,
+    # about as much as the loop did not get
     assert beside["used_cores"] < 0.5 * QUOTA, beside
-    assert beside["withheld_share"] > max(0.5, alone["withheld_share"] + 0.3), (alone, beside)
-    assert beside["withheld_share"] > HELD_BACK, beside
+    assert beside["withheld_share"] > max(0.5, HELD_BACK), beside
+    assert beside["withheld_share"] > 1 - beside["used_cores"] / QUOTA - 0.25, beside
