@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,9 @@ def test_a_wait_counted_late_is_matched_with_the_quota_it_spanned() -> None:
     # a whole core, busy: the machine's waits are the quota it did not get
     whole = [_r(t, 0.97 * t, 0.03 * t) for t in range(4)]
     assert withheld_s(whole, 1.0, 0, 3)[0] == pytest.approx(3 * 0.03)
+    # a node of ten threads, one of them waiting: its wait spans back as one thread's
+    many = [replace(r, threads=10, waiting=int(r.time == 2.0)) for r in late]
+    assert withheld_s(many, 0.2, 0, 2) == withheld_s(late, 0.2, 0, 2)
     # a wait counted after the window falls in the time it spans, the window's part kept
     assert withheld_s(late, 0.2, 0, 1.0) == (pytest.approx(0.06 + 0.1), pytest.approx(0.8))
 
@@ -135,12 +139,12 @@ def test_the_plan_summary_over_its_rounds() -> None:
 def test_thread_waits_add_up_over_threads_that_come_and_go() -> None:
     waits = ThreadWaits()
     me = str(threading.get_native_id())
-    first, n = waits.total([me, "999999999"])  # a thread gone before its read
+    first, n, _ = waits.total([me, "999999999"])  # a thread gone before its read
     assert n == 1 and first >= 0
     waits.last["1"] = 5  # a thread read before, gone now: it keeps its wait
-    total, _ = waits.total([me])
+    total, _, _ = waits.total([me])
     assert total >= first + 5
     waits.last[me] = 10**15  # a thread id whose count went back: a new thread
-    again, _ = waits.total([me])
-    assert again >= 10**15 + 5
+    again, _, grew = waits.total([me])
+    assert again >= 10**15 + 5 and grew == 0
     assert os.path.isfile(f"/proc/{me}/schedstat")
