@@ -13,9 +13,11 @@ quota's wait too (0.80 of the window alone, against 0.68 throttled); what is lef
 `run_delay` less the throttled time, is not all the machine's loss either: alone the
 loop waited 0.12-0.28 of the window beyond its throttled time (after each unthrottle,
 for a CPU) and still used its whole quota (0.19-0.20 cores), while beside busy work the
-machine favoured over it waited 0.89-0.94 beyond it and used 0.03-0.06. So the figure that
-says whether a node got its CPU is `withheld_share`: per sampling interval, the wait
-beyond throttling that its unused quota could have run (the smaller of the two), summed
+machine favoured over it waited 0.89-0.94 beyond it and used 0.03-0.06. And a wait is
+counted only when the thread gets a CPU back, so a starved thread's wait comes late, in
+lumps. So the figure that says whether a node got its CPU is `withheld_share`
+(`withheld_s`): per sampling interval, with each wait placed in the time it spans, the
+wait beyond throttling up to the quota the node left unused while it had work, summed
 over the window, over the quota's CPU in it. The raw figures are kept beside it.
 """
 
@@ -30,8 +32,8 @@ from typing import Any
 
 SAMPLE_S = 0.5  # seconds between readings
 # a node whose machine withheld more than this share of its quota over the window is
-# named on stderr: a busy loop alone in its quota shows 0-0.04 (timing noise), one
-# beside favoured work 0.7-0.9, and r37's trainer node ran 25-40 % slow in the box rounds
+# named on stderr: a busy loop alone in its quota reads 0.000-0.011, one beside favoured
+# work 0.71-0.83, and r37's trainer node ran 25-40 % slow in the box rounds
 HELD_BACK = 0.10
 
 
@@ -49,8 +51,8 @@ class NodeCgroup:
         """From a box node (`emulate.NodeState`)."""
         cpu = Path(node.cgroup)
         acct = Path(node.acct) if node.acct else cpu
-        return NodeCgroup(node.name, cpu, acct if (acct / "cpuacct.usage").is_file() else None,
-                          node.cpu)  # fmt: skip
+        counted = acct if (acct / "cpuacct.usage").is_file() else None
+        return NodeCgroup(node.name, cpu, counted, node.cpu)
 
 
 @dataclass(frozen=True)
