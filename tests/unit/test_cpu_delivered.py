@@ -25,8 +25,10 @@ from hexctl.box.delivered import (
     delivered_block,
     held_back_lines,
     node_figures,
+    read_node,
     withheld_s,
 )
+from hexctl.box.emulate import NodeState
 from tests.unit.test_bench_hetero import _plan, _run
 
 
@@ -148,3 +150,26 @@ def test_thread_waits_add_up_over_threads_that_come_and_go() -> None:
     again, _, grew = waits.total([me])
     assert again >= 10**15 + 5 and grew == 0
     assert os.path.isfile(f"/proc/{me}/schedstat")
+
+
+def test_a_node_s_counters_read_on_v1_and_v2(tmp_path: Path) -> None:
+    me = str(threading.get_native_id())
+    v1, acct, v2 = tmp_path / "cpu", tmp_path / "acct", tmp_path / "v2"
+    for d in (v1, acct, v2):
+        d.mkdir()
+    (v1 / "cpu.stat").write_text("nr_periods 300\nnr_throttled 290\nthrottled_time 2400000000\n")
+    (v1 / "tasks").write_text(f"{me}\n")
+    (acct / "cpuacct.usage").write_text("600000000\n")
+    (v2 / "cpu.stat").write_text(
+        "usage_usec 600000\nuser_usec 1\nnr_periods 300\nnr_throttled 290\nthrottled_usec 2400000\n"
+    )
+    (v2 / "cgroup.threads").write_text(f"{me}\n")
+    node = NodeState("k0-0", "k0", "a", "ns", "10.0.0.1", "eth0", str(v1), 0.2, 8, str(acct))
+    one = NodeCgroup.of(node)
+    assert one.acct == acct and one.quota_cores == 0.2
+    on_v2 = NodeCgroup.of(NodeState("k0-1", "k0", "a", "ns", "10.0.0.2", "eth0", str(v2), 0.2, 8))
+    assert on_v2.acct is None  # v2: the cpu cgroup's own cpu.stat counts the use
+    for cg in (one, on_v2):
+        r = read_node(cg, ThreadWaits())
+        assert (r.used_s, r.periods, r.throttled) == (pytest.approx(0.6), 300, 290)
+        assert r.throttled_s == pytest.approx(2.4) and r.threads == 1 and r.run_delay_s >= 0
