@@ -41,7 +41,9 @@ def groups() -> Iterator[tuple[Path, Path | None]]:
     whatever they hold."""
     name = f"starve-test-{os.getpid()}"
     parent = CPU / name
-    acct = V1_ACCT / name if (V1_ACCT / "cpuacct.usage").is_file() else None
+    # `cpuacct` apart from `cpu` (as here), or mounted with it (its files in `parent`)
+    apart = (V1_ACCT / "cpuacct.usage").is_file() and not (CPU / "cpuacct.usage").is_file()
+    acct = V1_ACCT / name if apart else None
     made = [parent] + ([acct] if acct else [])
     try:
         parent.mkdir()
