@@ -134,6 +134,7 @@ def test_the_plan_summary_over_its_rounds() -> None:
     out = summarise({"a": run, "b": _run(10, 10)}, {"a": _plan(1), "b": _plan(1), "c": _plan(1)})
     assert out["plans"]["a"]["cpu_delivered"] == rounds[0]
     assert out["plans"]["a"]["cpu_delivered_summary"] == s
+    assert out["plans"]["a"]["rounds_cpu_delivered"] == rounds
     assert "cpu_delivered" not in out["plans"]["b"]
     assert "plan a: the machine held a node back in round(s) 1" in figures_table(out)
 

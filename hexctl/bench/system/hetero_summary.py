@@ -175,15 +175,17 @@ def _at_box_speed(
 
 
 def delivered_of(run: dict[str, Any]) -> dict[str, Any]:
-    """A plan's `cpu_delivered` (its figures' round) and, over every round it ran,
-    `cpu_delivered_summary` (`delivered_summary`); nothing for a run without."""
+    """A plan's `cpu_delivered` (its figures' round), every round's where it ran more
+    than one (`rounds_cpu_delivered`), and over them all `cpu_delivered_summary`
+    (`delivered_summary`); nothing for a run without."""
     if "cpu_delivered" not in run:
         return {}
     every = run.get("rounds_cpu_delivered") or [run["cpu_delivered"]]
-    return {
-        "cpu_delivered": run["cpu_delivered"],
-        "cpu_delivered_summary": delivered_summary(every),
-    }
+    out = {"cpu_delivered": run["cpu_delivered"]}
+    if len(every) > 1:
+        out["rounds_cpu_delivered"] = every
+    out["cpu_delivered_summary"] = delivered_summary(every)
+    return out
 
 
 def delivered_summary(blocks: list[dict[str, Any] | None]) -> dict[str, Any]:
