@@ -73,9 +73,10 @@ class ThreadWaits:
     """The run-queue wait of every thread a node has had: a thread that ends keeps what
     it had at its last reading; a thread id whose count goes back is a new thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, proc: str = "/proc") -> None:
+        self.proc = proc
         self.last: dict[str, int] = {}
-        self.ended = 0
+        self.sum = 0  # of every thread's wait, at its last reading, ended threads' too
 
     def total(self, tids: list[str]) -> tuple[int, int, int]:
         """(wait ns of every thread seen so far, threads read now, threads whose wait
@@ -83,16 +84,17 @@ class ThreadWaits:
         read = grew = 0
         for tid in tids:
             try:
-                wait = int(read_bytes(f"/proc/{tid}/schedstat").split()[1])
+                wait = int(read_bytes(f"{self.proc}/{tid}/schedstat").split()[1])
             except (OSError, IndexError, ValueError):
                 continue  # it ended between the listing and the read
             before = self.last.get(tid, 0)
-            if wait < before:
-                self.ended += before
+            if wait < before:  # a count that went back is a new thread's: the old one's
+                before = 0  # wait stays counted
+            self.sum += wait - before
             grew += wait > before
             self.last[tid] = wait
             read += 1
-        return self.ended + sum(self.last.values()), read, grew
+        return self.sum, read, grew
 
 
 def read_bytes(path: str | Path) -> bytes:
