@@ -33,7 +33,8 @@ from typing import Any
 SAMPLE_S = 0.5  # seconds between readings
 # a node whose machine withheld more than this share of its quota over the window is
 # named on stderr: a busy loop alone in its quota reads 0.000-0.011, one beside favoured
-# work 0.71-0.83, and r37's trainer node ran 25-40 % slow in the box rounds
+# work 0.71-0.83; r37's trainer node took 1.25-1.96 times its replica's compute a step
+# in the box rounds (20-49 % of its quota, were it the machine's doing)
 HELD_BACK = 0.10
 
 
