@@ -88,9 +88,9 @@ def test_the_machine_s_wait_is_told_from_the_quota_s(groups: tuple[Path, Path | 
     # alone, up to two tries: a machine busy with other work may take the quota of a
     # nice 19 cgroup for a while (the measure says so: it is what it is for)
     tries = []
-    while len(tries) < 2 and (not tries or tries[-1]["used_cores"] < 0.8 * QUOTA):
+    while len(tries) < 2 and (not tries or tries[-1]["used_cores"] < 0.95 * QUOTA):
         tries.append(_measure(node))
-    alone = tries[-1]
+    alone = max(tries, key=lambda f: f["used_cores"])
 
     hog = parent / "hog"
     hog.mkdir()
@@ -102,11 +102,12 @@ def test_the_machine_s_wait_is_told_from_the_quota_s(groups: tuple[Path, Path | 
         p.wait()
 
     print("alone", tries, "\nbeside", beside)
-    # alone: its quota delivered; the loop waited most of the window, throttled by its
-    # quota, and that wait is not counted as the machine's
-    assert alone["used_cores"] > 0.8 * QUOTA, tries
+    # alone: its quota delivered (or nearly); the loop waited most of the window,
+    # throttled by its quota, and that wait is not counted as the machine's: what is
+    # counted is at most what it did not get
+    assert alone["used_cores"] > 0.9 * QUOTA, tries
     assert alone["throttled_share"] > 0.5 and alone["run_delay_share"] > 0.5, alone
-    assert alone["withheld_share"] < HELD_BACK, alone
+    assert alone["withheld_share"] <= 1 - alone["used_cores"] / QUOTA + 0.05, alone
     # beside favoured work: the machine withheld most of the quota while the loop waited,
     # about as much as the loop did not get
     assert beside["used_cores"] < 0.5 * QUOTA, beside
