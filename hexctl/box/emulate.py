@@ -12,7 +12,8 @@ found by name:
 
 A tbf on an interface shapes what leaves it, so each end of a pair shapes one direction:
 `nI` what reaches node I, its `eth0` what node I sends. Each node also gets a CPU cgroup
-whose quota is its kind's `cpu`; `node_argv` starts a command inside both.
+whose quota is its kind's `cpu` (with an accounting group where cgroup v1 mounts
+`cpuacct` apart: `hexctl/box/cgroups.py`); `node_argv` starts a command inside them.
 
 `up` first removes whatever an earlier box of the same name left (a SIGKILLed `up` or a
 run that never said `down`), then builds, then checks that the CPU quota takes effect.
@@ -23,33 +24,24 @@ name, with or without the state file `up` writes under /run/areal-hex-box/<box>/
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal_hex.errors import UsageError
+from hexctl.box.cgroups import BoxError, kill_pids, leftover_cgroups, make_acct, remove_cgroups
+from hexctl.box.cgroups import cgroup_layout as _cgroup_layout
+from hexctl.box.cgroups import make_cgroup as _make_cgroup
+from hexctl.box.cgroups import remove_if_empty as _remove_if_empty
+from hexctl.box.cgroups import weigh as _weigh
 from hexctl.box.checks import check_fits
 from hexctl.box.spec import Box, BoxNode
 
 STATE_ROOT = Path("/run/areal-hex-box")
-CGROUP_NAME = "areal-hex-box"
 NODE_IFACE = "eth0"  # the node's side of its NIC pair, inside its namespace
-# A node's CPU quota is enforced per period: at the kernel's default 100 ms a fifth of a
-# core runs 20 ms, then waits 80, longer than a decode step or a short request, so short
-# timings swing with where they fall in the period. 10 ms keeps the share even at the
-# scale of a step; a quota is at least the kernel's 1 ms, so tiny shares get longer periods.
-CFS_PERIOD_US = 10_000
-MIN_QUOTA_US = 1_000
-
-
-class BoxError(RuntimeError):
-    """A command that builds or removes the box failed; the message holds its stderr."""
 
 
 @dataclass
@@ -63,6 +55,7 @@ class NodeState:
     cgroup: str  # the directory whose cgroup.procs a process joins
     cpu: float  # the quota, in cores
     max_running_requests: int  # the kind's engine batch limit (its KV-cache budget)
+    acct: str = ""  # the node's cpuacct group where v1 mounts it apart; "": `cgroup` counts
 
 
 @dataclass
@@ -116,21 +109,6 @@ def check_host() -> None:
     if probe.returncode != 0:
         raise UsageError(f"network namespaces are not available here: {probe.stderr.strip()}")
     _cgroup_layout()
-
-
-def _cgroup_layout() -> tuple[str, Path]:
-    """("v1" | "v2", the directory under which the box's cgroups go)."""
-    v2 = Path("/sys/fs/cgroup")
-    controllers = v2 / "cgroup.controllers"
-    if controllers.is_file() and "cpu" in controllers.read_text().split():
-        return "v2", v2 / CGROUP_NAME
-    v1 = Path("/sys/fs/cgroup/cpu")
-    if (v1 / "cpu.cfs_quota_us").is_file():
-        return "v1", v1 / CGROUP_NAME
-    raise UsageError(
-        "no cgroup CPU controller: neither cgroup v2 with `cpu` in "
-        "/sys/fs/cgroup/cgroup.controllers nor v1 /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
-    )
 
 
 # ---------------------------------------------------------------- commands
@@ -239,45 +217,20 @@ def _node(box: Box, node: BoxNode, cg_dir: Path) -> NodeState:
         str(cgroup),
         kind.cpu,
         kind.max_running_requests,
+        make_acct(name, node.name),
     )
-
-
-def _make_cgroup(path: Path, cpu: float) -> Path:
-    version, root = _cgroup_layout()
-    period = max(CFS_PERIOD_US, math.ceil(MIN_QUOTA_US / cpu))
-    quota = max(MIN_QUOTA_US, int(cpu * period))
-    if version == "v2":
-        for d in (root.parent, root, path.parent):
-            d.mkdir(exist_ok=True)
-            # children of `d` may only use the controllers its subtree_control enables
-            (d / "cgroup.subtree_control").write_text("+cpu")
-        path.mkdir(exist_ok=True)
-        (path / "cpu.max").write_text(f"{quota} {period}")
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "cpu.cfs_period_us").write_text(str(period))
-        (path / "cpu.cfs_quota_us").write_text(str(quota))
-    return path
-
-
-def _weigh(root: Path, box_dir: Path, nodes: int) -> None:
-    """CPU weights: under contention the scheduler treats a cgroup as one task of its
-    weight against the tasks beside it, so a box at the default weight would get what
-    one process gets, all its nodes together. Weighted as one process per node, each
-    node competes for the machine as a process of its own would (its quota still caps
-    it). The shared parent is weighted for the largest box (99 nodes)."""
-    version, _ = _cgroup_layout()
-    name, unit = ("cpu.weight", 100) if version == "v2" else ("cpu.shares", 1024)
-    (root / name).write_text(str(unit * 99))
-    (box_dir / name).write_text(str(unit * nodes))
 
 
 # ---------------------------------------------------------------- inside a node
 def node_argv(node: NodeState, argv: list[str]) -> list[str]:
-    """`argv` run inside the node: the shell joins the node's cgroup (its children
-    inherit it), then `ip netns exec` replaces it in the node's namespace."""
-    script = 'echo $$ > "$1/cgroup.procs" && ns="$2" && shift 2 && exec ip netns exec "$ns" "$@"'
-    return ["sh", "-c", script, "sh", node.cgroup, node.netns, *argv]
+    """`argv` run inside the node: the shell joins the node's cgroup and its accounting
+    group, if any (its children inherit both), then `ip netns exec` replaces it in the
+    node's namespace."""
+    script = (
+        'echo $$ > "$1/cgroup.procs" && { [ -z "$3" ] || echo $$ > "$3/cgroup.procs"; } '
+        '&& ns="$2" && shift 3 && exec ip netns exec "$ns" "$@"'
+    )
+    return ["sh", "-c", script, "sh", node.cgroup, node.netns, node.acct, *argv]
 
 
 _BUSY = (
@@ -320,24 +273,16 @@ def down(box_name: str) -> list[str]:
     """Remove everything of box `box_name`, found by name; what was removed."""
     removed: list[str] = []
     for ns in leftover_netns(box_name):
-        _kill_pids(_netns_pids(ns))
+        kill_pids(_netns_pids(ns))
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         removed.append(f"netns {ns}")
-    removed += _remove_cgroups(box_name)
+    removed += remove_cgroups(box_name)
     for link in leftover_links(box_name):  # a veth's peer goes with it; qdiscs with both
         subprocess.run(["ip", "link", "del", link], capture_output=True)
         removed.append(f"link {link}")
     shutil.rmtree(state_dir(box_name), ignore_errors=True)
     _remove_if_empty(STATE_ROOT)
     return removed
-
-
-def _remove_if_empty(path: Path) -> None:
-    """The parent every box shares goes with the last box (another may still be up)."""
-    try:
-        path.rmdir()
-    except OSError:
-        pass
 
 
 def leftover_netns(box_name: str) -> list[str]:
@@ -350,20 +295,6 @@ def leftover_links(box_name: str) -> list[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
     return [n for n in names if n.startswith(prefix(box_name))]
-
-
-def leftover_cgroups(box_name: str) -> list[str]:
-    try:
-        _, root = _cgroup_layout()
-    except UsageError:
-        return []
-    base = root / box_name
-    found = [str(p) for p in sorted(base.rglob("*")) if p.is_dir()] if base.is_dir() else []
-    found += [str(base)] if base.is_dir() else []
-    # the parent all boxes share, empty: left by this box's `down`
-    if root.is_dir() and not any(p.is_dir() for p in root.iterdir()):
-        found.append(str(root))
-    return found
 
 
 def leftovers(box_name: str) -> list[str]:
@@ -379,45 +310,6 @@ def leftovers(box_name: str) -> list[str]:
 def _netns_pids(ns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
     return [int(p) for p in out.split() if p.isdigit()]
-
-
-def _kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _remove_cgroups(box_name: str) -> list[str]:
-    removed: list[str] = []
-    try:
-        _, root = _cgroup_layout()
-    except UsageError:
-        return removed
-    base = root / box_name
-    if base.is_dir():
-        # deepest first: a cgroup with children or processes cannot be removed
-        subdirs = [p for p in base.rglob("*") if p.is_dir()]
-        for path in sorted(subdirs, key=lambda p: -len(p.parts)) + [base]:
-            _empty_cgroup(path)
-            removed.append(f"cgroup {path}")
-    if root.is_dir() and not any(p.is_dir() for p in root.iterdir()):
-        _remove_if_empty(root)
-    return removed
-
-
-def _empty_cgroup(path: Path) -> None:
-    for _ in range(50):
-        procs = path / "cgroup.procs"
-        pids = [int(p) for p in procs.read_text().split()] if procs.is_file() else []
-        _kill_pids(pids)
-        try:
-            path.rmdir()
-            return
-        except OSError:
-            time.sleep(0.05)  # killed processes leave the cgroup once reaped
-    raise BoxError(f"cgroup {path} still holds processes after SIGKILL")
 
 
 # ---------------------------------------------------------------- link check

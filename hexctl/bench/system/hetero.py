@@ -217,6 +217,7 @@ def run_plan(
     from areal_hex.run_files import RunPaths
     from hexctl.bench.system import check_run
     from hexctl.bench.system.e2e import fresh_run_dir
+    from hexctl.box.delivered import DeliverySampler, held_back_lines
     from hexctl.box.place import place_on_box
     from hexctl.box.run_config import apply_box
     from hexctl.job.prepare import prepare_run
@@ -230,12 +231,17 @@ def run_plan(
     fresh_run_dir(cfg.run.run_dir())
     cfg, path = prepare_run(cfg, plan, mode, place=apply_box)
     t0 = time.monotonic()
-    result = execute(cfg, path, plan, progress=False, place=place_on_box)
+    nodes = box_nodes(cfg.run.box)
+    with DeliverySampler(nodes) as sampler:
+        result = execute(cfg, path, plan, progress=False, place=place_on_box)
     # interrupted (Ctrl-C, SIGTERM): through the bench's `finally` that takes the box down
     check_run(result, f"plan {label} ({mode})")
     ran = load_config(path)
     block = fidelity_block(result.run_dir, ran, from_step=skip)
     wall = round(time.monotonic() - t0, 1)
+    delivered = cpu_delivered(sampler, nodes, result.run_dir, skip)
+    for line in held_back_lines(f"plan {label} ({mode})", delivered):
+        print(line, file=sys.stderr, flush=True)
     launched = json.loads(RunPaths.at(result.run_dir).prediction.read_text())
     return {
         "block": block,
@@ -244,7 +250,32 @@ def run_plan(
         "sync": ran.rollout.weight_sync,
         "cfg": ran,
         "host_cores": launched.get("host_cores", "trainer"),
+        "cpu_delivered": delivered,
     }
+
+
+def box_nodes(box_name: str | None) -> list[Any]:
+    """The counters of every node of the box the run is on (`delivered.NodeCgroup`)."""
+    from hexctl.box.delivered import NodeCgroup
+    from hexctl.box.emulate import load_state
+
+    return (
+        [] if box_name is None else [NodeCgroup.of(n) for n in load_state(box_name).nodes.values()]
+    )
+
+
+def cpu_delivered(sampler: Any, nodes: list[Any], run_dir: Path, from_step: int) -> dict[str, Any]:
+    """What the machine delivered to each node that ran in the run's measured window (the
+    fidelity block's: from step `from_step`'s row to the last, by the rows' wall clock)."""
+    from areal_hex.run_files import RunPaths, TrainerRow, read_rows
+    from hexctl.box.delivered import delivered_block
+    from hexctl.report.fidelity import window
+
+    rows = window(read_rows(RunPaths.at(run_dir).metrics, TrainerRow), from_step)
+    if len(rows) < 2:
+        return {"unavailable": "the run has fewer than two trainer steps"}
+    quotas = {n.name: n.quota_cores for n in nodes}
+    return delivered_block(sampler.readings, quotas, rows[0].time, rows[-1].time)
 
 
 # ---------------------------------------------------------------- the box's speed
@@ -325,6 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs[label] = rounds[label][median_round(rounds[label])]
             if args.rounds > 1:
                 runs[label]["rounds"] = [pipeline_of(r["block"], "measured") for r in rounds[label]]
+            runs[label]["rounds_cpu_delivered"] = [r.get("cpu_delivered") for r in rounds[label]]
             speed[label] = runs[label]["speed"]
             plan = plan_of(plans, label)
             factors = speed_factors(profiled, speed[label])

@@ -16,6 +16,7 @@ counted among the figures within bounds.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 LABELS = ("a", "b", "c", "d")
@@ -118,6 +119,7 @@ def summarise(
         }
         if "rounds" in r:  # every round's measure, the median one's figures above
             out["plans"][label]["rounds_measured_samples_per_s"] = r["rounds"]
+        out["plans"][label].update(delivered_of(r))
     placed = {k: p.predicted.samples_per_s for k, p in plans.items()}
     for other in ("b", "c", "d"):
         out[f"a/{other}"] = {
@@ -170,6 +172,43 @@ def _at_box_speed(
     ]
     block["max_abs_error"] = round(max(errors), 4) if errors else None
     return block
+
+
+def delivered_of(run: dict[str, Any]) -> dict[str, Any]:
+    """A plan's `cpu_delivered` (its figures' round), every round's where it ran more
+    than one (`rounds_cpu_delivered`), and over them all `cpu_delivered_summary`
+    (`delivered_summary`); nothing for a run without."""
+    if "cpu_delivered" not in run:
+        return {}
+    every = run.get("rounds_cpu_delivered") or [run["cpu_delivered"]]
+    out = {"cpu_delivered": run["cpu_delivered"]}
+    if len(every) > 1:
+        out["rounds_cpu_delivered"] = every
+    out["cpu_delivered_summary"] = delivered_summary(every)
+    return out
+
+
+def delivered_summary(blocks: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """A plan's runs (its rounds, in order) summed up: per node, the median CPU used and
+    the median and largest share of its quota withheld; the rounds (from 1) in which
+    the machine held a node back."""
+    per: dict[str, list[dict[str, Any]]] = {}
+    for b in blocks:
+        for name, f in ((b or {}).get("nodes") or {}).items():
+            if "withheld_share" in f:
+                per.setdefault(name, []).append(f)
+    nodes = {
+        name: {
+            "quota_cores": got[0]["quota_cores"],
+            "used_cores_median": round(statistics.median(f["used_cores"] for f in got), 4),
+            "withheld_share_median": round(statistics.median(f["withheld_share"] for f in got), 4),
+            "withheld_share_max": max(f["withheld_share"] for f in got),
+            "runs": len(got),
+        }
+        for name, got in per.items()
+    }
+    held = [i + 1 for i, b in enumerate(blocks) if (b or {}).get("held_back")]
+    return {"nodes": nodes, "held_back_in_rounds": held, "rounds": len(blocks)}
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -234,6 +273,13 @@ def figures_table(summary: dict[str, Any]) -> str:
         f"{c['predictions_counted']}; planner's figures within {PLANNER_WITHIN:.0%}: "
         f"{c['planner_figures_within_20pct']} of {c['planner_figures_counted']}"
     )
+    for label, p in summary["plans"].items():
+        held = (p.get("cpu_delivered_summary") or {}).get("held_back_in_rounds")
+        if held:
+            lines.append(
+                f"plan {label}: the machine held a node back in round(s) "
+                f"{', '.join(map(str, held))} (cpu_delivered)"
+            )
     for label in c.get("not_the_plan", []):
         sv = summary["plans"][label].get("servers") or {}
         lines.append(

@@ -233,6 +233,7 @@ def run_modes(
             "run_mode": mode.run_mode,
             **describe(plan),
             "wall_s": got["wall_s"],
+            "cpu_delivered": got.get("cpu_delivered"),
         }
     return runs
 

@@ -144,7 +144,7 @@ def describe_plan(plan: Any) -> dict[str, Any]:
 
 def summarise_pair(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> dict[str, Any]:
     """Each plan's figures and a/b, measured beside predicted (run's and plan's)."""
-    from hexctl.bench.system.hetero_summary import pipeline_of, relative_error
+    from hexctl.bench.system.hetero_summary import delivered_of, pipeline_of, relative_error
 
     out: dict[str, Any] = {"plans": {}}
     pred, meas, at = {}, {}, {}
@@ -166,6 +166,7 @@ def summarise_pair(runs: dict[str, dict[str, Any]], plans: dict[str, Any]) -> di
             },
             "rounds_measured_samples_per_s": r.get("rounds"),
             "wall_s": r["wall_s"],
+            **delivered_of(r),
         }
 
     def ratio(x: dict[str, float | None]) -> float | None:
@@ -211,6 +212,7 @@ def _median_runs(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
         runs[label] = got[median_round(got)]
         if len(got) > 1:
             runs[label]["rounds"] = [pipeline_of(r["block"], "measured") for r in got]
+        runs[label]["rounds_cpu_delivered"] = [r.get("cpu_delivered") for r in got]
     return runs
 
 
