@@ -419,6 +419,40 @@ def weight_sync_s(
     return fixed + nbytes / (ln.bandwidth_gbs * GB)
 
 
+def busy_sender_syncs(
+    w: Workload, syncs: list[float], arrive: list[float], send_s: float
+) -> list[float]:
+    """Each instance's pause per publish (`syncs`: fixed seconds, then its copy's
+    `arrive` seconds on the links) when rank 0 trains while it sends (an asynchronous
+    run that training binds: the next batch is there when it publishes). Its send then
+    takes `send_s` (the profile's broadcast timed while training,
+    `TrainerOption.broadcast_s`), and the copy arrives no sooner; the server's own part
+    of the update (the pause, its receive under its quota, the continue: the profile's
+    `update_pause_s`, timed with a rank 0 that did nothing else) comes on top of it, not
+    within it. Over the network only."""
+    if w.weight_sync != "network":
+        return list(syncs)
+    return [s + max(0.0, send_s - a) for s, a in zip(syncs, arrive, strict=True)]
+
+
+def sender_bound_rate(
+    w: Workload,
+    train: float,
+    instances: list[tuple[RolloutOption, float, int]],
+    busy: list[float],
+) -> tuple[float, float, list[float]]:
+    """`pipeline_rate` with each instance's pause as the trainer's state sets it: where
+    generation binds, rank 0 waits for its next batch while it sends (the pauses of
+    `instances`); where training binds, it trains while it sends (`busy`, per instance:
+    `busy_sender_syncs`). (rate, useful generation rate, the pauses in effect)."""
+    rate, gen = pipeline_rate(w, train, instances)
+    if rate < train:
+        return rate, gen, [s for _, s, _ in instances]
+    slow = [(o, max(s, b), n) for (o, s, n), b in zip(instances, busy, strict=True)]
+    rate, gen = pipeline_rate(w, train, slow)
+    return rate, gen, [s for _, s, _ in slow]
+
+
 def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:
     """(bytes each rollout machine receives per publish, fixed seconds) for the mode in use.
     disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure; no bytes where the

@@ -1,0 +1,96 @@
+"""A trainer that trains while it sends: over the network its broadcast, timed while it
+trained (`TrainerOption.broadcast_s`), comes before the server's own part of the update
+(the pause, its receive under its quota, the continue), not within it, in a run that
+training binds; where generation binds, the trainer sends while it waits for its batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.costmodel import (
+    RolloutOption,
+    busy_sender_syncs,
+    pipeline_rate,
+    sender_bound_rate,
+)
+from scheduler.workload import Workload
+
+
+def _workload(sync: str = "network") -> Workload:
+    return Workload(
+        groups_per_step=4,
+        group_size=16,
+        prompt_tokens=34,
+        response_tokens=16,
+        max_response_tokens=24,
+        max_staleness=4,
+        weight_sync=sync,
+    )
+
+
+def _option(rate: float) -> RolloutOption:
+    return RolloutOption("g", "CPU", "z", 1, 64, 0.0001, 0.00001, rate, 16 * rate, 1.0)
+
+
+def test_the_busy_senders_broadcast_bounds_the_copy_not_the_servers_own_part() -> None:
+    # (fixed, copy on the links): near, and behind an uplink
+    fixed, arrive = [0.06, 0.08], [0.02, 0.30]
+    syncs = [f + a for f, a in zip(fixed, arrive, strict=True)]
+    got = busy_sender_syncs(_workload(), syncs, arrive, 0.09)
+    # near: its own 0.06 s after the 0.09 s send (not max(0.08, 0.09) = 0.09);
+    # behind the uplink the send is within the copy's 0.30 s
+    assert got == pytest.approx([0.15, 0.38])
+    # from disk no broadcast: the parts as they are
+    assert busy_sender_syncs(_workload("disk"), syncs, arrive, 0.09) == pytest.approx(syncs)
+
+
+def test_where_training_binds_the_busy_pauses_price_generation() -> None:
+    w = _workload()
+    items = [(_option(300.0), 0.09, 1), (_option(280.0), 0.09, 1)]
+    busy = [0.15, 0.17]
+    train = 300.0
+    free_rate, free_gen = pipeline_rate(w, train, items)
+    assert free_rate == pytest.approx(train)  # with the free pauses training binds
+    rate, gen, syncs = sender_bound_rate(w, train, items, busy)
+    assert syncs == pytest.approx(busy)
+    slow = [(o, s, 1) for (o, _, _), s in zip(items, busy, strict=True)]
+    slow_rate, slow_gen = pipeline_rate(w, train, slow)
+    assert (rate, gen) == pytest.approx((slow_rate, slow_gen))
+    assert rate < free_rate and gen < free_gen
+
+
+def test_where_generation_binds_the_trainer_sends_while_it_waits() -> None:
+    w = _workload()
+    items = [(_option(100.0), 0.09, 1)]
+    rate, gen, syncs = sender_bound_rate(w, 300.0, items, [0.5])
+    assert rate < 300.0
+    assert syncs == pytest.approx([0.09])
+    assert (rate, gen) == pytest.approx(pipeline_rate(w, 300.0, items))
+
+
+def test_the_runs_prediction_reports_the_pauses_the_trainers_state_sets() -> None:
+    """`predict._asynchronous`: the pause it reports and the rate it reaches are the busy
+    sender's where training binds, the free pauses (no shorter than the send) where
+    generation does."""
+    from scheduler.costmodel import TrainerOption
+    from scheduler.predict import _asynchronous
+
+    w = _workload()
+
+    def trainer(rate: float) -> TrainerOption:
+        step = w.samples_per_step / rate
+        return TrainerOption(
+            "CPU", (("t", 1),), 1, 1, 0, step, step, 0.0, 0.0, 1.0, rate, 1.0, broadcast_s=0.09
+        )
+
+    opts = [_option(300.0), _option(280.0)]
+    free = [0.06, 0.08]
+    busy = [0.15, 0.17]
+    bound = _asynchronous(w, None, opts, trainer(300.0), free, [None, None], busy)
+    assert bound.weight_sync_s == pytest.approx(0.17)
+    assert bound.pipeline_samples_per_s < 300.0
+    unbusy = _asynchronous(w, None, opts, trainer(300.0), free, [None, None])
+    assert unbusy.weight_sync_s == pytest.approx(0.09)  # the send's floor, as before
+    assert unbusy.pipeline_samples_per_s == pytest.approx(300.0)
+    waiting = _asynchronous(w, None, opts, trainer(900.0), free, [None, None], busy)
+    assert waiting.weight_sync_s == pytest.approx(0.09)
