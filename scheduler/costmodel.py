@@ -440,17 +440,38 @@ def sender_bound_rate(
     train: float,
     instances: list[tuple[RolloutOption, float, int]],
     busy: list[float],
+    send_s: float,
 ) -> tuple[float, float, list[float]]:
-    """`pipeline_rate` with each instance's pause as the trainer's state sets it: where
-    generation binds, rank 0 waits for its next batch while it sends (the pauses of
-    `instances`); where training binds, it trains while it sends (`busy`, per instance:
-    `busy_sender_syncs`). (rate, useful generation rate, the pauses in effect)."""
-    rate, gen = pipeline_rate(w, train, instances)
-    if rate < train:
+    """`pipeline_rate` with each instance's pause as the trainer's state sets it. At rate
+    R the trainer waits k·(1/R − 1/t) for its batches per publish (k = publish_every·B·G
+    samples a publish, t its rate); the part of its `send_s` that this wait does not
+    cover it trains through, and each pause goes that share of the way from its free one
+    (in `instances`) to its `busy` one (`busy_sender_syncs`). R: the largest rate the
+    useful generation sustains with the pauses it sets (they grow with R), by bisection,
+    capped by training. (rate, useful generation rate, the pauses in effect)."""
+    if send_s <= 0.0:
+        rate, gen = pipeline_rate(w, train, instances)
         return rate, gen, [s for _, s, _ in instances]
-    slow = [(o, max(s, b), n) for (o, s, n), b in zip(instances, busy, strict=True)]
-    rate, gen = pipeline_rate(w, train, slow)
-    return rate, gen, [s for _, s, _ in slow]
+    k = w.publish_every * w.samples_per_step
+
+    def at(rate: float) -> list[tuple[RolloutOption, float, int]]:
+        wait = k * (1.0 / rate - 1.0 / train) if rate > 0 else send_s
+        share = min(1.0, max(0.0, 1.0 - wait / send_s))
+        pairs = zip(instances, busy, strict=True)
+        return [(o, s + share * max(0.0, b - s), n) for (o, s, n), b in pairs]
+
+    lo, hi = 0.0, train
+    if generation_at(w, at(train), train) >= train:
+        lo = train
+    else:
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if generation_at(w, at(mid), mid) >= mid:
+                lo = mid
+            else:
+                hi = mid
+    items = at(lo)
+    return lo, generation_at(w, items, lo), [s for _, s, _ in items]
 
 
 def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:

@@ -91,7 +91,7 @@ def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float,
     it sends (`costmodel.sender_bound_rate`)."""
     train = w.samples_per_step / cost.train_step_s
     busy = cost.busy_sync_s or cost.sync_s
-    rate, gen, _ = sender_bound_rate(w, train, placed_items(pl, cost), busy)
+    rate, gen, _ = sender_bound_rate(w, train, placed_items(pl, cost), busy, cost.send_s)
     return rate, gen
 
 

@@ -44,28 +44,47 @@ def test_the_busy_senders_broadcast_bounds_the_copy_not_the_servers_own_part() -
     assert busy_sender_syncs(_workload("disk"), syncs, arrive, 0.09) == pytest.approx(syncs)
 
 
-def test_where_training_binds_the_busy_pauses_price_generation() -> None:
+def _items(*rates: float) -> list[tuple[RolloutOption, float, int]]:
+    return [(_option(r), 0.09, 1) for r in rates]
+
+
+def test_where_generation_keeps_up_with_the_busy_pauses_they_are_the_pauses() -> None:
     w = _workload()
-    items = [(_option(300.0), 0.09, 1), (_option(280.0), 0.09, 1)]
-    busy = [0.15, 0.17]
+    rate, gen, syncs = sender_bound_rate(w, 100.0, _items(300.0, 280.0), [0.15, 0.17], 0.09)
+    assert rate == pytest.approx(100.0)  # training binds: the trainer never waits
+    assert syncs == pytest.approx([0.15, 0.17])
+    busy = [(o, b, 1) for (o, _, _), b in zip(_items(300.0, 280.0), [0.15, 0.17], strict=True)]
+    assert gen == pytest.approx(pipeline_rate(w, 100.0, busy)[1])
+
+
+def test_a_trainer_that_waits_part_of_its_send_pauses_the_servers_part_of_the_way() -> None:
+    """Generation that keeps up with the free pauses but not with the busy ones: the
+    trainer waits for part of each send, and the rate falls between the two."""
+    w = _workload()
+    items, busy = _items(300.0, 280.0), [0.15, 0.17]
     train = 300.0
-    free_rate, free_gen = pipeline_rate(w, train, items)
-    assert free_rate == pytest.approx(train)  # with the free pauses training binds
-    rate, gen, syncs = sender_bound_rate(w, train, items, busy)
-    assert syncs == pytest.approx(busy)
-    slow = [(o, s, 1) for (o, _, _), s in zip(items, busy, strict=True)]
-    slow_rate, slow_gen = pipeline_rate(w, train, slow)
-    assert (rate, gen) == pytest.approx((slow_rate, slow_gen))
-    assert rate < free_rate and gen < free_gen
+    free_rate, _ = pipeline_rate(w, train, items)
+    assert free_rate == pytest.approx(train)
+    slow = [(o, b, 1) for (o, _, _), b in zip(items, busy, strict=True)]
+    all_busy, _ = pipeline_rate(w, train, slow)
+    rate, gen, syncs = sender_bound_rate(w, train, items, busy, 0.09)
+    assert all_busy < rate < train
+    assert gen == pytest.approx(rate, rel=1e-6)
+    assert 0.09 < syncs[0] < 0.15 and 0.09 < syncs[1] < 0.17
+    # the wait left per publish covers what the busy pause does not: share = 1 − wait/send
+    share = 1 - w.publish_every * w.samples_per_step * (1 / rate - 1 / train) / 0.09
+    assert syncs[1] == pytest.approx(0.09 + share * 0.08)
 
 
-def test_where_generation_binds_the_trainer_sends_while_it_waits() -> None:
+def test_a_trainer_that_waits_longer_than_its_send_leaves_the_free_pauses() -> None:
     w = _workload()
-    items = [(_option(100.0), 0.09, 1)]
-    rate, gen, syncs = sender_bound_rate(w, 300.0, items, [0.5])
-    assert rate < 300.0
+    items = _items(100.0)
+    rate, gen, syncs = sender_bound_rate(w, 300.0, items, [0.5], 0.09)
     assert syncs == pytest.approx([0.09])
     assert (rate, gen) == pytest.approx(pipeline_rate(w, 300.0, items))
+    # no send measured: the free pauses whatever binds
+    rate, _, syncs = sender_bound_rate(w, 100.0, _items(300.0), [0.5], 0.0)
+    assert syncs == pytest.approx([0.09]) and rate == pytest.approx(100.0)
 
 
 def test_the_runs_prediction_reports_the_pauses_the_trainers_state_sets() -> None:
@@ -86,9 +105,12 @@ def test_the_runs_prediction_reports_the_pauses_the_trainers_state_sets() -> Non
     opts = [_option(300.0), _option(280.0)]
     free = [0.06, 0.08]
     busy = [0.15, 0.17]
-    bound = _asynchronous(w, None, opts, trainer(300.0), free, [None, None], busy)
+    bound = _asynchronous(w, None, opts, trainer(100.0), free, [None, None], busy)
     assert bound.weight_sync_s == pytest.approx(0.17)
-    assert bound.pipeline_samples_per_s < 300.0
+    assert bound.pipeline_samples_per_s == pytest.approx(100.0)
+    between = _asynchronous(w, None, opts, trainer(300.0), free, [None, None], busy)
+    assert 0.09 < between.weight_sync_s < 0.17
+    assert between.pipeline_samples_per_s < 300.0
     unbusy = _asynchronous(w, None, opts, trainer(300.0), free, [None, None])
     assert unbusy.weight_sync_s == pytest.approx(0.09)  # the send's floor, as before
     assert unbusy.pipeline_samples_per_s == pytest.approx(300.0)
