@@ -89,10 +89,28 @@ def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float,
     (kBG)), each instance's staleness window), instances whose pause share reaches 1
     generating nothing; where training binds, the pauses of a trainer that trains while
     it sends (`costmodel.sender_bound_rate`)."""
-    train = w.samples_per_step / cost.train_step_s
-    busy = cost.busy_sync_s or cost.sync_s
-    rate, gen, _ = sender_bound_rate(w, train, placed_items(pl, cost), busy, cost.send_s)
+    rate, gen, _ = _sender_bound(w, pl, cost)
     return rate, gen
+
+
+def _sender_bound(
+    w: Workload, pl: Placement, cost: PlacementCost
+) -> tuple[float, float, list[tuple[RolloutOption, float, int]]]:
+    """`placed_rate`'s (rate, generation rate) and the instances with the pauses in effect
+    at that rate."""
+    train = w.samples_per_step / cost.train_step_s
+    items = placed_items(pl, cost)
+    busy = cost.busy_sync_s or cost.sync_s
+    rate, gen, syncs = sender_bound_rate(w, train, items, busy, cost.send_s)
+    return rate, gen, [(o, s, n) for (o, _, n), s in zip(items, syncs, strict=True)]
+
+
+def paused_items(
+    w: Workload, pl: Placement, cost: PlacementCost
+) -> list[tuple[RolloutOption, float, int]]:
+    """`placed_items` with each instance's pause as the trainer's state at the placed rate
+    sets it (`costmodel.sender_bound_rate`)."""
+    return _sender_bound(w, pl, cost)[2]
 
 
 def placed_items(pl: Placement, cost: PlacementCost) -> list[tuple[RolloutOption, float, int]]:

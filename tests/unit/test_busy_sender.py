@@ -116,3 +116,21 @@ def test_the_runs_prediction_reports_the_pauses_the_trainers_state_sets() -> Non
     assert unbusy.pipeline_samples_per_s == pytest.approx(300.0)
     waiting = _asynchronous(w, None, opts, trainer(900.0), free, [None, None], busy)
     assert waiting.weight_sync_s == pytest.approx(0.09)
+
+
+def test_a_placed_plan_is_priced_and_assessed_at_the_pauses_in_effect() -> None:
+    """The planner's figure (`placing.placed_rate`) and the pauses its assessment reads
+    (`placing.paused_items`) are the busy sender's where training binds."""
+    from scheduler.partition import Placement, PlacementCost
+    from scheduler.placing import paused_items, placed_rate
+
+    w = _workload()
+    rollout = [(_option(300.0), "n-1", [0]), (_option(280.0), "n-2", [0])]
+    pl = Placement([("n-0", [0])], rollout)
+    step = w.samples_per_step / 100.0  # training at 100 samples/s binds
+    busy = PlacementCost(step, 0.0, [0.09, 0.09], [], [0.15, 0.17], 0.09)
+    assert placed_rate(w, pl, busy)[0] == pytest.approx(100.0)
+    assert [s for _, s, _ in paused_items(w, pl, busy)] == pytest.approx([0.15, 0.17])
+    # no send measured: the free pauses
+    free = PlacementCost(step, 0.0, [0.09, 0.09], [], [0.15, 0.17], 0.0)
+    assert [s for _, s, _ in paused_items(w, pl, free)] == pytest.approx([0.09, 0.09])
