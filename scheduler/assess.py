@@ -21,7 +21,7 @@ from scheduler.cluster import Cluster
 from scheduler.costmodel import generation_at
 from scheduler.milp import PlanSpace, solve
 from scheduler.model_shape import ModelShape
-from scheduler.placing import Placed, placed, placed_items
+from scheduler.placing import Placed, paused_items, placed
 
 SYNC_SHARE_BINDS = 1 / 6  # pause share above which weight sync is named as the binding
 WINDOW_LOSS_BINDS = 0.02  # share of generation lost to the staleness window that binds
@@ -54,7 +54,8 @@ def assess(
 ) -> Assessment:
     sol, rate = got.solution, got.rate
     in_flight = sum(p.rollouts[i].batch * n for i, n in sol.replicas.items())
-    items = placed_items(got.placement, got.cost)  # at the rates their links carry
+    # at the rates their links carry, with the pauses in effect at the placed rate
+    items = paused_items(p.workload, got.placement, got.cost)
     capacity = sum(rc.samples_per_s for rc, _, _ in items)
     paused = generation_at(p.workload, items, rate, window=False)  # pauses, no window
     pause_share = 1 - paused / capacity if capacity > 0 else 0.0

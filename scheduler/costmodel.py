@@ -419,6 +419,61 @@ def weight_sync_s(
     return fixed + nbytes / (ln.bandwidth_gbs * GB)
 
 
+def busy_sender_syncs(
+    w: Workload, syncs: list[float], arrive: list[float], send_s: float
+) -> list[float]:
+    """Each instance's pause per publish (`syncs`: fixed seconds, then its copy's
+    `arrive` seconds on the links) when rank 0 trains while it sends (an asynchronous
+    run that training binds: the next batch is there when it publishes). Its send then
+    takes `send_s` (the profile's broadcast timed while training,
+    `TrainerOption.broadcast_s`), and the copy arrives no sooner; the server's own part
+    of the update (the pause, its receive under its quota, the continue: the profile's
+    `update_pause_s`, timed with a rank 0 that did nothing else) comes on top of it, not
+    within it. Over the network only."""
+    if w.weight_sync != "network":
+        return list(syncs)
+    return [s + max(0.0, send_s - a) for s, a in zip(syncs, arrive, strict=True)]
+
+
+def sender_bound_rate(
+    w: Workload,
+    train: float,
+    instances: list[tuple[RolloutOption, float, int]],
+    busy: list[float],
+    send_s: float,
+) -> tuple[float, float, list[float]]:
+    """`pipeline_rate` with each instance's pause as the trainer's state sets it. At rate
+    R the trainer waits k·(1/R − 1/t) for its batches per publish (k = publish_every·B·G
+    samples a publish, t its rate); the part of its `send_s` that this wait does not
+    cover it trains through, and each pause goes that share of the way from its free one
+    (in `instances`) to its `busy` one (`busy_sender_syncs`). R: the largest rate the
+    useful generation sustains with the pauses it sets (they grow with R), by bisection,
+    capped by training. (rate, useful generation rate, the pauses in effect)."""
+    if send_s <= 0.0:
+        rate, gen = pipeline_rate(w, train, instances)
+        return rate, gen, [s for _, s, _ in instances]
+    k = w.publish_every * w.samples_per_step
+
+    def at(rate: float) -> list[tuple[RolloutOption, float, int]]:
+        wait = k * (1.0 / rate - 1.0 / train) if rate > 0 else send_s
+        share = min(1.0, max(0.0, 1.0 - wait / send_s))
+        pairs = zip(instances, busy, strict=True)
+        return [(o, s + share * max(0.0, b - s), n) for (o, s, n), b in pairs]
+
+    lo, hi = 0.0, train
+    if generation_at(w, at(train), train) >= train:
+        lo = train
+    else:
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if generation_at(w, at(mid), mid) >= mid:
+                lo = mid
+            else:
+                hi = mid
+    items = at(lo)
+    return lo, generation_at(w, items, lo), [s for _, s, _ in items]
+
+
 def sync_terms(m: ModelShape, w: Workload, latency_s: float) -> tuple[float, float]:
     """(bytes each rollout machine receives per publish, fixed seconds) for the mode in use.
     disk: latency + factor · 2N bytes (AReaL-Hex's calibrated figure; no bytes where the

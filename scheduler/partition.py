@@ -31,6 +31,7 @@ from scheduler.costmodel import (
     RolloutOption,
     TrainerOption,
     allreduce_s,
+    busy_sender_syncs,
     sync_terms,
     trained_models,
     update_latency_s,
@@ -61,6 +62,10 @@ class PlacementCost:
     # per rollout instance: the share of its rate its links carry beside the other
     # traffic (`traffic.traffic_on_topology`); empty: all of it
     gen_factors: list[float] = field(default_factory=list)
+    # per rollout instance: its pause when the trainer trains while it sends
+    # (`costmodel.busy_sender_syncs`); empty: `sync_s`
+    busy_sync_s: list[float] = field(default_factory=list)
+    send_s: float = 0.0  # the trainer's send while it trains (`TrainerOption.broadcast_s`)
 
 
 @dataclass
@@ -347,7 +352,10 @@ def evaluate(
     rates = [opt.samples_per_s for opt, _, _ in pl.rollout]
     tc = traffic_on_topology(cl, m, w, machines[0], nodes, rates, w.samples_per_step / step, topo)
     step = tc.step_s(step, w.publish_every)
-    return PlacementCost(step, comm, [max(s, c.broadcast_s) for s in sync], tc.gen_factors)
+    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], machines[0], nodes)
+    busy = busy_sender_syncs(w, sync, arrive, c.broadcast_s)
+    sync = [max(s, c.broadcast_s) for s in sync]
+    return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s)
 
 
 def sync_on_topology(
@@ -373,7 +381,15 @@ def sync_on_topology(
     for node in machines:
         latency = update_latency_s(cl, wz, topo.machines[node].zone, own[node])
         out[node] = sync_terms(m, w, latency)
-    size = {node: out[node][0] for node in machines}
-    done = topo.finish_s([Transfer(writer, node, size[node]) for node in machines])
+    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], writer, rollout_nodes)
+    return [out[node][1] + a for node, a in zip(rollout_nodes, arrive, strict=True)]
+
+
+def copies_arrive_s(topo: Topology, nbytes: float, writer: str, nodes: list[str]) -> list[float]:
+    """Seconds until each rollout instance's copy of `nbytes` (one per machine of
+    `nodes`) has arrived from `writer`, every copy sent at once over shared NICs and
+    uplinks: the bytes part of `sync_on_topology`'s pauses."""
+    machines = sorted(set(nodes))
+    done = topo.finish_s([Transfer(writer, node, nbytes) for node in machines])
     arrive = dict(zip(machines, done, strict=True))
-    return [out[node][1] + arrive[node] for node in rollout_nodes]
+    return [arrive[node] for node in nodes]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, pipeline_rate, scaled
+from scheduler.costmodel import RolloutOption, scaled, sender_bound_rate
 from scheduler.milp import PlanSpace, Solution, solution_for, solve
 from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
@@ -87,9 +87,30 @@ def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float,
     """(rate, generation rate) of a placed plan, as `milp.evaluate` but with the trainer's
     step and each instance's sync pause from the placement: R = min(t, Σh / (1 + Σ h·s /
     (kBG)), each instance's staleness window), instances whose pause share reaches 1
-    generating nothing."""
+    generating nothing; where training binds, the pauses of a trainer that trains while
+    it sends (`costmodel.sender_bound_rate`)."""
+    rate, gen, _ = _sender_bound(w, pl, cost)
+    return rate, gen
+
+
+def _sender_bound(
+    w: Workload, pl: Placement, cost: PlacementCost
+) -> tuple[float, float, list[tuple[RolloutOption, float, int]]]:
+    """`placed_rate`'s (rate, generation rate) and the instances with the pauses in effect
+    at that rate."""
     train = w.samples_per_step / cost.train_step_s
-    return pipeline_rate(w, train, placed_items(pl, cost))
+    items = placed_items(pl, cost)
+    busy = cost.busy_sync_s or cost.sync_s
+    rate, gen, syncs = sender_bound_rate(w, train, items, busy, cost.send_s)
+    return rate, gen, [(o, s, n) for (o, _, n), s in zip(items, syncs, strict=True)]
+
+
+def paused_items(
+    w: Workload, pl: Placement, cost: PlacementCost
+) -> list[tuple[RolloutOption, float, int]]:
+    """`placed_items` with each instance's pause as the trainer's state at the placed rate
+    sets it (`costmodel.sender_bound_rate`)."""
+    return _sender_bound(w, pl, cost)[2]
 
 
 def placed_items(pl: Placement, cost: PlacementCost) -> list[tuple[RolloutOption, float, int]]:

@@ -19,18 +19,21 @@ from dataclasses import dataclass, replace
 
 from scheduler.cluster import Cluster
 from scheduler.costmodel import (
+    GB,
     RolloutOption,
     TrainerOption,
+    busy_sender_syncs,
     decode_step_s,
-    pipeline_rate,
     rollout_config,
     scaled,
+    sender_bound_rate,
+    sync_terms,
     update_latency_s,
     weight_sync_s,
 )
 from scheduler.lending import first_group_s, lent_options
 from scheduler.model_shape import ModelShape
-from scheduler.partition import sync_on_topology
+from scheduler.partition import copies_arrive_s, sync_on_topology
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
 from scheduler.task_costs import placed_tasks_rate
@@ -136,8 +139,11 @@ def predict_layout(
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     links = _syncs(cl, m, w, opts, tr, nodes)
+    arrive = _arrivals(cl, sync_terms(m, w, 0.0)[0], opts, tr, nodes)
+    busy = busy_sender_syncs(w, links, arrive, tr.broadcast_s)
     a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
-    asyn = _asynchronous(w, prof, a_opts, a_tr, links, _idle_syncs(cl, w, prof, opts, tr, links))
+    idle = _idle_syncs(cl, w, prof, opts, tr, links)
+    asyn = _asynchronous(w, prof, a_opts, a_tr, links, idle, busy)
     sync_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})
     # each instance's batch as a synchronous step fills it: the whole batch admitted at once
     sync_opts = _rollouts(cl, m, sync_w, prof, instances, synchronous=True)
@@ -197,6 +203,16 @@ def _syncs(
     return [weight_sync_s(cl, m, w, tr.zones[0], o.zone, o.update_pause_s) for o in opts]
 
 
+def _arrivals(
+    cl: Cluster, nbytes: float, opts: list[RolloutOption], tr: TrainerOption, at: LayoutNodes | None
+) -> list[float]:
+    """The bytes part of each of `_syncs`' pauses: seconds until the instance's copy
+    of `nbytes` arrived."""
+    if at is not None and Topology(cl).declared:
+        return copies_arrive_s(Topology(cl), nbytes, at.writer, list(at.rollout))
+    return [nbytes / (cl.link(tr.zones[0], o.zone).bandwidth_gbs * GB) for o in opts]
+
+
 def _idle_syncs(
     cl: Cluster,
     w: Workload,
@@ -231,7 +247,10 @@ def _asynchronous(
     tr: TrainerOption,
     syncs: list[float],
     idle: list[float | None],
+    busy: list[float] | None = None,
 ) -> LayoutRates:
+    """`busy`: each instance's pause when the trainer trains while it sends
+    (`costmodel.busy_sender_syncs`; None: `syncs`)."""
     if w.host_work == "rollout" and prof is not None and w.weight_sync == "disk":
         # the controller beside the servers: their reloads as the profile measured them
         measured = [prof.reload_shared_s(o.kind) for o in opts]
@@ -239,9 +258,12 @@ def _asynchronous(
     # no pause shorter than the trainer's broadcast (over the network, where profiled)
     syncs = [max(s, tr.broadcast_s) for s in syncs]
     # generation with the weight-sync pauses at the rate reached: a pause holds requests
-    # in flight, so it counts as time the servers have work
+    # in flight, so it counts as time the servers have work; where training binds, the
+    # trainer trains while it sends and each pause is its `busy` one
     items = [(o, s, 1) for o, s in zip(opts, syncs, strict=True)]
-    rate, gen_at = pipeline_rate(w, tr.samples_per_s, items)
+    rate, gen_at, syncs = sender_bound_rate(
+        w, tr.samples_per_s, items, busy or syncs, tr.broadcast_s
+    )
     train = w.samples_per_step / tr.step_s
     pause = max(_async_pause(syncs, idle, gen_at / train), tr.broadcast_s)
     return LayoutRates(rate, gen_at, train, pause)
