@@ -236,3 +236,38 @@ def test_rounds_alternate_and_the_median_round_decides() -> None:
     assert out["plans"]["a"]["measured_samples_per_s"] == 180
     assert out["plans"]["a"]["rounds_measured_samples_per_s"] == [180, 49, 250]
     assert "rounds_measured_samples_per_s" not in out["plans"]["b"]
+
+
+def test_where_a_plan_misses_per_step() -> None:
+    """A plan's step split into its training and the rest of its cycle, predicted and
+    measured (r37's synchronous plan d: the rest, the update and the batch's generation,
+    was measured twice as long as predicted, the training as predicted)."""
+    from hexctl.bench.system.hetero_summary import figures_table, step_parts
+
+    block = {
+        "predicted": {"pipeline_samples_per_s": 213.6, "training_samples_per_s": 432.8},
+        "measured": {"pipeline_samples_per_s": 143.6, "training_samples_per_s": 461.8},
+    }
+    parts = step_parts(block, 64)
+    assert parts == {
+        "predicted": {"training_s": pytest.approx(0.1479, abs=1e-4),
+                      "rest_s": pytest.approx(0.1518, abs=1e-4)},
+        "measured": {"training_s": pytest.approx(0.1386, abs=1e-4),
+                     "rest_s": pytest.approx(0.3071, abs=1e-4)},
+    }  # fmt: skip
+    # the step's cycle is never shorter than its training: no negative rest
+    fast = {"predicted": {"pipeline_samples_per_s": 500.0, "training_samples_per_s": 400.0},
+            "measured": {"pipeline_samples_per_s": 400.0, "training_samples_per_s": 400.0}}  # fmt: skip
+    assert step_parts(fast, 64)["predicted"]["rest_s"] == 0.0
+    assert step_parts(block, None) is None
+    assert step_parts({"predicted": {}, "measured": block["measured"]}, 64) is None
+    # through the summary and its table
+    d = {**_run(213.6, 143.6, "sync"), "samples_per_step": 64}
+    d["block"]["predicted"].update(training_samples_per_s=432.8)
+    d["block"]["measured"].update(training_samples_per_s=461.8)
+    runs = {"a": _run(115, 100), "b": _run(100, 80), "c": _run(110, 105), "d": d}
+    out = summarise(runs, {"a": _plan(6, 118.0), "b": _plan(3, 85.0), "c": _plan(6, 150.0)})
+    assert out["plans"]["d"]["step_s"] == parts and out["plans"]["a"]["step_s"] is None
+    table = figures_table(out).splitlines()
+    assert table[4].rstrip().endswith("0.148+0.152 / 0.139+0.307")
+    assert table[1].rstrip().endswith("-")

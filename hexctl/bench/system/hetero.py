@@ -249,6 +249,7 @@ def run_plan(
         "mode": mode,
         "sync": ran.rollout.weight_sync,
         "cfg": ran,
+        "samples_per_step": ran.buffer.groups_per_step * ran.rollout.group_size,
         "host_cores": launched.get("host_cores", "trainer"),
         "cpu_delivered": delivered,
     }

@@ -43,6 +43,26 @@ def pipeline_of(block: dict[str, Any], side: str) -> float | None:
     return None if v is None else round(v, 4)
 
 
+def step_parts(block: dict[str, Any], per_step: int | None) -> dict[str, Any] | None:
+    """Where a plan's figure misses, per trainer step of `per_step` samples, as the run's
+    prediction had it and as the run measured it: `training_s` (the step over the
+    training rate: its compute and publish) and `rest_s` (the step's cycle over the
+    pipeline rate, less that). In a synchronous run the rest is the update and the
+    batch's generation, which the trainer waits for; in an asynchronous one, what
+    generating beside the training does not hide. None without the rates."""
+    if not per_step:
+        return None
+    out: dict[str, Any] = {}
+    for side in ("predicted", "measured"):
+        rates = block.get(side) or {}
+        pipe, train = rates.get("pipeline_samples_per_s"), rates.get("training_samples_per_s")
+        if not pipe or not train:
+            return None
+        cycle, step = per_step / pipe, per_step / train
+        out[side] = {"training_s": round(step, 4), "rest_s": round(max(0.0, cycle - step), 4)}
+    return out
+
+
 def _ratio(x: float | None, y: float | None) -> float | None:
     return None if not x or not y else round(x / y, 4)
 
@@ -112,6 +132,7 @@ def summarise(
                 "predicted_s": None if ws_p is None else round(ws_p, 4),
                 "measured_s": None if ws_m is None else round(ws_m, 4),
             },
+            "step_s": step_parts(block, r.get("samples_per_step")),
             "unavailable": block.get("unavailable"),
             "wall_s": r["wall_s"],
             "servers": block.get("servers"),
@@ -252,10 +273,20 @@ def _cell(rate: float | None, err: float | None) -> str:
     return f"{rate:.1f}" + ("" if err is None else f" ({err * 100:+.1f} %)")
 
 
+def _step_cell(parts: dict[str, Any] | None) -> str:
+    """`step_parts` as "training + rest" predicted / measured."""
+    if not parts:
+        return "-"
+    p, m = parts["predicted"], parts["measured"]
+    return f"{p['training_s']:.3f}+{p['rest_s']:.3f} / {m['training_s']:.3f}+{m['rest_s']:.3f}"
+
+
 def figures_table(summary: dict[str, Any]) -> str:
     """Each plan's measured rate beside the run's prediction and the planner's figure,
     each with its error, and the counts (`figure_counts`), as printed lines."""
-    rows = [("plan", "mode", "measured", "run's prediction", "planner's figure")]
+    rows = [
+        ("plan", "mode", "measured", "run's prediction", "planner's figure", "step s pred / meas")
+    ]
     for label, p in summary["plans"].items():
         meas = p.get("measured_samples_per_s")
         rows.append((
@@ -264,6 +295,7 @@ def figures_table(summary: dict[str, Any]) -> str:
             "-" if meas is None else f"{meas:.1f}",
             _cell(p.get("predicted_samples_per_s"), p.get("error")),
             _cell(p.get("plan_samples_per_s") if label != "d" else None, p.get("plan_error")),
+            _step_cell(p.get("step_s")),
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
