@@ -256,8 +256,8 @@ def test_where_a_plan_misses_per_step() -> None:
                      "rest_s": pytest.approx(0.3071, abs=1e-4)},
     }  # fmt: skip
     # the step's cycle is never shorter than its training: no negative rest
-    fast = {"predicted": {"pipeline_samples_per_s": 500.0, "training_samples_per_s": 400.0},
-            "measured": {"pipeline_samples_per_s": 400.0, "training_samples_per_s": 400.0}}  # fmt: skip
+    rates = {"pipeline_samples_per_s": 400.0, "training_samples_per_s": 400.0}
+    fast = {"predicted": {**rates, "pipeline_samples_per_s": 500.0}, "measured": rates}
     assert step_parts(fast, 64)["predicted"]["rest_s"] == 0.0
     assert step_parts(block, None) is None
     assert step_parts({"predicted": {}, "measured": block["measured"]}, 64) is None
