@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,13 +65,20 @@ def _busy(*dirs: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _measure(node: NodeCgroup, seconds: float = 1.5) -> dict[str, float]:
+def _measure(
+    node: NodeCgroup, seconds: float = 1.5, then: Callable[[], None] | None = None
+) -> dict[str, float]:
     """The node's figures over `seconds`, after a settling 0.3 s, read on for 0.5 s after
-    (a run's readings go on past its window, while it stops)."""
+    (a run's readings go on past its window, while it stops); `then` is called as the
+    window ends, within those readings. A starved thread's wait is counted only when it
+    gets a CPU again: a run's work ends and lets it, so `then` ends what starved it."""
     with DeliverySampler([node], every_s=0.2) as sampler:
         t0 = time.time() + 0.3
         t1 = t0 + seconds
-        time.sleep(0.8 + seconds)
+        time.sleep(max(0.0, t1 - time.time()))
+        if then is not None:
+            then()
+        time.sleep(max(0.0, t1 + 0.5 - time.time()))
     return node_figures(sampler.readings[node.name], QUOTA, t0, t1)
 
 
@@ -96,10 +103,15 @@ def test_the_machine_s_wait_is_told_from_the_quota_s(groups: tuple[Path, Path | 
     hog.mkdir()
     (hog / "cpu.shares").write_text("1024")
     hogs = [_busy(hog) for _ in range(os.cpu_count() or 1)]
-    beside = _measure(node)
-    for p in [loop, *hogs]:
-        p.kill()
-        p.wait()
+
+    def stop_hogs() -> None:
+        for p in hogs:
+            p.kill()
+            p.wait()
+
+    beside = _measure(node, then=stop_hogs)
+    loop.kill()
+    loop.wait()
 
     print("alone", tries, "\nbeside", beside)
     # alone: its quota delivered (or nearly); the loop waited most of the window,
