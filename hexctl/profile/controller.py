@@ -439,14 +439,19 @@ def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
 
 def replayed_cycle_s(files: LocalProfileFiles, prof: Any) -> float:
     """A synchronous step's generation and reload (its training step left out) as the
-    cost model's replay has them for one instance and one trainer rank here."""
+    cost model's replay has them for one instance and one trainer rank here, with the
+    update `sync_cycle` timed: a reload from disk. A run that updates over the network
+    measured its cycle from disk too; priced over the network here, the replay would
+    charge the factor an update the cycle never made (on a box kind, 0.08 s against a
+    0.01-s reload), and every synchronous plan of the kind would be priced that much
+    short."""
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
     from scheduler.predict import TrainerLayout, predict_layout
     from scheduler.workload import load_workload
 
     cl = load_cluster(files.cluster)
-    w = load_workload(files.workload)
+    w = load_workload(files.workload).model_copy(update={"weight_sync": "disk"})
     trainer = TrainerLayout(((LOCAL_GROUP, 1),), 1)
     rates = predict_layout(
         cl, load_model_shape(str(files.model)), w, prof, [(LOCAL_GROUP, 1)], trainer
