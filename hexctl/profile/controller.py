@@ -430,7 +430,7 @@ def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
 
     cl = load_cluster(files.cluster)
     m = load_model_shape(str(files.model))
-    w = load_workload(files.workload)
+    w = load_workload(files.workload).model_copy(update={"weight_sync": "disk"})
     opt = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
     if opt is None:
         raise RuntimeError("the profiled model does not fit the local device's memory")
@@ -445,13 +445,20 @@ def replayed_cycle_s(files: LocalProfileFiles, prof: Any) -> float:
     charge the factor an update the cycle never made (on a box kind, 0.08 s against a
     0.01-s reload), and every synchronous plan of the kind would be priced that much
     short."""
+    from scheduler.workload import load_workload
+
+    w = load_workload(files.workload).model_copy(update={"weight_sync": "disk"})
+    return cycle_s_replayed(files, prof, w)
+
+
+def cycle_s_replayed(files: LocalProfileFiles, prof: Any, w: Any) -> float:
+    """The replay's synchronous cycle (generation and update, the training step left
+    out) of one instance and one trainer rank here, for workload `w`."""
     from scheduler.cluster import load_cluster
     from scheduler.model_shape import load_model_shape
     from scheduler.predict import TrainerLayout, predict_layout
-    from scheduler.workload import load_workload
 
     cl = load_cluster(files.cluster)
-    w = load_workload(files.workload).model_copy(update={"weight_sync": "disk"})
     trainer = TrainerLayout(((LOCAL_GROUP, 1),), 1)
     rates = predict_layout(
         cl, load_model_shape(str(files.model)), w, prof, [(LOCAL_GROUP, 1)], trainer

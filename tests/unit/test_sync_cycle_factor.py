@@ -13,11 +13,8 @@ import pytest
 import yaml
 
 from hexctl.job.predict import LocalProfileFiles
-from hexctl.profile.controller import LOCAL_GROUP, replayed_cycle_s
-from scheduler.cluster import load_cluster
-from scheduler.model_shape import load_model_shape
-from scheduler.predict import TrainerLayout, predict_layout
-from scheduler.profile import load_profile
+from hexctl.profile.controller import cycle_s_replayed, replayed_cycle_s
+from scheduler.profile import Profile, load_profile
 from scheduler.workload import load_workload
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "box_kind_profile"
@@ -32,23 +29,11 @@ def _files(tmp_path: Path, weight_sync: str) -> LocalProfileFiles:
     return LocalProfileFiles(out)
 
 
-def _unfactored(files: LocalProfileFiles):  # noqa: ANN202
+def _unfactored(files: LocalProfileFiles) -> Profile:
     prof = load_profile(files.profile)
     for rates in prof.kinds.values():
         rates.sync_cycle_factor = None  # as when the factor is computed
     return prof
-
-
-def _network_priced_cycle_s(files: LocalProfileFiles) -> float:
-    """The same cycle with the run's network update in the replay."""
-    prof = _unfactored(files)
-    w = load_workload(files.workload)
-    rates = predict_layout(
-        load_cluster(files.cluster), load_model_shape(str(files.model)), w, prof,
-        [(LOCAL_GROUP, 1)], TrainerLayout(((LOCAL_GROUP, 1),), 1),
-    ).synchronous  # fmt: skip
-    bg = w.samples_per_step
-    return bg / rates.pipeline_samples_per_s - bg / rates.training_samples_per_s
 
 
 def test_the_replay_prices_the_reload_the_cycle_made(tmp_path: Path) -> None:
@@ -58,4 +43,5 @@ def test_the_replay_prices_the_reload_the_cycle_made(tmp_path: Path) -> None:
     assert over_network == pytest.approx(replayed_cycle_s(disk, _unfactored(disk)), rel=1e-9)
     # and not by the one with the network update in it: that charged the trainer's
     # 0.081-s send where the cycle reloaded in 0.010 s
-    assert _network_priced_cycle_s(net) - over_network == pytest.approx(0.081 - 0.010, abs=0.01)
+    with_network = cycle_s_replayed(net, _unfactored(net), load_workload(net.workload))
+    assert with_network - over_network == pytest.approx(0.081 - 0.010, abs=0.01)
