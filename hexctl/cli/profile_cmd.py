@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--box",
         help="a box that is up (`areal-hex box up BOX.yaml`): time each of its kinds inside "
-        "one of its nodes and write the box as the inventory (cluster.yaml) into --out-dir",
+        "one of its nodes, then each again (a second sitting, priced at the mean of both), "
+        "and write the box as the inventory (cluster.yaml) into --out-dir",
     )
     q.add_argument("--config", help="--local: the experiment YAML (default: the tiny example)")
     q.add_argument("--out-dir", default="local-profile", help="--local: where to write")
