@@ -79,12 +79,10 @@ def profile_box(
     out: Path,
     batches: list[int] | None,
     say: Say | None = None,
-    second_sitting: bool = True,
 ) -> LocalProfileFiles:
     """Each kind of `box` profiled inside one of its nodes, merged into one inventory and
-    profile in `out`; `say` hears each stage, prefixed with the kind. `second_sitting`:
-    then every kind timed again and its rates taken at the mean of both sittings
-    (`second_sitting.py`)."""
+    profile in `out`; `say` hears each stage, prefixed with the kind. Then every kind is
+    timed again and its rates taken at the mean of both sittings (`second_sitting.py`)."""
     from hexctl.job.prepare import initial_model_dir
     from hexctl.profile.local import profile_local
 
@@ -105,12 +103,11 @@ def profile_box(
         before = node_speed([state.node(node)])[node]
         per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev, told)
         _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
-    if second_sitting:  # every kind again, minutes after its first sitting
-        for kind, (node, kcfg, dev, told) in kinds.items():
-            before = node_speed([state.node(node)])[node]
-            again = sit_again(kcfg, dev, per_kind[kind], told or quiet)
-            combine(per_kind[kind], again)
-            _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
+    for kind, (node, kcfg, dev, told) in kinds.items():  # again, minutes after the first
+        before = node_speed([state.node(node)])[node]
+        again = sit_again(kcfg, dev, per_kind[kind], told or quiet)
+        combine(per_kind[kind], again)
+        _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
     first = next(iter(per_kind.values()))
     files.model.mkdir(parents=True, exist_ok=True)
     shutil.copy(first.model / "config.json", files.model / "config.json")
