@@ -49,7 +49,7 @@ async def main() -> None:
     producer = RedisTrajectoryProducer(ep.async_client(), run_id, buffer)
     cfg = RolloutConfig(group_size=2, max_new_tokens=8, probe_interval_s=0.05,
                         max_concurrent_groups=4, reward_workers=1)
-    servers = [FakeServer("s0", delay_s=0.02)]
+    servers = [FakeServer("s0", delay_s=float(sys.argv[5]))]
     ctl = RolloutController(servers, producer, prompts,
                             lambda ids: TOK.decode(ids, skip_special_tokens=True), cfg,
                             max_groups=int(sys.argv[4]), seed=3, settle_s=2 * buffer.lease_ttl_s)
@@ -77,9 +77,11 @@ def _buffer_cfg() -> dict[str, object]:
     }
 
 
-def _controller(endpoint: RedisEndpoint, run_id: str) -> subprocess.Popen[str]:
+def _controller(
+    endpoint: RedisEndpoint, run_id: str, token_delay_s: float = 0.02
+) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    args = [endpoint.url, run_id, json.dumps(_buffer_cfg()), str(TOTAL)]
+    args = [endpoint.url, run_id, json.dumps(_buffer_cfg()), str(TOTAL), str(token_delay_s)]
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -95,15 +97,22 @@ def test_three_controller_kills_then_the_run_completes(endpoint: RedisEndpoint) 
     run_id = f"t{os.getpid()}{int(time.time())}"
     keys, r = BufferKeys(run_id), endpoint.sync_client()
     pub = RedisWeightPublisher(r, run_id, BufferConfig(**_buffer_cfg()))
-    held_at_kill = []
+    held_at_kill: list[int] = []
+    dead: set[bytes] = set()  # lease holders of the controllers killed so far
     for k in range(3):  # each holds admissions when killed: 8 at the gate's bound of v0
-        proc = _controller(endpoint, run_id)
-        deadline = time.monotonic() + 60
-        while r.xlen(keys.traj) < 2 * (k + 1) and time.monotonic() < deadline:
+        # a slow token (a group takes ~0.25 s) keeps the kill inside the controller's work
+        # even when this process is descheduled for a while on a busy machine
+        proc = _controller(endpoint, run_id, token_delay_s=0.05)
+        deadline, own = time.monotonic() + 60, None
+        while own is None and time.monotonic() < deadline:  # killed once it holds some
+            held = {h: int(v) for h, v in r.hgetall(keys.leases).items() if h not in dead}
+            own = next((h for h, v in held.items() if v > 0), None)
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        held_at_kill.append(sum(int(v) for v in r.hvals(keys.leases)))
+        assert own is not None, f"controller {k} never held an admission"
+        dead.add(own)
+        held_at_kill.append(int(r.hget(keys.leases, own) or 0))
         if k == 1:  # the trainer takes a step in between: the gate opens by B
             pub.set_version(1, "/w/v1")
     assert all(h > 0 for h in held_at_kill), held_at_kill  # each died holding admissions
