@@ -225,6 +225,14 @@ class TrainerRow(_Row):
     own_tokens_per_s: float = 0.0
     publish_s: float = 0.0
     publish_wait_s: float = 0.0  # waiting for the previous weight write
+    # after that wait, to this step's weight write handed on (the optimizer update, the
+    # state dict): the step's part that follows a send and so adds to its cycle; None in a
+    # step that did not wait on a write (no publisher, or the critic's warm-up)
+    after_fence_s: float | None = None
+    # the last weight write finished before this step's update: from its start to its end
+    # (over the network: the announcement, the servers' pause and every bucket sent)
+    write_s: float | None = None
+    write_delay_s: float | None = None  # from that write's hand-on to its start on its thread
     checkpoint_s: float = 0.0
     # the critic (algo.advantage gae; None without one): mean value loss, fraction of
     # tokens whose value was clipped, mean value and return at the step start, and the

@@ -71,6 +71,10 @@ class TrainerOption:
     # Over the network: the seconds rank 0's kind was measured to take sending a version
     # (`Profile.train_broadcast_s`), the shortest any update pause can be; 0: unmeasured.
     broadcast_s: float = 0.0
+    # ... and the step's work after its wait for the last send (`Profile.
+    # train_after_send_s`): a send that outlasts the step's passes sets a cycle of the
+    # send plus this per publish (`sender_bound_rate`); 0: unmeasured.
+    after_send_s: float = 0.0
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -441,14 +445,19 @@ def sender_bound_rate(
     instances: list[tuple[RolloutOption, float, int]],
     busy: list[float],
     send_s: float,
+    after_send_s: float = 0.0,
 ) -> tuple[float, float, list[float]]:
     """`pipeline_rate` with each instance's pause as the trainer's state sets it. At rate
     R the trainer waits k·(1/R − 1/t) for its batches per publish (k = publish_every·B·G
     samples a publish, t its rate); the part of its `send_s` that this wait does not
     cover it trains through, and each pause goes that share of the way from its free one
-    (in `instances`) to its `busy` one (`busy_sender_syncs`). R: the largest rate the
-    useful generation sustains with the pauses it sets (they grow with R), by bisection,
-    capped by training. (rate, useful generation rate, the pauses in effect)."""
+    (in `instances`) to its `busy` one (`busy_sender_syncs`). The trainer's send lasts
+    as long as the longest pause in effect (it announces, the servers pause, every bucket
+    goes), and its update waits for it (the live weights are being sent), then takes
+    `after_send_s` before the next send starts: R is no more than k over the two. R: the
+    largest rate the useful generation and the sends sustain with the pauses it sets
+    (they grow with R), by bisection, capped by training. (rate, useful generation rate,
+    the pauses in effect)."""
     if send_s <= 0.0:
         rate, gen = pipeline_rate(w, train, instances)
         return rate, gen, [s for _, s, _ in instances]
@@ -460,13 +469,18 @@ def sender_bound_rate(
         pairs = zip(instances, busy, strict=True)
         return [(o, s + share * max(0.0, b - s), n) for (o, s, n), b in pairs]
 
+    def holds(rate: float) -> bool:
+        items = at(rate)
+        cycle = max((s for _, s, _ in items), default=0.0) + after_send_s
+        return generation_at(w, items, rate) >= rate and rate * cycle <= k
+
     lo, hi = 0.0, train
-    if generation_at(w, at(train), train) >= train:
+    if holds(train):
         lo = train
     else:
         for _ in range(50):
             mid = (lo + hi) / 2
-            if generation_at(w, at(mid), mid) >= mid:
+            if holds(mid):
                 lo = mid
             else:
                 hi = mid

@@ -66,6 +66,7 @@ class PlacementCost:
     # (`costmodel.busy_sender_syncs`); empty: `sync_s`
     busy_sync_s: list[float] = field(default_factory=list)
     send_s: float = 0.0  # the trainer's send while it trains (`TrainerOption.broadcast_s`)
+    after_send_s: float = 0.0  # its step's work after the send (`TrainerOption.after_send_s`)
 
 
 @dataclass
@@ -355,7 +356,7 @@ def evaluate(
     arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], machines[0], nodes)
     busy = busy_sender_syncs(w, sync, arrive, c.broadcast_s)
     sync = [max(s, c.broadcast_s) for s in sync]
-    return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s)
+    return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s, c.after_send_s)
 
 
 def sync_on_topology(

@@ -101,7 +101,7 @@ def _sender_bound(
     train = w.samples_per_step / cost.train_step_s
     items = placed_items(pl, cost)
     busy = cost.busy_sync_s or cost.sync_s
-    rate, gen, syncs = sender_bound_rate(w, train, items, busy, cost.send_s)
+    rate, gen, syncs = sender_bound_rate(w, train, items, busy, cost.send_s, cost.after_send_s)
     return rate, gen, [(o, s, n) for (o, _, n), s in zip(items, syncs, strict=True)]
 
 

@@ -262,7 +262,7 @@ def _asynchronous(
     # trainer trains while it sends and each pause is its `busy` one
     items = [(o, s, 1) for o, s in zip(opts, syncs, strict=True)]
     rate, gen_at, syncs = sender_bound_rate(
-        w, tr.samples_per_s, items, busy or syncs, tr.broadcast_s
+        w, tr.samples_per_s, items, busy or syncs, tr.broadcast_s, tr.after_send_s
     )
     train = w.samples_per_step / tr.step_s
     pause = max(_async_pause(syncs, idle, gen_at / train), tr.broadcast_s)

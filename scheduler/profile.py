@@ -73,6 +73,10 @@ class DeviceRates(Section):
     # broadcast as the trainer's rank 0 sent it while training, to a receiver outside
     # the node's quota. No server's update pause ends before the sender is done.
     train_broadcast_s: float | None = Field(None, ge=0)
+    # ... and the step's work after its wait for the last send (the optimizer update,
+    # the state dict, the next send handed on), s: serial with the sends, so a trainer
+    # whose send outlasts its passes publishes once per send plus this
+    train_after_send_s: float | None = Field(None, ge=0)
     train_checkpoint_s: float | None = Field(None, ge=0)
     # Weight reload of an idle server, s (`profile --local`): the pause of a synchronous
     # run, where nothing is generating when new weights arrive. The pause with requests
@@ -210,6 +214,7 @@ _RATES = (
 _TIMES = (
     "train_publish_s",
     "train_broadcast_s",
+    "train_after_send_s",
     "train_checkpoint_s",
     "reload_idle_s",
     "reload_shared_s",
@@ -321,6 +326,9 @@ class Profile(Section):
 
     def train_broadcast_s(self, kind: str) -> float | None:
         return self.kinds[kind].train_broadcast_s if kind in self.kinds else None
+
+    def train_after_send_s(self, kind: str) -> float | None:
+        return self.kinds[kind].train_after_send_s if kind in self.kinds else None
 
     def update_pause_s(self, kind: str, sync: str = "disk") -> float | None:
         """`kind`'s own update pause in mode `sync` (stands for a link's latency within

@@ -140,8 +140,10 @@ def cost_trainer(
         extra = prof.train_extra_s(kinds[0].name, w.publish_every, w.checkpoint_every)
         publish = publish if extra is None else extra
     broadcast = 0.0  # rank 0 sends the weights: no server's pause ends before it has
+    after_send = 0.0  # ... and its update waits for the send, then goes on
     if prof is not None and w.weight_sync == "network":
         broadcast = prof.train_broadcast_s(kinds[0].name) or 0.0
+        after_send = prof.train_after_send_s(kinds[0].name) or 0.0
     host = 0.0
     if prof is not None and w.host_work == "trainer":
         host = w.samples_per_step * prof.host_cpu_s_per_sample(kinds[0].name)
@@ -175,6 +177,7 @@ def cost_trainer(
             host_s=host,
             sync_compute_s=sync_compute,
             broadcast_s=broadcast,
+            after_send_s=after_send,
         )
         # Same GPUs, same price: keep the fastest stage, and among equals the leanest.
         if best is None or cand.step_s <= best.step_s * (1 + 1e-9):

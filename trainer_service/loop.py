@@ -283,6 +283,12 @@ class Trainer:
         row = self._metrics(batch, result, wait_s=t1 - t0, compute_s=compute_s, publish_s=t3 - t2)
         # time the step waited for the previous weight write (before its optimizer step)
         row.publish_wait_s = publish_s + result.extra.get("publish_fence_s", 0.0)
+        after = result.extra.get("after_fence_s")
+        if after is not None and self.publisher is not None:
+            row.write_s = self.publisher.last_write_s or None  # the write it waited on
+            row.write_delay_s = self.publisher.last_start_delay_s
+            # with this step's state dict and the hand-on of its own write
+            row.after_fence_s = after + max(0.0, t3 - t2 - publish_s)
         row.checkpoint_s = ckpt_s
         if self.rank == 0:
             append_row(self.metrics_path, row)

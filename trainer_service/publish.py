@@ -306,6 +306,9 @@ class AsyncPublisher:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_write_s = 0.0
+        # from the last write's hand-on (`submit`) to its start on the writing thread
+        self.last_start_delay_s = 0.0
+        self._handed_on = 0.0
         self.published: list[int] = []
 
     def submit(self, version: int, tensors: dict[str, torch.Tensor]) -> float:
@@ -314,6 +317,7 @@ class AsyncPublisher:
         right before its next optimizer step, so the write overlaps that step's
         forward and backward passes)."""
         waited = self.wait()
+        self._handed_on = time.perf_counter()
         self._thread = threading.Thread(
             target=self._write, args=(version, tensors), name=f"publish-v{version}", daemon=True
         )
@@ -355,6 +359,8 @@ class AsyncPublisher:
     ) -> None:
         try:
             t0 = time.perf_counter()
+            self.last_start_delay_s = max(0.0, t0 - self._handed_on) if self._handed_on else 0.0
+            self._handed_on = 0.0
             if self.network is not None:
                 self.network.publish(version, tensors, via or self.announce)
                 self.last_write_s = time.perf_counter() - t0

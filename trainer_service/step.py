@@ -383,6 +383,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     critic_sums: dict[str, float] = {}
     train_policy = ctx.critic is None or ctx.step >= ctx.algo.critic_warmup_steps
     w_max, fence_s, busy_s = 0.0, 0.0, 0.0
+    fenced_at: float | None = None  # when the last weight send let the update go on
     for i, mb_set in enumerate(prepared):
         t0 = time.perf_counter()
         if train_policy:
@@ -395,6 +396,7 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
         busy_s += time.perf_counter() - t0
         if i == 0 and ctx.before_update is not None and train_policy:
             fence_s = ctx.before_update()
+            fenced_at = time.perf_counter()
         if train_policy:
             ctx.engine.step()
     mismatch = train_inference_mismatch(ctx, prepared)  # the proximal log-probs are set
@@ -410,6 +412,8 @@ def optimize(ctx: StepContext, groups: Sequence[GroupRecord]) -> StepResult:
     norm = ctx.engine.get_global_grad_norm() if train_policy else None
     extra: dict[str, Any] = {
         "publish_fence_s": fence_s,
+        # the step's work after that wait: serial with the weight send, which it waited for
+        "after_fence_s": time.perf_counter() - fenced_at if fenced_at is not None else None,
         "mismatch": mismatch,
         "drift_by_lag": drift,
         "rank_speeds": speeds,

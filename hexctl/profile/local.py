@@ -109,6 +109,7 @@ def profile_local(
         train_trim_tokens_per_s=train.trim_tokens_per_s,
         train_publish_s=train.publish_s,
         train_broadcast_s=train.broadcast_s,
+        train_after_send_s=train.after_send_s if train.publish_sync == "network" else None,
         train_checkpoint_s=train.checkpoint_s,
         reload_idle_s=gen.reload_idle_s,
         # the server's part; the trainer on a CPU gives nothing back (its threads sleep)
@@ -151,6 +152,7 @@ def profile_local(
         "train_trim_call_cpu_s": train.trim_call_cpu_s,
         "train_publish_sync": train.publish_sync,
         "train_broadcast_s": train.broadcast_s,
+        "train_after_send_s": train.after_send_s,
         "train_publish_s": train.publish_s,
         "train_checkpoint_s": train.checkpoint_s,
         "generation_efficiency": mine.generation_efficiency,

@@ -39,6 +39,10 @@ class TrainingRates:
     publish_sync: str = "disk"  # how the steps published: disk | network
     # over the network: seconds of a version's broadcast as the sender saw it (median)
     broadcast_s: float | None = None
+    # a publishing step's work after it waited for the last write (its optimizer update,
+    # the state dict, the hand-on of its own write), s (median): a send that outlasts
+    # the step's passes has the trainer's cycle at the send plus this
+    after_send_s: float | None = None
     # tokens/s in rounds whose steps each give the freed heap back to the OS after the
     # publish, as a trainer that shares its devices does (`areal_hex/heap.py`:
     # the trim, and the next step taking the pages again); by default timed on a CPU
@@ -321,15 +325,18 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     published: list[float] = []
     saved: list[float] = []
     broadcasts: list[float] = []
+    after_send: list[float] = []
     scratch = Path(tempfile.mkdtemp(prefix="areal-hex-profile-train-"))
     sink = receiver.sink(cfg.rollout.weight_sync_bucket_mb) if receiver is not None else None
     publisher = AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None, sink)
     ctx.before_update = publisher.wait  # the next step waits for the write, as the run's
 
-    def publish(version: int) -> None:
+    def publish(version: int, after_fence_s: float | None) -> None:
         t0 = time.perf_counter()
-        publisher.submit(version, full_state_dict(engine, t.zero_stage, 0) or {})
+        waited = publisher.submit(version, full_state_dict(engine, t.zero_stage, 0) or {})
         published.append(time.perf_counter() - t0)
+        if after_fence_s is not None:  # as the run's trainer counts it (`after_fence_s`)
+            after_send.append(after_fence_s + published[-1] - waited)
         if sink is not None and sink.last_sync_s > 0:  # the version before, now sent
             broadcasts.append(sink.last_sync_s)
 
@@ -350,10 +357,11 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
                 k += 1
                 groups = synthetic_groups(b, g, vocab, prompt_len, (lo, hi), seed=k, with_ref=ref)
                 c0, t0 = time.process_time(), time.perf_counter()
-                tokens = optimize(ctx, groups).num_tokens
+                result = optimize(ctx, groups)
+                tokens = result.num_tokens
                 step_s, step_cpu_s = time.perf_counter() - t0, time.process_time() - c0
                 if publishing and k % t.publish_every == 0:
-                    publish(k)
+                    publish(k, result.extra.get("after_fence_s"))
                 trim_s = trim_cpu_s = 0.0
                 if trim:
                     c0, t0 = time.process_time(), time.perf_counter()
@@ -395,6 +403,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         checkpoint_s=statistics.median(saved),
         publish_sync="network" if sink is not None else "disk",
         broadcast_s=statistics.median(broadcasts) if broadcasts else None,
+        after_send_s=statistics.median(after_send) if after_send else None,
         **_trim_figures(tokens_per_s, rounds, trimmed),
     )
 

@@ -110,6 +110,8 @@ def test_training_rounds_publish_over_the_network(tmp_path: Path) -> None:
     assert rates.publish_sync == "network"
     assert rates.tokens_per_s > 0 and rates.publish_s is not None
     assert rates.broadcast_s is not None and 0 < rates.broadcast_s < 30
+    # the step's update after its wait for the send, timed on the publishing steps
+    assert rates.after_send_s is not None and 0 < rates.after_send_s < 30
 
 
 def test_the_receiver_ends_when_the_profile_is_killed(tmp_path: Path) -> None:

@@ -304,6 +304,11 @@ def test_a_short_run_syncs_over_the_network(tmp_path: Path) -> None:
     run = tmp_path / "net"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
+    # from the second step on, each waited for the send before it: its time, and the
+    # step's work after that wait (serial with the sends)
+    for r in rows[1:]:
+        assert r["write_s"] is not None and 0 < r["write_s"] < 60, r
+        assert 0 <= r["write_delay_s"] < r["write_s"] + 1 and 0 < r["after_fence_s"] < 60, r
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v0"]  # nothing on disk
     last = json.loads((run / "rollout.jsonl").read_text().splitlines()[-1])
     assert last["weight_syncs_total"] == steps and last["servers_healthy"] == 1

@@ -300,11 +300,11 @@ def test_no_network_pause_ends_before_the_trainers_broadcast(tmp_path: Path) -> 
     from scheduler.trainers import cost_trainer
 
     cl, m, w = _priced(tmp_path, 20.0, "network")
-    prof = _profile(m.params, mem={"train_broadcast_s": 100.0})
+    prof = _profile(m.params, mem={"train_broadcast_s": 100.0, "train_after_send_s": 0.5})
     links = sync_on_topology(cl, m, w, "mem-0", ["mem-1"])[0]
     assert links < 100.0
     tr = cost_trainer(cl, m, w, (("mem", 1),), 1, prof)
-    assert tr is not None and tr.broadcast_s == 100.0
+    assert tr is not None and (tr.broadcast_s, tr.after_send_s) == (100.0, 0.5)
     layout = [("mem", 1)], TrainerLayout((("mem", 1),), 1)
     got = predict_layout(cl, m, w, prof, *layout, nodes=LayoutNodes("mem-0", ("mem-1",)))
     assert got.asynchronous.weight_sync_s == pytest.approx(100.0)
@@ -313,7 +313,7 @@ def test_no_network_pause_ends_before_the_trainers_broadcast(tmp_path: Path) -> 
     fast = cost_trainer(cl, m, w, (("fast", 1),), 1, prof)
     assert fast is not None and fast.broadcast_s == 0.0
     disk = cost_trainer(cl, m, w.model_copy(update={"weight_sync": "disk"}), (("mem", 1),), 1, prof)
-    assert disk is not None and disk.broadcast_s == 0.0
+    assert disk is not None and (disk.broadcast_s, disk.after_send_s) == (0.0, 0.0)
 
 
 def test_a_synchronous_network_update_is_priced_at_the_idle_network_pause(

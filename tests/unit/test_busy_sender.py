@@ -134,3 +134,44 @@ def test_a_placed_plan_is_priced_and_assessed_at_the_pauses_in_effect() -> None:
     # no send measured: the free pauses
     free = PlacementCost(step, 0.0, [0.09, 0.09], [], [0.15, 0.17], 0.0)
     assert [s for _, s, _ in paused_items(w, pl, free)] == pytest.approx([0.09, 0.09])
+
+
+def test_a_send_longer_than_the_step_sets_the_trainers_cycle_with_the_work_after_it() -> None:
+    """The trainer's update waits for the send of the weights it changes (they are live),
+    and the next send starts once the update is done: where the pause in effect (the
+    send: announce, pause, every bucket) plus the step's work after it
+    (`after_send_s`) outlasts the step, that sum is the cycle per publish."""
+    w = _workload()
+    k = w.publish_every * w.samples_per_step
+    # generation far ahead of everything: only the trainer and its sends can bind
+    items = [(_option(20_000.0), 0.09, 1)]
+    free_rate, _, _ = sender_bound_rate(w, 400.0, items, [0.09], 0.09)
+    assert free_rate == pytest.approx(400.0)  # a 0.09-s send within a 0.16-s step
+    rate, _, syncs = sender_bound_rate(w, 400.0, items, [0.25], 0.09, after_send_s=0.02)
+    assert rate < 400.0
+    assert rate * (max(syncs) + 0.02) == pytest.approx(k, rel=1e-6)  # the cycle binds
+    slower, _, _ = sender_bound_rate(w, 400.0, items, [0.25], 0.09, after_send_s=0.05)
+    assert slower < rate
+    # no send measured: nothing of this
+    assert sender_bound_rate(w, 400.0, items, [0.25], 0.0, 0.05)[0] == pytest.approx(400.0)
+
+
+def test_the_runs_prediction_and_the_planners_figure_both_take_the_send_cycle() -> None:
+    from scheduler.costmodel import TrainerOption
+    from scheduler.partition import Placement, PlacementCost
+    from scheduler.placing import placed_rate
+    from scheduler.predict import _asynchronous
+
+    w = _workload()
+    k = w.publish_every * w.samples_per_step
+    step = w.samples_per_step / 400.0
+    tr = TrainerOption(
+        "CPU", (("t", 1),), 1, 1, 0, step, step, 0.0, 0.0, 1.0, 400.0, 1.0,
+        broadcast_s=0.09, after_send_s=0.03,
+    )  # fmt: skip
+    opts = [_option(20_000.0)]
+    got = _asynchronous(w, None, opts, tr, [0.09], [None], [0.25])
+    assert got.pipeline_samples_per_s * (got.weight_sync_s + 0.03) == pytest.approx(k, rel=1e-6)
+    pl = Placement([("n-0", [0])], [(_option(20_000.0), "n-1", [0])])
+    cost = PlacementCost(step, 0.0, [0.09], [], [0.25], 0.09, 0.03)
+    assert placed_rate(w, pl, cost)[0] == pytest.approx(got.pipeline_samples_per_s, rel=1e-6)
