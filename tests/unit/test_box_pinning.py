@@ -60,3 +60,25 @@ def test_a_node_named_twice_is_placed_once() -> None:
 
 def test_taskset_form() -> None:
     assert cpu_list([0, 1]) == "0,1" and cpu_list([3]) == "3" and cpu_list([]) == ""
+
+
+def test_a_profiled_node_runs_on_its_cpu_and_its_record_is_json() -> None:
+    import json
+
+    from hexctl.box.emulate import BoxState, NodeState
+    from hexctl.box.profile import node_devices
+    from hexctl.profile.local import devices_record
+
+    node = NodeState(
+        name="k0-0", kind="k0", rack="a", netns="ahx-t-k0-0", address="10.0.0.2",
+        iface="ahx-t-n0", cgroup="/sys/fs/cgroup/cpu/x", cpu=0.3, max_running_requests=8,
+    )  # fmt: skip
+    state = BoxState(name="t", host_address="10.0.0.254", prefix_len=24,
+                     nodes={"k0-0": node}, cpu_check={})  # fmt: skip
+    dev = node_devices(state, "k0-0", memory_gb=8.0)
+    expected = pack([node])
+    assert dev.node_cpus == (set(expected["k0-0"]) if expected else None)
+    assert dev.node_prefix[7] == cpu_list(expected.get("k0-0", []))
+    assert dev.inference_cores is None and dev.trainer_cores is None  # the driver floats
+    record = json.loads(json.dumps(devices_record(dev)))
+    assert record["node_cpus"] == sorted(dev.node_cpus or [])
