@@ -31,14 +31,9 @@ import pulp
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
-from scheduler.costmodel import (
-    RolloutOption,
-    TrainerOption,
-    inflight_cap,
-    pipeline_rate,
-    weight_sync_s,
-)
+from scheduler.costmodel import RolloutOption, TrainerOption, inflight_cap, pipeline_rate
 from scheduler.model_shape import ModelShape
+from scheduler.sync_cost import weight_sync_s
 from scheduler.workload import Workload
 
 

@@ -26,17 +26,9 @@ from dataclasses import dataclass, field
 import pymetis
 
 from scheduler.cluster import Cluster, NodeGroup, machine_name
-from scheduler.costmodel import (
-    GB,
-    RolloutOption,
-    TrainerOption,
-    allreduce_s,
-    busy_sender_syncs,
-    sync_terms,
-    trained_models,
-    update_latency_s,
-)
+from scheduler.costmodel import GB, RolloutOption, TrainerOption, allreduce_s, trained_models
 from scheduler.model_shape import ModelShape
+from scheduler.sync_cost import busy_sender_syncs, sync_terms, update_latency_s
 from scheduler.topology import Topology, Transfer
 from scheduler.traffic import traffic_on_topology
 from scheduler.workload import Workload
@@ -63,7 +55,7 @@ class PlacementCost:
     # traffic (`traffic.traffic_on_topology`); empty: all of it
     gen_factors: list[float] = field(default_factory=list)
     # per rollout instance: its pause when the trainer trains while it sends
-    # (`costmodel.busy_sender_syncs`); empty: `sync_s`
+    # (`sync_cost.busy_sender_syncs`); empty: `sync_s`
     busy_sync_s: list[float] = field(default_factory=list)
     send_s: float = 0.0  # the trainer's send while it trains (`TrainerOption.broadcast_s`)
     after_send_s: float = 0.0  # its step's work after the send (`TrainerOption.after_send_s`)
@@ -370,7 +362,7 @@ def sync_on_topology(
 ) -> list[float]:
     """Each rollout instance's weight-sync pause (as `rollout_nodes`, one machine per
     instance) when the trainer's machine `writer` sends every rollout machine its copy at
-    once (`costmodel.sync_terms` for the mode), NICs and rack uplinks shared. `pauses`:
+    once (`sync_cost.sync_terms` for the mode), NICs and rack uplinks shared. `pauses`:
     each instance's own update pause where its kind's profile measured one
     (`RolloutOption.update_pause_s`), the latency of a link within the writer's zone in
     place of the zone's (a link across zones keeps its own)."""

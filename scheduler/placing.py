@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import Cluster
-from scheduler.costmodel import RolloutOption, scaled, sender_bound_rate
+from scheduler.costmodel import RolloutOption, scaled
 from scheduler.milp import PlanSpace, Solution, solution_for, solve
 from scheduler.model_shape import ModelShape
 from scheduler.partition import Placement, PlacementCost, evaluate, first_fit, place
 from scheduler.polish import polish
+from scheduler.sync_cost import sender_bound_rate
 from scheduler.workload import Workload
 
 # plans report rates to 4 significant decimals: a target equal to a reported reach is met
@@ -88,7 +89,7 @@ def placed_rate(w: Workload, pl: Placement, cost: PlacementCost) -> tuple[float,
     step and each instance's sync pause from the placement: R = min(t, Σh / (1 + Σ h·s /
     (kBG)), each instance's staleness window), instances whose pause share reaches 1
     generating nothing; where training binds, the pauses of a trainer that trains while
-    it sends (`costmodel.sender_bound_rate`)."""
+    it sends (`sync_cost.sender_bound_rate`)."""
     rate, gen, _ = _sender_bound(w, pl, cost)
     return rate, gen
 
@@ -109,7 +110,7 @@ def paused_items(
     w: Workload, pl: Placement, cost: PlacementCost
 ) -> list[tuple[RolloutOption, float, int]]:
     """`placed_items` with each instance's pause as the trainer's state at the placed rate
-    sets it (`costmodel.sender_bound_rate`)."""
+    sets it (`sync_cost.sender_bound_rate`)."""
     return _sender_bound(w, pl, cost)[2]
 
 

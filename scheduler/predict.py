@@ -22,20 +22,22 @@ from scheduler.costmodel import (
     GB,
     RolloutOption,
     TrainerOption,
-    busy_sender_syncs,
     decode_step_s,
     rollout_config,
     scaled,
-    sender_bound_rate,
-    sync_terms,
-    update_latency_s,
-    weight_sync_s,
 )
 from scheduler.lending import first_group_s, lent_options
 from scheduler.model_shape import ModelShape
 from scheduler.partition import copies_arrive_s, sync_on_topology
 from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
+from scheduler.sync_cost import (
+    busy_sender_syncs,
+    sender_bound_rate,
+    sync_terms,
+    update_latency_s,
+    weight_sync_s,
+)
 from scheduler.task_costs import placed_tasks_rate
 from scheduler.topology import Topology
 from scheduler.traffic import traffic_on_topology
@@ -196,7 +198,7 @@ def _syncs(
     nodes: LayoutNodes | None,
 ) -> list[float]:
     """Each instance's weight-sync pause per publish over the links, with its kind's own
-    update pause where profiled (`costmodel.update_latency_s`)."""
+    update pause where profiled (`sync_cost.update_latency_s`)."""
     if nodes is not None and Topology(cl).declared:
         pauses = [o.update_pause_s for o in opts]
         return sync_on_topology(cl, m, w, nodes.writer, list(nodes.rollout), pauses=pauses)
@@ -250,7 +252,7 @@ def _asynchronous(
     busy: list[float] | None = None,
 ) -> LayoutRates:
     """`busy`: each instance's pause when the trainer trains while it sends
-    (`costmodel.busy_sender_syncs`; None: `syncs`)."""
+    (`sync_cost.busy_sender_syncs`; None: `syncs`)."""
     if w.host_work == "rollout" and prof is not None and w.weight_sync == "disk":
         # the controller beside the servers: their reloads as the profile measured them
         measured = [prof.reload_shared_s(o.kind) for o in opts]

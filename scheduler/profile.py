@@ -114,7 +114,7 @@ class DeviceRates(Section):
     reload_overlap_s: float | None = Field(None, ge=0)
     reload_overlap_sync: Literal["disk", "network"] = "disk"
     # The same rounds' pause (their median), less the fixed seconds the cost model adds
-    # for that mode (`costmodel.sync_terms` at no latency): what an update of this kind
+    # for that mode (`sync_cost.sync_terms` at no latency): what an update of this kind
     # costs on a link within its zone, in place of the link's latency (the zone's is the
     # slowest kind's). Measured in `reload_overlap_sync`'s mode only; None: the link's.
     update_pause_s: float | None = Field(None, ge=0)

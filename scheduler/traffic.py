@@ -35,8 +35,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from scheduler.cluster import Cluster
-from scheduler.costmodel import GB, sync_terms
+from scheduler.costmodel import GB
 from scheduler.model_shape import ModelShape
+from scheduler.sync_cost import sync_terms
 from scheduler.topology import Resource, Topology, Transfer
 from scheduler.workload import Workload
 

@@ -186,10 +186,10 @@ def _pause_ms(
     load, from disk or over the network as the run will, about 20 updates a round; or
     `measured`: `reload_idle_network_s`, the same over the network with nothing in
     flight): the median pause, less the fixed seconds the cost model adds for that mode
-    (`costmodel.sync_terms` at no latency: each bucket's call over the network), so
+    (`sync_cost.sync_terms` at no latency: each bucket's call over the network), so
     that the link's latency plus them is the pause measured; None if not measured."""
-    from scheduler.costmodel import sync_terms
     from scheduler.model_shape import load_model_shape
+    from scheduler.sync_cost import sync_terms
     from scheduler.workload import load_workload
 
     pauses = gen.get(measured)

@@ -233,9 +233,10 @@ def test_a_run_on_a_box_prices_each_copy_of_the_weights_over_the_links_it_crosse
     """Network sync on racks: two servers behind one rack's uplink share it (each gets its
     own copy), so they wait for two copies' bytes over it; two servers beside the trainer
     wait for its NIC to send both. The run's prediction prices the plan's machines."""
-    from scheduler.costmodel import GB, sync_terms
+    from scheduler.costmodel import GB
     from scheduler.partition import sync_on_topology
     from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.sync_cost import sync_terms
 
     cl, m, w = _priced(tmp_path, 12.0, "network")
     nbytes, fixed = sync_terms(m, w, 0.012)
@@ -273,9 +274,9 @@ def test_each_kinds_own_update_pause_stands_for_the_zones_latency(tmp_path: Path
     rounds measured a pause of its own in the run's mode pays that one instead, on the
     plan's nodes (`update_pause_s` into `sync_on_topology`, which prices both the plan's
     placement and the run's prediction). Measured in the other mode, the zone's stands."""
-    from scheduler.costmodel import sync_terms
     from scheduler.partition import sync_on_topology
     from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.sync_cost import sync_terms
 
     cl, m, w = _priced(tmp_path, 60.0, "disk")
     zone = sync_on_topology(cl, m, w, "fast-0", ["fast-1", "mem-2"])
@@ -365,9 +366,10 @@ def test_an_idle_asynchronous_update_still_waits_for_its_copy_over_the_links(
     the kind's idle update in place of the link's in-flight latency, but each copy still
     crosses its links, so an instance behind a thin uplink pauses for its bytes over it
     (a one-kind plan with its trainer in rack a and an instance in rack b)."""
-    from scheduler.costmodel import GB, sync_terms
+    from scheduler.costmodel import GB
     from scheduler.partition import sync_on_topology
     from scheduler.predict import IDLE_AT_SLACK, LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.sync_cost import sync_terms
 
     cl, m, w = _priced(tmp_path, 20.0, "network")
     nodes = LayoutNodes("mem-2", ("mem-0", "mem-3"))
@@ -394,8 +396,8 @@ def test_the_links_latency_is_the_update_rounds_pause_in_the_runs_mode(tmp_path:
     other mode than the workload's, or none, leave the in-flight reload (None)."""
     from hexctl.box.profile import _pause_ms
     from hexctl.job.predict import LocalProfileFiles
-    from scheduler.costmodel import sync_terms
     from scheduler.model_shape import load_model_shape
+    from scheduler.sync_cost import sync_terms
     from scheduler.workload import load_workload
 
     root = Path(__file__).resolve().parents[2]
@@ -443,9 +445,9 @@ def test_disk_sync_on_a_box_crosses_no_link(tmp_path: Path) -> None:
     `profile --box` writes): a disk update costs the link's latency, the profiled pause
     with the read in it, wherever the servers sit; shared storage charges the bytes over
     the links as before."""
-    from scheduler.costmodel import sync_terms
     from scheduler.model_shape import load_model_shape
     from scheduler.partition import sync_on_topology
+    from scheduler.sync_cost import sync_terms
     from scheduler.workload import load_workload
 
     root = Path(__file__).resolve().parents[2]

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.costmodel import (
-    RolloutOption,
-    busy_sender_syncs,
-    pipeline_rate,
-    sender_bound_rate,
-)
+from scheduler.costmodel import RolloutOption, pipeline_rate
+from scheduler.sync_cost import busy_sender_syncs, sender_bound_rate
 from scheduler.workload import Workload
 
 

@@ -413,8 +413,8 @@ def test_a_synchronous_update_pauses_idle_servers_in_either_mode(tmp_path: Path)
     profile's idle reload; network sync for that pause once plus its buckets' fixed cost
     and bytes over the link, where the asynchronous run pays the in-flight pause (the
     zone's latency) instead."""
-    from scheduler.costmodel import weight_sync_s
     from scheduler.predict import TrainerLayout, predict_layout
+    from scheduler.sync_cost import weight_sync_s
 
     cl, m, w, prof = _local_cluster(tmp_path)
     prof.kinds["CPU"].reload_idle_s = 0.004

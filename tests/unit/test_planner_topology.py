@@ -9,10 +9,10 @@ import yaml
 
 from areal_hex.config import ConfigError
 from scheduler.cluster import ClusterSpec, load_cluster, make_cluster
-from scheduler.costmodel import weight_sync_s
 from scheduler.model_shape import load_model_shape
 from scheduler.partition import evaluate, first_fit, place
 from scheduler.planner import make_plan
+from scheduler.sync_cost import weight_sync_s
 from scheduler.topology import Topology, Transfer
 from scheduler.workload import load_workload
 

@@ -14,9 +14,9 @@ from areal_hex.buffer.codec import encode_group
 from areal_hex.record import Completion, GroupRecord
 from rollout_service import wire
 from scheduler.cluster import Cluster, ClusterSpec, make_cluster
-from scheduler.costmodel import sync_terms
 from scheduler.model_shape import ModelShape
 from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+from scheduler.sync_cost import sync_terms
 from scheduler.topology import Topology
 from scheduler.traffic import sample_bytes, share_left, traffic_on_topology
 from scheduler.workload import Workload

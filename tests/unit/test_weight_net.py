@@ -143,8 +143,8 @@ def test_cost_model_charges_the_mode_over_the_link(tmp_path: Path) -> None:
     import yaml
 
     from scheduler.cluster import load_cluster
-    from scheduler.costmodel import weight_sync_s
     from scheduler.model_shape import load_model_shape
+    from scheduler.sync_cost import weight_sync_s
     from scheduler.workload import Workload
 
     spec = {
