@@ -222,18 +222,15 @@ def _node(box: Box, node: BoxNode, cg_dir: Path) -> NodeState:
 
 
 # ---------------------------------------------------------------- inside a node
-def node_argv(node: NodeState, argv: list[str], cpus: str = "") -> list[str]:
+def node_argv(node: NodeState, argv: list[str]) -> list[str]:
     """`argv` run inside the node: the shell joins the node's cgroup and its accounting
     group, if any (its children inherit both), then `ip netns exec` replaces it in the
-    node's namespace; with `cpus` ("0" or "0,1", `hexctl/box/pinning.py`) through
-    `taskset -c`, so that it and its children run on those CPUs only."""
+    node's namespace."""
     script = (
         'echo $$ > "$1/cgroup.procs" && { [ -z "$3" ] || echo $$ > "$3/cgroup.procs"; } '
-        '&& ns="$2" && cpus="$4" && shift 4 && if [ -n "$cpus" ]; '
-        'then exec taskset -c "$cpus" ip netns exec "$ns" "$@"; '
-        'else exec ip netns exec "$ns" "$@"; fi'
+        '&& ns="$2" && shift 3 && exec ip netns exec "$ns" "$@"'
     )
-    return ["sh", "-c", script, "sh", node.cgroup, node.netns, node.acct, cpus, *argv]
+    return ["sh", "-c", script, "sh", node.cgroup, node.netns, node.acct, *argv]
 
 
 _BUSY = (

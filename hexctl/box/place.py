@@ -3,9 +3,8 @@ the trainer and each planned instance of a workflow task start inside their plan
 (namespace and CPU cgroup), each server bound to its node's address with its kind's batch
 limit and threads. A task the controller calls (role reference or reward_model) served by
 `areal-hex serve` is such a server too. Valkey and the controller stay in the launcher's
-namespace, the spine: the head node of the cluster. The nodes the run uses are pinned to
-their share of the machine's CPUs (`hexctl/box/pinning.py`); the head node floats. The
-addresses in the run's config are `hexctl/box/run_config.py`'s."""
+namespace, the spine: the head node of the cluster. The addresses in the run's config are
+`hexctl/box/run_config.py`'s."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import math
 
 from areal_hex.config import ExperimentConfig
 from hexctl.box.emulate import NodeState, load_state, node_argv
-from hexctl.box.pinning import cpu_list, pack
 from hexctl.job.layout import Layout
 from hexctl.launch.supervisor import ProcessSpec
 
@@ -23,8 +21,6 @@ def place_on_box(cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
     assert cfg.run.box is not None
     state = load_state(cfg.run.box)
     services = {s.name: s for s in layout.services}
-    used = [state.node(s.node_names[0]) for s in layout.services if s.node_names]
-    cpus = pack(used)
     for spec in specs:
         svc = services[spec.name]
         if not svc.node_names:
@@ -40,7 +36,7 @@ def place_on_box(cfg: ExperimentConfig, layout: Layout, specs: list[ProcessSpec]
         if svc.role == "inference" or _serves(cfg, svc.task, command):
             at = command.index("serve") + 2  # after the config path: overrides
             command[at:at] = server_overrides(node, reward_model="--reward-model" in command)
-        spec.command = node_argv(node, command, cpu_list(cpus.get(node.name, [])))
+        spec.command = node_argv(node, command)
 
 
 def server_overrides(node: NodeState, reward_model: bool = False) -> list[str]:

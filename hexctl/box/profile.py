@@ -32,7 +32,6 @@ import yaml
 from areal_hex.config import ExperimentConfig
 from areal_hex.config.base import load_yaml_text
 from hexctl.box.emulate import BoxState, node_argv
-from hexctl.box.pinning import cpu_list, pack
 from hexctl.box.second_sitting import combine, sit_again
 from hexctl.box.spec import Box
 from hexctl.box.speed import node_speed
@@ -54,7 +53,6 @@ BOX_MIN_DECODE_S = 2.0
 def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
     n = state.node(node)
     threads = max(1, math.ceil(n.cpu))  # more threads than the quota only contend
-    cpus = pack([n]).get(node, [])  # on its own CPU, as a run pins the nodes it uses
     return LocalDevices(
         kind="CPU",  # profiled as a CPU device; `_merge` files it under the node's kind
         device="cpu",
@@ -64,10 +62,9 @@ def node_devices(state: BoxState, node: str, memory_gb: float) -> LocalDevices:
         inference_threads=threads,
         trainer_threads=threads,
         memory_gb=memory_gb,
-        node_prefix=node_argv(n, [], cpu_list(cpus)),
+        node_prefix=node_argv(n, []),
         address=n.address,
         cgroup=n.cgroup,
-        node_cpus=set(cpus) or None,
         netns=n.netns,
         repeats=BOX_REPEATS,
         min_window_s=BOX_MIN_WINDOW_S,

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 from hexctl.box.emulate import NodeState
-from hexctl.box.pinning import cpu_list, pack
 
 # the box job's own work in miniature: a 2-layer transformer block's forward (attention
 # and MLP, hidden 64, 8 sequences of 40 tokens) in torch on one thread. It imports torch
@@ -29,8 +28,6 @@ _WORK = (
     "step(x)\n"
     "if len(sys.argv)>2:\n"
     "    open(os.path.join(sys.argv[2],'cgroup.procs'),'w').write(str(os.getpid()))\n"
-    "    if len(sys.argv)>3 and sys.argv[3]:\n"
-    "        os.sched_setaffinity(0,[int(c) for c in sys.argv[3].split(',')])\n"
     "    time.sleep(0.05)\n"
     "w0,n=time.monotonic(),0\n"
     "while time.monotonic()-w0<float(sys.argv[1]):\n"
@@ -46,10 +43,9 @@ def node_speed(nodes: list[NodeState], seconds: float = 1.5) -> dict[str, float 
     such work under it, which a sample outside every quota does not see (`bench host`),
     nor did a pure Python loop under it. None for a node whose sample failed (a speed
     sample is a reading beside a run, not a reason to stop it)."""
-    cpus = pack(nodes)  # each on its CPUs, as a run pins the nodes it uses
     procs = {
         n.name: subprocess.Popen(
-            [sys.executable, "-c", _WORK, str(seconds), n.cgroup, cpu_list(cpus.get(n.name, []))],
+            [sys.executable, "-c", _WORK, str(seconds), n.cgroup],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -88,13 +88,12 @@ def _exec(args: argparse.Namespace) -> int:
 
     from areal_hex.errors import UsageError
     from hexctl.box import emulate as box
-    from hexctl.box.pinning import cpu_list, pack
 
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise UsageError("no command given: areal-hex box exec BOX NODE -- COMMAND ...")
     node = box.load_state(_box_name(args.box)).node(args.node)
-    full = box.node_argv(node, argv, cpu_list(pack([node]).get(node.name, [])))
+    full = box.node_argv(node, argv)
     os.execvp(full[0], full)
 
 

@@ -37,7 +37,6 @@ class LocalDevices:
     node_prefix: list[str] = field(default_factory=list)
     address: str = "127.0.0.1"
     cgroup: str | None = None
-    node_cpus: set[int] | None = None  # the CPUs a box node is pinned to (its processes')
     netns: str | None = None  # its network namespace (`ip netns` name)
     # Timings repeated (medians of), and the shortest measured window of a continuous
     # load, s: a box node's quota throttles every 10 ms, so its figures need more and

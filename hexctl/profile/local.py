@@ -137,8 +137,12 @@ def profile_local(
     # the run's answers priced at the length they will have on average (`lengths.py`)
     run_lengths = workload_for(cfg, gen, run_length=True)
     files.workload.write_text(yaml.safe_dump(run_lengths, sort_keys=False))
+    cores = {
+        "inference_cores": sorted(dev.inference_cores or []),
+        "trainer_cores": sorted(dev.trainer_cores or []),
+    }
     measured = {
-        "devices": devices_record(dev),
+        "devices": {**dev.__dict__, **cores},
         "generation": gen.__dict__,
         "train_tokens_per_s": train.tokens_per_s,
         "train_sync_tokens_per_s": train.quiet_tokens_per_s,
@@ -159,12 +163,6 @@ def profile_local(
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files
-
-
-def devices_record(dev: LocalDevices) -> dict[str, Any]:
-    """The devices a profile timed on, as `measured.json` keeps them (core sets as lists)."""
-    sets = ("inference_cores", "trainer_cores", "node_cpus")
-    return {**dev.__dict__, **{k: sorted(getattr(dev, k) or []) for k in sets}}
 
 
 def cluster_spec(

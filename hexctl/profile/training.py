@@ -173,8 +173,6 @@ def _measure_training(job: _TrainingJob) -> TrainingRates:
         receiver = stack.enter_context(WeightReceiver()) if job.network else None
         if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
             Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
-            if dev.node_cpus:  # and runs on its CPUs, as the node's processes do
-                os.sched_setaffinity(0, dev.node_cpus)
         stack.enter_context(pinned(dev.trainer_cores, dev.trainer_threads))
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         from trainer_service.engine import init_single_rank

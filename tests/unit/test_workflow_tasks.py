@@ -151,7 +151,7 @@ def test_the_box_starts_each_instance_in_its_planned_node(
 
     monkeypatch.setattr("hexctl.box.place.load_state", lambda name: State())
     monkeypatch.setattr(
-        "hexctl.box.place.node_argv", lambda node, argv, cpus="": ["in-node", node.name, *argv]
+        "hexctl.box.place.node_argv", lambda node, argv: ["in-node", node.name, *argv]
     )
     cfg = _with_task().model_copy(deep=True)
     cfg.run.box, cfg.run.run_id, cfg.run.output_dir = "t", "r", str(tmp_path)
