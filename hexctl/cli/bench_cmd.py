@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _runner(fn: Callable[[argparse.Namespace], dict[str, Any]]) -> Callable[..., int]:
     def run(args: argparse.Namespace) -> int:
         from hexctl.bench import BenchFailed
+        from hexctl.profile.controller import ProfileFailed
 
         out = sys.stdout
         # --json: the object alone on stdout; whatever the bench's own code and the
@@ -62,7 +63,7 @@ def _runner(fn: Callable[[argparse.Namespace], dict[str, Any]]) -> Callable[...,
         try:
             with quiet:
                 result = fn(args)
-        except BenchFailed as exc:  # still one JSON object, and what failed on stderr
+        except (BenchFailed, ProfileFailed) as exc:  # one JSON object, what failed on stderr
             print(json.dumps({"bench": args.bench, "error": str(exc)}, sort_keys=True), file=out)
             print(f"areal-hex bench {args.bench}: failed: {exc}", file=sys.stderr)
             return 1

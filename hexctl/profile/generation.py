@@ -42,6 +42,7 @@ from rollout_service.client import GenerationError
 WAVE_TIMEOUT_S = 600.0  # one timed call to the server, at most
 IDLE_UPDATES = 9  # a synchronous run's network updates timed on a box node
 SERVER_LOG_LINES = 15  # of the server's log, in the error when a profile cannot go on
+SERVER_START_S = 180.0  # a profile's server loads its model and answers /health within this
 MAX_DECODE_PAIRS = 60  # pairs of waves per decode step, at most, with a min_decode_s
 ANSWERED_PROMPTS = 16  # prompts whose G answers' lengths (and rewards) the profile takes
 
@@ -207,8 +208,10 @@ def server_process(
             stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
+        url = f"http://{dev.address}:{port}"
         try:
-            yield f"http://{dev.address}:{port}", proc.pid
+            wait_serving(proc, url)
+            yield url, proc.pid
         except (ProfileFailed, GenerationError) as exc:
             # the profile cannot go on without its server: what the server said last
             tail = log_path.read_text(errors="replace").splitlines()[-SERVER_LOG_LINES:]
@@ -216,6 +219,26 @@ def server_process(
             raise ProfileFailed(f"{exc}\nthe server's last log lines:\n{lines}") from exc
         finally:
             stop_process(proc)
+
+
+def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float = SERVER_START_S) -> None:
+    """Until the server at `url` answers `/health`; a server that exits first (an import
+    error, a bad config, a device it cannot use) fails the profile at once, not after
+    `timeout_s` of waiting on a dead process."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise ProfileFailed(f"the inference server exited (code {code}) before it served")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise ProfileFailed(f"the inference server at {url} did not serve within {timeout_s:.0f} s")
 
 
 class _Driver:
