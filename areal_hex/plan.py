@@ -273,7 +273,7 @@ class Plan(Section):
 
 
 def load_plan(path: str | Path) -> Plan:
-    return build(Plan, read_yaml(path), str(path))
+    return build(Plan, read_yaml(path), str(path), "plan")
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:

@@ -121,7 +121,7 @@ class Cluster:
 
 
 def load_cluster(path: str | Path) -> Cluster:
-    spec = build(ClusterSpec, read_yaml(path), str(path))
+    spec = build(ClusterSpec, read_yaml(path), str(path), "cluster")
     return make_cluster(spec, str(path))
 
 

@@ -365,7 +365,7 @@ class Profile(Section):
 
 
 def load_profile(path: str | Path, model_params: int | None = None) -> Profile:
-    prof = build(Profile, read_yaml(path), str(path))
+    prof = build(Profile, read_yaml(path), str(path), "profile")
     if model_params is not None and prof.params != model_params:
         raise ConfigError(
             f"{path}: profile was measured for {prof.model!r} ({prof.params:,} parameters) "

@@ -170,7 +170,7 @@ class Workload(Section):
 def load_workload(path: str | Path | None) -> Workload:
     if path is None:
         return Workload()
-    w = build(Workload, read_yaml(path), str(path))
+    w = build(Workload, read_yaml(path), str(path), "workload")
     if w.max_response_tokens < w.response_tokens:
         raise ConfigError(
             f"{path}: max_response_tokens ({w.max_response_tokens}) must be >= "

@@ -90,9 +90,10 @@ def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
 
 
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    """One line per problem: `source: field.path: message (got value)`."""
-    lines = [f"invalid config ({source}):"]
+def format_validation_error(exc: ValidationError, source: str, what: str = "config") -> str:
+    """One line per problem: `source: field.path: message (got value)`, under `invalid
+    {what} ({source}):` (what the file is: a config, a box, a plan, ...)."""
+    lines = [f"invalid {what} ({source}):"]
     errors = exc.errors()
     if len(errors) > SHOWN_ERRORS:
         lines[0] += f" {len(errors)} problems, the first {SHOWN_ERRORS}:"
@@ -195,11 +196,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build(model: type[T], data: dict[str, Any], source: str) -> T:
+def build(model: type[T], data: dict[str, Any], source: str, what: str = "config") -> T:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, source, what)) from None
 
 
 def dump_yaml(model: BaseModel) -> str:

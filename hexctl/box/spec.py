@@ -111,7 +111,7 @@ class Box:
 
 
 def load_box(path: str | Path) -> Box:
-    spec = build(BoxSpec, read_yaml(path), str(path))
+    spec = build(BoxSpec, read_yaml(path), str(path), "box")
     return make_box(spec, str(path))
 
 

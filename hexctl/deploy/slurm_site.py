@@ -136,4 +136,4 @@ def megabytes(size: str) -> int:
 
 
 def load_site(path: str | Path) -> SiteConfig:
-    return build(SiteConfig, read_yaml(path), str(path))
+    return build(SiteConfig, read_yaml(path), str(path), "Slurm site")

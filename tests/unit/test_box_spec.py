@@ -72,8 +72,9 @@ def test_nodes_follow_the_host_file_numbering(tmp_path: Path) -> None:
     ],
 )
 def test_bad_boxes_name_the_field(tmp_path: Path, change: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as got:
         load_box(_write(tmp_path, **change))
+    assert str(got.value).startswith("invalid box (")  # the file is called what it is
 
 
 def test_the_shipped_boxes_and_their_job_load() -> None:
