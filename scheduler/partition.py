@@ -29,7 +29,7 @@ from scheduler.cluster import Cluster, NodeGroup, machine_name
 from scheduler.costmodel import GB, RolloutOption, TrainerOption, allreduce_s, trained_models
 from scheduler.model_shape import ModelShape
 from scheduler.sync_cost import busy_sender_syncs, sync_terms, update_latency_s
-from scheduler.topology import Topology, Transfer
+from scheduler.topology import Topology
 from scheduler.traffic import traffic_on_topology
 from scheduler.workload import Workload
 
@@ -298,6 +298,9 @@ def mapped(
             rollout.append((rc, *ms.instance(rc, prefer)))
     cut = sum(bps for (a, b), bps in edges.items() if assign[a] != assign[b]) / GB
     order = [slot for _, slot in sorted(trainer, key=lambda r: r[0])]
+    if w.weight_sync == "network":  # the servers' ranks in the broadcast: the plan's order
+        ranked = topo.tree_order(order[0][0], [node for _, node, _ in rollout])
+        rollout = [rollout[i] for i in ranked]
     return Placement(order, rollout, "metis", cut)
 
 
@@ -345,7 +348,8 @@ def evaluate(
     rates = [opt.samples_per_s for opt, _, _ in pl.rollout]
     tc = traffic_on_topology(cl, m, w, machines[0], nodes, rates, w.samples_per_step / step, topo)
     step = tc.step_s(step, w.publish_every)
-    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], machines[0], nodes)
+    tree = w.weight_sync == "network"
+    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], machines[0], nodes, tree)
     busy = busy_sender_syncs(w, sync, arrive, c.broadcast_s)
     sync = [max(s, c.broadcast_s) for s in sync]
     return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s, c.after_send_s)
@@ -374,15 +378,16 @@ def sync_on_topology(
     for node in machines:
         latency = update_latency_s(cl, wz, topo.machines[node].zone, own[node])
         out[node] = sync_terms(m, w, latency)
-    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], writer, rollout_nodes)
+    tree = w.weight_sync == "network"
+    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], writer, rollout_nodes, tree)
     return [out[node][1] + a for node, a in zip(rollout_nodes, arrive, strict=True)]
 
 
-def copies_arrive_s(topo: Topology, nbytes: float, writer: str, nodes: list[str]) -> list[float]:
-    """Seconds until each rollout instance's copy of `nbytes` (one per machine of
-    `nodes`) has arrived from `writer`, every copy sent at once over shared NICs and
-    uplinks: the bytes part of `sync_on_topology`'s pauses."""
-    machines = sorted(set(nodes))
-    done = topo.finish_s([Transfer(writer, node, nbytes) for node in machines])
-    arrive = dict(zip(machines, done, strict=True))
-    return [arrive[node] for node in nodes]
+def copies_arrive_s(
+    topo: Topology, nbytes: float, writer: str, nodes: list[str], tree: bool = False
+) -> list[float]:
+    """Seconds until each rollout instance's copy of `nbytes` has arrived from `writer`
+    over shared NICs and uplinks (`Topology.copies_s`): every copy sent at once, or with
+    `tree` (over the network) as the trainer's broadcast sends them. The bytes part of
+    `sync_on_topology`'s pauses."""
+    return topo.copies_s(writer, nodes, nbytes, tree)

@@ -113,6 +113,45 @@ class Topology:
             out.append(max(t.bytes / bw, worst) / GB)
         return out
 
+    def copies_s(self, writer: str, nodes: list[str], nbytes: float, tree: bool) -> list[float]:
+        """Seconds until each of `nodes` (one per receiver, in rank order) holds a copy of
+        `nbytes` from `writer`. Without `tree`, the writer sends every machine its copy at
+        once. With `tree`, the copies go as gloo's broadcast sends them (`gloo::broadcast`,
+        which torch's gloo process group runs): a binomial tree over the ranks, the writer
+        rank 0 and `nodes[i]` rank 1 + i. In round r, every rank below 2^r that holds the
+        copy sends it to the rank 2^r above it; rank 0 queues all its sends at once (its
+        ceil(log2(ranks)) copies share its links), and any other rank forwards once its own
+        copy has arrived. A round's forwards start together when the last of their senders
+        has the copy."""
+        if not tree:
+            machines = sorted(set(nodes))
+            done = self.finish_s([Transfer(writer, node, nbytes) for node in machines])
+            arrive = dict(zip(machines, done, strict=True))
+            return [arrive[node] for node in nodes]
+        ranks = [writer, *nodes]
+        pairs = broadcast_tree(len(ranks))
+        have = {0: 0.0}
+        root = [(src, dst) for _, src, dst in pairs if src == 0]
+        done = self.finish_s([Transfer(writer, ranks[dst], nbytes) for _, dst in root])
+        have.update({dst: t for (_, dst), t in zip(root, done, strict=True)})
+        for r in sorted({r for r, src, _ in pairs if src != 0}):
+            hops = [(src, dst) for rr, src, dst in pairs if rr == r and src != 0]
+            start = max(have[src] for src, _ in hops)
+            done = self.finish_s([Transfer(ranks[src], ranks[dst], nbytes) for src, dst in hops])
+            have.update({dst: start + t for (_, dst), t in zip(hops, done, strict=True)})
+        return [have[i] for i in range(1, len(ranks))]
+
+    def tree_order(self, writer: str, nodes: list[str]) -> list[int]:
+        """An order of `nodes` (indices) as broadcast ranks 1, 2, ... for `copies_s`'
+        tree: grouped by switch domain, the writer's own first, the others as they first
+        appear. A binomial tree's subtrees are runs of consecutive ranks, so grouped
+        ranks forward inside their rack and each other rack's copy crosses its uplink
+        about once."""
+        first: dict[str, int] = {self.machines[writer].domain: -1}
+        for i, node in enumerate(nodes):
+            first.setdefault(self.machines[node].domain, i)
+        return sorted(range(len(nodes)), key=lambda i: (first[self.machines[nodes[i]].domain], i))
+
     def ring_s(self, machines: list[str], bytes_per_machine: float) -> float:
         """One pass of a ring over `machines` (in ring order), each sending
         `bytes_per_machine` to the next: the slowest hop, with shared links counted."""
@@ -130,3 +169,15 @@ class Topology:
         for i, m in enumerate(machines):
             first.setdefault(self.machines[m].domain, i)
         return sorted(machines, key=lambda m: (first[self.machines[m].domain], machines.index(m)))
+
+
+def broadcast_tree(ranks: int) -> list[tuple[int, int, int]]:
+    """(round, sender, receiver) of a binomial-tree broadcast from rank 0 over `ranks`
+    ranks, as gloo runs it: in round r, rank v < 2^r sends to v + 2^r where that rank
+    exists."""
+    out = []
+    r = 0
+    while (1 << r) < ranks:
+        out += [(r, v, v + (1 << r)) for v in range(1 << r) if v + (1 << r) < ranks]
+        r += 1
+    return out

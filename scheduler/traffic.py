@@ -20,9 +20,10 @@ rate the pipeline can run:
   (`costmodel.pipeline_rate`), and outside it the links are the requests' and responses';
 - training: rank 0 reads the step's B·G records before it trains, so the read adds to
   the step (`read_s`);
-- over the network (`rollout.weight_sync=network`), rank 0 sends every version to every
-  server and the next optimizer update waits for the send: a trainer step is no shorter
-  than the send over the slowest path (`broadcast_s`, per publish).
+- over the network (`rollout.weight_sync=network`), every version reaches every server
+  by the trainer's broadcast (a binomial tree: `Topology.copies_s`) and the next
+  optimizer update waits for the send: a trainer step is no shorter than the broadcast
+  (`broadcast_s`, per publish).
 
 Only a cluster that declares racks or NICs places the head anywhere that matters; on any
 other the flows are not priced (a zone's links are GB/s against KB per sample).
@@ -38,7 +39,7 @@ from scheduler.cluster import Cluster
 from scheduler.costmodel import GB
 from scheduler.model_shape import ModelShape
 from scheduler.sync_cost import sync_terms
-from scheduler.topology import Resource, Topology, Transfer
+from scheduler.topology import Resource, Topology
 from scheduler.workload import Workload
 
 
@@ -178,13 +179,13 @@ def _read_s(
 def _broadcast_s(
     topo: Topology, m: ModelShape, w: Workload, writer: str, rollout_nodes: list[str]
 ) -> float:
-    """Over the network: rank 0's send of one version to every rollout machine at once,
-    until the slowest copy has arrived, and each bucket's call; 0 from disk."""
+    """Over the network: rank 0's send of one version to every rollout instance as its
+    broadcast sends it (`Topology.copies_s`), until the last copy has arrived, and each
+    bucket's call; 0 from disk."""
     if w.weight_sync != "network":
         return 0.0
     c = w.constants
     nbytes = sync_terms(m, w, 0.0)[0]
-    machines = sorted(set(rollout_nodes))
-    done = topo.finish_s([Transfer(writer, node, nbytes) for node in machines])
+    done = topo.copies_s(writer, rollout_nodes, nbytes, tree=True)
     buckets = math.ceil(nbytes / (c.weight_sync_bucket_mb * 2**20))
     return max(done, default=0.0) + buckets * c.weight_sync_bucket_overhead_ms / 1e3

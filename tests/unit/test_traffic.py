@@ -236,3 +236,66 @@ def test_a_capped_instance_is_slower_in_both_modes() -> None:
     assert thin.asynchronous.generation_samples_per_s <= cap * (1 + 1e-6)
     assert fat.asynchronous.generation_samples_per_s > 3 * cap
     assert thin.synchronous.pipeline_samples_per_s < fat.synchronous.pipeline_samples_per_s / 2
+
+
+def test_broadcast_tree_is_gloos_binomial_tree() -> None:
+    from scheduler.topology import broadcast_tree
+
+    assert broadcast_tree(1) == []
+    assert broadcast_tree(2) == [(0, 0, 1)]
+    assert broadcast_tree(4) == [(0, 0, 1), (1, 0, 2), (1, 1, 3)]
+    five = broadcast_tree(5)
+    assert five == [(0, 0, 1), (1, 0, 2), (1, 1, 3), (2, 0, 4)]
+    # every rank gets the copy once, rank 0 sends ceil(log2(ranks)) of them
+    for n in range(2, 17):
+        pairs = broadcast_tree(n)
+        assert sorted(dst for _, _, dst in pairs) == list(range(1, n))
+        assert sum(src == 0 for _, src, _ in pairs) == (n - 1).bit_length()
+
+
+def test_a_broadcast_to_three_servers_sends_two_copies_over_a_thin_uplink() -> None:
+    """Rank 0 behind a thin uplink, three servers in the other rack: gloo's tree sends
+    ranks 1 and 2 their copies over the uplink and rank 1 forwards rank 3's inside its
+    rack, so the last copy arrives after two copies' time, not three."""
+    from scheduler.topology import Transfer
+
+    group = {"gpus_per_node": 1, "zone": "box", "intra_node": {"kind": "pcie", "bandwidth_gbs": 10}}
+    spec = {
+        "name": "t",
+        "zones": [{"name": "box", "region": "box", "inter_node_bandwidth_gbs": 1000 * MBIT}],
+        "node_groups": [
+            {**group, "name": "fast", "gpu": "l4", "nodes": 1, "usd_per_gpu_hour": 3.0},
+            {**group, "name": "mem", "gpu": "l4", "nodes": 3, "usd_per_gpu_hour": 1.0},
+        ],
+        "racks": [
+            {"name": "a", "uplink_gbs": 4 * MBIT, "members": [{"group": "fast", "count": 1}]},
+            {"name": "b", "uplink_gbs": 100 * MBIT, "members": [{"group": "mem", "count": 3}]},
+        ],
+    }
+    topo = Topology(make_cluster(ClusterSpec.model_validate(spec)))
+    nodes = ["mem-0", "mem-1", "mem-2"]
+    nbytes = 500_000.0
+    one = topo.finish_s([Transfer("fast-0", "mem-0", nbytes)])[0]  # a copy alone
+    tree = topo.copies_s("fast-0", nodes, nbytes, tree=True)
+    flat = topo.copies_s("fast-0", nodes, nbytes, tree=False)
+    assert max(flat) == pytest.approx(3 * one)
+    assert tree[0] == pytest.approx(2 * one) and tree[1] == pytest.approx(2 * one)
+    assert 2 * one < tree[2] < 2.2 * one  # then a hop inside rack b at 1000 Mbit/s
+    # the trainer's send over the network is the tree's
+    net = W.model_copy(update={"weight_sync": "network"})
+    tc = traffic_on_topology(topo.cl, TINY, net, "fast-0", nodes, [10.0] * 3, 1e4, topo)
+    buckets_s = net.constants.weight_sync_bucket_overhead_ms / 1e3
+    sent = sync_terms(TINY, net, 0.0)[0]
+    assert tc.broadcast_s == pytest.approx(
+        max(topo.copies_s("fast-0", nodes, sent, True)) + buckets_s
+    )
+
+
+def test_the_plan_orders_its_servers_for_the_tree() -> None:
+    """Servers grouped by rack, the trainer's rack first: a server in another rack goes
+    after those beside the trainer, which take the root's cheap copies; the test suite's
+    thin-box plan b (tests/unit/test_task_scoring.py) is the planner's case."""
+    topo = Topology(_cluster(8, 8))  # fast-0 in rack a; mem-0, mem-1 in rack b
+    assert topo.tree_order("fast-0", ["mem-1", "mem-0"]) == [0, 1]
+    assert topo.tree_order("mem-0", ["fast-0", "mem-1"]) == [1, 0]  # own rack first
+    assert topo.tree_order("mem-0", ["fast-0", "mem-1", "fast-0"]) == [1, 0, 2]
