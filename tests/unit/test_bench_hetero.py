@@ -75,11 +75,21 @@ def test_the_planners_figure_beside_the_runs_prediction() -> None:
     assert out["figures"] == {
         "predictions_within_15pct": 2,
         "predictions_counted": 4,
+        "at_box_speed_within_15pct": 0,
+        "at_box_speed_counted": 0,
         "planner_figures_within_20pct": 2,
         "planner_figures_counted": 3,
         "not_the_plan": [],
     }
     assert figure_counts({"x": {"error": None, "plan_error": None}})["predictions_counted"] == 0
+    # at the kinds' speed around each run, where sampled, counted beside them
+    sped = {k: {**p, "at_box_speed": {"error": e}} for (k, p), e in
+            zip(out["plans"].items(), [0.05, 0.16, None, -0.15], strict=True)}  # fmt: skip
+    counts = figure_counts(sped)
+    assert (counts["at_box_speed_within_15pct"], counts["at_box_speed_counted"]) == (2, 3)
+    assert figures_table({**out, "plans": sped, "figures": counts}).splitlines()[-1] == (
+        "runs' predictions at the kinds' speed around each run within 15%: 2 of 3"
+    )
     table = figures_table(out).splitlines()
     assert table[1].split()[:3] == ["a", "async", "100.0"]
     assert "115.0 (+15.0 %)" in table[1] and "118.0 (+18.0 %)" in table[1]
@@ -104,6 +114,8 @@ def test_a_run_without_all_its_servers_is_flagged_and_not_counted() -> None:
     assert out["figures"] == {
         "predictions_within_15pct": 2,
         "predictions_counted": 3,
+        "at_box_speed_within_15pct": 0,
+        "at_box_speed_counted": 0,
         "planner_figures_within_20pct": 2,
         "planner_figures_counted": 2,
         "not_the_plan": ["c"],

@@ -253,14 +253,22 @@ def ran_plan(block: dict[str, Any]) -> bool | None:
 
 def figure_counts(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """How many runs' re-priced predictions are within `RUN_WITHIN` of the measured rate
-    and how many of the planner's figures within `PLANNER_WITHIN`, each of those with
-    an error to count, from runs that ran their plan; the others in `not_the_plan`."""
+    (also at the kinds' speed around the run, where sampled) and how many of the
+    planner's figures within `PLANNER_WITHIN`, each of those with an error to count, from
+    runs that ran their plan; the others in `not_the_plan`."""
     ran = [p for p in plans.values() if p.get("ran_plan") is not False]
     runs = [p["error"] for p in ran if p.get("error") is not None]
     own = [p["plan_error"] for p in ran if p.get("plan_error") is not None]
+    speeds = [(p.get("at_box_speed") or {}).get("error") for p in ran]
+    at_speed = [e for e in speeds if e is not None]
     return {
         "predictions_within_15pct": sum(abs(e) <= RUN_WITHIN for e in runs),
         "predictions_counted": len(runs),
+        # the same predictions at the kinds' speed sampled around each run
+        # (`at_box_speed`): what the model gives once the machine's drift since the
+        # profile is taken out
+        "at_box_speed_within_15pct": sum(abs(e) <= RUN_WITHIN for e in at_speed),
+        "at_box_speed_counted": len(at_speed),
         "planner_figures_within_20pct": sum(abs(e) <= PLANNER_WITHIN for e in own),
         "planner_figures_counted": len(own),
         "not_the_plan": [k for k, p in plans.items() if p.get("ran_plan") is False],
@@ -305,6 +313,11 @@ def figures_table(summary: dict[str, Any]) -> str:
         f"{c['predictions_counted']}; planner's figures within {PLANNER_WITHIN:.0%}: "
         f"{c['planner_figures_within_20pct']} of {c['planner_figures_counted']}"
     )
+    if c.get("at_box_speed_counted"):
+        lines.append(
+            f"runs' predictions at the kinds' speed around each run within {RUN_WITHIN:.0%}: "
+            f"{c['at_box_speed_within_15pct']} of {c['at_box_speed_counted']}"
+        )
     for label, p in summary["plans"].items():
         held = (p.get("cpu_delivered_summary") or {}).get("held_back_in_rounds")
         if held:
