@@ -34,16 +34,16 @@ W = Workload(
 MBIT = 1 / 8000  # GB/s
 
 
-def _cluster(up_a: float | None, up_b: float | None) -> Cluster:
-    """fast-0 in rack a, mem-0 and mem-1 in rack b, 1000 Mbit/s NICs; uplinks in Mbit/s
-    (None: no racks)."""
+def _cluster(up_a: float | None, up_b: float | None, mem: int = 2) -> Cluster:
+    """fast-0 in rack a, `mem` nodes mem-0, mem-1, ... in rack b, 1000 Mbit/s NICs;
+    uplinks in Mbit/s (None: no racks)."""
     group = {"gpus_per_node": 1, "zone": "box", "intra_node": {"kind": "pcie", "bandwidth_gbs": 10}}
     spec = {
         "name": "t",
         "zones": [{"name": "box", "region": "box", "inter_node_bandwidth_gbs": 1000 * MBIT}],
         "node_groups": [
             {**group, "name": "fast", "gpu": "l4", "nodes": 1, "usd_per_gpu_hour": 3.0},
-            {**group, "name": "mem", "gpu": "l4", "nodes": 2, "usd_per_gpu_hour": 1.0},
+            {**group, "name": "mem", "gpu": "l4", "nodes": mem, "usd_per_gpu_hour": 1.0},
         ],
     }
     if up_a is not None and up_b is not None:
@@ -51,7 +51,7 @@ def _cluster(up_a: float | None, up_b: float | None) -> Cluster:
             g["nic_gbs"] = 1000 * MBIT
         spec["racks"] = [
             {"name": "a", "uplink_gbs": up_a * MBIT, "members": [{"group": "fast", "count": 1}]},
-            {"name": "b", "uplink_gbs": up_b * MBIT, "members": [{"group": "mem", "count": 2}]},
+            {"name": "b", "uplink_gbs": up_b * MBIT, "members": [{"group": "mem", "count": mem}]},
         ]
     return make_cluster(ClusterSpec.model_validate(spec))
 
@@ -259,20 +259,7 @@ def test_a_broadcast_to_three_servers_sends_two_copies_over_a_thin_uplink() -> N
     rack, so the last copy arrives after two copies' time, not three."""
     from scheduler.topology import Transfer
 
-    group = {"gpus_per_node": 1, "zone": "box", "intra_node": {"kind": "pcie", "bandwidth_gbs": 10}}
-    spec = {
-        "name": "t",
-        "zones": [{"name": "box", "region": "box", "inter_node_bandwidth_gbs": 1000 * MBIT}],
-        "node_groups": [
-            {**group, "name": "fast", "gpu": "l4", "nodes": 1, "usd_per_gpu_hour": 3.0},
-            {**group, "name": "mem", "gpu": "l4", "nodes": 3, "usd_per_gpu_hour": 1.0},
-        ],
-        "racks": [
-            {"name": "a", "uplink_gbs": 4 * MBIT, "members": [{"group": "fast", "count": 1}]},
-            {"name": "b", "uplink_gbs": 100 * MBIT, "members": [{"group": "mem", "count": 3}]},
-        ],
-    }
-    topo = Topology(make_cluster(ClusterSpec.model_validate(spec)))
+    topo = Topology(_cluster(4, 100, mem=3))
     nodes = ["mem-0", "mem-1", "mem-2"]
     nbytes = 500_000.0
     one = topo.finish_s([Transfer("fast-0", "mem-0", nbytes)])[0]  # a copy alone
