@@ -196,6 +196,9 @@ def test_each_plans_prediction_at_the_speed_its_kinds_had() -> None:
     assert speed["ranking_equal"] is True  # measured c > a > b > d
     assert speed["ranking_holds"] is False  # d has no prediction to hold
     assert speed["max_abs_error"] == pytest.approx(0.0476, abs=1e-4)
+    # the summary's counts take them in: a +0.04, b 0.0, c +0.0476 (d unpriced)
+    got = out["figures"]
+    assert (got["at_box_speed_within_15pct"], got["at_box_speed_counted"]) == (3, 3)
     assert "at_box_speed" not in summarise(runs, plans)
 
 

@@ -156,9 +156,9 @@ def summarise(
     out["ranking_holds"] = ranking_holds(pred, meas)  # the same, plans predicted alike tied
     errors = [abs(p["error"]) for p in out["plans"].values() if p["error"] is not None]
     out["max_abs_error"] = round(max(errors), 4) if errors else None
-    out["figures"] = figure_counts(out["plans"])
-    if at_speed:
+    if at_speed:  # each plan's `at_box_speed` first: the counts take it in
         out["at_box_speed"] = _at_box_speed(out, at_speed, meas)
+    out["figures"] = figure_counts(out["plans"])
     return out
 
 
