@@ -348,8 +348,7 @@ def evaluate(
     rates = [opt.samples_per_s for opt, _, _ in pl.rollout]
     tc = traffic_on_topology(cl, m, w, machines[0], nodes, rates, w.samples_per_step / step, topo)
     step = tc.step_s(step, w.publish_every)
-    tree = w.weight_sync == "network"
-    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], machines[0], nodes, tree)
+    arrive = copies_arrive_s(topo, m, w, machines[0], nodes)
     busy = busy_sender_syncs(w, sync, arrive, c.broadcast_s)
     sync = [max(s, c.broadcast_s) for s in sync]
     return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s, c.after_send_s)
@@ -378,16 +377,16 @@ def sync_on_topology(
     for node in machines:
         latency = update_latency_s(cl, wz, topo.machines[node].zone, own[node])
         out[node] = sync_terms(m, w, latency)
-    tree = w.weight_sync == "network"
-    arrive = copies_arrive_s(topo, sync_terms(m, w, 0.0)[0], writer, rollout_nodes, tree)
+    arrive = copies_arrive_s(topo, m, w, writer, rollout_nodes)
     return [out[node][1] + a for node, a in zip(rollout_nodes, arrive, strict=True)]
 
 
 def copies_arrive_s(
-    topo: Topology, nbytes: float, writer: str, nodes: list[str], tree: bool = False
+    topo: Topology, m: ModelShape, w: Workload, writer: str, nodes: list[str]
 ) -> list[float]:
-    """Seconds until each rollout instance's copy of `nbytes` has arrived from `writer`
-    over shared NICs and uplinks (`Topology.copies_s`): every copy sent at once, or with
-    `tree` (over the network) as the trainer's broadcast sends them. The bytes part of
-    `sync_on_topology`'s pauses."""
-    return topo.copies_s(writer, nodes, nbytes, tree)
+    """Seconds until each rollout instance's copy of the weights (`sync_terms`' bytes)
+    has arrived from `writer` over shared NICs and uplinks (`Topology.copies_s`): every
+    copy sent at once, or over the network as the trainer's broadcast sends them. The
+    bytes part of `sync_on_topology`'s pauses."""
+    nbytes = sync_terms(m, w, 0.0)[0]
+    return topo.copies_s(writer, nodes, nbytes, tree=w.weight_sync == "network")

@@ -141,7 +141,7 @@ def predict_layout(
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     links = _syncs(cl, m, w, opts, tr, nodes)
-    arrive = _arrivals(cl, w, sync_terms(m, w, 0.0)[0], opts, tr, nodes)
+    arrive = _arrivals(cl, m, w, opts, tr, nodes)
     busy = busy_sender_syncs(w, links, arrive, tr.broadcast_s)
     a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
     idle = _idle_syncs(cl, w, prof, opts, tr, links)
@@ -207,17 +207,17 @@ def _syncs(
 
 def _arrivals(
     cl: Cluster,
+    m: ModelShape,
     w: Workload,
-    nbytes: float,
     opts: list[RolloutOption],
     tr: TrainerOption,
     at: LayoutNodes | None,
 ) -> list[float]:
     """The bytes part of each of `_syncs`' pauses: seconds until the instance's copy
-    of `nbytes` arrived."""
+    of the weights arrived."""
     if at is not None and Topology(cl).declared:
-        tree = w.weight_sync == "network"
-        return copies_arrive_s(Topology(cl), nbytes, at.writer, list(at.rollout), tree)
+        return copies_arrive_s(Topology(cl), m, w, at.writer, list(at.rollout))
+    nbytes = sync_terms(m, w, 0.0)[0]
     return [nbytes / (cl.link(tr.zones[0], o.zone).bandwidth_gbs * GB) for o in opts]
 
 
