@@ -99,9 +99,7 @@ async def continuous_load(
     is the third figure (else None), and samples/s are those between pauses. A load
     whose middle lasts under `min_window_s` (short answers, a fast device) is run again,
     long enough (`min_window_s`). Over the network, `rank0` (from `broadcaster`) is
-    the broadcasting rank 0 to use (None: one for this load alone). The controller holds
-    at least the groups that fill the server's batch (`filling`)."""
-    cfg = filling(cfg)
+    the broadcasting rank 0 to use (None: one for this load alone)."""
     groups = CONTINUOUS_ROUNDS * cfg.rollout.max_concurrent_groups
     for _ in range(2):
         got, window_s = await _load_once(url, cfg, model_dir, exclude, reloads, groups, rank0)
@@ -109,21 +107,6 @@ async def continuous_load(
             break
         groups = int(groups * min(20.0, 1.5 * min_window_s / max(window_s, 1e-3))) + 1
     return got
-
-
-def filling(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` with `rollout.max_concurrent_groups` raised, where it is lower, to the groups
-    of `rollout.group_size` that fill one server's decode batch
-    (`inference.max_running_requests`), as a plan raises it for the batches of its
-    instances (`plan_config.groups_to_fill`). A profile's continuous load measures the
-    kind at the batch its decode timings are composed at and its plans run at: with
-    fewer groups in flight (8 groups of 8 against a batch of 128), it measured the kind
-    at half its batch, and its `generation_efficiency` carried that into every plan."""
-    fill = -(-cfg.inference.max_running_requests // cfg.rollout.group_size)
-    if fill <= cfg.rollout.max_concurrent_groups:
-        return cfg
-    rollout = cfg.rollout.model_copy(update={"max_concurrent_groups": fill})
-    return cfg.model_copy(update={"rollout": rollout})
 
 
 @dataclass(frozen=True)

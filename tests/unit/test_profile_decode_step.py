@@ -90,33 +90,6 @@ def test_a_continuous_load_shorter_than_its_window_runs_again_longer(
     assert calls[0] == first and calls[1] / 40 >= 4.0 and got[0] == 100.0 * calls[1]
 
 
-def test_a_continuous_load_fills_the_servers_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kind whose batch (128) holds more than the config's groups in flight (8 of 8) is
-    loaded with the groups that fill it (16), as its plans run it; a config that already
-    fills the batch keeps its own."""
-    import hexctl.profile.controller as ctl
-
-    seen: list[tuple[int, int]] = []
-
-    async def load_once(url, cfg, model_dir, exclude, reloads, groups, rank0):  # noqa: ANN001, ANN202
-        seen.append((cfg.rollout.max_concurrent_groups, groups))
-        return (1.0, 0.0, None), 10.0
-
-    monkeypatch.setattr(ctl, "_load_once", load_once)
-    cfg = ExperimentConfig()
-    cfg.rollout.group_size, cfg.rollout.max_concurrent_groups = 8, 8
-    cfg.inference.max_running_requests = 128
-    asyncio.run(ctl.continuous_load("http://x", cfg, None, set()))  # type: ignore[arg-type]
-    assert seen == [(16, ctl.CONTINUOUS_ROUNDS * 16)]
-    assert cfg.rollout.max_concurrent_groups == 8  # the caller's config is not changed
-    for running, groups in ((64, 8), (100, 13), (16, 8)):
-        cfg.inference.max_running_requests = running
-        assert ctl.filling(cfg).rollout.max_concurrent_groups == groups
-    cfg.rollout.max_concurrent_groups = 24  # the README job's: 24 groups of 16 fill 64
-    cfg.rollout.group_size, cfg.inference.max_running_requests = 16, 64
-    assert ctl.filling(cfg) is cfg
-
-
 @pytest.mark.timeout(120)
 def test_a_load_against_a_server_that_never_answers_fails_instead_of_waiting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
