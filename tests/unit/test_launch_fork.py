@@ -78,7 +78,8 @@ def test_forked_service_runs_its_entry_with_its_env_and_log(tmp_path: Path) -> N
     with _supervisor(tmp_path) as sup:
         m = sup.start(_spec(tmp_path, "inference-0", "a", "b"))
         assert isinstance(m.proc, ForkedProcess) and _subreaper()
-        log = _wait_log(tmp_path / "inference-0.log", "entry inference-0")
+        # the whole line: the log may be read while its print is half written
+        log = _wait_log(tmp_path / "inference-0.log", "args ['a', 'b']\n")
         line = log.splitlines()[-1]
         # its env, cwd, the parent's imports, the launcher as parent, its own session
         assert f"entry inference-0 {tmp_path / 'work'} preloaded ppid {os.getpid()}" in line
