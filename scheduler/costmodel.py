@@ -117,10 +117,12 @@ def rollout_config(
     prof: Profile | None,
     batch_div: int = 1,
     synchronous: bool = False,
+    at_batch: int | None = None,
 ) -> RolloutOption | None:
     """The instance's throughput, or None when the weights or one request do not fit.
     `synchronous`: its batch as a synchronous step's gate admits it (`synchronous_cap`),
-    not the asynchronous gate's steady state (`inflight_cap`)."""
+    not the asynchronous gate's steady state (`inflight_cap`). `at_batch`: at that
+    batch instead (within its memory), as a profile's load held it."""
     kind = cl.kinds[g.name]
     k = kind_constants(w.constants, kind)
     usable = kind.hbm_gb * GB * k.hbm_utilization - k.runtime_reserve_gb * GB
@@ -131,6 +133,8 @@ def rollout_config(
     # no instance ever holds more requests than the staleness gate lets run in all
     gate = synchronous_cap(w) if synchronous else inflight_cap(w)
     batch = int(min(k.max_running_requests, free // per_req, gate)) // batch_div
+    if at_batch is not None:
+        batch = int(min(at_batch, free // per_req))
     if batch < 1:
         return None
     ctx = w.prompt_tokens + w.response_tokens / 2  # mean context over a response
@@ -157,7 +161,7 @@ def rollout_config(
         if w.host_work == "rollout" and shared is not None:  # measured sharing its cores
             per_sample /= shared
         else:
-            per_sample /= prof.generation_efficiency(kind.name)
+            per_sample /= prof.generation_efficiency(kind.name, batch)
             if w.host_work == "rollout":  # the controller's CPU comes out of the instance's
                 per_sample += prof.host_cpu_s_per_sample(kind.name)
     return RolloutOption(

@@ -94,7 +94,10 @@ def _rollouts(
     prof: Profile | None,
     instances: list[tuple[str, int]],
     synchronous: bool = False,
+    max_inflight_groups: int | None = None,
 ) -> list[RolloutOption]:
+    """Each instance at its full batch; asynchronous with `max_inflight_groups` (the
+    run's controller's cap), at the batch the controller holds it at (`held_batches`)."""
     groups = {g.name: g for g in cl.spec.node_groups}
     out = []
     for name, tp in instances:
@@ -104,7 +107,29 @@ def _rollouts(
         if opt is None:
             raise LayoutError(f"rollout instance (TP {tp}) on {name!r}: the model does not fit")
         out.append(opt)
+    if synchronous or max_inflight_groups is None:
+        return out
+    held = held_batches(w, [o.batch for o in out], max_inflight_groups)
+    for i, ((name, tp), b) in enumerate(zip(instances, held, strict=True)):
+        if b < out[i].batch:
+            out[i] = rollout_config(cl, groups[name], tp, m, w, prof, at_batch=b) or out[i]
     return out
+
+
+def held_batches(w: Workload, batches: list[int], max_inflight_groups: int) -> list[int]:
+    """The requests an asynchronous run's controller keeps on each server of full batch
+    `batches`: its groups in flight (`max_inflight_groups`, no more than the staleness gate
+    lets generate, `costmodel.inflight_cap` before its occupancy) spread evenly, as the
+    dispatcher sends each request to the server with the least outstanding work, none
+    above its own batch (what a server cannot take goes to the others)."""
+    gate = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
+    left = min(max_inflight_groups, gate) * w.group_size
+    held = list(batches)
+    order = sorted(range(len(batches)), key=lambda i: batches[i])
+    for n, i in enumerate(order):
+        held[i] = max(1, min(batches[i], int(left / (len(order) - n))))
+        left -= held[i]
+    return held
 
 
 def predict_layout(
@@ -136,7 +161,8 @@ def predict_layout(
         )
     if nodes is not None and len(nodes.rollout) != len(instances):
         raise LayoutError(f"{len(instances)} rollout instances but {len(nodes.rollout)} nodes")
-    opts = lent_options(cl, m, w, prof, instances, _rollouts(cl, m, w, prof, instances), lent)
+    own = _rollouts(cl, m, w, prof, instances, max_inflight_groups=max_inflight_groups)
+    opts = lent_options(cl, m, w, prof, instances, own, lent)
     tr = cost_trainer(cl, m, w, trainer.parts, trainer.per_node, prof)
     if tr is None:
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")

@@ -86,6 +86,13 @@ class DeviceRates(Section):
     # what the decode and prefill timings compose to: admissions, KV merges, HTTP and
     # sampling that the piecewise timings leave out. Multiplies the kind's h_psi.
     generation_efficiency: float | None = Field(None, gt=0)
+    # ... at each batch the load held the server at (the requests its groups keep in
+    # flight, at most the kind's batch limit), over what the timings compose to at that
+    # batch: the run keeps one server as full as its plan's batch for it, and a server
+    # kept half full loses more of its timings' rate than a full one (on a box kind of
+    # batch 128, 0.55 at 64 against 0.69 at 128 over the rate at 128). Read at an
+    # instance's batch (`Profile.generation_efficiency`); None: the single figure above
+    generation_efficiency_at: dict[int, float] | None = None
     # The same with the controller, its reward workers and Valkey on the server's own
     # cores (`run.host_cores: inference`): what generation keeps when it shares them.
     generation_efficiency_shared: float | None = Field(None, gt=0)
@@ -269,8 +276,24 @@ class Profile(Section):
             return rates.train_sync_tokens_per_s
         return rates.train_tokens_per_s
 
-    def generation_efficiency(self, kind: str) -> float:
-        return (self.kinds[kind].generation_efficiency or 1.0) if kind in self.kinds else 1.0
+    def generation_efficiency(self, kind: str, batch: int | None = None) -> float:
+        """`kind`'s efficiency for an instance at `batch`: linear in the batch between the
+        batches its continuous load was measured at, the nearest one's beyond them; the
+        single figure where the profile has no batches (or no `batch` is given)."""
+        rates = self.kinds.get(kind)
+        if rates is None:
+            return 1.0
+        at = rates.generation_efficiency_at
+        if not at or batch is None:
+            return rates.generation_efficiency or 1.0
+        pts = sorted(at.items())
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        if batch >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_left([b for b, _ in pts], batch)
+        (b0, e0), (b1, e1) = pts[i - 1], pts[i]
+        return e0 + (e1 - e0) * (batch - b0) / (b1 - b0)
 
     def generation_efficiency_shared(self, kind: str) -> float | None:
         """Measured with the host's work on the server's cores; None if not measured."""

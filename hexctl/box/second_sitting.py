@@ -121,6 +121,9 @@ def combine(files: LocalProfileFiles, sitting: Sitting) -> dict[str, float]:
     for rates in prof.kinds.values():
         if rates.generation_efficiency is not None:
             rates.generation_efficiency *= factors["generation"]
+        if rates.generation_efficiency_at is not None:  # the plain load's factor, for each
+            at = rates.generation_efficiency_at.items()
+            rates.generation_efficiency_at = {b: e * factors["generation"] for b, e in at}
         rates.train_tokens_per_s *= factors["train"]
         if rates.train_trim_tokens_per_s is not None:  # the plain rate over a ratio
             rates.train_trim_tokens_per_s *= factors["train"]

@@ -109,6 +109,25 @@ async def continuous_load(
     return got
 
 
+def load_batch(cfg: ExperimentConfig) -> int:
+    """The batch `continuous_load` holds the server at: the requests of its groups in
+    flight (`rollout.max_concurrent_groups` of `rollout.group_size`), at most the
+    server's batch limit."""
+    groups = cfg.rollout.max_concurrent_groups * cfg.rollout.group_size
+    return min(cfg.inference.max_running_requests, groups)
+
+
+def filled(cfg: ExperimentConfig) -> ExperimentConfig | None:
+    """`cfg` with `rollout.max_concurrent_groups` raised to the groups that fill the
+    server's batch limit, as a plan raises it for an instance it runs at that batch
+    (`plan_config.groups_to_fill`); None where `cfg`'s groups fill it already."""
+    fill = -(-cfg.inference.max_running_requests // cfg.rollout.group_size)
+    if fill <= cfg.rollout.max_concurrent_groups:
+        return None
+    rollout = cfg.rollout.model_copy(update={"max_concurrent_groups": fill})
+    return cfg.model_copy(update={"rollout": rollout})
+
+
 @dataclass(frozen=True)
 class Reloads:
     """How `continuous_load` updates the server: "disk" (`update_weights_from_disk` of
@@ -420,9 +439,10 @@ async def sync_cycle(url: str, cfg: ExperimentConfig, model_dir: Path) -> float:
     return statistics.median(waits)
 
 
-def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
+def composed_rate(files: LocalProfileFiles, prof: Any, batch: int | None = None) -> float:
     """Samples/s of one instance of the local kind from the decode and prefill timings
-    alone (the cost model's h_psi before `generation_efficiency`)."""
+    alone (the cost model's h_psi before `generation_efficiency`), at its plans' full
+    batch or at `batch`."""
     from scheduler.cluster import load_cluster
     from scheduler.costmodel import rollout_config
     from scheduler.model_shape import load_model_shape
@@ -431,7 +451,7 @@ def composed_rate(files: LocalProfileFiles, prof: Any) -> float:
     cl = load_cluster(files.cluster)
     m = load_model_shape(str(files.model))
     w = load_workload(files.workload).model_copy(update={"weight_sync": "disk"})
-    opt = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof)
+    opt = rollout_config(cl, cl.spec.node_groups[0], 1, m, w, prof, at_batch=batch)
     if opt is None:
         raise RuntimeError("the profiled model does not fit the local device's memory")
     return opt.samples_per_s

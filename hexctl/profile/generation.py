@@ -30,7 +30,9 @@ from hexctl.profile.controller import (
     Reloads,
     broadcaster,
     continuous_load,
+    filled,
     idle_updates,
+    load_batch,
     round_overlaps,
     sync_cycle,
 )
@@ -83,6 +85,12 @@ class GenerationRates:
     classify_concurrency: int | None = None
     # each round's samples/s without and with updates (the latter while generating)
     continuous_rounds_samples_per_s: list[float] | None = None
+    # the batch those loads held the server at (`load_batch`); and where the kind's batch
+    # limit is larger, the same load with the groups that fill it (`filled`): its
+    # samples/s (the median of its rounds, each beside a plain round) and its batch
+    continuous_batch: int | None = None
+    continuous_full_samples_per_s: float | None = None
+    continuous_full_batch: int | None = None
     reload_rounds_samples_per_s: list[float] | None = None
     reload_under_load_sync: str | None = None  # how those updates went: disk | network
     # over the network, the same updates with nothing in flight (a synchronous run's)
@@ -125,7 +133,8 @@ def measure_generation(
                 gen.sync_cycle_s = asyncio.run(sync_cycle(url, cfg, model_dir))
             # the controller beside the trainer, then beside the server, alternated: a
             # load that a neighbour slows moves one median, not the choice between them
-            alone, shared, updated = [], [], []
+            alone, shared, updated, full = [], [], [], []
+            full_cfg = filled(cfg)
             window = dev.min_window_s
             # a box node's updates go as the run's will: from disk or over the network
             # (a rank 0 in the node's namespace, so no shaped link is in the pause)
@@ -144,6 +153,11 @@ def measure_generation(
                     with pinned(dev.trainer_cores, 1):
                         load = continuous_load(url, cfg, model_dir, {pid}, min_window_s=window)
                         alone.append(asyncio.run(load))
+                        if full_cfg is not None:
+                            load = continuous_load(
+                                url, full_cfg, model_dir, {pid}, min_window_s=window
+                            )
+                            full.append(asyncio.run(load)[0])
                     if dev.cgroup is not None:  # a box node: the same with updates, right after
                         load = continuous_load(
                             url, cfg, model_dir, {pid}, updates, window, rank0=sender
@@ -161,6 +175,10 @@ def measure_generation(
                     idle = idle_updates(url, cfg, model_dir, sender, IDLE_UPDATES)
                     gen.reload_idle_network_s = asyncio.run(idle)
             gen.continuous_samples_per_s = statistics.median(r for r, _, _ in alone)
+            gen.continuous_batch = load_batch(cfg)
+            if full_cfg is not None and full:
+                gen.continuous_full_samples_per_s = statistics.median(full)
+                gen.continuous_full_batch = load_batch(full_cfg)
             overlaps = round_overlaps([r for r, _, _ in alone], updated)
             if overlaps:
                 gen.reload_overlap_s = statistics.median(overlaps)

@@ -124,7 +124,9 @@ def profile_local(
     # what the timings compose to for this job, against what the controller then reached
     mine = prof.kinds[dev.kind]
     composed = composed_rate(files, prof)
+    at = efficiency_at(files, prof, gen)
     mine.generation_efficiency = gen.continuous_samples_per_s / composed
+    mine.generation_efficiency_at = at
     if gen.continuous_shared_samples_per_s is not None:
         mine.generation_efficiency_shared = gen.continuous_shared_samples_per_s / composed
         mine.reload_shared_s = gen.reload_shared_s
@@ -157,12 +159,27 @@ def profile_local(
         "train_checkpoint_s": train.checkpoint_s,
         "generation_efficiency": mine.generation_efficiency,
         "generation_efficiency_shared": mine.generation_efficiency_shared,
+        "generation_efficiency_at": at,
         "sync_cycle_factor": mine.sync_cycle_factor,
         "reload_overlap_s": mine.reload_overlap_s,
         "every_core": shared,
     }
     files.measured.write_text(json.dumps(measured, indent=2))
     return files
+
+
+def efficiency_at(
+    files: LocalProfileFiles, prof: Any, gen: GenerationRates
+) -> dict[int, float] | None:
+    """The continuous loads' samples/s over the rate the timings compose to at the batch
+    each load held (`DeviceRates.generation_efficiency_at`); None where the load's batch
+    was not recorded."""
+    if gen.continuous_batch is None:
+        return None
+    loads = {gen.continuous_batch: gen.continuous_samples_per_s}
+    if gen.continuous_full_batch is not None and gen.continuous_full_samples_per_s:
+        loads[gen.continuous_full_batch] = gen.continuous_full_samples_per_s
+    return {b: rate / composed_rate(files, prof, b) for b, rate in loads.items()}
 
 
 def cluster_spec(

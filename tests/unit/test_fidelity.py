@@ -426,3 +426,25 @@ def test_a_synchronous_update_pauses_idle_servers_in_either_mode(tmp_path: Path)
     in_flight = weight_sync_s(cl, m, net_w, "z", "z")  # the zone's 20 ms pause, once
     assert in_flight > 0.020 + net_w.constants.weight_sync_bucket_overhead_ms / 1e3
     assert net.synchronous.weight_sync_s == pytest.approx(in_flight - 0.020 + 0.004)
+
+
+def test_an_asynchronous_runs_servers_are_priced_at_the_batch_its_controller_holds(
+    tmp_path: Path,
+) -> None:
+    """Two servers of batch 64 under a controller holding 4 groups of 16 run at 32 each,
+    priced through the decode step and the efficiency measured at 32; a synchronous step
+    admits its whole batch (the replay spreads it), whatever the controller's cap."""
+    from scheduler.predict import _rollouts
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    prof.kinds["CPU"].generation_efficiency_at = {32: 0.4, 64: 0.8}
+    two = [("local", 1), ("local", 1)]
+    full = _rollouts(cl, m, w, prof, two)
+    held = _rollouts(cl, m, w, prof, two, max_inflight_groups=4)
+    assert [o.batch for o in full] == [64, 64] and [o.batch for o in held] == [32, 32]
+    step32 = 0.01 + 0.01 * 31 / 63  # between the timings at 1 and 64
+    prefill = 34 / 16 / 5000
+    assert full[0].samples_per_s == pytest.approx(0.8 / (20 * 0.02 / 64 + prefill))
+    assert held[0].samples_per_s == pytest.approx(0.4 / (20 * step32 / 32 + prefill))
+    sync = _rollouts(cl, m, w, prof, two, synchronous=True, max_inflight_groups=4)
+    assert [o.batch for o in sync] == [64, 64]

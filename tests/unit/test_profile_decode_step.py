@@ -202,3 +202,44 @@ def test_the_host_cpu_leaves_out_the_profiles_own_readings() -> None:
     while time.thread_time() - t0 < 0.2:  # work of the host's kind between readings
         sum(range(1000))
     assert tree(set()) - net1 > 0.15
+
+
+def test_a_kinds_efficiency_is_read_at_the_instances_batch() -> None:
+    """Measured at the batches its loads held: the nearest one's beyond them, linear in
+    the batch between; the single figure where no batch was measured or none is asked."""
+    from scheduler.profile import DeviceRates, Profile
+
+    rates = DeviceRates(
+        device="box", decode_step_s={1: 0.004, 128: 0.02}, decode_context=40,
+        prefill_tokens_per_s=2000.0, train_tokens_per_s=4000.0, generation_efficiency=0.5,
+        generation_efficiency_at={64: 0.6, 128: 0.7},
+    )  # fmt: skip
+    prof = Profile(model="m", params=10, kinds={"k": rates, "old": rates.model_copy(
+        update={"generation_efficiency_at": None})})  # fmt: skip
+    assert prof.generation_efficiency("k", 32) == 0.6
+    assert prof.generation_efficiency("k", 64) == 0.6
+    assert abs(prof.generation_efficiency("k", 96) - 0.65) < 1e-12
+    assert prof.generation_efficiency("k", 128) == 0.7
+    assert prof.generation_efficiency("k", 256) == 0.7
+    assert prof.generation_efficiency("k") == 0.5
+    assert prof.generation_efficiency("old", 96) == 0.5
+    assert prof.generation_efficiency("absent", 96) == 1.0
+    again = Profile.model_validate(prof.model_dump(mode="json"))  # as a saved profile reads
+    assert again.kinds["k"].generation_efficiency_at == {64: 0.6, 128: 0.7}
+
+
+def test_a_continuous_load_fills_a_batch_its_groups_leave_half_empty() -> None:
+    from hexctl.profile.controller import filled, load_batch
+
+    cfg = ExperimentConfig()
+    cfg.rollout.group_size, cfg.rollout.max_concurrent_groups = 8, 8
+    cfg.inference.max_running_requests = 128
+    assert load_batch(cfg) == 64  # 8 groups of 8 in a batch of 128
+    full = filled(cfg)
+    assert full is not None and full.rollout.max_concurrent_groups == 16
+    assert load_batch(full) == 128 and cfg.rollout.max_concurrent_groups == 8
+    cfg.inference.max_running_requests = 60
+    assert load_batch(cfg) == 60 and filled(cfg) is None  # 8 groups fill it already
+    cfg.inference.max_running_requests = 100
+    full = filled(cfg)  # 13 groups of 8: the batch is full with a group to spare
+    assert full is not None and full.rollout.max_concurrent_groups == 13 and load_batch(full) == 100
