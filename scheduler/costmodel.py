@@ -215,8 +215,13 @@ def inflight_cap(w: Workload) -> int:
     for the next step (the trainer takes B at a time), so (η - 1)·B generate (at least B/2).
     A generating group holds its admission until its longest answer ends while its shorter
     answers have already freed their slots: mean length / expected longest of G run."""
-    groups = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
-    return max(1, int(groups * w.group_size * group_occupancy(w)))
+    return max(1, int(generating_groups(w) * w.group_size * group_occupancy(w)))
+
+
+def generating_groups(w: Workload) -> float:
+    """Groups the staleness gate lets generate at once (`inflight_cap`): (η - 1)·B, at
+    least B/2."""
+    return max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
 
 
 def synchronous_cap(w: Workload) -> int:

@@ -23,6 +23,7 @@ from scheduler.costmodel import (
     RolloutOption,
     TrainerOption,
     decode_step_s,
+    generating_groups,
     rollout_config,
     scaled,
 )
@@ -119,11 +120,10 @@ def _rollouts(
 def held_batches(w: Workload, batches: list[int], max_inflight_groups: int) -> list[int]:
     """The requests an asynchronous run's controller keeps on each server of full batch
     `batches`: its groups in flight (`max_inflight_groups`, no more than the staleness gate
-    lets generate, `costmodel.inflight_cap` before its occupancy) spread evenly, as the
-    dispatcher sends each request to the server with the least outstanding work, none
-    above its own batch (what a server cannot take goes to the others)."""
-    gate = max(0.5, max(1, w.max_staleness) - 1) * w.groups_per_step
-    left = min(max_inflight_groups, gate) * w.group_size
+    lets generate, `generating_groups`) spread evenly, as the dispatcher sends each
+    request to the server with the least outstanding work, none above its own batch
+    (what a server cannot take goes to the others)."""
+    left = min(max_inflight_groups, generating_groups(w)) * w.group_size
     held = list(batches)
     order = sorted(range(len(batches)), key=lambda i: batches[i])
     for n, i in enumerate(order):

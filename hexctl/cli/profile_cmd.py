@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from areal_hex.config.base import load_yaml_text
 
@@ -132,7 +133,7 @@ def _profile_local(args: argparse.Namespace, batches: list[int]) -> int:
         f"{gen['response_tokens']:.1f} tokens on average{_rewarded(gen)}; the run's controller "
         "keeping the "
         f"server full: {gen['continuous_samples_per_s']:,.1f} samples/s (efficiency "
-        f"{measured['generation_efficiency']:.2f}), {gen['host_cpu_s_per_sample'] * 1e3:.2f} "
+        f"{_efficiency(measured)}), {gen['host_cpu_s_per_sample'] * 1e3:.2f} "
         f"ms of controller CPU per sample; a synchronous step's batch "
         f"{gen['sync_cycle_s'] * 1e3:.0f} ms after its publish ("
         f"{measured['sync_cycle_factor']:.2f} x the replay)"
@@ -186,7 +187,7 @@ def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
         print(
             f"{kind}: decode step {steps}; prefill {r['prefill_tokens_per_s']:,.0f} tok/s; "
             f"train {r['train_tokens_per_s']:,.0f} tok/s; generation efficiency "
-            f"{r['generation_efficiency']:.2f}{_scoring(r)}"
+            f"{_efficiency(r)}{_scoring(r)}"
         )
     print(
         f"wrote {files.root}/: cluster.yaml profile.yaml workload.yaml model/\nnext: areal-hex "
@@ -194,3 +195,12 @@ def _profile_box(args: argparse.Namespace, batches: list[int]) -> int:
         f"{files.profile} --budget USD_PER_H --out plan.yaml"
     )
     return 0
+
+
+def _efficiency(rates: dict[str, Any]) -> str:
+    """A kind's generation efficiency: at each batch its loads held, where measured."""
+    at = rates.get("generation_efficiency_at")
+    if not at or len(at) < 2:
+        return f"{rates['generation_efficiency']:.2f}"
+    pts = sorted((int(b), float(e)) for b, e in at.items())
+    return ", ".join(f"{e:.2f} at {b}" for b, e in pts)

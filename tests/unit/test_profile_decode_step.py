@@ -243,3 +243,15 @@ def test_a_continuous_load_fills_a_batch_its_groups_leave_half_empty() -> None:
     cfg.inference.max_running_requests = 100
     full = filled(cfg)  # 13 groups of 8: the batch is full with a group to spare
     assert full is not None and full.rollout.max_concurrent_groups == 13 and load_batch(full) == 100
+
+
+def test_the_profile_summary_shows_the_efficiency_at_each_measured_batch() -> None:
+    from hexctl.cli.profile_cmd import _efficiency
+
+    two = {"generation_efficiency": 0.61, "generation_efficiency_at": {"128": 0.669, "64": 0.673}}
+    assert _efficiency(two) == "0.67 at 64, 0.67 at 128"
+    assert (
+        _efficiency({"generation_efficiency": 0.5, "generation_efficiency_at": {"64": 0.5}})
+        == "0.50"
+    )
+    assert _efficiency({"generation_efficiency": 0.5}) == "0.50"  # a profile from before
