@@ -55,7 +55,8 @@ def sit_again(
     new server, then `SECOND_ROUNDS` training rounds in a new process, at the lengths its
     first sitting measured."""
     from hexctl.profile.controller import continuous_load
-    from hexctl.profile.generation import job_prompts, serve_config, server_process
+    from hexctl.profile.generation import job_prompts
+    from hexctl.profile.server import serve_config, server_process
     from hexctl.profile.training import TRAIN_STEPS, measure_training
     from rollout_service.client import InferenceClient
 

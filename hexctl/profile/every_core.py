@@ -69,7 +69,8 @@ def measure_every_core(
 def _generation(
     cfg: ExperimentConfig, model_dir: Path, every: LocalDevices, batches: list[int], say: Say
 ) -> tuple[dict[int, float], float]:
-    from hexctl.profile.generation import job_prompts, serve_config, server_process
+    from hexctl.profile.generation import job_prompts
+    from hexctl.profile.server import serve_config, server_process
 
     cfg, _tok, prompts = job_prompts(cfg, model_dir)
     with tempfile.TemporaryDirectory(prefix="areal-hex-profile-every-") as tmp:

@@ -30,7 +30,7 @@ from typing import Any
 from areal_hex.config import ExperimentConfig
 from hexctl.profile.devices import REPEATS, LocalDevices, Say, pinned, quiet
 
-# generation.server_process's shape, passed in (the profile's server starts there)
+# server.server_process's shape, passed in (the profile's server starts there)
 ServeProcess = Callable[
     [Path, LocalDevices, Path, list[str] | None], AbstractContextManager[tuple[str, int]]
 ]
@@ -147,7 +147,7 @@ def measure_classify(
     """(prompt + completion tokens/s, requests in flight) of the job's reward model on
     `dev`, groups scored as the controller scores them; None without a reward model.
     `serve(config, dev, log, extra)`: starts `areal-hex serve` on `dev`, yields (url, pid)
-    (`generation.server_process`)."""
+    (`server.server_process`)."""
     import tempfile
 
     from areal_hex.config import save_config

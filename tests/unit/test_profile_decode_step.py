@@ -137,7 +137,7 @@ def test_a_load_against_a_server_that_never_answers_fails_instead_of_waiting(
 
 @pytest.mark.timeout(120)
 def test_a_failed_profile_says_what_its_server_logged_last(tmp_path: Path) -> None:
-    from hexctl.profile import generation
+    from hexctl.profile import server
     from hexctl.profile.controller import ProfileFailed
     from hexctl.profile.devices import LocalDevices
 
@@ -145,7 +145,7 @@ def test_a_failed_profile_says_what_its_server_logged_last(tmp_path: Path) -> No
     missing = tmp_path / "no-such-config.yaml"
     t0 = time.monotonic()
     with pytest.raises(ProfileFailed) as got:
-        with generation.server_process(missing, dev, tmp_path / "serve.log"):
+        with server.server_process(missing, dev, tmp_path / "serve.log"):
             pytest.fail("a server that cannot start was handed to the profile")
     assert time.monotonic() - t0 < 60  # not the start timeout: the process is watched
     text = str(got.value)

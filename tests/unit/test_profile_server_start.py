@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hexctl.profile.controller import ProfileFailed
-from hexctl.profile.generation import wait_serving
+from hexctl.profile.server import wait_serving
 
 
 def test_a_server_that_exits_fails_at_once() -> None:
