@@ -73,6 +73,10 @@ class DeviceRates(Section):
     # broadcast as the trainer's rank 0 sent it while training, to a receiver outside
     # the node's quota. No server's update pause ends before the sender is done.
     train_broadcast_s: float | None = Field(None, ge=0)
+    # ... to two receivers, each on a quota of the node's size: rank 0 sends two copies
+    # (gloo's tree, to two servers or more), each at the pace of a receiver on a quota.
+    # The send of a busy rank 0 to two servers or more; unmeasured: `train_broadcast_s`
+    train_broadcast_pair_s: float | None = Field(None, ge=0)
     # ... and the step's work after its wait for the last send (the optimizer update,
     # the state dict, the next send handed on), s: serial with the sends, so a trainer
     # whose send outlasts its passes publishes once per send plus this
@@ -221,6 +225,7 @@ _RATES = (
 _TIMES = (
     "train_publish_s",
     "train_broadcast_s",
+    "train_broadcast_pair_s",
     "train_after_send_s",
     "train_checkpoint_s",
     "reload_idle_s",
@@ -349,6 +354,9 @@ class Profile(Section):
 
     def train_broadcast_s(self, kind: str) -> float | None:
         return self.kinds[kind].train_broadcast_s if kind in self.kinds else None
+
+    def train_broadcast_pair_s(self, kind: str) -> float | None:
+        return self.kinds[kind].train_broadcast_pair_s if kind in self.kinds else None
 
     def train_after_send_s(self, kind: str) -> float | None:
         return self.kinds[kind].train_after_send_s if kind in self.kinds else None

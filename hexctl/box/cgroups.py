@@ -10,10 +10,12 @@ kernel, exited processes included (`hexctl/box/delivered.py` reads it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from areal_hex.errors import UsageError
@@ -73,6 +75,34 @@ def make_cgroup(path: Path, cpu: float) -> Path:
         (path / "cpu.cfs_period_us").write_text(str(period))
         (path / "cpu.cfs_quota_us").write_text(str(quota))
     return path
+
+
+def cgroup_quota(path: Path) -> float:
+    """The cores `path`'s quota gives (`make_cgroup`'s `cpu`); a cgroup without a quota
+    raises UsageError."""
+    if (path / "cpu.max").is_file():  # v2: "<quota> <period>" or "max <period>"
+        quota, period = (path / "cpu.max").read_text().split()
+    else:
+        quota = (path / "cpu.cfs_quota_us").read_text().strip()
+        period = (path / "cpu.cfs_period_us").read_text().strip()
+    if quota in ("max", "-1"):
+        raise UsageError(f"cgroup {path} has no CPU quota")
+    return int(quota) / int(period)
+
+
+@contextlib.contextmanager
+def receiver_cgroups(node_cgroup: str, n: int) -> Iterator[tuple[str, ...]]:
+    """`n` cgroups beside a node's, each with its quota: where the profile's receivers
+    take a version at the pace of a server on a node of the kind. Removed after the
+    block, with anything left in them (`box down` removes any a killed profile left:
+    they lie under the box's cgroup)."""
+    cpu = cgroup_quota(Path(node_cgroup))
+    made = [make_cgroup(Path(f"{node_cgroup}-receiver{i}"), cpu) for i in range(1, n + 1)]
+    try:
+        yield tuple(str(p) for p in made)
+    finally:
+        for path in made:
+            empty_cgroup(path)
 
 
 def make_acct(box_name: str, node: str) -> str:

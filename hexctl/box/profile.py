@@ -20,10 +20,12 @@ both sittings. Each kind's files go to `OUT/kinds/<kind>/`; then
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ import yaml
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.config.base import load_yaml_text
+from hexctl.box.cgroups import receiver_cgroups
 from hexctl.box.emulate import BoxState, node_argv
 from hexctl.box.second_sitting import combine, sit_again
 from hexctl.box.spec import Box
@@ -101,7 +104,9 @@ def profile_box(
         told = None if say is None else (lambda text, k=kind: say(f"{k}: {text}"))
         kinds[kind] = (node, kcfg, dev, told)
         before = node_speed([state.node(node)])[node]
-        per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, dev, told)
+        with _receivers(kcfg, dev) as rx:  # the training profile's send to two servers
+            rdev = replace(dev, receiver_cgroups=rx)
+            per_kind[kind] = profile_local(kcfg, out / "kinds" / kind, batches, rdev, told)
         _record_speed(per_kind[kind], node, [before, node_speed([state.node(node)])[node]])
     for kind, (node, kcfg, dev, told) in kinds.items():  # again, minutes after the first
         before = node_speed([state.node(node)])[node]
@@ -114,6 +119,16 @@ def profile_box(
     shutil.copy(first.workload, files.workload)
     _merge(box, per_kind, files)
     return files
+
+
+def _receivers(
+    cfg: ExperimentConfig, dev: LocalDevices
+) -> contextlib.AbstractContextManager[tuple[str, ...]]:
+    """Two cgroups of the node's quota for the training profile's receivers, where the
+    run syncs over the network (none from disk)."""
+    if cfg.rollout.weight_sync != "network" or dev.cgroup is None:
+        return contextlib.nullcontext(())
+    return receiver_cgroups(dev.cgroup, 2)
 
 
 def _record_speed(files: LocalProfileFiles, node: str, speeds: list[float | None]) -> None:

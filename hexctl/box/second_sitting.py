@@ -91,6 +91,7 @@ def sit_again(
         lambda text: say(f"second sitting: {text}"),
         rounds=(SECOND_ROUNDS, TRAIN_STEPS),
         trim=False,
+        pair=False,  # the first sitting's send to two receivers stands
     )
     return Sitting(rates, train.tokens_per_s, train.quiet_tokens_per_s)
 

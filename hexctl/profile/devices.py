@@ -38,6 +38,9 @@ class LocalDevices:
     address: str = "127.0.0.1"
     cgroup: str | None = None
     netns: str | None = None  # its network namespace (`ip netns` name)
+    # cgroups of the node's quota beside it, one per receiver of the training profile's
+    # send to two servers (`profile.training`: `broadcast_pair_s`); empty: none made
+    receiver_cgroups: tuple[str, ...] = ()
     # Timings repeated (medians of), and the shortest measured window of a continuous
     # load, s: a box node's quota throttles every 10 ms, so its figures need more and
     # longer samples than a machine's own cores to repeat from one profile to the next.

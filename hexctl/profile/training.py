@@ -13,11 +13,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from areal_hex.config import ExperimentConfig
 from areal_hex.gc_freeze import freeze_startup
 from hexctl.profile.devices import LocalDevices, Say, pinned, quiet
+from hexctl.profile.receiver import RECEIVE_TIMEOUT_S, WeightReceiver
 
 if TYPE_CHECKING:
     from trainer_service.publish import NetworkSink
@@ -39,6 +40,10 @@ class TrainingRates:
     publish_sync: str = "disk"  # how the steps published: disk | network
     # over the network: seconds of a version's broadcast as the sender saw it (median)
     broadcast_s: float | None = None
+    # ... to two receivers, each on a quota of the node's size (a box node only): rank 0
+    # then sends two copies, as gloo's tree has it send to two servers or more, and each
+    # copy goes at the pace of a receiver that takes it on its quota
+    broadcast_pair_s: float | None = None
     # a publishing step's work after it waited for the last write (its optimizer update,
     # the state dict, the hand-on of its own write), s (median): a send that outlasts
     # the step's passes has the trainer's cycle at the send plus this
@@ -110,6 +115,7 @@ def measure_training(
     rounds: tuple[int, int] | None = None,
     network: bool | None = None,
     trim: bool | None = None,
+    pair: bool | None = None,
 ) -> TrainingRates:
     """The trainer's step on one rank, the run's batch, in a process of its own as the
     run's trainer is: nothing of the generation measurements in its heap, and
@@ -125,7 +131,9 @@ def measure_training(
     `network` (None: on a box node whose run syncs over the network): the steps publish
     as such a run's trainer does, broadcasting each version to a receiver of their own
     (`WeightReceiver`, outside the node's quota, as a server on another node is), so the
-    broadcast's share of the node is in the rate. `trim` (None: on a CPU device): each
+    broadcast's share of the node is in the rate; with `pair` (None: over the network
+    where the node has `receiver_cgroups`), one round more publishes to two receivers,
+    each in one of them (`broadcast_pair_s`). `trim` (None: on a CPU device): each
     round is also followed by one whose steps give the freed heap back after their
     publish, as a trainer that shares its devices with generation does (hybrid,
     colocated): `trim_tokens_per_s`, one round more per repeat."""
@@ -137,14 +145,17 @@ def measure_training(
         network = dev.cgroup is not None and cfg.rollout.weight_sync == "network"
     if trim is None:
         trim = dev.device == "cpu"
+    if pair is None:
+        pair = network and bool(dev.receiver_cgroups)
     quiet_too = ", each followed by one that publishes nothing" if dev.cgroup else ""
     quiet_too += ", each followed by one that trims the heap after every step" if trim else ""
+    quiet_too += "; then one that sends to two receivers on quotas" if pair else ""
     say(
         f"training: {rounds[0]} rounds of {rounds[1]} steps and at least "
         f"{dev.min_window_s:g} s each after a warm-up{quiet_too}, in a new process"
     )
     spawn = multiprocessing.get_context("spawn")
-    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds, network, trim)
+    job = _TrainingJob(cfg, model_dir, dev, prompt_len, response, rounds, network, pair, trim)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(_measure_training, job).result()
 
@@ -160,6 +171,8 @@ class _TrainingJob:
     response: float  # mean answer length, tokens
     rounds: tuple[int, int]  # (timed rounds, steps each)
     network: bool = False  # publish over the network to a `WeightReceiver`
+    # ... and a round that publishes to two receivers on quotas (`broadcast_pair_s`)
+    pair: bool = False
     trim: bool = False  # also rounds whose steps trim the heap (`trim_tokens_per_s`)
 
 
@@ -171,6 +184,10 @@ def _measure_training(job: _TrainingJob) -> TrainingRates:
     with contextlib.ExitStack() as stack:
         # started before this process joins the node's cgroup: it stays outside the quota
         receiver = stack.enter_context(WeightReceiver()) if job.network else None
+        pair = None
+        if job.pair:  # two receivers, each in a cgroup of the node's quota where made
+            quotas: list[str | None] = list(dev.receiver_cgroups[:2])
+            pair = stack.enter_context(WeightReceiver(quotas + [None] * (2 - len(quotas))))
         if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
             Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
         stack.enter_context(pinned(dev.trainer_cores, dev.trainer_threads))
@@ -179,106 +196,14 @@ def _measure_training(job: _TrainingJob) -> TrainingRates:
 
         init_single_rank(dev.device)
         try:
-            return _train_rate(job, receiver)
+            return _train_rate(job, receiver, pair)
         finally:
             dist.destroy_process_group()
 
 
-RECEIVE_TIMEOUT_S = 60.0  # a version's broadcast not taken in this long fails the profile
-
-
-class WeightReceiver:
-    """A server's side of the weight-update group on its own: a spawned process that
-    joins each group a manifest names (rank 1) and takes every bucket of each version,
-    so that the profile's steps publish over the network as the run's trainer does. The
-    bytes go over this machine's loopback: the sender's work is the subject, not a link."""
-
-    def __init__(self) -> None:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.inbox, self.done = ctx.Queue(), ctx.Queue()
-        args = (self.inbox, self.done, os.getpid())
-        self.proc = ctx.Process(target=receive_versions, args=args, daemon=True)
-
-    def __enter__(self) -> WeightReceiver:
-        self.proc.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.inbox.put(None)
-        self.proc.join(10)
-        if self.proc.is_alive():  # stuck in a broadcast nobody sends
-            self.proc.kill()
-            self.proc.join(5)
-
-    def sink(self, bucket_mb: float) -> NetworkSink:
-        """The trainer's `NetworkSink` toward this receiver."""
-        from areal_hex.weight_net import free_port
-        from trainer_service.publish import NetworkSink
-
-        return NetworkSink(
-            master_address=LOOPBACK,
-            master_port=free_port(LOOPBACK),
-            server_ranks=1,
-            backend="gloo",
-            bucket_bytes=int(bucket_mb * 2**20),
-            timeout_s=RECEIVE_TIMEOUT_S,
-            put_manifest=lambda m: self.inbox.put(m.to_json()),
-        )
-
-    def received(self) -> list[int]:
-        """The versions taken whole so far."""
-        import queue
-
-        got = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                got.append(self.done.get_nowait())
-        return got
-
-
-LOOPBACK = "127.0.0.1"
-
-
-def receive_versions(inbox: Any, done: Any, parent: int) -> None:
-    """`WeightReceiver`'s process: each manifest's buckets received (None ends it), the
-    version put on `done` once whole. It ends by itself once `parent` (the process that
-    started it) is gone, a profile killed outright: this process is in neither the
-    node's cgroup nor its namespace, where `box down` looks."""
-    import queue
-
-    import torch
-
-    from areal_hex.weight_net import Manifest, WeightGroup, parse_dtype
-
-    torch.set_num_threads(1)
-    group = None
-    try:
-        while True:
-            try:
-                text = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the profile was killed: nobody will send
-                    return
-                continue
-            if text is None:
-                return
-            m = Manifest.from_json(text)
-            if group is None or group.spec.group_name != m.group.group_name:
-                if group is not None:
-                    group.close()
-                group = WeightGroup.join(m.group, 1, RECEIVE_TIMEOUT_S)
-            for b in m.buckets:
-                kinds = zip(b.shapes, b.dtypes, strict=True)
-                group.broadcast([torch.empty(shape, dtype=parse_dtype(d)) for shape, d in kinds])
-            done.put(m.version)
-    finally:
-        if group is not None:
-            group.close()
-
-
-def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> TrainingRates:
+def _train_rate(
+    job: _TrainingJob, receiver: WeightReceiver | None = None, pair: WeightReceiver | None = None
+) -> TrainingRates:
     import tempfile
 
     from areal_hex.heap import trim_heap
@@ -326,9 +251,14 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
     saved: list[float] = []
     broadcasts: list[float] = []
     after_send: list[float] = []
+    pair_broadcasts: list[float] = []
     scratch = Path(tempfile.mkdtemp(prefix="areal-hex-profile-train-"))
     sink = receiver.sink(cfg.rollout.weight_sync_bucket_mb) if receiver is not None else None
-    publisher = AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None, sink)
+
+    def publisher_to(to: NetworkSink | None) -> AsyncPublisher:
+        return AsyncPublisher(scratch / "weights", job.model_dir, 2, lambda v, p: None, to)
+
+    publisher = publisher_to(sink)
     ctx.before_update = publisher.wait  # the next step waits for the write, as the run's
 
     def publish(version: int, after_fence_s: float | None) -> None:
@@ -384,6 +314,18 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
             if job.trim:  # a trainer sharing its devices, right after
                 trimmed.append(timed_round(publishing=True, trim=True))
         publisher.wait()
+        if pair is not None:  # the same steps, each version sent to two receivers
+            kept = publisher, sink, broadcasts, published, after_send
+            sink = pair.sink(cfg.rollout.weight_sync_bucket_mb)
+            publisher = publisher_to(sink)
+            ctx.before_update = publisher.wait
+            broadcasts, published, after_send = pair_broadcasts, [], []
+            try:
+                timed_round(publishing=True)
+            finally:
+                sink.close()
+                publisher, sink, broadcasts, published, after_send = kept
+                ctx.before_update = publisher.wait
         for i in range(CHECKPOINTS):
             t0 = time.perf_counter()
             checkpoint.save(engine, scratch / "checkpoints", i + 1, {}, keep=1)
@@ -403,6 +345,7 @@ def _train_rate(job: _TrainingJob, receiver: WeightReceiver | None = None) -> Tr
         checkpoint_s=statistics.median(saved),
         publish_sync="network" if sink is not None else "disk",
         broadcast_s=statistics.median(broadcasts) if broadcasts else None,
+        broadcast_pair_s=statistics.median(pair_broadcasts) if pair_broadcasts else None,
         after_send_s=statistics.median(after_send) if after_send else None,
         **_trim_figures(tokens_per_s, rounds, trimmed),
     )

@@ -125,3 +125,23 @@ def test_the_machine_s_wait_is_told_from_the_quota_s(groups: tuple[Path, Path | 
     assert beside["used_cores"] < 0.5 * QUOTA, beside
     assert beside["withheld_share"] > max(0.5, HELD_BACK), beside
     assert beside["withheld_share"] > 1 - beside["used_cores"] / QUOTA - 0.25, beside
+
+
+def test_the_profiles_receivers_get_cgroups_of_the_nodes_quota(
+    groups: tuple[Path, Path | None],
+) -> None:
+    """`receiver_cgroups`: beside a node's cgroup, one per receiver with the node's
+    quota, each gone after the block, a process still in it killed."""
+    from hexctl.box.cgroups import cgroup_quota, receiver_cgroups
+
+    parent, _ = groups
+    node = make_cgroup(parent / "node", QUOTA)
+    assert cgroup_quota(node) == pytest.approx(QUOTA)
+    with receiver_cgroups(str(node), 2) as paths:
+        made = [Path(p) for p in paths]
+        assert len(made) == 2 and all(p.parent == parent for p in made)
+        assert all(cgroup_quota(p) == pytest.approx(QUOTA) for p in made)
+        busy = subprocess.Popen([sys.executable, "-c", BUSY])
+        (made[0] / "cgroup.procs").write_text(str(busy.pid))
+    assert not any(p.exists() for p in made)
+    assert busy.wait(timeout=10) != 0  # killed with its cgroup

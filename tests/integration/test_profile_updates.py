@@ -77,7 +77,7 @@ def test_a_receiver_takes_every_version_a_trainers_sink_broadcasts() -> None:
     regroup, each version taken whole."""
     import torch
 
-    from hexctl.profile.training import WeightReceiver
+    from hexctl.profile.receiver import WeightReceiver
 
     tensors = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3)}
     with WeightReceiver() as receiver:
@@ -98,6 +98,30 @@ def test_a_receiver_takes_every_version_a_trainers_sink_broadcasts() -> None:
     assert got == [1, 2, 3]
 
 
+def test_two_receivers_each_take_every_version_before_it_counts() -> None:
+    """`WeightReceiver` with two ranks: the sink's group has both servers' ranks, and a
+    version counts as taken once each has it whole."""
+    import torch
+
+    from hexctl.profile.receiver import WeightReceiver
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32)}
+    with WeightReceiver([None, None]) as receiver:
+        sink = receiver.sink(bucket_mb=1.0)
+        assert sink.server_ranks == 2
+        for version in (1, 2):
+            sink.publish(version, tensors, lambda v, p: None)
+        sink.close()
+        assert sink.failures == 0
+        got: list[int] = []
+        for _ in range(50):
+            got += receiver.received()
+            if len(got) == 2:
+                break
+            time.sleep(0.1)
+    assert got == [1, 2]
+
+
 def test_training_rounds_publish_over_the_network(tmp_path: Path) -> None:
     """`measure_training(..., network=True)`: the steps broadcast each version to a
     receiver, as a box node's run that syncs over the network does."""
@@ -106,10 +130,13 @@ def test_training_rounds_publish_over_the_network(tmp_path: Path) -> None:
 
     cfg = load_config(ROOT / "examples/tiny_cpu.yaml", SMALL)
     v0 = materialize_v0(cfg, tmp_path)
-    rates = measure_training(cfg, v0, local_devices(cfg), 10, 6.0, rounds=(1, 2), network=True)
+    dev = local_devices(cfg)
+    rates = measure_training(cfg, v0, dev, 10, 6.0, rounds=(1, 2), network=True, pair=True)
     assert rates.publish_sync == "network"
     assert rates.tokens_per_s > 0 and rates.publish_s is not None
     assert rates.broadcast_s is not None and 0 < rates.broadcast_s < 30
+    # one round more to two receivers (off a box node, in no cgroup)
+    assert rates.broadcast_pair_s is not None and 0 < rates.broadcast_pair_s < 30
     # the step's update after its wait for the send, timed on the publishing steps
     assert rates.after_send_s is not None and 0 < rates.after_send_s < 30
 
@@ -125,7 +152,7 @@ def test_the_receiver_ends_when_the_profile_is_killed(tmp_path: Path) -> None:
 
     script = (
         "import sys, time\n"
-        "from hexctl.profile.training import WeightReceiver\n"
+        "from hexctl.profile.receiver import WeightReceiver\n"
         "with WeightReceiver() as r:\n"
         "    print(r.proc.pid, flush=True)\n"
         "    time.sleep(600)\n"

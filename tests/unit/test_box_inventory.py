@@ -459,3 +459,45 @@ def test_disk_sync_on_a_box_crosses_no_link(tmp_path: Path) -> None:
     near = sync_on_topology(cl, m, local, "fast-0", ["mem-2", "mem-3"])
     assert far == pytest.approx([0.012, 0.012]) and near == far
     assert sync_on_topology(cl, m, shared, "fast-0", ["mem-0", "mem-1"])[0] > 0.012
+
+
+def test_a_busy_rank_0_sending_to_two_servers_is_priced_at_its_two_copy_send(
+    tmp_path: Path,
+) -> None:
+    """gloo's tree has rank 0 send one copy to one server and two to two or more: where
+    training binds, a trainer kind measured to take `train_broadcast_pair_s` sending to
+    two receivers on quotas pauses two servers for that send, one server for its
+    one-copy `train_broadcast_s`, in the run's prediction and the placed plan alike."""
+    from scheduler.model_shape import load_model_shape
+    from scheduler.partition import Placement, evaluate
+    from scheduler.predict import LayoutNodes, TrainerLayout, predict_layout
+    from scheduler.trainers import cost_trainer
+
+    cl, _, w = _priced(tmp_path, 20.0, "network")
+    model = Path(__file__).resolve().parents[1] / "data/box_kind_profile/model"
+    m = load_model_shape(str(model))  # a tiny model: its copies take milliseconds
+    # training binds: generation far ahead of a slow trainer
+    mem = {"train_tokens_per_s": 50.0, "train_broadcast_s": 0.05, "train_broadcast_pair_s": 0.4}
+    prof = _profile(m.params, mem=mem)
+    tr = cost_trainer(cl, m, w, (("mem", 1),), 1, prof)
+    assert tr is not None and (tr.send_s(1), tr.send_s(2), tr.send_s(3)) == (0.05, 0.4, 0.4)
+    trainer = TrainerLayout((("mem", 1),), 1)
+    one_node = LayoutNodes("mem-0", ("fast-1",))
+    one = predict_layout(cl, m, w, prof, [("fast", 1)], trainer, nodes=one_node)
+    two_nodes = LayoutNodes("mem-0", ("fast-1", "fast-1"))
+    two = predict_layout(cl, m, w, prof, [("fast", 1), ("fast", 1)], trainer, nodes=two_nodes)
+    assert one.asynchronous.weight_sync_s < 0.4 < two.asynchronous.weight_sync_s
+    # unmeasured: the one-copy send stands for both
+    del mem["train_broadcast_pair_s"]
+    plain = _profile(m.params, mem=mem)
+    same = predict_layout(cl, m, w, plain, [("fast", 1), ("fast", 1)], trainer, nodes=two_nodes)
+    assert same.asynchronous.weight_sync_s < 0.4
+    # the placed plan: its cost carries the two-copy send to two instances
+    from scheduler.costmodel import rollout_config
+
+    fast = next(g for g in cl.spec.node_groups if g.name == "fast")
+    opts = [rollout_config(cl, fast, 1, m, w, prof) for _ in range(2)]
+    placed = [(o, node, [0]) for o, node in zip(opts, ("fast-1", "fast-1"), strict=True)]
+    cost = evaluate(cl, m, w, tr, Placement([("mem-0", [0])], placed))
+    assert cost.send_s == 0.4
+    assert evaluate(cl, m, w, tr, Placement([("mem-0", [0])], placed[:1])).send_s == 0.05
