@@ -82,9 +82,12 @@ class TrainerOption:
         """Seconds rank 0 was measured to take sending a version while training, to
         `servers` rollout instances: gloo's tree has it send one copy to one server and
         two or more to more (`broadcast_pair_s`, where measured)."""
-        if servers >= 2 and self.broadcast_pair_s > 0:
-            return self.broadcast_pair_s
-        return self.broadcast_s
+        return self.broadcast_pair_s if self.sends_pair(servers) else self.broadcast_s
+
+    def sends_pair(self, servers: int) -> bool:
+        """Whether `send_s(servers)` is the two-copy send, timed to receivers on quotas
+        (their receive within it: `sync_cost.busy_sender_syncs`)."""
+        return servers >= 2 and self.broadcast_pair_s > 0
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -350,7 +350,7 @@ def evaluate(
     step = tc.step_s(step, w.publish_every)
     arrive = copies_arrive_s(topo, m, w, machines[0], nodes)
     send = c.send_s(len(nodes))  # a busy rank 0's send, one copy or two
-    busy = busy_sender_syncs(w, sync, arrive, send)
+    busy = busy_sender_syncs(w, sync, arrive, send, c.sends_pair(len(nodes)))
     sync = [max(s, c.broadcast_s) for s in sync]
     return PlacementCost(step, comm, sync, tc.gen_factors, busy, send, c.after_send_s)
 

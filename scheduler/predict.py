@@ -168,7 +168,7 @@ def predict_layout(
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     links = _syncs(cl, m, w, opts, tr, nodes)
     arrive = _arrivals(cl, m, w, opts, tr, nodes)
-    busy = busy_sender_syncs(w, links, arrive, tr.send_s(len(opts)))
+    busy = busy_sender_syncs(w, links, arrive, tr.send_s(len(opts)), tr.sends_pair(len(opts)))
     a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
     idle = _idle_syncs(cl, w, prof, opts, tr, links)
     asyn = _asynchronous(w, prof, a_opts, a_tr, links, idle, busy)
