@@ -70,24 +70,10 @@ class TrainerOption:
     # Over the network: the seconds rank 0's kind was measured to take sending a version
     # (`Profile.train_broadcast_s`), the shortest any update pause can be; 0: unmeasured.
     broadcast_s: float = 0.0
-    # ... to two servers or more, where rank 0 sends two copies (`Profile.
-    # train_broadcast_pair_s`); 0: unmeasured (`broadcast_s` stands for it)
-    broadcast_pair_s: float = 0.0
     # ... and the step's work after its wait for the last send (`Profile.
     # train_after_send_s`): a send that outlasts the step's passes sets a cycle of the
     # send plus this per publish (`sender_bound_rate`); 0: unmeasured.
     after_send_s: float = 0.0
-
-    def send_s(self, servers: int) -> float:
-        """Seconds rank 0 was measured to take sending a version while training, to
-        `servers` rollout instances: gloo's tree has it send one copy to one server and
-        two or more to more (`broadcast_pair_s`, where measured)."""
-        return self.broadcast_pair_s if self.sends_pair(servers) else self.broadcast_s
-
-    def sends_pair(self, servers: int) -> bool:
-        """Whether `send_s(servers)` is the two-copy send, timed to receivers on quotas
-        (their receive within it: `sync_cost.busy_sender_syncs`)."""
-        return servers >= 2 and self.broadcast_pair_s > 0
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -57,7 +57,7 @@ class PlacementCost:
     # per rollout instance: its pause when the trainer trains while it sends
     # (`sync_cost.busy_sender_syncs`); empty: `sync_s`
     busy_sync_s: list[float] = field(default_factory=list)
-    send_s: float = 0.0  # the trainer's send while it trains (`TrainerOption.send_s`)
+    send_s: float = 0.0  # the trainer's send while it trains (`TrainerOption.broadcast_s`)
     after_send_s: float = 0.0  # its step's work after the send (`TrainerOption.after_send_s`)
 
 
@@ -349,10 +349,9 @@ def evaluate(
     tc = traffic_on_topology(cl, m, w, machines[0], nodes, rates, w.samples_per_step / step, topo)
     step = tc.step_s(step, w.publish_every)
     arrive = copies_arrive_s(topo, m, w, machines[0], nodes)
-    send = c.send_s(len(nodes))  # a busy rank 0's send, one copy or two
-    busy = busy_sender_syncs(w, sync, arrive, send, c.sends_pair(len(nodes)))
+    busy = busy_sender_syncs(w, sync, arrive, c.broadcast_s)
     sync = [max(s, c.broadcast_s) for s in sync]
-    return PlacementCost(step, comm, sync, tc.gen_factors, busy, send, c.after_send_s)
+    return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s, c.after_send_s)
 
 
 def sync_on_topology(

@@ -168,7 +168,7 @@ def predict_layout(
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     links = _syncs(cl, m, w, opts, tr, nodes)
     arrive = _arrivals(cl, m, w, opts, tr, nodes)
-    busy = busy_sender_syncs(w, links, arrive, tr.send_s(len(opts)), tr.sends_pair(len(opts)))
+    busy = busy_sender_syncs(w, links, arrive, tr.broadcast_s)
     a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
     idle = _idle_syncs(cl, w, prof, opts, tr, links)
     asyn = _asynchronous(w, prof, a_opts, a_tr, links, idle, busy)
@@ -296,7 +296,7 @@ def _asynchronous(
     # trainer trains while it sends and each pause is its `busy` one
     items = [(o, s, 1) for o, s in zip(opts, syncs, strict=True)]
     rate, gen_at, syncs = sender_bound_rate(
-        w, tr.samples_per_s, items, busy or syncs, tr.send_s(len(opts)), tr.after_send_s
+        w, tr.samples_per_s, items, busy or syncs, tr.broadcast_s, tr.after_send_s
     )
     train = w.samples_per_step / tr.step_s
     pause = max(_async_pause(syncs, idle, gen_at / train), tr.broadcast_s)

@@ -75,7 +75,8 @@ class DeviceRates(Section):
     train_broadcast_s: float | None = Field(None, ge=0)
     # ... to two receivers, each on a quota of the node's size: rank 0 sends two copies
     # (gloo's tree, to two servers or more), each at the pace of a receiver on a quota.
-    # The send of a busy rank 0 to two servers or more; unmeasured: `train_broadcast_s`
+    # A reading, not priced: held against runs, pricing a busy sender's pause by it did
+    # not price their plans better than `train_broadcast_s` (docs/fidelity.md)
     train_broadcast_pair_s: float | None = Field(None, ge=0)
     # ... and the step's work after its wait for the last send (the optimizer update,
     # the state dict, the next send handed on), s: serial with the sends, so a trainer
@@ -354,9 +355,6 @@ class Profile(Section):
 
     def train_broadcast_s(self, kind: str) -> float | None:
         return self.kinds[kind].train_broadcast_s if kind in self.kinds else None
-
-    def train_broadcast_pair_s(self, kind: str) -> float | None:
-        return self.kinds[kind].train_broadcast_pair_s if kind in self.kinds else None
 
     def train_after_send_s(self, kind: str) -> float | None:
         return self.kinds[kind].train_after_send_s if kind in self.kinds else None

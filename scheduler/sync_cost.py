@@ -40,27 +40,18 @@ def weight_sync_s(
 
 
 def busy_sender_syncs(
-    w: Workload,
-    syncs: list[float],
-    arrive: list[float],
-    send_s: float,
-    received_within: bool = False,
+    w: Workload, syncs: list[float], arrive: list[float], send_s: float
 ) -> list[float]:
     """Each instance's pause per publish (`syncs`: fixed seconds, then its copy's
     `arrive` seconds on the links) when rank 0 trains while it sends (an asynchronous
     run that training binds: the next batch is there when it publishes). Its send then
-    takes `send_s` (the profile's broadcast timed while training, `TrainerOption.
-    send_s`), and the copy arrives no sooner. Timed to a receiver outside any quota (the
-    one-copy `broadcast_s`), the server's own part of the update (the pause, its receive
-    under its quota, the continue: the profile's `update_pause_s`, timed with a rank 0
-    that did nothing else) comes on top of it, not within it. Timed to receivers on
-    quotas (`received_within`: the two-copy `broadcast_pair_s`), their receive is in the
-    send, and the pause lasts as long as the send, or its own where that is longer.
-    Over the network only."""
+    takes `send_s` (the profile's broadcast timed while training,
+    `TrainerOption.broadcast_s`), and the copy arrives no sooner; the server's own part
+    of the update (the pause, its receive under its quota, the continue: the profile's
+    `update_pause_s`, timed with a rank 0 that did nothing else) comes on top of it, not
+    within it. Over the network only."""
     if w.weight_sync != "network":
         return list(syncs)
-    if received_within:
-        return [max(s, send_s) for s in syncs]
     return [s + max(0.0, send_s - a) for s, a in zip(syncs, arrive, strict=True)]
 
 

@@ -140,11 +140,9 @@ def cost_trainer(
         extra = prof.train_extra_s(kinds[0].name, w.publish_every, w.checkpoint_every)
         publish = publish if extra is None else extra
     broadcast = 0.0  # rank 0 sends the weights: no server's pause ends before it has
-    pair = 0.0  # ... two copies of them, to two servers or more
     after_send = 0.0  # ... and its update waits for the send, then goes on
     if prof is not None and w.weight_sync == "network":
         broadcast = prof.train_broadcast_s(kinds[0].name) or 0.0
-        pair = prof.train_broadcast_pair_s(kinds[0].name) or 0.0
         after_send = prof.train_after_send_s(kinds[0].name) or 0.0
     host = 0.0
     if prof is not None and w.host_work == "trainer":
@@ -179,7 +177,6 @@ def cost_trainer(
             host_s=host,
             sync_compute_s=sync_compute,
             broadcast_s=broadcast,
-            broadcast_pair_s=pair,
             after_send_s=after_send,
         )
         # Same GPUs, same price: keep the fastest stage, and among equals the leanest.
