@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,17 @@ def test_update_rounds_pause_the_server_and_load_each_version(tmp_path: Path, sy
         assert version == FIRST_VERSION + 2
 
 
+def _taken(receiver: Any, n: int) -> list[int]:
+    """The versions `receiver` has taken whole, waiting up to 5 s for `n` of them."""
+    got: list[int] = []
+    for _ in range(50):
+        got += receiver.received()
+        if len(got) >= n:
+            break
+        time.sleep(0.1)
+    return got
+
+
 def test_a_receiver_takes_every_version_a_trainers_sink_broadcasts() -> None:
     """The training profile's receiver (`WeightReceiver`): the trainer's own
     `NetworkSink` publishes to it as to a server; several buckets, a new group after a
@@ -89,12 +101,7 @@ def test_a_receiver_takes_every_version_a_trainers_sink_broadcasts() -> None:
         sink.publish(3, tensors, lambda v, p: None)
         sink.close()
         assert sink.failures == 0
-        got: list[int] = []
-        for _ in range(50):
-            got += receiver.received()
-            if len(got) == 3:
-                break
-            time.sleep(0.1)
+        got = _taken(receiver, 3)
     assert got == [1, 2, 3]
 
 
@@ -113,12 +120,7 @@ def test_two_receivers_each_take_every_version_before_it_counts() -> None:
             sink.publish(version, tensors, lambda v, p: None)
         sink.close()
         assert sink.failures == 0
-        got: list[int] = []
-        for _ in range(50):
-            got += receiver.received()
-            if len(got) == 2:
-                break
-            time.sleep(0.1)
+        got = _taken(receiver, 2)
     assert got == [1, 2]
 
 
