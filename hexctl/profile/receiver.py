@@ -104,8 +104,8 @@ def receive_versions(
     """`WeightReceiver`'s process for server rank `rank`, in `cgroup` where given: each
     manifest's buckets received (None ends it), the version put on `done` once whole. It
     ends by itself once `parent` (the process that started it) is gone, a profile killed
-    outright: this process is in neither the node's cgroup nor its namespace, where `box
-    down` looks."""
+    outright: outside a cgroup it is in nothing `box down` kills (a receiver cgroup, under
+    the box's, is emptied by `box down` too)."""
     import queue
 
     import torch

@@ -186,8 +186,8 @@ def _measure_training(job: _TrainingJob) -> TrainingRates:
         receiver = stack.enter_context(WeightReceiver()) if job.network else None
         pair = None
         if job.pair:  # two receivers, each in a cgroup of the node's quota where made
-            quotas: list[str | None] = list(dev.receiver_cgroups[:2])
-            pair = stack.enter_context(WeightReceiver(quotas + [None] * (2 - len(quotas))))
+            quotas: list[str | None] = list(dev.receiver_cgroups) or [None, None]
+            pair = stack.enter_context(WeightReceiver(quotas))
         if dev.cgroup is not None:  # a box node: this process (a spawned one) joins its cgroup
             Path(dev.cgroup, "cgroup.procs").write_text(str(os.getpid()))
         stack.enter_context(pinned(dev.trainer_cores, dev.trainer_threads))
