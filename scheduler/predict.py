@@ -340,14 +340,17 @@ def _synchronous(
         g = next(g for g in cl.spec.node_groups if g.name == o.group)
         kind = cl.kinds[o.group]
 
-        def step_fn(n: int, o: RolloutOption = o, g=g, kind=kind) -> float:
+        # a box kind's steps at the share of its timings its continuous load reached
+        eff = prof.replay_efficiency(o.kind, o.batch) if prof is not None else 1.0
+
+        def step_fn(n: int, o: RolloutOption = o, g=g, kind=kind, eff=eff) -> float:
             def at(b: int) -> float:
                 return decode_step_s(
                     m, kind.hbm_gbs, kind.bf16_tflops, o.tp, b, ctx,
                     g.intra_node.bandwidth_gbs, w.constants,
                 )  # fmt: skip
 
-            return at(n) * o.step_s / at(o.batch)
+            return at(n) * o.step_s / at(o.batch) / eff
 
         # nothing is generating when a synchronous run updates: the idle update
         idle = idle_syncs[i]
@@ -356,7 +359,7 @@ def _synchronous(
         if own is None:  # no shorter than the trainer's broadcast, timed while it trained;
             sync = max(sync, tr.broadcast_s)  # the idle update's held an idle sender's
         syncs.append(sync)
-        sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s, sync, step_fn))
+        sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s / eff, sync, step_fn))
     # the controller works while the trainer waits for the batch: no host-CPU share;
     # nor does the weight write share the step (it ends in the wait)
     step = tr.step_s - tr.host_s

@@ -328,6 +328,19 @@ class Profile(Section):
             return 1.0
         return rates.sync_cycle_factor or 1.0
 
+    def replay_efficiency(self, kind: str, batch: int) -> float:
+        """What a synchronous replay's decode steps and prefills on `kind` run at, as a
+        share of its timings: on a box node its `generation_efficiency` at `batch` (the
+        losses its continuous load measured beside the timings, admissions, HTTP and
+        sampling, are there in a synchronous batch too, and no cycle factor holds them
+        there); elsewhere 1.0, the kind's cycle factor, measured against the replay
+        without it, holding them (docs/fidelity.md, "The synchronous replay at a box
+        kind's efficiency")."""
+        rates = self.kinds.get(kind)
+        if rates is None or rates.device != BOX_DEVICE:
+            return 1.0
+        return self.generation_efficiency(kind, batch)
+
     def train_extra_s(
         self, kind: str, publish_every: int, checkpoint_every: int | None
     ) -> float | None:

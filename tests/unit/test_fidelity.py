@@ -207,6 +207,37 @@ def test_a_synchronous_step_trains_at_the_rate_without_a_write_beside_it(
     assert 128 / s1.pipeline_samples_per_s == pytest.approx(cycle + step1, rel=1e-6)
 
 
+def test_a_box_kinds_synchronous_replay_runs_at_its_efficiency(tmp_path: Path) -> None:
+    """A synchronous step's generation (its decode steps and prefills, not its update) on
+    a box kind runs at the kind's `generation_efficiency` of its timings: at 0.5 it takes
+    twice as long. On a kind of the host's own cores the replay is unchanged (its cycle
+    factor, measured against that replay, holds what the efficiency would)."""
+    from scheduler.predict import TrainerLayout, predict_layout
+    from scheduler.profile import BOX_DEVICE
+
+    cl, m, w, prof = _local_cluster(tmp_path)
+    trainer = TrainerLayout((("local", 1),), 1)
+    rates = prof.kinds["CPU"]
+
+    def cycle_and_update() -> tuple[float, float]:
+        r = predict_layout(cl, m, w, prof, [("local", 1)], trainer).synchronous
+        return 128 / r.pipeline_samples_per_s - 128 / r.training_samples_per_s, r.weight_sync_s
+
+    full, update = cycle_and_update()
+    assert 0 < update < full
+    rates.generation_efficiency = 0.5
+    assert cycle_and_update() == pytest.approx((full, update))  # a CPU kind: as it was
+    rates.device = BOX_DEVICE
+    assert prof.replay_efficiency("CPU", 64) == 0.5
+    halved, same_update = cycle_and_update()
+    assert same_update == pytest.approx(update)
+    assert halved - update == pytest.approx(2 * (full - update), rel=1e-6)
+    # read at the instance's batch where the load was measured at several
+    rates.generation_efficiency_at = {32: 0.4, 128: 0.8}
+    assert prof.replay_efficiency("CPU", 64) == pytest.approx(0.4 + 0.4 * 32 / 96)
+    assert prof.replay_efficiency("absent", 64) == 1.0
+
+
 def test_continuous_efficiency_and_host_cpu(tmp_path: Path) -> None:
     """`generation_efficiency` scales the kind's generation; `host_cpu_s_per_sample`
     lengthens an asynchronous step by B·G times it on a CPU kind only (the controller
