@@ -28,7 +28,7 @@ import pymetis
 from scheduler.cluster import Cluster, NodeGroup, machine_name
 from scheduler.costmodel import GB, RolloutOption, TrainerOption, allreduce_s, trained_models
 from scheduler.model_shape import ModelShape
-from scheduler.sync_cost import busy_sender_syncs, sync_terms, update_latency_s
+from scheduler.sync_cost import busy_sender_syncs, one_update, sync_terms, update_latency_s
 from scheduler.topology import Topology
 from scheduler.traffic import traffic_on_topology
 from scheduler.workload import Workload
@@ -349,8 +349,8 @@ def evaluate(
     tc = traffic_on_topology(cl, m, w, machines[0], nodes, rates, w.samples_per_step / step, topo)
     step = tc.step_s(step, w.publish_every)
     arrive = copies_arrive_s(topo, m, w, machines[0], nodes)
-    busy = busy_sender_syncs(w, sync, arrive, c.broadcast_s)
-    sync = [max(s, c.broadcast_s) for s in sync]
+    busy = one_update(busy_sender_syncs(w, sync, arrive, c.broadcast_s))
+    sync = one_update([max(s, c.broadcast_s) for s in sync])
     return PlacementCost(step, comm, sync, tc.gen_factors, busy, c.broadcast_s, c.after_send_s)
 
 

@@ -34,6 +34,7 @@ from scheduler.profile import Profile
 from scheduler.simulator import SimInstance, simulate
 from scheduler.sync_cost import (
     busy_sender_syncs,
+    one_update,
     sender_bound_rate,
     sync_terms,
     update_latency_s,
@@ -168,10 +169,10 @@ def predict_layout(
         raise LayoutError(f"trainer {trainer.parts}: the model's states do not fit its devices")
     links = _syncs(cl, m, w, opts, tr, nodes)
     arrive = _arrivals(cl, m, w, opts, tr, nodes)
-    busy = busy_sender_syncs(w, links, arrive, tr.broadcast_s)
+    busy = one_update(busy_sender_syncs(w, links, arrive, tr.broadcast_s))
     a_opts, a_tr = _with_traffic(cl, m, w, opts, tr, nodes, blocks=True)
     idle = _idle_syncs(cl, w, prof, opts, tr, links)
-    asyn = _asynchronous(w, prof, a_opts, a_tr, links, idle, busy)
+    asyn = _asynchronous(w, prof, a_opts, a_tr, one_update(links), idle, busy)
     sync_w = w.model_copy(update={"max_staleness": 0, "publish_every": 1})
     # each instance's batch as a synchronous step fills it: the whole batch admitted at once
     sync_opts = _rollouts(cl, m, sync_w, prof, instances, synchronous=True)
@@ -359,7 +360,12 @@ def _synchronous(
         if own is None:  # no shorter than the trainer's broadcast, timed while it trained;
             sync = max(sync, tr.broadcast_s)  # the idle update's held an idle sender's
         syncs.append(sync)
-        sim_insts.append(SimInstance(f"{o.group}-{i}", o.batch, o.prefill_s / eff, sync, step_fn))
+        sim_insts.append((f"{o.group}-{i}", o.batch, o.prefill_s / eff, step_fn))
+    # the servers resume together, once the slowest has its copy
+    sim_insts = [
+        SimInstance(name, batch, prefill, sync, fn)
+        for (name, batch, prefill, fn), sync in zip(sim_insts, one_update(syncs), strict=True)
+    ]
     # the controller works while the trainer waits for the batch: no host-CPU share;
     # nor does the weight write share the step (it ends in the wait)
     step = tr.step_s - tr.host_s

@@ -1,8 +1,9 @@
 """What a weight update costs: the pause of a rollout instance per publish (its fixed
-seconds and its bytes over the link between the pools, for the sync mode in use), and
-the pipeline's rate when the trainer's send is what bounds it (a trainer that trains
-while it sends, `busy_sender_syncs`, and one whose send outlasts its step,
-`sender_bound_rate`). The rollout and trainer options are `scheduler/costmodel.py`'s.
+seconds and its bytes over the link between the pools, for the sync mode in use), every
+server paused as long as the slowest (one controller updates them as one,
+`one_update`), and the pipeline's rate when the trainer's send is what bounds it (a
+trainer that trains while it sends, `busy_sender_syncs`, and one whose send outlasts its
+step, `sender_bound_rate`). The rollout and trainer options are `scheduler/costmodel.py`'s.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def weight_sync_s(
     ln = cl.link(from_zone, to_zone)
     nbytes, fixed = sync_terms(m, w, update_latency_s(cl, from_zone, to_zone, own))
     return fixed + nbytes / (ln.bandwidth_gbs * GB)
+
+
+def one_update(pauses: list[float]) -> list[float]:
+    """Each instance's pause when its controller updates its servers as one: it pauses
+    every server, has each take its copy (from disk, or bucket after bucket of the
+    trainer's broadcast) and resumes them all once the last has it
+    (rollout_service/controller/weight_sync.py, steps 3-5), so a server whose copy came
+    early waits, paused, for the slowest (a server beside the trainer and one behind a
+    thin uplink both pause the uplink's copy)."""
+    return [max(pauses, default=0.0)] * len(pauses)
 
 
 def busy_sender_syncs(

@@ -100,12 +100,14 @@ def test_without_racks_or_nics_pricing_is_the_cost_model() -> None:
     res = make_plan(cl, m, w, budget=100, simulate_plan=False, baselines=False)
     assert res.placement.method == "first-fit"
     writer = res.placement.trainer[0][0]
-    for (rc, node, _), sync in zip(res.placement.rollout, res.cost.sync_s, strict=True):
-        expect = weight_sync_s(cl, m, w, res.solution.trainer.zones[0], rc.zone)
-        if node == writer:  # on the writer's own machine the weights do not cross a NIC
-            assert sync < expect
-        else:
-            assert sync == pytest.approx(expect, rel=1e-9)
+    crossing = [
+        weight_sync_s(cl, m, w, res.solution.trainer.zones[0], rc.zone)
+        for rc, node, _ in res.placement.rollout
+        if node != writer  # on the writer's own machine the weights do not cross a NIC
+    ]
+    assert crossing
+    # one controller updates its servers as one: each pauses as long as the slowest copy
+    assert res.cost.sync_s == pytest.approx([max(crossing)] * len(res.cost.sync_s), rel=1e-9)
     assert res.cost.train_step_s == pytest.approx(res.solution.trainer.step_s, rel=1e-9)
     # placement can only help here, never cost rate
     assert res.plan.predicted.samples_per_s >= round(res.solution.eval_rate, 4)
