@@ -196,7 +196,8 @@ def _target_seed(
     """A placed plan reaching `target`: phase 1's cheapest plan at the target (asked for
     more where placement costs rate); else the fastest plan with every GPU affordable,
     searched exactly as a `--budget` plan is (from the MILP pick and every one-kind plan),
-    so a target at or below a rate `plan --budget` reported for the inventory is met."""
+    so a target at or below the disaggregated rate `plan --budget` reported for the
+    inventory is met."""
     bound = reach_bound(cl, p)
     if target > bound:
         raise ConfigError(

@@ -11,7 +11,8 @@ speedup_vs_homogeneous (and its minimum, min_hetero_vs_homo): the plan's rate ov
 best one-kind plan at the same budget. metis_gain: simulated rate of phase 2's METIS
 mapping over first-fit placement of the same phase-1 decision on the rack inventory.
 target_rate_ok: share of --target-rate requests at 0.5/0.9/0.99/1.0 x a budget plan's
-reported rate that succeed.
+disaggregated rate that succeed (a target is planned disaggregated: `by_placement`; the
+budget plan may report a faster hybrid or colocated placement beside it).
 plan_s_many_groups (and its largest, max_plan_s_many_groups_4096 at the default size): the
 whole plan on an inventory of many small node groups (two 8-GPU machines each, every group
 a price of its own, so no two merge), budget = half its price.
@@ -260,7 +261,8 @@ def run(args: argparse.Namespace) -> dict:
                 used[key] = round(res.plan.predicted.cost_usd_per_h / budget, 3)
                 machine = min(g.gpus_per_node * g.usd_per_gpu_hour for g in cl.spec.node_groups)
                 unspent[key] = round((budget - res.plan.predicted.cost_usd_per_h) / machine, 3)
-            targets += [_target_ok(cl, m, wl, share * pred, args) for share in SHARES]
+            reach = res.plan.baselines.disaggregated_samples_per_s or pred
+            targets += [_target_ok(cl, m, wl, share * reach, args) for share in SHARES]
             for eta, k in ETA_K:
                 wv = wl.model_copy(update={"max_staleness": eta, "publish_every": k})
                 rv = make_plan(
