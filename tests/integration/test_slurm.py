@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_hex.net import free_port
+from areal_hex.net import port_free
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -39,6 +40,19 @@ def _partition() -> str:
     return up[0]
 
 
+def _job_port() -> int:
+    """A free port below the kernel's ephemeral range: the job binds it a minute later,
+    and a port the OS hands out (`free_port`) can meanwhile be taken by any outgoing
+    connection or by another test's `free_port`."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(low, 20001))
+        if port_free(port) and port_free(port, "0.0.0.0"):
+            return port
+    raise RuntimeError(f"no free port in 20000-{low}")
+
+
 def _site(tmp_path: Path, partition: str) -> Path:
     node = {"partition": partition, "gpus": False, "cpus": 1, "mem": "2G"}
     site = {
@@ -48,9 +62,9 @@ def _site(tmp_path: Path, partition: str) -> Path:
         "hetjob": False,
         "time": "00:20:00",
         "start_timeout_s": 300,
-        "master_port": free_port(),
+        "master_port": _job_port(),
         "control": {"partition": partition, "cpus": 1, "mem": "1G"},
-        "redis": {"port": free_port()},
+        "redis": {"port": _job_port()},
         "kinds": {"cpu": node},
     }
     path = tmp_path / "site.yaml"
@@ -66,7 +80,7 @@ def _submit(tmp_path: Path, run_id: str, steps: int) -> str:
             f"run.run_id={run_id}", f"trainer.total_steps={steps}",
             "trainer.checkpoint_every=2", "model.tiny.sft_steps=10",
             "buffer.groups_per_step=4", "rollout.group_size=4",
-            f"inference.base_port={free_port()}",
+            f"inference.base_port={_job_port()}",
             "--target", "slurm", "--site", str(_site(tmp_path, _partition())),
             "--out", str(tmp_path / "job"), "--submit",
         ],
